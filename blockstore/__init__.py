@@ -1,0 +1,1 @@
+"""Block format, layer conversion, storage backends and the local block cache (lazily served image layers)."""

@@ -1,0 +1,143 @@
+"""The metadata store on its own: bolt.go's rules on a real sqlite file."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from bootseer.snapshotter import filters
+from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from bootseer.snapshotter.metastore import SCHEMA_VERSION, Layer, MetaStore
+from bootseer.snapshotter.types import Info, Kind, Usage
+
+
+@pytest.fixture
+def ms(tmp_path: Path):
+    store = MetaStore(tmp_path / "metadata.db")
+    yield store
+    store.close()
+
+
+def build_chain(ms: MetaStore, depth: int) -> list[str]:
+    """Committed c0 <- c1 <- ... ; returns their ids."""
+    ids, parent = [], ""
+    for i in range(depth):
+        with ms.write() as tx:
+            tx.create_snapshot(Kind.ACTIVE, f"a{i}", parent, None)
+            ids.append(tx.commit_active(f"a{i}", f"c{i}", Usage(10 * i, i), {"n": str(i)}))
+        parent = f"c{i}"
+    return ids
+
+
+def test_database_settings_and_schema_version(ms: MetaStore, tmp_path: Path):
+    db = sqlite3.connect(tmp_path / "metadata.db")
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    finally:
+        db.close()
+    assert ms._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+    assert ms._db.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+
+
+def test_newer_schema_is_refused(tmp_path: Path):
+    MetaStore(tmp_path / "metadata.db").close()
+    with sqlite3.connect(tmp_path / "metadata.db") as db:
+        db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION + 1,))
+    db.close()
+    with pytest.raises(FailedPrecondition, match="newer"):
+        MetaStore(tmp_path / "metadata.db")
+
+
+def test_parent_chain_closest_first_and_commit_keeps_the_id(ms: MetaStore):
+    ids = build_chain(ms, 4)
+    assert ids == ["1", "2", "3", "4"]
+    with ms.write() as tx:
+        snapshot = tx.create_snapshot(Kind.VIEW, "v", "c3", {"a": "b"})
+    assert snapshot.kind is Kind.VIEW and snapshot.id == "5"
+    assert snapshot.parents == tuple(Layer(i, "dir") for i in reversed(ids))
+    with ms.read() as tx:
+        assert tx.get_snapshot("v") == snapshot
+        id_, info, usage = tx.get_info("c2")
+    assert (id_, info.parent, info.kind, info.labels, usage) == ("3", "c1", Kind.COMMITTED, {"n": "2"}, Usage(20, 2))
+
+
+def test_a_failed_block_leaves_no_trace(ms: MetaStore):
+    with pytest.raises(RuntimeError):
+        with ms.write() as tx:
+            tx.create_snapshot(Kind.ACTIVE, "a", "", {"x": "y"})
+            raise RuntimeError("disk trouble")
+    with ms.read() as tx:
+        assert tx.walk_info(filters.ALWAYS) == []
+        with pytest.raises(NotFound):
+            tx.get_info("a")
+
+
+def test_ids_are_never_reused(ms: MetaStore):
+    with ms.write() as tx:
+        first = tx.create_snapshot(Kind.ACTIVE, "a", "", None).id
+        tx.remove("a")
+    with ms.write() as tx:
+        assert tx.create_snapshot(Kind.ACTIVE, "a", "", None).id != first
+
+
+def test_errors_like_bolt(ms: MetaStore):
+    build_chain(ms, 2)
+    with ms.write() as tx:
+        tx.create_snapshot(Kind.ACTIVE, "active", "c1", None)
+        tx.create_snapshot(Kind.VIEW, "view", "c1", None)
+    cases = [
+        (lambda tx: tx.create_snapshot(Kind.COMMITTED, "x", "", None), InvalidArgument),
+        (lambda tx: tx.create_snapshot(Kind.ACTIVE, "active", "", None), AlreadyExists),
+        (lambda tx: tx.create_snapshot(Kind.ACTIVE, "x", "nope", None), NotFound),
+        (lambda tx: tx.create_snapshot(Kind.ACTIVE, "x", "active", None), InvalidArgument),
+        (lambda tx: tx.commit_active("missing", "x", Usage(0, 0), None), NotFound),
+        (lambda tx: tx.commit_active("missing", "c0", Usage(0, 0), None), AlreadyExists),
+        (lambda tx: tx.commit_active("view", "x", Usage(0, 0), None), FailedPrecondition),
+        (lambda tx: tx.commit_active("active", "x", Usage(0, 0), None, expected_id="999"), FailedPrecondition),
+        (lambda tx: tx.remove("missing"), NotFound),
+        (lambda tx: tx.remove("c0"), FailedPrecondition),
+        (lambda tx: tx.get_snapshot("c0"), FailedPrecondition),
+        (lambda tx: tx.get_snapshot("missing"), NotFound),
+        (lambda tx: tx.update_info(Info("missing", "", Kind.ACTIVE), None), NotFound),
+        (lambda tx: tx.update_info(Info("c0", "", Kind.COMMITTED), ["kind"]), InvalidArgument),
+        (lambda tx: tx.update_info(Info("c0", "", Kind.COMMITTED, {"k": "v" * 4096}), None), InvalidArgument),
+    ]
+    for call, error in cases:
+        with pytest.raises(error):
+            with ms.write() as tx:
+                call(tx)
+    with ms.read() as tx:
+        assert [i.name for i in tx.walk_info(filters.ALWAYS)] == ["active", "c0", "c1", "view"]
+
+
+def test_labels_empty_values_delete_and_sizes_are_bytes(ms: MetaStore):
+    with ms.write() as tx:
+        tx.create_snapshot(Kind.ACTIVE, "a", "", {"keep": "1", "drop": ""})
+        # 4096 bytes exactly is allowed; one multi-byte character more is not.
+        tx.update_info(Info("a", "", Kind.ACTIVE, {"k": "v" * 4095}), ["labels.k"])
+        with pytest.raises(InvalidArgument):
+            tx.update_info(Info("a", "", Kind.ACTIVE, {"k": "v" * 4094 + "é"}), ["labels.k"])
+        info = tx.update_info(Info("a", "", Kind.ACTIVE, {}), ["labels.keep"])
+    assert info.labels == {"k": "v" * 4095}
+
+
+def test_persists_across_reopen(tmp_path: Path):
+    ms = MetaStore(tmp_path / "metadata.db")
+    build_chain(ms, 3)
+    with ms.read() as tx:
+        before = tx.walk_info(filters.ALWAYS)
+    ms.close()
+    ms.close()
+    ms = MetaStore(tmp_path / "metadata.db")
+    try:
+        with ms.read() as tx:
+            assert tx.walk_info(filters.ALWAYS) == before
+            assert tx.id_map() == {"1": "c0", "2": "c1", "3": "c2"}
+    finally:
+        ms.close()
+    with pytest.raises(FailedPrecondition, match="closed"):
+        with ms.read():
+            pass

@@ -1,0 +1,272 @@
+"""``bootseer-snapshotter``: the daemon containerd talks to as a snapshotter proxy plugin.
+
+containerd's config points a ``proxy_plugins`` entry at the daemon's socket::
+
+    [proxy_plugins.bootseer]
+      type = "snapshot"
+      address = "/run/bootseer/snapshotter.sock"
+
+The daemon serves containerd's Snapshots API (:mod:`.service`) over a unix socket
+from a thread pool; the :class:`~.snapshots.Snapshotter` below it is thread-safe.
+
+Lifecycle:
+
+* Start: take an exclusive ``flock`` on ``ROOT/lock`` (two daemons never share a
+  root), restore the snapshots already under ROOT, then listen.  The socket is made
+  under a umask that leaves it ``0600`` from the moment it exists; missing parent
+  directories are made ``0711``.  A socket nobody answers on is left over from a
+  daemon that died and is replaced; one that answers belongs to a live daemon and
+  the new one refuses to start.
+* SIGTERM or SIGINT: stop accepting calls, let calls in flight finish (up to
+  :data:`GRACE_PERIOD` seconds; a second signal cuts that short), close the
+  Snapshotter, remove the socket, exit 0.
+* Restart: every snapshot under ROOT survives.  The mounts handed to containerd are
+  plain kernel overlay and bind mounts, which the kernel keeps on its own, so running
+  containers keep working while the daemon is down or restarting; only new
+  snapshot operations wait for it.
+
+Exit status: 0 after a clean shutdown, 1 when the daemon cannot start or fails,
+2 for a bad command line or config file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import os
+import signal
+import socket
+import stat
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+import grpc
+import prometheus_client
+
+from bootseer import __version__
+from bootseer.log import FORMATS, LEVELS, get_logger, setup_logging
+from bootseer.metrics import serve_metrics
+
+from . import config, service
+from .snapshots import Snapshotter
+
+log = get_logger(__name__)
+
+PROG = "bootseer-snapshotter"
+GRACE_PERIOD = 10.0  #: seconds calls in flight get to finish at shutdown
+GRPC_WORKERS = 32  #: concurrent calls; containerd unpacks several layers at once
+SOCKET_UMASK = 0o177  #: the socket is created 0600
+SOCKET_DIR_MODE = 0o711
+ROOT_MODE = 0o700
+SOCKET_PATH_MAX = 107  #: sun_path holds 108 bytes with the terminating NUL
+
+
+class StartupError(Exception):
+    """The daemon cannot start; the message says why and what to do."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="containerd remote snapshotter (proxy plugin) for BootSeer.",
+        epilog="Flags override the config file; see ctr_examples/bootseer-snapshotter.toml.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--config", metavar="FILE", help="TOML config file with the keys below (flags win)")
+    # Defaults live in config.DEFAULTS; None here means "not given on the command line".
+    parser.add_argument("--root", metavar="DIR", help=f"snapshot storage (default {config.DEFAULTS['root']})")
+    parser.add_argument("--address", metavar="SOCKET", help=f"unix socket to serve on (default {config.DEFAULTS['address']})")
+    parser.add_argument("--log-level", choices=LEVELS, help="default info")
+    parser.add_argument("--log-format", choices=FORMATS, help="default text (logfmt)")
+    parser.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus /metrics here (default off)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        file_settings = config.read_file(args.config) if args.config else {}
+        settings = config.resolve(file_settings, {key: getattr(args, key) for key in config.DEFAULTS})
+    except config.ConfigError as exc:
+        parser.error(str(exc))  # exits 2
+    setup_logging(settings.log_level, settings.log_format)
+    try:
+        return Daemon(settings).run()
+    except StartupError as exc:
+        log.error(f"{PROG} cannot start", error=str(exc))
+        return 1
+    except Exception:
+        log.error(f"{PROG} failed", exc_info=True)
+        return 1
+
+
+class Daemon:
+    """One run of the daemon: :meth:`run` returns when a signal has stopped it."""
+
+    def __init__(self, settings: config.Config) -> None:
+        self.settings = settings
+        self._stop = threading.Event()
+        self._server: grpc.Server | None = None
+
+    def run(self) -> int:
+        # Handlers first, so a signal during a long restore still means a clean stop.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+        root, address = self.settings.root, self.settings.address
+        with contextlib.ExitStack() as cleanup:
+            lock_fd = lock_root(root)
+            cleanup.callback(os.close, lock_fd)
+            make_dirs(address.parent, SOCKET_DIR_MODE)
+            check_socket_free(address)
+
+            snapshotter = Snapshotter(root)
+            cleanup.callback(self._close_snapshotter, snapshotter)
+            snapshotter.restore()  # logs what it restored and any damage it found
+
+            collector = service.SnapshotCountCollector(snapshotter)
+            prometheus_client.REGISTRY.register(collector)
+            cleanup.callback(prometheus_client.REGISTRY.unregister, collector)
+            metrics_address = self._serve_metrics()
+
+            self._server = service.create_server(snapshotter, GRPC_WORKERS)
+            cleanup.callback(self._server.stop, None)  # on the way out after a failure; else a no-op
+            socket_inode = listen(self._server, address)
+            cleanup.callback(remove_socket, address, socket_inode)
+            self._server.start()
+            log.info(
+                f"{PROG} started",
+                version=__version__,
+                root=str(root),
+                address=str(address),
+                metrics_address=metrics_address or "off",
+                pid=os.getpid(),
+            )
+
+            self._stop.wait()
+            log.info(f"{PROG} stopping", grace_period=GRACE_PERIOD)
+            self._server.stop(GRACE_PERIOD).wait()
+        log.info(f"{PROG} stopped")
+        return 0
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if not self._stop.is_set():
+            log.info("shutdown requested", signal=name)
+            self._stop.set()
+        elif self._server is not None:
+            log.warning("second shutdown signal: cancelling calls in flight", signal=name)
+            self._server.stop(0)  # a shorter grace replaces the running one
+
+    def _serve_metrics(self) -> str:
+        if not self.settings.metrics_address:
+            return ""
+        try:
+            host, port = serve_metrics(self.settings.metrics_address)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {self.settings.metrics_address}: {exc.strerror}") from exc
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    @staticmethod
+    def _close_snapshotter(snapshotter: Snapshotter) -> None:
+        try:
+            snapshotter.close()
+        except Exception:
+            log.error("closing the snapshotter failed", exc_info=True)
+            raise
+
+
+def lock_root(root: Path) -> int:
+    """Create ``root`` if needed and hold an exclusive lock on ``root/lock``; returns its fd."""
+    try:
+        root.mkdir(mode=ROOT_MODE, parents=True, exist_ok=True)
+        fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StartupError(f"cannot use root {str(root)!r}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise StartupError(
+            f"root {str(root)!r} is in use by another {PROG} (pid {holder}); "
+            "two daemons must never share a root: stop the other one or choose another --root"
+        ) from None
+    # The pid is only for the message above; the lock itself is what excludes.
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def make_dirs(path: Path, mode: int) -> None:
+    """Create ``path`` and its missing parents with ``mode``, not filtered by the umask."""
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise StartupError(f"cannot create socket directory {str(directory)!r}: {exc.strerror}") from exc
+        os.chmod(directory, mode)
+
+
+def check_socket_free(address: Path) -> None:
+    """Make way for our socket at ``address``: remove a stale one, refuse a live one."""
+    if len(os.fsencode(address)) > SOCKET_PATH_MAX:
+        raise StartupError(f"socket path {str(address)!r} is longer than the {SOCKET_PATH_MAX} bytes unix sockets allow")
+    try:
+        st = os.lstat(address)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{str(address)!r} exists and is not a socket; refusing to replace it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5)
+        try:
+            probe.connect(os.fspath(address))
+        except ConnectionRefusedError:
+            pass  # nobody listens: left over from a daemon that died
+        except OSError as exc:
+            raise StartupError(f"cannot tell whether {str(address)!r} is in use: {exc}") from exc
+        else:
+            raise StartupError(
+                f"another process is serving on {str(address)!r}; stop it first or choose another --address"
+            )
+    log.info("replacing stale socket", address=str(address))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
+
+
+def listen(server: grpc.Server, address: Path) -> int:
+    """Bind ``server`` to the unix socket ``address``, created 0600; returns the socket's inode."""
+    # The umask is process-wide; nothing else creates files while the daemon starts.
+    previous = os.umask(SOCKET_UMASK)
+    try:
+        server.add_insecure_port(f"unix:{address}")
+    except RuntimeError as exc:
+        raise StartupError(f"cannot listen on {str(address)!r}: {exc}") from exc
+    finally:
+        os.umask(previous)
+    return os.lstat(address).st_ino
+
+
+def remove_socket(address: Path, inode: int) -> None:
+    """Remove our socket if it is still there (gRPC usually removes it at stop)."""
+    try:
+        if os.lstat(address).st_ino == inode:
+            os.unlink(address)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove socket", address=str(address), error=exc.strerror)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,448 @@
+"""The ``bootseer-snapshotter`` daemon as containerd meets it: a real process on a unix socket.
+
+Each test starts the installed ``bootseer-snapshotter`` on a temporary root and socket
+and talks to it over real gRPC.  :class:`SnapshotterDaemon` and the
+``snapshotter_factory`` fixture are shared with ``test_service.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bootseer import __version__
+from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
+from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as api_grpc
+from bootseer.snapshotter import config
+
+BINARY = Path(sys.executable).with_name("bootseer-snapshotter")
+START_TIMEOUT = 30.0
+STOP_TIMEOUT = 30.0
+
+
+class SnapshotterDaemon:
+    """One ``bootseer-snapshotter`` process, its log (stderr) kept in a file."""
+
+    def __init__(self, workdir: Path, root: Path | None, address: Path | None, *args: str) -> None:
+        self.root = root
+        self.address = address
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / f"daemon-{len(list(workdir.glob('daemon-*.log')))}.log"
+        command = [str(BINARY), "--log-format", "json"]
+        if root is not None:
+            command += ["--root", str(root)]
+        if address is not None:
+            command += ["--address", str(address)]
+        command += list(args)
+        with open(self.log_path, "wb") as log_file:
+            self.process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+        self._channel: grpc.Channel | None = None
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_records(self) -> list[dict]:
+        """The JSON log lines (non-JSON lines, such as tracebacks from a crash, are skipped)."""
+        records = []
+        for line in self.log.splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                pass
+        return records
+
+    def wait_ready(self) -> "SnapshotterDaemon":
+        """Wait until the daemon answers on its socket; fail with its log if it exits first."""
+        assert self.address is not None, "the tests always name the socket"
+        channel = grpc.insecure_channel(f"unix:{self.address}")
+        ready = grpc.channel_ready_future(channel)
+        deadline = time.monotonic() + START_TIMEOUT
+        while not ready.done():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                ready.cancel()
+                channel.close()
+                pytest.fail(f"daemon not ready (exit status {self.process.poll()}):\n{self.log}")
+            time.sleep(0.05)
+        # Another process could have answered on the socket: make sure ours is alive.
+        assert self.process.poll() is None, f"daemon exited ({self.process.returncode}):\n{self.log}"
+        self._channel = channel
+        return self
+
+    @property
+    def stub(self) -> api_grpc.SnapshotsStub:
+        assert self._channel is not None, "call wait_ready() first"
+        return api_grpc.SnapshotsStub(self._channel)
+
+    def wait_exit(self, timeout: float = STOP_TIMEOUT) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"daemon still running after {timeout}s:\n{self.log}")
+
+    def stop(self, signum: int = signal.SIGTERM) -> int:
+        """Signal the daemon and return its exit status."""
+        self.close_channel()
+        if self.process.poll() is None:
+            self.process.send_signal(signum)
+        return self.wait_exit()
+
+    def close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def kill(self) -> None:
+        """Make sure the process is gone, whatever state it is in (teardown)."""
+        self.close_channel()
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(STOP_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT)
+
+
+DaemonFactory = Callable[..., SnapshotterDaemon]
+
+
+@pytest.fixture
+def snapshotter_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """Starts daemons (``factory(*flags, root=, address=, wait=True)``); all are stopped at teardown.
+
+    ``root`` and ``address`` default to ``tmp_path/root`` and ``tmp_path/run/s.sock``;
+    ``None`` leaves the flag out.
+    """
+    daemons: list[SnapshotterDaemon] = []
+
+    def start(
+        *args: str,
+        root: Path | None = tmp_path / "root",
+        address: Path | None = tmp_path / "run" / "s.sock",
+        wait: bool = True,
+    ) -> SnapshotterDaemon:
+        daemon = SnapshotterDaemon(tmp_path / "logs", root, address, *args)
+        daemons.append(daemon)
+        return daemon.wait_ready() if wait else daemon
+
+    yield start
+    for daemon in daemons:
+        daemon.kill()
+
+
+@pytest.fixture
+def snapd(snapshotter_factory: DaemonFactory) -> SnapshotterDaemon:
+    """A running daemon on a fresh root."""
+    return snapshotter_factory()
+
+
+def started_record(daemon: SnapshotterDaemon) -> dict:
+    records = [r for r in daemon.log_records() if r["msg"] == "bootseer-snapshotter started"]
+    assert records, daemon.log
+    return records[0]
+
+
+# --- command line and configuration --------------------------------------------------------
+
+
+def test_version() -> None:
+    result = subprocess.run([str(BINARY), "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"bootseer-snapshotter {__version__}"
+
+
+def test_startup_log_names_version_root_address(snapd: SnapshotterDaemon) -> None:
+    record = started_record(snapd)
+    assert record["version"] == __version__
+    assert record["root"] == str(snapd.root)
+    assert record["address"] == str(snapd.address)
+    assert record["metrics_address"] == "off"
+    assert record["pid"] == snapd.process.pid
+
+
+def test_config_file_with_flag_override(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    config_root = tmp_path / "config-root"
+    config_address = tmp_path / "config.sock"
+    flag_address = tmp_path / "flag.sock"
+    config_file = tmp_path / "snapshotter.toml"
+    config_file.write_text(
+        f'root = "{config_root}"\naddress = "{config_address}"\nlog_level = "debug"\nlog_format = "text"\n'
+    )
+    # The fixture always passes --log-format json: that flag overrides the file's "text".
+    daemon = snapshotter_factory("--config", str(config_file), root=None, address=flag_address)
+    with pytest.raises(grpc.RpcError) as err:
+        daemon.stub.Stat(api.StatSnapshotRequest(key="missing"))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+    assert not config_address.exists()
+    assert (config_root / "lock").read_text().strip() == str(daemon.process.pid)
+    assert daemon.stop() == 0
+    records = daemon.log_records()
+    assert len(records) == len(daemon.log.splitlines())  # every line is JSON: the flag won
+    assert started_record(daemon)["root"] == str(config_root)
+    # log_level = "debug" from the file: failed calls are logged at debug level.
+    assert any(r["level"] == "debug" and r.get("key") == "missing" for r in records), daemon.log
+
+
+def test_example_config_sets_every_key_to_its_default() -> None:
+    example = Path(__file__).parent.parent / "ctr_examples" / "bootseer-snapshotter.toml"
+    assert config.read_file(example) == config.DEFAULTS
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('rooot = "/x"\n', ["'rooot'", "unknown key"]),
+        ("root = 5\n", ["'root'", "string", "integer"]),
+        ('log_level = "loud"\n', ["log_level", "loud"]),
+        ('metrics_address = "no-port"\n', ["metrics_address", "HOST:PORT"]),
+        ('root = "/x\n', ["not valid TOML"]),
+        ("[root]\npath = '/x'\n", ["'root'", "string", "table"]),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(tmp_path: Path, content: str, expected: list[str]) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text(content)
+    root = tmp_path / "root"
+    result = subprocess.run(
+        [str(BINARY), "--config", str(config), "--root", str(root), "--address", str(tmp_path / "s.sock")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    for text in expected:
+        assert text in result.stderr
+    assert not root.exists(), "a bad config must not touch anything"
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--config", "/nonexistent/bootseer.toml"], "cannot read config file"),
+        (["--metrics-address", "localhost"], "--metrics-address"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--root", ""], "--root"),
+    ],
+)
+def test_bad_flags_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
+    result = subprocess.run(
+        [str(BINARY), "--address", str(tmp_path / "s.sock"), *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr
+
+
+# --- socket and root ---------------------------------------------------------------------
+
+
+def test_socket_permissions(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    address = tmp_path / "run" / "nested" / "s.sock"
+    daemon = snapshotter_factory(root=tmp_path / "root", address=address)
+    st = os.lstat(address)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert st.st_uid == os.geteuid()
+    for created in (tmp_path / "run", tmp_path / "run" / "nested"):
+        assert stat.S_IMODE(os.stat(created).st_mode) == 0o711
+    assert stat.S_IMODE(os.stat(daemon.root).st_mode) == 0o700
+
+
+def test_stale_socket_is_replaced(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    address = tmp_path / "s.sock"
+    with socket.socket(socket.AF_UNIX) as leftover:  # bound, never listening: what a crash leaves
+        leftover.bind(str(address))
+    assert stat.S_ISSOCK(os.lstat(address).st_mode)
+    daemon = snapshotter_factory(root=tmp_path / "root", address=address)
+    daemon.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
+    assert any(r["msg"] == "replacing stale socket" for r in daemon.log_records())
+
+
+def test_file_at_address_is_not_replaced(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    address = tmp_path / "s.sock"
+    address.write_text("precious")
+    daemon = snapshotter_factory(root=tmp_path / "root", address=address, wait=False)
+    assert daemon.wait_exit() == 1
+    assert "is not a socket" in daemon.log
+    assert address.read_text() == "precious"
+
+
+def test_second_daemon_on_same_socket_is_refused(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    address = tmp_path / "s.sock"
+    first = snapshotter_factory(root=tmp_path / "root1", address=address)
+    first.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
+    inode = os.lstat(address).st_ino
+
+    second = snapshotter_factory(root=tmp_path / "root2", address=address, wait=False)
+    assert second.wait_exit() == 1
+    assert "another process is serving" in second.log
+    assert os.lstat(address).st_ino == inode
+    assert first.stub.Stat(api.StatSnapshotRequest(key="k")).info.name == "k"
+
+
+def test_second_daemon_on_same_root_is_refused(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    root = tmp_path / "root"
+    first = snapshotter_factory(root=root, address=tmp_path / "s1.sock")
+    first.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
+
+    second = snapshotter_factory(root=root, address=tmp_path / "s2.sock", wait=False)
+    assert second.wait_exit() == 1
+    assert f"in use by another bootseer-snapshotter (pid {first.process.pid})" in second.log
+    assert not (tmp_path / "s2.sock").exists()
+    assert first.stub.Stat(api.StatSnapshotRequest(key="k")).info.name == "k"
+
+
+# --- lifecycle ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_stops_cleanly(snapd: SnapshotterDaemon, signum: int) -> None:
+    snapd.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
+    assert snapd.stop(signum) == 0
+    assert not os.path.lexists(snapd.address)
+    messages = [r["msg"] for r in snapd.log_records()]
+    assert "shutdown requested" in messages
+    assert messages[-1] == "bootseer-snapshotter stopped"
+
+
+def start_blocked_list(daemon: SnapshotterDaemon, count: int = 600) -> tuple[Iterator, int]:
+    """Begin a List the daemon cannot finish until we read it; returns the stream and items read."""
+    stub = daemon.stub
+    labels = {f"label{j}": str(j) * 4000 for j in range(4)}
+    for i in range(count):  # ~10 MB of List: more than gRPC's flow-control window holds
+        stub.Prepare(api.PrepareSnapshotRequest(key=f"k{i}", labels=labels))
+    stream = stub.List(api.ListSnapshotsRequest())
+    return stream, len(next(stream).info)
+
+
+def test_shutdown_lets_calls_in_flight_finish(snapd: SnapshotterDaemon) -> None:
+    stream, received = start_blocked_list(snapd, count=600)
+    snapd.process.send_signal(signal.SIGTERM)
+    wait_for_log(snapd, "bootseer-snapshotter stopping")
+    assert snapd.process.poll() is None, "the daemon must wait for the call in flight"
+    with grpc.insecure_channel(f"unix:{snapd.address}") as channel:  # new calls are refused
+        with pytest.raises(grpc.RpcError) as err:
+            api_grpc.SnapshotsStub(channel).Stat(api.StatSnapshotRequest(key="k0"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    received += sum(len(response.info) for response in stream)
+    assert received == 600
+    assert snapd.stop() == 0
+
+
+def test_second_signal_cancels_calls_in_flight(snapd: SnapshotterDaemon) -> None:
+    stream, _ = start_blocked_list(snapd)
+    snapd.process.send_signal(signal.SIGTERM)
+    wait_for_log(snapd, "bootseer-snapshotter stopping")
+    snapd.process.send_signal(signal.SIGINT)
+    assert snapd.wait_exit() == 0
+    assert any(r["msg"].startswith("second shutdown signal") for r in snapd.log_records()), snapd.log
+    with pytest.raises(grpc.RpcError):
+        for _ in stream:
+            pass
+    assert not os.path.lexists(snapd.address)
+
+
+def wait_for_log(daemon: SnapshotterDaemon, message: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not any(r["msg"] == message for r in daemon.log_records()):
+        assert time.monotonic() < deadline, f"no {message!r} in the log:\n{daemon.log}"
+        assert daemon.process.poll() is None, f"daemon exited:\n{daemon.log}"
+        time.sleep(0.05)
+
+
+def snapshot_state(stub: api_grpc.SnapshotsStub) -> dict[str, tuple[api.Info, list]]:
+    """Every snapshot's Info and mounts, to compare across restarts."""
+    state = {}
+    for response in stub.List(api.ListSnapshotsRequest()):
+        for info in response.info:
+            # Only active snapshots and views have mounts of their own.
+            mounts = [] if info.kind == api.COMMITTED else list(stub.Mounts(api.MountsRequest(key=info.name)).mounts)
+            state[info.name] = (info, mounts)
+    return state
+
+
+def make_snapshots(stub: api_grpc.SnapshotsStub) -> None:
+    stub.Prepare(api.PrepareSnapshotRequest(key="extract-1", labels={"containerd.io/snapshot.ref": "sha256:1"}))
+    stub.Commit(api.CommitSnapshotRequest(name="layer-1", key="extract-1"))
+    stub.Prepare(api.PrepareSnapshotRequest(key="extract-2", parent="layer-1"))
+    stub.Commit(api.CommitSnapshotRequest(name="layer-2", key="extract-2", labels={"gc": "keep"}))
+    stub.Prepare(api.PrepareSnapshotRequest(key="container-rw", parent="layer-2"))
+    stub.View(api.ViewSnapshotRequest(key="container-ro", parent="layer-2"))
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_restart_keeps_snapshots(snapshotter_factory: DaemonFactory, how: str) -> None:
+    first = snapshotter_factory()
+    make_snapshots(first.stub)
+    before = snapshot_state(first.stub)
+    assert set(before) == {"layer-1", "layer-2", "container-rw", "container-ro"}
+    if how == "sigterm":
+        assert first.stop() == 0
+    else:  # a crash: the socket is left behind and the next daemon replaces it
+        first.stop(signal.SIGKILL)
+        assert stat.S_ISSOCK(os.lstat(first.address).st_mode)
+
+    second = snapshotter_factory()
+    assert snapshot_state(second.stub) == before
+    # And the restored state is live: the active snapshot can still be committed.
+    second.stub.Commit(api.CommitSnapshotRequest(name="layer-3", key="container-rw"))
+    assert second.stub.Stat(api.StatSnapshotRequest(key="layer-3")).info.parent == "layer-2"
+
+
+# --- metrics -----------------------------------------------------------------------------
+
+
+def scrape(address: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_metrics_endpoint_counts_calls(snapshotter_factory: DaemonFactory) -> None:
+    daemon = snapshotter_factory("--metrics-address", "127.0.0.1:0")
+    metrics_address = started_record(daemon)["metrics_address"]
+    host, _, port = metrics_address.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+
+    stub = daemon.stub
+    stub.Prepare(api.PrepareSnapshotRequest(key="a"))
+    stub.Prepare(api.PrepareSnapshotRequest(key="b"))
+    stub.Commit(api.CommitSnapshotRequest(name="c", key="b"))
+    with pytest.raises(grpc.RpcError):
+        stub.Stat(api.StatSnapshotRequest(key="missing"))
+    assert len([i for r in stub.List(api.ListSnapshotsRequest()) for i in r.info]) == 2
+
+    samples = scrape(metrics_address)
+
+    def value(name: str, **labels: str) -> float | None:
+        return samples.get((name, tuple(sorted(labels.items()))))
+
+    requests = "bootseer_snapshotter_grpc_requests_total"
+    assert value(requests, method="Prepare", code="OK") == 2
+    assert value(requests, method="Commit", code="OK") == 1
+    assert value(requests, method="Stat", code="NOT_FOUND") == 1
+    assert value(requests, method="List", code="OK") == 1
+    assert value("bootseer_snapshotter_grpc_errors_total", method="Stat", code="NOT_FOUND") == 1
+    assert value("bootseer_snapshotter_grpc_errors_total", method="Prepare", code="OK") is None
+    assert value("bootseer_snapshotter_grpc_request_duration_seconds_count", method="Prepare") == 2
+    assert value("bootseer_snapshotter_snapshots", kind="active") == 1
+    assert value("bootseer_snapshotter_snapshots", kind="committed") == 1
+    assert value("bootseer_snapshotter_snapshots", kind="view") == 0

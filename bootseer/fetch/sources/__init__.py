@@ -1,0 +1,106 @@
+"""The storage backends of the fetch engine, and :func:`open_source` to pick one by URL.
+
+Each backend implements :class:`bootseer.fetch.source.RangeSource` over a tree rooted
+at one URL (path ``""`` is that URL itself, a directory or a single file):
+
+========================================  =========================================
+``/path``, ``file:///path``               :class:`~.local.LocalSource` (local, NFS, Lustre)
+``http://host/path``, ``https://...``     :class:`~.http.HttpSource` (Range requests)
+``s3://bucket/prefix``                    :class:`~.s3.S3Source` (boto3)
+``hdfs://namenode[:port]/path``           :class:`~.hdfs.HdfsSource` (hdfs-native, no JVM)
+``webhdfs://host:port/path``              :class:`~.webhdfs.WebHdfsSource` (REST; ``swebhdfs://`` TLS)
+========================================  =========================================
+
+Backends are imported only when a URL needs them, so that a local mount never pays
+for importing boto3.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any
+from urllib.parse import urlsplit
+
+from bootseer.fetch.source import PermanentError, RangeSource
+
+# scheme -> (module, class); "" is a plain filesystem path.
+BACKENDS: dict[str, tuple[str, str]] = {
+    "": ("local", "LocalSource"),
+    "file": ("local", "LocalSource"),
+    "http": ("http", "HttpSource"),
+    "https": ("http", "HttpSource"),
+    "s3": ("s3", "S3Source"),
+    "hdfs": ("hdfs", "HdfsSource"),
+    "webhdfs": ("webhdfs", "WebHdfsSource"),
+    "swebhdfs": ("webhdfs", "WebHdfsSource"),
+}
+
+
+def source_class(url: str) -> type:
+    """Return the backend class that serves ``url``; ValueError for an unknown scheme."""
+    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    if scheme not in BACKENDS:
+        supported = ", ".join(f"{s}://" for s in BACKENDS if s) + " or a plain /path"
+        raise ValueError(f"unsupported source URL {url!r}: scheme {scheme!r} is not one of {supported}")
+    module_name, class_name = BACKENDS[scheme]
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    return getattr(module, class_name)
+
+
+def source_options(cls: type) -> list[str]:
+    """The keyword options a backend class accepts (besides the URL)."""
+    parameters = inspect.signature(cls).parameters.values()
+    return [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def open_source(url: str, **options: Any) -> RangeSource:
+    """Open the backend for ``url``, rooted at it, passing ``options`` to it.
+
+    Raises ValueError for an unknown scheme, an unknown option or a malformed URL.
+    Opening does no I/O on remote backends; the first :meth:`stat` does.
+    """
+    if not url:
+        raise ValueError("empty source URL")
+    cls = source_class(url)
+    accepted = source_options(cls)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for {cls.__name__} ({url!r}); "
+            f"accepted: {', '.join(accepted) or 'none'}"
+        )
+    return cls(url, **options)
+
+
+def split_path(path: str) -> list[str]:
+    """Check a source-relative path and return its components (``[]`` for the root).
+
+    Refuses what could step outside the root or name something ambiguously:
+    absolute paths, ``.``/``..`` components, empty components (``a//b``, a trailing
+    ``/``) and NUL bytes.  Raises PermanentError naming the path (a retry cannot
+    make it acceptable).
+    """
+    if not isinstance(path, str):
+        raise TypeError(f"source path must be a str, not {type(path).__name__}")
+    if path == "":
+        return []
+    if path.startswith("/"):
+        raise PermanentError(f"refused source path {path!r}: must be relative to the source root")
+    if "\0" in path:
+        raise PermanentError(f"refused source path {path!r}: contains a NUL byte")
+    parts = path.split("/")
+    for part in parts:
+        if part in ("", ".", ".."):
+            what = f"a {part!r}" if part else "an empty"
+            raise PermanentError(f"refused source path {path!r}: has {what} component")
+    return parts
+
+
+def check_range(offset: int, length: int) -> None:
+    """ValueError for a negative offset or length (a caller bug, never retried)."""
+    if offset < 0 or length < 0:
+        raise ValueError(f"invalid range: offset={offset} length={length}")
+
+
+__all__ = ["BACKENDS", "open_source", "source_class", "source_options", "split_path", "check_range"]

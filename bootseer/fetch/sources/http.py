@@ -1,0 +1,606 @@
+"""The HTTP(S) backend: Range requests over persistent ``http.client`` connections.
+
+A :class:`HttpConnection` owns one keep-alive TCP (or TLS) connection; a retry by
+the engine uses a new one.  Partial reads must come back as ``206`` with a
+``Content-Range`` that matches the request; a ``200`` answer to a Range request
+(a server that ignores ranges, or an ``If-Range`` that no longer matches because
+the file changed) is refused, never taken for the range.
+
+Metadata: :meth:`HttpSource.stat` sends ``HEAD`` (size from ``Content-Length``,
+mtime from ``Last-Modified``, the ``ETag`` or ``Last-Modified`` pinned and sent as
+``If-Range`` with every read).  A URL ending in ``/``, or one the server redirects
+to the same path plus ``/``, is a directory.  :meth:`HttpSource.listdir` reads
+nginx's ``autoindex_format json`` or an HTML index (the ``<a href>`` links that
+name a direct child; files in an HTML index cost one ``HEAD`` each).
+
+The plumbing (:class:`HttpEndpoint`, :class:`HttpChannel`, :class:`ChannelPool`,
+:func:`status_error`) is shared with the WebHDFS backend.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import email.utils
+import http.client
+import json
+import re
+import ssl
+import threading
+from dataclasses import dataclass
+from html.parser import HTMLParser
+from typing import Iterator, Mapping
+from urllib.parse import quote, unquote, urljoin, urlsplit
+
+from bootseer.fetch.source import Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
+from bootseer.fetch.sources import check_range, split_path
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+MAX_LISTING_BYTES = 64 << 20  #: a directory index larger than this is refused
+MAX_ERROR_BODY_BYTES = 64 << 10  #: error bodies longer than this are not read (the connection is dropped)
+
+# Network failures: a retry on a new connection may succeed.
+NETWORK_ERRORS = (OSError, http.client.HTTPException)
+# What a keep-alive connection the server closed while idle looks like on reuse.
+_STALE_KEEPALIVE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
+
+def status_error(url: str, status: int, reason: str, detail: str = "") -> SourceError:
+    """Map an unexpected HTTP status to the contract's error classes."""
+    message = f"{url}: HTTP {status} {reason}".rstrip() + (f": {detail}" if detail else "")
+    if status in (404, 410):
+        return NotFound(message)
+    if status in (408, 425, 429) or status >= 500:
+        return TransientError(message)
+    return PermanentError(message)  # 401/403 (credentials), 400, 405, ...
+
+
+def http_date(value: str | None) -> float:
+    """Seconds since the epoch for an HTTP date, 0.0 if absent or malformed."""
+    if not value:
+        return 0.0
+    try:
+        return email.utils.parsedate_to_datetime(value).timestamp()
+    except (TypeError, ValueError, IndexError):
+        return 0.0
+
+
+class _TimedConnectMixin:
+    """Connect within ``timeout`` (connect timeout), then wait ``read_timeout`` per socket op."""
+
+    read_timeout: float
+    sock: object
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        self.sock.settimeout(self.read_timeout)  # type: ignore[attr-defined]
+
+
+class _HTTPConnection(_TimedConnectMixin, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_TimedConnectMixin, http.client.HTTPSConnection):
+    pass
+
+
+@dataclass(frozen=True)
+class HttpEndpoint:
+    """Where and how to connect: one scheme://host:port with timeouts, TLS and headers."""
+
+    scheme: str
+    host: str
+    port: int
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    headers: Mapping[str, str] | None = None
+    ssl_context: ssl.SSLContext | None = None
+
+    @property
+    def origin(self) -> str:
+        return f"{self.scheme}://{self.host}:{self.port}"
+
+    def open(self) -> http.client.HTTPConnection:
+        """A new, not yet connected ``http.client`` connection."""
+        if self.scheme == "https":
+            conn: http.client.HTTPConnection = _HTTPSConnection(
+                self.host, self.port, timeout=self.connect_timeout, context=self.ssl_context
+            )
+        else:
+            conn = _HTTPConnection(self.host, self.port, timeout=self.connect_timeout)
+        conn.read_timeout = self.read_timeout  # type: ignore[attr-defined]
+        return conn
+
+    def with_address(self, scheme: str, host: str, port: int) -> HttpEndpoint:
+        """The same settings for another server (a redirect target)."""
+        return HttpEndpoint(scheme, host, port, self.connect_timeout, self.read_timeout, self.headers, self.ssl_context)
+
+
+def make_ssl_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=ca_file)
+    if not verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+class HttpChannel:
+    """One persistent HTTP connection to an endpoint.
+
+    A request that finds the reused keep-alive socket closed by the server (before
+    any byte of an answer) is sent once more on a new socket, as every HTTP client
+    does; any other network failure closes the channel and raises TransientError.
+    A caller must read each response's body to the end (:func:`read_body`) or
+    :meth:`close` the channel.
+    """
+
+    def __init__(self, endpoint: HttpEndpoint) -> None:
+        self.endpoint = endpoint
+        self._conn: http.client.HTTPConnection | None = None
+        self._reused = False
+        self._target = ""  # of the last request, for messages
+
+    def request(self, method: str, target: str, headers: Mapping[str, str] | None = None) -> http.client.HTTPResponse:
+        all_headers = {**(self.endpoint.headers or {}), **(headers or {})}
+        self._target = target
+        for _attempt in range(2):
+            if self._conn is None:
+                self._conn = self.endpoint.open()
+                self._reused = False
+            reused = self._reused
+            try:
+                self._conn.request(method, target, headers=all_headers)
+                response = self._conn.getresponse()
+            except _STALE_KEEPALIVE as exc:
+                self.close()
+                if reused:
+                    continue
+                raise TransientError(f"{self.endpoint.origin}{target}: {method} failed: {exc!r}") from None
+            except NETWORK_ERRORS as exc:
+                self.close()
+                raise TransientError(f"{self.endpoint.origin}{target}: {method} failed: {exc!r}") from None
+            self._reused = True
+            return response
+        raise AssertionError("unreachable")
+
+    def read_body(self, response: http.client.HTTPResponse, limit: int | None = None) -> bytes:
+        """The whole body; TransientError (and the channel closed) if it is cut short.
+
+        With ``limit``, a body announced or found longer than that raises
+        PermanentError (and closes the channel rather than draining it).
+        """
+        try:
+            if limit is not None:
+                announced = response.getheader("Content-Length")
+                if announced is not None and int(announced) > limit:
+                    self.close()
+                    raise PermanentError(f"{self.where}: response of {announced} bytes exceeds {limit}")
+                body = response.read(limit + 1)
+                if len(body) > limit:
+                    self.close()
+                    raise PermanentError(f"{self.where}: response exceeds {limit} bytes")
+                if not response.isclosed():
+                    response.read()
+                return body
+            return response.read()
+        except (http.client.IncompleteRead, *NETWORK_ERRORS) as exc:
+            self.close()
+            raise TransientError(f"{self.where}: connection lost while reading the response: {exc!r}") from None
+
+    @property
+    def where(self) -> str:
+        """The URL of the last request, for messages."""
+        return self.endpoint.origin + self._target
+
+    def discard(self, response: http.client.HTTPResponse) -> bytes:
+        """Read a short (error) body, or drop the connection if it is long; returns what was read."""
+        announced = response.getheader("Content-Length")
+        if announced is None or not announced.isdigit() or int(announced) > MAX_ERROR_BODY_BYTES:
+            self.close()
+            return b""
+        return self.read_body(response)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class ChannelPool:
+    """Idle channels for metadata requests made from many threads at once."""
+
+    def __init__(self, endpoint: HttpEndpoint, max_idle: int = 4) -> None:
+        self.endpoint = endpoint
+        self.max_idle = max_idle
+        self._idle: list[HttpChannel] = []
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def channel(self) -> Iterator[HttpChannel]:
+        """A channel, returned to the pool if the block succeeds, closed if it raises.
+
+        A channel is returned even after a SourceError that left it usable (an HTTP
+        404 read to the end); the channel itself closes on network failures.
+        """
+        with self._lock:
+            chan = self._idle.pop() if self._idle else HttpChannel(self.endpoint)
+        try:
+            yield chan
+        except BaseException as exc:
+            if not isinstance(exc, (NotFound, NotADirectory)):
+                chan.close()
+            self._give_back(chan)
+            raise
+        self._give_back(chan)
+
+    def _give_back(self, chan: HttpChannel) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append(chan)
+                return
+        chan.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for chan in idle:
+            chan.close()
+
+
+# -- directory indexes ---------------------------------------------------------------
+
+
+class _LinkParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self.hrefs.extend(value for name, value in attrs if name == "href" and value)
+
+
+def valid_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+
+
+def index_links(page: str, dir_url: str) -> list[tuple[str, bool]]:
+    """``(name, is_dir)`` for each link of an HTML index that names a direct child of ``dir_url``."""
+    parser = _LinkParser()
+    parser.feed(page)
+    base = urlsplit(dir_url)
+    found: dict[str, bool] = {}
+    for href in parser.hrefs:
+        target = urlsplit(urljoin(dir_url, href))
+        if (target.scheme, target.netloc) != (base.scheme, base.netloc) or target.query:
+            continue  # another site, or a sort link such as Apache's "?C=N;O=D"
+        path = unquote(target.path)
+        prefix = unquote(base.path)
+        if not path.startswith(prefix):
+            continue  # the parent directory, or an absolute link elsewhere
+        rest = path[len(prefix):]
+        is_dir = rest.endswith("/")
+        name = rest[:-1] if is_dir else rest
+        if valid_name(name):
+            found[name] = is_dir
+    return sorted(found.items())
+
+
+def parse_json_index(body: bytes, url: str) -> list[Entry]:
+    """Entries of an nginx ``autoindex_format json`` listing."""
+    try:
+        items = json.loads(body)
+    except ValueError as exc:
+        raise PermanentError(f"{url}: malformed JSON directory index: {exc}") from None
+    if not isinstance(items, list):
+        raise PermanentError(f"{url}: JSON directory index is not a list")
+    entries = []
+    for item in items:
+        if not isinstance(item, dict) or not valid_name(str(item.get("name", ""))):
+            log.warning("skipping malformed directory index item", url=url, item=repr(item)[:200])
+            continue
+        kind = item.get("type")
+        if kind not in ("file", "directory"):
+            continue  # nginx's "other": sockets, devices
+        is_dir = kind == "directory"
+        size = 0 if is_dir else int(item.get("size", 0))
+        entries.append(Entry(name=item["name"], size=size, is_dir=is_dir, mtime=http_date(item.get("mtime"))))
+    return sorted(entries, key=lambda entry: entry.name)
+
+
+# -- the source ----------------------------------------------------------------------
+
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
+_UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """The version of a file that :meth:`HttpSource.stat` saw."""
+
+    size: int
+    validator: str | None  #: a strong ETag or the Last-Modified date, sent as If-Range
+    etag: str | None
+    last_modified: str | None
+
+    def matches(self, response: http.client.HTTPResponse) -> bool:
+        if self.etag is not None:
+            return response.getheader("ETag") == self.etag
+        if self.last_modified is not None:
+            return response.getheader("Last-Modified") == self.last_modified
+        return True
+
+
+def parse_endpoint_url(
+    url: str,
+    schemes: tuple[str, ...],
+    *,
+    connect_timeout: float,
+    read_timeout: float,
+    headers: Mapping[str, str] | None,
+    verify: bool,
+    ca_file: str | None,
+    default_ports: Mapping[str, int],
+    transport: Mapping[str, str] | None = None,
+) -> tuple[HttpEndpoint, str, str]:
+    """``(endpoint, path, query)`` of an HTTP-like URL; ValueError if malformed."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in schemes:
+        raise ValueError(f"{url!r}: scheme must be one of {', '.join(schemes)}")
+    if not parts.hostname:
+        raise ValueError(f"{url!r}: no host")
+    if parts.fragment:
+        raise ValueError(f"{url!r}: a fragment has no meaning for a source URL")
+    try:
+        port = parts.port or default_ports[scheme]
+    except ValueError as exc:
+        raise ValueError(f"{url!r}: bad port: {exc}") from None
+    if connect_timeout <= 0 or read_timeout <= 0:
+        raise ValueError("connect_timeout and read_timeout must be positive")
+    all_headers = dict(headers or {})
+    if parts.username is not None:
+        credentials = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+        all_headers.setdefault("Authorization", "Basic " + base64.b64encode(credentials.encode()).decode())
+    wire_scheme = (transport or {}).get(scheme, scheme)
+    context = make_ssl_context(verify, ca_file) if wire_scheme == "https" else None
+    endpoint = HttpEndpoint(wire_scheme, parts.hostname, port, connect_timeout, read_timeout, all_headers, context)
+    return endpoint, parts.path, parts.query
+
+
+class HttpSource:
+    """Files under an HTTP(S) URL, read with Range requests.
+
+    Options: ``headers`` (extra request headers, e.g. ``{"Authorization": ...}``),
+    ``connect_timeout`` and ``read_timeout`` in seconds, ``verify`` (TLS
+    certificate checks) and ``ca_file`` (a CA bundle for them).  A query string in
+    the URL (a token) is sent with every request; ``user:password@`` in the URL
+    becomes Basic authentication.
+    """
+
+    default_streams = 16
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        verify: bool = True,
+        ca_file: str | None = None,
+    ) -> None:
+        self.url = url
+        self.endpoint, path, self.query = parse_endpoint_url(
+            url,
+            ("http", "https"),
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            headers=headers,
+            verify=verify,
+            ca_file=ca_file,
+            default_ports={"http": 80, "https": 443},
+        )
+        self.root_is_dir = path.endswith("/") or path == ""
+        self.base_path = path.rstrip("/")  # as given, already %-encoded
+        self.pool = ChannelPool(self.endpoint)
+        self._pins: dict[str, _Pin] = {}
+
+    def __repr__(self) -> str:
+        return f"HttpSource({self.url!r})"
+
+    def target(self, path: str, directory: bool = False) -> str:
+        """The request target (path and query) for a source path."""
+        parts = split_path(path)
+        target = self.base_path + "".join("/" + quote(part, safe="") for part in parts)
+        if directory or not target:
+            target += "/"
+        return target + (f"?{self.query}" if self.query else "")
+
+    def where(self, target: str) -> str:
+        return self.endpoint.origin + target
+
+    # -- metadata -------------------------------------------------------------
+
+    def _head(self, chan: HttpChannel, target: str) -> http.client.HTTPResponse:
+        response = chan.request("HEAD", target)
+        chan.read_body(response)  # empty for HEAD; leaves the connection reusable
+        return response
+
+    def _is_slash_redirect(self, response: http.client.HTTPResponse, target: str) -> bool:
+        location = response.getheader("Location") or ""
+        wanted = urlsplit(self.where(target))
+        moved = urlsplit(urljoin(self.where(target), location))
+        return (moved.netloc or wanted.netloc) == wanted.netloc and unquote(moved.path) == unquote(wanted.path) + "/"
+
+    def _file_entry(self, chan: HttpChannel, path: str, target: str, response: http.client.HTTPResponse) -> Entry:
+        length = response.getheader("Content-Length")
+        if length is not None and length.isdigit():
+            size = int(length)
+        else:
+            size = self._probe_size(chan, target)
+        etag = response.getheader("ETag")
+        last_modified = response.getheader("Last-Modified")
+        strong_etag = etag if etag and not etag.startswith("W/") else None
+        self._pins[path] = _Pin(size, strong_etag or last_modified, etag, last_modified)
+        return Entry(name=path.rsplit("/", 1)[-1], size=size, is_dir=False, mtime=http_date(last_modified))
+
+    def _probe_size(self, chan: HttpChannel, target: str) -> int:
+        """The size of a file whose HEAD gave none, from a one-byte range's Content-Range."""
+        response = chan.request("GET", target, {"Range": "bytes=0-0"})
+        if response.status == 416:
+            chan.discard(response)
+            return 0  # an empty file
+        if response.status != 206:
+            chan.discard(response)
+            raise PermanentError(f"{self.where(target)}: no Content-Length and no Range support (HTTP {response.status})")
+        match = _CONTENT_RANGE.match(response.getheader("Content-Range") or "")
+        chan.read_body(response)
+        if not match or match.group(3) == "*":
+            raise PermanentError(f"{self.where(target)}: cannot tell the file's size")
+        return int(match.group(3))
+
+    def stat(self, path: str) -> Entry:
+        name = path.rsplit("/", 1)[-1]
+        with self.pool.channel() as chan:
+            if path == "" and self.root_is_dir:
+                target = self.target("", directory=True)
+                response = self._head(chan, target)
+                if 200 <= response.status < 300:
+                    return Entry(name="", size=0, is_dir=True, mtime=http_date(response.getheader("Last-Modified")))
+                raise status_error(self.where(target), response.status, response.reason)
+            target = self.target(path)
+            response = self._head(chan, target)
+            if 200 <= response.status < 300:
+                return self._file_entry(chan, path, target, response)
+            if response.status in (301, 302, 303, 307, 308):
+                if self._is_slash_redirect(response, target):
+                    return Entry(name=name, size=0, is_dir=True, mtime=0.0)
+                raise PermanentError(
+                    f"{self.where(target)}: redirected to {response.getheader('Location')!r}; "
+                    "redirects to other files are not supported"
+                )
+            if response.status == 404:
+                # Servers that do not redirect "dir" to "dir/" answer 404 for it.
+                dir_target = self.target(path, directory=True)
+                dir_response = self._head(chan, dir_target)
+                if 200 <= dir_response.status < 300:
+                    return Entry(name=name, size=0, is_dir=True, mtime=0.0)
+            raise status_error(self.where(target), response.status, response.reason)
+
+    def listdir(self, path: str) -> list[Entry]:
+        if not self.stat(path).is_dir:
+            raise NotADirectory(f"{self.where(self.target(path))}: not a directory")
+        target = self.target(path, directory=True)
+        with self.pool.channel() as chan:
+            response = chan.request("GET", target)
+            if response.status != 200:
+                chan.discard(response)
+                raise status_error(self.where(target), response.status, response.reason)
+            body = chan.read_body(response, limit=MAX_LISTING_BYTES)
+        content_type = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
+        if content_type == "application/json":
+            return parse_json_index(body, self.where(target))
+        if content_type in ("text/html", "application/xhtml+xml"):
+            return self._html_entries(path, body.decode("utf-8", "replace"), self.where(target))
+        raise PermanentError(f"{self.where(target)}: cannot list a directory index of type {content_type!r}")
+
+    def _html_entries(self, path: str, page: str, dir_url: str) -> list[Entry]:
+        entries = []
+        for name, is_dir in index_links(page, dir_url):
+            if is_dir:
+                entries.append(Entry(name=name, size=0, is_dir=True, mtime=0.0))
+                continue
+            try:  # an HTML index gives no reliable size: ask the file itself
+                entries.append(self.stat(f"{path}/{name}" if path else name))
+            except NotFound:
+                continue
+        return entries
+
+    def pin(self, path: str) -> _Pin | None:
+        return self._pins.get(path)
+
+    def connect(self) -> HttpConnection:
+        return HttpConnection(self)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class HttpConnection:
+    """One keep-alive connection for range reads (one request at a time)."""
+
+    def __init__(self, source: HttpSource) -> None:
+        self.source = source
+        self.channel = HttpChannel(source.endpoint)
+        self._lock = threading.Lock()
+
+    def read_range(self, path: str, offset: int, length: int) -> bytes:
+        check_range(offset, length)
+        target = self.source.target(path)
+        chunks: list[bytes] = []
+        with self._lock:
+            while length > 0:
+                chunk, at_eof = self._read_once(target, path, offset, length)
+                chunks.append(chunk)
+                offset += len(chunk)
+                length -= len(chunk)
+                if at_eof:
+                    break
+        return b"".join(chunks)
+
+    def _read_once(self, target: str, path: str, offset: int, length: int) -> tuple[bytes, bool]:
+        """One Range GET: ``(bytes, reached end of file)``."""
+        where = self.source.where(target)
+        pin = self.source.pin(path)
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+        if pin is not None and pin.validator:
+            headers["If-Range"] = pin.validator
+        response = self.channel.request("GET", target, headers)
+        if response.status == 206:
+            match = _CONTENT_RANGE.match(response.getheader("Content-Range") or "")
+            if not match:
+                self.channel.close()
+                raise PermanentError(f"{where}: 206 with bad Content-Range {response.getheader('Content-Range')!r}")
+            first, last = int(match.group(1)), int(match.group(2))
+            total = None if match.group(3) == "*" else int(match.group(3))
+            if first != offset or last < first or last > offset + length - 1:
+                self.channel.close()
+                raise PermanentError(f"{where}: asked for bytes {offset}-{offset + length - 1}, got {first}-{last}")
+            if pin is not None and total is not None and total != pin.size:
+                self.channel.close()
+                raise PermanentError(f"{where}: file changed since it was stat'ed (size {pin.size} -> {total})")
+            body = self.channel.read_body(response)
+            if len(body) != last - first + 1:
+                self.channel.close()
+                raise TransientError(f"{where}: body of {len(body)} bytes for range {first}-{last}")
+            return body, total is not None and last == total - 1
+        if response.status == 416:
+            match = _UNSATISFIED_RANGE.match(response.getheader("Content-Range") or "")
+            self.channel.discard(response)
+            if match and offset >= int(match.group(1)):
+                if pin is not None and int(match.group(1)) != pin.size:
+                    raise PermanentError(f"{where}: file changed since it was stat'ed")
+                return b"", True
+            raise PermanentError(f"{where}: range {offset}+{length} refused (HTTP 416)")
+        if response.status == 200:
+            # The whole file instead of the range: never taken for the range.  Drop
+            # the connection rather than download a body that may be gigabytes.
+            self.channel.close()
+            if pin is not None and not pin.matches(response):
+                raise PermanentError(f"{where}: file changed since it was stat'ed (If-Range no longer matches)")
+            whole = response.getheader("Content-Length") or ""
+            if whole.isdigit() and int(whole) <= offset and (pin is None or pin.size == int(whole)):
+                # nginx answers a range of an empty file (or past the end) with its
+                # whole, shorter body: no byte of it is in the range.
+                return b"", True
+            raise PermanentError(f"{where}: server ignored the Range header (HTTP 200 with the whole file)")
+        detail = self.channel.discard(response)[:200].decode("utf-8", "replace").strip()
+        raise status_error(where, response.status, response.reason, "" if "<" in detail else detail)
+
+    def close(self) -> None:
+        # Without the lock: closing the socket is how another thread aborts a read
+        # stuck on a silent server.
+        self.channel.close()

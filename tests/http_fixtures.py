@@ -1,0 +1,434 @@
+"""Real HTTP servers over a local directory, for tests of anything that reads over HTTP.
+
+* :class:`NginxServer` -- Debian's nginx serving a directory with Range support, a
+  JSON (``autoindex_format json``) or HTML directory index, and an optional
+  per-connection ``limit_rate``.  What production deployments look like.
+* :class:`RangeHTTPServer` -- a small threaded Python server with the same
+  behaviour (Range, HEAD, HTML index, 301 for a directory without its ``/``) that
+  can inject faults: drop a connection mid-body, answer a status such as 503, or
+  ignore the Range header and send the whole file with ``200``.
+
+Both listen on 127.0.0.1 only.  Pytest fixtures ``nginx_factory`` and
+``range_http_factory`` start servers on demand and stop them at teardown::
+
+    from tests.http_fixtures import nginx_factory  # noqa: F401  (a fixture)
+
+    def test_read(tmp_path, nginx_factory):
+        server = nginx_factory(tmp_path, limit_rate="1m")
+        url = server.url + "file.bin"
+"""
+
+from __future__ import annotations
+
+import email.utils
+import html
+import os
+import posixpath
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+START_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen | None = None, timeout: float = START_TIMEOUT_S) -> None:
+    """Block until something accepts on 127.0.0.1:``port``; RuntimeError if it never does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode} before listening on {port}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout}s")
+
+
+# -- nginx -------------------------------------------------------------------------
+
+_NGINX_CONF = """\
+daemon off;
+master_process on;
+worker_processes 1;
+{user}
+pid {state}/nginx.pid;
+error_log {state}/error.log warn;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    default_type application/octet-stream;
+    client_body_temp_path {state}/tmp;
+    proxy_temp_path {state}/tmp;
+    fastcgi_temp_path {state}/tmp;
+    uwsgi_temp_path {state}/tmp;
+    scgi_temp_path {state}/tmp;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        location / {{
+            autoindex on;
+            autoindex_format {autoindex_format};
+            {limit_rate}
+        }}
+    }}
+}}
+"""
+
+
+class NginxServer:
+    """nginx serving ``root`` at :attr:`url` (``http://127.0.0.1:PORT/``).
+
+    ``autoindex_format`` is ``"json"`` or ``"html"``; ``limit_rate`` (nginx syntax,
+    e.g. ``"512k"``) caps each connection's rate.
+    """
+
+    def __init__(self, root: str | os.PathLike, *, autoindex_format: str = "json", limit_rate: str | None = None):
+        if autoindex_format not in ("json", "html"):
+            raise ValueError(f"autoindex_format must be 'json' or 'html', not {autoindex_format!r}")
+        self.root = Path(root).resolve()
+        self.autoindex_format = autoindex_format
+        self.limit_rate = limit_rate
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self._state = Path(tempfile.mkdtemp(prefix="bootseer-nginx-"))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def start(self) -> NginxServer:
+        (self._state / "tmp").mkdir(exist_ok=True)
+        for _attempt in range(5):  # another process may take the port between probe and bind
+            self.port = free_port()
+            conf = self._state / "nginx.conf"
+            conf.write_text(
+                _NGINX_CONF.format(
+                    # Workers must be able to read the test's private tmp dirs.
+                    user="user root;" if os.geteuid() == 0 else "",
+                    state=self._state,
+                    port=self.port,
+                    root=self.root,
+                    autoindex_format=self.autoindex_format,
+                    limit_rate=f"limit_rate {self.limit_rate};" if self.limit_rate else "",
+                )
+            )
+            self.process = subprocess.Popen(
+                [NGINX, "-p", str(self._state), "-c", str(conf), "-e", str(self._state / "error.log")],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            try:
+                wait_for_port(self.port, self.process)
+                return self
+            except RuntimeError:
+                self._kill()
+        log = (self._state / "error.log").read_text(errors="replace")
+        self.stop()
+        raise RuntimeError(f"nginx did not start; error log:\n{log}")
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()  # SIGTERM: nginx's fast shutdown, workers included
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self.process = None
+
+    def stop(self) -> None:
+        self._kill()
+        shutil.rmtree(self._state, ignore_errors=True)
+
+    def __enter__(self) -> NginxServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+# -- Python range server with faults -----------------------------------------------
+
+
+@dataclass
+class Faults:
+    """Faults a :class:`RangeHTTPServer` injects into its next GET responses.
+
+    Each counter is consumed by one response that matches; they are thread-safe.
+    """
+
+    drop_after_bytes: int = 4096  #: bytes of body sent before a drop
+    _drops: int = 0
+    _statuses: list[int] = field(default_factory=list)
+    _ignore_range: int = 0
+    _hang_ups: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def drop(self, times: int = 1, after_bytes: int = 4096) -> None:
+        """Close the next ``times`` GET connections after ``after_bytes`` of body."""
+        with self._lock:
+            self._drops += times
+            self.drop_after_bytes = after_bytes
+
+    def status(self, code: int, times: int = 1) -> None:
+        """Answer the next ``times`` GETs with ``code`` and an empty body."""
+        with self._lock:
+            self._statuses.extend([code] * times)
+
+    def ignore_range(self, times: int = 1) -> None:
+        """Answer the next ``times`` Range GETs with ``200`` and the whole file."""
+        with self._lock:
+            self._ignore_range += times
+
+    def hang_up(self, times: int = 1) -> None:
+        """After the next ``times`` complete answers, close the keep-alive connection
+        without a word, as a server does when its idle timeout expires."""
+        with self._lock:
+            self._hang_ups += times
+
+    def take(self, kind: str) -> int | bool:
+        with self._lock:
+            if kind == "status":
+                return self._statuses.pop(0) if self._statuses else 0
+            if kind == "drop" and self._drops:
+                self._drops -= 1
+                return True
+            if kind == "ignore_range" and self._ignore_range:
+                self._ignore_range -= 1
+                return True
+            if kind == "hang_up" and self._hang_ups:
+                self._hang_ups -= 1
+                return True
+            return False
+
+
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
+
+
+def parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """``(first, last)`` for a single-range ``Range`` header, None if unsatisfiable.
+
+    Raises ValueError for a header this server does not understand.
+    """
+    match = _RANGE.match(header.strip())
+    if not match or match.groups() == ("", ""):
+        raise ValueError(header)
+    first_text, last_text = match.groups()
+    if first_text == "":  # suffix range: the last N bytes
+        length = int(last_text)
+        return (max(size - length, 0), size - 1) if length and size else None
+    first = int(first_text)
+    last = min(int(last_text), size - 1) if last_text else size - 1
+    return (first, last) if first < size and first <= last else None
+
+
+class RangeRequestHandler(BaseHTTPRequestHandler):
+    """Serves files of ``server.root`` with Range, HEAD, and an HTML directory index."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, as real servers do
+    server: RangeHTTPServer
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
+        pass
+
+    def resolve(self) -> Path | None:
+        path = urllib.parse.unquote(urllib.parse.urlsplit(self.path).path)
+        clean = posixpath.normpath(path)
+        if ".." in clean.split("/"):
+            return None
+        return self.server.root / clean.lstrip("/")
+
+    def send_empty(self, code: int, headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_HEAD(self) -> None:
+        self.serve(body=False)
+
+    def do_GET(self) -> None:
+        self.serve(body=True)
+
+    def serve(self, body: bool) -> None:
+        self.server.requests.append((self.command, self.path, dict(self.headers)))
+        faults = self.server.faults
+        if body and (code := faults.take("status")):
+            self.send_empty(code)
+            return
+        target = self.resolve()
+        if target is None or not target.exists():
+            self.send_empty(404)
+            return
+        if target.is_dir():
+            if not urllib.parse.urlsplit(self.path).path.endswith("/"):
+                self.send_empty(301, {"Location": urllib.parse.urlsplit(self.path).path + "/"})
+                return
+            self.send_index(target, body)
+            return
+        size = target.stat().st_size
+        validators = {
+            "Last-Modified": email.utils.formatdate(target.stat().st_mtime, usegmt=True),
+            "ETag": f'"{target.stat().st_mtime_ns:x}-{size:x}"',
+            "Accept-Ranges": "bytes",
+        }
+        first, last = 0, size - 1
+        status = 200
+        range_header = self.headers.get("Range")
+        if range_header and body and not faults.take("ignore_range"):
+            if_range = self.headers.get("If-Range")
+            if if_range is None or if_range in (validators["ETag"], validators["Last-Modified"]):
+                try:
+                    wanted = parse_range(range_header, size)
+                except ValueError:
+                    self.send_empty(400)
+                    return
+                if wanted is None:
+                    self.send_empty(416, {"Content-Range": f"bytes */{size}"})
+                    return
+                first, last = wanted
+                status = 206
+        self.send_response(status)
+        for name, value in validators.items():
+            self.send_header(name, value)
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+        self.send_header("Content-Length", str(last - first + 1))
+        self.end_headers()
+        if not body:
+            return
+        drop = faults.take("drop")
+        with open(target, "rb") as file:
+            file.seek(first)
+            remaining = last - first + 1
+            sent = 0
+            while remaining > 0:
+                chunk = file.read(min(remaining, 1 << 16))
+                if not chunk:
+                    break
+                if drop and sent + len(chunk) >= faults.drop_after_bytes:
+                    self.wfile.write(chunk[: max(faults.drop_after_bytes - sent, 0)])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                self.wfile.write(chunk)
+                sent += len(chunk)
+                remaining -= len(chunk)
+        if faults.take("hang_up"):
+            self.wfile.flush()
+            self.close_connection = True
+
+    def send_index(self, directory: Path, body: bool) -> None:
+        links = ['<a href="../">../</a>']
+        for child in sorted(directory.iterdir()):
+            name = child.name + ("/" if child.is_dir() else "")
+            links.append(f'<a href="{urllib.parse.quote(name)}">{html.escape(name)}</a>')
+        page = ("<html><body><h1>Index</h1><pre>\n" + "\n".join(links) + "\n</pre></body></html>\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(page)))
+        self.end_headers()
+        if body:
+            self.wfile.write(page)
+
+
+class RangeHTTPServer(ThreadingHTTPServer):
+    """A threaded HTTP server over ``root`` on 127.0.0.1 with injectable :attr:`faults`."""
+
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, root: str | os.PathLike, handler: type[BaseHTTPRequestHandler] = RangeRequestHandler):
+        super().__init__(("127.0.0.1", 0), handler)
+        self.root = Path(root).resolve()
+        self.faults = Faults()
+        self.requests: list[tuple[str, str, dict[str, str]]] = []  #: (method, target, headers) seen
+        self._thread: threading.Thread | None = None
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # A client that hangs up mid-answer is what fault tests do; say nothing.
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+    @property
+    def port(self) -> int:
+        return self.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def start(self) -> RangeHTTPServer:
+        self._thread = threading.Thread(target=self.serve_forever, name=f"range-http-{self.port}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.server_close()
+
+    def __enter__(self) -> RangeHTTPServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+# -- pytest fixtures -----------------------------------------------------------------
+
+
+@pytest.fixture
+def nginx_factory() -> Iterator:
+    """``nginx_factory(root, autoindex_format="json", limit_rate=None)`` -> a started NginxServer."""
+    servers: list[NginxServer] = []
+
+    def start(root: str | os.PathLike, **options: object) -> NginxServer:
+        server = NginxServer(root, **options)  # type: ignore[arg-type]
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def range_http_factory() -> Iterator:
+    """``range_http_factory(root)`` -> a started RangeHTTPServer (with ``.faults``)."""
+    servers: list[RangeHTTPServer] = []
+
+    def start(root: str | os.PathLike) -> RangeHTTPServer:
+        server = RangeHTTPServer(root)
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()

@@ -1,0 +1,316 @@
+"""pyfuse3 request handlers for a read-only tree of :mod:`bootseer.fuse.nodes`.
+
+:class:`ReadOnlyOperations` turns kernel requests into node calls and node results
+into replies.  Every handler maps failures to an errno: :class:`OSError` keeps its
+own, anything else is logged and answered with EIO.  That mapping matters beyond
+politeness: pyfuse3 lets any other exception escape its main loop, which would take
+the whole mount down over one bad read.  Requests that would modify the tree are
+answered with EROFS (the ``ro`` mount option makes the kernel refuse most of them
+before they get here).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import time
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
+
+import prometheus_client
+import pyfuse3
+
+from bootseer.fuse.inodes import InodeTable
+from bootseer.fuse.nodes import Attributes, Directory, File, Node, OpenFile, Symlink
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+REQUESTS = prometheus_client.Counter(
+    "bootseer_fuse_requests_total", "FUSE requests handled, by filesystem and operation", ["fs", "op"]
+)
+ERRORS = prometheus_client.Counter(
+    "bootseer_fuse_errors_total", "FUSE requests answered with an error, by errno name", ["fs", "op", "errno"]
+)
+READ_BYTES = prometheus_client.Counter("bootseer_fuse_read_bytes_total", "Bytes returned to FUSE reads", ["fs"])
+READ_SECONDS = prometheus_client.Histogram(
+    "bootseer_fuse_read_seconds",
+    "Time to answer one FUSE read",
+    ["fs"],
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+)
+OPEN_FILES = prometheus_client.Gauge("bootseer_fuse_open_files", "Files open through FUSE", ["fs"])
+
+# Errors that are part of normal use and not worth more than a debug line.
+_EXPECTED_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errno.EINVAL, errno.ENODATA}
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+Handler = TypeVar("Handler", bound=Callable[..., Awaitable[Any]])
+
+
+# OSError subclasses raised without an errno (``FileNotFoundError(path)``) still mean one.
+_ERRNO_OF_TYPE: list[tuple[type[OSError], int]] = [
+    (FileNotFoundError, errno.ENOENT),
+    (NotADirectoryError, errno.ENOTDIR),
+    (IsADirectoryError, errno.EISDIR),
+    (PermissionError, errno.EACCES),
+    (FileExistsError, errno.EEXIST),
+    (TimeoutError, errno.ETIMEDOUT),
+]
+
+
+def errno_of(exc: BaseException) -> int:
+    """The errno a failed request answers with: an OSError's own, EIO otherwise."""
+    if isinstance(exc, pyfuse3.FUSEError):
+        return exc.errno
+    if isinstance(exc, OSError):
+        if exc.errno:
+            return exc.errno
+        for kind, code in _ERRNO_OF_TYPE:
+            if isinstance(exc, kind):
+                return code
+    return errno.EIO
+
+
+def _loggable(args: tuple[Any, ...]) -> str:
+    """Request arguments for a log line, without pyfuse3's opaque context objects."""
+    shown = [a for a in args if not isinstance(a, (pyfuse3.RequestContext, pyfuse3.ReaddirToken))]
+    return " ".join(os.fsdecode(a) if isinstance(a, bytes) else str(a) for a in shown)
+
+
+def _handler(op: str) -> Callable[[Handler], Handler]:
+    """Count the request and turn whatever it raises into a :class:`pyfuse3.FUSEError`."""
+
+    def decorate(method: Handler) -> Handler:
+        @functools.wraps(method)
+        async def wrapper(self: ReadOnlyOperations, *args: Any) -> Any:
+            REQUESTS.labels(self.name, op).inc()
+            try:
+                return await method(self, *args)
+            except Exception as exc:  # trio.Cancelled is a BaseException and passes
+                code = errno_of(exc)
+                ERRORS.labels(self.name, op, errno.errorcode.get(code, str(code))).inc()
+                if not isinstance(exc, OSError):
+                    log.error("request failed", fs=self.name, op=op, args=_loggable(args), exc_info=exc)
+                elif code in _EXPECTED_ERRNOS:
+                    log.debug("request failed", fs=self.name, op=op, args=_loggable(args), error=str(exc))
+                else:
+                    log.warning("request failed", fs=self.name, op=op, args=_loggable(args), error=str(exc))
+                if isinstance(exc, pyfuse3.FUSEError):
+                    raise
+                raise pyfuse3.FUSEError(code) from None
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _read_only(op: str) -> Callable[..., Awaitable[Any]]:
+    async def refuse(self: ReadOnlyOperations, *args: Any) -> Any:
+        raise OSError(errno.EROFS, f"{op}: read-only filesystem")
+
+    refuse.__name__ = op
+    return _handler(op)(refuse)
+
+
+class ReadOnlyOperations(pyfuse3.Operations):
+    """Serve the tree under ``root`` read-only.
+
+    ``name`` labels logs and metrics.  ``entry_timeout`` and ``attr_timeout`` are how
+    long the kernel may trust a name lookup and a node's attributes without asking
+    again; they bound how late a change at the source is seen.  ``statfs`` supplies
+    what ``df`` shows (all zero by default: the size of a remote tree is unknown).
+    """
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(
+        self,
+        root: Directory,
+        *,
+        name: str,
+        entry_timeout: float = 1.0,
+        attr_timeout: float = 1.0,
+        block_size: int = 1 << 20,
+        statfs: Callable[[], pyfuse3.StatvfsData] | None = None,
+    ) -> None:
+        super().__init__()
+        self.name = name
+        self.inodes = InodeTable(root)
+        self.entry_timeout = entry_timeout
+        self.attr_timeout = attr_timeout
+        self.block_size = block_size
+        self._statfs = statfs
+        self._files: dict[int, OpenFile] = {}
+        self._listings: dict[int, tuple[int, Sequence[tuple[str, Node]]]] = {}
+        self._next_handle = 1
+
+    # -- attributes and names -------------------------------------------------
+
+    def _entry(self, number: int, attributes: Attributes) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = number
+        entry.generation = 0
+        entry.entry_timeout = self.entry_timeout
+        entry.attr_timeout = self.attr_timeout
+        entry.st_mode = attributes.mode
+        entry.st_nlink = attributes.nlink
+        entry.st_uid = attributes.uid
+        entry.st_gid = attributes.gid
+        entry.st_rdev = 0
+        entry.st_size = attributes.size
+        entry.st_blksize = self.block_size
+        entry.st_blocks = (attributes.size + 511) // 512
+        entry.st_atime_ns = entry.st_ctime_ns = entry.st_mtime_ns = attributes.mtime_ns
+        return entry
+
+    def _directory(self, number: int) -> Directory:
+        node = self.inodes.node(number)
+        if not isinstance(node, Directory):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory")
+        return node
+
+    @_handler("lookup")
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        text = os.fsdecode(name)
+        if text in (".", ".."):
+            number = parent_inode if text == "." else self.inodes.parent(parent_inode)
+            node, parent = self.inodes.node(number), self.inodes.parent(number)
+        else:
+            node, parent = await self._directory(parent_inode).lookup(text), parent_inode
+        return self._entry(self.inodes.reference(node, parent), node.attributes())
+
+    @_handler("forget")
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for number, count in inode_list:
+            log.debug("forget", inode=number, count=count)
+            self.inodes.forget(number, count)
+
+    @_handler("getattr")
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._entry(inode, self.inodes.node(inode).attributes())
+
+    @_handler("readlink")
+    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+        node = self.inodes.node(inode)
+        if not isinstance(node, Symlink):
+            raise OSError(errno.EINVAL, "not a symlink")
+        return os.fsencode(await node.readlink())
+
+    @_handler("access")
+    async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
+        self.inodes.node(inode)
+        if mode & os.W_OK:
+            raise OSError(errno.EROFS, "read-only filesystem")
+        return True
+
+    @_handler("statfs")
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        if self._statfs is not None:
+            return self._statfs()
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = self.block_size
+        data.f_namemax = 255
+        return data
+
+    # -- directories ------------------------------------------------------------
+
+    def _new_handle(self) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        return handle
+
+    @_handler("opendir")
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        directory = self._directory(inode)
+        # A snapshot per handle: offsets handed to the kernel stay valid across the
+        # several readdir calls a large directory needs, even if the tree changes.
+        # The kernel ignores the attributes of "." and "..", so the directory's own do.
+        listing = [(".", directory), ("..", directory), *await directory.entries()]
+        handle = self._new_handle()
+        self._listings[handle] = (inode, listing)
+        return handle
+
+    @_handler("readdir")
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        inode, listing = self._listings[fh]
+        for index in range(start_id, len(listing)):
+            name, node = listing[index]
+            if index == 0:
+                number = inode
+            elif index == 1:
+                number = self.inodes.parent(inode)
+            else:
+                number = self.inodes.number(node)
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._entry(number, node.attributes()), index + 1):
+                return
+            # pyfuse3 answers with readdirplus: the kernel takes a reference to every
+            # entry it is given, except "." and "..".
+            if index > 1:
+                self.inodes.reference(node, inode)
+
+    @_handler("releasedir")
+    async def releasedir(self, fh: int) -> None:
+        self._listings.pop(fh, None)
+
+    # -- files --------------------------------------------------------------------
+
+    @_handler("open")
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & _WRITE_FLAGS:
+            raise OSError(errno.EROFS, "read-only filesystem")
+        node = self.inodes.node(inode)
+        if isinstance(node, Directory):
+            raise IsADirectoryError(errno.EISDIR, "is a directory")
+        if not isinstance(node, File):
+            raise OSError(errno.EINVAL, "not a regular file")
+        opened = await node.open()
+        handle = self._new_handle()
+        self._files[handle] = opened
+        OPEN_FILES.labels(self.name).inc()
+        return pyfuse3.FileInfo(fh=handle, keep_cache=opened.keep_cache, direct_io=opened.direct_io)
+
+    @_handler("read")
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        started = time.monotonic()
+        data = await self._files[fh].read(off, size)
+        READ_SECONDS.labels(self.name).observe(time.monotonic() - started)
+        READ_BYTES.labels(self.name).inc(len(data))
+        return data
+
+    @_handler("flush")
+    async def flush(self, fh: int) -> None:
+        return None
+
+    @_handler("release")
+    async def release(self, fh: int) -> None:
+        opened = self._files.pop(fh, None)
+        if opened is not None:
+            OPEN_FILES.labels(self.name).dec()
+            opened.close()
+
+    def close_all(self) -> None:
+        """Close every handle still open (the session is over; no release will come)."""
+        while self._files:
+            _handle, opened = self._files.popitem()
+            OPEN_FILES.labels(self.name).dec()
+            opened.close()
+        self._listings.clear()
+
+    # -- everything that would write ------------------------------------------------
+
+    setattr = _read_only("setattr")
+    mknod = _read_only("mknod")
+    mkdir = _read_only("mkdir")
+    unlink = _read_only("unlink")
+    rmdir = _read_only("rmdir")
+    symlink = _read_only("symlink")
+    rename = _read_only("rename")
+    link = _read_only("link")
+    write = _read_only("write")
+    create = _read_only("create")
+    setxattr = _read_only("setxattr")
+    removexattr = _read_only("removexattr")

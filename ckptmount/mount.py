@@ -1,0 +1,68 @@
+"""Serving one checkpoint source as a read-only FUSE mount.
+
+:func:`mount_checkpoint` runs the fetch engine and the FUSE session side by side in
+one trio run: it opens the engine over the source, checks that the source answers,
+mounts, and serves until the mount ends (``umount``, SIGTERM/SIGINT).  A source that
+fails later does not end the mount: the reads it fails get EIO after the engine's
+retry timeout, and reads succeed again once it is back.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import trio
+
+from bootseer.ckptmount.tree import CheckpointTree
+from bootseer.fetch.engine import EngineConfig, open_engine
+from bootseer.fuse import ReadOnlyOperations, mount_options, serve
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+SUBTYPE = "bootseer-ckpt"
+
+
+class SourceUnavailable(Exception):
+    """The source did not answer at mount time; nothing was mounted."""
+
+
+def display_url(url: str) -> str:
+    """``url`` without what may be secret (``user:password@``, a query string token)."""
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+async def mount_checkpoint(
+    source: Any,
+    mountpoint: str,
+    *,
+    config: EngineConfig,
+    listing_ttl: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Mount ``source`` (a :class:`~bootseer.fetch.source.RangeSource`) read-only on
+    ``mountpoint`` and serve it until the mount ends; ``task_status.started()`` once
+    the mount is ready.
+
+    Raises :class:`SourceUnavailable` if the source's root cannot be read, and
+    :class:`~bootseer.fuse.MountError` if the mount cannot be made.
+    """
+    shown = display_url(source.url)
+    async with open_engine(source, config) as engine:
+        tree = CheckpointTree(engine, listing_ttl=listing_ttl)
+        try:
+            root = await tree.root(source.url)
+        except OSError as exc:
+            raise SourceUnavailable(f"cannot read the source {shown}: {exc.strerror or exc}") from exc
+        ops = ReadOnlyOperations(root, name=SUBTYPE, entry_timeout=listing_ttl, attr_timeout=listing_ttl)
+        options = mount_options(fsname=shown, subtype=SUBTYPE)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
+            log.info("mounted", source=shown, mountpoint=mountpoint)
+            task_status.started()

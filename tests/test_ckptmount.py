@@ -1,0 +1,606 @@
+"""``bootseer ckpt mount`` end to end: the real command, a real FUSE mount, real backends.
+
+Every backend that can run here serves the same tree (local directory, nginx over
+HTTP, moto's S3, WebHDFS when tests/webhdfs_server.py is there) and the mount is
+checked against the files on disk: listing, stat, byte-exact random and sequential
+reads, many readers at once.  Faults and lifecycle (a source outage, SIGTERM,
+external umount, bad options) run against the local and HTTP backends.
+"""
+
+from __future__ import annotations
+
+import errno
+import filecmp
+import hashlib
+import os
+import random
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.http_fixtures import NginxServer, RangeHTTPServer, free_port
+from tests.s3_fixtures import REGION, MotoS3, S3Bucket, moto_s3  # noqa: F401  (moto_s3 is a fixture)
+from tests.test_fuse_plumbing import MountProcess, mount_entry, wait_unmounted
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"),
+]
+
+BOOTSEER = [sys.executable, "-m", "bootseer.cli"]
+MiB = 1 << 20
+STRIPE = "1M"  # small stripes, so that even small files span several
+SHARDS = 200
+
+
+# -- the tree every backend serves ----------------------------------------------------
+
+
+def _content(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def make_tree(root: Path) -> None:
+    """A checkpoint-shaped tree: shards, a config, an empty file, nesting, a wide directory."""
+    (root / "sub" / "deep").mkdir(parents=True)
+    (root / "shards").mkdir()
+    (root / "model-00001-of-00002.safetensors").write_bytes(_content(1, 5 * MiB + 123))
+    (root / "model-00002-of-00002.safetensors").write_bytes(_content(2, 3 * MiB))
+    (root / "config.json").write_text('{"hidden_size": 4096}\n')
+    (root / "empty").write_bytes(b"")
+    (root / "sub" / "deep" / "optimizer.pt").write_bytes(_content(3, MiB + 7))
+    (root / "name with spaces.bin").write_bytes(_content(4, 1000))
+    for index in range(SHARDS):
+        (root / "shards" / f"shard-{index:04d}").write_bytes(b"%d\n" % index)
+
+
+def source_files(root: Path) -> dict[str, Path]:
+    return {path.relative_to(root).as_posix(): path for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def mounted_tree(mnt: Path) -> tuple[set[str], set[str]]:
+    files, dirs = set(), set()
+    for dirpath, dirnames, filenames in os.walk(mnt):
+        base = Path(dirpath).relative_to(mnt)
+        dirs.update((base / name).as_posix() for name in dirnames)
+        files.update((base / name).as_posix() for name in filenames)
+    return files, dirs
+
+
+@dataclass
+class Backend:
+    name: str
+    url: str
+    root: Path  #: the same files on local disk, to compare against
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    mtime_tolerance: float | None = 0.001  #: None: the source keeps no file mtimes we can predict
+
+
+def start_mount(
+    backend: Backend, mountpoint: Path, logdir: Path, *extra: str, source_url: str | None = None
+) -> MountProcess:
+    argv = [*BOOTSEER, "ckpt", "mount", source_url or backend.url, str(mountpoint), "--stripe-size", STRIPE,
+            *backend.args, *extra]  # fmt: skip
+    env = {**os.environ, **backend.env}
+    return MountProcess(argv, mountpoint, logdir, "mounted ", env=env)
+
+
+@pytest.fixture(scope="module")
+def source_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("source")
+    make_tree(root)
+    return root
+
+
+def _webhdfs_server_class():
+    try:
+        from tests import webhdfs_server
+    except ImportError:
+        return None
+    return webhdfs_server
+
+
+@pytest.fixture(scope="module", params=["local", "http", "s3", "webhdfs"])
+def backend(request: pytest.FixtureRequest, source_root: Path) -> Iterator[Backend]:
+    kind = request.param
+    if kind == "local":
+        yield Backend("local", str(source_root), source_root)
+    elif kind == "http":
+        with NginxServer(source_root, autoindex_format="json") as server:
+            # HTTP carries mtimes at one-second resolution (Last-Modified).
+            yield Backend("http", server.url, source_root, mtime_tolerance=1.0)
+    elif kind == "s3":
+        s3: MotoS3 = request.getfixturevalue("moto_s3")
+        bucket = S3Bucket(s3, f"bootseer-ckpt-{os.getpid()}")
+        client = s3.client()
+        client.create_bucket(Bucket=bucket.name)
+        bucket.upload_tree(source_root, prefix="ckpt")
+        env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_CONFIG_FILE": "/dev/null",
+               "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}  # fmt: skip
+        try:
+            # S3 keeps the upload time, not the file's mtime.
+            args = ["--s3-endpoint-url", s3.endpoint_url, "--s3-region", REGION]
+            yield Backend("s3", bucket.url("ckpt"), source_root, args, env, mtime_tolerance=None)
+        finally:
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket.name):
+                for item in page.get("Contents", []):
+                    client.delete_object(Bucket=bucket.name, Key=item["Key"])
+            client.delete_bucket(Bucket=bucket.name)
+    else:
+        module = _webhdfs_server_class()
+        if module is None:
+            pytest.skip("tests/webhdfs_server.py is not there yet")
+        with module.WebHdfsServer(source_root) as server:
+            yield Backend("webhdfs", server.url, source_root, ["--webhdfs-user", "test"])
+
+
+@pytest.fixture(scope="module")
+def ckpt(backend: Backend, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Backend, Path, MountProcess]]:
+    """``backend`` mounted for the whole module."""
+    workdir = tmp_path_factory.mktemp(f"mount-{backend.name}")
+    mountpoint = workdir / "mnt"
+    mountpoint.mkdir()
+    mount = start_mount(backend, mountpoint, workdir)
+    try:
+        mount.wait_ready()
+        yield backend, mountpoint, mount
+    finally:
+        mount.cleanup()
+
+
+# -- every backend -------------------------------------------------------------------------
+
+
+def test_mount_reports_ready_and_shows_in_the_mount_table(ckpt) -> None:
+    backend, mnt, mount = ckpt
+    assert f"at {mnt}" in mount.stdout
+    entry = mount_entry(mnt)
+    assert entry is not None and entry.fstype == "fuse.bootseer-ckpt" and "ro" in entry.options
+
+
+def test_listing_and_stat_match_the_source(ckpt) -> None:
+    backend, mnt, _mount = ckpt
+    expected = source_files(backend.root)
+    files, dirs = mounted_tree(mnt)
+    assert files == set(expected)
+    assert {"sub", "sub/deep", "shards"} <= dirs
+    for relative, path in expected.items():
+        info = os.stat(mnt / relative)
+        assert stat.S_ISREG(info.st_mode)
+        assert info.st_mode & 0o777 == 0o444
+        assert info.st_size == path.stat().st_size, relative
+        if backend.mtime_tolerance is not None:
+            assert abs(info.st_mtime - path.stat().st_mtime) <= backend.mtime_tolerance, relative
+    assert stat.S_ISDIR(os.stat(mnt / "sub" / "deep").st_mode)
+    assert sorted(os.listdir(mnt / "shards")) == [f"shard-{i:04d}" for i in range(SHARDS)]
+
+
+def test_random_reads_are_byte_exact(ckpt) -> None:
+    backend, mnt, _mount = ckpt
+    rng = random.Random(backend.name)
+    for relative in ("model-00001-of-00002.safetensors", "sub/deep/optimizer.pt", "name with spaces.bin"):
+        data = (backend.root / relative).read_bytes()
+        fd = os.open(mnt / relative, os.O_RDONLY)
+        try:
+            for _ in range(60):
+                offset = rng.randrange(0, len(data) + 100)
+                size = rng.choice([1, 511, 4096, 100_000, MiB + 3, 3 * MiB])
+                assert os.pread(fd, size, offset) == data[offset : offset + size], (relative, offset, size)
+        finally:
+            os.close(fd)
+
+
+def test_sequential_reads_compare_equal(ckpt) -> None:
+    backend, mnt, _mount = ckpt
+    for relative, path in source_files(backend.root).items():
+        if relative.startswith("shards/"):
+            continue
+        subprocess.run(["cmp", str(path), str(mnt / relative)], check=True, timeout=120)
+    assert (mnt / "config.json").read_text() == '{"hidden_size": 4096}\n'
+    assert (mnt / "empty").read_bytes() == b""
+    assert (mnt / "shards" / "shard-0123").read_bytes() == b"123\n"
+
+
+def test_concurrent_readers(ckpt) -> None:
+    backend, mnt, _mount = ckpt
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "sub/deep/optimizer.pt"]
+    contents = {name: (backend.root / name).read_bytes() for name in names}
+
+    def read_ranges(seed: int) -> None:
+        rng = random.Random(seed)
+        name = names[seed % len(names)]
+        data = contents[name]
+        with open(mnt / name, "rb", buffering=0) as file:
+            for _ in range(25):
+                offset = rng.randrange(len(data))
+                file.seek(offset)
+                assert file.read(65536) == data[offset : offset + 65536]
+
+    processes = [subprocess.Popen(["cmp", str(backend.root / name), str(mnt / name)]) for name in names * 2]
+    try:
+        with ThreadPoolExecutor(12) as pool:
+            for future in [pool.submit(read_ranges, seed) for seed in range(12)]:
+                future.result(timeout=120)
+        assert [process.wait(120) for process in processes] == [0] * len(processes)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def test_many_files_open_at_once(ckpt) -> None:
+    _backend, mnt, _mount = ckpt
+    files = [open(mnt / "shards" / f"shard-{index:04d}", "rb") for index in range(SHARDS)]
+    try:
+        # Read in reverse order of opening, so every handle is still open and live.
+        for index, file in reversed(list(enumerate(files))):
+            assert file.read() == b"%d\n" % index
+    finally:
+        for file in files:
+            file.close()
+
+
+def test_missing_names_and_writes(ckpt) -> None:
+    _backend, mnt, _mount = ckpt
+    with pytest.raises(FileNotFoundError):
+        os.stat(mnt / "model-00003-of-00002.safetensors")
+    with pytest.raises(FileNotFoundError):
+        (mnt / "sub" / "nothing" / "here").read_bytes()
+    with pytest.raises(NotADirectoryError):
+        os.listdir(mnt / "config.json")
+    for attempt in (
+        lambda: open(mnt / "config.json", "r+b"),
+        lambda: open(mnt / "new-file", "wb"),
+        lambda: os.mkdir(mnt / "new-dir"),
+        lambda: os.unlink(mnt / "config.json"),
+        lambda: os.rename(mnt / "config.json", mnt / "moved.json"),
+    ):
+        with pytest.raises(OSError) as excinfo:
+            attempt()
+        assert excinfo.value.errno == errno.EROFS
+
+
+# -- large sparse files -------------------------------------------------------------------------
+
+SPARSE_SIZE = 40 * (1 << 30) + 12345
+SPARSE_MARKS = [0, 5 * (1 << 30) + 17, 33 * (1 << 30) - 3, SPARSE_SIZE - 4096]
+
+
+@pytest.fixture(scope="module")
+def sparse_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sparse")
+    with open(root / "huge.bin", "wb") as file:
+        file.truncate(SPARSE_SIZE)
+        for offset in SPARSE_MARKS:
+            file.seek(offset)
+            file.write(hashlib.sha256(b"%d" % offset).digest() * 128)  # 4 KiB marks
+    return root
+
+
+@pytest.mark.parametrize("kind", ["local", "http"])
+def test_far_offsets_of_a_huge_sparse_file(kind: str, sparse_root: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    server = NginxServer(sparse_root).start() if kind == "http" else None
+    try:
+        backend = Backend(kind, server.url if server else str(sparse_root), sparse_root)
+        mount = start_mount(backend, mountpoint, tmp_path)
+        try:
+            mount.wait_ready()
+            path = mountpoint / "huge.bin"
+            assert os.stat(path).st_size == SPARSE_SIZE
+            fd = os.open(path, os.O_RDONLY)
+            source_fd = os.open(sparse_root / "huge.bin", os.O_RDONLY)
+            try:
+                for offset in [*SPARSE_MARKS, *(mark + 4000 for mark in SPARSE_MARKS), 20 * (1 << 30)]:
+                    expected = os.pread(source_fd, 8192, offset)
+                    assert os.pread(fd, 8192, offset) == expected, offset
+                assert os.pread(fd, 100, SPARSE_SIZE - 10) == os.pread(source_fd, 100, SPARSE_SIZE - 10)
+                assert os.pread(fd, 100, SPARSE_SIZE + 10) == b""
+            finally:
+                os.close(fd)
+                os.close(source_fd)
+        finally:
+            mount.cleanup()
+    finally:
+        if server is not None:
+            server.stop()
+
+
+# -- lifecycle -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def local_mount(source_root: Path, tmp_path: Path) -> Iterator[MountProcess]:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mount = start_mount(Backend("local", str(source_root), source_root), mountpoint, tmp_path)
+    try:
+        mount.wait_ready()
+        yield mount
+    finally:
+        mount.cleanup()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_unmounts_cleanly(local_mount: MountProcess, signum: int) -> None:
+    assert (local_mount.mountpoint / "config.json").read_bytes()
+    local_mount.signal(signum)
+    assert local_mount.wait() == 0
+    wait_unmounted(local_mount.mountpoint)
+
+
+def test_external_umount_ends_the_process(local_mount: MountProcess) -> None:
+    with open(local_mount.mountpoint / "model-00002-of-00002.safetensors", "rb") as file:
+        assert file.read(100)
+    subprocess.run(["umount", str(local_mount.mountpoint)], check=True, timeout=30)
+    assert local_mount.wait() == 0
+    assert mount_entry(local_mount.mountpoint) is None
+
+
+def _eventually(check, timeout: float = 20.0) -> None:
+    """Poll ``check`` until it returns true (changes at the source show after the listing TTL)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "the change never showed through the mount"
+        time.sleep(0.1)
+
+
+def test_changes_at_the_source_show_after_the_listing_ttl(tmp_path: Path) -> None:
+    root = tmp_path / "source"
+    root.mkdir()
+    v1, v2 = _content(10, 3 * MiB), _content(11, 2 * MiB + 5)
+    (root / "latest.pt").write_bytes(v1)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mount = start_mount(Backend("local", str(root), root), mountpoint, tmp_path, "--listing-ttl", "0.5")
+    try:
+        mount.wait_ready()
+        assert (mountpoint / "latest.pt").read_bytes() == v1
+        fd = os.open(mountpoint / "latest.pt", os.O_RDONLY)
+        try:
+            assert os.pread(fd, 4096, 0) == v1[:4096]
+            # A checkpoint written next to the old one, then swapped in by rename.
+            (root / "new.pt").write_bytes(v2)
+            _eventually(lambda: "new.pt" in os.listdir(mountpoint))
+            os.rename(root / "new.pt", root / "latest.pt")
+            _eventually(lambda: os.stat(mountpoint / "latest.pt").st_size == len(v2))
+            assert (mountpoint / "latest.pt").read_bytes() == v2
+            # The handle opened on the old version never mixes in bytes of the new one.
+            try:
+                assert os.pread(fd, 4096, 2 * MiB + 100) == v1[2 * MiB + 100 : 2 * MiB + 4196]
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+        finally:
+            os.close(fd)
+        (root / "latest.pt").unlink()
+        _eventually(lambda: not (mountpoint / "latest.pt").exists())
+    finally:
+        mount.cleanup()
+
+
+def test_a_single_file_source_is_mounted_as_a_directory_holding_it(source_root: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    source = source_root / "sub" / "deep" / "optimizer.pt"
+    mount = start_mount(Backend("local", str(source), source_root), mountpoint, tmp_path)
+    try:
+        mount.wait_ready()
+        assert os.listdir(mountpoint) == ["optimizer.pt"]
+        assert filecmp.cmp(source, mountpoint / "optimizer.pt", shallow=False)
+    finally:
+        mount.cleanup()
+
+
+def test_metrics_endpoint(source_root: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    port = free_port()
+    backend = Backend("local", str(source_root), source_root)
+    mount = start_mount(backend, mountpoint, tmp_path, "--metrics-address", f"127.0.0.1:{port}")
+    try:
+        mount.wait_ready()
+        assert (mountpoint / "config.json").read_bytes()
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'bootseer_fuse_requests_total{fs="bootseer-ckpt",op="read"}' in body
+        assert "bootseer_fetch_" in body  # the engine's metrics, on the same endpoint
+    finally:
+        mount.cleanup()
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, size",
+    [("4096", 4096), ("8M", 8 * MiB), ("16MiB", 16 * MiB), ("1G", 1 << 30), ("1.5g", 3 << 29), ("512k", 512 << 10),
+     ("8MB", 8_000_000), ("2 GiB", 2 << 30), ("0", 0)],
+)  # fmt: skip
+def test_sizes(text: str, size: int) -> None:
+    from bootseer.ckptmount.cli import parse_size
+
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "M", "8X", "-1", "1.5", "8i", "8iB", "0.3K", "1e9"])
+def test_bad_sizes(text: str) -> None:
+    import argparse
+
+    from bootseer.ckptmount.cli import parse_size
+
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_size(text)
+
+
+def _run(argv: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([*BOOTSEER, *argv], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--stripe-size", "8X"], "invalid size"),
+        (["--streams", "0"], "must be at least 1"),
+        (["--retry-timeout", "-1"], "positive number of seconds"),
+        (["--memory-limit", "1M", "--stripe-size", "8M"], "must hold at least one stripe"),
+        (["--s3-region", "us-east-1"], "--s3-region does not apply to local sources"),
+        (["--http-header", "no colon"], "invalid header"),
+        (["--metrics-address", "nowhere"], "HOST:PORT"),
+    ],
+)
+def test_bad_options_exit_2(options: list[str], message: str, source_root: Path, tmp_path: Path) -> None:
+    result = _run(["ckpt", "mount", str(source_root), str(tmp_path), *options])
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert mount_entry(tmp_path) is None
+
+
+def test_bad_mountpoints_exit_2(source_root: Path, tmp_path: Path) -> None:
+    result = _run(["ckpt", "mount", str(source_root), str(tmp_path / "missing")])
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    result = _run(["ckpt", "mount", str(source_root), str(source_root / "config.json")])
+    assert result.returncode == 2 and "is not a directory" in result.stderr
+    result = _run(["ckpt", "mount", "ftp://example/x", str(tmp_path)])
+    assert result.returncode == 2 and "unsupported source URL" in result.stderr
+
+
+def test_unreachable_sources_exit_1(tmp_path: Path) -> None:
+    result = _run(["ckpt", "mount", str(tmp_path / "no-such-dir"), str(tmp_path)])
+    assert result.returncode == 1 and "cannot read the source" in result.stderr
+    port = free_port()  # nothing listens there
+    result = _run(["ckpt", "mount", f"http://127.0.0.1:{port}/ckpt/", str(tmp_path), "--retry-timeout", "1"])
+    assert result.returncode == 1 and "cannot read the source" in result.stderr
+    assert mount_entry(tmp_path) is None
+
+
+# -- a source that goes away -----------------------------------------------------------------------
+
+
+class CuttableLink:
+    """A TCP proxy on 127.0.0.1 whose link can be cut and restored, like a network outage.
+
+    While cut, open connections are reset and new ones refused; restoring listens on
+    the same port again.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def restore(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        listener.settimeout(0.1)
+        self._listener = listener
+        thread = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def cut(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        with self._lock:
+            connections, self._connections = self._connections, set()
+        for conn in connections:
+            try:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+        for thread in self._threads:
+            thread.join(5)
+        self._threads = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        while self._listener is listener:
+            try:
+                client, _ = listener.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            client.settimeout(None)
+            with self._lock:
+                self._connections.update((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+            sink.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+
+def test_a_source_outage_fails_reads_with_eio_and_the_mount_recovers(source_root: Path, tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    name = "model-00001-of-00002.safetensors"
+    data = (source_root / name).read_bytes()
+    other = (source_root / "sub" / "deep" / "optimizer.pt").read_bytes()
+    # The Python server: its redirects are relative, so they survive the proxy's port.
+    with RangeHTTPServer(source_root) as server:
+        link = CuttableLink(server.port)
+        link.restore()
+        try:
+            backend = Backend("http", link.url, source_root)
+            mount = start_mount(backend, mountpoint, tmp_path, "--retry-timeout", "2", "--readahead-max", "0")
+            try:
+                mount.wait_ready()
+                fd = os.open(mountpoint / name, os.O_RDONLY)
+                try:
+                    # A random read away from the start: it fetches its own stripe only.
+                    assert os.pread(fd, 4096, 3 * MiB) == data[3 * MiB : 3 * MiB + 4096]
+                    link.cut()
+                    with pytest.raises(OSError) as excinfo:
+                        os.pread(fd, 4096, 5 * MiB)
+                    assert excinfo.value.errno == errno.EIO
+                    # The mount is up: names and what was already read are still served.
+                    assert mount.process.poll() is None and mount_entry(mountpoint) is not None
+                    assert name in os.listdir(mountpoint)
+                    assert os.pread(fd, 4096, 3 * MiB) == data[3 * MiB : 3 * MiB + 4096]
+                    link.restore()
+                    assert os.pread(fd, 4096, 5 * MiB) == data[5 * MiB : 5 * MiB + 4096]
+                    assert (mountpoint / "sub" / "deep" / "optimizer.pt").read_bytes() == other
+                finally:
+                    os.close(fd)
+                mount.signal(signal.SIGTERM)
+                assert mount.wait() == 0
+                assert "EIO" in mount.stderr or "Input/output error" in mount.stderr or "failed" in mount.stderr
+            finally:
+                mount.cleanup()
+        finally:
+            link.cut()

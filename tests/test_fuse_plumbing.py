@@ -1,0 +1,481 @@
+"""bootseer.fuse against the kernel: a small in-memory tree mounted for real.
+
+pyfuse3 allows one FUSE session per process, so the filesystem runs in a child
+process: this file doubles as that program (``python tests/test_fuse_plumbing.py
+MOUNTPOINT``).  The helpers for running and always cleaning up a mount process
+(:class:`MountProcess`, :func:`mount_entry`) are shared with test_ckptmount.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import pytest
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"),
+]
+
+HERE = Path(__file__).resolve()
+PYTHON = sys.executable
+START_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 20.0
+
+HELLO = b"hello world\n"
+BIG = random.Random(1).randbytes(3 * 1024 * 1024 + 17)
+MANY = 3000
+FSNAME = "plumbing-test-source"
+SUBTYPE = "bootseer-test"
+
+
+# -- mount processes (shared with test_ckptmount.py) -----------------------------
+
+
+@dataclass
+class MountEntry:
+    source: str
+    mountpoint: str
+    fstype: str
+    options: list[str]
+
+
+def _unescape_mount_field(field: str) -> str:
+    # /proc/self/mounts writes space, tab, newline and backslash as octal escapes.
+    for code in ("040", "011", "012", "134"):
+        field = field.replace("\\" + code, chr(int(code, 8)))
+    return field
+
+
+def mount_entry(mountpoint: str | os.PathLike) -> MountEntry | None:
+    """The kernel's mount table entry for ``mountpoint`` (the topmost one), if mounted."""
+    target = os.path.realpath(mountpoint)
+    found = None
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            source, point, fstype, options, *_ = line.split()
+            if _unescape_mount_field(point) == target:
+                found = MountEntry(_unescape_mount_field(source), target, fstype, options.split(","))
+    return found
+
+
+def force_unmount(mountpoint: str | os.PathLike) -> None:
+    """Lazily unmount ``mountpoint`` if anything is mounted there (test cleanup)."""
+    while mount_entry(mountpoint) is not None:
+        subprocess.run(["umount", "-l", os.fspath(mountpoint)], check=False, timeout=30)
+
+
+class MountProcess:
+    """A child process serving a FUSE mount, with its output in files.
+
+    ``wait_ready`` blocks until ``ready_text`` is on stdout and the mount is in the
+    kernel's table.  ``cleanup`` (run it in a ``finally`` or fixture teardown) stops
+    the process and unmounts, whatever state either is in.
+    """
+
+    def __init__(
+        self, argv: Sequence[str], mountpoint: Path, logdir: Path, ready_text: str, env: dict[str, str] | None = None
+    ) -> None:
+        self.mountpoint = mountpoint
+        self.ready_text = ready_text
+        self.stdout_path = logdir / f"mount-{os.getpid()}-{id(self)}.out"
+        self.stderr_path = logdir / f"mount-{os.getpid()}-{id(self)}.err"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.process = subprocess.Popen(
+                list(argv), stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env
+            )
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_text in self.stdout and mount_entry(self.mountpoint) is not None:
+                return
+            if self.process.poll() is not None:
+                raise AssertionError(f"mount process exited {self.process.returncode}:\n{self.stderr}")
+            time.sleep(0.05)
+        raise AssertionError(f"mount not ready after {timeout}s:\n{self.stderr}")
+
+    def wait(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"mount process still running after {timeout}s:\n{self.stderr}") from None
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    def cleanup(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(STOP_TIMEOUT_S)
+        force_unmount(self.mountpoint)
+
+
+def wait_unmounted(mountpoint: Path, timeout: float = STOP_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while mount_entry(mountpoint) is not None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{mountpoint} still mounted after {timeout}s")
+        time.sleep(0.05)
+
+
+# -- the filesystem under test (runs in the child process) ---------------------
+
+
+def _serve_test_tree(mountpoint: str, grace: float) -> int:
+    import trio
+
+    from bootseer.fuse import (
+        BytesFile,
+        File,
+        MountError,
+        OpenFile,
+        ReadOnlyOperations,
+        StaticDirectory,
+        StaticSymlink,
+        mount_options,
+        serve,
+    )
+    from bootseer.log import setup_logging
+
+    class Exploding(OpenFile):
+        async def read(self, offset: int, size: int) -> bytes:
+            raise RuntimeError("a bug in a read handler")
+
+    class Hanging(OpenFile):
+        async def read(self, offset: int, size: int) -> bytes:
+            print("hanging read", flush=True)
+            await trio.sleep_forever()
+            raise AssertionError("unreachable")
+
+    class Special(File):
+        def __init__(self, key: str, opened: type[OpenFile] | None, open_error: OSError | None = None) -> None:
+            self.key = key
+            self._opened = opened
+            self._open_error = open_error
+
+        def attributes(self):
+            from bootseer.fuse import Attributes
+
+            return Attributes(stat.S_IFREG | 0o444, size=1 << 20)
+
+        async def open(self) -> OpenFile:
+            if self._open_error is not None:
+                raise self._open_error
+            assert self._opened is not None
+            return self._opened()
+
+    mtime_ns = 1_600_000_000_123_456_789
+    many = StaticDirectory("many", {f"f{i:05d}": BytesFile(f"many/{i}", b"%d\n" % i) for i in range(MANY)})
+    deep = StaticDirectory("sub/deep", {"deep.txt": BytesFile("sub/deep/deep.txt", b"deep\n")})
+    root = StaticDirectory(
+        "",
+        {
+            "hello.txt": BytesFile("hello.txt", HELLO, mtime_ns=mtime_ns),
+            "big.bin": BytesFile("big.bin", BIG),
+            "link": StaticSymlink("link", "hello.txt"),
+            "sub": StaticDirectory("sub", {"deep": deep}),
+            "many": many,
+            "exploding": Special("exploding", Exploding),
+            "hanging": Special("hanging", Hanging),
+            "forbidden": Special("forbidden", None, PermissionError(errno.EACCES, "no")),
+        },
+    )
+    setup_logging("debug")
+    ops = ReadOnlyOperations(root, name="test", entry_timeout=1, attr_timeout=1)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(
+                lambda task_status: serve(
+                    ops,
+                    mountpoint,
+                    options=mount_options(fsname=FSNAME, subtype=SUBTYPE),
+                    shutdown_grace=grace,
+                    task_status=task_status,
+                )
+            )
+            print("ready", flush=True)
+
+    status = 0
+    try:
+        trio.run(run)
+    except* MountError as group:
+        print(f"error: {group.exceptions[0]}", file=sys.stderr)
+        status = 2
+    return status
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mountpoint")
+    parser.add_argument("--grace", type=float, default=10.0)
+    args = parser.parse_args()
+    return _serve_test_tree(args.mountpoint, args.grace)
+
+
+# -- tests -------------------------------------------------------------------------
+
+
+def start_test_fs(mountpoint: Path, logdir: Path, *extra: str) -> MountProcess:
+    return MountProcess([PYTHON, str(HERE), str(mountpoint), *extra], mountpoint, logdir, "ready")
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Iterator[MountProcess]:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mount = start_test_fs(mountpoint, tmp_path, "--grace", "1")
+    try:
+        mount.wait_ready()
+        yield mount
+    finally:
+        mount.cleanup()
+
+
+def test_mount_table_shows_a_read_only_fuse_mount(fs: MountProcess) -> None:
+    entry = mount_entry(fs.mountpoint)
+    assert entry is not None
+    assert entry.source == FSNAME
+    assert entry.fstype == f"fuse.{SUBTYPE}"
+    for option in ("ro", "nosuid", "nodev", "default_permissions", "allow_other"):
+        assert option in entry.options
+    vfs = os.statvfs(fs.mountpoint)
+    assert vfs.f_flag & os.ST_RDONLY
+    assert vfs.f_namemax == 255
+
+
+def test_stat_lookup_and_symlink(fs: MountProcess) -> None:
+    mnt = fs.mountpoint
+    info = os.stat(mnt / "hello.txt")
+    assert stat.S_ISREG(info.st_mode) and info.st_size == len(HELLO)
+    assert info.st_mtime_ns == 1_600_000_000_123_456_789
+    assert stat.S_ISDIR(os.stat(mnt / "sub" / "deep").st_mode)
+    assert os.readlink(mnt / "link") == "hello.txt"
+    assert (mnt / "link").read_bytes() == HELLO
+    assert (mnt / "sub" / "deep" / "deep.txt").read_bytes() == b"deep\n"
+    assert os.stat(mnt / "sub" / "deep" / ".." / "deep").st_ino == os.stat(mnt / "sub" / "deep").st_ino
+
+
+def test_files_opened_right_after_a_listing(fs: MountProcess) -> None:
+    # readdirplus hands the kernel inodes without a lookup; opening them must work.
+    assert "hello.txt" in os.listdir(fs.mountpoint)
+    assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO
+    assert (fs.mountpoint / "big.bin").read_bytes() == BIG
+    assert os.listdir(fs.mountpoint / "sub" / "deep") == ["deep.txt"]
+    assert (fs.mountpoint / "sub" / "deep" / "deep.txt").read_bytes() == b"deep\n"
+
+
+def test_errors(fs: MountProcess) -> None:
+    mnt = fs.mountpoint
+    with pytest.raises(FileNotFoundError):
+        os.stat(mnt / "missing")
+    with pytest.raises(FileNotFoundError):
+        (mnt / "sub" / "missing").read_bytes()
+    with pytest.raises(NotADirectoryError):
+        os.listdir(mnt / "hello.txt")
+    with pytest.raises(IsADirectoryError):
+        (mnt / "sub").read_bytes()
+    with pytest.raises(PermissionError):
+        (mnt / "forbidden").read_bytes()
+    with pytest.raises(OSError) as excinfo:
+        os.readlink(mnt / "hello.txt")
+    assert excinfo.value.errno == errno.EINVAL
+
+
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        lambda mnt: open(mnt / "hello.txt", "r+b"),
+        lambda mnt: open(mnt / "hello.txt", "ab"),
+        lambda mnt: open(mnt / "new.txt", "wb"),
+        lambda mnt: os.mkdir(mnt / "newdir"),
+        lambda mnt: os.unlink(mnt / "hello.txt"),
+        lambda mnt: os.rmdir(mnt / "sub"),
+        lambda mnt: os.rename(mnt / "hello.txt", mnt / "renamed"),
+        lambda mnt: os.chmod(mnt / "hello.txt", 0o777),
+        lambda mnt: os.truncate(mnt / "hello.txt", 0),
+        lambda mnt: os.symlink("x", mnt / "newlink"),
+        lambda mnt: os.setxattr(mnt / "hello.txt", "user.k", b"v"),
+    ],
+)
+def test_writes_are_refused_with_erofs(fs: MountProcess, attempt) -> None:
+    with pytest.raises(OSError) as excinfo:
+        attempt(fs.mountpoint)
+    assert excinfo.value.errno == errno.EROFS
+    assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO
+
+
+def test_reads_are_byte_exact(fs: MountProcess) -> None:
+    path = fs.mountpoint / "big.bin"
+    assert path.read_bytes() == BIG
+    rng = random.Random(7)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for _ in range(200):
+            offset = rng.randrange(0, len(BIG) + 10)
+            size = rng.choice([1, 100, 4096, 65536, 300_000])
+            assert os.pread(fd, size, offset) == BIG[offset : offset + size]
+        assert os.pread(fd, 10, len(BIG) + 1000) == b""
+    finally:
+        os.close(fd)
+
+
+def test_large_directory_listing(fs: MountProcess) -> None:
+    many = fs.mountpoint / "many"
+    names = sorted(os.listdir(many))
+    assert names == [f"f{i:05d}" for i in range(MANY)]
+    # Inode numbers from readdir agree with those from stat.
+    with os.scandir(many) as entries:
+        sample = [entry for entry in entries if entry.name in ("f00000", "f01234", "f02999")]
+    for entry in sample:
+        assert entry.inode() == os.stat(entry.path).st_ino
+        assert entry.is_file()
+    assert (many / "f01234").read_bytes() == b"1234\n"
+    # ls -a sees . and ..
+    listed = subprocess.run(["ls", "-a", str(fs.mountpoint)], capture_output=True, text=True, check=True)
+    assert listed.stdout.split()[:2] == [".", ".."]
+
+
+def test_a_failing_handler_answers_eio_and_the_mount_stays_up(fs: MountProcess) -> None:
+    with pytest.raises(OSError) as excinfo:
+        (fs.mountpoint / "exploding").read_bytes()
+    assert excinfo.value.errno == errno.EIO
+    assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO
+    assert fs.process.poll() is None
+
+
+def test_concurrent_readers_while_one_read_hangs(fs: MountProcess) -> None:
+    hanging = subprocess.Popen(
+        ["cat", str(fs.mountpoint / "hanging")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while "hanging read" not in fs.stdout:
+            assert time.monotonic() < deadline, "the hanging read never arrived"
+            time.sleep(0.05)
+        errors: list[BaseException] = []
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                with open(fs.mountpoint / "big.bin", "rb", buffering=0) as file:
+                    for _ in range(30):
+                        offset = rng.randrange(len(BIG))
+                        file.seek(offset)
+                        assert file.read(8192) == BIG[offset : offset + 8192]
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors
+        assert not any(thread.is_alive() for thread in threads)
+        # SIGTERM while a read hangs: the grace period (1 s) runs out, the mount goes.
+        fs.signal(signal.SIGTERM)
+        assert fs.wait() == 0
+        wait_unmounted(fs.mountpoint)
+        assert hanging.wait(20) != 0
+    finally:
+        if hanging.poll() is None:
+            hanging.kill()
+            hanging.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_unmounts_and_exits_zero(fs: MountProcess, signum: int) -> None:
+    assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO
+    fs.signal(signum)
+    assert fs.wait() == 0
+    wait_unmounted(fs.mountpoint)
+    assert "unmounted" in fs.stderr
+
+
+@pytest.mark.parametrize("command", [["umount"], ["fusermount3", "-u"]])
+def test_external_unmount_ends_the_process(fs: MountProcess, command: list[str]) -> None:
+    assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO
+    subprocess.run([*command, str(fs.mountpoint)], check=True, timeout=30)
+    assert fs.wait() == 0
+    assert mount_entry(fs.mountpoint) is None
+
+
+def test_unmount_with_open_file_when_signalled(fs: MountProcess) -> None:
+    fd = os.open(fs.mountpoint / "big.bin", os.O_RDONLY)
+    try:
+        assert os.read(fd, 10) == BIG[:10]
+        fs.signal(signal.SIGTERM)
+        assert fs.wait() == 0
+        wait_unmounted(fs.mountpoint)
+    finally:
+        try:
+            os.close(fd)
+        except OSError as exc:  # the server is gone: the kernel may fail the final flush
+            assert exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+
+
+def _run_to_exit(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+
+
+def test_bad_mountpoints_are_refused_clearly(tmp_path: Path) -> None:
+    missing = tmp_path / "missing"
+    result = _run_to_exit([PYTHON, str(HERE), str(missing)], tmp_path)
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    result = _run_to_exit([PYTHON, str(HERE), str(a_file)], tmp_path)
+    assert result.returncode == 2 and "is not a directory" in result.stderr
+
+
+def test_an_existing_mount_is_refused(fs: MountProcess, tmp_path: Path) -> None:
+    result = _run_to_exit([PYTHON, str(HERE), str(fs.mountpoint)], tmp_path)
+    assert result.returncode == 2 and "already a mount point" in result.stderr
+    # The first mount is untouched.
+    assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO
+
+
+def test_a_dead_mount_is_reported(tmp_path: Path) -> None:
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mount = start_test_fs(mountpoint, tmp_path)
+    try:
+        mount.wait_ready()
+        mount.process.kill()  # no unmount: leaves a dead FUSE mount behind
+        mount.process.wait(STOP_TIMEOUT_S)
+        result = _run_to_exit([PYTHON, str(HERE), str(mountpoint)], tmp_path)
+        assert result.returncode == 2
+        assert "dead FUSE mount" in result.stderr or "already a mount point" in result.stderr
+    finally:
+        mount.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

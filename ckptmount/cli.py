@@ -102,12 +102,12 @@ _ENGINE_OPTIONS = [field.name for field in dataclasses.fields(EngineConfig)]
 # Backend options: argparse dest -> (open_source option, URL schemes it applies to;
 # None for any backend that accepts the option).
 _BACKEND_OPTIONS: dict[str, tuple[str, frozenset[str] | None]] = {
-    "http_header": ("headers", frozenset({"http", "https", "webhdfs"})),
+    "http_header": ("headers", frozenset({"http", "https", "webhdfs", "swebhdfs"})),
     "s3_endpoint_url": ("endpoint_url", frozenset({"s3"})),
     "s3_region": ("region", frozenset({"s3"})),
     "s3_profile": ("profile", frozenset({"s3"})),
     "s3_addressing_style": ("addressing_style", frozenset({"s3"})),
-    "webhdfs_user": ("user", frozenset({"webhdfs"})),
+    "webhdfs_user": ("user", frozenset({"webhdfs", "swebhdfs"})),
     "hdfs_config": ("config", frozenset({"hdfs"})),
     "hdfs_kerberos_principal": ("kerberos_principal", frozenset({"hdfs"})),
     "hdfs_kerberos_keytab": ("kerberos_keytab", frozenset({"hdfs"})),

@@ -180,6 +180,9 @@ class Faults:
     """
 
     drop_after_bytes: int = 4096  #: bytes of body sent before a drop
+    #: origin ("http://host:port") the directory redirects name, as a server behind a
+    #: proxy does when it puts its own address in Location; None: a relative Location
+    redirect_origin: str | None = None
     _drops: int = 0
     _statuses: list[int] = field(default_factory=list)
     _ignore_range: int = 0
@@ -285,7 +288,8 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
             return
         if target.is_dir():
             if not urllib.parse.urlsplit(self.path).path.endswith("/"):
-                self.send_empty(301, {"Location": urllib.parse.urlsplit(self.path).path + "/"})
+                location = urllib.parse.urlsplit(self.path).path + "/"
+                self.send_empty(301, {"Location": (faults.redirect_origin or "") + location})
                 return
             self.send_index(target, body)
             return

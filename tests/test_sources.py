@@ -424,6 +424,16 @@ def test_http_single_file_url_and_directory_without_slash(tree: Path, nginx_fact
         open_source(server.url + "a.bin").listdir("")
 
 
+def test_http_directory_redirect_naming_another_origin(tree: Path, range_http_factory) -> None:
+    # Behind a proxy the server names its own address in the redirect; the slash is
+    # what marks a directory, and the listing still goes to the URL we were given.
+    server = range_http_factory(tree)
+    server.faults.redirect_origin = f"http://127.0.0.1:{closed_port()}"
+    directory = open_source(server.url + "nested")
+    assert directory.stat("").is_dir
+    assert [entry.name for entry in directory.listdir("")] == ["b.bin", "deeper"]
+
+
 def test_html_index_links_keep_only_direct_children() -> None:
     page = """<html><body>
       <a href="../">Parent</a> <a href="?C=N;O=D">Name</a> <a href="/elsewhere/x">abs</a>

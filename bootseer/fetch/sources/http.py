@@ -430,10 +430,16 @@ class HttpSource:
         return response
 
     def _is_slash_redirect(self, response: http.client.HTTPResponse, target: str) -> bool:
+        """Whether the answer redirects ``dir`` to ``dir/``: the mark of a directory.
+
+        Only the path is compared: behind a proxy the server often names its own
+        host or port in the Location.  The redirect is never followed (the listing is
+        asked of our own URL with the slash), so another origin there is harmless.
+        """
         location = response.getheader("Location") or ""
         wanted = urlsplit(self.where(target))
         moved = urlsplit(urljoin(self.where(target), location))
-        return (moved.netloc or wanted.netloc) == wanted.netloc and unquote(moved.path) == unquote(wanted.path) + "/"
+        return unquote(moved.path) == unquote(wanted.path) + "/"
 
     def _file_entry(self, chan: HttpChannel, path: str, target: str, response: http.client.HTTPResponse) -> Entry:
         length = response.getheader("Content-Length")

@@ -1,0 +1,58 @@
+"""Fixtures for the real-component tests: a private containerd + bootseer-snapshotter + registry.
+
+``BOOTSEER_IT_SNAPSHOTTER=overlayfs`` runs the same tests against containerd's built-in
+overlayfs snapshotter (no daemon): the check that a failure is the daemon's and not the
+harness's.  ``BOOTSEER_KEEP_TMP=1`` keeps each stack's temp dir for a post-mortem.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Iterator
+
+import pytest
+
+from integration import harness
+
+SNAPSHOTTER = os.environ.get("BOOTSEER_IT_SNAPSHOTTER", harness.SNAPSHOTTER_NAME)
+TOOLS = ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "docker-registry", "skopeo", "umount")
+
+
+def _why_not_runnable() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (containerd, mounts)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"missing tools {missing}: run ctr_examples/install-deps.sh"
+    if SNAPSHOTTER == harness.SNAPSHOTTER_NAME:
+        return harness.snapshotter_available()
+    return None
+
+
+@pytest.fixture(scope="session")
+def runnable() -> None:
+    why = _why_not_runnable()
+    if why:
+        pytest.skip(why)
+
+
+@pytest.fixture
+def stack(runnable) -> Iterator[harness.Stack]:
+    """A started stack, torn down after the test; its logs land in the failure report."""
+    s = harness.Stack(snapshotter=SNAPSHOTTER)
+    try:
+        with s:
+            yield s
+    finally:
+        # Captured output of the teardown is shown only when the test failed.
+        print(s.logs())
+        assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
+
+
+@pytest.fixture
+def pulled(stack: harness.Stack) -> tuple[harness.BuiltImage, str]:
+    """The demo image, built, pushed to the stack's registry and pulled into the snapshotter."""
+    image, ref = stack.build_and_push()
+    stack.pull(ref)
+    return image, ref

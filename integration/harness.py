@@ -1,0 +1,916 @@
+"""Real-component harness: OCI images, a local registry, a private containerd, the daemon.
+
+Everything the integration tests and the demo (``python -m integration.demo``) need to
+run BootSeer the way a cluster does, on one machine and with nothing shared with the
+host's own services:
+
+* :func:`build_oci_layout` writes an OCI image layout (``oci-layout``, ``index.json``,
+  manifest, config and gzip tar layers with correct digests and diff_ids) from layer
+  specs, no docker needed; :func:`demo_layers` is the three-layer image the tests use
+  (busybox base, an upper layer adding files, a top layer with a whiteout and an
+  opaque directory).
+* :class:`Registry` runs ``docker-registry`` on 127.0.0.1 and pushes layouts with skopeo.
+* :class:`Snapshotter` runs ``bootseer-snapshotter`` and can stop, kill and restart it.
+* :class:`Containerd` runs a containerd with its own root, state and sockets and the
+  daemon registered as the ``bootseer`` proxy snapshotter; :meth:`Containerd.ctr` runs
+  ``ctr`` against it in a namespace of its own.
+* :class:`Stack` composes the three in one temp dir and tears everything down (tasks,
+  shims, mounts, processes, files) even when the body failed; :meth:`Stack.logs`
+  gathers every process's log for failure reports.
+
+All processes log to files under the stack's directory; every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: Media types of an OCI image (image-spec v1.0).
+MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
+MEDIA_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+
+#: How a layer marks deletions of lower-layer content (OCI image-spec "Whiteouts").
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_MARKER = ".wh..wh..opq"
+
+#: The name containerd knows the daemon by (``[proxy_plugins.bootseer]``).
+SNAPSHOTTER_NAME = "bootseer"
+#: containerd's built-in snapshotter: the reference the harness itself is checked against
+#: (``BOOTSEER_IT_SNAPSHOTTER=overlayfs`` runs the integration tests on it, no daemon).
+BUILTIN_OVERLAY = "overlayfs"
+
+#: Lines of each component's log a failure report shows (the files keep everything).
+LOG_TAIL_LINES = 200
+
+#: Per-call bound on ``ctr`` during teardown: a wedged shim must not stall it (shims are killed after).
+TEARDOWN_CALL_TIMEOUT = 10
+
+#: Fixed mtime of every tar entry and gzip header: the same specs give the same digests.
+EPOCH = 1_700_000_000
+
+
+class HarnessError(RuntimeError):
+    """A component did not start, stop or answer as expected; the message says which and why."""
+
+
+# --------------------------------------------------------------------------- images
+
+
+@dataclasses.dataclass(frozen=True)
+class Dir:
+    path: str
+    mode: int = 0o755
+
+
+@dataclasses.dataclass(frozen=True)
+class File:
+    path: str
+    data: bytes
+    mode: int = 0o644
+
+
+@dataclasses.dataclass(frozen=True)
+class Symlink:
+    path: str
+    target: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Whiteout:
+    """Deletes ``path`` (file or directory) of the layers below."""
+
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Opaque:
+    """Hides everything the layers below have under directory ``path``."""
+
+    path: str
+
+
+Entry = Dir | File | Symlink | Whiteout | Opaque
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    entries: tuple[Entry, ...]
+    comment: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltImage:
+    """What :func:`build_oci_layout` wrote: enough to check what containerd reports."""
+
+    layout: Path
+    tag: str
+    manifest_digest: str
+    config_digest: str
+    layer_digests: tuple[str, ...]  #: sha256 of each gzip blob, lowest layer first
+    diff_ids: tuple[str, ...]  #: sha256 of each uncompressed tar, lowest layer first
+
+
+def _sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _tar_member(entry: Entry) -> tuple[tarfile.TarInfo, bytes | None]:
+    path = entry.path.strip("/")
+    if not path:
+        raise ValueError(f"entry {entry!r} has no path below /")
+    if isinstance(entry, Whiteout):
+        parent, _, name = path.rpartition("/")
+        path = f"{parent}/{WHITEOUT_PREFIX}{name}" if parent else WHITEOUT_PREFIX + name
+        entry = File(path, b"")
+    elif isinstance(entry, Opaque):
+        path = f"{path}/{OPAQUE_MARKER}"
+        entry = File(path, b"")
+    info = tarfile.TarInfo(path)
+    info.mtime = EPOCH
+    info.uid = info.gid = 0
+    info.uname = info.gname = "root"
+    if isinstance(entry, Dir):
+        info.type, info.mode = tarfile.DIRTYPE, entry.mode
+        return info, None
+    if isinstance(entry, Symlink):
+        info.type, info.linkname, info.mode = tarfile.SYMTYPE, entry.target, 0o777
+        return info, None
+    info.type, info.mode, info.size = tarfile.REGTYPE, entry.mode, len(entry.data)
+    return info, entry.data
+
+
+def layer_tar(layer: Layer) -> bytes:
+    """The uncompressed tar of ``layer``; parent directories are added where missing."""
+    buf = io.BytesIO()
+    seen: set[str] = set()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in layer.entries:
+            info, data = _tar_member(entry)
+            parts = info.name.split("/")
+            for depth in range(1, len(parts)):
+                parent = "/".join(parts[:depth])
+                if parent not in seen:
+                    seen.add(parent)
+                    tar.addfile(_tar_member(Dir(parent))[0])
+            seen.add(info.name)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def build_oci_layout(
+    layout: Path,
+    layers: Sequence[Layer],
+    *,
+    tag: str = "latest",
+    cmd: Sequence[str] = ("/bin/sh",),
+    env: Sequence[str] = ("PATH=/bin:/usr/bin",),
+) -> BuiltImage:
+    """Write an OCI image layout at ``layout`` holding one image of ``layers`` tagged ``tag``."""
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+
+    def put(data: bytes) -> str:
+        digest = _sha256(data)
+        (blobs / digest.removeprefix("sha256:")).write_bytes(data)
+        return digest
+
+    layer_descs, diff_ids, history = [], [], []
+    for layer in layers:
+        tar = layer_tar(layer)
+        diff_ids.append(_sha256(tar))
+        blob = gzip.compress(tar, mtime=EPOCH)
+        layer_descs.append({"mediaType": MEDIA_LAYER_GZIP, "digest": put(blob), "size": len(blob)})
+        history.append({"created": "2023-11-14T22:13:20Z", "created_by": layer.comment or "bootseer harness"})
+    config = {
+        "architecture": "amd64",
+        "os": "linux",
+        "created": "2023-11-14T22:13:20Z",
+        "config": {"Cmd": list(cmd), "Env": list(env), "WorkingDir": "/"},
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        "history": history,
+    }
+    config_bytes = json.dumps(config, sort_keys=True).encode()
+    config_digest = put(config_bytes)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
+        "config": {"mediaType": MEDIA_CONFIG, "digest": config_digest, "size": len(config_bytes)},
+        "layers": layer_descs,
+    }
+    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
+    manifest_digest = put(manifest_bytes)
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {
+                "mediaType": MEDIA_MANIFEST,
+                "digest": manifest_digest,
+                "size": len(manifest_bytes),
+                "annotations": {"org.opencontainers.image.ref.name": tag},
+                "platform": {"architecture": "amd64", "os": "linux"},
+            }
+        ],
+    }
+    (layout / "index.json").write_text(json.dumps(index, sort_keys=True))
+    (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+    return BuiltImage(
+        layout=layout,
+        tag=tag,
+        manifest_digest=manifest_digest,
+        config_digest=config_digest,
+        layer_digests=tuple(d["digest"] for d in layer_descs),
+        diff_ids=tuple(diff_ids),
+    )
+
+
+def expected_inodes(layer: Layer) -> int:
+    """Inodes the unpacked ``layer`` has: one per tar entry but opaque markers, plus its root."""
+    members = tarfile.open(fileobj=io.BytesIO(layer_tar(layer))).getnames()
+    return 1 + sum(1 for name in members if not name.endswith(OPAQUE_MARKER))
+
+
+def chain_ids(diff_ids: Sequence[str]) -> list[str]:
+    """The OCI ChainIDs of a layer stack: the names containerd commits unpacked layers under."""
+    chain: list[str] = []
+    for diff_id in diff_ids:
+        chain.append(diff_id if not chain else _sha256(f"{chain[-1]} {diff_id}".encode()))
+    return chain
+
+
+def busybox_layer(busybox: Path = Path("/bin/busybox")) -> Layer:
+    """A base layer: static busybox at /bin/busybox with a symlink in /bin per applet."""
+    if not busybox.is_file():
+        raise HarnessError(f"{busybox} missing: install busybox-static")
+    applets = subprocess.run(
+        [str(busybox), "--list"], check=True, capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    entries: list[Entry] = [Dir(d) for d in ("bin", "dev", "etc", "proc", "sys", "root", "var")]
+    entries.append(Dir("tmp", 0o1777))
+    entries.append(File("bin/busybox", busybox.read_bytes(), 0o755))
+    entries += [Symlink(f"bin/{name}", "busybox") for name in sorted(set(applets)) if name != "busybox"]
+    entries.append(File("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"))
+    entries.append(File("etc/group", b"root:x:0:\n"))
+    return Layer(tuple(entries), "busybox base")
+
+
+#: What the demo image's layers put where, for the tests to check against.
+APP_FILE = "/app/layer1.txt"
+APP_FILE_DATA = b"written by layer 1\n"
+PATCH_FILE = "/app/layer2.txt"
+PATCH_FILE_DATA = b"written by layer 2\n"
+DELETED_FILE = "/etc/obsolete.conf"  #: added by layer 1, whited out by layer 2
+OPAQUE_DIR = "/app/config"  #: layer 1 fills it, layer 2 makes it opaque
+OPAQUE_OLD = ("a.conf", "b.conf")
+OPAQUE_NEW = ("c.conf",)
+BLOB_FILE = "/data/blob.bin"  #: a larger file, to see bytes come through intact
+BLOB_SIZE = 3 * 1024 * 1024
+
+
+def blob_data(size: int = BLOB_SIZE) -> bytes:
+    """Deterministic, incompressible-looking content (a sha256 chain)."""
+    out, block = bytearray(), b"bootseer"
+    while len(out) < size:
+        block = hashlib.sha256(block).digest()
+        out += block
+    return bytes(out[:size])
+
+
+def demo_layers() -> list[Layer]:
+    """The three-layer test image: busybox base, files added, then whiteout + opaque dir."""
+    app = Layer(
+        (
+            File(APP_FILE, APP_FILE_DATA),
+            *(File(f"{OPAQUE_DIR}/{name}", f"old {name}\n".encode()) for name in OPAQUE_OLD),
+            File(DELETED_FILE, b"this file is deleted by layer 2\n"),
+            File(BLOB_FILE, blob_data()),
+            File("/app/run.sh", b"#!/bin/sh\necho hello from bootseer\n", 0o755),
+        ),
+        "layer 1: app files",
+    )
+    patch = Layer(
+        (
+            File(PATCH_FILE, PATCH_FILE_DATA),
+            Whiteout(DELETED_FILE),
+            Dir(OPAQUE_DIR),
+            Opaque(OPAQUE_DIR),
+            *(File(f"{OPAQUE_DIR}/{name}", f"new {name}\n".encode()) for name in OPAQUE_NEW),
+        ),
+        "layer 2: whiteout and opaque dir",
+    )
+    return [busybox_layer(), app, patch]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(what: str, check, timeout: float, interval: float = 0.1, alive=None):
+    """Poll ``check()`` until it returns a true value and return it.
+
+    ``alive`` (a :class:`ManagedProcess`) makes the wait fail at once if that process exits.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if alive is not None and not alive.running:
+            raise HarnessError(f"{alive.name} exited (status {alive.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class ManagedProcess:
+    """One child process in its own process group, logging to a file (appended across restarts)."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, *, python: bool = False):
+        """``python``: the process is a Python program; it gets faulthandler, and SIGABRT
+        before SIGKILL when it does not stop, so its log shows where it hung."""
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.abort_for_stacks = python
+        self.env = dict(os.environ, PYTHONFAULTHANDLER="1") if python else None
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        if self.running:
+            raise HarnessError(f"{self.name} is already running")
+        with open(self.log_path, "ab") as log:
+            log.write(f"===== {time.strftime('%H:%M:%S')} start: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    env=self.env, start_new_session=True,
+                )
+            except OSError as e:
+                raise HarnessError(f"cannot start {self.name} ({self.argv[0]}): {e}") from e
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def send_signal(self, sig: int) -> None:
+        if self.running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:
+        """Send ``sig`` to the process group, wait, SIGKILL after ``timeout``; return the exit status.
+
+        Raises :class:`HarnessError` if ``sig`` did not end it in time (it is killed anyway).
+        """
+        if self.proc is None:
+            return None
+        if not self.running:
+            return self.proc.returncode
+        self.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            if self.abort_for_stacks:
+                # faulthandler (PYTHONFAULTHANDLER=1) writes every thread's stack to the log on SIGABRT.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGABRT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(3)
+            self.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+            raise HarnessError(f"{self.name} did not exit within {timeout:.0f}s of signal {sig}; killed"
+                               + (" (stacks in its log)" if self.abort_for_stacks else ""))
+        finally:
+            with open(self.log_path, "ab") as log:
+                log.write(f"===== {time.strftime('%H:%M:%S')} stopped: status {self.proc.returncode}\n".encode())
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+
+def run(argv: Sequence[str], *, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a command; on failure raise :class:`HarnessError` with its output."""
+    try:
+        done = subprocess.run(list(argv), capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        raise HarnessError(f"timed out after {timeout}s: {' '.join(argv)}\n{_output(e.stdout, e.stderr)}") from e
+    if check and done.returncode != 0:
+        raise HarnessError(
+            f"exit status {done.returncode}: {' '.join(argv)}\n{_output(done.stdout, done.stderr)}"
+        )
+    return done
+
+
+def _output(stdout: bytes | None, stderr: bytes | None) -> str:
+    parts = []
+    for label, data in (("stdout", stdout), ("stderr", stderr)):
+        if data:
+            parts.append(f"--- {label}:\n{data.decode(errors='replace').rstrip()}")
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+class Registry:
+    """``docker-registry serve`` on 127.0.0.1 with filesystem storage under ``base``."""
+
+    def __init__(self, base: Path, binary: str = "docker-registry"):
+        self.base = base
+        self.binary = binary
+        self.port = 0
+        self.process: ManagedProcess | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        (self.base / "storage").mkdir(exist_ok=True)
+        for attempt in range(3):  # free_port() can race with another process
+            self.port = free_port()
+            config = self.base / "config.yml"
+            config.write_text(
+                "version: 0.1\n"
+                "log:\n  level: info\n  accesslog:\n    disabled: true\n"
+                f"storage:\n  filesystem:\n    rootdirectory: {self.base / 'storage'}\n"
+                "  delete:\n    enabled: true\n"
+                f"http:\n  addr: {self.address}\n"
+            )
+            self.process = ManagedProcess("docker-registry", [self.binary, "serve", str(config)],
+                                          self.base / "registry.log")
+            self.process.start()
+            try:
+                wait_until(f"registry on {self.address}", self._answers, timeout, alive=self.process)
+                return
+            except HarnessError:
+                self.process.stop(signal.SIGKILL)
+                if attempt == 2:
+                    raise
+
+    def _answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/v2/", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def push(self, image: BuiltImage, name: str, timeout: float = 300) -> str:
+        """Push the layout's ``image.tag`` as ``name:tag``; return the pullable reference."""
+        ref = f"{self.address}/{name}:{image.tag}"
+        run(["skopeo", "copy", "--quiet", "--dest-tls-verify=false",
+             f"oci:{image.layout}:{image.tag}", f"docker://{ref}"], timeout=timeout)
+        return ref
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+# --------------------------------------------------------------------------- snapshotter
+
+
+def snapshotter_binary() -> str:
+    """The ``bootseer-snapshotter`` to test: $BOOTSEER_SNAPSHOTTER, else the repo's venv."""
+    explicit = os.environ.get("BOOTSEER_SNAPSHOTTER")
+    if explicit:
+        return explicit
+    venv = REPO_ROOT / ".venv" / "bin" / "bootseer-snapshotter"
+    if venv.exists():
+        return str(venv)
+    found = shutil.which("bootseer-snapshotter")
+    if not found:
+        raise HarnessError("bootseer-snapshotter not found: set BOOTSEER_SNAPSHOTTER or run ctr_examples/install-deps.sh")
+    return found
+
+
+def snapshotter_available() -> str | None:
+    """Why the daemon cannot run here, or None if it can (for pytest skips)."""
+    try:
+        binary = snapshotter_binary()
+    except HarnessError as e:
+        return str(e)
+    probe = subprocess.run([binary, "--help"], capture_output=True, timeout=60)
+    if probe.returncode != 0:
+        return f"{binary} --help failed: {_output(probe.stdout, probe.stderr)}"
+    return None
+
+
+class Snapshotter:
+    """``bootseer-snapshotter --root ROOT --address SOCKET`` under ``base``."""
+
+    def __init__(self, base: Path, *, log_level: str = "debug", extra_args: Sequence[str] = ()):
+        self.base = base
+        self.root = base / "root"
+        self.socket = base / "snapshotter.sock"
+        self.process = ManagedProcess(
+            "bootseer-snapshotter",
+            [snapshotter_binary(), "--root", str(self.root), "--address", str(self.socket),
+             "--log-level", log_level, *extra_args],
+            base / "snapshotter.log",
+            python=True,
+        )
+
+    def start(self, timeout: float = 30) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        self.process.start()
+        wait_until(f"bootseer-snapshotter socket {self.socket}", self._accepts, timeout, alive=self.process)
+
+    def _accepts(self) -> bool:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(1)
+            try:
+                s.connect(str(self.socket))
+                return True
+            except OSError:
+                return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int | None:
+        return self.process.stop(sig, timeout)
+
+    def snapshot_dirs(self) -> list[Path]:
+        """The per-snapshot directories under ROOT/snapshots/."""
+        snaps = self.root / "snapshots"
+        return sorted(snaps.iterdir()) if snaps.is_dir() else []
+
+
+# --------------------------------------------------------------------------- containerd
+
+
+_UNITS = {"B": 1, "kB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    approx_bytes: int
+    inodes: int
+
+
+class Containerd:
+    """A containerd with its own root/state/sockets, the daemon as proxy snapshotter ``bootseer``."""
+
+    def __init__(self, base: Path, snapshotter_socket: Path, namespace: str, *,
+                 snapshotter: str = SNAPSHOTTER_NAME, binary: str = "containerd"):
+        self.base = base
+        self.snapshotter = snapshotter  #: the one ``pull``/``run``/snapshot queries use
+        self.binary = binary
+        self.namespace = namespace
+        self.address = base / "containerd.sock"
+        self.root = base / "root"
+        self.state = base / "state"
+        self.snapshotter_socket = snapshotter_socket
+        self.process: ManagedProcess | None = None
+
+    def config_text(self) -> str:
+        return f"""\
+version = 2
+root = "{self.root}"
+state = "{self.state}"
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+
+[grpc]
+  address = "{self.address}"
+
+[ttrpc]
+  address = "{self.address}.ttrpc"
+
+[debug]
+  address = "{self.base / 'debug.sock'}"
+  level = "debug"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{self.base / 'opt'}"
+
+[proxy_plugins.{SNAPSHOTTER_NAME}]
+  type = "snapshot"
+  address = "{self.snapshotter_socket}"
+"""
+
+    def start(self, timeout: float = 60) -> None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        config = self.base / "config.toml"
+        config.write_text(self.config_text())
+        self.process = ManagedProcess("containerd", [self.binary, "--config", str(config)],
+                                      self.base / "containerd.log")
+        self.process.start()
+        wait_until(f"containerd to list the {self.snapshotter} snapshotter as ok", self._plugin_ok, timeout,
+                   interval=0.3, alive=self.process)
+
+    def _plugin_ok(self) -> bool:
+        done = subprocess.run(["ctr", "-a", str(self.address), "plugins", "ls"],
+                              capture_output=True, text=True, timeout=30)
+        return any(line.split()[:2] == ["io.containerd.snapshotter.v1", self.snapshotter]
+                   and line.split()[-1] == "ok" for line in done.stdout.splitlines())
+
+    def ctr(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        """``ctr -a SOCKET -n NAMESPACE ARGS...``; raises :class:`HarnessError` on failure if ``check``."""
+        return run(["ctr", "-a", str(self.address), "-n", self.namespace, *args], timeout=timeout, check=check)
+
+    def ctr_out(self, *args: str, timeout: float = 120) -> str:
+        return self.ctr(*args, timeout=timeout).stdout.decode(errors="replace")
+
+    # -- snapshot queries, through containerd (its metadata store, then the proxy) --
+
+    def snapshots(self) -> list[dict[str, str]]:
+        """``ctr snapshots --snapshotter NAME ls`` as rows of KEY, PARENT, KIND."""
+        lines = self.ctr_out("snapshots", "--snapshotter", self.snapshotter, "ls").splitlines()
+        rows = []
+        for line in lines[1:]:
+            fields = line.split()
+            if len(fields) == 3:
+                rows.append({"key": fields[0], "parent": fields[1], "kind": fields[2]})
+            elif len(fields) == 2:  # a base snapshot has no parent
+                rows.append({"key": fields[0], "parent": "", "kind": fields[1]})
+        return rows
+
+    def snapshot_info(self, key: str) -> dict:
+        return json.loads(self.ctr_out("snapshots", "--snapshotter", self.snapshotter, "info", key))
+
+    def snapshot_usage(self, key: str) -> Usage:
+        """``ctr snapshots usage KEY``; ctr prints sizes rounded ("3.0 MiB"), so bytes are approximate."""
+        lines = self.ctr_out("snapshots", "--snapshotter", self.snapshotter, "usage", key).splitlines()
+        fields = lines[1].split()  # KEY SIZE [UNIT] INODES
+        number, unit = float(fields[1]), (fields[2] if len(fields) == 4 else "B")
+        return Usage(approx_bytes=int(number * _UNITS[unit]), inodes=int(fields[-1]))
+
+    # -- teardown --
+
+    def kill_tasks(self) -> None:
+        """Kill and delete every task and container of the namespace (best effort, each call bounded)."""
+        if self.process is None or not self.process.running:
+            return
+
+        def attempt(*args: str) -> list[str]:
+            with contextlib.suppress(HarnessError):
+                return self.ctr(*args, check=False, timeout=TEARDOWN_CALL_TIMEOUT).stdout.decode().split()
+            return []
+
+        tasks = attempt("tasks", "ls", "-q")
+        for task in tasks:
+            attempt("tasks", "kill", "-a", "-s", "SIGKILL", task)
+        for task in tasks:
+            attempt("tasks", "delete", "-f", task)
+        for container in attempt("containers", "ls", "-q"):
+            attempt("containers", "rm", container)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+    @property
+    def runc_root(self) -> Path:
+        """Where the runc shim keeps container state: per namespace, so ours is ours alone."""
+        return Path("/run/containerd/runc") / self.namespace
+
+
+# --------------------------------------------------------------------------- stack
+
+
+def _mounts_under(base: Path) -> list[str]:
+    """Mount points at or below ``base``, deepest first (octal escapes of mountinfo decoded)."""
+    points = []
+    prefix = str(base).rstrip("/") + "/"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point.startswith(prefix):
+                points.append(point)
+    return sorted(points, key=lambda p: p.count("/"), reverse=True)
+
+
+def _pids_mentioning(needle: str) -> list[int]:
+    """Processes whose command line contains ``needle`` (our unique temp path): the shims we caused."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if needle.encode() in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+class Stack:
+    """Registry + bootseer-snapshotter + private containerd in one temp dir.
+
+    Use as a context manager; teardown runs even if the body raised, and never raises
+    over the body's exception (teardown problems go to :attr:`teardown_errors`).
+    """
+
+    def __init__(self, base: Path | None = None, *, namespace: str | None = None,
+                 snapshotter: str = SNAPSHOTTER_NAME, with_registry: bool = True,
+                 snapshotter_log_level: str = "debug"):
+        """``snapshotter`` is ``"bootseer"`` (start the daemon) or :data:`BUILTIN_OVERLAY`."""
+        if snapshotter not in (SNAPSHOTTER_NAME, BUILTIN_OVERLAY):
+            raise ValueError(f"snapshotter must be {SNAPSHOTTER_NAME!r} or {BUILTIN_OVERLAY!r}, not {snapshotter!r}")
+        self._own_base = base is None
+        # Short paths: unix socket paths must fit in 108 bytes.
+        self.base = Path(tempfile.mkdtemp(prefix="bootseer-it-")) if base is None else base
+        self.namespace = namespace or f"bootseer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.registry = Registry(self.base / "registry") if with_registry else None
+        self.daemon = (Snapshotter(self.base / "snap", log_level=snapshotter_log_level)
+                       if snapshotter == SNAPSHOTTER_NAME else None)
+        self.containerd = Containerd(self.base / "ctrd", self.base / "snap" / "snapshotter.sock",
+                                     self.namespace, snapshotter=snapshotter)
+        self.teardown_errors: list[str] = []
+        self._exec_seq = 0
+        self._saved_logs: str | None = None
+
+    @property
+    def fifo_dir(self) -> Path:
+        """Where ``ctr`` makes its IO FIFOs: in our temp dir, not the host's /run/containerd/fifo."""
+        return self.base / "fifo"
+
+    @property
+    def snapshotter_name(self) -> str:
+        return self.containerd.snapshotter
+
+    def __enter__(self) -> "Stack":
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self.registry is not None:
+            self.registry.start()
+        if self.daemon is not None:
+            self.daemon.start()
+        self.containerd.start()
+
+    def build_and_push(self, name: str = "bootseer/demo", tag: str = "v1",
+                       layers: Sequence[Layer] | None = None) -> tuple[BuiltImage, str]:
+        """Build the (demo) image as an OCI layout and push it; return it and its reference."""
+        if self.registry is None:
+            raise HarnessError("this stack has no registry")
+        image = build_oci_layout(self.base / "images" / name.replace("/", "_"),
+                                 demo_layers() if layers is None else layers, tag=tag)
+        return image, self.registry.push(image, name)
+
+    def pull(self, ref: str, timeout: float = 300) -> None:
+        self.containerd.ctr("images", "pull", "--plain-http", "--snapshotter", self.snapshotter_name, ref,
+                            timeout=timeout)
+
+    def wait_for_snapshotter(self, timeout: float = 30) -> None:
+        """Wait until containerd reaches the (re)started daemon again.
+
+        containerd keeps one gRPC connection per proxy plugin and, after losing it, redials
+        with backoff capped at 3 s; until then its calls fail fast with UNAVAILABLE.
+        """
+        wait_until(f"containerd to reach the {self.snapshotter_name} snapshotter", lambda: self.containerd.ctr(
+            "snapshots", "--snapshotter", self.snapshotter_name, "ls", check=False, timeout=30).returncode == 0,
+            timeout, interval=0.2)
+
+    def restart_daemon(self, sig: int = signal.SIGTERM) -> int | None:
+        """Stop the daemon with ``sig``, start it again, wait until containerd reaches it; return its exit status."""
+        if self.daemon is None:
+            raise HarnessError("this stack runs no bootseer daemon")
+        status = self.daemon.stop(sig)
+        self.daemon.start()
+        self.wait_for_snapshotter()
+        return status
+
+    def run_container(self, ref: str, name: str, *argv: str, timeout: float = 120) -> str:
+        """``ctr run --rm --snapshotter NAME REF NAME ARGV...``; return its stdout."""
+        return self.containerd.ctr_out("run", "--rm", "--fifo-dir", str(self.fifo_dir), "--snapshotter",
+                                       self.snapshotter_name, ref, name, *argv, timeout=timeout)
+
+    def start_container(self, ref: str, name: str, *argv: str, timeout: float = 120) -> None:
+        """``ctr run -d``: a container left running (its task) until killed."""
+        self.containerd.ctr("run", "-d", "--fifo-dir", str(self.fifo_dir), "--snapshotter", self.snapshotter_name,
+                            ref, name, *argv, timeout=timeout)
+
+    def exec(self, container: str, *argv: str, timeout: float = 60) -> str:
+        """``ctr task exec`` in a running container; return its stdout."""
+        self._exec_seq += 1
+        return self.containerd.ctr_out("task", "exec", "--fifo-dir", str(self.fifo_dir), "--exec-id",
+                                       f"exec{self._exec_seq}", container, *argv, timeout=timeout)
+
+    def remove_container(self, name: str) -> None:
+        """Kill the container's task, delete it, and remove the container (and its snapshot)."""
+        self.containerd.ctr("task", "kill", "-s", "SIGKILL", name, check=False, timeout=30)
+        wait_until(f"task {name} to stop", lambda: self.task_status(name) != "RUNNING", 30)
+        self.containerd.ctr("task", "delete", name, timeout=60)
+        self.containerd.ctr("containers", "rm", name, timeout=60)
+
+    def task_status(self, name: str) -> str | None:
+        """RUNNING, STOPPED, ... as ``ctr task ls`` shows it; None if there is no such task."""
+        for line in self.containerd.ctr_out("task", "ls", timeout=30).splitlines()[1:]:
+            fields = line.split()
+            if fields and fields[0] == name:
+                return fields[-1]
+        return None
+
+    def close(self) -> None:
+        """Tear everything down; each step runs even if an earlier one failed."""
+        steps = [
+            ("kill tasks", self.containerd.kill_tasks),
+            ("stop containerd", self.containerd.stop),
+            ("kill leftover runc containers", self._kill_runc_leftovers),
+            ("kill leftover shims", self._kill_shims),
+            ("stop snapshotter", self.daemon.stop if self.daemon else lambda: None),
+            ("stop registry", self.registry.stop if self.registry else lambda: None),
+            ("unmount", self._unmount_all),
+        ]
+        if self._own_base and not os.environ.get("BOOTSEER_KEEP_TMP"):
+            steps.append(("save logs", self._save_logs))
+            steps.append(("remove temp dir", lambda: shutil.rmtree(self.base)))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as e:  # keep tearing down: a leak is worse than a second error
+                self.teardown_errors.append(f"{what}: {e}")
+
+    def _kill_runc_leftovers(self) -> None:
+        root = self.containerd.runc_root
+        if not root.is_dir():
+            return
+        listing = run(["runc", "--root", str(root), "list", "-q"], check=False, timeout=30)
+        for container in listing.stdout.decode().split():
+            run(["runc", "--root", str(root), "kill", container, "KILL"], check=False, timeout=30)
+            run(["runc", "--root", str(root), "delete", "-f", container], check=False, timeout=30)
+        shutil.rmtree(root, ignore_errors=True)
+
+    def _kill_shims(self) -> None:
+        for pid in _pids_mentioning(str(self.containerd.address)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _unmount_all(self) -> None:
+        failed = []
+        for point in _mounts_under(self.base):
+            if subprocess.run(["umount", point], capture_output=True, timeout=30).returncode != 0:
+                if subprocess.run(["umount", "-l", point], capture_output=True, timeout=30).returncode != 0:
+                    failed.append(point)
+        if failed:
+            raise HarnessError(f"could not unmount {failed}")
+
+    def _save_logs(self) -> None:
+        self._saved_logs = self.logs()
+
+    def logs(self) -> str:
+        """Every component's log, labelled, for a failure report (kept after teardown)."""
+        if self._saved_logs is not None:
+            return self._saved_logs + "".join(f"\nteardown error: {e}" for e in self.teardown_errors)
+        parts = []
+        procs: list[ManagedProcess | None] = [
+            self.daemon.process if self.daemon else None, self.containerd.process,
+            self.registry.process if self.registry else None,
+        ]
+        for proc in procs:
+            if proc is not None:
+                lines = proc.log_text().splitlines()
+                if len(lines) > LOG_TAIL_LINES:
+                    lines = [f"[... {len(lines) - LOG_TAIL_LINES} earlier lines in {proc.log_path}]"] + lines[-LOG_TAIL_LINES:]
+                parts.append(f"===================== {proc.name} ({proc.log_path})\n" + "\n".join(lines))
+        if self.teardown_errors:
+            parts.append("===================== teardown errors\n" + "\n".join(self.teardown_errors))
+        return "\n".join(parts)

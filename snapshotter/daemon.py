@@ -35,11 +35,11 @@ import argparse
 import contextlib
 import fcntl
 import os
+import select
 import signal
 import socket
 import stat
 import sys
-import threading
 from pathlib import Path
 from types import FrameType
 
@@ -109,15 +109,14 @@ class Daemon:
 
     def __init__(self, settings: config.Config) -> None:
         self.settings = settings
-        self._stop = threading.Event()
         self._server: grpc.Server | None = None
+        self._signals: int | None = None  # read end of the signal wake-up pipe
 
     def run(self) -> int:
-        # Handlers first, so a signal during a long restore still means a clean stop.
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
         root, address = self.settings.root, self.settings.address
         with contextlib.ExitStack() as cleanup:
+            # First, so a signal during a long restore still means a clean stop.
+            self._catch_signals(cleanup)
             lock_fd = lock_root(root)
             cleanup.callback(os.close, lock_fd)
             make_dirs(address.parent, SOCKET_DIR_MODE)
@@ -146,20 +145,49 @@ class Daemon:
                 pid=os.getpid(),
             )
 
-            self._stop.wait()
+            log.info("shutdown requested", signal=self._next_signal(timeout=None))
             log.info(f"{PROG} stopping", grace_period=GRACE_PERIOD)
-            self._server.stop(GRACE_PERIOD).wait()
+            stopped = self._server.stop(GRACE_PERIOD)
+            while not stopped.is_set():
+                second = self._next_signal(timeout=0.1)
+                if second:
+                    log.warning("second shutdown signal: cancelling calls in flight", signal=second)
+                    self._server.stop(0)  # a shorter grace replaces the running one
         log.info(f"{PROG} stopped")
         return 0
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        name = signal.Signals(signum).name
-        if not self._stop.is_set():
-            log.info("shutdown requested", signal=name)
-            self._stop.set()
-        elif self._server is not None:
-            log.warning("second shutdown signal: cancelling calls in flight", signal=name)
-            self._server.stop(0)  # a shorter grace replaces the running one
+    def _catch_signals(self, cleanup: contextlib.ExitStack) -> None:
+        """Make SIGTERM and SIGINT readable, as signal numbers, from a pipe.
+
+        The kernel may deliver a process signal to any thread, gRPC's included, and
+        Python then runs the handler only once the main thread next executes bytecode:
+        a main thread blocked in a lock or condition wait would never see it.  With a
+        wake-up fd, the C-level handler writes the signal number into a pipe from
+        whichever thread it runs on, and the main thread blocks reading that pipe.
+        """
+        read_end, write_end = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        cleanup.callback(os.close, read_end)
+        cleanup.callback(os.close, write_end)
+        self._signals = read_end
+        previous = {signum: signal.signal(signum, _ignore_signal) for signum in (signal.SIGTERM, signal.SIGINT)}
+        previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        cleanup.callback(signal.set_wakeup_fd, previous_fd)
+        for signum, handler in previous.items():
+            cleanup.callback(signal.signal, signum, handler)
+
+    def _next_signal(self, timeout: float | None) -> str | None:
+        """The name of the next SIGTERM/SIGINT, waiting up to ``timeout`` seconds (None: for ever)."""
+        assert self._signals is not None
+        while True:
+            ready, _, _ = select.select([self._signals], [], [], timeout)
+            if not ready:
+                return None
+            try:
+                received = os.read(self._signals, 1)
+            except BlockingIOError:
+                continue  # another reader took it; wait again
+            if received and received[0] in (signal.SIGTERM, signal.SIGINT):
+                return signal.Signals(received[0]).name
 
     def _serve_metrics(self) -> str:
         if not self.settings.metrics_address:
@@ -177,6 +205,12 @@ class Daemon:
         except Exception:
             log.error("closing the snapshotter failed", exc_info=True)
             raise
+
+
+def _ignore_signal(signum: int, frame: FrameType | None) -> None:
+    """Python-level handler of SIGTERM/SIGINT: the work happens in :meth:`Daemon.run`,
+    which reads the signal from the wake-up pipe; this only keeps the default action
+    (exit at once) from running."""
 
 
 def lock_root(root: Path) -> int:

@@ -7,6 +7,7 @@ and talks to it over real gRPC.  :class:`SnapshotterDaemon` and the
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -317,6 +318,28 @@ def test_signal_stops_cleanly(snapd: SnapshotterDaemon, signum: int) -> None:
     messages = [r["msg"] for r in snapd.log_records()]
     assert "shutdown requested" in messages
     assert messages[-1] == "bootseer-snapshotter stopped"
+
+
+def tgkill(pid: int, tid: int, signum: int) -> None:
+    """Send ``signum`` to the one thread ``tid`` of process ``pid`` (tgkill(2))."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(234, pid, tid, signum) != 0:  # 234: SYS_tgkill on x86-64
+        raise OSError(ctypes.get_errno(), "tgkill failed")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="tgkill's syscall number is x86-64's")
+def test_signal_delivered_to_another_thread_stops_cleanly(snapd: SnapshotterDaemon) -> None:
+    # The kernel may deliver a process signal to any thread; the main thread must
+    # still see it, wherever it is blocked.
+    snapd.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
+    pid = snapd.process.pid
+    others = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid)
+    assert others, "the daemon runs gRPC threads"
+    snapd.close_channel()
+    tgkill(pid, others[-1], signal.SIGTERM)
+    assert snapd.wait_exit() == 0
+    assert not os.path.lexists(snapd.address)
+    assert [r["msg"] for r in snapd.log_records()][-1] == "bootseer-snapshotter stopped"
 
 
 def start_blocked_list(daemon: SnapshotterDaemon, count: int = 600) -> tuple[Iterator, int]:

@@ -2,11 +2,14 @@
 # Install everything BootSeer, its demo and its tests need on a Debian machine, as root:
 # the Debian packages (containerd, runc, registry, FUSE, Go for the conformance suite, ...)
 # and a virtual environment at $BOOTSEER_VENV (default: .venv in the checkout) holding
-# BootSeer itself with its test extras.  Safe to run again; it only adds what is missing.
+# BootSeer installed from this checkout (editable, so the venv always runs the code in the
+# tree) with the extras in $BOOTSEER_EXTRAS (default "test"; the benchmarks want "test,bench").
+# Safe to run again; it only adds what is missing.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${BOOTSEER_VENV:-$repo/.venv}
+extras=${BOOTSEER_EXTRAS:-test}
 
 packages=(
     containerd runc docker-registry skopeo fuse3 libfuse3-dev pkg-config
@@ -31,5 +34,5 @@ if [[ ! -x $venv/bin/python ]]; then
     python3 -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null
-"$venv/bin/python" -m pip install -q "$repo[test,bench]"
+"$venv/bin/python" -m pip install -q -e "$repo[$extras]"
 echo "install-deps: ready ($venv)" >&2

@@ -11,3 +11,8 @@ Layers, each knowing only the one below:
   stripes on fresh connections and bounds memory.
 * :mod:`bootseer.fetch.api` -- the same engine for plain Python code, without FUSE.
 """
+
+from bootseer.fetch.api import Client, open, read_bytes
+from bootseer.fetch.engine import EngineConfig
+
+__all__ = ["Client", "EngineConfig", "open", "read_bytes"]

@@ -1,0 +1,207 @@
+"""A verified on-disk cache of fetched stripes, shared safely by processes.
+
+Each stripe is one file named by a hash of everything that identifies its bytes:
+the source URL, the path, the file's size and mtime, the stripe index and the stripe
+size.  The file holds a header (magic, payload length, the key hash again, an
+xxh3-128 checksum of the payload) and the payload.  Every read checks all of it; an
+entry that is truncated, corrupt or not what its name says is deleted, logged and
+reported as a miss, so the caller fetches the stripe again.  Nothing unverified is
+ever returned.
+
+Writes go to a temporary file in the same directory and are renamed into place, so
+readers in this or another process see a whole entry or none; no fsync is needed
+because a torn entry after a crash fails its checksum.  Recency is the entry file's
+mtime (touched on every hit), and whoever finds the cache over ``max_bytes`` scans
+it and deletes least recently used entries down to 90%; concurrent deletion by two
+processes is harmless.  The cache never raises: a disk problem is logged and behaves
+as a miss.
+
+A source that reports no mtime (0.0) keys entries by size alone, so a file rewritten
+in place with the same size would be served stale; such sources should not be cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import time
+
+import prometheus_client
+import xxhash
+
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+MAGIC = b"BSSTRIP1"
+_HEADER = struct.Struct("<8sQ16s16s")  # magic, payload length, key hash, payload xxh3-128
+_TEMP_PREFIX = ".tmp-"
+_STALE_TEMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
+_LOW_WATER = 0.9  # eviction frees down to this fraction of max_bytes
+
+HITS = prometheus_client.Counter("bootseer_fetch_cache_hits", "Stripes served from the on-disk cache")
+MISSES = prometheus_client.Counter("bootseer_fetch_cache_misses", "Stripes looked up and not in the on-disk cache")
+CORRUPT = prometheus_client.Counter(
+    "bootseer_fetch_cache_corrupt", "On-disk cache entries that failed verification and were discarded"
+)
+EVICTIONS = prometheus_client.Counter("bootseer_fetch_cache_evictions", "On-disk cache entries evicted (LRU)")
+ERRORS = prometheus_client.Counter("bootseer_fetch_cache_errors", "On-disk cache reads or writes that failed")
+
+
+class StripeCache:
+    """Stripes on disk under ``directory``, at most ``max_bytes`` of them (LRU).
+
+    Thread-safe; several processes may share one directory.
+    """
+
+    def __init__(self, directory: str, max_bytes: int) -> None:
+        if max_bytes < 1:
+            raise ValueError(f"cache size must be positive, not {max_bytes}")
+        self.directory = os.path.abspath(directory)
+        self.max_bytes = max_bytes
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock = threading.Lock()
+        # Bytes on disk as of the last scan plus what this process wrote since; a
+        # rescan every eighth of max_bytes written keeps other processes' writes in view.
+        self._estimate = 0
+        self._written_since_scan = 0
+        self._evict()
+
+    def __repr__(self) -> str:
+        return f"StripeCache({self.directory!r}, max_bytes={self.max_bytes})"
+
+    @staticmethod
+    def key(url: str, path: str, size: int, mtime: float, index: int, stripe_size: int) -> str:
+        """The name of a stripe's entry: a hash of everything that identifies its bytes."""
+        identity = json.dumps([url, path, size, repr(float(mtime)), index, stripe_size])
+        return xxhash.xxh3_128_hexdigest(identity.encode())
+
+    def path_of(self, key: str) -> str:
+        return os.path.join(self.directory, key[:2], key)
+
+    def get(self, key: str) -> bytes | None:
+        """The verified payload stored under ``key``, or None (missing, or corrupt and now deleted)."""
+        path = self.path_of(key)
+        try:
+            with open(path, "rb") as file:
+                header = file.read(_HEADER.size)
+                problem = self._check_header(header, key)
+                if problem is None:
+                    length = _HEADER.unpack(header)[1]
+                    on_disk = os.fstat(file.fileno()).st_size - _HEADER.size
+                    # A corrupt length must not make us allocate it: read no more than is there.
+                    payload = file.read(min(length, on_disk))
+                    problem = self._check_payload(payload, length, header, file.read(1))
+        except FileNotFoundError:
+            MISSES.inc()
+            return None
+        except OSError as exc:
+            ERRORS.inc()
+            log.warning("stripe cache read failed; fetching instead", path=path, error=str(exc))
+            return None
+        if problem is not None:
+            CORRUPT.inc()
+            log.warning("discarding corrupt stripe cache entry", path=path, problem=problem)
+            self._remove(path)
+            return None
+        try:
+            os.utime(path)  # recency for LRU eviction
+        except OSError:
+            pass  # evicted meanwhile: the bytes read are still good
+        HITS.inc()
+        return payload
+
+    @staticmethod
+    def _check_header(header: bytes, key: str) -> str | None:
+        if len(header) < _HEADER.size:
+            return f"truncated header ({len(header)} bytes)"
+        magic, _length, key_hash, _checksum = _HEADER.unpack(header)
+        if magic != MAGIC:
+            return f"bad magic {magic!r}"
+        if key_hash.hex() != key:
+            return "entry belongs to another key"
+        return None
+
+    @staticmethod
+    def _check_payload(payload: bytes, length: int, header: bytes, trailing: bytes) -> str | None:
+        if len(payload) != length:
+            return f"truncated payload ({len(payload)} of {length} bytes)"
+        if trailing:
+            return "trailing bytes after the payload"
+        if xxhash.xxh3_128_digest(payload) != _HEADER.unpack(header)[3]:
+            return "checksum mismatch"
+        return None
+
+    def put(self, key: str, payload: bytes) -> None:
+        """Store ``payload`` under ``key`` atomically, then evict if over the size bound."""
+        size = _HEADER.size + len(payload)
+        if size > self.max_bytes:
+            return
+        path = self.path_of(key)
+        header = _HEADER.pack(MAGIC, len(payload), bytes.fromhex(key), xxhash.xxh3_128_digest(payload))
+        temp = os.path.join(os.path.dirname(path), f"{_TEMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}")
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(temp, "wb") as file:
+                file.write(header)
+                file.write(payload)
+            os.replace(temp, path)
+        except OSError as exc:
+            ERRORS.inc()
+            log.warning("stripe cache write failed; not cached", path=path, error=str(exc))
+            self._remove(temp)
+            return
+        with self._lock:
+            self._estimate += size
+            self._written_since_scan += size
+            due = self._estimate > self.max_bytes or self._written_since_scan > self.max_bytes // 8
+        if due:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Scan the cache; delete least recently used entries while over the bound, and dead temp files."""
+        with self._lock:
+            entries = []
+            total = 0
+            now = time.time()
+            try:
+                subdirs = [entry.path for entry in os.scandir(self.directory) if entry.is_dir()]
+                for subdir in subdirs:
+                    for entry in os.scandir(subdir):
+                        try:
+                            st = entry.stat()
+                        except FileNotFoundError:
+                            continue
+                        if entry.name.startswith(_TEMP_PREFIX):
+                            if now - st.st_mtime > _STALE_TEMP_SECONDS:
+                                self._remove(entry.path)
+                            continue
+                        entries.append((st.st_mtime, entry.path, st.st_size))
+                        total += st.st_size
+            except OSError as exc:
+                ERRORS.inc()
+                log.warning("stripe cache scan failed", directory=self.directory, error=str(exc))
+                return
+            if total > self.max_bytes:
+                entries.sort()
+                target = int(self.max_bytes * _LOW_WATER)
+                for _mtime, path, size in entries:
+                    if total <= target:
+                        break
+                    self._remove(path)
+                    EVICTIONS.inc()
+                    total -= size
+            self._estimate = total
+            self._written_since_scan = 0
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            ERRORS.inc()
+            log.warning("could not delete stripe cache file", path=path, error=str(exc))

@@ -1,0 +1,935 @@
+"""The striped, prioritised, memory-bounded range-fetch engine.
+
+Files at a :class:`~bootseer.fetch.source.RangeSource` are cut into fixed-size
+*stripes*.  A stripe is fetched once, by one of ``streams`` worker tasks, and shared
+by every reader that wants it.  Workers take stripes from one priority queue
+(:class:`Priority`: demand reads first, then read-ahead, then prefetch; first come,
+first served within a priority) and run the blocking ``Connection.read_range`` in a
+worker thread, each worker keeping a connection of its own.
+
+Who wants a stripe is recorded as *holds*: a read holds the stripes it is copying
+from (at DEMAND), a :class:`Reader` holds its read-ahead window (at READAHEAD) and
+:meth:`Engine.prefetch` holds the stripes it brings in (at PREFETCH).  A queued
+stripe nobody holds any more is cancelled; a buffered stripe nobody holds stays as
+a *loose* stripe (a small in-memory cache) until memory is needed, except that a
+stripe a sequential reader has read past is dropped at once.
+
+Memory: every stripe byte in flight or buffered is counted, and a worker starts a
+fetch only when its bytes fit under ``memory_limit``.  To make room it evicts
+buffered stripes nobody is waiting on, least wanted first (loose, then prefetched,
+then read-ahead, then a long read's later stripes, which only a demand fetch may
+evict), least recently used first among equals.  Read-ahead and prefetch also
+leave one stripe of memory to demand reads, so read-ahead yields to demand.  A
+stripe a task is waiting on is never evicted, and every in-flight fetch ends, so
+demand reads always make progress.
+
+Faults: a failed fetch (TransientError, OSError, anything unexpected, a short read
+before the end of the file) closes that worker's connection and puts the stripe
+back in the queue after a backoff, so the retry runs on another connection.
+NotFound, PermanentError and a file whose size changed fail at once; a stripe that
+keeps failing for ``retry_timeout`` seconds fails.  Either way the tasks waiting on
+it get :class:`FetchError` (EIO), never short or wrong bytes, and the engine goes on
+serving everything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import errno
+import heapq
+import itertools
+import logging
+import platform
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import prometheus_client
+import trio
+
+from bootseer.fetch.cache import StripeCache
+from bootseer.fetch.source import Connection, Entry, NotADirectory, NotFound, PermanentError, RangeSource
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+KiB = 1 << 10
+MiB = 1 << 20
+GiB = 1 << 30
+
+T = TypeVar("T")
+
+BYTES_FETCHED = prometheus_client.Counter(
+    "bootseer_fetch_bytes", "Stripe bytes read from sources (not from the disk cache)"
+)
+STRIPES = prometheus_client.Counter(
+    "bootseer_fetch_stripes",
+    "Stripe fetches finished, by outcome (fetched: from the source, cached: from the disk cache, failed)",
+    ["outcome"],
+)
+RETRIES = prometheus_client.Counter("bootseer_fetch_retries", "Failed stripe fetches put back to be retried")
+IN_FLIGHT = prometheus_client.Gauge("bootseer_fetch_in_flight_stripes", "Stripe fetches running now")
+HELD_BYTES = prometheus_client.Gauge(
+    "bootseer_fetch_held_bytes", "Stripe bytes held in memory (in flight and buffered), all engines"
+)
+for _outcome in ("fetched", "cached", "failed"):
+    STRIPES.labels(_outcome)
+
+
+class Priority(enum.IntEnum):
+    """Who wants a stripe; a lower value is served first."""
+
+    DEMAND = 0  #: a reader is waiting for it now
+    READAHEAD = 1  #: a sequential reader will want it soon
+    PREFETCH = 2  #: someone predicts it will be read (hot blocks)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How an :class:`Engine` stripes, parallelises, buffers and retries."""
+
+    stripe_size: int = 8 * MiB  #: 8-16 MiB suits remote stores; reads are split on stripe boundaries
+    streams: int | None = None  #: parallel range requests; None: the source's ``default_streams`` or 16
+    readahead_max: int = 256 * MiB  #: largest read-ahead window of one open file
+    memory_limit: int = 1 * GiB  #: stripe bytes held (in flight + buffered), all files together
+    max_windows: int = 64  #: open files that may hold a read-ahead window at once
+    retry_timeout: float = 60.0  #: a stripe that keeps failing this long fails with FetchError (EIO)
+    cache_dir: str | None = None  #: optional verified on-disk stripe cache (off by default)
+    cache_size: int = 16 * GiB  #: bytes the on-disk cache may hold
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.stripe_size < 1:
+            problems.append(f"stripe_size must be positive, not {self.stripe_size}")
+        if self.streams is not None and self.streams < 1:
+            problems.append(f"streams must be at least 1, not {self.streams}")
+        if self.readahead_max < 0:
+            problems.append(f"readahead_max must not be negative, not {self.readahead_max}")
+        if self.memory_limit < self.stripe_size:
+            problems.append(f"memory_limit ({self.memory_limit}) must hold at least one stripe ({self.stripe_size})")
+        if self.max_windows < 0:
+            problems.append(f"max_windows must not be negative, not {self.max_windows}")
+        if not self.retry_timeout >= 0:
+            problems.append(f"retry_timeout must not be negative, not {self.retry_timeout}")
+        if self.cache_dir is not None and self.cache_size < self.stripe_size:
+            problems.append(f"cache_size ({self.cache_size}) must hold at least one stripe ({self.stripe_size})")
+        if problems:
+            raise ValueError("invalid fetch engine configuration: " + "; ".join(problems))
+
+
+class FetchError(OSError):
+    """A stripe could not be fetched (errno EIO); the message says which and why.
+
+    ``FetchError("message")`` sets errno to EIO; the cause is chained as
+    ``__cause__``.
+    """
+
+    def __init__(self, *args: Any) -> None:
+        if len(args) == 1:
+            args = (errno.EIO, args[0])
+        super().__init__(*args)
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine, for tests, benchmarks and ``bootseer`` status output."""
+
+    bytes_fetched: int = 0  #: bytes read from the source
+    stripes_fetched: int = 0  #: stripes read from the source
+    cache_hits: int = 0  #: stripes served by the disk cache
+    retries: int = 0  #: failed fetches put back to be retried
+    failures: int = 0  #: stripes that failed for good
+    evictions: int = 0  #: buffered stripes evicted to make room
+    in_flight: int = 0  #: fetches running now
+    held_bytes: int = 0  #: stripe bytes in flight or buffered now
+    peak_held_bytes: int = 0  #: the most ``held_bytes`` has ever been
+
+
+class _State(enum.Enum):
+    QUEUED = "queued"  # in the priority queue
+    BACKOFF = "backoff"  # failed; waiting to be queued again
+    FETCHING = "fetching"  # a worker is fetching it
+    DONE = "done"  # its bytes are buffered
+    FAILED = "failed"  # failed for good; ``error`` says why
+    GONE = "gone"  # cancelled, dropped or evicted
+
+
+_StripeKey = tuple[str, int, int]  # (path, file size, stripe index)
+
+
+class _Stripe:
+    """One stripe of one version (path, size) of a file, and who wants it."""
+
+    __slots__ = (
+        "key", "path", "file_size", "index", "offset", "length", "state", "data", "error",
+        "done", "holders", "waiters", "queued_priority", "last_used", "first_failure", "attempts",
+    )  # fmt: skip
+
+    def __init__(self, path: str, file_size: int, index: int, stripe_size: int) -> None:
+        self.key: _StripeKey = (path, file_size, index)
+        self.path = path
+        self.file_size = file_size
+        self.index = index
+        self.offset = index * stripe_size
+        self.length = min(stripe_size, file_size - self.offset)
+        self.state = _State.QUEUED
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.done = trio.Event()  # set on DONE or FAILED
+        self.holders: dict[object, Priority] = {}
+        self.waiters = 0  # tasks blocked on ``done``; protects a DONE stripe from eviction
+        self.queued_priority = Priority.PREFETCH
+        self.last_used = 0
+        self.first_failure: float | None = None
+        self.attempts = 0
+
+    def priority(self) -> Priority | None:
+        """The most urgent hold, or None when nobody holds the stripe."""
+        return min(self.holders.values()) if self.holders else None
+
+    def wanted(self) -> bool:
+        return bool(self.holders) or self.waiters > 0
+
+    def describe(self) -> str:
+        return f"{self.path or '.'} bytes {self.offset}-{self.offset + self.length - 1} (stripe {self.index})"
+
+
+class _SizeChanged(PermanentError):
+    """The file no longer has the size it was opened with."""
+
+
+class _Stream:
+    """A worker's connection; a box so that a cancelled thread call cannot lose it."""
+
+    def __init__(self) -> None:
+        self.connection: Connection | None = None
+
+
+def _close_quietly(connection: Connection) -> None:
+    try:
+        connection.close()
+    except Exception as exc:  # a broken connection may fail to close; it is gone either way
+        log.debug("closing a connection failed", error=repr(exc))
+
+
+def _is_permanent(exc: BaseException) -> bool:
+    return isinstance(exc, (NotFound, NotADirectory, PermanentError))
+
+
+# -- bytes filled in place -----------------------------------------------------------
+#
+# ``read`` and ``Client.read_bytes`` must return ``bytes`` (safetensors takes nothing
+# else), and filling a bytearray then copying it into bytes would hold a whole file
+# twice.  CPython's documented way to build a bytes object in place is
+# PyBytes_FromStringAndSize(NULL, n) followed by writing its buffer before anyone else
+# sees the object; elsewhere we fall back to the copy.
+
+if platform.python_implementation() == "CPython":
+    _bytes_from_size = ctypes.pythonapi.PyBytes_FromStringAndSize
+    _bytes_from_size.restype = ctypes.py_object
+    _bytes_from_size.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+    _bytes_buffer = ctypes.pythonapi.PyBytes_AsString
+    _bytes_buffer.restype = ctypes.c_void_p
+    _bytes_buffer.argtypes = (ctypes.py_object,)
+else:  # pragma: no cover
+    _bytes_from_size = None
+
+
+class BytesBuilder:
+    """A ``bytes`` object of a known size, written through :attr:`view` before use.
+
+    Keep the builder until the view is fully written, then take :meth:`result`;
+    nothing may use the bytes before that.
+    """
+
+    def __init__(self, size: int) -> None:
+        if size == 0:
+            self._bytes: bytes | None = b""
+            self._buffer: Any = bytearray()
+        elif _bytes_from_size is not None:
+            self._bytes = _bytes_from_size(None, size)
+            self._buffer = (ctypes.c_char * size).from_address(_bytes_buffer(self._bytes))
+        else:  # pragma: no cover
+            self._bytes = None
+            self._buffer = bytearray(size)
+        self.view = memoryview(self._buffer).cast("B")
+
+    def result(self) -> bytes:
+        self.view.release()
+        return self._bytes if self._bytes is not None else bytes(self._buffer)
+
+
+# -- the engine ----------------------------------------------------------------------
+
+
+class Engine:
+    """Serves striped range reads of one source; run it with :meth:`run` (or :func:`open_engine`).
+
+    All methods are called from the trio thread that runs :meth:`run`.
+    """
+
+    def __init__(self, source: RangeSource, config: EngineConfig = EngineConfig()) -> None:
+        self.source = source
+        self.config = config
+        self.stripe_size = config.stripe_size
+        self.streams = config.streams or int(getattr(source, "default_streams", 16))
+        if self.streams < 1:
+            raise ValueError(f"{source!r}: default_streams must be at least 1, not {self.streams}")
+        self.stats = EngineStats()
+        stripes_in_memory = config.memory_limit // config.stripe_size
+        # How many stripes of one long read are held (and so fetched in parallel) ahead
+        # of the one being copied: enough for every stream, no more than memory allows.
+        self.read_lookahead = max(1, min(2 * self.streams, stripes_in_memory // 2))
+        self.readahead_max_stripes = config.readahead_max // config.stripe_size
+        self.readahead_initial_stripes = min(2, self.readahead_max_stripes)
+        # Read-ahead and prefetch leave this much memory for demand reads.
+        self._demand_reserve = config.stripe_size if stripes_in_memory >= 4 else 0
+        self._cache = StripeCache(config.cache_dir, config.cache_size) if config.cache_dir else None
+        # One thread per stream: trio's default limiter (40 threads, shared by everything
+        # in the process) would cap a wide engine and let one engine starve another.
+        self._threads = trio.CapacityLimiter(self.streams)
+        self._stripes: dict[_StripeKey, _Stripe] = {}
+        self._buffered: dict[_StripeKey, _Stripe] = {}  # the DONE stripes
+        self._queue: list[tuple[int, int, _Stripe]] = []  # (priority, seq, stripe); stale entries skipped
+        self._backoff: list[tuple[float, int, _Stripe]] = []  # (due time, seq, stripe)
+        self._seq = itertools.count()
+        self._clock = itertools.count(1)  # use order, for LRU
+        self._changed = trio.Event()
+        self._starved = False  # a worker waits for memory that evictions could not free
+        self._windows: OrderedDict[Reader, None] = OrderedDict()  # readers holding a window, LRU first
+        self._mtimes: dict[tuple[str, int], float] = {}  # (path, size) -> mtime, for cache keys only
+        self._running = False
+        self._stopped = False
+
+    def __repr__(self) -> str:
+        return f"<Engine {self.source.url} streams={self.streams} stripe={self.stripe_size}>"
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the workers until cancelled; then fail whatever is still pending."""
+        if self._running or self._stopped:
+            raise RuntimeError(f"{self!r} runs only once")
+        self._running = True
+        log.debug("fetch engine starting", url=self.source.url, streams=self.streams, stripe_size=self.stripe_size)
+        try:
+            async with trio.open_nursery() as nursery:
+                for number in range(self.streams):
+                    nursery.start_soon(self._worker, number, name=f"fetch worker {number} {self.source.url}")
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._stopped = True
+            self._fail_all(FetchError(f"{self.source.url}: the fetch engine stopped"))
+
+    def _check_running(self) -> None:
+        if self._stopped:
+            raise FetchError(f"{self.source.url}: the fetch engine stopped")
+
+    def _fail_all(self, error: FetchError) -> None:
+        for stripe in list(self._stripes.values()):
+            if stripe.state is _State.DONE:
+                self._forget(stripe)
+            else:
+                self._fail(stripe, error)
+
+    # -- metadata ------------------------------------------------------------------
+
+    async def stat(self, path: str) -> Entry:
+        """The source's :class:`Entry` for ``path``, retried like a stripe.
+
+        Raises NotFound / NotADirectory as the source does, FetchError otherwise.
+        """
+        entry = await self._call_retrying(f"stat {path or '.'}", self.source.stat, path)
+        if self._cache is not None and not entry.is_dir:
+            self._mtimes[(path, entry.size)] = entry.mtime
+        return entry
+
+    async def listdir(self, path: str) -> list[Entry]:
+        """The entries of directory ``path``, retried like a stripe."""
+        entries = await self._call_retrying(f"list {path or '.'}", self.source.listdir, path)
+        for entry in entries:
+            if self._cache is not None and not entry.is_dir:
+                self._mtimes[(f"{path}/{entry.name}" if path else entry.name, entry.size)] = entry.mtime
+        return entries
+
+    async def _call_retrying(self, what: str, function: Callable[..., T], *args: Any) -> T:
+        self._check_running()
+        first_failure: float | None = None
+        attempts = 0
+        while True:
+            try:
+                return await trio.to_thread.run_sync(function, *args)
+            except (NotFound, NotADirectory):
+                raise
+            except PermanentError as exc:
+                raise FetchError(f"{self.source.url}: {what}: {exc}") from exc
+            except Exception as exc:
+                now = trio.current_time()
+                first_failure = now if first_failure is None else first_failure
+                if now - first_failure >= self.config.retry_timeout:
+                    raise FetchError(
+                        f"{self.source.url}: {what}: still failing after {now - first_failure:.1f}s "
+                        f"and {attempts + 1} attempts: {exc!r}"
+                    ) from exc
+                attempts += 1
+                log.warning("source call failed; retrying", url=self.source.url, call=what, attempt=attempts,
+                            error=repr(exc))  # fmt: skip
+                await trio.sleep(min(self._backoff_delay(attempts), first_failure + self.config.retry_timeout - now))
+
+    # -- reading -------------------------------------------------------------------
+
+    def open(self, path: str, size: int, mtime: float | None = None) -> Reader:
+        """A :class:`Reader` of the version of ``path`` that is ``size`` bytes long.
+
+        ``mtime`` (from :meth:`stat`) keys the disk cache; without it the engine asks
+        the source when it first needs it.
+        """
+        self._check_running()
+        if size < 0:
+            raise ValueError(f"file size must not be negative, not {size}")
+        if self._cache is not None and mtime is not None:
+            self._mtimes[(path, size)] = mtime
+        return Reader(self, path, size)
+
+    async def prefetch(
+        self, path: str, size: int, offset: int, length: int, priority: Priority = Priority.PREFETCH
+    ) -> None:
+        """Bring bytes ``offset`` to ``offset + length`` of ``path`` into memory (and the disk cache).
+
+        Returns when they have been fetched; they then stay buffered until memory is
+        needed.  Raises FetchError if a stripe cannot be fetched.
+        """
+        self._check_running()
+        if offset < 0 or length < 0:
+            raise ValueError(f"invalid prefetch range: offset={offset} length={length}")
+        end = min(offset + length, size)
+        if offset >= end:
+            return
+        await self._walk(path, size, offset, end, Priority(priority), None, drop_passed=False)
+
+    async def _walk(
+        self,
+        path: str,
+        size: int,
+        offset: int,
+        end: int,
+        priority: Priority,
+        deliver: Callable[[int, memoryview], None] | None,
+        *,
+        drop_passed: bool,
+        token: object | None = None,
+    ) -> None:
+        """Hold the stripes of [offset, end) ``read_lookahead`` ahead, and hand each to ``deliver`` in order.
+
+        ``deliver(position, piece)`` gets the piece of a stripe that lies in the range
+        and its position relative to ``offset``; it must copy what it keeps.
+        """
+        token = object() if token is None else token  # the holder of this call's holds
+        first, last = offset // self.stripe_size, (end - 1) // self.stripe_size
+        held: dict[int, _Stripe] = {}
+        try:
+            for index in range(first, last + 1):
+                for ahead in range(index, min(last, index + self.read_lookahead - 1) + 1):
+                    if ahead not in held:
+                        held[ahead] = self._hold(token, path, size, ahead, priority)
+                stripe = held[index]
+                if stripe.state is _State.GONE:  # evicted before its turn: hold it again
+                    stripe = held[index] = self._hold(token, path, size, index, priority)
+                data = await self._wait(stripe)
+                if deliver is not None:
+                    lo = max(offset, stripe.offset) - stripe.offset
+                    hi = min(end, stripe.offset + stripe.length) - stripe.offset
+                    with memoryview(data) as view:
+                        deliver(stripe.offset + lo - offset, view[lo:hi])
+                passed = stripe.offset + stripe.length <= end
+                self._release(token, held.pop(index), drop=drop_passed and passed)
+        finally:
+            for stripe in held.values():
+                self._release(token, stripe)
+
+    async def _wait(self, stripe: _Stripe) -> bytes:
+        """The bytes of ``stripe`` once fetched; FetchError if it failed."""
+        if stripe.state is not _State.DONE:
+            stripe.waiters += 1
+            try:
+                await stripe.done.wait()
+            finally:
+                stripe.waiters -= 1
+                if not stripe.wanted() and stripe.state in (_State.QUEUED, _State.BACKOFF):
+                    self._forget(stripe)  # the waiting read was cancelled
+                self._evictable_changed()
+        if stripe.state is _State.DONE:
+            assert stripe.data is not None
+            stripe.last_used = next(self._clock)
+            return stripe.data
+        if stripe.state is _State.FAILED:
+            assert stripe.error is not None
+            # A fresh exception per waiter: one object raised in many tasks would
+            # collect all their tracebacks.
+            raise FetchError(str(stripe.error)) from stripe.error.__cause__
+        raise FetchError(f"{self.source.url}: {stripe.describe()}: the fetch engine stopped")
+
+    # -- holds -----------------------------------------------------------------------
+
+    def _hold(self, holder: object, path: str, size: int, index: int, priority: Priority) -> _Stripe:
+        """Record that ``holder`` wants a stripe, queueing it if it is not fetched or on its way."""
+        self._check_running()
+        key = (path, size, index)
+        stripe = self._stripes.get(key)
+        if stripe is None:
+            stripe = _Stripe(path, size, index, self.stripe_size)
+            self._stripes[key] = stripe
+            stripe.holders[holder] = priority
+            self._enqueue(stripe, priority)
+            return stripe
+        if not stripe.wanted() and stripe.first_failure is not None:
+            # Wanted again after everyone gave up on it: its retry time starts anew.
+            stripe.first_failure = None
+            stripe.attempts = 0
+        held = stripe.holders.get(holder)
+        if held is None or priority < held:
+            stripe.holders[holder] = priority
+        if stripe.state is _State.QUEUED and priority < stripe.queued_priority:
+            self._enqueue(stripe, priority)  # a more urgent entry; the old one goes stale
+        elif stripe.state is _State.BACKOFF:
+            stripe.queued_priority = min(stripe.queued_priority, priority)
+        stripe.last_used = next(self._clock)
+        return stripe
+
+    def _holding(self, holder: object, key: _StripeKey, priority: Priority) -> bool:
+        """Add ``holder`` to a stripe that is fetched or on its way, without queueing anything."""
+        stripe = self._stripes.get(key)
+        if stripe is None:
+            return False
+        if priority < stripe.holders.get(holder, Priority.PREFETCH + 1):
+            stripe.holders[holder] = priority
+        return True
+
+    def _release(self, holder: object, stripe_or_key: _Stripe | _StripeKey, *, drop: bool = False) -> None:
+        """``holder`` no longer wants the stripe; cancel or (with ``drop``) free it if nobody else does."""
+        stripe = stripe_or_key if isinstance(stripe_or_key, _Stripe) else self._stripes.get(stripe_or_key)
+        if stripe is None or stripe.holders.pop(holder, None) is None:
+            return
+        self._evictable_changed()
+        if stripe.wanted():
+            return
+        if stripe.state in (_State.QUEUED, _State.BACKOFF) or (drop and stripe.state is _State.DONE):
+            self._forget(stripe)
+
+    def _enqueue(self, stripe: _Stripe, priority: Priority) -> None:
+        stripe.state = _State.QUEUED
+        stripe.queued_priority = priority
+        heapq.heappush(self._queue, (priority, next(self._seq), stripe))
+        self._notify()
+
+    def _forget(self, stripe: _Stripe) -> None:
+        """Take a stripe out of the engine (cancelled, dropped or evicted), freeing its bytes."""
+        if self._stripes.get(stripe.key) is stripe:
+            del self._stripes[stripe.key]
+        if stripe.state is _State.DONE:
+            del self._buffered[stripe.key]
+            self._unreserve(stripe.length)
+        stripe.state = _State.GONE
+        stripe.data = None
+
+    def _fail(self, stripe: _Stripe, error: BaseException) -> None:
+        if stripe.state is _State.FETCHING:
+            self._unreserve(stripe.length)
+        if self._stripes.get(stripe.key) is stripe:
+            del self._stripes[stripe.key]
+        stripe.state = _State.FAILED
+        stripe.error = error
+        stripe.done.set()
+
+    def _notify(self) -> None:
+        """Wake the workers waiting in :meth:`_take`: the queue, memory or evictable stripes changed."""
+        self._starved = False
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _evictable_changed(self) -> None:
+        """A stripe lost a holder or a waiter, so it may be evictable now."""
+        if self._starved:
+            self._notify()
+
+    # -- memory ----------------------------------------------------------------------
+
+    def _reserve(self, stripe: _Stripe) -> bool:
+        """Count ``stripe``'s bytes as held if they fit, evicting less wanted stripes to make room."""
+        priority = stripe.priority()
+        priority = stripe.queued_priority if priority is None else priority
+        limit = self.config.memory_limit - (0 if priority is Priority.DEMAND else self._demand_reserve)
+        short = self.stats.held_bytes + stripe.length - limit
+        if short > 0:
+            victims = self._eviction_candidates(priority)
+            if sum(victim.length for victim in victims) < short:
+                return False  # wait for fetches to land and readers to take their bytes
+            for victim in victims:
+                if short <= 0:
+                    break
+                short -= victim.length
+                self.stats.evictions += 1
+                self._forget(victim)
+        self.stats.held_bytes += stripe.length
+        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.stats.held_bytes)
+        HELD_BYTES.inc(stripe.length)
+        return True
+
+    def _eviction_candidates(self, priority: Priority) -> list[_Stripe]:
+        """Buffered stripes a fetch at ``priority`` may evict, least wanted and least recently used first.
+
+        Nobody evicts a stripe a task is waiting on.  Only demand fetches evict
+        stripes held for a read in progress, which that read will soon take.  Any
+        fetch may evict speculative stripes (loose, prefetched, read ahead): were
+        read-ahead and prefetch unable to evict each other, a prefetch could wait
+        forever on memory held by the windows of idle open files.
+        """
+        loose = len(Priority)  # ranks below every hold
+        ranked = []
+        for stripe in self._buffered.values():
+            if stripe.waiters:
+                continue
+            held = stripe.priority()
+            rank = loose if held is None else int(held)
+            if rank > Priority.DEMAND or priority is Priority.DEMAND:
+                ranked.append((-rank, stripe.last_used, stripe))
+        ranked.sort(key=lambda item: item[:2])
+        return [stripe for _, _, stripe in ranked]
+
+    def _unreserve(self, length: int) -> None:
+        self.stats.held_bytes -= length
+        HELD_BYTES.dec(length)
+        self._notify()
+
+    # -- workers -----------------------------------------------------------------------
+
+    async def _worker(self, number: int) -> None:
+        stream = _Stream()
+        try:
+            while True:
+                stripe = await self._take()
+                await self._fetch(stripe, stream)
+        finally:
+            if stream.connection is not None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(_close_quietly, stream.connection, limiter=self._threads)
+
+    async def _take(self) -> _Stripe:
+        """The most urgent queued stripe whose bytes fit in memory, marked FETCHING."""
+        while True:
+            now = trio.current_time()
+            while self._backoff and self._backoff[0][0] <= now:
+                _, _, stripe = heapq.heappop(self._backoff)
+                if stripe.state is _State.BACKOFF:
+                    held = stripe.priority()
+                    self._enqueue(stripe, stripe.queued_priority if held is None else held)
+            while self._queue and self._queue[0][2].state is not _State.QUEUED:
+                heapq.heappop(self._queue)  # stale: cancelled, or queued again more urgently
+            if self._queue:
+                if self._reserve(self._queue[0][2]):
+                    stripe = heapq.heappop(self._queue)[2]
+                    stripe.state = _State.FETCHING
+                    return stripe
+                self._starved = True  # wake me when a buffered stripe may have become evictable
+            with trio.move_on_at(self._backoff[0][0] if self._backoff else float("inf")):
+                await self._changed.wait()
+
+    async def _fetch(self, stripe: _Stripe, stream: _Stream) -> None:
+        """Fetch one reserved stripe and publish it, or put it back to retry, or fail it."""
+        self.stats.in_flight += 1
+        IN_FLIGHT.inc()
+        cached = False
+        try:
+            mtime = self._mtimes.get((stripe.path, stripe.file_size))
+            data, cached, mtime = await trio.to_thread.run_sync(
+                self._fetch_blocking, stripe, stream, mtime, limiter=self._threads
+            )
+            if mtime is not None:
+                self._mtimes[(stripe.path, stripe.file_size)] = mtime
+        except Exception as exc:
+            self._fetch_failed(stripe, exc)
+            return
+        finally:
+            # A cancelled fetch (the engine stopping) stays FETCHING: run() fails it.
+            self.stats.in_flight -= 1
+            IN_FLIGHT.dec()
+        self._publish(stripe, data, cached)
+        if self._cache is not None and not cached:
+            assert mtime is not None
+            key = self._cache_key(stripe, mtime)
+            await trio.to_thread.run_sync(self._cache.put, key, data, limiter=self._threads)
+
+    def _fetch_blocking(
+        self, stripe: _Stripe, stream: _Stream, mtime: float | None
+    ) -> tuple[bytes, bool, float | None]:
+        """In a worker thread: the stripe's bytes from the disk cache or the source.
+
+        Returns (bytes, whether they came from the cache, the file's mtime when the
+        cache needed it).  On any failure the stream's connection is closed.
+        """
+        if self._cache is not None:
+            if mtime is None:
+                entry = self.source.stat(stripe.path)
+                self._check_size(stripe, entry.size)
+                mtime = entry.mtime
+            data = self._cache.get(self._cache_key(stripe, mtime))
+            if data is not None and len(data) == stripe.length:
+                return data, True, mtime
+        try:
+            if stream.connection is None:
+                stream.connection = self.source.connect()
+            data = stream.connection.read_range(stripe.path, stripe.offset, stripe.length)
+            if len(data) > stripe.length:
+                raise PermanentError(
+                    f"{self.source.url}: {stripe.describe()}: the source returned {len(data)} bytes "
+                    f"for a range of {stripe.length}"
+                )
+            if len(data) < stripe.length:
+                # Short before the end of the file we were told about: a cut-off response,
+                # or the file shrank.  Only the latter is worth failing at once for.
+                self._check_size(stripe, self.source.stat(stripe.path).size)
+                raise OSError(
+                    errno.EIO,
+                    f"{self.source.url}: {stripe.describe()}: short read, {len(data)} of {stripe.length} bytes",
+                )
+        except BaseException:
+            if stream.connection is not None:
+                _close_quietly(stream.connection)
+                stream.connection = None
+            raise
+        return data, False, mtime
+
+    def _check_size(self, stripe: _Stripe, size: int) -> None:
+        if size != stripe.file_size:
+            raise _SizeChanged(
+                f"{self.source.url}: {stripe.path or '.'}: the file is now {size} bytes, "
+                f"not the {stripe.file_size} it was opened with"
+            )
+
+    def _cache_key(self, stripe: _Stripe, mtime: float) -> str:
+        return StripeCache.key(self.source.url, stripe.path, stripe.file_size, mtime, stripe.index, self.stripe_size)
+
+    def _publish(self, stripe: _Stripe, data: bytes, cached: bool) -> None:
+        stripe.state = _State.DONE
+        stripe.data = data
+        stripe.first_failure = None
+        stripe.last_used = next(self._clock)
+        self._buffered[stripe.key] = stripe
+        if cached:
+            self.stats.cache_hits += 1
+            STRIPES.labels("cached").inc()
+        else:
+            self.stats.stripes_fetched += 1
+            self.stats.bytes_fetched += len(data)
+            STRIPES.labels("fetched").inc()
+            BYTES_FETCHED.inc(len(data))
+        stripe.done.set()
+
+    def _fetch_failed(self, stripe: _Stripe, exc: Exception) -> None:
+        now = trio.current_time()
+        if stripe.first_failure is None:
+            stripe.first_failure = now
+        failing_for = now - stripe.first_failure
+        stripe.attempts += 1
+        self._unreserve(stripe.length)
+        stripe.state = _State.BACKOFF  # no longer fetching; the bytes are no longer counted
+        if _is_permanent(exc) or failing_for >= self.config.retry_timeout:
+            reason = str(exc) if _is_permanent(exc) else (
+                f"still failing after {failing_for:.1f}s and {stripe.attempts} attempts: {exc!r}"
+            )  # fmt: skip
+            message = f"{self.source.url}: {stripe.describe()}: {reason}"
+            log.error("stripe fetch failed", url=self.source.url, path=stripe.path, offset=stripe.offset,
+                      length=stripe.length, attempts=stripe.attempts, error=repr(exc))  # fmt: skip
+            error = FetchError(message)
+            error.__cause__ = exc
+            self.stats.failures += 1
+            STRIPES.labels("failed").inc()
+            self._fail(stripe, error)
+            return
+        if not stripe.wanted():
+            self._forget(stripe)
+            return
+        self.stats.retries += 1
+        RETRIES.inc()
+        delay = min(self._backoff_delay(stripe.attempts), stripe.first_failure + self.config.retry_timeout - now)
+        # Attempts 1, 2, 4, 8...: a source that is down for a minute must not flood the log.
+        level = logging.WARNING if stripe.attempts & (stripe.attempts - 1) == 0 else logging.DEBUG
+        log.log(level, "stripe fetch failed; retrying on a new connection", url=self.source.url, path=stripe.path,
+                offset=stripe.offset, attempt=stripe.attempts, delay=round(delay, 3), error=repr(exc))  # fmt: skip
+        stripe.state = _State.BACKOFF
+        heapq.heappush(self._backoff, (now + delay, next(self._seq), stripe))
+        self._notify()
+
+    @staticmethod
+    def _backoff_delay(attempts: int) -> float:
+        """Exponential backoff with jitter: about 50 ms, 100 ms, ... up to 2 s."""
+        return min(0.05 * 2 ** (attempts - 1), 2.0) * random.uniform(0.5, 1.0)
+
+    # -- read-ahead windows ----------------------------------------------------------
+
+    def _window_used(self, reader: Reader) -> None:
+        """``reader`` holds a window now; take the window of the least recently used reader beyond ``max_windows``."""
+        self._windows[reader] = None
+        self._windows.move_to_end(reader)
+        while len(self._windows) > self.config.max_windows:
+            victim, _ = self._windows.popitem(last=False)
+            victim._lose_window()
+
+    def _window_dropped(self, reader: Reader) -> None:
+        self._windows.pop(reader, None)
+
+
+class Reader:
+    """One open file: reads bytes and keeps the read-ahead window of this handle.
+
+    Created by :meth:`Engine.open`.  Reads that continue where the last one ended (give
+    or take a stripe) are sequential: they hold a read-ahead window that starts at
+    two stripes and doubles each time the reader enters a new stripe, up to
+    ``readahead_max``.  Any other read is random access: it fetches only the stripes
+    it touches and gives up the window.
+    """
+
+    def __init__(self, engine: Engine, path: str, size: int) -> None:
+        self.engine = engine
+        self.path = path
+        self.size = size
+        self.closed = False
+        self._held: set[int] = set()  # stripe indexes this handle holds (window, current stripe)
+        self._next: int | None = None  # where a sequential read would start
+        self._last_stripe = -1
+        self._window = 0  # read-ahead stripes beyond the current one
+
+    def __repr__(self) -> str:
+        return f"<Reader {self.engine.source.url} {self.path!r} size={self.size}>"
+
+    @property
+    def window(self) -> int:
+        """The read-ahead window now, in stripes beyond the one last read (0: none)."""
+        return self._window
+
+    async def read(self, offset: int, size: int) -> bytes:
+        """Exactly ``size`` bytes from ``offset``; fewer only at the end of the file, ``b""`` past it.
+
+        Raises FetchError (EIO) if a stripe cannot be fetched.
+        """
+        end = self._range(offset, size)
+        if end <= offset:
+            return b""
+        builder = BytesBuilder(end - offset)
+
+        def deliver(position: int, piece: memoryview) -> None:
+            builder.view[position : position + len(piece)] = piece
+
+        try:
+            await self._read(offset, end, deliver)
+        except BaseException:
+            builder.view.release()
+            raise
+        return builder.result()
+
+    async def read_into(self, offset: int, buffer: Any) -> int:
+        """Fill writable ``buffer`` from ``offset``; returns the bytes written (fewer only at the end of the file)."""
+        with memoryview(buffer) as view, view.cast("B") as target:
+            end = self._range(offset, len(target))
+            if end <= offset:
+                return 0
+
+            def deliver(position: int, piece: memoryview) -> None:
+                target[position : position + len(piece)] = piece
+
+            await self._read(offset, end, deliver)
+            return end - offset
+
+    def _range(self, offset: int, size: int) -> int:
+        if self.closed:
+            raise ValueError(f"read from a closed reader of {self.path!r}")
+        if offset < 0 or size < 0:
+            raise ValueError(f"invalid read: offset={offset} size={size}")
+        self.engine._check_running()
+        return min(offset + size, self.size)
+
+    async def _read(self, offset: int, end: int, deliver: Callable[[int, memoryview], None]) -> None:
+        engine = self.engine
+        stripe_size = engine.stripe_size
+        first, last = offset // stripe_size, (end - 1) // stripe_size
+        sequential = self._is_sequential(offset)
+        # Queue this read's own stripes before the read-ahead beyond them.
+        token = object()
+        for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
+            engine._hold(token, self.path, self.size, index, Priority.DEMAND)
+        try:
+            self._move_window(sequential, first, last, end)
+            await engine._walk(
+                self.path, self.size, offset, end, Priority.DEMAND, deliver, drop_passed=sequential, token=token
+            )
+        finally:
+            for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
+                engine._release(token, (self.path, self.size, index))
+
+    def _is_sequential(self, offset: int) -> bool:
+        stripe_size = self.engine.stripe_size
+        if self._next is None:
+            return offset < stripe_size  # a first read near the start: a scan is likely
+        return self._next - stripe_size <= offset <= self._next + stripe_size
+
+    def _move_window(self, sequential: bool, first: int, last: int, end: int) -> None:
+        """Update the window for a read of stripes ``first``-``last`` ending at ``end``, and hold it."""
+        engine = self.engine
+        key = (self.path, self.size)
+        if sequential and engine.readahead_max_stripes and engine.config.max_windows:
+            if self._window == 0:
+                self._window = engine.readahead_initial_stripes
+            elif last > self._last_stripe:
+                self._window = min(2 * self._window, engine.readahead_max_stripes)
+            engine._window_used(self)
+        elif self._window:
+            self._window = 0
+            engine._window_dropped(self)
+        self._last_stripe = last
+        self._next = end
+        end_stripe = (self.size - 1) // engine.stripe_size
+        wanted = set(range(last + 1, min(last + self._window, end_stripe) + 1))
+        for index in sorted(wanted - self._held):
+            engine._hold(self, *key, index, Priority.READAHEAD)
+        # Keep the stripe the next read will start in, if it is here anyway.
+        if end % engine.stripe_size and engine._holding(self, (*key, last), Priority.READAHEAD):
+            wanted.add(last)
+        for index in self._held - wanted:
+            # A sequential reader will not come back to what lies before this read.
+            engine._release(self, (*key, index), drop=sequential and index < first)
+        self._held = wanted
+
+    def _lose_window(self) -> None:
+        """Give up the read-ahead window (the engine has too many); called by the engine."""
+        self._window = 0
+        for index in self._held:
+            if index != self._last_stripe:
+                self.engine._release(self, (self.path, self.size, index))
+        self._held &= {self._last_stripe}
+
+    def close(self) -> None:
+        """Let go of everything this handle holds; buffered stripes stay until memory is needed."""
+        if self.closed:
+            return
+        self.closed = True
+        self.engine._window_dropped(self)
+        for index in self._held:
+            self.engine._release(self, (self.path, self.size, index))
+        self._held = set()
+
+
+@asynccontextmanager
+async def open_engine(source: RangeSource, config: EngineConfig = EngineConfig()) -> AsyncIterator[Engine]:
+    """An :class:`Engine` running in a nursery of its own for the duration of the block."""
+    engine = Engine(source, config)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        try:
+            yield engine
+        finally:
+            nursery.cancel_scope.cancel()

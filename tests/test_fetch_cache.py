@@ -1,0 +1,207 @@
+"""The verified on-disk stripe cache, alone, shared by processes, and under the engine."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import trio
+
+from bootseer.fetch.cache import StripeCache
+from bootseer.fetch.engine import EngineConfig, open_engine
+from bootseer.fetch.faults import FaultySource
+from bootseer.fetch.sources.local import LocalSource
+
+STRIPE = 64 * 1024
+HEADER = 48  # bytes before the payload in an entry file
+
+
+def key(index: int, mtime: float = 1.0) -> str:
+    return StripeCache.key("file:///data", "ckpt/model.bin", 10 * STRIPE, mtime, index, STRIPE)
+
+
+def payload(index: int) -> bytes:
+    return random.Random(index).randbytes(STRIPE)
+
+
+def test_round_trip_and_miss(tmp_path):
+    cache = StripeCache(str(tmp_path / "cache"), 10 * STRIPE)
+    assert cache.get(key(0)) is None
+    cache.put(key(0), payload(0))
+    assert cache.get(key(0)) == payload(0)
+    assert cache.get(key(1)) is None
+    # A fresh instance (another process, a restart) finds the entry.
+    assert StripeCache(str(tmp_path / "cache"), 10 * STRIPE).get(key(0)) == payload(0)
+
+
+def test_keys_separate_every_part_of_a_stripes_identity():
+    base = ("file:///data", "a", 100, 1.5, 0, STRIPE)
+    keys = {StripeCache.key(*base)}
+    for position, other in enumerate(["file:///other", "b", 101, 1.6, 1, 2 * STRIPE]):
+        changed = list(base)
+        changed[position] = other
+        keys.add(StripeCache.key(*changed))
+    assert len(keys) == 7
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip a payload byte", "truncate the payload", "truncate the header", "append garbage", "swap in another entry",
+     "bad length field"],
+)  # fmt: skip
+def test_a_damaged_entry_is_discarded_never_served(tmp_path, damage):
+    cache = StripeCache(str(tmp_path), 10 * STRIPE)
+    cache.put(key(0), payload(0))
+    cache.put(key(1), payload(1))
+    entry = Path(cache.path_of(key(0)))
+    raw = bytearray(entry.read_bytes())
+    if damage == "flip a payload byte":
+        raw[HEADER + 1234] ^= 0x01
+    elif damage == "truncate the payload":
+        raw = raw[:-1]
+    elif damage == "truncate the header":
+        raw = raw[:20]
+    elif damage == "append garbage":
+        raw += b"x"
+    elif damage == "swap in another entry":
+        raw = bytearray(Path(cache.path_of(key(1))).read_bytes())
+    elif damage == "bad length field":
+        raw[8:16] = (1 << 60).to_bytes(8, "little")
+    entry.write_bytes(bytes(raw))
+    assert cache.get(key(0)) is None
+    assert not entry.exists()  # deleted, so the next fetch stores a good one
+    assert cache.get(key(1)) == payload(1)
+
+
+def test_least_recently_used_entries_are_evicted(tmp_path):
+    entry_size = HEADER + STRIPE
+    cache = StripeCache(str(tmp_path), 4 * entry_size)
+    for index in range(4):
+        cache.put(key(index), payload(index))
+        past = time.time() - 100 + index  # distinct recency without sleeping
+        os.utime(cache.path_of(key(index)), (past, past))
+    assert cache.get(key(0)) == payload(0)  # now the most recently used
+    cache.put(key(4), payload(4))
+    present = [index for index in range(5) if os.path.exists(cache.path_of(key(index)))]
+    assert 0 in present and 4 in present and 1 not in present
+    total = sum(os.path.getsize(cache.path_of(key(i))) for i in present)
+    assert total <= 4 * entry_size
+
+
+def test_dead_writers_temporary_files_are_cleaned(tmp_path):
+    cache = StripeCache(str(tmp_path), 10 * STRIPE)
+    cache.put(key(0), payload(0))
+    subdir = Path(cache.path_of(key(0))).parent
+    stale, fresh = subdir / ".tmp-dead.1.1", subdir / ".tmp-live.2.2"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    StripeCache(str(tmp_path), 10 * STRIPE)  # a scan, as at start-up
+    assert not stale.exists() and fresh.exists()
+
+
+def test_processes_sharing_a_cache_never_see_a_bad_entry(tmp_path):
+    """Writers, readers and evictions race in four processes; every hit must be exact."""
+    script = textwrap.dedent(
+        f"""
+        import random, sys
+        from bootseer.fetch.cache import StripeCache
+        cache = StripeCache({str(tmp_path)!r}, 6 * ({HEADER} + {STRIPE}))
+        seed = int(sys.argv[1])
+        rng = random.Random(seed)
+        payloads = [random.Random(i).randbytes({STRIPE}) for i in range(12)]
+        keys = [StripeCache.key("file:///data", "f", 1, 1.0, i, {STRIPE}) for i in range(12)]
+        hits = 0
+        for _ in range(400):
+            i = rng.randrange(12)
+            got = cache.get(keys[i])
+            if got is None:
+                cache.put(keys[i], payloads[i])
+            elif got != payloads[i]:
+                sys.exit(f"wrong bytes for entry {{i}}")
+            else:
+                hits += 1
+        print(hits)
+        """
+    )
+    workers = [
+        subprocess.Popen([sys.executable, "-c", script, str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for seed in range(4)
+    ]
+    try:
+        results = [worker.communicate(timeout=120) for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+    for worker, (out, err) in zip(workers, results):
+        assert worker.returncode == 0, err.decode()
+        assert int(out) > 0
+    assert b"corrupt" not in b"".join(err for _, err in results)
+
+
+# -- under the engine ----------------------------------------------------------------------
+
+
+def read_all(source, config: EngineConfig, path: str, size: int) -> tuple[bytes, object]:
+    async def main():
+        with trio.fail_after(30):
+            async with open_engine(source, config) as engine:
+                entry = await engine.stat(path)
+                reader = engine.open(path, entry.size)
+                data = await reader.read(0, size)
+                return data, engine.stats
+
+    return trio.run(main)
+
+
+def test_engine_fills_the_cache_then_reads_from_it_and_refetches_a_corrupt_stripe(tmp_path):
+    root, cache_dir = tmp_path / "data", tmp_path / "cache"
+    root.mkdir()
+    data = random.Random(7).randbytes(10 * STRIPE + 99)
+    (root / "model.bin").write_bytes(data)
+    source = FaultySource(LocalSource(str(root)))
+    config = EngineConfig(stripe_size=STRIPE, streams=4, memory_limit=32 * STRIPE, cache_dir=str(cache_dir))
+
+    got, stats = read_all(source, config, "model.bin", len(data))
+    assert got == data and stats.stripes_fetched == 11 and stats.cache_hits == 0
+    entries = [p for p in cache_dir.rglob("*") if p.is_file()]
+    assert len(entries) == 11
+
+    # A new engine (a restart) reads everything from the cache.
+    fetched_before = source.bytes_read()
+    got, stats = read_all(source, config, "model.bin", len(data))
+    assert got == data and stats.cache_hits == 11 and source.bytes_read() == fetched_before
+
+    # A corrupted entry is discarded and its stripe fetched again; nothing wrong is served.
+    victim = max(entries, key=lambda p: p.stat().st_size)
+    raw = bytearray(victim.read_bytes())
+    raw[HEADER + 10] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    got, stats = read_all(source, config, "model.bin", len(data))
+    assert got == data and stats.cache_hits == 10 and stats.stripes_fetched == 1
+    assert source.bytes_read() == fetched_before + STRIPE
+
+
+def test_a_rewritten_file_is_not_served_from_the_cache(tmp_path):
+    root, cache_dir = tmp_path / "data", tmp_path / "cache"
+    root.mkdir()
+    path = root / "model.bin"
+    old = random.Random(1).randbytes(3 * STRIPE)
+    path.write_bytes(old)
+    config = EngineConfig(stripe_size=STRIPE, streams=2, memory_limit=8 * STRIPE, cache_dir=str(cache_dir))
+    source = LocalSource(str(root))
+    assert read_all(source, config, "model.bin", len(old))[0] == old
+    new = random.Random(2).randbytes(3 * STRIPE)  # same size, new bytes and mtime
+    path.write_bytes(new)
+    stamp = path.stat().st_mtime + 5
+    os.utime(path, (stamp, stamp))
+    got, stats = read_all(LocalSource(str(root)), config, "model.bin", len(new))
+    assert got == new and stats.cache_hits == 0

@@ -255,6 +255,21 @@ class RemoteFile(io.BufferedIOBase):
         self._buffer = self._client._call(self._reader.read, self._position, SMALL_READ_BUFFER)
         self._buffer_start = self._position
 
+    def _small_read(self, size: int) -> memoryview | None:
+        """A read under SMALL_READ_BUFFER served from the file's own buffer (refilled once
+        if need be), advancing the position; None when the read is too large for that or
+        the buffer cannot hold it (the end of the file lies beyond what one fill brings)."""
+        if size >= SMALL_READ_BUFFER:
+            return None
+        piece = self._buffered(size)
+        if len(piece) < size:
+            self._fill()
+            piece = self._buffered(size)
+        if len(piece) != size:
+            return None
+        self._position += size
+        return piece
+
     def read(self, size: int | None = -1) -> bytes:
         with self._lock:
             self._check_open()
@@ -262,14 +277,9 @@ class RemoteFile(io.BufferedIOBase):
             size = remaining if size is None or size < 0 else min(size, remaining)
             if size == 0:
                 return b""
-            if size < SMALL_READ_BUFFER:
-                piece = self._buffered(size)
-                if len(piece) < size:
-                    self._fill()
-                    piece = self._buffered(size)
-                if len(piece) == size:
-                    self._position += size
-                    return bytes(piece)
+            piece = self._small_read(size)
+            if piece is not None:
+                return bytes(piece)
             data = self._client._call(self._reader.read, self._position, size)
             self._position += len(data)
             return data
@@ -283,15 +293,10 @@ class RemoteFile(io.BufferedIOBase):
             size = min(len(target), max(0, self._size - self._position))
             if size == 0:
                 return 0
-            if size < SMALL_READ_BUFFER:
-                piece = self._buffered(size)
-                if len(piece) < size:
-                    self._fill()
-                    piece = self._buffered(size)
-                if len(piece) == size:
-                    target[:size] = piece
-                    self._position += size
-                    return size
+            piece = self._small_read(size)
+            if piece is not None:
+                target[:size] = piece
+                return size
             count = self._client._call(self._reader.read_into, self._position, target[:size])
             self._position += count
             return count

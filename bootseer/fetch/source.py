@@ -29,6 +29,13 @@ class PermanentError(SourceError):
     """The source refused in a way a retry cannot fix (bad credentials, bad URL)."""
 
 
+class Changed(PermanentError):
+    """The file at the source is no longer the version the read asked for (EIO).
+
+    Never retried on the same version: serving it would mix bytes of two versions.
+    A new stat or listing gives the new version, and reads of that succeed."""
+
+
 class TransientError(SourceError):
     """The source failed in a way a retry on a new connection may fix."""
 
@@ -41,17 +48,28 @@ class Entry:
     size: int  #: bytes; 0 for directories
     is_dir: bool
     mtime: float  #: seconds since the epoch; 0.0 where the source keeps none
+    #: Opaque validator of this file's content, as exact as the source offers (a strong
+    #: ETag, inode + mtime in ns + size, HDFS's modification time + size ...); "" for
+    #: directories and where the source offers nothing.  Two versions of a file never
+    #: share one, so stripes and cache entries are keyed by it.
+    version: str = ""
 
 
 class Connection(Protocol):
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
-        """Return ``length`` bytes from ``offset``, fewer only where the file ends."""
+    def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
+        """Return ``length`` bytes from ``offset``, fewer only where the file ends.
+
+        With ``version`` (an :attr:`Entry.version` from a stat or a listing), the bytes
+        must come from that version of the file: a source that finds another raises
+        :class:`Changed`, never returns them.  Never returns more than ``length`` bytes
+        nor reads more than that into memory, whatever the server claims."""
 
     def close(self) -> None: ...
 
 
 class RangeSource(Protocol):
-    url: str  #: the root URL, for messages and metrics labels
+    url: str  #: the root URL as given (it may hold credentials: never log it)
+    display_url: str  #: the root URL without credentials or query: for logs, messages and labels
 
     def stat(self, path: str) -> Entry: ...
 

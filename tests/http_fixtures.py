@@ -5,8 +5,10 @@
   per-connection ``limit_rate``.  What production deployments look like.
 * :class:`RangeHTTPServer` -- a small threaded Python server with the same
   behaviour (Range, HEAD, HTML index, 301 for a directory without its ``/``) that
-  can inject faults: drop a connection mid-body, answer a status such as 503, or
-  ignore the Range header and send the whole file with ``200``.
+  can inject faults: drop a connection mid-body, answer a status such as 503,
+  ignore the Range header and send the whole file with ``200``, announce a huge
+  ``Content-Length`` (and count what the client let it send), or serve a given
+  directory index.
 
 Both listen on 127.0.0.1 only.  Pytest fixtures ``nginx_factory`` and
 ``range_http_factory`` start servers on demand and stop them at teardown::
@@ -20,6 +22,7 @@ Both listen on 127.0.0.1 only.  Pytest fixtures ``nginx_factory`` and
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import html
 import os
@@ -187,7 +190,17 @@ class Faults:
     _statuses: list[int] = field(default_factory=list)
     _ignore_range: int = 0
     _hang_ups: int = 0
+    _huge_lengths: int = 0
+    #: bytes of body a huge-length answer managed to send before the client hung up
+    huge_sent: int = 0
+    huge_done: threading.Event = field(default_factory=threading.Event)
+    #: (Content-Type, body) served instead of every directory index; None: the real one
+    index: tuple[str, bytes] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    #: what a huge-length answer announces, and what it offers to send of it
+    HUGE_LENGTH = 1 << 40
+    HUGE_OFFERED = 256 << 20
 
     def drop(self, times: int = 1, after_bytes: int = 4096) -> None:
         """Close the next ``times`` GET connections after ``after_bytes`` of body."""
@@ -211,6 +224,31 @@ class Faults:
         with self._lock:
             self._hang_ups += times
 
+    def huge_length(self, times: int = 1) -> None:
+        """Announce a ``Content-Length`` of :attr:`HUGE_LENGTH` in the next ``times`` GET
+        answers and offer :attr:`HUGE_OFFERED` bytes of body; :attr:`huge_sent` says
+        how many the client took before hanging up (set once :attr:`huge_done` is)."""
+        with self._lock:
+            self._huge_lengths += times
+            self.huge_done.clear()
+
+    def send_huge(self, wfile, connection: socket.socket) -> None:
+        """The body of a huge-length answer: zeros until the client hangs up."""
+        chunk = bytes(1 << 16)
+        sent = 0
+        try:
+            while sent < self.HUGE_OFFERED:
+                wfile.write(chunk)
+                sent += len(chunk)
+            wfile.flush()
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
+            self.huge_sent = sent
+            self.huge_done.set()
+
     def take(self, kind: str) -> int | bool:
         with self._lock:
             if kind == "status":
@@ -223,6 +261,9 @@ class Faults:
                 return True
             if kind == "hang_up" and self._hang_ups:
                 self._hang_ups -= 1
+                return True
+            if kind == "huge_length" and self._huge_lengths:
+                self._huge_lengths -= 1
                 return True
             return False
 
@@ -315,13 +356,18 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
                     return
                 first, last = wanted
                 status = 206
+        huge = body and faults.take("huge_length")
         self.send_response(status)
         for name, value in validators.items():
             self.send_header(name, value)
         if status == 206:
             self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
-        self.send_header("Content-Length", str(last - first + 1))
+        self.send_header("Content-Length", str(faults.HUGE_LENGTH if huge else last - first + 1))
         self.end_headers()
+        if huge:
+            self.close_connection = True
+            faults.send_huge(self.wfile, self.connection)
+            return
         if not body:
             return
         drop = faults.take("drop")
@@ -347,6 +393,15 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def send_index(self, directory: Path, body: bool) -> None:
+        if self.server.faults.index is not None:
+            content_type, page = self.server.faults.index
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(page)))
+            self.end_headers()
+            if body:
+                self.wfile.write(page)
+            return
         links = ['<a href="../">../</a>']
         for child in sorted(directory.iterdir()):
             name = child.name + ("/" if child.is_dir() else "")

@@ -3,9 +3,11 @@ server with injected faults, a WebHDFS namenode/datanode pair and moto's S3.
 
 Every backend is checked against the same local tree: listings, byte-exact range
 reads at random offsets and at the end-of-file edges, NotFound/NotADirectory,
-and refusal of paths that try to leave the root.  Backend-specific tests cover
-symlink escapes, a 200 answer to a Range request, dropped connections, files
-changed since they were stat'ed and unreachable servers.
+refusal of paths that try to leave the root, file versions (a listing and a stat
+agree; a file rewritten since refuses reads of the old version) and messages
+that never show credentials.  Backend-specific tests cover symlink escapes, a 200
+answer to a Range request, dropped connections, servers that announce huge
+bodies, malformed listings, WebHDFS redirects and unreachable servers.
 """
 
 from __future__ import annotations
@@ -19,14 +21,23 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.fetch.source import Entry, NotADirectory, NotFound, PermanentError, RangeSource, TransientError
+from bootseer.fetch.source import (
+    Changed,
+    Entry,
+    NotADirectory,
+    NotFound,
+    PermanentError,
+    RangeSource,
+    SourceError,
+    TransientError,
+)
 from bootseer.fetch.sources import open_source, source_class
 from bootseer.fetch.sources.hdfs import HdfsSource, hdfs_error
-from bootseer.fetch.sources.http import HttpSource, index_links
+from bootseer.fetch.sources.http import HttpSource, index_links, parse_json_index
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.fetch.sources.s3 import S3Source
 from bootseer.fetch.sources.webhdfs import WebHdfsSource, remote_error
-from tests.http_fixtures import nginx_factory, range_http_factory  # noqa: F401
+from tests.http_fixtures import Faults, nginx_factory, range_http_factory  # noqa: F401
 from tests.s3_fixtures import moto_s3, s3_bucket  # noqa: F401
 from tests.webhdfs_server import WebHdfsServer, webhdfs_factory  # noqa: F401
 
@@ -238,6 +249,72 @@ def test_many_connections_read_in_parallel(backend: Backend) -> None:
     assert assembled == (backend.root / "a.bin").read_bytes()
 
 
+def files_of(entries: list[Entry], directory: str) -> dict[str, Entry]:
+    return {(f"{directory}/{e.name}" if directory else e.name): e for e in entries if not e.is_dir}
+
+
+def test_listing_and_stat_give_the_same_version(backend: Backend) -> None:
+    source = backend.source
+    for directory in ("", "nested", "nested/deeper"):
+        for entry in source.listdir(directory):
+            path = f"{directory}/{entry.name}" if directory else entry.name
+            if entry.is_dir:
+                assert entry.version == ""
+                continue
+            assert entry.version, path
+            assert source.stat(path).version == entry.version, path
+    # Other files and sizes are other versions.
+    versions = {entry.version for entry in files_of(source.listdir(""), "").values()}
+    assert len(versions) == len(files_of(source.listdir(""), ""))
+
+
+def rewrite_same_size(backend: Backend, path: str) -> bytes:
+    """Give ``path`` new content of the same size at the source; returns it."""
+    old = (backend.root / path).read_bytes()
+    new = bytes(255 - byte for byte in old)
+    if backend.name == "s3":
+        backend.server.put(f"ckpt/{path}", new)
+    else:
+        (backend.root / path).write_bytes(new)  # in place: same inode
+        # HTTP dates and WebHDFS keep coarser times than a rewrite takes.
+        later = (backend.root / path).stat().st_mtime + 10
+        os.utime(backend.root / path, (later, later))
+    return new
+
+
+def test_same_size_rewrite_after_listing_is_refused(backend: Backend) -> None:
+    source = backend.source
+    listed = files_of(source.listdir("nested"), "nested")["nested/b.bin"]
+    connection = source.connect()
+    try:
+        expected = (backend.root / "nested" / "b.bin").read_bytes()
+        assert connection.read_range("nested/b.bin", 100, 1000, listed.version) == expected[100:1100]
+        new = rewrite_same_size(backend, "nested/b.bin")
+        with pytest.raises(Changed, match="changed"):
+            connection.read_range("nested/b.bin", 100, 1000, listed.version)
+        with pytest.raises(Changed):
+            source.connect().read_range("nested/b.bin", 0, 10, listed.version)
+        # A new listing names the new version, and reads of it succeed.
+        relisted = files_of(source.listdir("nested"), "nested")["nested/b.bin"]
+        assert relisted.version != listed.version and relisted.size == listed.size
+        assert connection.read_range("nested/b.bin", 100, 1000, relisted.version) == new[100:1100]
+        # Reading to and past the end of the version is exact, not an error.
+        size = relisted.size
+        assert connection.read_range("nested/b.bin", size - 10, 100, relisted.version) == new[-10:]
+        assert connection.read_range("nested/b.bin", size, 10, relisted.version) == b""
+    finally:
+        connection.close()
+
+
+def test_a_version_from_elsewhere_is_refused(backend: Backend) -> None:
+    connection = backend.source.connect()
+    try:
+        with pytest.raises(Changed):
+            connection.read_range("a.bin", 0, 10, "lm:1:2" if backend.name == "s3" else '"not-a-version"')
+    finally:
+        connection.close()
+
+
 # -- open_source --------------------------------------------------------------------------
 
 
@@ -321,17 +398,17 @@ def test_local_file_changed_since_stat_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"version one")
     source = LocalSource(str(tmp_path))
     connection = source.connect()
-    source.stat("f")
-    assert connection.read_range("f", 0, 7) == b"version"
+    first = source.stat("f").version
+    assert connection.read_range("f", 0, 7, first) == b"version"
     path.write_bytes(b"version two, longer")  # same inode, new size and mtime
-    with pytest.raises(PermanentError, match="changed since"):
-        connection.read_range("f", 0, 7)
+    with pytest.raises(Changed, match="changed"):
+        connection.read_range("f", 0, 7, first)
     (tmp_path / "g").write_bytes(b"replacement")
     os.replace(tmp_path / "g", path)  # a new inode under the same name
-    with pytest.raises(PermanentError, match="changed since"):
-        source.connect().read_range("f", 0, 7)
-    source.stat("f")  # a fresh stat accepts the new version
-    assert connection.read_range("f", 0, 11) == b"replacement"
+    with pytest.raises(Changed, match="changed"):
+        source.connect().read_range("f", 0, 7, first)
+    # The new version reads, on the connection that held an fd of the old inode too.
+    assert connection.read_range("f", 0, 11, source.stat("f").version) == b"replacement"
 
 
 def test_local_connection_bounds_open_files(tmp_path: Path) -> None:
@@ -391,14 +468,14 @@ def test_http_file_changed_since_stat_is_refused(tree: Path, nginx_factory) -> N
     server = nginx_factory(tree)
     source = open_source(server.url)
     connection = source.connect()
-    source.stat("nested/deeper/c.txt")
+    first = source.stat("nested/deeper/c.txt").version
     path = tree / "nested" / "deeper" / "c.txt"
     path.write_bytes(b"rewritten checkpoint!\n")
     os.utime(path, (time.time() + 10, time.time() + 10))
-    with pytest.raises(PermanentError, match="changed since"):
-        connection.read_range("nested/deeper/c.txt", 0, 5)
-    source.stat("nested/deeper/c.txt")
-    assert source.connect().read_range("nested/deeper/c.txt", 0, 9) == b"rewritten"
+    with pytest.raises(Changed, match="changed"):
+        connection.read_range("nested/deeper/c.txt", 0, 5, first)
+    second = source.stat("nested/deeper/c.txt").version
+    assert source.connect().read_range("nested/deeper/c.txt", 0, 9, second) == b"rewritten"
 
 
 def test_http_unreachable_server_is_transient() -> None:
@@ -506,13 +583,12 @@ def test_s3_object_changed_since_stat_is_refused(s3_bucket) -> None:
     s3_bucket.put("ckpt/shard", b"version one")
     source = open_source(s3_bucket.url("ckpt"), **s3_bucket.options)
     connection = source.connect()
-    source.stat("shard")
-    assert connection.read_range("shard", 0, 7) == b"version"
+    first = source.stat("shard").version
+    assert connection.read_range("shard", 0, 7, first) == b"version"
     s3_bucket.put("ckpt/shard", b"version two")  # same size, new ETag
-    with pytest.raises(PermanentError, match="changed since"):
-        connection.read_range("shard", 0, 7)
-    source.stat("shard")
-    assert connection.read_range("shard", 8, 3) == b"two"
+    with pytest.raises(Changed, match="changed"):
+        connection.read_range("shard", 0, 7, first)
+    assert connection.read_range("shard", 8, 3, source.stat("shard").version) == b"two"
 
 
 def test_s3_object_wins_over_prefix_and_markers_are_hidden(s3_bucket) -> None:
@@ -603,3 +679,145 @@ def test_s3_listing_follows_pagination(s3_bucket) -> None:
         list(pool.map(lambda name: client.put_object(Bucket=s3_bucket.name, Key=f"many/{name}", Body=b"x"), names))
     source = open_source(s3_bucket.url("many"), **s3_bucket.options)
     assert [entry.name for entry in source.listdir("")] == names
+
+
+# -- bounded reads ------------------------------------------------------------------------------
+
+
+def assert_refused_unread(faults: Faults, read) -> None:
+    """``read()`` fails, and the server could send only what socket buffers hold."""
+    faults.huge_length()
+    with pytest.raises((PermanentError, TransientError), match="Content-Length|exceeds"):
+        read()
+    assert faults.huge_done.wait(30)
+    assert faults.huge_sent < 64 << 20 < faults.HUGE_OFFERED
+
+
+def test_http_huge_content_length_is_refused_before_the_body(tree: Path, range_http_factory) -> None:
+    server = range_http_factory(tree)
+    source = open_source(server.url)
+    version = source.stat("a.bin").version
+    assert_refused_unread(server.faults, lambda: source.connect().read_range("a.bin", 0, 100))
+    assert_refused_unread(server.faults, lambda: source.connect().read_range("a.bin", 0, 100, version))
+    assert source.connect().read_range("a.bin", 0, 100, version) == (tree / "a.bin").read_bytes()[:100]
+
+
+def test_webhdfs_huge_datanode_body_is_refused_before_the_body(tree: Path, webhdfs_factory) -> None:
+    server: WebHdfsServer = webhdfs_factory(tree)
+    source = open_source(server.url)
+    version = source.stat("a.bin").version
+    assert_refused_unread(server.datanode_faults, lambda: source.connect().read_range("a.bin", 0, 100, version))
+    assert source.connect().read_range("a.bin", 0, 100, version) == (tree / "a.bin").read_bytes()[:100]
+
+
+# -- credentials never shown ---------------------------------------------------------------------
+
+
+def messages_of(*calls) -> list[str]:
+    """The messages of the SourceErrors the calls raise (each must raise one)."""
+    messages = []
+    for call in calls:
+        with pytest.raises(SourceError) as caught:
+            call()
+        messages.append(str(caught.value))
+    return messages
+
+
+def test_http_messages_and_repr_hide_credentials_and_query(tree: Path, range_http_factory) -> None:
+    server = range_http_factory(tree)
+    url = server.url.replace("http://", "http://alice:pa55word@") + "?token=SECRET"
+    source = open_source(url)
+    assert source.display_url == server.url
+    connection = source.connect()
+    version = source.stat("a.bin").version
+
+    def rewritten_read() -> bytes:
+        os.utime(tree / "a.bin", (time.time() + 20, time.time() + 20))
+        return connection.read_range("a.bin", 0, 10, version)
+
+    server.faults.redirect_origin = "http://127.0.0.1:1/other?token=SECRET"
+    messages = messages_of(
+        lambda: source.stat("missing"),
+        lambda: (server.faults.status(503), connection.read_range("a.bin", 0, 10)),
+        lambda: (server.faults.ignore_range(), connection.read_range("a.bin", 0, 10)),
+        lambda: (server.faults.huge_length(), source.connect().read_range("a.bin", 0, 10)),
+        rewritten_read,
+        lambda: open_source(url.replace(str(server.port), str(closed_port()))).stat("a.bin"),
+        lambda: source.stat("nested"),  # redirected elsewhere, with the token in the Location
+    )
+    assert server.faults.huge_done.wait(30)
+    assert "SECRET" in server.requests[0][1]  # the token is sent, only never shown
+    for text in [*messages, repr(source)]:
+        assert "pa55word" not in text and "SECRET" not in text, text
+        assert "127.0.0.1" in text, text
+
+
+def test_webhdfs_messages_hide_the_token(tree: Path, webhdfs_factory) -> None:
+    server: WebHdfsServer = webhdfs_factory(tree)
+    url = server.url.replace("webhdfs://", "webhdfs://alice:pa55word@")
+    source = open_source(url, delegation_token="SECRET")
+    assert source.display_url == server.url and "pa55word" not in repr(source)
+    connection = source.connect()
+    messages = messages_of(
+        lambda: source.stat("missing"),
+        lambda: (server.namenode_faults.status(503), connection.read_range("a.bin", 0, 10)),
+        lambda: (server.datanode_faults.status(500), connection.read_range("a.bin", 0, 10)),
+        lambda: (server.datanode_faults.drop(after_bytes=10), connection.read_range("a.bin", 0, 100000)),
+    )
+    assert any("delegation=SECRET" in target for target in server.datanode.requests)
+    for text in messages:
+        assert "pa55word" not in text and "SECRET" not in text, text
+
+
+def test_display_urls_of_other_backends(tmp_path: Path, s3_bucket) -> None:
+    assert open_source(str(tmp_path)).display_url == str(tmp_path)
+    assert open_source(s3_bucket.url("ckpt"), **s3_bucket.options).display_url == s3_bucket.url("ckpt")
+    hdfs = HdfsSource("hdfs://alice@127.0.0.1:8020/user/ckpt")
+    assert hdfs.display_url == "hdfs://127.0.0.1:8020/user/ckpt"
+    assert hdfs.where("a") == "hdfs://127.0.0.1:8020/user/ckpt/a" and "alice" not in repr(hdfs)
+
+
+# -- WebHDFS redirects -------------------------------------------------------------------------
+
+
+def test_webhdfs_headers_go_to_the_namenode_only(tree: Path, webhdfs_factory) -> None:
+    server: WebHdfsServer = webhdfs_factory(tree)
+    source = open_source(server.url, headers={"Authorization": "Bearer t0ken", "X-Extra": "1"})
+    assert source.connect().read_range("a.bin", 0, 10) == (tree / "a.bin").read_bytes()[:10]
+    assert server.namenode.headers_seen and server.datanode.headers_seen
+    assert all(headers.get("Authorization") == "Bearer t0ken" for headers in server.namenode.headers_seen)
+    for headers in server.datanode.headers_seen:  # another port: another origin
+        assert "Authorization" not in headers and "X-Extra" not in headers
+
+
+def test_swebhdfs_refuses_a_redirect_to_plain_http(tree: Path, webhdfs_factory) -> None:
+    server: WebHdfsServer = webhdfs_factory(tree, tls=True)
+    source = open_source(server.url, verify=False, delegation_token="SECRET")
+    assert source.stat("a.bin").size == 2**20 + 123  # TLS to the namenode works
+    with pytest.raises(PermanentError, match="refused.*TLS to plain") as caught:
+        source.connect().read_range("a.bin", 0, 10)
+    assert "SECRET" not in str(caught.value)
+    assert server.datanode.requests == []  # nothing, token included, went out in the clear
+
+
+# -- malformed listings ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("patch", [{"length": "12x"}, {"length": -1}, {"modificationTime": "yesterday"}])
+def test_webhdfs_malformed_listing_is_permanent(tree: Path, webhdfs_factory, patch: dict) -> None:
+    server: WebHdfsServer = webhdfs_factory(tree)
+    server.namenode.status_patch = patch
+    with pytest.raises(PermanentError, match=f"bad {next(iter(patch))}"):
+        open_source(server.url).listdir("nested")
+
+
+@pytest.mark.parametrize("size", ['"huge"', "-5", "1.5", "true", "null"])
+def test_json_index_with_a_bad_size_is_permanent(tree: Path, range_http_factory, size: str) -> None:
+    server = range_http_factory(tree)
+    page = b'[{"name": "ok", "type": "file", "size": 3}, {"name": "bad", "type": "file", "size": %s}]' % size.encode()
+    server.faults.index = ("application/json", page)
+    with pytest.raises(PermanentError, match="bad size"):
+        open_source(server.url).listdir("")
+    mtime = "Mon, 30 Nov 2026 07:40:31 GMT"
+    good = b'[{"name": "a", "type": "file", "size": 7, "mtime": "%s"}]' % mtime.encode()
+    assert parse_json_index(good, "u")[0].version == "lm:1796024431:7"

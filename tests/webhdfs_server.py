@@ -5,7 +5,12 @@ answers ``GETFILESTATUS`` and ``LISTSTATUS`` with WebHDFS JSON and ``OPEN`` with
 ``307`` redirect to the *datanode*, which streams the bytes of ``offset`` and
 ``length``.  Errors are ``RemoteException`` JSON as Hadoop sends them.  Each
 server has :class:`~tests.http_fixtures.Faults` to inject: drop the connection
-mid-body, or answer a status (503...) instead.
+mid-body, answer a status (503...) instead, or (datanode) announce a huge
+``Content-Length``.  The namenode's :attr:`_Server.status_patch` overrides fields
+of every FileStatus it sends (malformed answers); with ``tls=True`` the namenode
+speaks TLS (``swebhdfs://``, a self-signed certificate: ``verify=False``) while
+the datanode stays plain HTTP.  Each server records the targets and headers of
+the requests it saw.
 
 Use it as a context manager or through the ``webhdfs_factory`` fixture::
 
@@ -22,8 +27,12 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import shutil
 import socket
+import ssl
+import subprocess
 import sys
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -88,6 +97,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.server.requests.append(self.path)
+        self.server.headers_seen.append(dict(self.headers))
         if code := self.server.faults.take("status"):
             self.remote_exception(code, "StandbyException" if code == 503 else "IOException", f"injected {code}")
             return
@@ -107,11 +117,12 @@ class _NamenodeHandler(_Handler):
         if not local.exists():
             self.remote_exception(404, "FileNotFoundException", f"File does not exist: {hdfs_path}")
             return
+        patch = self.server.status_patch
         if op == "GETFILESTATUS":
             self.send_json(200, {"FileStatus": file_status(local, "")})
         elif op == "LISTSTATUS":
             if local.is_dir():
-                statuses = [file_status(child, child.name) for child in sorted(local.iterdir())]
+                statuses = [{**file_status(child, child.name), **patch} for child in sorted(local.iterdir())]
             else:
                 statuses = [file_status(local, "")]  # HDFS lists a file as itself
             self.send_json(200, {"FileStatuses": {"FileStatus": statuses}})
@@ -127,6 +138,8 @@ class _NamenodeHandler(_Handler):
             params = f"op=OPEN&namenoderpcaddress=127.0.0.1:8020&offset={offset}"
             if "length" in query:
                 params += f"&length={int(query['length'])}"
+            if "delegation" in query:  # Hadoop hands the token on to the datanode
+                params += f"&delegation={quote(query['delegation'])}"
             location = f"http://127.0.0.1:{self.server.peer_port}{PREFIX}{quote(hdfs_path)}?{params}"
             self.send_response(307)
             self.send_header("Location", location)
@@ -144,11 +157,16 @@ class _DatanodeHandler(_Handler):
         size = local.stat().st_size
         offset = int(query.get("offset", 0))
         length = min(int(query.get("length", size)), max(size - offset, 0))
+        faults = self.server.faults
+        huge = faults.take("huge_length")
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
-        self.send_header("Content-Length", str(length))
+        self.send_header("Content-Length", str(faults.HUGE_LENGTH if huge else length))
         self.end_headers()
-        faults = self.server.faults
+        if huge:
+            self.close_connection = True
+            faults.send_huge(self.wfile, self.connection)
+            return
         drop = faults.take("drop")
         with open(local, "rb") as file:
             file.seek(offset)
@@ -177,6 +195,8 @@ class _Server(ThreadingHTTPServer):
         self.faults = Faults()
         self.peer_port = 0
         self.requests: list[str] = []  #: request targets seen, for assertions
+        self.headers_seen: list[dict[str, str]] = []  #: their headers
+        self.status_patch: dict[str, Any] = {}  #: fields that override those of listed FileStatuses
         self.thread = threading.Thread(target=self.serve_forever, name=f"webhdfs-{handler.__name__}", daemon=True)
 
     def handle_error(self, request: object, client_address: object) -> None:
@@ -188,11 +208,24 @@ class _Server(ThreadingHTTPServer):
 class WebHdfsServer:
     """A namenode and a datanode serving ``root``; :attr:`url` is ``webhdfs://127.0.0.1:PORT/``."""
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, *, tls: bool = False) -> None:
         root = Path(root).resolve()
         self.namenode = _Server(root, _NamenodeHandler)
         self.datanode = _Server(root, _DatanodeHandler)
         self.namenode.peer_port = self.datanode.server_address[1]
+        self.tls = tls
+        self._cert_dir: str | None = None
+        if tls:
+            self._cert_dir = tempfile.mkdtemp(prefix="bootseer-webhdfs-tls-")
+            cert, key = os.path.join(self._cert_dir, "cert.pem"), os.path.join(self._cert_dir, "key.pem")
+            subprocess.run(
+                ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                 "-keyout", key, "-out", cert],
+                check=True, capture_output=True, timeout=60,
+            )
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(cert, key)
+            self.namenode.socket = context.wrap_socket(self.namenode.socket, server_side=True)
 
     @property
     def port(self) -> int:
@@ -200,7 +233,7 @@ class WebHdfsServer:
 
     @property
     def url(self) -> str:
-        return f"webhdfs://127.0.0.1:{self.port}/"
+        return f"{'swebhdfs' if self.tls else 'webhdfs'}://127.0.0.1:{self.port}/"
 
     @property
     def namenode_faults(self) -> Faults:
@@ -221,6 +254,8 @@ class WebHdfsServer:
                 server.shutdown()
                 server.thread.join(timeout=10)
             server.server_close()
+        if self._cert_dir is not None:
+            shutil.rmtree(self._cert_dir, ignore_errors=True)
 
     def __enter__(self) -> WebHdfsServer:
         return self.start()
@@ -231,11 +266,11 @@ class WebHdfsServer:
 
 @pytest.fixture
 def webhdfs_factory() -> Iterator:
-    """``webhdfs_factory(root)`` -> a started WebHdfsServer over ``root``."""
+    """``webhdfs_factory(root, tls=False)`` -> a started WebHdfsServer over ``root``."""
     servers: list[WebHdfsServer] = []
 
-    def start(root: str | os.PathLike) -> WebHdfsServer:
-        server = WebHdfsServer(root)
+    def start(root: str | os.PathLike, **options: Any) -> WebHdfsServer:
+        server = WebHdfsServer(root, **options)
         servers.append(server)
         return server.start()
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from bootseer.fetch.source import PermanentError, RangeSource
 
@@ -97,10 +97,22 @@ def split_path(path: str) -> list[str]:
     return parts
 
 
+def redact_url(url: str) -> str:
+    """``url`` without what may be secret: ``user:password@``, the query (a token) and the fragment.
+
+    What every source shows as :attr:`~bootseer.fetch.source.RangeSource.display_url`
+    and puts in its messages; a plain path comes back as it is.
+    """
+    if "://" not in url:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
 def check_range(offset: int, length: int) -> None:
     """ValueError for a negative offset or length (a caller bug, never retried)."""
     if offset < 0 or length < 0:
         raise ValueError(f"invalid range: offset={offset} length={length}")
 
 
-__all__ = ["BACKENDS", "open_source", "source_class", "source_options", "split_path", "check_range"]
+__all__ = ["BACKENDS", "open_source", "source_class", "source_options", "split_path", "redact_url", "check_range"]

@@ -12,6 +12,12 @@ and up to 15 s between them by default, minutes in all).  That would hide an
 outage from the engine, so the defaults here are a few quick failovers
 (``max_failovers``); the engine retries on a new connection.
 
+A file's version is its modification time (ms) and length, which
+``get_file_info`` and ``list_status`` give alike.  A connection's reader is
+opened between two looks at the file's status that agree, so it is known to
+read that version; a read of another version opens a new reader, and raises
+:class:`~bootseer.fetch.source.Changed` if the file is not that version now.
+
 Tested here: URL parsing, path refusal, error mapping and a namenode that is not
 there (a closed 127.0.0.1 port gives TransientError).  No HDFS cluster can run in
 the test environment, so reads against a live namenode/datanodes are untested.
@@ -21,12 +27,11 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 from urllib.parse import unquote, urlsplit
 
-from bootseer.fetch.source import Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, split_path
+from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
+from bootseer.fetch.sources import check_range, redact_url, split_path
 
 # Markers in hdfs-native's RuntimeError messages (its HdfsError variants and the Java
 # exception class names it passes through) that a retry cannot fix.
@@ -68,10 +73,16 @@ def hdfs_error(where: str, exc: BaseException) -> SourceError:
     return TransientError(message)
 
 
-@dataclass(frozen=True)
-class _Pin:
-    size: int
-    mtime_ms: int
+def file_version(status: Any) -> str:
+    """The :attr:`Entry.version` of an hdfs-native FileStatus of a file."""
+    return f"{status.modification_time}:{status.length}"
+
+
+def _entry(name: str, status: Any) -> Entry:
+    mtime = status.modification_time / 1000.0
+    if status.isdir:
+        return Entry(name=name, size=0, is_dir=True, mtime=mtime)
+    return Entry(name=name, size=status.length, is_dir=False, mtime=mtime, version=file_version(status))
 
 
 class HdfsSource:
@@ -123,10 +134,12 @@ class HdfsSource:
             "kerberos_cache": kerberos_cache,
         }
         self.client = self.new_client()
-        self._pins: dict[str, _Pin] = {}
+        # For messages: the namenode without a user name from the URL.
+        self.display_origin = f"hdfs://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        self.display_url = redact_url(self.display_origin + parts.path)
 
     def __repr__(self) -> str:
-        return f"HdfsSource({self.url!r})"
+        return f"HdfsSource({self.display_url!r})"
 
     def new_client(self) -> Any:
         import hdfs_native  # here, so that a URL typo fails before a missing wheel does
@@ -134,7 +147,7 @@ class HdfsSource:
         try:
             return hdfs_native.Client(self.namenode_url, config=self.config, **self.kerberos)
         except Exception as exc:
-            raise hdfs_error(self.url, exc) from None
+            raise hdfs_error(self.display_url, exc) from None
 
     def hdfs_path(self, path: str) -> str:
         parts = split_path(path)
@@ -143,19 +156,15 @@ class HdfsSource:
         return self.root.rstrip("/") + "/" + "/".join(parts)
 
     def where(self, path: str) -> str:
-        return self.namenode_url + self.hdfs_path(path)
+        """The URL of ``path`` for messages."""
+        return self.display_origin + self.hdfs_path(path)
 
     def stat(self, path: str) -> Entry:
         try:
             status = self.client.get_file_info(self.hdfs_path(path))
         except Exception as exc:
             raise hdfs_error(self.where(path), exc) from None
-        name = path.rsplit("/", 1)[-1]
-        mtime = status.modification_time / 1000.0
-        if status.isdir:
-            return Entry(name=name, size=0, is_dir=True, mtime=mtime)
-        self._pins[path] = _Pin(status.length, status.modification_time)
-        return Entry(name=name, size=status.length, is_dir=False, mtime=mtime)
+        return _entry(path.rsplit("/", 1)[-1], status)
 
     def listdir(self, path: str) -> list[Entry]:
         # HDFS lists a file as itself; a directory listing must name a directory.
@@ -167,20 +176,21 @@ class HdfsSource:
                 name = status.path.rstrip("/").rsplit("/", 1)[-1]
                 if not name or name in (".", ".."):
                     continue
-                size = 0 if status.isdir else status.length
-                entries.append(Entry(name=name, size=size, is_dir=status.isdir, mtime=status.modification_time / 1000.0))
+                entries.append(_entry(name, status))
         except Exception as exc:
             raise hdfs_error(self.where(path), exc) from None
         return sorted(entries, key=lambda entry: entry.name)
-
-    def pin(self, path: str) -> _Pin | None:
-        return self._pins.get(path)
 
     def connect(self) -> HdfsConnection:
         return HdfsConnection(self)
 
     def close(self) -> None:
-        self._pins.clear()
+        pass
+
+
+class _Reader(NamedTuple):
+    reader: Any  #: an hdfs-native FileReader
+    version: str  #: of the file it reads
 
 
 class HdfsConnection:
@@ -191,39 +201,66 @@ class HdfsConnection:
     def __init__(self, source: HdfsSource) -> None:
         self.source = source
         self.client = source.new_client()
-        self._readers: OrderedDict[str, Any] = OrderedDict()
+        self._readers: OrderedDict[str, _Reader] = OrderedDict()
         self._lock = threading.Lock()
 
-    def _reader(self, path: str) -> Any:
-        reader = self._readers.get(path)
-        if reader is not None:
-            self._readers.move_to_end(path)
-            return reader
-        reader = self.client.read(self.source.hdfs_path(path))
-        self._readers[path] = reader
-        while len(self._readers) > self.max_readers:
-            self._readers.popitem(last=False)[1].close()
-        return reader
+    def _open(self, path: str) -> _Reader:
+        """A new reader and the version it reads: the file's status before and after
+        the open agree, and the reader's size is theirs."""
+        hdfs_path = self.source.hdfs_path(path)
+        before = self.client.get_file_info(hdfs_path)
+        if before.isdir:
+            raise PermanentError(f"{self.source.where(path)}: is a directory")
+        reader = self.client.read(hdfs_path)
+        try:
+            after = self.client.get_file_info(hdfs_path)
+        except BaseException:
+            reader.close()
+            raise
+        version = file_version(before)
+        if file_version(after) != version or reader.size() != before.length:
+            reader.close()
+            raise TransientError(f"{self.source.where(path)}: file changed while it was opened")
+        return _Reader(reader, version)
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def _reader(self, path: str, version: str) -> _Reader:
+        """The cached reader of ``path`` if it reads ``version`` (any, if ""), else a new one."""
+        cached = self._readers.get(path)
+        if cached is not None and (not version or cached.version == version):
+            self._readers.move_to_end(path)
+            return cached
+        if cached is not None:
+            self._drop(path)
+        opened = self._open(path)
+        self._readers[path] = opened
+        while len(self._readers) > self.max_readers:
+            self._drop(next(iter(self._readers)))
+        return opened
+
+    def _drop(self, path: str) -> None:
+        cached = self._readers.pop(path, None)
+        if cached is not None:
+            cached.reader.close()
+
+    def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
         check_range(offset, length)
         where = self.source.where(path)
         with self._lock:
             try:
-                reader = self._reader(path)
-                size = reader.size()
-                pin = self.source.pin(path)
-                if pin is not None and size != pin.size:
-                    self._readers.pop(path, None)
-                    raise PermanentError(f"{where}: file changed since it was stat'ed (size {pin.size} -> {size})")
-                length = max(0, min(length, size - offset))
+                opened = self._reader(path, version)
+                if version and opened.version != version:
+                    self._drop(path)
+                    raise Changed(
+                        f"{where}: file changed (version {version} -> {opened.version}); refusing to mix versions"
+                    )
+                length = max(0, min(length, opened.reader.size() - offset))
                 if length == 0:
                     return b""
-                data = reader.read_range(offset, length)
+                data = opened.reader.read_range(offset, length)
             except SourceError:
                 raise
             except Exception as exc:
-                self._readers.pop(path, None)
+                self._drop(path)
                 raise hdfs_error(where, exc) from None
         if len(data) != length:
             raise TransientError(f"{where}: read {len(data)} bytes of {length} at {offset}")
@@ -232,4 +269,4 @@ class HdfsConnection:
     def close(self) -> None:
         with self._lock:
             while self._readers:
-                self._readers.popitem()[1].close()
+                self._drop(next(iter(self._readers)))

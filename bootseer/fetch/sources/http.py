@@ -7,8 +7,13 @@ the engine uses a new one.  Partial reads must come back as ``206`` with a
 the file changed) is refused, never taken for the range.
 
 Metadata: :meth:`HttpSource.stat` sends ``HEAD`` (size from ``Content-Length``,
-mtime from ``Last-Modified``, the ``ETag`` or ``Last-Modified`` pinned and sent as
-``If-Range`` with every read).  A URL ending in ``/``, or one the server redirects
+mtime from ``Last-Modified``).  A file's version (:func:`http_version`) is its
+``Last-Modified`` second and size, which an nginx JSON index gives as well, so a
+listing and a stat of the same file agree; a strong ``ETag`` where the server
+gives no date.  A read of a version sends it as ``If-Range`` and checks the
+answer's ``Content-Range`` total and validators: a file changed since raises
+:class:`~bootseer.fetch.source.Changed`.  No body is read past the length asked
+for, whatever ``Content-Length`` the server announces.  A URL ending in ``/``, or one the server redirects
 to the same path plus ``/``, is a directory.  :meth:`HttpSource.listdir` reads
 nginx's ``autoindex_format json`` or an HTML index (the ``<a href>`` links that
 name a direct child; files in an HTML index cost one ``HEAD`` each).
@@ -32,8 +37,8 @@ from html.parser import HTMLParser
 from typing import Iterator, Mapping
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from bootseer.fetch.source import Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, split_path
+from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
+from bootseer.fetch.sources import check_range, redact_url, split_path
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -114,8 +119,13 @@ class HttpEndpoint:
         return conn
 
     def with_address(self, scheme: str, host: str, port: int) -> HttpEndpoint:
-        """The same settings for another server (a redirect target)."""
-        return HttpEndpoint(scheme, host, port, self.connect_timeout, self.read_timeout, self.headers, self.ssl_context)
+        """The same timeouts and TLS settings for another server (a redirect target).
+
+        The headers (credentials among them) go along only where the origin stays
+        the same: another host never sees them.
+        """
+        headers = self.headers if (scheme, host, port) == (self.scheme, self.host, self.port) else None
+        return HttpEndpoint(scheme, host, port, self.connect_timeout, self.read_timeout, headers, self.ssl_context)
 
 
 def make_ssl_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:
@@ -132,8 +142,9 @@ class HttpChannel:
     A request that finds the reused keep-alive socket closed by the server (before
     any byte of an answer) is sent once more on a new socket, as every HTTP client
     does; any other network failure closes the channel and raises TransientError.
-    A caller must read each response's body to the end (:func:`read_body`) or
-    :meth:`close` the channel.
+    A caller must read each response's body to the end (:meth:`read_body`,
+    :meth:`read_exact`) or :meth:`close` the channel.  Messages never show the
+    request's query (it may carry a token).
     """
 
     def __init__(self, endpoint: HttpEndpoint) -> None:
@@ -157,42 +168,55 @@ class HttpChannel:
                 self.close()
                 if reused:
                     continue
-                raise TransientError(f"{self.endpoint.origin}{target}: {method} failed: {exc!r}") from None
+                raise TransientError(f"{self.where}: {method} failed: {exc!r}") from None
             except NETWORK_ERRORS as exc:
                 self.close()
-                raise TransientError(f"{self.endpoint.origin}{target}: {method} failed: {exc!r}") from None
+                raise TransientError(f"{self.where}: {method} failed: {exc!r}") from None
             self._reused = True
             return response
         raise AssertionError("unreachable")
 
-    def read_body(self, response: http.client.HTTPResponse, limit: int | None = None) -> bytes:
-        """The whole body; TransientError (and the channel closed) if it is cut short.
+    def read_body(self, response: http.client.HTTPResponse, limit: int) -> bytes:
+        """The whole body, at most ``limit`` bytes of it in memory.
 
-        With ``limit``, a body announced or found longer than that raises
-        PermanentError (and closes the channel rather than draining it).
+        A body announced (``Content-Length``) or found longer than ``limit`` raises
+        PermanentError, and the channel is closed rather than drained.  A body cut
+        short raises TransientError (and closes the channel).
         """
         try:
-            if limit is not None:
-                announced = response.getheader("Content-Length")
-                if announced is not None and int(announced) > limit:
-                    self.close()
-                    raise PermanentError(f"{self.where}: response of {announced} bytes exceeds {limit}")
-                body = response.read(limit + 1)
-                if len(body) > limit:
-                    self.close()
-                    raise PermanentError(f"{self.where}: response exceeds {limit} bytes")
-                if not response.isclosed():
-                    response.read()
-                return body
-            return response.read()
+            # http.client's remaining length: the Content-Length, 0 for HEAD/204/304,
+            # None for a chunked body or one that ends with the connection.
+            if response.length is not None and response.length > limit:
+                self.close()
+                raise PermanentError(f"{self.where}: response of {response.length} bytes exceeds {limit}")
+            body = response.read(limit + 1)
+            if len(body) > limit:
+                self.close()
+                raise PermanentError(f"{self.where}: response exceeds {limit} bytes")
+            return body
         except (http.client.IncompleteRead, *NETWORK_ERRORS) as exc:
             self.close()
             raise TransientError(f"{self.where}: connection lost while reading the response: {exc!r}") from None
 
+    def read_exact(self, response: http.client.HTTPResponse, length: int) -> bytes:
+        """A body of exactly ``length`` bytes (the range asked for).
+
+        A ``Content-Length`` that says otherwise is refused (PermanentError) before
+        a byte of the body is read; a body cut short raises TransientError.
+        """
+        if response.length is not None and response.length != length:
+            self.close()
+            raise PermanentError(f"{self.where}: Content-Length {response.length} for a range of {length} bytes")
+        body = self.read_body(response, limit=length)
+        if len(body) != length:
+            self.close()
+            raise TransientError(f"{self.where}: connection lost after {len(body)} of {length} bytes")
+        return body
+
     @property
     def where(self) -> str:
-        """The URL of the last request, for messages."""
-        return self.endpoint.origin + self._target
+        """The URL of the last request without its query, for messages."""
+        return self.endpoint.origin + self._target.partition("?")[0]
 
     def discard(self, response: http.client.HTTPResponse) -> bytes:
         """Read a short (error) body, or drop the connection if it is long; returns what was read."""
@@ -200,7 +224,7 @@ class HttpChannel:
         if announced is None or not announced.isdigit() or int(announced) > MAX_ERROR_BODY_BYTES:
             self.close()
             return b""
-        return self.read_body(response)
+        return self.read_body(response, limit=MAX_ERROR_BODY_BYTES)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -304,9 +328,16 @@ def parse_json_index(body: bytes, url: str) -> list[Entry]:
         kind = item.get("type")
         if kind not in ("file", "directory"):
             continue  # nginx's "other": sockets, devices
-        is_dir = kind == "directory"
-        size = 0 if is_dir else int(item.get("size", 0))
-        entries.append(Entry(name=item["name"], size=size, is_dir=is_dir, mtime=http_date(item.get("mtime"))))
+        if kind == "directory":
+            entries.append(Entry(name=item["name"], size=0, is_dir=True, mtime=http_date(item.get("mtime"))))
+            continue
+        size = item.get("size")
+        # bool is an int to Python, not a size to anyone.
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise PermanentError(f"{url}: JSON directory index gives {item['name']!r} a bad size {size!r}")
+        mtime = item.get("mtime")
+        version = http_version(size, mtime if isinstance(mtime, str) else None, None)
+        entries.append(Entry(name=item["name"], size=size, is_dir=False, mtime=http_date(mtime), version=version))
     return sorted(entries, key=lambda entry: entry.name)
 
 
@@ -316,21 +347,61 @@ _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$")
 
 
+def http_version(size: int, last_modified: str | None, etag: str | None) -> str:
+    """The :attr:`Entry.version` of a file from its validators.
+
+    ``lm:<Last-Modified second>:<size>`` where the server gives a date (HEAD's
+    ``Last-Modified`` and an nginx JSON index's ``mtime`` agree on it, and nginx's
+    own ETag holds no more than that); ``etag:<size>:<strong ETag>`` where it gives
+    only an ETag; ``size:<size>`` where it gives neither (then only the size is
+    checked).
+    """
+    modified = http_date(last_modified)
+    if modified:
+        return f"lm:{int(modified)}:{size}"
+    if etag and not etag.startswith("W/"):
+        return f"etag:{size}:{etag}"
+    return f"size:{size}"
+
+
 @dataclass(frozen=True)
-class _Pin:
-    """The version of a file that :meth:`HttpSource.stat` saw."""
+class _Version:
+    """What a read checks for a version made by :func:`http_version`."""
 
     size: int
-    validator: str | None  #: a strong ETag or the Last-Modified date, sent as If-Range
-    etag: str | None
-    last_modified: str | None
+    last_modified: str | None  #: the HTTP date, as If-Range and compared with Last-Modified
+    etag: str | None  #: the strong ETag, as If-Range and compared with ETag
 
-    def matches(self, response: http.client.HTTPResponse) -> bool:
-        if self.etag is not None:
-            return response.getheader("ETag") == self.etag
+    @classmethod
+    def parse(cls, version: str, where: str) -> _Version:
+        kind, _, rest = version.partition(":")
+        first, _, second = rest.partition(":")
+        try:
+            if kind == "lm":
+                return cls(int(second), email.utils.formatdate(int(first), usegmt=True), None)
+            if kind == "etag" and second:
+                return cls(int(first), None, second)
+            if kind == "size" and not second:
+                return cls(int(first), None, None)
+        except (ValueError, OverflowError):
+            pass
+        raise Changed(f"{where}: {version!r} is not a version this source made")
+
+    @property
+    def if_range(self) -> str | None:
+        return self.etag or self.last_modified
+
+    def mismatch(self, response: http.client.HTTPResponse) -> str | None:
+        """What in ``response``'s validators says it is another version, if anything."""
         if self.last_modified is not None:
-            return response.getheader("Last-Modified") == self.last_modified
-        return True
+            found = response.getheader("Last-Modified")
+            if found is not None and int(http_date(found)) != int(http_date(self.last_modified)):
+                return f"Last-Modified {self.last_modified} -> {found}"
+        if self.etag is not None:
+            found = response.getheader("ETag")
+            if found is not None and found != self.etag:
+                return f"ETag {self.etag} -> {found}"
+        return None
 
 
 def parse_endpoint_url(
@@ -406,10 +477,10 @@ class HttpSource:
         self.root_is_dir = path.endswith("/") or path == ""
         self.base_path = path.rstrip("/")  # as given, already %-encoded
         self.pool = ChannelPool(self.endpoint)
-        self._pins: dict[str, _Pin] = {}
+        self.display_url = redact_url(url)
 
     def __repr__(self) -> str:
-        return f"HttpSource({self.url!r})"
+        return f"HttpSource({self.display_url!r})"
 
     def target(self, path: str, directory: bool = False) -> str:
         """The request target (path and query) for a source path."""
@@ -420,13 +491,14 @@ class HttpSource:
         return target + (f"?{self.query}" if self.query else "")
 
     def where(self, target: str) -> str:
-        return self.endpoint.origin + target
+        """The URL of a request target for messages: no credentials, no query."""
+        return self.endpoint.origin + target.partition("?")[0]
 
     # -- metadata -------------------------------------------------------------
 
     def _head(self, chan: HttpChannel, target: str) -> http.client.HTTPResponse:
         response = chan.request("HEAD", target)
-        chan.read_body(response)  # empty for HEAD; leaves the connection reusable
+        chan.read_body(response, limit=0)  # empty for HEAD; leaves the connection reusable
         return response
 
     def _is_slash_redirect(self, response: http.client.HTTPResponse, target: str) -> bool:
@@ -447,11 +519,10 @@ class HttpSource:
             size = int(length)
         else:
             size = self._probe_size(chan, target)
-        etag = response.getheader("ETag")
         last_modified = response.getheader("Last-Modified")
-        strong_etag = etag if etag and not etag.startswith("W/") else None
-        self._pins[path] = _Pin(size, strong_etag or last_modified, etag, last_modified)
-        return Entry(name=path.rsplit("/", 1)[-1], size=size, is_dir=False, mtime=http_date(last_modified))
+        version = http_version(size, last_modified, response.getheader("ETag"))
+        name = path.rsplit("/", 1)[-1]
+        return Entry(name=name, size=size, is_dir=False, mtime=http_date(last_modified), version=version)
 
     def _probe_size(self, chan: HttpChannel, target: str) -> int:
         """The size of a file whose HEAD gave none, from a one-byte range's Content-Range."""
@@ -461,9 +532,11 @@ class HttpSource:
             return 0  # an empty file
         if response.status != 206:
             chan.discard(response)
-            raise PermanentError(f"{self.where(target)}: no Content-Length and no Range support (HTTP {response.status})")
+            raise PermanentError(
+                f"{self.where(target)}: no Content-Length and no Range support (HTTP {response.status})"
+            )
         match = _CONTENT_RANGE.match(response.getheader("Content-Range") or "")
-        chan.read_body(response)
+        chan.read_exact(response, 1)
         if not match or match.group(3) == "*":
             raise PermanentError(f"{self.where(target)}: cannot tell the file's size")
         return int(match.group(3))
@@ -484,8 +557,9 @@ class HttpSource:
             if response.status in (301, 302, 303, 307, 308):
                 if self._is_slash_redirect(response, target):
                     return Entry(name=name, size=0, is_dir=True, mtime=0.0)
+                location = redact_url(urljoin(self.where(target), response.getheader("Location") or ""))
                 raise PermanentError(
-                    f"{self.where(target)}: redirected to {response.getheader('Location')!r}; "
+                    f"{self.where(target)}: redirected to {location!r}; "
                     "redirects to other files are not supported"
                 )
             if response.status == 404:
@@ -525,9 +599,6 @@ class HttpSource:
                 continue
         return entries
 
-    def pin(self, path: str) -> _Pin | None:
-        return self._pins.get(path)
-
     def connect(self) -> HttpConnection:
         return HttpConnection(self)
 
@@ -543,13 +614,17 @@ class HttpConnection:
         self.channel = HttpChannel(source.endpoint)
         self._lock = threading.Lock()
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
         check_range(offset, length)
         target = self.source.target(path)
+        expected = _Version.parse(version, self.source.where(target)) if version else None
+        if expected is not None:
+            # The version's size bounds the read: ask only for bytes that exist.
+            length = max(0, min(length, expected.size - offset))
         chunks: list[bytes] = []
         with self._lock:
             while length > 0:
-                chunk, at_eof = self._read_once(target, path, offset, length)
+                chunk, at_eof = self._read_once(target, offset, length, expected)
                 chunks.append(chunk)
                 offset += len(chunk)
                 length -= len(chunk)
@@ -557,13 +632,12 @@ class HttpConnection:
                     break
         return b"".join(chunks)
 
-    def _read_once(self, target: str, path: str, offset: int, length: int) -> tuple[bytes, bool]:
+    def _read_once(self, target: str, offset: int, length: int, expected: _Version | None) -> tuple[bytes, bool]:
         """One Range GET: ``(bytes, reached end of file)``."""
         where = self.source.where(target)
-        pin = self.source.pin(path)
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
-        if pin is not None and pin.validator:
-            headers["If-Range"] = pin.validator
+        if expected is not None and expected.if_range:
+            headers["If-Range"] = expected.if_range
         response = self.channel.request("GET", target, headers)
         if response.status == 206:
             match = _CONTENT_RANGE.match(response.getheader("Content-Range") or "")
@@ -575,30 +649,43 @@ class HttpConnection:
             if first != offset or last < first or last > offset + length - 1:
                 self.channel.close()
                 raise PermanentError(f"{where}: asked for bytes {offset}-{offset + length - 1}, got {first}-{last}")
-            if pin is not None and total is not None and total != pin.size:
-                self.channel.close()
-                raise PermanentError(f"{where}: file changed since it was stat'ed (size {pin.size} -> {total})")
-            body = self.channel.read_body(response)
-            if len(body) != last - first + 1:
-                self.channel.close()
-                raise TransientError(f"{where}: body of {len(body)} bytes for range {first}-{last}")
+            if expected is not None:
+                # A server may ignore If-Range: the answer's own total and validators
+                # must still be those of the version.
+                if total is None:
+                    self.channel.close()
+                    raise PermanentError(f"{where}: Content-Range gives no total size; cannot check the version")
+                changed = expected.mismatch(response)
+                if total != expected.size:
+                    changed = f"size {expected.size} -> {total}"
+                if changed:
+                    self.channel.close()
+                    raise Changed(f"{where}: file changed ({changed}); refusing to mix versions")
+            body = self.channel.read_exact(response, last - first + 1)
             return body, total is not None and last == total - 1
         if response.status == 416:
             match = _UNSATISFIED_RANGE.match(response.getheader("Content-Range") or "")
             self.channel.discard(response)
+            if match and expected is not None and int(match.group(1)) != expected.size:
+                raise Changed(f"{where}: file changed (size {expected.size} -> {match.group(1)})")
             if match and offset >= int(match.group(1)):
-                if pin is not None and int(match.group(1)) != pin.size:
-                    raise PermanentError(f"{where}: file changed since it was stat'ed")
                 return b"", True
             raise PermanentError(f"{where}: range {offset}+{length} refused (HTTP 416)")
+        if response.status == 412:
+            self.channel.discard(response)
+            raise Changed(f"{where}: file changed (HTTP 412 Precondition Failed)")
         if response.status == 200:
             # The whole file instead of the range: never taken for the range.  Drop
             # the connection rather than download a body that may be gigabytes.
             self.channel.close()
-            if pin is not None and not pin.matches(response):
-                raise PermanentError(f"{where}: file changed since it was stat'ed (If-Range no longer matches)")
-            whole = response.getheader("Content-Length") or ""
-            if whole.isdigit() and int(whole) <= offset and (pin is None or pin.size == int(whole)):
+            if expected is not None:
+                changed = expected.mismatch(response)
+                if response.length is not None and response.length != expected.size:
+                    changed = f"size {expected.size} -> {response.length}"
+                if changed:
+                    # The If-Range no longer matched: the server sent the new version.
+                    raise Changed(f"{where}: file changed ({changed}); refusing to mix versions")
+            elif response.length is not None and response.length <= offset:
                 # nginx answers a range of an empty file (or past the end) with its
                 # whole, shorter body: no byte of it is in the range.
                 return b"", True

@@ -11,9 +11,11 @@ is checked again through ``/proc/self/fd`` so that swapping a directory for a
 symlink between the check and the open gains nothing.  Symlinks that stay inside
 the root are followed.  Only regular files and directories are served.
 
-A file is pinned to the identity (device, inode, size, mtime) that :meth:`stat`
-last reported for it.  A read that finds the file changed since then raises
-PermanentError rather than mixing bytes of two versions into one file.
+A file's :attr:`~bootseer.fetch.source.Entry.version` is ``inode:mtime_ns:size``,
+the same from :meth:`LocalSource.stat` and :meth:`LocalSource.listdir`.  A read
+given a version checks it against ``fstat`` of the fd it reads from and raises
+:class:`~bootseer.fetch.source.Changed` if the file is another one now: bytes of
+two versions are never mixed into one file.
 """
 
 from __future__ import annotations
@@ -23,11 +25,10 @@ import os
 import stat as stat_mode
 import threading
 from collections import OrderedDict
-from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
-from bootseer.fetch.source import Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, split_path
+from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
+from bootseer.fetch.sources import check_range, redact_url, split_path
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -37,17 +38,13 @@ log = get_logger(__name__)
 _PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG, errno.EISDIR, errno.EINVAL}
 
 
-class FileIdentity(NamedTuple):
-    """What makes two opens of a path the same version of the same file."""
+def file_version(st: os.stat_result) -> str:
+    """The :attr:`Entry.version` of a regular file: its inode, mtime in ns and size.
 
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    A rewrite in place changes the mtime, a replacement (rename over) the inode; the
+    source root lies on one filesystem, so the device adds nothing.
+    """
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
 
 
 def os_error(url: str, path: str, exc: OSError) -> SourceError:
@@ -87,10 +84,10 @@ class LocalSource:
         self.url = url
         self.root = os.path.realpath(_path_from_url(url))
         self.max_open_files = max_open_files
-        self._pins: dict[str, FileIdentity] = {}
+        self.display_url = redact_url(url)
 
     def __repr__(self) -> str:
-        return f"LocalSource({self.url!r})"
+        return f"LocalSource({self.display_url!r})"
 
     # -- path resolution -------------------------------------------------------
 
@@ -103,7 +100,7 @@ class LocalSource:
         parts = split_path(path)
         real = os.path.realpath(os.path.join(self.root, *parts))
         if not self.contains(real):
-            raise PermanentError(f"{self.url}: {path}: refused, resolves to {real!r} outside the source root")
+            raise PermanentError(f"{self.display_url}: {path}: refused, resolves to {real!r} outside the source root")
         return real
 
     def stat_result(self, path: str) -> os.stat_result:
@@ -111,14 +108,10 @@ class LocalSource:
         try:
             st = os.stat(real)
         except OSError as exc:
-            raise os_error(self.url, path, exc) from None
+            raise os_error(self.display_url, path, exc) from None
         if not (stat_mode.S_ISREG(st.st_mode) or stat_mode.S_ISDIR(st.st_mode)):
-            raise PermanentError(f"{self.url}: {path}: refused, not a regular file or directory")
+            raise PermanentError(f"{self.display_url}: {path}: refused, not a regular file or directory")
         return st
-
-    def pin(self, path: str) -> FileIdentity | None:
-        """The identity :meth:`stat` last reported for ``path``, if any."""
-        return self._pins.get(path)
 
     # -- RangeSource ----------------------------------------------------------
 
@@ -127,17 +120,16 @@ class LocalSource:
         name = path.rsplit("/", 1)[-1]
         if stat_mode.S_ISDIR(st.st_mode):
             return Entry(name=name, size=0, is_dir=True, mtime=st.st_mtime)
-        self._pins[path] = FileIdentity.of(st)
-        return Entry(name=name, size=st.st_size, is_dir=False, mtime=st.st_mtime)
+        return Entry(name=name, size=st.st_size, is_dir=False, mtime=st.st_mtime, version=file_version(st))
 
     def listdir(self, path: str) -> list[Entry]:
         st = self.stat_result(path)
         if not stat_mode.S_ISDIR(st.st_mode):
-            raise NotADirectory(f"{self.url}: {path or '.'}: not a directory")
+            raise NotADirectory(f"{self.display_url}: {path or '.'}: not a directory")
         try:
             names = sorted(os.listdir(self.resolve(path)))
         except OSError as exc:
-            raise os_error(self.url, path, exc) from None
+            raise os_error(self.display_url, path, exc) from None
         entries = []
         for name in names:
             child = f"{path}/{name}" if path else name
@@ -148,19 +140,14 @@ class LocalSource:
             except PermanentError as exc:
                 # A symlink out of the root, a socket or a FIFO: hidden, not fatal to
                 # the whole directory.
-                log.warning("skipping entry the source refuses", url=self.url, path=child, error=str(exc))
+                log.warning("skipping entry the source refuses", url=self.display_url, path=child, error=str(exc))
         return entries
 
     def connect(self) -> LocalConnection:
         return LocalConnection(self)
 
     def close(self) -> None:
-        self._pins.clear()
-
-
-class _OpenFile(NamedTuple):
-    fd: int
-    identity: FileIdentity
+        pass
 
 
 class LocalConnection:
@@ -168,77 +155,92 @@ class LocalConnection:
 
     def __init__(self, source: LocalSource) -> None:
         self.source = source
-        self._files: OrderedDict[str, _OpenFile] = OrderedDict()
+        self._files: OrderedDict[str, int] = OrderedDict()  # path -> fd
         self._lock = threading.Lock()
         self._closed = False
 
-    def _open(self, path: str) -> _OpenFile:
+    def _open(self, path: str) -> int:
         source = self.source
         real = source.resolve(path)
         flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # NONBLOCK: a FIFO must not hang us
         try:
             fd = os.open(real, flags)
         except OSError as exc:
-            raise os_error(source.url, path, exc) from None
+            raise os_error(source.display_url, path, exc) from None
         try:
             st = os.fstat(fd)
             if not stat_mode.S_ISREG(st.st_mode):
-                raise PermanentError(f"{source.url}: {path}: refused, not a regular file")
+                raise PermanentError(f"{source.display_url}: {path}: refused, not a regular file")
             try:
                 opened = os.readlink(f"/proc/self/fd/{fd}")
             except OSError:
                 opened = real  # no /proc: the realpath check above is all we have
             if not source.contains(opened):
-                raise PermanentError(f"{source.url}: {path}: refused, opened {opened!r} outside the source root")
+                raise PermanentError(
+                    f"{source.display_url}: {path}: refused, opened {opened!r} outside the source root"
+                )
         except BaseException:
             os.close(fd)
             raise
-        return _OpenFile(fd, FileIdentity.of(st))
+        return fd
 
-    def _file(self, path: str) -> _OpenFile:
-        """The open file for ``path``, reopened if :meth:`LocalSource.stat` saw a new version."""
-        pinned = self.source.pin(path)
-        cached = self._files.get(path)
-        if cached is not None and (pinned is None or cached.identity == pinned):
-            self._files.move_to_end(path)
-            return cached
-        if cached is not None:
+    def _file(self, path: str, version: str) -> int:
+        """The fd for ``path``: the cached one, or a new open where the cached one is
+        not of ``version`` (the path may name a new file now).  Without a version,
+        the cached fd serves only while the path still names its file."""
+        fd = self._files.get(path)
+        if fd is not None:
+            wanted = version or file_version(self.source.stat_result(path))
+            if file_version(os.fstat(fd)) == wanted:
+                self._files.move_to_end(path)
+                return fd
             self._forget(path)
-        opened = self._open(path)
-        self._files[path] = opened
+        fd = self._open(path)
+        self._files[path] = fd
         while len(self._files) > self.source.max_open_files:
             self._forget(next(iter(self._files)))
-        return opened
+        return fd
+
+    def _check(self, fd: int, path: str, version: str) -> None:
+        """Changed (and the fd dropped) if ``fd`` is not of ``version`` (if one is given)."""
+        if not version:
+            return
+        found = file_version(os.fstat(fd))
+        if found != version:
+            self._forget(path)
+            raise Changed(
+                f"{self.source.display_url}: {path}: file changed (version {version} -> {found}); "
+                "refusing to mix versions"
+            )
 
     def _forget(self, path: str) -> None:
-        os.close(self._files.pop(path).fd)
+        os.close(self._files.pop(path))
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
         check_range(offset, length)
+        shown = self.source.display_url
         with self._lock:
             if self._closed:
-                raise TransientError(f"{self.source.url}: {path}: connection is closed")
-            opened = self._file(path)
+                raise TransientError(f"{shown}: {path}: connection is closed")
             try:
-                now = FileIdentity.of(os.fstat(opened.fd))
-                pinned = self.source.pin(path) or opened.identity
-                if now != pinned:
-                    self._forget(path)
-                    raise PermanentError(
-                        f"{self.source.url}: {path}: file changed since it was stat'ed "
-                        f"(size {pinned.size} -> {now.size}); refusing to mix versions"
-                    )
+                fd = self._file(path, version)
+                # Checked on the fd itself, before and after reading: whatever the
+                # path names meanwhile, these are bytes of that inode, and a write
+                # into it while we read changes its mtime.
+                self._check(fd, path, version)
                 chunks = []
                 while length > 0:
-                    chunk = os.pread(opened.fd, length, offset)
+                    chunk = os.pread(fd, length, offset)
                     if not chunk:
                         break  # end of file
                     chunks.append(chunk)
                     offset += len(chunk)
                     length -= len(chunk)
+                self._check(fd, path, version)
             except OSError as exc:
-                self._forget(path)
-                raise os_error(self.source.url, path, exc) from None
+                if path in self._files:
+                    self._forget(path)
+                raise os_error(shown, path, exc) from None
         return b"".join(chunks)
 
     def close(self) -> None:

@@ -9,16 +9,17 @@ Each :class:`S3Connection` has its own boto3 client (its own connection pool), s
 a retry on a new connection really is one; connections make a single attempt and
 leave retrying to the engine, while metadata calls use botocore's standard
 retries.  Credentials come from the options or boto3's usual chain (environment,
-profile, instance metadata).  A read is conditional on the ETag that
-:meth:`S3Source.stat` saw (``If-Match``): an object rewritten since then fails
-with PermanentError instead of mixing two versions.
+profile, instance metadata).  An object's version is its ETag, which
+``HeadObject`` and ``ListObjectsV2`` give alike; a read of a version is
+conditional on it (``If-Match``), so an object rewritten since raises
+:class:`~bootseer.fetch.source.Changed` instead of mixing two versions.  A body
+is never read past the length asked for.
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,8 +27,8 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from bootseer.fetch.source import Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, split_path
+from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
+from bootseer.fetch.sources import check_range, redact_url, split_path
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -75,12 +76,6 @@ def s3_error(where: str, exc: Exception) -> SourceError:
         return TransientError(f"{where}: {exc}")
     # NoCredentialsError, ParamValidationError, NoRegionError, ...: configuration.
     return PermanentError(f"{where}: {exc}")
-
-
-@dataclass(frozen=True)
-class _Pin:
-    size: int
-    etag: str | None
 
 
 class S3Source:
@@ -141,10 +136,10 @@ class S3Source:
         # Sessions are not thread-safe; creating clients is serialised.
         self._session_lock = threading.Lock()
         self._metadata_client = self.new_client(self._metadata_config)
-        self._pins: dict[str, _Pin] = {}
+        self.display_url = redact_url(url)
 
     def __repr__(self) -> str:
-        return f"S3Source({self.url!r})"
+        return f"S3Source({self.display_url!r})"
 
     def new_client(self, config: botocore.config.Config) -> Any:
         with self._session_lock:
@@ -174,8 +169,8 @@ class S3Source:
                 raise error from None
         else:
             size = int(head["ContentLength"])
-            self._pins[path] = _Pin(size, head.get("ETag"))
-            return Entry(name=name, size=size, is_dir=False, mtime=head["LastModified"].timestamp())
+            mtime = head["LastModified"].timestamp()
+            return Entry(name=name, size=size, is_dir=False, mtime=mtime, version=head.get("ETag") or "")
         if self._has_children(key):
             return Entry(name=name, size=0, is_dir=True, mtime=0.0)
         raise error from None
@@ -206,10 +201,16 @@ class S3Source:
                     name = item["Key"][len(prefix):]
                     if _valid_name(name):
                         entries[name] = Entry(
-                            name=name, size=int(item["Size"]), is_dir=False, mtime=item["LastModified"].timestamp()
+                            name=name,
+                            size=int(item["Size"]),
+                            is_dir=False,
+                            mtime=item["LastModified"].timestamp(),
+                            version=item.get("ETag") or "",
                         )
                     elif name:  # "" is the directory's own marker
-                        log.warning("skipping an S3 key that is not a valid name", url=self.url, key=item["Key"])
+                        log.warning(
+                            "skipping an S3 key that is not a valid name", url=self.display_url, key=item["Key"]
+                        )
         except Exception as exc:
             raise s3_error(self.where(path), exc) from None
         if not seen_anything and key:
@@ -217,9 +218,6 @@ class S3Source:
             if not self.stat(path).is_dir:
                 raise NotADirectory(f"{self.where(path)}: not a directory")
         return sorted(entries.values(), key=lambda entry: entry.name)
-
-    def pin(self, path: str) -> _Pin | None:
-        return self._pins.get(path)
 
     def connect(self) -> S3Connection:
         return S3Connection(self)
@@ -239,11 +237,10 @@ class S3Connection:
         self.source = source
         self.client = source.new_client(source._read_config)
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
         check_range(offset, length)
         source = self.source
-        pin = source.pin(path)
-        if length == 0 or (pin is not None and offset >= pin.size):
+        if length == 0:
             return b""
         where = source.where(path)
         request: dict[str, Any] = {
@@ -251,31 +248,45 @@ class S3Connection:
             "Key": source.key(path),
             "Range": f"bytes={offset}-{offset + length - 1}",
         }
-        if pin is not None and pin.etag:
-            request["IfMatch"] = pin.etag
+        if version:
+            request["IfMatch"] = version
         try:
             response = self.client.get_object(**request)
-            body = response["Body"].read()
         except botocore.exceptions.ClientError as exc:
             code = exc.response.get("Error", {}).get("Code")
+            if code in ("PreconditionFailed", "412"):
+                raise Changed(f"{where}: object changed (ETag is no longer {version})") from None
             if code == "InvalidRange":
                 return b""  # the offset is at or past the end of the object
-            if code in ("PreconditionFailed", "412"):
-                raise PermanentError(f"{where}: object changed since it was stat'ed (ETag no longer matches)") from None
             raise s3_error(where, exc) from None
         except Exception as exc:
             raise s3_error(where, exc) from None
-        match = _CONTENT_RANGE.match(response.get("ContentRange") or "")
-        if not match:
-            raise PermanentError(f"{where}: no Content-Range in the answer to a Range request")
-        first, last, total = (int(group) for group in match.groups())
-        if first != offset or last > offset + length - 1 or (last < offset + length - 1 and last != total - 1):
-            raise PermanentError(f"{where}: asked for bytes {offset}-{offset + length - 1}, got {first}-{last}/{total}")
-        if pin is not None and total != pin.size:
-            raise PermanentError(f"{where}: object changed since it was stat'ed (size {pin.size} -> {total})")
-        if len(body) != last - first + 1:
-            raise TransientError(f"{where}: body of {len(body)} bytes for range {first}-{last}")
-        return body
+        body = response["Body"]
+        try:
+            match = _CONTENT_RANGE.match(response.get("ContentRange") or "")
+            if not match:
+                raise PermanentError(f"{where}: no Content-Range in the answer to a Range request")
+            first, last, total = (int(group) for group in match.groups())
+            if first != offset or last > offset + length - 1 or (last < offset + length - 1 and last != total - 1):
+                raise PermanentError(
+                    f"{where}: asked for bytes {offset}-{offset + length - 1}, got {first}-{last}/{total}"
+                )
+            if version and response.get("ETag") not in (None, version):
+                raise Changed(f"{where}: object changed (ETag {version} -> {response.get('ETag')})")
+            wanted = last - first + 1
+            announced = response.get("ContentLength")
+            if announced is not None and int(announced) != wanted:
+                raise PermanentError(f"{where}: Content-Length {announced} for a range of {wanted} bytes")
+            data = body.read(wanted)
+        except BaseException as exc:
+            body.close()  # never drained: what a refused answer has left stays unread
+            if isinstance(exc, SourceError) or not isinstance(exc, Exception):
+                raise
+            raise s3_error(where, exc) from None
+        if len(data) != wanted:
+            body.close()
+            raise TransientError(f"{where}: body of {len(data)} bytes for range {first}-{last}")
+        return data
 
     def close(self) -> None:
         self.client.close()

@@ -4,7 +4,17 @@ Metadata comes from the namenode (``GETFILESTATUS``, ``LISTSTATUS``).  A read as
 the namenode to ``OPEN`` with ``offset`` and ``length``; the namenode answers
 ``307`` with the datanode that holds the bytes, and the bytes come from there.
 Each :class:`WebHdfsConnection` keeps one persistent connection to the namenode
-and one per datanode it was sent to.  ``swebhdfs://`` is the same over TLS.
+and one per datanode it was sent to.  ``swebhdfs://`` is the same over TLS, and
+a redirect from it to a plain ``http://`` datanode is refused.  The ``headers``
+option (and ``user:password@`` credentials) go to the namenode's origin only,
+never to datanodes elsewhere.
+
+A file's version is its ``modificationTime`` and ``length``, which
+``GETFILESTATUS`` and ``LISTSTATUS`` give alike.  ``OPEN`` has no condition to
+send, so a read of a version asks the namenode for the file's status again once
+the bytes have arrived: a file rewritten before or while they were read raises
+:class:`~bootseer.fetch.source.Changed`.  (HDFS writes the modification time on
+create and close, so a version cannot come back once replaced.)
 
 Errors arrive as ``{"RemoteException": {"exception": ..., "message": ...}}`` and
 are mapped by exception name (``FileNotFoundException`` -> NotFound,
@@ -16,12 +26,11 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import quote, unquote, urlencode, urljoin, urlsplit
 
-from bootseer.fetch.source import Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, split_path
+from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
+from bootseer.fetch.sources import check_range, redact_url, split_path
 from bootseer.fetch.sources.http import ChannelPool, HttpChannel, HttpEndpoint, parse_endpoint_url, status_error
 
 API_PREFIX = "/webhdfs/v1"
@@ -55,20 +64,32 @@ def remote_error(where: str, status: int, reason: str, body: bytes) -> SourceErr
     return type(status_error(where, status, reason))(message)
 
 
-@dataclass(frozen=True)
-class _Pin:
-    size: int
-    mtime_ms: int
+def _count(status: Mapping[str, Any], field: str, where: str) -> int:
+    """A non-negative integer field of a FileStatus; PermanentError if it is anything else."""
+    value = status.get(field, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        name = status.get("pathSuffix") or "the file"
+        raise PermanentError(f"{where}: namenode gives {name!r} a bad {field} {value!r}")
+    return value
 
 
-def _entry(name: str, status: Mapping[str, Any]) -> Entry:
+def _entry(name: str, status: Mapping[str, Any], where: str) -> Entry:
+    if not isinstance(status, Mapping):
+        raise PermanentError(f"{where}: namenode sent a FileStatus that is not an object: {status!r:.200}")
     is_dir = status.get("type") == "DIRECTORY"
-    return Entry(
-        name=name,
-        size=0 if is_dir else int(status.get("length", 0)),
-        is_dir=is_dir,
-        mtime=int(status.get("modificationTime", 0)) / 1000.0,
-    )
+    modified = _count(status, "modificationTime", where)
+    if is_dir:
+        return Entry(name=name, size=0, is_dir=True, mtime=modified / 1000.0)
+    size = _count(status, "length", where)
+    return Entry(name=name, size=size, is_dir=False, mtime=modified / 1000.0, version=f"{modified}:{size}")
+
+
+def _version_size(version: str, where: str) -> int:
+    """The length a version made by :func:`_entry` names."""
+    modified, _, size = version.partition(":")
+    if not (modified.isdigit() and size.isdigit()):
+        raise Changed(f"{where}: {version!r} is not a version this source made")
+    return int(size)
 
 
 class WebHdfsSource:
@@ -113,10 +134,10 @@ class WebHdfsSource:
         self.root = root or "/"
         self.auth_params = {"user.name": user, "delegation": delegation_token}
         self.pool = ChannelPool(self.endpoint)
-        self._pins: dict[str, _Pin] = {}
+        self.display_url = redact_url(url)
 
     def __repr__(self) -> str:
-        return f"WebHdfsSource({self.url!r})"
+        return f"WebHdfsSource({self.display_url!r})"
 
     def hdfs_path(self, path: str) -> str:
         parts = split_path(path)
@@ -143,14 +164,15 @@ class WebHdfsSource:
     def stat(self, path: str) -> Entry:
         with self.pool.channel() as chan:
             answer = self.call(chan, path, "GETFILESTATUS")
+        return self.entry_of(path, answer)
+
+    def entry_of(self, path: str, answer: Any) -> Entry:
+        """The Entry of a GETFILESTATUS answer for ``path``."""
         try:
             status = answer["FileStatus"]
         except (KeyError, TypeError):
             raise PermanentError(f"{self.where(path)}: GETFILESTATUS answer has no FileStatus") from None
-        entry = _entry(path.rsplit("/", 1)[-1], status)
-        if not entry.is_dir:
-            self._pins[path] = _Pin(entry.size, int(status.get("modificationTime", 0)))
-        return entry
+        return _entry(path.rsplit("/", 1)[-1], status, self.where(path))
 
     def listdir(self, path: str) -> list[Entry]:
         # LISTSTATUS of a file lists the file itself; a listing must name a directory.
@@ -162,15 +184,14 @@ class WebHdfsSource:
             statuses = answer["FileStatuses"]["FileStatus"]
         except (KeyError, TypeError):
             raise PermanentError(f"{self.where(path)}: LISTSTATUS answer has no FileStatuses") from None
+        if not isinstance(statuses, list):
+            raise PermanentError(f"{self.where(path)}: LISTSTATUS answer's FileStatus is not a list")
         entries = []
         for status in statuses:
-            name = str(status.get("pathSuffix", ""))
+            name = str(status.get("pathSuffix", "")) if isinstance(status, dict) else ""
             if name and name not in (".", "..") and "/" not in name and status.get("type") in ("FILE", "DIRECTORY"):
-                entries.append(_entry(name, status))
+                entries.append(_entry(name, status, self.where(path)))
         return sorted(entries, key=lambda entry: entry.name)
-
-    def pin(self, path: str) -> _Pin | None:
-        return self._pins.get(path)
 
     def connect(self) -> WebHdfsConnection:
         return WebHdfsConnection(self)
@@ -191,52 +212,69 @@ class WebHdfsConnection:
     def _datanode(self, location: str, where: str) -> tuple[HttpChannel, str]:
         """The channel to the datanode a redirect names, and the request target there."""
         parts = urlsplit(location)
+        shown = redact_url(location)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise PermanentError(f"{where}: namenode redirected to an unusable location {location!r}")
+            raise PermanentError(f"{where}: namenode redirected to an unusable location {shown!r}")
+        if self.source.endpoint.scheme == "https" and parts.scheme != "https":
+            # The bytes (and the delegation token in the target) would cross the
+            # network in the clear: a TLS source never follows that.
+            raise PermanentError(f"{where}: refused the namenode's redirect from TLS to plain {shown!r}")
         try:
             port = parts.port or (443 if parts.scheme == "https" else 80)
         except ValueError:
-            raise PermanentError(f"{where}: namenode redirected to a bad port in {location!r}") from None
+            raise PermanentError(f"{where}: namenode redirected to a bad port in {shown!r}") from None
         key = (parts.scheme, parts.hostname, port)
         if key not in self.datanodes:
             endpoint: HttpEndpoint = self.source.endpoint.with_address(*key)
             self.datanodes[key] = HttpChannel(endpoint)
         return self.datanodes[key], parts.path + (f"?{parts.query}" if parts.query else "")
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def _status(self, path: str) -> Entry:
+        """GETFILESTATUS on this connection's namenode channel (the lock held)."""
+        return self.source.entry_of(path, self.source.call(self.namenode, path, "GETFILESTATUS"))
+
+    def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
         check_range(offset, length)
         source = self.source
         where = source.where(path)
-        pin = source.pin(path)
-        if pin is None:
-            source.stat(path)  # the size bounds the read; OPEN past the end is an error
-            pin = source.pin(path)
-            if pin is None:
-                raise PermanentError(f"{where}: is a directory")
-        length = max(0, min(length, pin.size - offset))
-        if length == 0:
-            return b""
         with self._lock:
-            response = self.namenode.request("GET", source.target(path, "OPEN", offset=offset, length=length))
-            if response.status not in (301, 302, 303, 307, 308):
-                body = self.namenode.read_body(response, limit=MAX_METADATA_BYTES)
-                if response.status == 200:
-                    raise PermanentError(f"{where}: namenode served OPEN itself; expected a redirect to a datanode")
-                raise remote_error(where, response.status, response.reason, body)
-            self.namenode.read_body(response, limit=MAX_METADATA_BYTES)
-            location = urljoin(source.endpoint.origin, response.getheader("Location") or "")
-            channel, target = self._datanode(location, where)
-            answer = channel.request("GET", target)
-            if answer.status != 200:
-                body = channel.discard(answer)
-                raise remote_error(f"{where} (datanode {channel.endpoint.origin})", answer.status, answer.reason, body)
-            data = channel.read_body(answer)
-        if len(data) != length:
-            # A datanode that serves fewer bytes than asked (not at EOF: the length
-            # was clamped to the pinned size) cut the stream or the file shrank.
-            channel.close()
-            raise TransientError(f"{where}: datanode sent {len(data)} bytes of {length} at {offset}")
+            if version:
+                size = _version_size(version, where)
+            else:
+                entry = self._status(path)  # the size bounds the read; OPEN past the end is an error
+                if entry.is_dir:
+                    raise PermanentError(f"{where}: is a directory")
+                size = entry.size
+            length = max(0, min(length, size - offset))
+            if length == 0:
+                return b""
+            data = self._open(path, offset, length)
+            if version:
+                found = self._status(path).version
+                if found != version:
+                    raise Changed(f"{where}: file changed (version {version} -> {found}); refusing to mix versions")
         return data
+
+    def _open(self, path: str, offset: int, length: int) -> bytes:
+        """OPEN through the namenode's redirect: exactly ``length`` bytes from the datanode."""
+        source = self.source
+        where = source.where(path)
+        response = self.namenode.request("GET", source.target(path, "OPEN", offset=offset, length=length))
+        if response.status not in (301, 302, 303, 307, 308):
+            body = self.namenode.read_body(response, limit=MAX_METADATA_BYTES)
+            if response.status == 200:
+                raise PermanentError(f"{where}: namenode served OPEN itself; expected a redirect to a datanode")
+            raise remote_error(where, response.status, response.reason, body)
+        self.namenode.read_body(response, limit=MAX_METADATA_BYTES)
+        location = urljoin(source.endpoint.origin, response.getheader("Location") or "")
+        channel, target = self._datanode(location, where)
+        answer = channel.request("GET", target)
+        if answer.status != 200:
+            body = channel.discard(answer)
+            raise remote_error(f"{where} (datanode {channel.endpoint.origin})", answer.status, answer.reason, body)
+        # The length was clamped to the file's size: a datanode that sends fewer
+        # bytes cut the stream (or the file shrank), one that announces more lies.
+        return channel.read_exact(answer, length)
 
     def close(self) -> None:
         # Without the lock: closing the sockets is how another thread aborts a read

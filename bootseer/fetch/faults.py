@@ -53,6 +53,7 @@ class FaultySource:
     def __init__(self, inner: RangeSource) -> None:
         self.inner = inner
         self.url = inner.url
+        self.display_url = getattr(inner, "display_url", inner.url)
         if hasattr(inner, "default_streams"):
             self.default_streams = inner.default_streams
         self.reads: list[ReadRecord] = []
@@ -155,7 +156,7 @@ class FaultyConnection:
         with self.source._lock:
             self.source.reads.append(ReadRecord(self.id, path, offset, length, outcome, returned))
 
-    def read_range(self, path: str, offset: int, length: int) -> bytes:
+    def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
         source = self.source
         if not source._running.wait(PAUSE_LIMIT_SECONDS):
             raise TransientError("paused read was never resumed")
@@ -167,7 +168,7 @@ class FaultyConnection:
             self.broken = True
             self._record(path, offset, length, "error", 0)
             raise fault.error()
-        data = self.inner.read_range(path, offset, length)
+        data = self.inner.read_range(path, offset, length, version)
         if fault is not None:
             self.broken = True
             data = data[: len(data) // 2]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -499,6 +500,42 @@ def test_http_single_file_url_and_directory_without_slash(tree: Path, nginx_fact
     assert [entry.name for entry in directory.listdir("")] == ["b.bin", "deeper"]
     with pytest.raises(NotADirectory):
         open_source(server.url + "a.bin").listdir("")
+
+
+def test_http_close_from_another_thread_ends_a_read_stuck_on_a_silent_server(tree: Path) -> None:
+    # A server that takes the request and never answers: the engine gives up on the
+    # read and closes its connection, and that must free the reading thread at once,
+    # not after the read timeout.
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+    acceptor.start()
+    port = listener.getsockname()[1]
+    source = open_source(f"http://127.0.0.1:{port}/ckpt/", read_timeout=120)
+    connection = source.connect()
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(connection.read_range("a.bin", 0, 100))
+        except BaseException as exc:  # what the read ends with is the point
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        acceptor.join(10)
+        assert accepted, "the read never connected"
+        time.sleep(0.5)  # let the request go out; the reader now waits for an answer
+        assert reader.is_alive()
+        connection.close()
+        reader.join(10)
+        assert not reader.is_alive(), "close() left the read blocked until the read timeout"
+        assert outcome and isinstance(outcome[0], SourceError)
+    finally:
+        for conn in accepted:
+            conn.close()
+        listener.close()
 
 
 def test_http_directory_redirect_naming_another_origin(tree: Path, range_http_factory) -> None:

@@ -30,6 +30,7 @@ import email.utils
 import http.client
 import json
 import re
+import socket
 import ssl
 import threading
 from dataclasses import dataclass
@@ -227,8 +228,18 @@ class HttpChannel:
         return self.read_body(response, limit=MAX_ERROR_BODY_BYTES)
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        """Close the connection; from another thread, this aborts a read blocked on it.
+
+        close() alone leaves a thread blocked in recv() waiting for the read timeout;
+        shutdown() wakes it at once."""
+        conn = self._conn
+        if conn is not None:
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # not connected (any more): nothing to wake
+            conn.close()
             self._conn = None
 
 

@@ -8,6 +8,8 @@ at ``--aggregate-rate`` (kernel shaping in a private network namespace, see
 * ``http-stream``: one plain sequential GET (the first ``--baseline-seconds`` worth);
 * ``mount``: ``bootseer ckpt mount``, then a sequential read of the whole file (a
   fresh mount per repetition, so no page cache serves it);
+* ``mmap-walk``: the same file mmapped and copied out in order (page-fault reads,
+  as ``safetensors`` and ``torch.load(mmap=True)`` read);
 * ``api-read-bytes`` and ``api-open-read``: the Python API, whole file;
 * ``st-mount``, ``st-api``, ``st-plain``: loading the safetensors checkpoint from
   the mount, through ``read_bytes``, and by one-stream download then load.
@@ -252,6 +254,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> tuple[dict[str, Metho
     methods = {m.name: m for m in [
         Method("http-stream", f"one plain GET, first {baseline_bytes / MiB:.0f} MiB (http.client)"),
         Method("mount", "bootseer ckpt mount + sequential read (1 MiB reads)"),
+        Method("mmap-walk", "bootseer ckpt mount + mmap of the file, copied out in order (1 MiB at a time)"),
         Method("api-read-bytes", "bootseer.fetch.read_bytes(url)"),
         Method("api-open-read", "bootseer.fetch.open(url).read(1 MiB) loop"),
         Method("st-plain", "one-stream download, then safetensors.numpy.load"),
@@ -275,6 +278,7 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> tuple[dict[str, Metho
             "http-stream": (lambda: run_reader("http-stream", data_url, "--limit", str(baseline_bytes),
                                                timeout=slow(baseline_bytes)), baseline_digest),
             "mount": (lambda: mounted_read(DATA_NAME, "file-read"), manifest["digest"]),
+            "mmap-walk": (lambda: mounted_read(DATA_NAME, "mmap-walk"), manifest["digest"]),
             "api-read-bytes": (lambda: run_reader("api-read-bytes", data_url, *engine_args,
                                                   timeout=slow(args.size)), manifest["digest"]),
             "api-open-read": (lambda: run_reader("api-open-read", data_url, *engine_args,
@@ -345,7 +349,7 @@ def report(args: argparse.Namespace, methods: dict[str, Method], context: dict[s
         "| method | what | runs (MB/s) | median MB/s | × aggregate cap | × one stream | bytes verified |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name in ("http-stream", "mount", "api-read-bytes", "api-open-read"):
+    for name in ("http-stream", "mount", "mmap-walk", "api-read-bytes", "api-open-read"):
         if name not in methods:
             continue
         m = methods[name]
@@ -392,7 +396,8 @@ def closing_note(args: argparse.Namespace, methods: dict[str, Method], context: 
     if single:
         parts.append(f"one plain stream reads {single / MB:.1f} MB/s ({single / cap:.2f} of the {args.aggregate_rate:g} "
                      f"MB/s aggregate cap)")
-    for name, label in (("mount", "the striped mount"), ("api-read-bytes", "read_bytes"),
+    for name, label in (("mount", "the striped mount"), ("mmap-walk", "an mmap walk through the mount"),
+                        ("api-read-bytes", "read_bytes"),
                         ("api-open-read", "open().read()")):
         rate = methods.get(name) and methods[name].median_rate()
         if rate:
@@ -431,7 +436,7 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 2G, 512M, 4096)") from None
 
 
-ALL_METHODS = ("http-stream", "mount", "api-read-bytes", "api-open-read",
+ALL_METHODS = ("http-stream", "mount", "mmap-walk", "api-read-bytes", "api-open-read",
                "st-plain", "st-mount", "st-mount-pread", "st-mount-read", "st-api")
 
 

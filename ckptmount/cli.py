@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 import trio
 
-from bootseer.ckptmount.mount import SourceUnavailable, display_url, mount_checkpoint
-from bootseer.fetch.engine import EngineConfig
+from bootseer.ckptmount.mount import SourceUnavailable, mount_checkpoint
+from bootseer.fetch.engine import EngineConfig, display_url
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, source_class, source_options
 from bootseer.fuse import MountError, check_mountpoint
@@ -211,6 +211,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="how long directory listings and attributes are cached (10)",
     )
     serving.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus metrics on /metrics")
+    serving.add_argument(
+        "--allow-other", action="store_true",
+        help="let every local user read the mount (off: only the user who mounts; the files were fetched with "
+        "that user's credentials). Needs root or user_allow_other in /etc/fuse.conf",
+    )  # fmt: skip
 
     backend = mount.add_argument_group("backends")
     backend.add_argument(
@@ -251,13 +256,17 @@ def _usage_error(message: str) -> int:
     return EXIT_USAGE
 
 
-async def _mount_and_announce(source: Any, mountpoint: str, config: EngineConfig, listing_ttl: float) -> None:
+async def _mount_and_announce(
+    source: Any, mountpoint: str, config: EngineConfig, listing_ttl: float, allow_other: bool
+) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(
-            functools.partial(mount_checkpoint, source, mountpoint, config=config, listing_ttl=listing_ttl)
+            functools.partial(
+                mount_checkpoint, source, mountpoint, config=config, listing_ttl=listing_ttl, allow_other=allow_other
+            )
         )
         # On stdout, for scripts that wait for the mount to be ready.
-        print(f"mounted {display_url(source.url)} at {mountpoint}", flush=True)
+        print(f"mounted {display_url(source)} at {mountpoint}", flush=True)
 
 
 def mount_command(args: argparse.Namespace) -> int:
@@ -278,7 +287,7 @@ def mount_command(args: argparse.Namespace) -> int:
             except (ValueError, OSError) as exc:
                 return _usage_error(f"--metrics-address {args.metrics_address}: {exc}")
             log.info("serving metrics", address=f"{host}:{port}")
-        trio.run(_mount_and_announce, source, args.mountpoint, config, args.listing_ttl)
+        trio.run(_mount_and_announce, source, args.mountpoint, config, args.listing_ttl, args.allow_other)
     except* MountError as group:
         log.error("cannot mount", mountpoint=args.mountpoint, error=_first_error(group))
         status = EXIT_USAGE

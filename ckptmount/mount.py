@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import functools
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import trio
 
 from bootseer.ckptmount.tree import CheckpointTree
-from bootseer.fetch.engine import EngineConfig, open_engine
+from bootseer.fetch.engine import EngineConfig, display_url, open_engine
 from bootseer.fuse import ReadOnlyOperations, mount_options, serve
 from bootseer.log import get_logger
 
@@ -29,39 +28,31 @@ class SourceUnavailable(Exception):
     """The source did not answer at mount time; nothing was mounted."""
 
 
-def display_url(url: str) -> str:
-    """``url`` without what may be secret (``user:password@``, a query string token)."""
-    if "://" not in url:
-        return url
-    parts = urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
-
-
 async def mount_checkpoint(
     source: Any,
     mountpoint: str,
     *,
     config: EngineConfig,
     listing_ttl: float,
+    allow_other: bool = False,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mount ``source`` (a :class:`~bootseer.fetch.source.RangeSource`) read-only on
     ``mountpoint`` and serve it until the mount ends; ``task_status.started()`` once
-    the mount is ready.
+    the mount is ready.  Only the mounting user may read it unless ``allow_other``.
 
     Raises :class:`SourceUnavailable` if the source's root cannot be read, and
     :class:`~bootseer.fuse.MountError` if the mount cannot be made.
     """
-    shown = display_url(source.url)
+    shown = display_url(source)
+    options = mount_options(fsname=shown, subtype=SUBTYPE, allow_other=allow_other)
     async with open_engine(source, config) as engine:
         tree = CheckpointTree(engine, listing_ttl=listing_ttl)
         try:
-            root = await tree.root(source.url)
+            root = await tree.root(shown)
         except OSError as exc:
             raise SourceUnavailable(f"cannot read the source {shown}: {exc.strerror or exc}") from exc
         ops = ReadOnlyOperations(root, name=SUBTYPE, entry_timeout=listing_ttl, attr_timeout=listing_ttl)
-        options = mount_options(fsname=shown, subtype=SUBTYPE)
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
             log.info("mounted", source=shown, mountpoint=mountpoint)

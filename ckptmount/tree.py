@@ -10,8 +10,11 @@ while a listing is being refreshed, the previous listing is served for another T
 Every open file gets its own engine :class:`Reader`, so the engine detects
 sequential reads per open file and grows that file's read-ahead on its own.
 
-A file node's key holds its size and mtime: a file replaced at the source becomes a
-new inode, and the kernel never mixes its cached pages with the old version's.
+A file node's key holds its version (the source's content validator from the
+listing), size and mtime: a file replaced or rewritten at the source, even at the
+same size and mtime, becomes a new inode, and the kernel never mixes its cached
+pages with the old version's.  Its reader is pinned to that version too, so a read
+that reaches the source after a change fails with EIO instead of mixing versions.
 """
 
 from __future__ import annotations
@@ -161,11 +164,12 @@ class CheckpointDirectory(Directory):
 
 class CheckpointFile(File):
     def __init__(self, tree: CheckpointTree, path: str, entry: Entry) -> None:
-        self.key = ("file", path, entry.size, mtime_ns(entry))
+        self.key = ("file", path, entry.size, mtime_ns(entry), entry.version)
         self.engine = tree.engine
         self.path = path
         self.size = entry.size
         self.mtime = entry.mtime
+        self.version = entry.version
         self._attributes = Attributes(
             stat.S_IFREG | 0o444, size=entry.size, mtime_ns=mtime_ns(entry), uid=tree.uid, gid=tree.gid
         )
@@ -175,13 +179,14 @@ class CheckpointFile(File):
 
     async def open(self) -> OpenFile:
         with source_errors(self.path):
-            reader = self.engine.open(self.path, self.size, self.mtime)
+            reader = self.engine.open(self.path, self.size, self.mtime, self.version)
         return CheckpointOpenFile(reader, self.path, self.size)
 
 
 class CheckpointOpenFile(OpenFile):
-    # The key pins size and mtime, and the source refuses reads of a changed file,
-    # so cached pages of this inode stay right across opens.
+    # The inode's key pins the version and the reader reads only that version (the
+    # source refuses reads of another), so cached pages of this inode stay right
+    # across opens; a new version is a new inode with a page cache of its own.
     keep_cache = True
 
     def __init__(self, reader: Any, path: str, size: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import filecmp
 import hashlib
+import mmap
 import os
 import random
 import signal
@@ -421,6 +422,63 @@ def test_metrics_endpoint(source_root: Path, tmp_path: Path) -> None:
         mount.cleanup()
 
 
+def _metric(body: str, name: str) -> float:
+    """A sample's value in a Prometheus text exposition (0 when absent)."""
+    for line in body.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_mmap_reads_fetch_each_stripe_once_and_load_exact_tensors(tmp_path: Path) -> None:
+    """safetensors' default loader and ``torch.load(mmap=True)`` read by page faults:
+    the kernel's read-around and ``memcpy`` touching each tensor's end first must not
+    make the engine fetch a stripe twice (or download at one connection's speed)."""
+    np = pytest.importorskip("numpy")
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    root = tmp_path / "source"
+    root.mkdir()
+    rng = np.random.default_rng(7)
+    hidden, ffn, vocab = 512, 1376, 2000
+    shapes = {"model.embed_tokens.weight": ((vocab, hidden), "float16")}
+    for layer in range(3):
+        for name, shape in (("q_proj", (hidden, hidden)), ("k_proj", (hidden, hidden)), ("o_proj", (hidden, hidden)),
+                            ("up_proj", (ffn, hidden)), ("down_proj", (hidden, ffn))):
+            shapes[f"model.layers.{layer}.{name}.weight"] = (shape, "float16")
+        shapes[f"model.layers.{layer}.input_layernorm.weight"] = ((hidden,), "float32")
+    shapes["lm_head.weight"] = ((vocab, hidden), "float16")
+    tensors = {
+        name: np.frombuffer(rng.bytes(int(np.prod(shape)) * np.dtype(dtype).itemsize), dtype=dtype).reshape(shape)
+        for name, (shape, dtype) in shapes.items()
+    }
+    safetensors_numpy.save_file(tensors, str(root / "model.safetensors"))
+    raw = _content(9, 6 * MiB + 5)
+    (root / "raw.bin").write_bytes(raw)
+    sizes = [(root / "model.safetensors").stat().st_size, len(raw)]
+    stripes = sum(-(-size // MiB) for size in sizes)
+
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    port = free_port()
+    backend = Backend("local", str(root), root)
+    mount = start_mount(backend, mountpoint, tmp_path, "--metrics-address", f"127.0.0.1:{port}")
+    try:
+        mount.wait_ready()
+        loaded = safetensors_numpy.load_file(str(mountpoint / "model.safetensors"))  # mmap, its default
+        assert sorted(loaded) == sorted(tensors)
+        for name, array in tensors.items():
+            assert loaded[name].dtype == array.dtype and loaded[name].shape == array.shape, name
+            assert loaded[name].tobytes() == array.tobytes(), name
+        with open(mountpoint / "raw.bin", "rb") as file, mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ) as mapping:
+            assert b"".join(mapping[offset : offset + MiB] for offset in range(0, len(raw), MiB)) == raw
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert _metric(body, 'bootseer_fetch_stripes_total{outcome="failed"}') == 0
+        assert _metric(body, 'bootseer_fetch_stripes_total{outcome="fetched"}') == stripes
+        assert _metric(body, "bootseer_fetch_bytes_total") == sum(sizes)
+    finally:
+        mount.cleanup()
+
+
 # -- bad input -----------------------------------------------------------------------------------
 
 
@@ -604,3 +662,114 @@ def test_a_source_outage_fails_reads_with_eio_and_the_mount_recovers(source_root
                 mount.cleanup()
         finally:
             link.cut()
+
+
+# -- versions, hung reads, secrets, permissions (review findings) ---------------------------------
+
+
+def test_a_same_size_rewrite_at_the_source_gives_new_bytes_or_eio_never_a_mix(tmp_path: Path) -> None:
+    """A file replaced by one of the same size and the same mtime (only its version, the
+    inode here, tells them apart): after the listing TTL reads give the new bytes; an old
+    handle gives old bytes or EIO; no read ever returns some of each."""
+    root = tmp_path / "source"
+    root.mkdir()
+    size = 3 * MiB
+    old, new = b"A" * size, b"B" * size
+    (root / "f").write_bytes(old)
+    stamp_ns = (root / "f").stat().st_mtime_ns
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mount = start_mount(Backend("local", str(root), root), mountpoint, tmp_path, "--listing-ttl", "0.5")
+
+    def whole_read() -> bytes | None:
+        """The file as one open reads it, or None for EIO."""
+        try:
+            with open(mountpoint / "f", "rb", buffering=0) as file:
+                data = file.read()
+        except OSError as exc:
+            assert exc.errno == errno.EIO, exc
+            return None
+        assert data in (old, new), f"a read mixed versions: {data.count(b'A')} A and {data.count(b'B')} B"
+        return data
+
+    try:
+        mount.wait_ready()
+        fd = os.open(mountpoint / "f", os.O_RDONLY)
+        try:
+            assert os.pread(fd, 10, MiB + MiB // 2) == b"A" * 10  # a stripe of the old version in memory
+            (root / "f.tmp").write_bytes(new)
+            os.utime(root / "f.tmp", ns=(stamp_ns, stamp_ns))
+            os.replace(root / "f.tmp", root / "f")
+            _eventually(lambda: whole_read() == new)
+            try:
+                assert os.pread(fd, size, 0) == old
+            except OSError as exc:
+                assert exc.errno == errno.EIO
+        finally:
+            os.close(fd)
+    finally:
+        mount.cleanup()
+
+
+def test_sigterm_ends_the_mount_while_a_read_hangs_on_a_silent_source(source_root: Path, tmp_path: Path) -> None:
+    from tests.test_fetch_api import SilentRangeHandler, range_gets
+
+    server = RangeHTTPServer(source_root, SilentRangeHandler)
+    server.release = threading.Event()
+    server.start()
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    # Far beyond how long the test waits: only abandoning the hung read ends the mount in time.
+    mount = start_mount(Backend("http", server.url, source_root), mountpoint, tmp_path,
+                        "--read-timeout", "120", "--retry-timeout", "120")  # fmt: skip
+    reader = None
+    try:
+        mount.wait_ready()
+        reader = subprocess.Popen(
+            ["dd", f"if={mountpoint / 'config.json'}", "of=/dev/null", "bs=4k", "count=1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while range_gets(server) == 0:
+            assert time.monotonic() < deadline, "the read never reached the server"
+            time.sleep(0.05)
+        assert reader.poll() is None  # hanging
+        mount.signal(signal.SIGTERM)
+        # The shutdown grace for requests in flight (10 s) plus teardown; never the read timeout.
+        assert mount.wait(timeout=45) == 0
+        wait_unmounted(mountpoint)
+        assert reader.wait(timeout=30) != 0  # its read failed rather than returning bytes
+    finally:
+        if reader is not None and reader.poll() is None:
+            reader.kill()
+            reader.wait()
+        mount.cleanup()
+        server.release.set()
+        server.stop()
+
+
+def test_credentials_and_query_tokens_never_reach_messages_or_logs(tmp_path: Path) -> None:
+    port = free_port()  # nothing listens there
+    url = f"http://alice:s3cr3t@127.0.0.1:{port}/ckpt/?X-Amz-Signature=TOKEN123"
+    result = _run(["--log-level", "debug", "ckpt", "mount", url, str(tmp_path), "--retry-timeout", "1"])
+    assert result.returncode == 1 and "cannot read the source" in result.stderr
+    assert f"127.0.0.1:{port}/ckpt/" in result.stderr  # it still says which source
+    for secret in ("s3cr3t", "TOKEN123"):
+        assert secret not in result.stderr and secret not in result.stdout
+    assert mount_entry(tmp_path) is None
+
+
+def test_other_users_may_read_the_mount_only_with_allow_other(source_root: Path, tmp_path: Path) -> None:
+    for extra, expected in (([], False), (["--allow-other"], True)):
+        mountpoint = tmp_path / f"mnt{len(extra)}"
+        mountpoint.mkdir()
+        mount = start_mount(Backend("local", str(source_root), source_root), mountpoint, tmp_path, *extra)
+        try:
+            mount.wait_ready()
+            entry = mount_entry(mountpoint)
+            assert entry is not None and ("allow_other" in entry.options) is expected, entry.options
+            with open("/proc/self/mountinfo") as mountinfo:
+                line = next(line for line in mountinfo if f" {mountpoint} " in line)
+            assert ("allow_other" in line) is expected, line
+        finally:
+            mount.cleanup()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import io
 import json
+import os
 import pickle
 import random
 import struct
 import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from bootseer.fetch.engine import FetchError
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.source import NotFound
 from bootseer.fetch.sources.local import LocalSource
-from tests.http_fixtures import nginx_factory, range_http_factory  # noqa: F401  (fixtures)
+from tests.http_fixtures import RangeHTTPServer, RangeRequestHandler, nginx_factory, range_http_factory  # noqa: F401
 
 STRIPE = 64 * 1024
 SMALL = EngineConfig(stripe_size=STRIPE, streams=4, memory_limit=16 * STRIPE, readahead_max=8 * STRIPE)
@@ -217,3 +219,111 @@ def test_dropped_connections_and_server_errors_are_retried_over_http(tmp_path, d
         assert client.read_bytes("blob.bin") == data
         stats = client._call_sync(lambda: client.engine.stats)
         assert stats.retries >= 1 and stats.failures == 0
+
+
+# -- versions: a file rewritten at the source ----------------------------------------------
+
+
+def test_a_file_rewritten_at_the_same_size_is_never_read_mixed(tmp_path):
+    """The review's reproducer: a stripe of the old version in memory must not serve a
+    whole-file read that a new stat started; and a handle of the old version gets its
+    old bytes or EIO, never some of each."""
+    MiB = 1 << 20
+    path = tmp_path / "f"
+    path.write_bytes(b"A" * 3 * MiB)
+    config = EngineConfig(stripe_size=MiB, streams=2, memory_limit=8 * MiB, retry_timeout=3600)
+    with Client(str(tmp_path), config) as client:
+        old_file = client.open("f")
+        old_file.seek(MiB + MiB // 2)
+        assert old_file.read(10) == b"A" * 10  # stripe 1 of the old version is in memory now
+        before = path.stat()
+        with open(path, "r+b") as rewrite:  # in place: the same inode and size
+            rewrite.write(b"B" * 3 * MiB)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))  # a coarse clock may not move
+        assert client.read_bytes("f") == b"B" * 3 * MiB
+        with client.open("f") as new_file:
+            assert new_file.read() == b"B" * 3 * MiB
+        old_file.seek(0)
+        try:
+            whole = old_file.read()
+        except OSError as exc:
+            assert exc.errno == errno.EIO and "changed" in str(exc)
+        else:
+            assert whole == b"A" * 3 * MiB
+        stats = client._call_sync(lambda: client.engine.stats)
+        assert stats.retries == 0  # a changed file is never retried
+        old_file.close()
+
+
+# -- a source that accepts and never answers ---------------------------------------------
+
+
+class SilentRangeHandler(RangeRequestHandler):
+    """Answers HEAD and listings; takes a range GET and never answers it."""
+
+    def do_GET(self) -> None:
+        if self.headers.get("Range"):
+            self.server.requests.append((self.command, self.path, dict(self.headers)))
+            self.server.release.wait(120)  # until the test ends
+            return
+        super().do_GET()
+
+
+@pytest.fixture
+def silent_server(tmp_path: Path, data):
+    server = RangeHTTPServer(tmp_path, SilentRangeHandler)
+    server.release = threading.Event()
+    server.start()
+    yield server
+    server.release.set()
+    server.stop()
+
+
+def range_gets(server) -> int:
+    return sum(1 for method, _, headers in list(server.requests) if method == "GET" and "Range" in headers)
+
+
+def test_a_silent_source_fails_a_read_after_the_retry_timeout_not_the_read_timeout(silent_server, data):
+    retry_timeout = 2.0
+    config = EngineConfig(stripe_size=STRIPE, streams=2, memory_limit=8 * STRIPE, retry_timeout=retry_timeout)
+    with Client(silent_server.url, config, read_timeout=60) as client:
+        started = time.monotonic()
+        with pytest.raises(FetchError) as caught:
+            client.read_bytes("blob.bin")
+        elapsed = time.monotonic() - started
+        assert caught.value.errno == errno.EIO and "no answer" in str(caught.value)
+        # Behaviour, not speed: EIO comes from the retry clock, long before the 60 s read timeout.
+        assert elapsed < retry_timeout + 10
+        assert range_gets(silent_server) >= 1
+
+
+def test_closing_a_client_does_not_wait_for_a_hung_read(silent_server, data):
+    config = EngineConfig(stripe_size=STRIPE, streams=2, memory_limit=8 * STRIPE, retry_timeout=60)
+    client = Client(silent_server.url, config, read_timeout=60)
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            client.read_bytes("blob.bin")
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    try:
+        reader.start()
+        deadline = time.monotonic() + 20
+        while range_gets(silent_server) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert range_gets(silent_server) >= 1, "the read never reached the server"
+        closer = threading.Thread(target=client.close, daemon=True)
+        started = time.monotonic()
+        closer.start()
+        closer.join(timeout=20)
+        assert not closer.is_alive(), "Client.close() waited on the hung read"
+        assert time.monotonic() - started < 20
+        reader.join(timeout=10)
+        assert not reader.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], FetchError) and "stopped" in str(outcome[0])
+    finally:
+        silent_server.release.set()
+        client.close()

@@ -23,7 +23,7 @@ HEADER = 48  # bytes before the payload in an entry file
 
 
 def key(index: int, mtime: float = 1.0) -> str:
-    return StripeCache.key("file:///data", "ckpt/model.bin", 10 * STRIPE, mtime, index, STRIPE)
+    return StripeCache.key("file:///data", "ckpt/model.bin", 10 * STRIPE, "", mtime, index, STRIPE)
 
 
 def payload(index: int) -> bytes:
@@ -41,13 +41,20 @@ def test_round_trip_and_miss(tmp_path):
 
 
 def test_keys_separate_every_part_of_a_stripes_identity():
-    base = ("file:///data", "a", 100, 1.5, 0, STRIPE)
+    base = ("file:///data", "a", 100, "etag:1", 1.5, 0, STRIPE)
     keys = {StripeCache.key(*base)}
-    for position, other in enumerate(["file:///other", "b", 101, 1.6, 1, 2 * STRIPE]):
+    # Every part but the mtime, which a version makes redundant.
+    for position, other in [(0, "file:///other"), (1, "b"), (2, 101), (3, "etag:2"), (5, 1), (6, 2 * STRIPE)]:
         changed = list(base)
         changed[position] = other
         keys.add(StripeCache.key(*changed))
     assert len(keys) == 7
+    assert StripeCache.key(*base[:4], 2.5, *base[5:]) == StripeCache.key(*base)
+    # Without a version the mtime keys the entry, and never collides with a version.
+    unversioned = ("file:///data", "a", 100, "", 1.5, 0, STRIPE)
+    assert StripeCache.key(*unversioned) != StripeCache.key(*unversioned[:4], 1.6, *unversioned[5:])
+    assert StripeCache.key(*unversioned) not in keys
+    assert StripeCache.key(*unversioned) != StripeCache.key("file:///data", "a", 100, "1.5", 1.5, 0, STRIPE)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +124,7 @@ def test_processes_sharing_a_cache_never_see_a_bad_entry(tmp_path):
         seed = int(sys.argv[1])
         rng = random.Random(seed)
         payloads = [random.Random(i).randbytes({STRIPE}) for i in range(12)]
-        keys = [StripeCache.key("file:///data", "f", 1, 1.0, i, {STRIPE}) for i in range(12)]
+        keys = [StripeCache.key("file:///data", "f", 1, "v1", 1.0, i, {STRIPE}) for i in range(12)]
         hits = 0
         for _ in range(400):
             i = rng.randrange(12)
@@ -155,7 +162,7 @@ def read_all(source, config: EngineConfig, path: str, size: int) -> tuple[bytes,
         with trio.fail_after(30):
             async with open_engine(source, config) as engine:
                 entry = await engine.stat(path)
-                reader = engine.open(path, entry.size)
+                reader = engine.open(path, entry.size, entry.mtime, entry.version)
                 data = await reader.read(0, size)
                 return data, engine.stats
 
@@ -203,5 +210,27 @@ def test_a_rewritten_file_is_not_served_from_the_cache(tmp_path):
     path.write_bytes(new)
     stamp = path.stat().st_mtime + 5
     os.utime(path, (stamp, stamp))
+    got, stats = read_all(LocalSource(str(root)), config, "model.bin", len(new))
+    assert got == new and stats.cache_hits == 0
+
+
+def test_a_same_size_same_second_rewrite_is_not_served_from_the_cache(tmp_path):
+    """The version (inode, mtime in ns and size for local files) keys the cache, not the
+    mtime: a file replaced by one of the same size and the very same mtime is a miss."""
+    root, cache_dir = tmp_path / "data", tmp_path / "cache"
+    root.mkdir()
+    path = root / "model.bin"
+    old = random.Random(1).randbytes(3 * STRIPE)
+    path.write_bytes(old)
+    stamp = int(path.stat().st_mtime)
+    os.utime(path, ns=(stamp * 10**9, stamp * 10**9))
+    config = EngineConfig(stripe_size=STRIPE, streams=2, memory_limit=8 * STRIPE, cache_dir=str(cache_dir))
+    assert read_all(LocalSource(str(root)), config, "model.bin", len(old))[0] == old
+    new = random.Random(2).randbytes(3 * STRIPE)
+    path.with_name("model.tmp").write_bytes(new)
+    os.replace(path.with_name("model.tmp"), path)  # a new inode, the way checkpoints are written
+    os.utime(path, ns=(stamp * 10**9, stamp * 10**9))  # the same mtime, to the nanosecond
+    entry = LocalSource(str(root)).stat("model.bin")
+    assert entry.mtime == stamp and entry.size == len(old) and entry.version
     got, stats = read_all(LocalSource(str(root)), config, "model.bin", len(new))
     assert got == new and stats.cache_hits == 0

@@ -282,6 +282,88 @@ def test_max_windows_takes_the_least_recently_used_window(source, files):
     run(main)
 
 
+def test_reordered_and_overlapping_reads_near_the_position_stay_sequential(source, files):
+    """Concurrent FUSE requests and an mmap's read-around arrive out of order, overlap
+    and step back a little: none of that is random access."""
+    data = files["a.bin"]
+    chunk = STRIPE // 4
+
+    async def main():
+        async with open_engine(source, config(readahead_max=8 * STRIPE)) as engine:
+            reader = engine.open("a.bin", len(data))
+            windows = []
+            for group in range(0, len(data), 4 * chunk):
+                # A re-read of the bytes just behind, then four requests in flight at
+                # once, started in a scrambled order.
+                offsets = [max(0, group - chunk // 2)] + [group + k * chunk for k in (1, 0, 3, 2)]
+                async with trio.open_nursery() as nursery:
+                    for offset in offsets:
+
+                        async def check(offset=offset):
+                            assert await reader.read(offset, chunk) == data[offset : offset + chunk]
+
+                        nursery.start_soon(check)
+                        await trio.testing.wait_all_tasks_blocked()  # so they arrive in this order
+                windows.append(reader.window)
+            assert 0 not in windows
+            assert max(windows) == 8
+            fetched = Counter(r.offset for r in source.reads)
+            assert set(fetched.values()) == {1}  # nothing dropped and fetched again
+            assert engine.stats.bytes_fetched == len(data)
+
+    run(main)
+
+
+def test_a_copy_that_touches_each_tensors_end_first_stays_sequential(source, files):
+    """``memcpy`` out of an mmapped safetensors file touches each tensor's last page
+    first, then copies from its start: a jump ahead and back for every tensor."""
+    data = files["a.bin"]
+    page = 4 * KiB
+    # Tensor boundaries: small ones, ones across stripes, one longer than the window.
+    bounds = [0, 5000, STRIPE // 3, STRIPE + 7, 3 * STRIPE - 11, 3 * STRIPE + 20, 5 * STRIPE + 1, 15 * STRIPE + 3]
+    bounds.append(len(data))
+
+    async def main():
+        async with open_engine(source, config(readahead_max=8 * STRIPE)) as engine:
+            reader = engine.open("a.bin", len(data))
+            windows = []
+            for start, end in zip(bounds, bounds[1:]):
+                tail = max(start, (end - 1) // page * page)
+                assert await reader.read(tail, page) == data[tail : tail + page]
+                for offset in range(start, end, page):
+                    assert await reader.read(offset, page) == data[offset : offset + page]
+                windows.append(reader.window)
+            # The window grew and was never lost, not even for the tensor longer than it.
+            assert windows == [2, 2, 4, 8, 8, 8, 8, 8]
+            fetched = Counter(r.offset for r in source.reads)
+            assert set(fetched.values()) == {1}
+            assert engine.stats.bytes_fetched == len(data)
+
+    run(main)
+
+
+def test_a_one_off_read_elsewhere_pauses_the_window_and_the_stream_takes_it_back(source, files):
+    data = files["a.bin"]
+
+    async def main():
+        async with open_engine(source, config(readahead_max=8 * STRIPE)) as engine:
+            reader = engine.open("a.bin", len(data))
+            for offset in range(0, 4 * STRIPE, STRIPE // 2):
+                await reader.read(offset, STRIPE // 2)
+            assert reader.window == 8
+            assert await reader.read(19 * STRIPE, 10) == data[19 * STRIPE : 19 * STRIPE + 10]
+            assert reader.window == 0  # random access holds no window
+            assert await reader.read(4 * STRIPE, 10) == data[4 * STRIPE : 4 * STRIPE + 10]
+            assert reader.window == 8  # the stream went on: its window is back, not restarted
+            # A far read that the next read continues starts a new stream there.
+            assert await reader.read(STRIPE + 5, 10) == data[STRIPE + 5 : STRIPE + 15]
+            assert reader.window == 0
+            assert await reader.read(STRIPE + 15, 10) == data[STRIPE + 15 : STRIPE + 25]
+            assert reader.window == 2
+
+    run(main)
+
+
 # -- priorities ----------------------------------------------------------------------------
 
 
@@ -381,6 +463,36 @@ def test_a_source_that_stays_down_gives_eio_and_other_files_are_served(source, f
     run(main)
 
 
+def test_stripes_belong_to_one_version_of_a_file(tmp_path, source):
+    """A file rewritten in place at the same size: readers of the new version get only
+    new bytes (no stripe of the old one in memory serves them), readers of the old
+    one get old bytes or EIO at once, never a mix and never a retry."""
+    path = tmp_path / "v.bin"
+    path.write_bytes(b"A" * 3 * STRIPE)
+
+    async def main():
+        async with open_engine(source, config(retry_timeout=3600)) as engine:
+            v1 = await engine.stat("v.bin")
+            old = engine.open("v.bin", v1.size, v1.mtime, v1.version)
+            assert await old.read(STRIPE + 5, 10) == b"A" * 10
+            before = path.stat()
+            with open(path, "r+b") as rewrite:
+                rewrite.write(b"B" * 3 * STRIPE)
+            os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns + 1_000_000))  # a coarse clock may not move
+            v2 = await engine.stat("v.bin")
+            assert v2.size == v1.size and v2.version != v1.version
+            [listed] = [entry for entry in await engine.listdir("") if entry.name == "v.bin"]
+            assert listed.version == v2.version
+            new = engine.open("v.bin", v2.size, v2.mtime, v2.version)
+            assert await new.read(0, v2.size) == b"B" * 3 * STRIPE
+            with pytest.raises(FetchError, match="changed") as caught:
+                await old.read(0, v1.size)
+            assert caught.value.errno == errno.EIO
+            assert engine.stats.retries == 0 and engine.stats.failures >= 1
+
+    run(main)
+
+
 def test_missing_files_and_changed_sizes_fail_at_once(tmp_path, source, files):
     async def main():
         # retry_timeout is far beyond the test's own timeout: these must not be retried.
@@ -465,15 +577,24 @@ def test_stopping_the_engine_fails_pending_reads(source, files):
                 except FetchError as exc:
                     outcome.append((name, exc))
 
-            # The one stream is busy with a.bin (a fetch in flight ends normally); b.bin waits in the queue.
+            # The one stream is stuck in a.bin's read (paused: a source that never
+            # answers); b.bin waits in the queue.  Stopping abandons the stuck read
+            # rather than wait for it (it would wait for faults.PAUSE_LIMIT_SECONDS).
             nursery.start_soon(read, "a.bin")
             await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(read, "b.bin")
             await trio.testing.wait_all_tasks_blocked()
-            engine_scope.cancel()
-            source.resume()
-        assert [name for name, _ in outcome] == ["b.bin"] and "stopped" in str(outcome[0][1])
+            try:
+                with trio.fail_after(10):
+                    engine_scope.cancel()
+                    await wait_until(lambda: len(outcome) == 2)
+            finally:
+                source.resume()
+        assert sorted(name for name, _ in outcome) == ["a.bin", "b.bin"]
+        assert all("stopped" in str(error) for _, error in outcome)
         assert engine.stats.held_bytes == 0
+        # The abandoned read's connection was closed from another thread.
+        await wait_until(lambda: source.closed == set(source.opened))
         with pytest.raises(FetchError):
             engine.open("a.bin", 10)
 

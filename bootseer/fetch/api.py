@@ -26,7 +26,7 @@ from typing import Any
 
 import trio
 
-from bootseer.fetch.engine import BytesBuilder, Engine, EngineConfig, FetchError, Reader, open_engine
+from bootseer.fetch.engine import BytesBuilder, Engine, EngineConfig, FetchError, Reader, display_url, open_engine
 from bootseer.fetch.source import Entry, RangeSource
 from bootseer.fetch.sources import open_source
 from bootseer.log import get_logger
@@ -58,7 +58,7 @@ class Client:
             self.source = url_or_source
             self._owns_source = False
         self.config = config or EngineConfig()
-        self.url = self.source.url
+        self.url = display_url(self.source)  #: the source's URL without credentials or query
         self._engine: Engine | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -131,15 +131,23 @@ class Client:
         return self._call(self.engine.listdir, path)
 
     def open(self, path: str) -> RemoteFile:
-        """A read-only, seekable, buffered file object of ``path``."""
+        """A read-only, seekable, buffered file object of ``path``.
+
+        It reads the version of the file that ``open`` found: if the file changes at
+        the source meanwhile, reads fail with FetchError (EIO) rather than mix versions.
+        """
         entry = self.stat(path)
         if entry.is_dir:
             raise IsADirectoryError(f"{self.url}: {path or '.'} is a directory")
-        reader = self._call_sync(self.engine.open, path, entry.size, entry.mtime)
+        reader = self._call_sync(self.engine.open, path, entry.size, entry.mtime, entry.version)
         return RemoteFile(self, reader, name=path or self.url)
 
     def read_bytes(self, path: str) -> bytes:
-        """The whole of ``path``, fetched with all streams in parallel."""
+        """The whole of ``path``, fetched with all streams in parallel.
+
+        All of it is one version (the one a stat finds now): a file that changes
+        while it is read fails with FetchError (EIO), never comes back mixed.
+        """
         entry = self.stat(path)
         if entry.is_dir:
             raise IsADirectoryError(f"{self.url}: {path or '.'} is a directory")
@@ -152,7 +160,7 @@ class Client:
         return builder.result()
 
     async def _read_whole(self, path: str, entry: Entry, target: memoryview) -> None:
-        reader = self.engine.open(path, entry.size, entry.mtime)
+        reader = self.engine.open(path, entry.size, entry.mtime, entry.version)
         try:
             await reader.read_into(0, target)
         finally:

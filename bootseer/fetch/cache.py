@@ -1,8 +1,8 @@
 """A verified on-disk cache of fetched stripes, shared safely by processes.
 
 Each stripe is one file named by a hash of everything that identifies its bytes:
-the source URL, the path, the file's size and mtime, the stripe index and the stripe
-size.  The file holds a header (magic, payload length, the key hash again, an
+the source URL, the path, the file's size and version (the source's content
+validator: ETag, inode + mtime in ns, ...), the stripe index and the stripe size.  The file holds a header (magic, payload length, the key hash again, an
 xxh3-128 checksum of the payload) and the payload.  Every read checks all of it; an
 entry that is truncated, corrupt or not what its name says is deleted, logged and
 reported as a miss, so the caller fetches the stripe again.  Nothing unverified is
@@ -16,8 +16,9 @@ it and deletes least recently used entries down to 90%; concurrent deletion by t
 processes is harmless.  The cache never raises: a disk problem is logged and behaves
 as a miss.
 
-A source that reports no mtime (0.0) keys entries by size alone, so a file rewritten
-in place with the same size would be served stale; such sources should not be cached.
+Where a source gives no version the file's mtime stands in for it, and where it
+reports no mtime either (0.0) entries are keyed by size alone, so a file rewritten in
+place with the same size would be served stale; such sources should not be cached.
 """
 
 from __future__ import annotations
@@ -73,9 +74,14 @@ class StripeCache:
         return f"StripeCache({self.directory!r}, max_bytes={self.max_bytes})"
 
     @staticmethod
-    def key(url: str, path: str, size: int, mtime: float, index: int, stripe_size: int) -> str:
-        """The name of a stripe's entry: a hash of everything that identifies its bytes."""
-        identity = json.dumps([url, path, size, repr(float(mtime)), index, stripe_size])
+    def key(url: str, path: str, size: int, version: str, mtime: float, index: int, stripe_size: int) -> str:
+        """The name of a stripe's entry: a hash of everything that identifies its bytes.
+
+        ``version`` is the source's :attr:`~bootseer.fetch.source.Entry.version` of the
+        file; only where it is "" (the source gives none) does ``mtime`` stand in for it.
+        """
+        validator = ["version", version] if version else ["mtime", repr(float(mtime))]
+        identity = json.dumps([url, path, size, validator, index, stripe_size])
         return xxhash.xxh3_128_hexdigest(identity.encode())
 
     def path_of(self, key: str) -> str:

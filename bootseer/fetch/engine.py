@@ -12,7 +12,7 @@ from (at DEMAND), a :class:`Reader` holds its read-ahead window (at READAHEAD) a
 :meth:`Engine.prefetch` holds the stripes it brings in (at PREFETCH).  A queued
 stripe nobody holds any more is cancelled; a buffered stripe nobody holds stays as
 a *loose* stripe (a small in-memory cache) until memory is needed, except that a
-stripe a sequential reader has read past is dropped at once.
+stripe a sequential reader has left more than a stripe behind is dropped at once.
 
 Memory: every stripe byte in flight or buffered is counted, and a worker starts a
 fetch only when its bytes fit under ``memory_limit``.  To make room it evicts
@@ -23,13 +23,22 @@ leave one stripe of memory to demand reads, so read-ahead yields to demand.  A
 stripe a task is waiting on is never evicted, and every in-flight fetch ends, so
 demand reads always make progress.
 
+Versions: a stripe belongs to one version of a file (path, size and the source's
+:attr:`~bootseer.fetch.source.Entry.version`), every range read asks the source for
+that version, and a source that finds another raises ``Changed``: bytes of two
+versions never meet in one read, in memory or in the disk cache.
+
 Faults: a failed fetch (TransientError, OSError, anything unexpected, a short read
 before the end of the file) closes that worker's connection and puts the stripe
 back in the queue after a backoff, so the retry runs on another connection.
-NotFound, PermanentError and a file whose size changed fail at once; a stripe that
-keeps failing for ``retry_timeout`` seconds fails.  Either way the tasks waiting on
-it get :class:`FetchError` (EIO), never short or wrong bytes, and the engine goes on
-serving everything else.
+NotFound, PermanentError (``Changed`` included) and a file whose size changed fail
+at once.  A stripe not fetched ``retry_timeout`` seconds after its first attempt
+began fails, even if that attempt is still waiting on a source that never answers:
+the blocked call is abandoned and its connection closed from another thread, which
+aborts it where the backend allows.  Either way the tasks waiting on it get
+:class:`FetchError` (EIO), never short or wrong bytes, and the engine goes on
+serving everything else.  Stopping the engine abandons calls in flight the same
+way, so it never waits on a silent source.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import itertools
 import logging
 import platform
 import random
+import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -52,7 +62,10 @@ import prometheus_client
 import trio
 
 from bootseer.fetch.cache import StripeCache
-from bootseer.fetch.source import Connection, Entry, NotADirectory, NotFound, PermanentError, RangeSource
+from bootseer.fetch.source import (
+    Connection, Entry, NotADirectory, NotFound, PermanentError, RangeSource, TransientError,
+)  # fmt: skip
+from bootseer.fetch.sources import redact_url
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -158,24 +171,41 @@ class _State(enum.Enum):
     GONE = "gone"  # cancelled, dropped or evicted
 
 
-_StripeKey = tuple[str, int, int]  # (path, file size, stripe index)
+@dataclass(frozen=True)
+class FileVersion:
+    """One version of one file: what its stripes, in memory and on disk, belong to."""
+
+    path: str
+    size: int
+    version: str = ""  #: the source's :attr:`Entry.version`; "" where it gives none
+    #: Where ``version`` is "": the mtime (from a stat or listing) that keys the disk
+    #: cache, None if unknown.  Unused (None) where there is a version.
+    mtime: float | None = None
+
+    @classmethod
+    def of(cls, path: str, size: int, version: str = "", mtime: float | None = None) -> FileVersion:
+        return cls(path, size, version, None if version else mtime)
+
+
+_StripeKey = tuple[FileVersion, int]  # (file version, stripe index)
 
 
 class _Stripe:
-    """One stripe of one version (path, size) of a file, and who wants it."""
+    """One stripe of one version of a file, and who wants it."""
 
     __slots__ = (
-        "key", "path", "file_size", "index", "offset", "length", "state", "data", "error",
-        "done", "holders", "waiters", "queued_priority", "last_used", "first_failure", "attempts",
+        "key", "file", "path", "file_size", "index", "offset", "length", "state", "data", "error",
+        "done", "holders", "waiters", "queued_priority", "last_used", "first_attempt", "attempts",
     )  # fmt: skip
 
-    def __init__(self, path: str, file_size: int, index: int, stripe_size: int) -> None:
-        self.key: _StripeKey = (path, file_size, index)
-        self.path = path
-        self.file_size = file_size
+    def __init__(self, file: FileVersion, index: int, stripe_size: int) -> None:
+        self.key: _StripeKey = (file, index)
+        self.file = file
+        self.path = file.path
+        self.file_size = file.size
         self.index = index
         self.offset = index * stripe_size
-        self.length = min(stripe_size, file_size - self.offset)
+        self.length = min(stripe_size, file.size - self.offset)
         self.state = _State.QUEUED
         self.data: bytes | None = None
         self.error: BaseException | None = None
@@ -184,7 +214,7 @@ class _Stripe:
         self.waiters = 0  # tasks blocked on ``done``; protects a DONE stripe from eviction
         self.queued_priority = Priority.PREFETCH
         self.last_used = 0
-        self.first_failure: float | None = None
+        self.first_attempt: float | None = None  # when the retry clock started (trio time)
         self.attempts = 0
 
     def priority(self) -> Priority | None:
@@ -203,10 +233,52 @@ class _SizeChanged(PermanentError):
 
 
 class _Stream:
-    """A worker's connection; a box so that a cancelled thread call cannot lose it."""
+    """A worker's connection, shared by the worker and the thread that reads with it.
+
+    A read blocked on a silent source is aborted by :meth:`abort` from the trio
+    thread: the connection is closed from a thread of its own (a backend's ``close``
+    may wait for the read it aborts) and the stream is dead for good; the abandoned
+    read fails on its own and the worker goes on with a new stream.
+    """
 
     def __init__(self) -> None:
         self.connection: Connection | None = None
+        self.aborted = False
+        self._lock = threading.Lock()
+
+    def connect(self, source: RangeSource) -> Connection:
+        """In the reading thread: the connection, opened if there is none."""
+        with self._lock:
+            if self.connection is not None:
+                return self.connection
+        connection = source.connect()
+        with self._lock:
+            if not self.aborted:
+                self.connection = connection
+                return connection
+        _close_quietly(connection)  # aborted while connecting: nobody will use it
+        raise TransientError(f"{display_url(source)}: connection abandoned")
+
+    def discard(self) -> None:
+        """In the reading thread: close the connection after a failure (the next read opens another)."""
+        with self._lock:
+            connection, self.connection = self.connection, None
+        if connection is not None:
+            _close_quietly(connection)
+
+    def abort(self) -> None:
+        """From the trio thread, without blocking: close the connection under a blocked read."""
+        with self._lock:
+            self.aborted = True
+            connection, self.connection = self.connection, None
+        if connection is not None:
+            threading.Thread(target=_close_quietly, args=(connection,), name="bootseer-fetch-abort", daemon=True).start()
+
+
+def display_url(source: RangeSource) -> str:
+    """What logs and messages show of ``source``: its URL without credentials or query."""
+    shown = getattr(source, "display_url", None)
+    return shown if isinstance(shown, str) else redact_url(source.url)
 
 
 def _close_quietly(connection: Connection) -> None:
@@ -214,6 +286,22 @@ def _close_quietly(connection: Connection) -> None:
         connection.close()
     except Exception as exc:  # a broken connection may fail to close; it is gone either way
         log.debug("closing a connection failed", error=repr(exc))
+
+
+async def _run_abandoning(function: Callable[..., T], *args: Any, on_abandon: Callable[[], None] | None = None) -> T:
+    """``function(*args)`` in a worker thread that is abandoned if this task is cancelled.
+
+    ``on_abandon`` (say, closing the connection the thread reads from) runs first, so
+    the thread fails soon rather than at the backend's own timeout.  Each call has a
+    limiter of its own: the callers bound the threads (one per stream), and an
+    abandoned thread must not hold a slot of the engine's until it ends.
+    """
+    try:
+        return await trio.to_thread.run_sync(function, *args, abandon_on_cancel=True, limiter=trio.CapacityLimiter(1))
+    except trio.Cancelled:
+        if on_abandon is not None:
+            on_abandon()
+        raise
 
 
 def _is_permanent(exc: BaseException) -> bool:
@@ -301,12 +389,12 @@ class Engine:
         self._changed = trio.Event()
         self._starved = False  # a worker waits for memory that evictions could not free
         self._windows: OrderedDict[Reader, None] = OrderedDict()  # readers holding a window, LRU first
-        self._mtimes: dict[tuple[str, int], float] = {}  # (path, size) -> mtime, for cache keys only
         self._running = False
         self._stopped = False
+        self.url = display_url(source)  #: the source's URL as logs and messages show it (no secrets)
 
     def __repr__(self) -> str:
-        return f"<Engine {self.source.url} streams={self.streams} stripe={self.stripe_size}>"
+        return f"<Engine {self.url} streams={self.streams} stripe={self.stripe_size}>"
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -315,20 +403,20 @@ class Engine:
         if self._running or self._stopped:
             raise RuntimeError(f"{self!r} runs only once")
         self._running = True
-        log.debug("fetch engine starting", url=self.source.url, streams=self.streams, stripe_size=self.stripe_size)
+        log.debug("fetch engine starting", url=self.url, streams=self.streams, stripe_size=self.stripe_size)
         try:
             async with trio.open_nursery() as nursery:
                 for number in range(self.streams):
-                    nursery.start_soon(self._worker, number, name=f"fetch worker {number} {self.source.url}")
+                    nursery.start_soon(self._worker, number, name=f"fetch worker {number} {self.url}")
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             self._stopped = True
-            self._fail_all(FetchError(f"{self.source.url}: the fetch engine stopped"))
+            self._fail_all(FetchError(f"{self.url}: the fetch engine stopped"))
 
     def _check_running(self) -> None:
         if self._stopped:
-            raise FetchError(f"{self.source.url}: the fetch engine stopped")
+            raise FetchError(f"{self.url}: the fetch engine stopped")
 
     def _fail_all(self, error: FetchError) -> None:
         for stripe in list(self._stripes.values()):
@@ -343,66 +431,82 @@ class Engine:
         """The source's :class:`Entry` for ``path``, retried like a stripe.
 
         Raises NotFound / NotADirectory as the source does, FetchError otherwise.
+        The entry's ``version`` is what :meth:`open` takes.
         """
-        entry = await self._call_retrying(f"stat {path or '.'}", self.source.stat, path)
-        if self._cache is not None and not entry.is_dir:
-            self._mtimes[(path, entry.size)] = entry.mtime
-        return entry
+        return await self._call_retrying(f"stat {path or '.'}", self.source.stat, path)
 
     async def listdir(self, path: str) -> list[Entry]:
-        """The entries of directory ``path``, retried like a stripe."""
-        entries = await self._call_retrying(f"list {path or '.'}", self.source.listdir, path)
-        for entry in entries:
-            if self._cache is not None and not entry.is_dir:
-                self._mtimes[(f"{path}/{entry.name}" if path else entry.name, entry.size)] = entry.mtime
-        return entries
+        """The entries of directory ``path`` (with their versions), retried like a stripe."""
+        return await self._call_retrying(f"list {path or '.'}", self.source.listdir, path)
+
+    def _deadline(self, first_attempt: float) -> float:
+        """When something first tried at ``first_attempt`` fails, however its attempts are doing.
+
+        A ``retry_timeout`` of 0 means a single attempt, bounded only by the source's
+        own timeouts."""
+        return first_attempt + self.config.retry_timeout if self.config.retry_timeout > 0 else float("inf")
 
     async def _call_retrying(self, what: str, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` in a thread, retried with backoff until ``retry_timeout``
+        after the first attempt began (a call still waiting on the source then is abandoned)."""
         self._check_running()
-        first_failure: float | None = None
+        first_attempt = trio.current_time()
         attempts = 0
         while True:
+            attempts += 1
             try:
-                return await trio.to_thread.run_sync(function, *args)
+                with trio.move_on_at(self._deadline(first_attempt)):
+                    return await _run_abandoning(function, *args)
+                error: Exception = TimeoutError(f"no answer in {self.config.retry_timeout:g}s")
             except (NotFound, NotADirectory):
                 raise
             except PermanentError as exc:
-                raise FetchError(f"{self.source.url}: {what}: {exc}") from exc
+                raise FetchError(f"{self.url}: {what}: {exc}") from exc
             except Exception as exc:
-                now = trio.current_time()
-                first_failure = now if first_failure is None else first_failure
-                if now - first_failure >= self.config.retry_timeout:
-                    raise FetchError(
-                        f"{self.source.url}: {what}: still failing after {now - first_failure:.1f}s "
-                        f"and {attempts + 1} attempts: {exc!r}"
-                    ) from exc
-                attempts += 1
-                log.warning("source call failed; retrying", url=self.source.url, call=what, attempt=attempts,
-                            error=repr(exc))  # fmt: skip
-                await trio.sleep(min(self._backoff_delay(attempts), first_failure + self.config.retry_timeout - now))
+                error = exc
+            now = trio.current_time()
+            if now >= self._deadline(first_attempt) or self.config.retry_timeout == 0:
+                raise FetchError(
+                    f"{self.url}: {what}: still failing after {now - first_attempt:.1f}s "
+                    f"and {attempts} attempts: {error!r}"
+                ) from error
+            log.warning("source call failed; retrying", url=self.url, call=what, attempt=attempts,
+                        error=repr(error))  # fmt: skip
+            await trio.sleep(min(self._backoff_delay(attempts), self._deadline(first_attempt) - now))
 
     # -- reading -------------------------------------------------------------------
 
-    def open(self, path: str, size: int, mtime: float | None = None) -> Reader:
+    def open(self, path: str, size: int, mtime: float | None = None, version: str = "") -> Reader:
         """A :class:`Reader` of the version of ``path`` that is ``size`` bytes long.
 
-        ``mtime`` (from :meth:`stat`) keys the disk cache; without it the engine asks
-        the source when it first needs it.
+        ``version`` (the :attr:`Entry.version` of a stat or listing) pins the reader to
+        that version: stripes are shared only by readers of one version, every range
+        read asks the source for it, and a file that has changed since fails the
+        read with FetchError (EIO) rather than mixing versions.  ``mtime`` keys the
+        disk cache where the source gives no version; without either, the engine asks
+        the source when the cache first needs it.
         """
         self._check_running()
         if size < 0:
             raise ValueError(f"file size must not be negative, not {size}")
-        if self._cache is not None and mtime is not None:
-            self._mtimes[(path, size)] = mtime
-        return Reader(self, path, size)
+        return Reader(self, path, size, version=version, mtime=mtime)
 
     async def prefetch(
-        self, path: str, size: int, offset: int, length: int, priority: Priority = Priority.PREFETCH
+        self,
+        path: str,
+        size: int,
+        offset: int,
+        length: int,
+        priority: Priority = Priority.PREFETCH,
+        *,
+        version: str = "",
+        mtime: float | None = None,
     ) -> None:
         """Bring bytes ``offset`` to ``offset + length`` of ``path`` into memory (and the disk cache).
 
-        Returns when they have been fetched; they then stay buffered until memory is
-        needed.  Raises FetchError if a stripe cannot be fetched.
+        ``version`` and ``mtime`` are those :meth:`open` takes; the stripes serve
+        readers of that version.  Returns when they have been fetched; they then stay
+        buffered until memory is needed.  Raises FetchError if a stripe cannot be fetched.
         """
         self._check_running()
         if offset < 0 or length < 0:
@@ -410,12 +514,12 @@ class Engine:
         end = min(offset + length, size)
         if offset >= end:
             return
-        await self._walk(path, size, offset, end, Priority(priority), None, drop_passed=False)
+        file = FileVersion.of(path, size, version, mtime)
+        await self._walk(file, offset, end, Priority(priority), None, drop_passed=False)
 
     async def _walk(
         self,
-        path: str,
-        size: int,
+        file: FileVersion,
         offset: int,
         end: int,
         priority: Priority,
@@ -436,10 +540,10 @@ class Engine:
             for index in range(first, last + 1):
                 for ahead in range(index, min(last, index + self.read_lookahead - 1) + 1):
                     if ahead not in held:
-                        held[ahead] = self._hold(token, path, size, ahead, priority)
+                        held[ahead] = self._hold(token, file, ahead, priority)
                 stripe = held[index]
                 if stripe.state is _State.GONE:  # evicted before its turn: hold it again
-                    stripe = held[index] = self._hold(token, path, size, index, priority)
+                    stripe = held[index] = self._hold(token, file, index, priority)
                 data = await self._wait(stripe)
                 if deliver is not None:
                     lo = max(offset, stripe.offset) - stripe.offset
@@ -472,24 +576,24 @@ class Engine:
             # A fresh exception per waiter: one object raised in many tasks would
             # collect all their tracebacks.
             raise FetchError(str(stripe.error)) from stripe.error.__cause__
-        raise FetchError(f"{self.source.url}: {stripe.describe()}: the fetch engine stopped")
+        raise FetchError(f"{self.url}: {stripe.describe()}: the fetch engine stopped")
 
     # -- holds -----------------------------------------------------------------------
 
-    def _hold(self, holder: object, path: str, size: int, index: int, priority: Priority) -> _Stripe:
+    def _hold(self, holder: object, file: FileVersion, index: int, priority: Priority) -> _Stripe:
         """Record that ``holder`` wants a stripe, queueing it if it is not fetched or on its way."""
         self._check_running()
-        key = (path, size, index)
+        key = (file, index)
         stripe = self._stripes.get(key)
         if stripe is None:
-            stripe = _Stripe(path, size, index, self.stripe_size)
+            stripe = _Stripe(file, index, self.stripe_size)
             self._stripes[key] = stripe
             stripe.holders[holder] = priority
             self._enqueue(stripe, priority)
             return stripe
-        if not stripe.wanted() and stripe.first_failure is not None:
+        if not stripe.wanted() and stripe.state is _State.BACKOFF:
             # Wanted again after everyone gave up on it: its retry time starts anew.
-            stripe.first_failure = None
+            stripe.first_attempt = None
             stripe.attempts = 0
         held = stripe.holders.get(holder)
         if held is None or priority < held:
@@ -613,9 +717,12 @@ class Engine:
         try:
             while True:
                 stripe = await self._take()
+                if stream.aborted:  # its connection was closed under a hung read
+                    stream = _Stream()
                 await self._fetch(stripe, stream)
         finally:
-            if stream.connection is not None:
+            # Idle here (a fetch in flight was aborted), so closing cannot hang.
+            if stream.connection is not None and not stream.aborted:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_close_quietly, stream.connection, limiter=self._threads)
 
@@ -643,14 +750,18 @@ class Engine:
         """Fetch one reserved stripe and publish it, or put it back to retry, or fail it."""
         self.stats.in_flight += 1
         IN_FLIGHT.inc()
-        cached = False
+        if stripe.first_attempt is None:
+            stripe.first_attempt = trio.current_time()
         try:
-            mtime = self._mtimes.get((stripe.path, stripe.file_size))
-            data, cached, mtime = await trio.to_thread.run_sync(
-                self._fetch_blocking, stripe, stream, mtime, limiter=self._threads
-            )
-            if mtime is not None:
-                self._mtimes[(stripe.path, stripe.file_size)] = mtime
+            # Past the deadline the attempt is abandoned and its connection closed: a
+            # source that accepts and never answers fails the stripe after
+            # retry_timeout, not after the backend's read timeout on top.
+            with trio.move_on_at(self._deadline(stripe.first_attempt)) as deadline:
+                data, cached, cache_key = await _run_abandoning(
+                    self._fetch_blocking, stripe, stream, on_abandon=stream.abort
+                )
+            if deadline.cancelled_caught:
+                raise TimeoutError(f"no answer in {self.config.retry_timeout:g}s")
         except Exception as exc:
             self._fetch_failed(stripe, exc)
             return
@@ -659,34 +770,33 @@ class Engine:
             self.stats.in_flight -= 1
             IN_FLIGHT.dec()
         self._publish(stripe, data, cached)
-        if self._cache is not None and not cached:
-            assert mtime is not None
-            key = self._cache_key(stripe, mtime)
-            await trio.to_thread.run_sync(self._cache.put, key, data, limiter=self._threads)
+        if self._cache is not None and not cached and cache_key is not None:
+            await trio.to_thread.run_sync(self._cache.put, cache_key, data, limiter=self._threads)
 
-    def _fetch_blocking(
-        self, stripe: _Stripe, stream: _Stream, mtime: float | None
-    ) -> tuple[bytes, bool, float | None]:
+    def _fetch_blocking(self, stripe: _Stripe, stream: _Stream) -> tuple[bytes, bool, str | None]:
         """In a worker thread: the stripe's bytes from the disk cache or the source.
 
-        Returns (bytes, whether they came from the cache, the file's mtime when the
-        cache needed it).  On any failure the stream's connection is closed.
+        Returns (bytes, whether they came from the cache, the cache key when the cache
+        is on).  On any failure the stream's connection is closed.
         """
+        cache_key = None
         if self._cache is not None:
-            if mtime is None:
+            file = stripe.file
+            mtime = file.mtime
+            if not file.version and mtime is None:
                 entry = self.source.stat(stripe.path)
                 self._check_size(stripe, entry.size)
                 mtime = entry.mtime
-            data = self._cache.get(self._cache_key(stripe, mtime))
+            cache_key = self._cache_key(stripe, mtime or 0.0)
+            data = self._cache.get(cache_key)
             if data is not None and len(data) == stripe.length:
-                return data, True, mtime
+                return data, True, cache_key
         try:
-            if stream.connection is None:
-                stream.connection = self.source.connect()
-            data = stream.connection.read_range(stripe.path, stripe.offset, stripe.length)
+            connection = stream.connect(self.source)
+            data = connection.read_range(stripe.path, stripe.offset, stripe.length, stripe.file.version)
             if len(data) > stripe.length:
                 raise PermanentError(
-                    f"{self.source.url}: {stripe.describe()}: the source returned {len(data)} bytes "
+                    f"{self.url}: {stripe.describe()}: the source returned {len(data)} bytes "
                     f"for a range of {stripe.length}"
                 )
             if len(data) < stripe.length:
@@ -695,29 +805,31 @@ class Engine:
                 self._check_size(stripe, self.source.stat(stripe.path).size)
                 raise OSError(
                     errno.EIO,
-                    f"{self.source.url}: {stripe.describe()}: short read, {len(data)} of {stripe.length} bytes",
+                    f"{self.url}: {stripe.describe()}: short read, {len(data)} of {stripe.length} bytes",
                 )
         except BaseException:
-            if stream.connection is not None:
-                _close_quietly(stream.connection)
-                stream.connection = None
+            stream.discard()
             raise
-        return data, False, mtime
+        return data, False, cache_key
 
     def _check_size(self, stripe: _Stripe, size: int) -> None:
         if size != stripe.file_size:
             raise _SizeChanged(
-                f"{self.source.url}: {stripe.path or '.'}: the file is now {size} bytes, "
+                f"{self.url}: {stripe.path or '.'}: the file is now {size} bytes, "
                 f"not the {stripe.file_size} it was opened with"
             )
 
     def _cache_key(self, stripe: _Stripe, mtime: float) -> str:
-        return StripeCache.key(self.source.url, stripe.path, stripe.file_size, mtime, stripe.index, self.stripe_size)
+        # The full URL, not the display one: a query may select the content.
+        file = stripe.file
+        return StripeCache.key(
+            self.source.url, file.path, file.size, file.version, mtime, stripe.index, self.stripe_size
+        )
 
     def _publish(self, stripe: _Stripe, data: bytes, cached: bool) -> None:
         stripe.state = _State.DONE
         stripe.data = data
-        stripe.first_failure = None
+        stripe.first_attempt = None
         stripe.last_used = next(self._clock)
         self._buffered[stripe.key] = stripe
         if cached:
@@ -732,18 +844,17 @@ class Engine:
 
     def _fetch_failed(self, stripe: _Stripe, exc: Exception) -> None:
         now = trio.current_time()
-        if stripe.first_failure is None:
-            stripe.first_failure = now
-        failing_for = now - stripe.first_failure
+        assert stripe.first_attempt is not None
+        failing_for = now - stripe.first_attempt
         stripe.attempts += 1
         self._unreserve(stripe.length)
         stripe.state = _State.BACKOFF  # no longer fetching; the bytes are no longer counted
-        if _is_permanent(exc) or failing_for >= self.config.retry_timeout:
+        if _is_permanent(exc) or now >= self._deadline(stripe.first_attempt) or self.config.retry_timeout == 0:
             reason = str(exc) if _is_permanent(exc) else (
                 f"still failing after {failing_for:.1f}s and {stripe.attempts} attempts: {exc!r}"
             )  # fmt: skip
-            message = f"{self.source.url}: {stripe.describe()}: {reason}"
-            log.error("stripe fetch failed", url=self.source.url, path=stripe.path, offset=stripe.offset,
+            message = f"{self.url}: {stripe.describe()}: {reason}"
+            log.error("stripe fetch failed", url=self.url, path=stripe.path, offset=stripe.offset,
                       length=stripe.length, attempts=stripe.attempts, error=repr(exc))  # fmt: skip
             error = FetchError(message)
             error.__cause__ = exc
@@ -756,10 +867,10 @@ class Engine:
             return
         self.stats.retries += 1
         RETRIES.inc()
-        delay = min(self._backoff_delay(stripe.attempts), stripe.first_failure + self.config.retry_timeout - now)
+        delay = min(self._backoff_delay(stripe.attempts), self._deadline(stripe.first_attempt) - now)
         # Attempts 1, 2, 4, 8...: a source that is down for a minute must not flood the log.
         level = logging.WARNING if stripe.attempts & (stripe.attempts - 1) == 0 else logging.DEBUG
-        log.log(level, "stripe fetch failed; retrying on a new connection", url=self.source.url, path=stripe.path,
+        log.log(level, "stripe fetch failed; retrying on a new connection", url=self.url, path=stripe.path,
                 offset=stripe.offset, attempt=stripe.attempts, delay=round(delay, 3), error=repr(exc))  # fmt: skip
         stripe.state = _State.BACKOFF
         heapq.heappush(self._backoff, (now + delay, next(self._seq), stripe))
@@ -784,28 +895,48 @@ class Engine:
         self._windows.pop(reader, None)
 
 
+_MAX_AHEAD_EXTENTS = 16  # extents read ahead of a stream that a reader remembers
+
+
 class Reader:
     """One open file: reads bytes and keeps the read-ahead window of this handle.
 
-    Created by :meth:`Engine.open`.  Reads that continue where the last one ended (give
-    or take a stripe) are sequential: they hold a read-ahead window that starts at
-    two stripes and doubles each time the reader enters a new stripe, up to
-    ``readahead_max``.  Any other read is random access: it fetches only the stripes
-    it touches and gives up the window.
+    Created by :meth:`Engine.open`.  The reader follows one sequential *stream*: its
+    position is how far reads have come, give or take a stripe.  Reads near the
+    position continue the stream, even when they arrive out of order, overlap, or
+    step back a little (page-fault reads of an mmapped file and concurrent FUSE
+    requests do all of that).  While the stream goes on it holds a read-ahead window
+    that starts at two stripes and doubles each time the position enters a new
+    stripe, up to ``readahead_max``.
+
+    Two other kinds of read keep the stream alive: a read inside the window, ahead of
+    the position, which the stream skips when it gets there (``memcpy`` of an mmapped
+    tensor touches its last page first, then copies from the start), and a read
+    elsewhere, which gives up the window but not the position, so that the next read
+    near the position takes the window back.  A read that continues a read elsewhere
+    starts a new stream there.  Any other read is random access: it fetches only the
+    stripes it touches, so a seek into a huge file does not download it.
+
+    Stripes the position has passed are dropped, except the stripe just behind it,
+    which late reads of a read-around may still come back for.
     """
 
-    def __init__(self, engine: Engine, path: str, size: int) -> None:
+    def __init__(self, engine: Engine, path: str, size: int, *, version: str = "", mtime: float | None = None) -> None:
         self.engine = engine
         self.path = path
         self.size = size
+        self.file = FileVersion.of(path, size, version, mtime)  #: the version this handle reads
         self.closed = False
-        self._held: set[int] = set()  # stripe indexes this handle holds (window, current stripe)
-        self._next: int | None = None  # where a sequential read would start
-        self._last_stripe = -1
-        self._window = 0  # read-ahead stripes beyond the current one
+        self._held: set[int] = set()  # stripe indexes this handle holds (the window, the stripes just behind it)
+        self._position: int | None = None  # how far the stream has come
+        self._last_stripe = -1  # the stripe of the stream's last byte read; the window lies beyond it
+        self._window = 0  # read-ahead stripes beyond ``_last_stripe`` held now
+        self._paused_window = 0  # the window given up on a read elsewhere, taken back if the stream goes on
+        self._missed_end: int | None = None  # the end of the last read if it was elsewhere: a stream may start there
+        self._ahead: list[tuple[int, int]] = []  # extents read inside the window, ahead of the position
 
     def __repr__(self) -> str:
-        return f"<Reader {self.engine.source.url} {self.path!r} size={self.size}>"
+        return f"<Reader {self.engine.url} {self.path!r} size={self.size}>"
 
     @property
     def window(self) -> int:
@@ -857,60 +988,107 @@ class Reader:
         engine = self.engine
         stripe_size = engine.stripe_size
         first, last = offset // stripe_size, (end - 1) // stripe_size
-        sequential = self._is_sequential(offset)
         # Queue this read's own stripes before the read-ahead beyond them.
         token = object()
         for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
-            engine._hold(token, self.path, self.size, index, Priority.DEMAND)
+            engine._hold(token, self.file, index, Priority.DEMAND)
         try:
-            self._move_window(sequential, first, last, end)
-            await engine._walk(
-                self.path, self.size, offset, end, Priority.DEMAND, deliver, drop_passed=sequential, token=token
-            )
+            continues = self._follow(offset, end)
+            await engine._walk(self.file, offset, end, Priority.DEMAND, deliver, drop_passed=continues, token=token)
         finally:
             for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
-                engine._release(token, (self.path, self.size, index))
+                engine._release(token, (self.file, index))
 
-    def _is_sequential(self, offset: int) -> bool:
-        stripe_size = self.engine.stripe_size
-        if self._next is None:
-            return offset < stripe_size  # a first read near the start: a scan is likely
-        return self._next - stripe_size <= offset <= self._next + stripe_size
+    def _follow(self, offset: int, end: int) -> bool:
+        """Place the read of [offset, end) in the stream and move the window; whether it moved the stream.
 
-    def _move_window(self, sequential: bool, first: int, last: int, end: int) -> None:
-        """Update the window for a read of stripes ``first``-``last`` ending at ``end``, and hold it."""
+        Only a read that moved the stream may drop the stripes it passed: nothing
+        else says the reader is done with them.
+        """
         engine = self.engine
-        key = (self.path, self.size)
-        if sequential and engine.readahead_max_stripes and engine.config.max_windows:
-            if self._window == 0:
-                self._window = engine.readahead_initial_stripes
-            elif last > self._last_stripe:
-                self._window = min(2 * self._window, engine.readahead_max_stripes)
+        stripe_size = engine.stripe_size
+        position, missed_end = self._position, self._missed_end
+        self._missed_end = None
+        if position is None:
+            if offset < stripe_size:  # a first read near the start: a scan is likely
+                self._advance(end, restart=True)
+                return True
+        elif position - stripe_size <= offset <= position + stripe_size // 2:
+            self._advance(max(end, position), restart=False)
+            return True
+        elif self._window and position < offset and (end - 1) // stripe_size <= self._last_stripe + self._window:
+            # Ahead, inside the window: the stream is on its way there, and will pass
+            # this extent without reading it again.
+            self._ahead.append((offset, end))
+            del self._ahead[:-_MAX_AHEAD_EXTENTS]
             engine._window_used(self)
-        elif self._window:
+            return False
+        if missed_end is not None and missed_end - stripe_size <= offset <= missed_end + stripe_size // 2:
+            # Continues a read elsewhere: a new stream starts there.
+            self._advance(end, restart=True)
+            return True
+        # Elsewhere: random access, or a one-off read away from a stream that goes on.
+        self._missed_end = end
+        if self._window:
+            self._paused_window = self._window
             self._window = 0
             engine._window_dropped(self)
-        self._last_stripe = last
-        self._next = end
-        end_stripe = (self.size - 1) // engine.stripe_size
-        wanted = set(range(last + 1, min(last + self._window, end_stripe) + 1))
-        for index in sorted(wanted - self._held):
-            engine._hold(self, *key, index, Priority.READAHEAD)
-        # Keep the stripe the next read will start in, if it is here anyway.
-        if end % engine.stripe_size and engine._holding(self, (*key, last), Priority.READAHEAD):
-            wanted.add(last)
+        for index in self._held:
+            engine._release(self, (self.file, index))
+        self._held = set()
+        return False
+
+    def _advance(self, position: int, *, restart: bool) -> None:
+        """Move the stream to ``position`` (a new stream if ``restart``) and hold its window."""
+        engine = self.engine
+        stripe_size = engine.stripe_size
+        if restart:
+            self._ahead = []
+        ahead = []
+        for start, stop in sorted(self._ahead):  # extents read ahead that the stream now reaches
+            if start <= position + stripe_size // 2:
+                position = max(position, stop)
+            else:
+                ahead.append((start, stop))
+        self._ahead = ahead
+        current = (position - 1) // stripe_size  # the stripe of the last byte read
+        if not (engine.readahead_max_stripes and engine.config.max_windows):
+            self._window = 0
+        elif restart or self._window == 0:
+            paused = 0 if restart else self._paused_window
+            self._window = max(engine.readahead_initial_stripes, min(paused, engine.readahead_max_stripes))
+        elif current > self._last_stripe:
+            self._window = min(2 * self._window, engine.readahead_max_stripes)
+        self._paused_window = 0
+        if self._window:
+            engine._window_used(self)
+        else:
+            engine._window_dropped(self)
+        self._position = position
+        self._last_stripe = current
+        end_stripe = (self.size - 1) // stripe_size
+        window = range(current + 1, min(current + self._window, end_stripe) + 1)
+        for index in window:
+            if index not in self._held:
+                engine._hold(self, self.file, index, Priority.READAHEAD)
+        # Keep what lies within a stripe behind the position, if it is here anyway: late
+        # and reordered reads (an mmap's read-around, concurrent requests) come back for it.
+        behind = range(max(0, position - stripe_size) // stripe_size, current + 1)
+        wanted = set(window)
+        wanted.update(index for index in behind if engine._holding(self, (self.file, index), Priority.READAHEAD))
         for index in self._held - wanted:
-            # A sequential reader will not come back to what lies before this read.
-            engine._release(self, (*key, index), drop=sequential and index < first)
+            # A stream does not come back to what lies more than a stripe behind it.
+            engine._release(self, (self.file, index), drop=not restart and index < behind.start)
         self._held = wanted
 
     def _lose_window(self) -> None:
         """Give up the read-ahead window (the engine has too many); called by the engine."""
         self._window = 0
+        self._paused_window = 0
         for index in self._held:
-            if index != self._last_stripe:
-                self.engine._release(self, (self.path, self.size, index))
-        self._held &= {self._last_stripe}
+            if index > self._last_stripe:
+                self.engine._release(self, (self.file, index))
+        self._held = {index for index in self._held if index <= self._last_stripe}
 
     def close(self) -> None:
         """Let go of everything this handle holds; buffered stripes stay until memory is needed."""
@@ -919,7 +1097,7 @@ class Reader:
         self.closed = True
         self.engine._window_dropped(self)
         for index in self._held:
-            self.engine._release(self, (self.path, self.size, index))
+            self.engine._release(self, (self.file, index))
         self._held = set()
 
 

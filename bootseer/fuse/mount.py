@@ -81,11 +81,16 @@ def _option_value(text: str) -> str:
     return ascii_text.replace("\\", "\\\\").replace(",", "\\,")
 
 
-def mount_options(*, fsname: str, subtype: str, allow_other: bool | None = None) -> set[str]:
+def mount_options(*, fsname: str, subtype: str, allow_other: bool = False) -> set[str]:
     """Options for a read-only mount that ``mount`` lists as ``fsname on ... type fuse.subtype``.
 
-    ``allow_other`` (other users may read the mount) defaults to whether it is permitted.
+    Only the user who mounts may read the mount unless ``allow_other``: what it serves
+    was fetched with that user's credentials (root's, often), so opening it to every
+    local user is the caller's explicit choice.  Raises :class:`MountError` if
+    ``allow_other`` is asked for and not permitted (see :func:`allow_other_permitted`).
     """
+    if allow_other and not allow_other_permitted():
+        raise MountError("allow_other needs root or 'user_allow_other' in /etc/fuse.conf")
     options = {
         "ro",
         "nosuid",
@@ -94,7 +99,7 @@ def mount_options(*, fsname: str, subtype: str, allow_other: bool | None = None)
         f"fsname={_option_value(fsname)}",
         f"subtype={_option_value(subtype)}",
     }
-    if allow_other if allow_other is not None else allow_other_permitted():
+    if allow_other:
         options.add("allow_other")
     return options
 

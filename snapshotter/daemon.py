@@ -11,8 +11,9 @@ from a thread pool; the :class:`~.snapshots.Snapshotter` below it is thread-safe
 
 Lifecycle:
 
-* Start: take an exclusive ``flock`` on ``ROOT/lock`` (two daemons never share a
-  root), restore the snapshots already under ROOT, then listen.  The socket is made
+* Start: check the socket is free, open the root (its Snapshotter holds an exclusive
+  ``flock`` on ``ROOT/lock``: two daemons never share a root), restore the snapshots
+  already under ROOT, then listen.  The socket is made
   under a umask that leaves it ``0600`` from the moment it exists; missing parent
   directories are made ``0711``.  A socket nobody answers on is left over from a
   daemon that died and is replaced; one that answers belongs to a live daemon and
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import os
 import select
 import signal
@@ -51,6 +51,7 @@ from bootseer.log import FORMATS, LEVELS, get_logger, setup_logging
 from bootseer.metrics import serve_metrics
 
 from . import config, service
+from .errors import FailedPrecondition
 from .snapshots import Snapshotter
 
 log = get_logger(__name__)
@@ -60,7 +61,6 @@ GRACE_PERIOD = 10.0  #: seconds calls in flight get to finish at shutdown
 GRPC_WORKERS = 32  #: concurrent calls; containerd unpacks several layers at once
 SOCKET_UMASK = 0o177  #: the socket is created 0600
 SOCKET_DIR_MODE = 0o711
-ROOT_MODE = 0o700
 SOCKET_PATH_MAX = 107  #: sun_path holds 108 bytes with the terminating NUL
 
 
@@ -117,12 +117,10 @@ class Daemon:
         with contextlib.ExitStack() as cleanup:
             # First, so a signal during a long restore still means a clean stop.
             self._catch_signals(cleanup)
-            lock_fd = lock_root(root)
-            cleanup.callback(os.close, lock_fd)
             make_dirs(address.parent, SOCKET_DIR_MODE)
             check_socket_free(address)
 
-            snapshotter = Snapshotter(root)
+            snapshotter = open_snapshotter(root)
             cleanup.callback(self._close_snapshotter, snapshotter)
             snapshotter.restore()  # logs what it restored and any damage it found
 
@@ -213,26 +211,16 @@ def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     (exit at once) from running."""
 
 
-def lock_root(root: Path) -> int:
-    """Create ``root`` if needed and hold an exclusive lock on ``root/lock``; returns its fd."""
+def open_snapshotter(root: Path) -> Snapshotter:
+    """The Snapshotter of ``root``; it locks the root (``ROOT/lock``), one daemon per root."""
     try:
-        root.mkdir(mode=ROOT_MODE, parents=True, exist_ok=True)
-        fd = os.open(root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    except OSError as exc:
-        raise StartupError(f"cannot use root {str(root)!r}: {exc.strerror}") from exc
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+        return Snapshotter(root)
+    except FailedPrecondition as exc:
         raise StartupError(
-            f"root {str(root)!r} is in use by another {PROG} (pid {holder}); "
-            "two daemons must never share a root: stop the other one or choose another --root"
+            f"{exc}; two daemons must never share a root: stop the other one or choose another --root"
         ) from None
-    # The pid is only for the message above; the lock itself is what excludes.
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    except OSError as exc:
+        raise StartupError(f"cannot use root {str(root)!r}: {exc.strerror or exc}") from exc
 
 
 def make_dirs(path: Path, mode: int) -> None:

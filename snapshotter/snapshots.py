@@ -3,7 +3,8 @@
 Layout under ``root``::
 
     metadata.db              the metadata (:mod:`.metastore`)
-    snapshots/               flock'ed while a Snapshotter has the root open
+    lock                     flock'ed while a Snapshotter has the root open (holds its pid)
+    snapshots/               one directory per snapshot
     snapshots/<id>/fs        a snapshot's contents (overlay upperdir, or the bind source)
     snapshots/<id>/work      overlay workdir (active snapshots only)
     snapshots/new-*          a snapshot being created (renamed to <id> inside its transaction)
@@ -57,14 +58,20 @@ class Snapshotter:
         self._snapshots_dir.mkdir(mode=0o700, exist_ok=True)
         db_path = self.root / "metadata.db"
         # One snapshotter per root, as bolt's exclusive file lock ensures for containerd.
-        # The lock is on the snapshots directory: an fd of metadata.db opened and closed
-        # beside sqlite's own would drop sqlite's POSIX locks.
-        self._lock_fd: int | None = os.open(self._snapshots_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # The lock is a file of its own: an fd of metadata.db opened and closed beside
+        # sqlite's own would drop sqlite's POSIX locks.  It holds the holder's pid, for
+        # the message a second one gets.
+        self._lock_fd: int | None = os.open(self.root / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._lock_fd)
-            raise FailedPrecondition(f"snapshotter root {self.root} is in use by another snapshotter") from None
+            raise FailedPrecondition(
+                f"snapshotter root {self.root} is in use by another snapshotter (pid {holder})"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         try:
             self._ms = MetaStore(db_path)
         except BaseException:

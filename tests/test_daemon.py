@@ -302,7 +302,7 @@ def test_second_daemon_on_same_root_is_refused(tmp_path: Path, snapshotter_facto
 
     second = snapshotter_factory(root=root, address=tmp_path / "s2.sock", wait=False)
     assert second.wait_exit() == 1
-    assert f"in use by another bootseer-snapshotter (pid {first.process.pid})" in second.log
+    assert f"in use by another snapshotter (pid {first.process.pid})" in second.log
     assert not (tmp_path / "s2.sock").exists()
     assert first.stub.Stat(api.StatSnapshotRequest(key="k")).info.name == "k"
 

@@ -254,7 +254,7 @@ def test_closed_snapshotter_refuses_work(root: Path):
 
 
 def test_one_snapshotter_per_root(sn: Snapshotter, root: Path):
-    with pytest.raises(FailedPrecondition, match="in use"):
+    with pytest.raises(FailedPrecondition, match=rf"in use by another snapshotter \(pid {os.getpid()}\)"):
         Snapshotter(root)
 
 

@@ -39,7 +39,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -463,31 +463,30 @@ class RangeHTTPServer(ThreadingHTTPServer):
 # -- pytest fixtures -----------------------------------------------------------------
 
 
-@pytest.fixture
-def nginx_factory() -> Iterator:
-    """``nginx_factory(root, autoindex_format="json", limit_rate=None)`` -> a started NginxServer."""
-    servers: list[NginxServer] = []
+def started_servers(server_class: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """The body of a server-factory fixture: yields ``start(root, **options)``, which
+    makes and starts a ``server_class``, and stops every one it started at teardown."""
+    servers: list[Any] = []
 
-    def start(root: str | os.PathLike, **options: object) -> NginxServer:
-        server = NginxServer(root, **options)  # type: ignore[arg-type]
+    def start(root: str | os.PathLike, **options: Any) -> Any:
+        server = server_class(root, **options)
         servers.append(server)
         return server.start()
 
-    yield start
-    for server in servers:
-        server.stop()
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def nginx_factory() -> Iterator:
+    """``nginx_factory(root, autoindex_format="json", limit_rate=None)`` -> a started NginxServer."""
+    yield from started_servers(NginxServer)
 
 
 @pytest.fixture
 def range_http_factory() -> Iterator:
     """``range_http_factory(root)`` -> a started RangeHTTPServer (with ``.faults``)."""
-    servers: list[RangeHTTPServer] = []
-
-    def start(root: str | os.PathLike) -> RangeHTTPServer:
-        server = RangeHTTPServer(root)
-        servers.append(server)
-        return server.start()
-
-    yield start
-    for server in servers:
-        server.stop()
+    yield from started_servers(RangeHTTPServer)

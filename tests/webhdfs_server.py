@@ -41,7 +41,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pytest
 
-from tests.http_fixtures import Faults
+from tests.http_fixtures import Faults, started_servers
 
 PREFIX = "/webhdfs/v1"
 
@@ -267,13 +267,4 @@ class WebHdfsServer:
 @pytest.fixture
 def webhdfs_factory() -> Iterator:
     """``webhdfs_factory(root, tls=False)`` -> a started WebHdfsServer over ``root``."""
-    servers: list[WebHdfsServer] = []
-
-    def start(root: str | os.PathLike, **options: Any) -> WebHdfsServer:
-        server = WebHdfsServer(root, **options)
-        servers.append(server)
-        return server.start()
-
-    yield start
-    for server in servers:
-        server.stop()
+    yield from started_servers(WebHdfsServer)

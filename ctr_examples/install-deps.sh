@@ -14,7 +14,7 @@ extras=${BOOTSEER_EXTRAS:-test}
 packages=(
     containerd runc docker-registry skopeo fuse3 libfuse3-dev pkg-config
     golang-go golang-github-containerd-containerd-dev busybox-static nginx-light
-    curl ca-certificates gcc python3 python3-dev python3-venv
+    curl ca-certificates openssl gcc python3 python3-dev python3-venv
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,411 @@
+"""The block store's objects: layer indexes, chain records, and where each lives in a store.
+
+This module is the one definition of the format described in ``docs/FORMAT.md``; the
+converter writes with it and every reader (the FUSE layer server, the snapshotter,
+hot lists) decodes with it.  Decoding never trusts the store: an object that is
+truncated, tampered with or inconsistent raises :class:`FormatError`, and a decoded
+:class:`LayerIndex` has been checked entry by entry (paths, parents, block
+references, sizes), so code that serves it can index into it without re-checking.
+
+A layer index describes one layer's file tree in the form overlayfs expects of a
+lower directory: a whiteout is a character device 0/0, an opaque directory has the
+``trusted.overlay.opaque`` xattr set to ``y``.  A regular file's contents are a list
+of blocks (``block_size`` raw bytes each, the last one shorter), each stored zstd
+compressed in a pack object and named by the SHA-256 of its raw bytes; an all-zero
+block (a sparse region) is stored nowhere.
+"""
+
+from __future__ import annotations
+
+import base64
+import enum
+import hashlib
+import json
+import re
+import stat
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import zstandard
+
+FORMAT_VERSION = 1
+DEFAULT_BLOCK_SIZE = 1 << 20
+MIN_BLOCK_SIZE = 4 << 10
+MAX_BLOCK_SIZE = 64 << 20
+
+INDEX_MAGIC = b"BSLIDX01"
+_INDEX_HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, payload SHA-256
+MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused (a zstd bomb)
+
+#: :attr:`Block.pack` of an all-zero block, which no pack holds.
+ZERO_PACK = -1
+
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class FormatError(ValueError):
+    """A store object is malformed, truncated, tampered with or of an unknown version."""
+
+
+# -- names and digests ----------------------------------------------------------------
+
+
+def check_digest(value: Any, what: str) -> str:
+    """``value`` if it is a ``sha256:<64 hex>`` digest, else FormatError naming ``what``."""
+    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+        raise FormatError(f"{what} is not a sha256 digest: {value!r}")
+    return value
+
+
+def chain_id(parent_chain_id: str, diff_id: str) -> str:
+    """containerd's (and the OCI image spec's) ChainID of a layer over ``parent_chain_id``."""
+    if not parent_chain_id:
+        return diff_id
+    return "sha256:" + hashlib.sha256(f"{parent_chain_id} {diff_id}".encode()).hexdigest()
+
+
+def chain_ids(diff_ids: Iterable[str]) -> list[str]:
+    """The ChainID of every layer of an image, bottom first, from its config's ``diff_ids``."""
+    result: list[str] = []
+    for diff_id in diff_ids:
+        result.append(chain_id(result[-1] if result else "", diff_id))
+    return result
+
+
+def _hex_of(digest: str) -> str:
+    return check_digest(digest, "digest")[len("sha256:") :]
+
+
+def chain_object(chain: str) -> str:
+    """Store path of the :class:`ChainRecord` of ``chain`` (a ChainID)."""
+    return f"v{FORMAT_VERSION}/chains/{_hex_of(chain)}.json"
+
+
+def index_object(sha256_hex: str) -> str:
+    """Store path of a layer index, named by the SHA-256 of its encoded bytes."""
+    if not _HEX.fullmatch(sha256_hex):
+        raise FormatError(f"index name is not 64 hex digits: {sha256_hex!r}")
+    return f"v{FORMAT_VERSION}/indexes/{sha256_hex}"
+
+
+def pack_object(sha256_hex: str) -> str:
+    """Store path of a pack of compressed blocks, named by the SHA-256 of its bytes."""
+    if not _HEX.fullmatch(sha256_hex):
+        raise FormatError(f"pack name is not 64 hex digits: {sha256_hex!r}")
+    return f"v{FORMAT_VERSION}/packs/{sha256_hex}"
+
+
+# -- the layer index -----------------------------------------------------------------
+
+
+class EntryType(enum.Enum):
+    FILE = "file"
+    DIR = "dir"
+    SYMLINK = "symlink"
+    CHAR = "char"  #: a character device; 0/0 is an overlayfs whiteout
+    BLOCK = "block"
+    FIFO = "fifo"
+
+
+_TYPE_BITS = {
+    EntryType.FILE: stat.S_IFREG,
+    EntryType.DIR: stat.S_IFDIR,
+    EntryType.SYMLINK: stat.S_IFLNK,
+    EntryType.CHAR: stat.S_IFCHR,
+    EntryType.BLOCK: stat.S_IFBLK,
+    EntryType.FIFO: stat.S_IFIFO,
+}
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block of file contents: where its compressed bytes lie and what they must hash to."""
+
+    digest: str  #: SHA-256 (64 hex digits) of the raw, uncompressed bytes
+    pack: int  #: index into :attr:`LayerIndex.packs`; :data:`ZERO_PACK` for an all-zero block
+    offset: int  #: byte offset of the compressed block in its pack
+    clen: int  #: compressed length (0 for a zero block)
+    rlen: int  #: raw length
+
+    @property
+    def is_zero(self) -> bool:
+        return self.pack == ZERO_PACK
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a layer's tree, in overlayfs's lower-directory form."""
+
+    path: str  #: relative, ``/``-separated, no ``.``/``..``; ``""`` is the layer root; non-UTF-8 bytes as surrogates
+    type: EntryType
+    mode: int  #: permission bits (``0o7777``), without the type
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0
+    size: int = 0  #: file size; the target's length in bytes for a symlink; 0 otherwise
+    target: str = ""  #: symlink target, as stored (never resolved by BootSeer)
+    rdev: tuple[int, int] = (0, 0)  #: (major, minor) of a device
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    blocks: tuple[int, ...] = ()  #: indexes into :attr:`LayerIndex.blocks`, in file order
+    link: int | None = None  #: for a hard link: the index of the earlier FILE entry it shares an inode with
+
+    @property
+    def st_mode(self) -> int:
+        return _TYPE_BITS[self.type] | self.mode
+
+    @property
+    def name(self) -> str:
+        return self.path.rpartition("/")[2]
+
+    @property
+    def parent(self) -> str:
+        return self.path.rpartition("/")[0]
+
+
+@dataclass
+class LayerIndex:
+    """A whole layer: its tree, its blocks and the packs that hold them."""
+
+    diff_id: str  #: the digest of the uncompressed layer tar
+    block_size: int
+    entries: list[Entry]  #: the root first, every directory before its children
+    blocks: list[Block]
+    packs: list[str]  #: pack object SHA-256s (see :func:`pack_object`)
+
+    def encode(self) -> bytes:
+        """The index as a store object: header + zstd-compressed JSON."""
+        document = {
+            "format": FORMAT_VERSION,
+            "diff_id": self.diff_id,
+            "block_size": self.block_size,
+            "packs": self.packs,
+            # Blocks as arrays: [digest, pack, offset, clen, rlen].
+            "blocks": [[b.digest, b.pack, b.offset, b.clen, b.rlen] for b in self.blocks],
+            "entries": [_entry_to_json(e) for e in self.entries],
+        }
+        # ensure_ascii keeps lone surrogates (non-UTF-8 names) as \udcXX escapes.
+        payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        compressed = zstandard.ZstdCompressor(level=10).compress(payload)
+        return _INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(compressed), hashlib.sha256(compressed).digest()) + compressed
+
+    @classmethod
+    def decode(cls, data: bytes, *, expected_sha256: str | None = None) -> LayerIndex:
+        """Parse and check an encoded index; FormatError for anything wrong.
+
+        ``expected_sha256`` (the name it was stored under, from a :class:`ChainRecord`)
+        is checked against the whole object first.
+        """
+        if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+            raise FormatError(f"layer index does not match its digest {expected_sha256}: tampered with or truncated")
+        if len(data) < _INDEX_HEADER.size:
+            raise FormatError(f"layer index is truncated ({len(data)} bytes)")
+        magic, version, length, checksum = _INDEX_HEADER.unpack_from(data)
+        if magic != INDEX_MAGIC:
+            raise FormatError("not a BootSeer layer index (bad magic)")
+        if version != FORMAT_VERSION:
+            raise FormatError(f"layer index format version {version} is not supported (this BootSeer reads {FORMAT_VERSION})")
+        compressed = data[_INDEX_HEADER.size :]
+        if len(compressed) != length or hashlib.sha256(compressed).digest() != checksum:
+            raise FormatError("layer index payload fails its checksum: tampered with or truncated")
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(compressed)
+            payload = reader.read(MAX_INDEX_BYTES + 1)
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"layer index payload is not valid zstd: {exc}") from None
+        if len(payload) > MAX_INDEX_BYTES:
+            raise FormatError(f"layer index is larger than {MAX_INDEX_BYTES} bytes uncompressed")
+        try:
+            document = json.loads(payload)
+            index = cls(
+                diff_id=check_digest(document["diff_id"], "diff_id"),
+                block_size=int(document["block_size"]),
+                packs=[str(p) for p in document["packs"]],
+                blocks=[Block(str(d), int(p), int(o), int(c), int(r)) for d, p, o, c, r in document["blocks"]],
+                entries=[_entry_from_json(e) for e in document["entries"]],
+            )
+        except FormatError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"layer index is malformed: {exc!r}") from None
+        if document.get("format") != FORMAT_VERSION:
+            raise FormatError(f"layer index document format {document.get('format')!r} is not {FORMAT_VERSION}")
+        index.validate()
+        return index
+
+    def validate(self) -> None:
+        """FormatError unless every entry, block and reference is consistent."""
+        if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
+            raise FormatError(f"block size {self.block_size} is outside {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
+        for pack in self.packs:
+            if not _HEX.fullmatch(pack):
+                raise FormatError(f"pack name is not 64 hex digits: {pack!r}")
+        for number, block in enumerate(self.blocks):
+            if not _HEX.fullmatch(block.digest):
+                raise FormatError(f"block {number}: digest is not 64 hex digits")
+            if not 0 < block.rlen <= self.block_size:
+                raise FormatError(f"block {number}: raw length {block.rlen} is not in 1..{self.block_size}")
+            if block.pack == ZERO_PACK:
+                if block.clen or block.offset:
+                    raise FormatError(f"block {number}: a zero block has no stored bytes")
+            elif not 0 <= block.pack < len(self.packs) or block.offset < 0 or not 0 < block.clen <= 2 * self.block_size:
+                raise FormatError(f"block {number}: bad pack reference ({block.pack}, {block.offset}, {block.clen})")
+        seen: dict[str, EntryType] = {}
+        for number, entry in enumerate(self.entries):
+            what = f"entry {number} ({entry.path!r})"
+            if number == 0:
+                if entry.path != "" or entry.type is not EntryType.DIR:
+                    raise FormatError("the first entry must be the root directory")
+            else:
+                check_relative_path(entry.path, what)
+                if seen.get(entry.parent) is not EntryType.DIR:
+                    raise FormatError(f"{what}: its parent is not a directory listed before it")
+                if entry.path in seen:
+                    raise FormatError(f"{what}: listed twice")
+            seen[entry.path] = entry.type
+            if entry.mode & ~0o7777 or entry.uid < 0 or entry.gid < 0 or entry.size < 0:
+                raise FormatError(f"{what}: bad mode, owner or size")
+            if entry.link is not None:
+                if not (0 < entry.link < number and self.entries[entry.link].type is EntryType.FILE
+                        and self.entries[entry.link].link is None and entry.type is EntryType.FILE):  # fmt: skip
+                    raise FormatError(f"{what}: hard link to entry {entry.link}, which is not an earlier file")
+                if entry.blocks:
+                    raise FormatError(f"{what}: a hard link has no blocks of its own")
+                continue
+            if entry.type is EntryType.FILE:
+                if any(not 0 <= b < len(self.blocks) for b in entry.blocks):
+                    raise FormatError(f"{what}: block reference out of range")
+                expected = -(-entry.size // self.block_size)
+                if len(entry.blocks) != expected:
+                    raise FormatError(f"{what}: {len(entry.blocks)} blocks for {entry.size} bytes")
+                for position, b in enumerate(entry.blocks):
+                    want = min(self.block_size, entry.size - position * self.block_size)
+                    if self.blocks[b].rlen != want:
+                        raise FormatError(f"{what}: block {position} holds {self.blocks[b].rlen} bytes, not {want}")
+            elif entry.blocks:
+                raise FormatError(f"{what}: only regular files have blocks")
+            if entry.type is EntryType.SYMLINK and (not entry.target or entry.size != len(entry.target.encode("utf-8", "surrogateescape"))):
+                raise FormatError(f"{what}: symlink without a target, or a size that is not the target's")
+
+    def file_blocks(self, entry: Entry) -> Sequence[Block]:
+        """The blocks of a FILE entry (of its link target for a hard link), in order."""
+        if entry.link is not None:
+            entry = self.entries[entry.link]
+        return [self.blocks[b] for b in entry.blocks]
+
+
+def check_relative_path(path: str, what: str) -> None:
+    """FormatError unless ``path`` is a clean relative path (no ``/`` start, ``.``, ``..`` or empty part)."""
+    if not path or path.startswith("/") or "\0" in path:
+        raise FormatError(f"{what}: path is empty, absolute or has a NUL byte")
+    for part in path.split("/"):
+        if part in ("", ".", ".."):
+            raise FormatError(f"{what}: path has a {part!r} component")
+
+
+def _entry_to_json(entry: Entry) -> dict[str, Any]:
+    out: dict[str, Any] = {"p": entry.path, "t": entry.type.value, "m": entry.mode}
+    if entry.uid:
+        out["u"] = entry.uid
+    if entry.gid:
+        out["g"] = entry.gid
+    if entry.mtime_ns:
+        out["mt"] = entry.mtime_ns
+    if entry.size:
+        out["s"] = entry.size
+    if entry.target:
+        out["l"] = entry.target
+    if entry.rdev != (0, 0):
+        out["d"] = list(entry.rdev)
+    if entry.xattrs:
+        out["x"] = {k: base64.b64encode(v).decode("ascii") for k, v in sorted(entry.xattrs.items())}
+    if entry.blocks:
+        out["b"] = list(entry.blocks)
+    if entry.link is not None:
+        out["h"] = entry.link
+    return out
+
+
+def _entry_from_json(item: dict[str, Any]) -> Entry:
+    if not isinstance(item, dict):
+        raise FormatError(f"index entry is not an object: {item!r}")
+    rdev = item.get("d", (0, 0))
+    return Entry(
+        path=str(item["p"]),
+        type=EntryType(item["t"]),
+        mode=int(item["m"]),
+        uid=int(item.get("u", 0)),
+        gid=int(item.get("g", 0)),
+        mtime_ns=int(item.get("mt", 0)),
+        size=int(item.get("s", 0)),
+        target=str(item.get("l", "")),
+        rdev=(int(rdev[0]), int(rdev[1])),
+        xattrs={str(k): base64.b64decode(v, validate=True) for k, v in item.get("x", {}).items()},
+        blocks=tuple(int(b) for b in item.get("b", ())),
+        link=None if item.get("h") is None else int(item["h"]),
+    )
+
+
+# -- the chain record ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChainRecord:
+    """What finds a converted layer from what containerd gives a snapshotter: its ChainID.
+
+    Stored at :func:`chain_object` as JSON.  ``chain_id`` must equal
+    ``chain_id(parent, diff_id)``, which :meth:`decode` checks, so a record cannot
+    claim a layer of another chain.
+    """
+
+    chain_id: str
+    parent: str  #: the ChainID below ("" for a bottom layer)
+    diff_id: str  #: digest of the uncompressed layer tar
+    digest: str  #: digest of the layer blob in the registry (compressed)
+    media_type: str
+    size: int  #: the layer blob's size in bytes
+    index: str  #: SHA-256 hex of the encoded :class:`LayerIndex` (its name, see :func:`index_object`)
+    block_size: int
+    files: int = 0  #: entries in the index
+    bytes: int = 0  #: raw bytes of the layer's regular files
+    converted_at: str = ""  #: ISO 8601 time of conversion
+    converter: str = ""  #: ``bootseer <version>``
+
+    def encode(self) -> bytes:
+        document = {"format": FORMAT_VERSION, **self.__dict__}
+        return (json.dumps(document, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def decode(cls, data: bytes, *, expected_chain_id: str | None = None) -> ChainRecord:
+        try:
+            document = json.loads(data)
+            if not isinstance(document, dict):
+                raise FormatError("chain record is not a JSON object")
+            if document.get("format") != FORMAT_VERSION:
+                raise FormatError(f"chain record format {document.get('format')!r} is not {FORMAT_VERSION}")
+            record = cls(
+                chain_id=check_digest(document["chain_id"], "chain_id"),
+                parent=document["parent"] and check_digest(document["parent"], "parent"),
+                diff_id=check_digest(document["diff_id"], "diff_id"),
+                digest=check_digest(document["digest"], "digest"),
+                media_type=str(document["media_type"]),
+                size=int(document["size"]),
+                index=str(document["index"]),
+                block_size=int(document["block_size"]),
+                files=int(document.get("files", 0)),
+                bytes=int(document.get("bytes", 0)),
+                converted_at=str(document.get("converted_at", "")),
+                converter=str(document.get("converter", "")),
+            )
+        except FormatError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"chain record is malformed: {exc!r}") from None
+        if not _HEX.fullmatch(record.index):
+            raise FormatError(f"chain record names an index that is not 64 hex digits: {record.index!r}")
+        if chain_id(record.parent, record.diff_id) != record.chain_id:
+            raise FormatError(f"chain record {record.chain_id}: not the ChainID of its parent and diff_id")
+        if expected_chain_id is not None and record.chain_id != expected_chain_id:
+            raise FormatError(f"chain record for {record.chain_id} stored under {expected_chain_id}")
+        return record

@@ -21,6 +21,12 @@ empty string matches everything.  Bad syntax raises :class:`InvalidArgument` nam
 the position, as containerd does.  Unlike containerd, an invalid regular expression is
 rejected while parsing instead of silently matching nothing.
 
+``~=`` compiles its value with RE2 (the ``google-re2`` binding), the engine Go's
+``regexp`` follows: the same syntax (no backreferences or lookarounds) and matching in
+time linear in the input, so a filter such as ``(a+)+$`` cannot stall the daemon.
+As Go's parser, an expression that nests deeper than :data:`MAX_REGEX_NESTING` is
+refused ("expression nests too deeply").
+
 Matching asks an *adaptor*, ``fieldpath -> (value, present)``, for each field; an
 absent field reads as ``""``, so ``parent!=""`` selects snapshots that have a parent.
 """
@@ -28,11 +34,20 @@ absent field reads as ``""``, so ``parent!=""`` selects snapshots that have a pa
 from __future__ import annotations
 
 import enum
-import re
 from dataclasses import dataclass
 from typing import Callable, Iterable, Protocol, Sequence
 
+import re2
+
 from .errors import InvalidArgument
+from .types import Info, Kind
+
+#: Go's ``regexp/syntax`` limit on the height of a parse tree (``maxHeight``).
+MAX_REGEX_NESTING = 1000
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # the error goes back to the caller, not to stderr
+_RE2_OPTIONS.never_capture = True  # only "does it match" is ever asked
 
 #: Looks up a field path (``["labels", "a.b"]``) on one object: ``(value, present)``.
 Adaptor = Callable[[Sequence[str]], tuple[str, bool]]
@@ -56,7 +71,7 @@ class Selector:
     fieldpath: tuple[str, ...]
     operator: Operator
     value: str = ""
-    regex: re.Pattern[str] | None = None
+    regex: "re2._Regexp | None" = None
 
     def match(self, adaptor: Adaptor) -> bool:
         value, present = adaptor(self.fieldpath)
@@ -149,11 +164,21 @@ class _Parser:
         value = self._value(regex_quotes=operator is Operator.MATCHES)
         regex = None
         if operator is Operator.MATCHES:
-            try:
-                regex = re.compile(value)
-            except re.error as exc:
-                raise InvalidArgument(f"filters: invalid regular expression {value!r} in {self.text!r}: {exc}") from None
+            regex = self._compile(value)
         return Selector(fieldpath, operator, value, regex)
+
+    def _compile(self, pattern: str) -> "re2._Regexp":
+        def invalid(why: str) -> InvalidArgument:
+            shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
+            return InvalidArgument(f"filters: invalid regular expression {shown!r}: {why}")
+
+        if _nesting(pattern) > MAX_REGEX_NESTING:
+            raise invalid("expression nests too deeply")
+        try:
+            return re2.compile(pattern, _RE2_OPTIONS)
+        except re2.error as exc:
+            reason = exc.args[0] if exc.args else exc
+            raise invalid(reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)) from None
 
     def _fieldpath(self) -> tuple[str, ...]:
         fields = [self._field()]
@@ -259,3 +284,59 @@ class _Parser:
         else:
             where = f"{self.text} >|<end>|<"
         return InvalidArgument(f"filters: parse error at position {pos}: [{where}]: {message}")
+
+
+def _nesting(pattern: str) -> int:
+    """The deepest nesting of groups in ``pattern``, escapes and character classes skipped.
+
+    RE2 itself accepts far deeper nesting than Go; counting groups is what keeps the
+    two in step for the expressions that matter (a tree this tall is all groups).
+    """
+    depth = deepest = 0
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "^":
+                i += 1
+            if pattern[i + 1 : i + 2] == "]":  # a leading "]" is a literal
+                i += 1
+        elif ch == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch == ")":
+            depth = max(depth - 1, 0)
+        i += 1
+    return deepest
+
+
+_KIND_NAMES = {Kind.ACTIVE: "active", Kind.VIEW: "view", Kind.COMMITTED: "committed"}
+
+
+def snapshot_adaptor(info: Info) -> Adaptor:
+    """The filter fields of a snapshot, as containerd's ``adaptSnapshot`` exposes them."""
+
+    def field(fieldpath: Sequence[str]) -> tuple[str, bool]:
+        if not fieldpath:
+            return "", False
+        head = fieldpath[0]
+        if head == "kind":
+            return (_KIND_NAMES[info.kind], True) if info.kind in _KIND_NAMES else ("", False)
+        if head == "name":
+            return info.name, True
+        if head == "parent":
+            return info.parent, True
+        if head == "labels":
+            label = ".".join(fieldpath[1:])
+            if label in info.labels:
+                return info.labels[label], True
+        return "", False
+
+    return field

@@ -24,7 +24,6 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterator
 
-from . import filters
 from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from .types import Info, Kind, Usage
 
@@ -221,17 +220,17 @@ class Transaction:
             raise FailedPrecondition(f"requested snapshot {key!r} not active or view")
         return Snapshot(str(id_), Kind(kind), backing, self._chain(parent_id))
 
-    def walk_info(self, match: filters.Filter) -> list[Info]:
-        """Every snapshot that ``match`` selects, ordered by key."""
+    def all_info(self) -> list[Info]:
+        """Every snapshot's info, ordered by key.
+
+        Filtering is the caller's, after the transaction: matching a filter must never
+        hold the one lock every RPC waits on.
+        """
         labels: dict[int, dict[str, str]] = {}
         for snapshot_id, key, value in self._db.execute("SELECT snapshot_id, key, value FROM labels"):
             labels.setdefault(snapshot_id, {})[key] = value
-        found = []
-        for id_, key, kind, parent, created, updated in self._db.execute(
-            "SELECT s.id, s.key, s.kind, coalesce(p.key, ''), s.created_ns, s.updated_ns "
-            "FROM snapshots s LEFT JOIN snapshots p ON p.id = s.parent_id ORDER BY s.key"
-        ):
-            info = Info(
+        return [
+            Info(
                 name=key,
                 parent=parent,
                 kind=Kind(kind),
@@ -239,9 +238,11 @@ class Transaction:
                 created=_datetime(created),
                 updated=_datetime(updated),
             )
-            if match.match(_adaptor(info)):
-                found.append(info)
-        return found
+            for id_, key, kind, parent, created, updated in self._db.execute(
+                "SELECT s.id, s.key, s.kind, coalesce(p.key, ''), s.created_ns, s.updated_ns "
+                "FROM snapshots s LEFT JOIN snapshots p ON p.id = s.parent_id ORDER BY s.key"
+            )
+        ]
 
     def id_map(self) -> dict[str, str]:
         """Every snapshot id mapped to its key."""
@@ -385,25 +386,3 @@ class Transaction:
         ).fetchall()
         return tuple(Layer(str(id_), backing) for id_, backing in rows)
 
-
-def _adaptor(info: Info) -> filters.Adaptor:
-    """The filter fields of a snapshot, as containerd's adaptSnapshot exposes them."""
-
-    def field(fieldpath):
-        if not fieldpath:
-            return "", False
-        head = fieldpath[0]
-        if head == "kind":
-            names = {Kind.ACTIVE: "active", Kind.VIEW: "view", Kind.COMMITTED: "committed"}
-            return (names[info.kind], True) if info.kind in names else ("", False)
-        if head == "name":
-            return info.name, True
-        if head == "parent":
-            return info.parent, True
-        if head == "labels":
-            label = ".".join(fieldpath[1:])
-            if label in info.labels:
-                return info.labels[label], True
-        return "", False
-
-    return field

@@ -38,6 +38,7 @@ from bootseer.log import get_logger
 
 from .errors import FailedPrecondition, NotFound
 from .filters import parse_all as parse_filters
+from .filters import snapshot_adaptor
 from .metastore import BACKING_DIR, Layer, MetaStore, Snapshot
 from .mounts import snapshot_mounts, supports_index_off
 from .types import Info, Kind, Mount, Usage
@@ -139,7 +140,9 @@ class Snapshotter:
         """The snapshots that match any of ``filters`` (containerd filter syntax)."""
         match = parse_filters(filters)
         with self._ms.read() as tx:
-            return tx.walk_info(match)
+            infos = tx.all_info()
+        # Outside the transaction: the metadata lock serves every other call meanwhile.
+        return [info for info in infos if match.match(snapshot_adaptor(info))]
 
     def usage(self, key: str) -> Usage:
         """Disk usage: walked now for an active snapshot, as stored at commit otherwise."""

@@ -136,3 +136,44 @@ def test_error_shows_where():
 def test_parse_all_reports_the_bad_filter():
     with pytest.raises(InvalidArgument):
         filters.parse_all(["name==ok", "name=bad"])
+
+
+def quoted_regex(pattern: str) -> str:
+    """A ``name~=|...|`` filter whose decoded value is ``pattern`` (backslashes escaped)."""
+    return "name~=|" + pattern.replace("\\", "\\\\") + "|"
+
+
+@pytest.mark.parametrize(
+    "pattern, value, matches",
+    [
+        (r"^sha256:\d+$", "sha256:42", True),
+        (r"\pL+", "é", True),  # Unicode classes, as Go's regexp
+        ("(?i)FOO", "foo", True),
+        ("(?P<name>a)b", "ab", True),  # Go's named-group syntax
+        ("(a+)+$", "a" * 40 + "!", False),  # catastrophic for a backtracking engine; linear in RE2
+    ],
+)
+def test_regex_is_re2_like_go(pattern, value, matches):
+    parsed = filters.parse(quoted_regex(pattern))
+    assert parsed.match(lambda fieldpath: (value, True)) is matches
+
+
+@pytest.mark.parametrize("pattern", [r"(a)\1", "a(?=b)", "a(?!b)", "(?<=a)b", "a{1001}"])
+def test_regex_syntax_go_refuses_is_invalid_argument(pattern):
+    # Backreferences, lookarounds and repeats over 1000 are errors in Go's regexp too.
+    with pytest.raises(InvalidArgument, match="invalid regular expression"):
+        filters.parse(quoted_regex(pattern))
+
+
+@pytest.mark.parametrize("depth", [1001, 5000, 100_000])
+def test_deeply_nested_regex_is_invalid_argument(depth):
+    pattern = "(" * depth + "a" + ")" * depth
+    with pytest.raises(InvalidArgument, match="nests too deeply"):
+        filters.parse(f"name~=|{pattern}|")
+
+
+def test_nesting_at_go_limit_and_brackets_in_classes_are_fine():
+    pattern = "(" * 1000 + "a" + ")" * 1000
+    assert filters.parse(f"name~=|{pattern}|").match(lambda fieldpath: ("a", True))
+    # Parentheses inside a character class or escaped are no groups.
+    assert filters.parse(quoted_regex("[(]{3}" + "\\(" * 2000)).match(lambda fieldpath: ("(((" + "(" * 2000, True))

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.snapshotter import filters
 from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from bootseer.snapshotter.metastore import SCHEMA_VERSION, Layer, MetaStore
 from bootseer.snapshotter.types import Info, Kind, Usage
@@ -70,7 +69,7 @@ def test_a_failed_block_leaves_no_trace(ms: MetaStore):
             tx.create_snapshot(Kind.ACTIVE, "a", "", {"x": "y"})
             raise RuntimeError("disk trouble")
     with ms.read() as tx:
-        assert tx.walk_info(filters.ALWAYS) == []
+        assert tx.all_info() == []
         with pytest.raises(NotFound):
             tx.get_info("a")
 
@@ -110,7 +109,7 @@ def test_errors_like_bolt(ms: MetaStore):
             with ms.write() as tx:
                 call(tx)
     with ms.read() as tx:
-        assert [i.name for i in tx.walk_info(filters.ALWAYS)] == ["active", "c0", "c1", "view"]
+        assert [i.name for i in tx.all_info()] == ["active", "c0", "c1", "view"]
 
 
 def test_labels_empty_values_delete_and_sizes_are_bytes(ms: MetaStore):
@@ -128,13 +127,13 @@ def test_persists_across_reopen(tmp_path: Path):
     ms = MetaStore(tmp_path / "metadata.db")
     build_chain(ms, 3)
     with ms.read() as tx:
-        before = tx.walk_info(filters.ALWAYS)
+        before = tx.all_info()
     ms.close()
     ms.close()
     ms = MetaStore(tmp_path / "metadata.db")
     try:
         with ms.read() as tx:
-            assert tx.walk_info(filters.ALWAYS) == before
+            assert tx.all_info() == before
             assert tx.id_map() == {"1": "c0", "2": "c1", "3": "c2"}
     finally:
         ms.close()

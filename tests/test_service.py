@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent import futures
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -201,6 +202,31 @@ def test_list_streams_in_bounded_blocks(snapd: SnapshotterDaemon) -> None:
     assert listed(stub, "name==none") == []
     error = rpc_error(listed, stub, "name==")
     assert error.code() == Code.INVALID_ARGUMENT
+
+
+def test_backtracking_filter_neither_stalls_list_nor_blocks_other_calls(snapd: SnapshotterDaemon) -> None:
+    # (a+)+$ over "aaa...a!" takes a backtracking engine 2**40 steps; Go's regexp (and
+    # RE2) answer in linear time.  The deadlines only bound a broken daemon's hang.
+    stub = snapd.stub
+    stub.Prepare(api.PrepareSnapshotRequest(key="victim", labels={"a": "a" * 40 + "!"}))
+    stub.Prepare(api.PrepareSnapshotRequest(key="other", labels={"a": "aaa"}))
+    with futures.ThreadPoolExecutor(1) as pool:
+        listing = pool.submit(
+            lambda: list(stub.List(api.ListSnapshotsRequest(filters=['labels."a"~="(a+)+$"']), timeout=30))
+        )
+        assert stub.Stat(api.StatSnapshotRequest(key="victim"), timeout=15).info.name == "victim"
+        assert names(listing.result()) == {"other"}
+    assert snapd.stop() == 0  # and SIGTERM still stops it
+
+
+@pytest.mark.parametrize("depth", [1001, 10_000])
+def test_deeply_nested_filter_regex_is_invalid_argument(snapd: SnapshotterDaemon, depth: int) -> None:
+    snapd.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
+    pattern = "(" * depth + "a" + ")" * depth
+    error = rpc_error(listed, snapd.stub, f"name~=/{pattern}/")
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert "nests too deeply" in error.details()
+    assert names(listed(snapd.stub, "name~=/^k$/")) == {"k"}
 
 
 def test_list_blocks_stay_small_with_big_labels(snapd: SnapshotterDaemon) -> None:

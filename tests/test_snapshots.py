@@ -342,6 +342,27 @@ def test_list_with_filters_like_the_conformance_suite(sn: Snapshotter):
     assert all(sn.stat(name) == info for name, info in infos.items())
 
 
+def test_list_matches_filters_without_holding_the_metadata_lock(sn: Snapshotter, monkeypatch):
+    from bootseer.snapshotter import snapshots
+
+    sn.prepare("a", "", {"l": "1"})
+    sn.prepare("b", "", {"l": "2"})
+    seen_while_matching: list[str] = []
+    real_adaptor = snapshots.snapshot_adaptor
+
+    def adaptor_that_calls_stat(info):
+        # Another thread's Stat must get through while a filter is being matched.
+        worker = threading.Thread(target=lambda: seen_while_matching.append(sn.stat(info.name).name))
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "Stat blocked while List was matching a filter"
+        return real_adaptor(info)
+
+    monkeypatch.setattr(snapshots, "snapshot_adaptor", adaptor_that_calls_stat)
+    assert [i.name for i in sn.list(["labels.l==2"])] == ["b"]
+    assert seen_while_matching == ["a", "b"]
+
+
 # -- usage --------------------------------------------------------------------------------
 
 

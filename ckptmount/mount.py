@@ -10,13 +10,14 @@ retry timeout, and reads succeed again once it is back.
 from __future__ import annotations
 
 import functools
+import signal
 from typing import Any
 
 import trio
 
 from bootseer.ckptmount.tree import CheckpointTree
 from bootseer.fetch.engine import EngineConfig, display_url, open_engine
-from bootseer.fuse import ReadOnlyOperations, mount_options, serve
+from bootseer.fuse import ReadOnlyOperations, end_on_signals, mount_options, serve
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -53,7 +54,10 @@ async def mount_checkpoint(
         except OSError as exc:
             raise SourceUnavailable(f"cannot read the source {shown}: {exc.strerror or exc}") from exc
         ops = ReadOnlyOperations(root, name=SUBTYPE, entry_timeout=listing_ttl, attr_timeout=listing_ttl)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
-            log.info("mounted", source=shown, mountpoint=mountpoint)
-            task_status.started()
+        # Opened before mounting, so a signal at any moment after the mount unmounts cleanly.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                session = await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
+                nursery.start_soon(end_on_signals, session, signals)
+                log.info("mounted", source=shown, mountpoint=mountpoint)
+                task_status.started()

@@ -38,6 +38,8 @@ HELLO = b"hello world\n"
 BIG = random.Random(1).randbytes(3 * 1024 * 1024 + 17)
 MANY = 3000
 FSNAME = "plumbing-test-source"
+XATTRS = {"user.comment": b"hello", "trusted.overlay.opaque": b"y", "user.empty": b""}
+OWN_INODE = (7 << 40) | 5
 SUBTYPE = "bootseer-test"
 
 
@@ -150,13 +152,16 @@ def _serve_test_tree(mountpoint: str, grace: float) -> int:
     import trio
 
     from bootseer.fuse import (
+        Attributes,
         BytesFile,
         File,
         MountError,
         OpenFile,
         ReadOnlyOperations,
+        Special,
         StaticDirectory,
         StaticSymlink,
+        end_on_signals,
         mount_options,
         serve,
     )
@@ -172,7 +177,7 @@ def _serve_test_tree(mountpoint: str, grace: float) -> int:
             await trio.sleep_forever()
             raise AssertionError("unreachable")
 
-    class Special(File):
+    class Odd(File):
         def __init__(self, key: str, opened: type[OpenFile] | None, open_error: OSError | None = None) -> None:
             self.key = key
             self._opened = opened
@@ -189,6 +194,21 @@ def _serve_test_tree(mountpoint: str, grace: float) -> int:
             assert self._opened is not None
             return self._opened()
 
+    class Tagged(BytesFile):
+        """A file with extended attributes and an inode number of its own."""
+
+        inode = OWN_INODE
+
+        def xattrs(self):
+            return XATTRS
+
+    class Frozen(StaticDirectory):
+        immutable = True
+
+        async def lookup(self, name: str):
+            print(f"frozen lookup {name}", flush=True)
+            return await super().lookup(name)
+
     mtime_ns = 1_600_000_000_123_456_789
     many = StaticDirectory("many", {f"f{i:05d}": BytesFile(f"many/{i}", b"%d\n" % i) for i in range(MANY)})
     deep = StaticDirectory("sub/deep", {"deep.txt": BytesFile("sub/deep/deep.txt", b"deep\n")})
@@ -200,26 +220,25 @@ def _serve_test_tree(mountpoint: str, grace: float) -> int:
             "link": StaticSymlink("link", "hello.txt"),
             "sub": StaticDirectory("sub", {"deep": deep}),
             "many": many,
-            "exploding": Special("exploding", Exploding),
-            "hanging": Special("hanging", Hanging),
-            "forbidden": Special("forbidden", None, PermissionError(errno.EACCES, "no")),
+            "exploding": Odd("exploding", Exploding),
+            "hanging": Odd("hanging", Hanging),
+            "forbidden": Odd("forbidden", None, PermissionError(errno.EACCES, "no")),
+            "tagged": Tagged("tagged", HELLO),
+            "null": Special("null", Attributes(stat.S_IFCHR | 0o666, rdev=os.makedev(1, 3))),
+            "whiteout": Special("whiteout", Attributes(stat.S_IFCHR)),
+            "frozen": Frozen("frozen", {"present": BytesFile("frozen/present", HELLO)}),
         },
     )
     setup_logging("debug")
-    ops = ReadOnlyOperations(root, name="test", entry_timeout=1, attr_timeout=1)
+    ops = ReadOnlyOperations(root, name="test", entry_timeout=1, attr_timeout=1, negative_timeout=60)
 
     async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(
-                lambda task_status: serve(
-                    ops,
-                    mountpoint,
-                    options=mount_options(fsname=FSNAME, subtype=SUBTYPE),
-                    shutdown_grace=grace,
-                    task_status=task_status,
-                )
-            )
-            print("ready", flush=True)
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                options = mount_options(fsname=FSNAME, subtype=SUBTYPE)
+                session = await nursery.start(lambda task_status: serve(ops, mountpoint, options=options, task_status=task_status))
+                nursery.start_soon(lambda: end_on_signals(session, signals, grace=grace))
+                print("ready", flush=True)
 
     status = 0
     try:
@@ -280,6 +299,46 @@ def test_stat_lookup_and_symlink(fs: MountProcess) -> None:
     assert (mnt / "link").read_bytes() == HELLO
     assert (mnt / "sub" / "deep" / "deep.txt").read_bytes() == b"deep\n"
     assert os.stat(mnt / "sub" / "deep" / ".." / "deep").st_ino == os.stat(mnt / "sub" / "deep").st_ino
+
+
+def test_xattrs(fs: MountProcess) -> None:
+    path = fs.mountpoint / "tagged"
+    assert sorted(os.listxattr(path)) == sorted(XATTRS)
+    for name, value in XATTRS.items():
+        assert os.getxattr(path, name) == value
+    with pytest.raises(OSError) as excinfo:
+        os.getxattr(path, "user.missing")
+    assert excinfo.value.errno == errno.ENODATA
+    assert os.listxattr(fs.mountpoint / "hello.txt") == []
+    with pytest.raises(OSError) as excinfo:
+        os.getxattr(fs.mountpoint / "hello.txt", "trusted.overlay.opaque")
+    assert excinfo.value.errno == errno.ENODATA
+
+
+def test_device_nodes_and_own_inode_numbers(fs: MountProcess) -> None:
+    null = os.lstat(fs.mountpoint / "null")
+    assert stat.S_ISCHR(null.st_mode) and null.st_rdev == os.makedev(1, 3)
+    whiteout = os.lstat(fs.mountpoint / "whiteout")
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    assert os.stat(fs.mountpoint / "tagged").st_ino == OWN_INODE
+    with os.scandir(fs.mountpoint) as entries:
+        assert {e.name: e.inode() for e in entries}["tagged"] == OWN_INODE
+    # The mount is nodev: the device node is listed, never opened as a device.
+    with pytest.raises(OSError):
+        open(fs.mountpoint / "null", "rb").close()
+
+
+def test_missing_names_in_immutable_directories_are_cached(fs: MountProcess) -> None:
+    frozen = fs.mountpoint / "frozen"
+    assert (frozen / "present").read_bytes() == HELLO
+    for _ in range(3):
+        with pytest.raises(FileNotFoundError):
+            os.stat(frozen / "absent")
+    assert fs.stdout.count("frozen lookup absent") == 1
+    # Elsewhere a missing name is asked again every time (the tree may change).
+    for _ in range(2):
+        with pytest.raises(FileNotFoundError):
+            os.stat(fs.mountpoint / "absent")
 
 
 def test_files_opened_right_after_a_listing(fs: MountProcess) -> None:

@@ -5,16 +5,29 @@
 * :mod:`bootseer.fuse.inodes` -- stable inode numbers and the kernel's references.
 * :mod:`bootseer.fuse.operations` -- the pyfuse3 request handlers: errno mapping,
   EROFS for writes, cache timeouts, metrics.
-* :mod:`bootseer.fuse.mount` -- mountpoint checks, mount options and :func:`serve`,
-  which mounts, serves and always unmounts (signals and external ``umount`` included).
+* :mod:`bootseer.fuse.mount` -- mountpoint checks, mount options, the process's
+  :class:`FuseSession` and :func:`serve`, which mounts, serves and closes it;
+  :func:`end_on_signals`, the usual SIGTERM/SIGINT policy a program may adopt.
 
 A filesystem is a root :class:`~bootseer.fuse.nodes.Directory`; serving it is::
 
     ops = ReadOnlyOperations(root, name="bootseer-ckpt", entry_timeout=5, attr_timeout=5)
-    await serve(ops, mountpoint, options=mount_options(fsname=url, subtype="bootseer-ckpt"))
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            options = mount_options(fsname=url, subtype="bootseer-ckpt")
+            session = await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
+            nursery.start_soon(end_on_signals, session, signals)
 """
 
-from bootseer.fuse.mount import MountError, check_mountpoint, mount_options, serve
+from bootseer.fuse.mount import (
+    FuseSession,
+    MountError,
+    check_mountpoint,
+    end_on_signals,
+    mount_options,
+    serve,
+    unmount_dead,
+)
 from bootseer.fuse.nodes import (
     Attributes,
     BytesFile,
@@ -22,6 +35,7 @@ from bootseer.fuse.nodes import (
     File,
     Node,
     OpenFile,
+    Special,
     StaticDirectory,
     StaticSymlink,
     Symlink,
@@ -33,15 +47,19 @@ __all__ = [
     "BytesFile",
     "Directory",
     "File",
+    "FuseSession",
     "MountError",
     "Node",
     "OpenFile",
     "ReadOnlyOperations",
+    "Special",
     "StaticDirectory",
     "StaticSymlink",
     "Symlink",
     "check_mountpoint",
+    "end_on_signals",
     "errno_of",
     "mount_options",
     "serve",
+    "unmount_dead",
 ]

@@ -8,6 +8,11 @@ mount over a large tree keeps only what the kernel keeps.  Numbers themselves ar
 never reused: a key keeps its number for the life of the mount, which keeps
 ``readdir`` and ``stat`` inode numbers consistent and stops the kernel from mixing
 the page cache of two different contents.
+
+A node that carries its own number (:attr:`~bootseer.fuse.nodes.Node.inode`) gets
+that number and nothing is remembered for it beyond the kernel's references, so a
+large immutable tree costs nothing per file it has ever shown, and a restarted
+server answers with the numbers of the one before it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ class InodeTable:
         return len(self._nodes)
 
     def number(self, node: Node) -> int:
-        """The inode number of ``node``'s key, without taking a reference."""
+        """The inode number of ``node`` (its own, or its key's), without taking a reference."""
+        if node.inode is not None:
+            return node.inode
         number = self._number_of_key.get(node.key)
         if number is None:
             number = self._next_number
@@ -74,6 +81,10 @@ class InodeTable:
         except KeyError:
             # The kernel only names inodes it references; anything else is stale.
             raise OSError(errno.ESTALE, f"no inode {number}") from None
+
+    def referenced(self, number: int) -> bool:
+        """Whether the kernel holds a reference to inode ``number`` now."""
+        return number in self._references
 
     def parent(self, number: int) -> int:
         """The directory ``number`` was last looked up in (the root for the root)."""

@@ -1,14 +1,19 @@
 """Mounting, serving and unmounting one FUSE session under trio.
 
-:func:`serve` owns the whole life of a mount: it checks the mountpoint, mounts,
-answers requests until the mount ends and always unmounts on the way out.  A mount
-ends when someone unmounts it (``umount``, ``fusermount3 -u``: pyfuse3's main loop
-sees the device close and returns), on SIGTERM or SIGINT (in-flight requests get
-``shutdown_grace`` seconds to finish, a second signal cuts that short), or when the
-caller cancels.
+:class:`FuseSession` is the process's one session (pyfuse3 keeps it in module
+globals, so a process serves at most one mount at a time; a second is refused).
+:func:`serve` owns its life: it mounts, hands the session to the caller through
+``task_status.started(session)``, answers requests until the mount ends and closes
+the session on the way out, unmounting unless the program chose to leave the mount
+in place (:meth:`FuseSession.close` with ``unmount=False``).  A mount ends when
+someone unmounts it (``umount``, ``fusermount3 -u``: pyfuse3's main loop sees the
+device close and returns), when the program calls :meth:`FuseSession.terminate`
+(in-flight requests finish) or :meth:`FuseSession.abort`, or when the caller cancels.
 
-pyfuse3 keeps its session in module globals, so a process serves at most one mount
-at a time; :func:`serve` refuses a second.
+Signals are each program's business; :func:`end_on_signals` is the usual policy
+(SIGTERM or SIGINT ends the mount after in-flight requests, within a grace period
+that a second signal cuts short).  :func:`unmount_dead` clears a mount left behind
+by a killed server, whose mountpoint answers ENOTCONN.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import errno
 import os
 import shutil
 import signal
+import subprocess
 from typing import AsyncIterator, Iterable
 
 import pyfuse3
@@ -104,20 +110,71 @@ def mount_options(*, fsname: str, subtype: str, allow_other: bool = False) -> se
     return options
 
 
-async def _end_on_signal(
-    signals: AsyncIterator[int], mountpoint: str, serving: trio.CancelScope, grace: float
-) -> None:
-    async for signum in signals:
-        log.info("unmounting", mountpoint=mountpoint, signal=signal.Signals(signum).name)
-        pyfuse3.terminate()
-        break
-    # Requests in flight finish unless that takes longer than the grace period or a
-    # second signal arrives.
-    with trio.move_on_after(grace):
-        async for signum in signals:
-            log.warning("unmounting now", mountpoint=mountpoint, signal=signal.Signals(signum).name)
-            break
-    serving.cancel()
+class FuseSession:
+    """The process's FUSE session over ``ops``, mounted on ``mountpoint``.
+
+    Call from the trio thread only.  :func:`serve` drives it; programs use
+    :meth:`terminate` and :meth:`abort` to end it and :attr:`ended` to wait for it.
+    """
+
+    def __init__(self, ops: ReadOnlyOperations, mountpoint: str, options: Iterable[str]) -> None:
+        self.ops = ops
+        self.mountpoint = mountpoint
+        self.options = set(options)
+        #: Unmount when the session closes (:func:`serve` passes this to :meth:`close`).
+        self.unmount_on_close = True
+        self.ended = trio.Event()  #: set once the main loop has returned (or never ran)
+        self._serving = trio.CancelScope()
+        self._state = "new"
+
+    def mount(self) -> None:
+        """Check the mountpoint and mount; :class:`MountError` if it cannot be done."""
+        global _serving
+        if _serving:
+            raise RuntimeError("this process already serves a FUSE mount (pyfuse3 allows one per process)")
+        check_mountpoint(self.mountpoint)
+        try:
+            pyfuse3.init(self.ops, self.mountpoint, self.options)
+        except RuntimeError as exc:
+            raise MountError(f"cannot mount on {self.mountpoint}: {exc} (see libfuse's message above)") from None
+        _serving = True
+        self._state = "mounted"
+
+    async def run(self) -> None:
+        """Answer requests until the mount ends, :meth:`terminate` or :meth:`abort`."""
+        if self._state != "mounted":
+            raise RuntimeError(f"FUSE session on {self.mountpoint} is {self._state}, not mounted")
+        self._state = "serving"
+        try:
+            with self._serving:
+                await pyfuse3.main()
+        finally:
+            self.ended.set()
+
+    def terminate(self) -> None:
+        """End the main loop once the requests in flight are answered."""
+        if self._state == "serving" and not self.ended.is_set():
+            pyfuse3.terminate()
+
+    def abort(self) -> None:
+        """End the main loop now, cancelling the requests in flight."""
+        self._serving.cancel()
+
+    def close(self, *, unmount: bool = True) -> None:
+        """Release the session; unmount unless ``unmount`` is False (then the mount stays
+        until the process exits, and after that answers ENOTCONN until someone unmounts it)."""
+        global _serving
+        if self._state in ("new", "closed"):
+            return
+        self._state = "closed"
+        self.ended.set()
+        try:
+            # Unmounts unless already unmounted (libfuse checks the device first).
+            pyfuse3.close(unmount=unmount)
+        finally:
+            self.ops.close_all()
+            _serving = False
+        log.info("unmounted" if unmount else "session closed, mount left in place", mountpoint=self.mountpoint)
 
 
 async def serve(
@@ -125,43 +182,76 @@ async def serve(
     mountpoint: str,
     *,
     options: Iterable[str],
-    shutdown_grace: float = 10.0,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[FuseSession] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mount ``ops`` on ``mountpoint`` and serve it until the mount ends.
 
-    ``task_status.started()`` is called once the mount is visible, so
-    ``await nursery.start(serve, ...)`` returns when clients can use it.  Raises
-    :class:`MountError` when the mount cannot be made.  Returns normally after an
-    unmount or a signal; the mountpoint is always unmounted when this returns.
+    ``task_status.started(session)`` is called once the mount is visible, so
+    ``session = await nursery.start(serve, ...)`` returns when clients can use it,
+    with the :class:`FuseSession` to end it by.  Raises :class:`MountError` when the
+    mount cannot be made.  Returns normally after an unmount or :meth:`~FuseSession.terminate`;
+    the session is always closed when this returns (unmounted unless
+    :attr:`~FuseSession.unmount_on_close` was turned off).
     """
-    global _serving
-    if _serving:
-        raise RuntimeError("this process already serves a FUSE mount (pyfuse3 allows one per process)")
-    check_mountpoint(mountpoint)
-    _serving = True
+    session = FuseSession(ops, mountpoint, options)
+    session.mount()
     try:
-        # Opened before mounting, so a signal at any moment from here on unmounts cleanly.
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            try:
-                pyfuse3.init(ops, mountpoint, set(options))
-            except RuntimeError as exc:
-                raise MountError(f"cannot mount on {mountpoint}: {exc} (see libfuse's message above)") from None
-            try:
-                async with trio.open_nursery() as nursery:
-                    serving = trio.CancelScope()
-                    nursery.start_soon(_end_on_signal, signals, mountpoint, serving, shutdown_grace)
-                    task_status.started()
-                    with serving:
-                        await pyfuse3.main()
-                    nursery.cancel_scope.cancel()
-            finally:
-                # Unmounts unless already unmounted (libfuse checks the device first).
-                pyfuse3.close(unmount=True)
-                ops.close_all()
-                log.info("unmounted", mountpoint=mountpoint)
+        task_status.started(session)
+        await session.run()
     finally:
-        _serving = False
+        session.close(unmount=session.unmount_on_close)
 
 
-__all__ = ["MountError", "allow_other_permitted", "check_mountpoint", "mount_options", "serve"]
+async def end_on_signals(session: FuseSession, signals: AsyncIterator[int], *, grace: float = 10.0) -> None:
+    """End ``session`` on the first of ``signals``; return once its serving has ended.
+
+    Requests in flight get ``grace`` seconds to finish, unless a second signal comes
+    first; then the main loop is cancelled.  Open the signal receiver before mounting
+    (``with trio.open_signal_receiver(...) as signals``), so that a signal at any
+    moment after the mount unmounts cleanly.
+    """
+
+    async def watch() -> None:
+        async for signum in signals:
+            log.info("unmounting", mountpoint=session.mountpoint, signal=signal.Signals(signum).name)
+            session.terminate()
+            break
+        with trio.move_on_after(grace):
+            async for signum in signals:
+                log.warning("unmounting now", mountpoint=session.mountpoint, signal=signal.Signals(signum).name)
+                break
+        session.abort()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        await session.ended.wait()
+        nursery.cancel_scope.cancel()
+
+
+def unmount_dead(mountpoint: str) -> bool:
+    """Lazily unmount ``mountpoint`` if it is a dead FUSE mount (its server is gone:
+    ENOTCONN); True if it was one.  A live mount or a plain directory is left alone."""
+    try:
+        os.stat(mountpoint)
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTCONN, errno.ECONNABORTED):
+            return False
+    log.warning("unmounting a dead FUSE mount left by a server that is gone", mountpoint=mountpoint)
+    command = ["umount", "-l", mountpoint] if os.geteuid() == 0 else ["fusermount3", "-u", "-z", mountpoint]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    if result.returncode != 0:
+        raise MountError(f"cannot unmount the dead mount on {mountpoint}: {result.stderr.strip()}")
+    return True
+
+
+__all__ = [
+    "FuseSession",
+    "MountError",
+    "allow_other_permitted",
+    "check_mountpoint",
+    "end_on_signals",
+    "mount_options",
+    "serve",
+    "unmount_dead",
+]

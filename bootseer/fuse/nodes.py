@@ -6,7 +6,9 @@ leaves inode numbers, handles, errno replies and the kernel protocol to
 views: a directory may build fresh child nodes for every listing.  What ties the
 views of one file together is :attr:`Node.key`: equal keys get the same inode
 number, so a key must change whenever the content may have changed (the kernel
-keeps its page cache per inode).
+keeps its page cache per inode).  A node may also carry its own inode number
+(:attr:`Node.inode`), derived from what it shows, so that a restarted server gives
+the same numbers as the one before it; hard links are two names of one such node.
 
 Methods raise :class:`OSError` with the errno the caller should see
 (:class:`FileNotFoundError` for a missing name); any other exception becomes EIO.
@@ -31,19 +33,45 @@ class Attributes:
     nlink: int = 1
     uid: int = 0
     gid: int = 0
+    rdev: int = 0  #: device number (``os.makedev``) of a character or block device
 
 
 class Node(abc.ABC):
-    """One file, directory or symlink of the tree."""
+    """One file, directory, symlink or special file of the tree."""
 
     #: Identity of what the node shows; equal keys share an inode number.
     key: Hashable
+    #: The node's own inode number, if it has one (it must not be the root's, 1, and
+    #: must be the same for equal keys); None: numbered in the order nodes are first
+    #: seen.  A filesystem that numbers some nodes itself keeps its numbers far from
+    #: the small allocated ones (above 2**32, say).
+    inode: int | None = None
 
     @abc.abstractmethod
     def attributes(self) -> Attributes: ...
 
+    def xattrs(self) -> Mapping[str, bytes]:
+        """The node's extended attributes by name (none by default)."""
+        return {}
+
+
+class Special(Node):
+    """A device node, FIFO or socket: attributes only (``rdev`` names a device)."""
+
+    def __init__(self, key: Hashable, attributes: Attributes) -> None:
+        self.key = key
+        self._attributes = attributes
+
+    def attributes(self) -> Attributes:
+        return self._attributes
+
 
 class Directory(Node):
+    #: Whether the set of children never changes while the node's key stays the same:
+    #: then the kernel may cache a failed lookup (a negative entry) as long as it keeps
+    #: a positive one, and a missing name costs one request, not one per access.
+    immutable: bool = False
+
     @abc.abstractmethod
     async def lookup(self, name: str) -> Node:
         """The child called ``name``; :class:`FileNotFoundError` if there is none."""

@@ -7,6 +7,12 @@ politeness: pyfuse3 lets any other exception escape its main loop, which would t
 the whole mount down over one bad read.  Requests that would modify the tree are
 answered with EROFS (the ``ro`` mount option makes the kernel refuse most of them
 before they get here).
+
+Extended attributes come from :meth:`Node.xattrs` (a missing one is ENODATA, which
+is what overlayfs expects when it asks a lower directory for
+``trusted.overlay.opaque`` and finds none).  A lookup of a missing name in an
+:attr:`~bootseer.fuse.nodes.Directory.immutable` directory is answered with a
+negative entry the kernel keeps for ``negative_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -119,8 +125,10 @@ class ReadOnlyOperations(pyfuse3.Operations):
 
     ``name`` labels logs and metrics.  ``entry_timeout`` and ``attr_timeout`` are how
     long the kernel may trust a name lookup and a node's attributes without asking
-    again; they bound how late a change at the source is seen.  ``statfs`` supplies
-    what ``df`` shows (all zero by default: the size of a remote tree is unknown).
+    again; they bound how late a change at the source is seen.  ``negative_timeout``
+    is how long it may trust that a name is missing from an immutable directory (0:
+    never cached).  ``statfs`` supplies what ``df`` shows (all zero by default: the
+    size of a remote tree is unknown).
     """
 
     supports_dot_lookup = True
@@ -134,6 +142,7 @@ class ReadOnlyOperations(pyfuse3.Operations):
         name: str,
         entry_timeout: float = 1.0,
         attr_timeout: float = 1.0,
+        negative_timeout: float = 0.0,
         block_size: int = 1 << 20,
         statfs: Callable[[], pyfuse3.StatvfsData] | None = None,
     ) -> None:
@@ -142,6 +151,7 @@ class ReadOnlyOperations(pyfuse3.Operations):
         self.inodes = InodeTable(root)
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
+        self.negative_timeout = negative_timeout
         self.block_size = block_size
         self._statfs = statfs
         self._files: dict[int, OpenFile] = {}
@@ -160,7 +170,7 @@ class ReadOnlyOperations(pyfuse3.Operations):
         entry.st_nlink = attributes.nlink
         entry.st_uid = attributes.uid
         entry.st_gid = attributes.gid
-        entry.st_rdev = 0
+        entry.st_rdev = attributes.rdev
         entry.st_size = attributes.size
         entry.st_blksize = self.block_size
         entry.st_blocks = (attributes.size + 511) // 512
@@ -180,7 +190,17 @@ class ReadOnlyOperations(pyfuse3.Operations):
             number = parent_inode if text == "." else self.inodes.parent(parent_inode)
             node, parent = self.inodes.node(number), self.inodes.parent(number)
         else:
-            node, parent = await self._directory(parent_inode).lookup(text), parent_inode
+            directory = self._directory(parent_inode)
+            try:
+                node, parent = await directory.lookup(text), parent_inode
+            except FileNotFoundError:
+                if not (directory.immutable and self.negative_timeout > 0):
+                    raise
+                # Inode 0 is a negative entry: the kernel remembers the name is missing.
+                missing = pyfuse3.EntryAttributes()
+                missing.st_ino = 0
+                missing.entry_timeout = self.negative_timeout
+                return missing
         return self._entry(self.inodes.reference(node, parent), node.attributes())
 
     @_handler("forget")
@@ -215,6 +235,17 @@ class ReadOnlyOperations(pyfuse3.Operations):
         data.f_bsize = data.f_frsize = self.block_size
         data.f_namemax = 255
         return data
+
+    @_handler("getxattr")
+    async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        try:
+            return self.inodes.node(inode).xattrs()[os.fsdecode(name)]
+        except KeyError:
+            raise OSError(errno.ENODATA, "no such attribute", os.fsdecode(name)) from None
+
+    @_handler("listxattr")
+    async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
+        return [os.fsencode(name) for name in self.inodes.node(inode).xattrs()]
 
     # -- directories ------------------------------------------------------------
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gzip
-import hashlib
 import io
 import json
 import os
@@ -34,7 +32,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import tarfile
 import tempfile
 import time
 import urllib.error
@@ -44,15 +41,6 @@ from pathlib import Path
 from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-#: Media types of an OCI image (image-spec v1.0).
-MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
-MEDIA_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
-
-#: How a layer marks deletions of lower-layer content (OCI image-spec "Whiteouts").
-WHITEOUT_PREFIX = ".wh."
-OPAQUE_MARKER = ".wh..wh..opq"
 
 #: The name containerd knows the daemon by (``[proxy_plugins.bootseer]``).
 SNAPSHOTTER_NAME = "bootseer"
@@ -66,259 +54,20 @@ LOG_TAIL_LINES = 200
 #: Per-call bound on ``ctr`` during teardown: a wedged shim must not stall it (shims are killed after).
 TEARDOWN_CALL_TIMEOUT = 10
 
-#: Fixed mtime of every tar entry and gzip header: the same specs give the same digests.
-EPOCH = 1_700_000_000
-
-
 class HarnessError(RuntimeError):
     """A component did not start, stop or answer as expected; the message says which and why."""
 
 
 # --------------------------------------------------------------------------- images
 
-
-@dataclasses.dataclass(frozen=True)
-class Dir:
-    path: str
-    mode: int = 0o755
-
-
-@dataclasses.dataclass(frozen=True)
-class File:
-    path: str
-    data: bytes
-    mode: int = 0o644
-
-
-@dataclasses.dataclass(frozen=True)
-class Symlink:
-    path: str
-    target: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Whiteout:
-    """Deletes ``path`` (file or directory) of the layers below."""
-
-    path: str
-
-
-@dataclasses.dataclass(frozen=True)
-class Opaque:
-    """Hides everything the layers below have under directory ``path``."""
-
-    path: str
-
-
-Entry = Dir | File | Symlink | Whiteout | Opaque
-
-
-@dataclasses.dataclass(frozen=True)
-class Layer:
-    entries: tuple[Entry, ...]
-    comment: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class BuiltImage:
-    """What :func:`build_oci_layout` wrote: enough to check what containerd reports."""
-
-    layout: Path
-    tag: str
-    manifest_digest: str
-    config_digest: str
-    layer_digests: tuple[str, ...]  #: sha256 of each gzip blob, lowest layer first
-    diff_ids: tuple[str, ...]  #: sha256 of each uncompressed tar, lowest layer first
-
-
-def _sha256(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def _tar_member(entry: Entry) -> tuple[tarfile.TarInfo, bytes | None]:
-    path = entry.path.strip("/")
-    if not path:
-        raise ValueError(f"entry {entry!r} has no path below /")
-    if isinstance(entry, Whiteout):
-        parent, _, name = path.rpartition("/")
-        path = f"{parent}/{WHITEOUT_PREFIX}{name}" if parent else WHITEOUT_PREFIX + name
-        entry = File(path, b"")
-    elif isinstance(entry, Opaque):
-        path = f"{path}/{OPAQUE_MARKER}"
-        entry = File(path, b"")
-    info = tarfile.TarInfo(path)
-    info.mtime = EPOCH
-    info.uid = info.gid = 0
-    info.uname = info.gname = "root"
-    if isinstance(entry, Dir):
-        info.type, info.mode = tarfile.DIRTYPE, entry.mode
-        return info, None
-    if isinstance(entry, Symlink):
-        info.type, info.linkname, info.mode = tarfile.SYMTYPE, entry.target, 0o777
-        return info, None
-    info.type, info.mode, info.size = tarfile.REGTYPE, entry.mode, len(entry.data)
-    return info, entry.data
-
-
-def layer_tar(layer: Layer) -> bytes:
-    """The uncompressed tar of ``layer``; parent directories are added where missing."""
-    buf = io.BytesIO()
-    seen: set[str] = set()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for entry in layer.entries:
-            info, data = _tar_member(entry)
-            parts = info.name.split("/")
-            for depth in range(1, len(parts)):
-                parent = "/".join(parts[:depth])
-                if parent not in seen:
-                    seen.add(parent)
-                    tar.addfile(_tar_member(Dir(parent))[0])
-            seen.add(info.name)
-            tar.addfile(info, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
-def build_oci_layout(
-    layout: Path,
-    layers: Sequence[Layer],
-    *,
-    tag: str = "latest",
-    cmd: Sequence[str] = ("/bin/sh",),
-    env: Sequence[str] = ("PATH=/bin:/usr/bin",),
-) -> BuiltImage:
-    """Write an OCI image layout at ``layout`` holding one image of ``layers`` tagged ``tag``."""
-    blobs = layout / "blobs" / "sha256"
-    blobs.mkdir(parents=True, exist_ok=True)
-
-    def put(data: bytes) -> str:
-        digest = _sha256(data)
-        (blobs / digest.removeprefix("sha256:")).write_bytes(data)
-        return digest
-
-    layer_descs, diff_ids, history = [], [], []
-    for layer in layers:
-        tar = layer_tar(layer)
-        diff_ids.append(_sha256(tar))
-        blob = gzip.compress(tar, mtime=EPOCH)
-        layer_descs.append({"mediaType": MEDIA_LAYER_GZIP, "digest": put(blob), "size": len(blob)})
-        history.append({"created": "2023-11-14T22:13:20Z", "created_by": layer.comment or "bootseer harness"})
-    config = {
-        "architecture": "amd64",
-        "os": "linux",
-        "created": "2023-11-14T22:13:20Z",
-        "config": {"Cmd": list(cmd), "Env": list(env), "WorkingDir": "/"},
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        "history": history,
-    }
-    config_bytes = json.dumps(config, sort_keys=True).encode()
-    config_digest = put(config_bytes)
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": {"mediaType": MEDIA_CONFIG, "digest": config_digest, "size": len(config_bytes)},
-        "layers": layer_descs,
-    }
-    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
-    manifest_digest = put(manifest_bytes)
-    index = {
-        "schemaVersion": 2,
-        "manifests": [
-            {
-                "mediaType": MEDIA_MANIFEST,
-                "digest": manifest_digest,
-                "size": len(manifest_bytes),
-                "annotations": {"org.opencontainers.image.ref.name": tag},
-                "platform": {"architecture": "amd64", "os": "linux"},
-            }
-        ],
-    }
-    (layout / "index.json").write_text(json.dumps(index, sort_keys=True))
-    (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
-    return BuiltImage(
-        layout=layout,
-        tag=tag,
-        manifest_digest=manifest_digest,
-        config_digest=config_digest,
-        layer_digests=tuple(d["digest"] for d in layer_descs),
-        diff_ids=tuple(diff_ids),
-    )
-
-
-def expected_inodes(layer: Layer) -> int:
-    """Inodes the unpacked ``layer`` has: one per tar entry but opaque markers, plus its root."""
-    members = tarfile.open(fileobj=io.BytesIO(layer_tar(layer))).getnames()
-    return 1 + sum(1 for name in members if not name.endswith(OPAQUE_MARKER))
-
-
-def chain_ids(diff_ids: Sequence[str]) -> list[str]:
-    """The OCI ChainIDs of a layer stack: the names containerd commits unpacked layers under."""
-    chain: list[str] = []
-    for diff_id in diff_ids:
-        chain.append(diff_id if not chain else _sha256(f"{chain[-1]} {diff_id}".encode()))
-    return chain
-
-
-def busybox_layer(busybox: Path = Path("/bin/busybox")) -> Layer:
-    """A base layer: static busybox at /bin/busybox with a symlink in /bin per applet."""
-    if not busybox.is_file():
-        raise HarnessError(f"{busybox} missing: install busybox-static")
-    applets = subprocess.run(
-        [str(busybox), "--list"], check=True, capture_output=True, text=True, timeout=30
-    ).stdout.split()
-    entries: list[Entry] = [Dir(d) for d in ("bin", "dev", "etc", "proc", "sys", "root", "var")]
-    entries.append(Dir("tmp", 0o1777))
-    entries.append(File("bin/busybox", busybox.read_bytes(), 0o755))
-    entries += [Symlink(f"bin/{name}", "busybox") for name in sorted(set(applets)) if name != "busybox"]
-    entries.append(File("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"))
-    entries.append(File("etc/group", b"root:x:0:\n"))
-    return Layer(tuple(entries), "busybox base")
-
-
-#: What the demo image's layers put where, for the tests to check against.
-APP_FILE = "/app/layer1.txt"
-APP_FILE_DATA = b"written by layer 1\n"
-PATCH_FILE = "/app/layer2.txt"
-PATCH_FILE_DATA = b"written by layer 2\n"
-DELETED_FILE = "/etc/obsolete.conf"  #: added by layer 1, whited out by layer 2
-OPAQUE_DIR = "/app/config"  #: layer 1 fills it, layer 2 makes it opaque
-OPAQUE_OLD = ("a.conf", "b.conf")
-OPAQUE_NEW = ("c.conf",)
-BLOB_FILE = "/data/blob.bin"  #: a larger file, to see bytes come through intact
-BLOB_SIZE = 3 * 1024 * 1024
-
-
-def blob_data(size: int = BLOB_SIZE) -> bytes:
-    """Deterministic, incompressible-looking content (a sha256 chain)."""
-    out, block = bytearray(), b"bootseer"
-    while len(out) < size:
-        block = hashlib.sha256(block).digest()
-        out += block
-    return bytes(out[:size])
-
-
-def demo_layers() -> list[Layer]:
-    """The three-layer test image: busybox base, files added, then whiteout + opaque dir."""
-    app = Layer(
-        (
-            File(APP_FILE, APP_FILE_DATA),
-            *(File(f"{OPAQUE_DIR}/{name}", f"old {name}\n".encode()) for name in OPAQUE_OLD),
-            File(DELETED_FILE, b"this file is deleted by layer 2\n"),
-            File(BLOB_FILE, blob_data()),
-            File("/app/run.sh", b"#!/bin/sh\necho hello from bootseer\n", 0o755),
-        ),
-        "layer 1: app files",
-    )
-    patch = Layer(
-        (
-            File(PATCH_FILE, PATCH_FILE_DATA),
-            Whiteout(DELETED_FILE),
-            Dir(OPAQUE_DIR),
-            Opaque(OPAQUE_DIR),
-            *(File(f"{OPAQUE_DIR}/{name}", f"new {name}\n".encode()) for name in OPAQUE_NEW),
-        ),
-        "layer 2: whiteout and opaque dir",
-    )
-    return [busybox_layer(), app, patch]
+# The image builder lives in tests/support (shared with the unit tests); re-exported here
+# so that ``harness.build_oci_layout``, ``harness.demo_layers`` and the rest keep working.
+from tests.support.layers import EPOCH, OPAQUE_MARKER, WHITEOUT_PREFIX, Dir, Entry, File, Layer, Opaque, Symlink, Whiteout  # noqa: E402,F401
+from tests.support.oci import (  # noqa: E402,F401
+    APP_FILE, APP_FILE_DATA, BLOB_FILE, BLOB_SIZE, DELETED_FILE, MEDIA_CONFIG, MEDIA_LAYER_GZIP, MEDIA_MANIFEST,
+    OPAQUE_DIR, OPAQUE_NEW, OPAQUE_OLD, PATCH_FILE, PATCH_FILE_DATA, BuiltImage, blob_data, build_oci_layout,
+    busybox_layer, chain_ids, demo_layers, expected_inodes,
+)
 
 
 # --------------------------------------------------------------------------- processes

@@ -1,0 +1,377 @@
+"""OCI image layouts for tests, and the images BootSeer's tests use.
+
+:func:`build_oci_layout` writes an OCI image layout (``oci-layout``, ``index.json``,
+manifest, config with ``rootfs.diff_ids``, layer blobs) from :class:`~tests.support.layers.Layer`
+specs, no docker needed.  Layers are streamed through temp files, so a multi-GB layer
+costs disk, not memory.  Blobs are gzip (the default), zstd or uncompressed tar, each
+with its OCI media type; the same specs give the same digests.  Push a layout to a
+registry with ``skopeo copy oci:DIR:TAG docker://...`` (see ``integration/harness.py``).
+
+Images:
+
+* :func:`busybox_layer` -- a runnable base (static busybox and its applet symlinks).
+* :func:`demo_layers` -- the three-layer image the integration tests run: busybox, app
+  files, then a whiteout and an opaque directory (constants below say what is where).
+* :func:`rich_layers` -- three layers holding an entry of every kind (hardlinks, xattrs,
+  ns mtimes, devices, fifos, sparse and empty files, long and non-UTF-8 names, absolute
+  symlinks, whiteouts, opaque dirs, a file replaced by a later entry), for format round trips.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Sequence
+
+import zstandard
+
+from tests.support.layers import (
+    EPOCH,
+    OPAQUE_MARKER,
+    Device,
+    Dir,
+    Entry,
+    Fifo,
+    File,
+    Hardlink,
+    Layer,
+    Opaque,
+    Sparse,
+    Symlink,
+    Whiteout,
+    layer_tar,
+    write_layer_tar,
+)
+
+#: Media types of an OCI image (image-spec v1.0).
+MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
+MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
+MEDIA_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
+MEDIA_LAYER_ZSTD = "application/vnd.oci.image.layer.v1.tar+zstd"
+MEDIA_LAYER_TAR = "application/vnd.oci.image.layer.v1.tar"
+LAYER_MEDIA = {"gzip": MEDIA_LAYER_GZIP, "zstd": MEDIA_LAYER_ZSTD, "none": MEDIA_LAYER_TAR}
+
+
+class BuildError(RuntimeError):
+    """A test image could not be built (a missing tool); the message says what to install."""
+
+
+@dataclass(frozen=True)
+class BuiltImage:
+    """What :func:`build_oci_layout` wrote: enough to check what containerd or a converter reports."""
+
+    layout: Path
+    tag: str
+    manifest_digest: str
+    config_digest: str
+    layer_digests: tuple[str, ...]  #: sha256 of each blob as stored (compressed), lowest layer first
+    diff_ids: tuple[str, ...]  #: sha256 of each uncompressed tar, lowest layer first
+    layer_sizes: tuple[int, ...] = ()  #: bytes of each blob
+    media_types: tuple[str, ...] = ()  #: media type of each layer blob
+
+    @property
+    def ref(self) -> str:
+        """The ``oci:DIR:TAG`` reference of this image."""
+        return f"oci:{self.layout}:{self.tag}"
+
+    def blob_path(self, digest: str) -> Path:
+        return self.layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class _HashingWriter:
+    """A write-only file that hashes and counts what passes through to ``out``."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self.out, self.hash, self.size = out, hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.hash.update(data)
+        self.size += len(data)
+        return self.out.write(data)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def _put_file(blobs: Path, path: Path) -> tuple[str, int]:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    digest = "sha256:" + h.hexdigest()
+    os.replace(path, blobs / h.hexdigest())
+    return digest, (blobs / h.hexdigest()).stat().st_size
+
+
+def write_layer_blob(layer: Layer, blobs: Path, compression: str = "gzip") -> tuple[str, str, int]:
+    """Write ``layer`` as a blob under ``blobs``; returns (blob digest, diff_id, blob size)."""
+    if compression not in LAYER_MEDIA:
+        raise ValueError(f"compression must be one of {sorted(LAYER_MEDIA)}, not {compression!r}")
+    fd, spool = tempfile.mkstemp(dir=blobs, prefix=".building-")
+    try:
+        with os.fdopen(fd, "wb") as raw:
+            if compression == "gzip":
+                with gzip.GzipFile(fileobj=raw, mode="wb", mtime=EPOCH) as compressed:
+                    tar = _HashingWriter(compressed)  # type: ignore[arg-type]
+                    write_layer_tar(layer, tar)  # type: ignore[arg-type]
+            elif compression == "zstd":
+                with zstandard.ZstdCompressor(level=3).stream_writer(raw, closefd=False) as compressed:
+                    tar = _HashingWriter(compressed)  # type: ignore[arg-type]
+                    write_layer_tar(layer, tar)  # type: ignore[arg-type]
+            else:
+                tar = _HashingWriter(raw)
+                write_layer_tar(layer, tar)  # type: ignore[arg-type]
+        diff_id = "sha256:" + tar.hash.hexdigest()
+        digest, size = _put_file(blobs, Path(spool))
+        return digest, diff_id, size
+    finally:
+        if os.path.exists(spool):
+            os.unlink(spool)
+
+
+def build_oci_layout(
+    layout: Path,
+    layers: Sequence[Layer],
+    *,
+    tag: str = "latest",
+    cmd: Sequence[str] = ("/bin/sh",),
+    env: Sequence[str] = ("PATH=/bin:/usr/bin",),
+    compression: str | Sequence[str] = "gzip",
+    architecture: str = "amd64",
+) -> BuiltImage:
+    """Write an OCI image layout at ``layout`` holding one image of ``layers`` tagged ``tag``.
+
+    ``compression`` is ``"gzip"``, ``"zstd"`` or ``"none"``, for every layer or one per
+    layer.  A layout that already exists gets the image added under ``tag`` (a tag
+    named before is replaced), so one layout can hold several images.
+    """
+    layout = Path(layout)
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    compressions = [compression] * len(layers) if isinstance(compression, str) else list(compression)
+    if len(compressions) != len(layers):
+        raise ValueError(f"{len(compressions)} compressions for {len(layers)} layers")
+
+    def put(data: bytes) -> str:
+        digest = sha256_digest(data)
+        (blobs / digest.removeprefix("sha256:")).write_bytes(data)
+        return digest
+
+    layer_descs, diff_ids, history = [], [], []
+    for layer, how in zip(layers, compressions):
+        digest, diff_id, size = write_layer_blob(layer, blobs, how)
+        diff_ids.append(diff_id)
+        layer_descs.append({"mediaType": LAYER_MEDIA[how], "digest": digest, "size": size})
+        history.append({"created": "2023-11-14T22:13:20Z", "created_by": layer.comment or "bootseer test image"})
+    config = {
+        "architecture": architecture,
+        "os": "linux",
+        "created": "2023-11-14T22:13:20Z",
+        "config": {"Cmd": list(cmd), "Env": list(env), "WorkingDir": "/"},
+        "rootfs": {"type": "layers", "diff_ids": diff_ids},
+        "history": history,
+    }
+    config_bytes = json.dumps(config, sort_keys=True).encode()
+    config_digest = put(config_bytes)
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
+        "config": {"mediaType": MEDIA_CONFIG, "digest": config_digest, "size": len(config_bytes)},
+        "layers": layer_descs,
+    }
+    manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
+    manifest_digest = put(manifest_bytes)
+    index_path = layout / "index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else {"schemaVersion": 2, "manifests": []}
+    index["manifests"] = [
+        m for m in index["manifests"] if m.get("annotations", {}).get("org.opencontainers.image.ref.name") != tag
+    ]
+    index["manifests"].append(
+        {
+            "mediaType": MEDIA_MANIFEST,
+            "digest": manifest_digest,
+            "size": len(manifest_bytes),
+            "annotations": {"org.opencontainers.image.ref.name": tag},
+            "platform": {"architecture": architecture, "os": "linux"},
+        }
+    )
+    index_path.write_text(json.dumps(index, sort_keys=True))
+    (layout / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+    return BuiltImage(
+        layout=layout,
+        tag=tag,
+        manifest_digest=manifest_digest,
+        config_digest=config_digest,
+        layer_digests=tuple(d["digest"] for d in layer_descs),
+        diff_ids=tuple(diff_ids),
+        layer_sizes=tuple(d["size"] for d in layer_descs),
+        media_types=tuple(d["mediaType"] for d in layer_descs),
+    )
+
+
+def expected_inodes(layer: Layer) -> int:
+    """Inodes the unpacked ``layer`` has: one per tar entry but opaque markers, plus its root."""
+    import io
+    import tarfile
+
+    members = tarfile.open(fileobj=io.BytesIO(layer_tar(layer))).getnames()
+    return 1 + sum(1 for name in members if not name.endswith(OPAQUE_MARKER))
+
+
+def chain_ids(diff_ids: Sequence[str]) -> list[str]:
+    """The OCI ChainIDs of a layer stack: the names containerd commits unpacked layers under."""
+    chain: list[str] = []
+    for diff_id in diff_ids:
+        chain.append(diff_id if not chain else sha256_digest(f"{chain[-1]} {diff_id}".encode()))
+    return chain
+
+
+def busybox_layer(busybox: Path = Path("/bin/busybox")) -> Layer:
+    """A base layer: static busybox at /bin/busybox with a symlink in /bin per applet."""
+    if not busybox.is_file():
+        raise BuildError(f"{busybox} missing: install busybox-static")
+    applets = subprocess.run(
+        [str(busybox), "--list"], check=True, capture_output=True, text=True, timeout=30
+    ).stdout.split()
+    entries: list[Entry] = [Dir(d) for d in ("bin", "dev", "etc", "proc", "sys", "root", "var")]
+    entries.append(Dir("tmp", 0o1777))
+    entries.append(File("bin/busybox", busybox.read_bytes(), 0o755))
+    entries += [Symlink(f"bin/{name}", "busybox") for name in sorted(set(applets)) if name != "busybox"]
+    entries.append(File("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n"))
+    entries.append(File("etc/group", b"root:x:0:\n"))
+    return Layer(tuple(entries), "busybox base")
+
+
+#: What the demo image's layers put where, for the tests to check against.
+APP_FILE = "/app/layer1.txt"
+APP_FILE_DATA = b"written by layer 1\n"
+PATCH_FILE = "/app/layer2.txt"
+PATCH_FILE_DATA = b"written by layer 2\n"
+DELETED_FILE = "/etc/obsolete.conf"  #: added by layer 1, whited out by layer 2
+OPAQUE_DIR = "/app/config"  #: layer 1 fills it, layer 2 makes it opaque
+OPAQUE_OLD = ("a.conf", "b.conf")
+OPAQUE_NEW = ("c.conf",)
+BLOB_FILE = "/data/blob.bin"  #: a larger file, to see bytes come through intact
+BLOB_SIZE = 3 * 1024 * 1024
+
+
+def blob_data(size: int = BLOB_SIZE) -> bytes:
+    """Deterministic, incompressible-looking content (a sha256 chain)."""
+    out, block = bytearray(), b"bootseer"
+    while len(out) < size:
+        block = hashlib.sha256(block).digest()
+        out += block
+    return bytes(out[:size])
+
+
+def demo_layers() -> list[Layer]:
+    """The three-layer test image: busybox base, files added, then whiteout + opaque dir."""
+    app = Layer(
+        (
+            File(APP_FILE, APP_FILE_DATA),
+            *(File(f"{OPAQUE_DIR}/{name}", f"old {name}\n".encode()) for name in OPAQUE_OLD),
+            File(DELETED_FILE, b"this file is deleted by layer 2\n"),
+            File(BLOB_FILE, blob_data()),
+            File("/app/run.sh", b"#!/bin/sh\necho hello from bootseer\n", 0o755),
+        ),
+        "layer 1: app files",
+    )
+    patch = Layer(
+        (
+            File(PATCH_FILE, PATCH_FILE_DATA),
+            Whiteout(DELETED_FILE),
+            Dir(OPAQUE_DIR),
+            Opaque(OPAQUE_DIR),
+            *(File(f"{OPAQUE_DIR}/{name}", f"new {name}\n".encode()) for name in OPAQUE_NEW),
+        ),
+        "layer 2: whiteout and opaque dir",
+    )
+    return [busybox_layer(), app, patch]
+
+
+#: A long path (over 100 bytes: needs a PAX header) and a non-UTF-8 name (byte 0xe9).
+LONG_NAME = "deep/" + "/".join(["d" * 60] * 3) + "/" + "f" * 200
+NON_UTF8_NAME = "names/caf\udce9.txt"
+#: Two 1 MiB blocks that appear in more than one layer (dedup across layers).
+SHARED_BLOCKS = blob_data(2 << 20)
+
+
+def rich_layers(block_size: int = 1 << 20) -> list[Layer]:
+    """Three layers with one entry of every kind a converter must keep (no busybox needed).
+
+    Layer 0: dirs with modes/owners/xattrs, files (empty, small, multi-block, one
+    holding :data:`SHARED_BLOCKS`), hardlinks, symlinks (relative, absolute, dangling,
+    ``..``), devices, a fifo, a GNU sparse file, a long and a non-UTF-8 name, an ns mtime.
+    Layer 1: whiteouts of a file and a directory, an opaque directory refilled, a file
+    replaced, :data:`SHARED_BLOCKS` again.  Layer 2: a replaced directory's metadata and
+    a sparse file with a hole spanning whole blocks.
+    """
+    base = Layer(
+        (
+            Dir("etc", 0o755),
+            Dir("srv", 0o750, uid=1000, gid=1000, xattrs={"user.comment": b"srv dir"}),
+            File("etc/hosts", b"127.0.0.1 localhost\n"),
+            File("etc/empty", b""),
+            File("etc/secret", b"s3cret\n", 0o600, uid=1000, gid=100),
+            File("srv/setuid", b"#!/bin/sh\n", 0o4755),
+            File("srv/xattr.bin", b"x" * 100, xattrs={"user.a": b"1", "user.bin": b"\x00\xff\xfe"}),
+            File("srv/mtime-ns", b"ns\n", mtime="1700000000.123456789"),
+            File("srv/big.bin", blob_data(3 * block_size + 12345)),
+            File("srv/shared.bin", SHARED_BLOCKS),
+            Hardlink("srv/big.link", "srv/big.bin"),
+            Hardlink("etc/hosts.link", "etc/hosts"),
+            Symlink("srv/rel", "big.bin"),
+            Symlink("srv/abs", "/etc/hosts"),
+            Symlink("srv/escape", "../../../../etc/shadow"),
+            Symlink("srv/dangling", "nowhere/at/all"),
+            Device("dev/null", "char", 1, 3, 0o666),
+            Device("dev/sda", "block", 8, 0, 0o660),
+            Fifo("run/fifo", 0o600),
+            Sparse("srv/sparse.img", 5 * block_size, ((0, b"head" * 1024), (4 * block_size + 7, b"tail" * 10))),
+            File(LONG_NAME, b"long\n"),
+            File(NON_UTF8_NAME, b"non-utf8\n"),
+            Dir("opaque-me"),
+            File("opaque-me/old.txt", b"old\n"),
+            Dir("gone-dir"),
+            File("gone-dir/file", b"x\n"),
+            File("replace-me", b"first\n"),
+        ),
+        "rich: every kind",
+    )
+    middle = Layer(
+        (
+            Whiteout("etc/secret"),
+            Whiteout("gone-dir"),
+            Opaque("opaque-me"),
+            File("opaque-me/new.txt", b"new\n"),
+            File("replace-me", b"second version\n", 0o640),
+            File("app/shared-again.bin", SHARED_BLOCKS + b"tail"),
+        ),
+        "rich: deletions",
+    )
+    top = Layer(
+        (
+            File("replace-me", b"third\n"),
+            File("replace-me", b"fourth and last\n", 0o600),  # a later entry replaces an earlier one
+            Dir("srv", 0o700, uid=1000, gid=1000),
+            Sparse("data/holes.img", 3 * block_size + 12, ((3 * block_size, b"end of holes"),)),
+        ),
+        "rich: replacements and holes",
+    )
+    return [base, middle, top]
+
+
+def remove_layout(layout: Path) -> None:
+    shutil.rmtree(layout, ignore_errors=True)

@@ -208,6 +208,8 @@ class Registry:
         self.binary = binary
         self.port = 0
         self.process: ManagedProcess | None = None
+        #: YAML appended to the config at the next start (an ``auth:`` section, say).
+        self.extra_config = ""
 
     @property
     def address(self) -> str:
@@ -225,6 +227,7 @@ class Registry:
                 f"storage:\n  filesystem:\n    rootdirectory: {self.base / 'storage'}\n"
                 "  delete:\n    enabled: true\n"
                 f"http:\n  addr: {self.address}\n"
+                + self.extra_config
             )
             self.process = ManagedProcess("docker-registry", [self.binary, "serve", str(config)],
                                           self.base / "registry.log")
@@ -241,6 +244,8 @@ class Registry:
         try:
             with urllib.request.urlopen(f"http://{self.address}/v2/", timeout=2) as resp:
                 return resp.status == 200
+        except urllib.error.HTTPError as e:
+            return e.code == 401  # up, and asking for credentials (an auth: section)
         except (urllib.error.URLError, OSError):
             return False
 

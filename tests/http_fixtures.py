@@ -196,6 +196,8 @@ class Faults:
     huge_done: threading.Event = field(default_factory=threading.Event)
     #: (Content-Type, body) served instead of every directory index; None: the real one
     index: tuple[str, bytes] | None = None
+    #: request path -> status answered to every HEAD and GET of it (say 403), until removed
+    refused: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     #: what a huge-length answer announces, and what it offers to send of it
@@ -320,6 +322,9 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
     def serve(self, body: bool) -> None:
         self.server.requests.append((self.command, self.path, dict(self.headers)))
         faults = self.server.faults
+        if code := faults.refused.get(urllib.parse.urlsplit(self.path).path):
+            self.send_empty(code)
+            return
         if body and (code := faults.take("status")):
             self.send_empty(code)
             return

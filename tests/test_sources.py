@@ -840,21 +840,62 @@ def test_swebhdfs_refuses_a_redirect_to_plain_http(tree: Path, webhdfs_factory) 
 # -- malformed listings ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("patch", [{"length": "12x"}, {"length": -1}, {"modificationTime": "yesterday"}])
-def test_webhdfs_malformed_listing_is_permanent(tree: Path, webhdfs_factory, patch: dict) -> None:
+@pytest.mark.parametrize(
+    "patch",
+    [{"length": "12x"}, {"length": -1}, {"modificationTime": "yesterday"}, {"pathSuffix": "bad\ud800x"},
+     {"pathSuffix": None}],
+)  # fmt: skip
+def test_webhdfs_listing_skips_a_malformed_entry_and_lists_the_rest(
+    tree: Path, webhdfs_factory, patch: dict, caplog: pytest.LogCaptureFixture
+) -> None:
     server: WebHdfsServer = webhdfs_factory(tree)
     server.namenode.status_patch = patch
-    with pytest.raises(PermanentError, match=f"bad {next(iter(patch))}"):
-        open_source(server.url).listdir("nested")
+    server.namenode.status_patch_names = {"b.bin"}
+    assert [entry.name for entry in open_source(server.url).listdir("nested")] == ["deeper"]
+    assert "skipping malformed LISTSTATUS entry" in caplog.text
 
 
-@pytest.mark.parametrize("size", ['"huge"', "-5", "1.5", "true", "null"])
-def test_json_index_with_a_bad_size_is_permanent(tree: Path, range_http_factory, size: str) -> None:
+@pytest.mark.parametrize(
+    "bad",
+    [b'"size": "huge"', b'"size": -5', b'"size": 1.5', b'"size": true', b'"size": null', b'"size": 3, "x": 0'],
+)
+def test_json_index_skips_an_entry_with_a_bad_size_and_lists_the_rest(
+    tree: Path, range_http_factory, bad: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
     server = range_http_factory(tree)
-    page = b'[{"name": "ok", "type": "file", "size": 3}, {"name": "bad", "type": "file", "size": %s}]' % size.encode()
+    if bad.endswith(b'"x": 0'):
+        bad = b'"x": 0'  # no size at all
+    page = b'[{"name": "ok", "type": "file", "size": 3}, {"name": "bad", "type": "file", %s}]' % bad
     server.faults.index = ("application/json", page)
-    with pytest.raises(PermanentError, match="bad size"):
-        open_source(server.url).listdir("")
+    assert [(entry.name, entry.size) for entry in open_source(server.url).listdir("")] == [("ok", 3)]
+    assert "bad size" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["bad\\ud800x", "\\udc80", "\\udfff\\ud800", "a/b", "..", ""])
+def test_json_index_skips_a_name_that_is_not_valid_unicode(
+    tree: Path, range_http_factory, name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = range_http_factory(tree)
+    page = b'[{"name": "%s", "type": "file", "size": 9}, {"name": "ok", "type": "file", "size": 3}]' % name.encode()
+    server.faults.index = ("application/json", page)
+    assert [entry.name for entry in open_source(server.url).listdir("")] == ["ok"]
+    assert "skipping malformed directory index item" in caplog.text
+
+
+def test_html_index_skips_a_link_the_server_refuses(
+    tree: Path, range_http_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = range_http_factory(tree)
+    page = b'<a href="a.bin">a.bin</a> <a href="nested/">nested/</a> <a href="gone">gone</a> <a href="x%ED%A0%80">x</a>'
+    server.faults.index = ("text/html", page)
+    server.faults.refused["/a.bin"] = 403  # HEAD and GET of it: PermanentError
+    server.faults.refused["/gone"] = 404
+    assert [entry.name for entry in open_source(server.url).listdir("")] == ["nested"]
+    assert "skipping directory index link the server refuses" in caplog.text
+    del server.faults.refused["/a.bin"]
+    assert [entry.name for entry in open_source(server.url).listdir("")] == ["a.bin", "nested"]
+
+
     mtime = "Mon, 30 Nov 2026 07:40:31 GMT"
     good = b'[{"name": "a", "type": "file", "size": 7, "mtime": "%s"}]' % mtime.encode()
     assert parse_json_index(good, "u")[0].version == "lm:1796024431:7"

@@ -122,7 +122,11 @@ class _NamenodeHandler(_Handler):
             self.send_json(200, {"FileStatus": file_status(local, "")})
         elif op == "LISTSTATUS":
             if local.is_dir():
-                statuses = [{**file_status(child, child.name), **patch} for child in sorted(local.iterdir())]
+                only = self.server.status_patch_names
+                statuses = [
+                    {**file_status(child, child.name), **(patch if only is None or child.name in only else {})}
+                    for child in sorted(local.iterdir())
+                ]
             else:
                 statuses = [file_status(local, "")]  # HDFS lists a file as itself
             self.send_json(200, {"FileStatuses": {"FileStatus": statuses}})
@@ -197,6 +201,7 @@ class _Server(ThreadingHTTPServer):
         self.requests: list[str] = []  #: request targets seen, for assertions
         self.headers_seen: list[dict[str, str]] = []  #: their headers
         self.status_patch: dict[str, Any] = {}  #: fields that override those of listed FileStatuses
+        self.status_patch_names: set[str] | None = None  #: the names status_patch applies to (None: all)
         self.thread = threading.Thread(target=self.serve_forever, name=f"webhdfs-{handler.__name__}", daemon=True)
 
     def handle_error(self, request: object, client_address: object) -> None:

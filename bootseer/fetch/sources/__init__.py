@@ -109,10 +109,30 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
+def valid_name(name: object) -> bool:
+    """Whether a remote listing's ``name`` can be a file name in the tree.
+
+    Not empty, ``.`` or ``..``, no ``/`` or NUL, and valid Unicode: a JSON listing can
+    carry a lone surrogate (``"bad\\ud800x"``), which no file name can be encoded
+    to and no URL can be built from.  Listings skip such entries (with a warning)
+    rather than fail the whole directory.
+    """
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        return False
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_range(offset: int, length: int) -> None:
     """ValueError for a negative offset or length (a caller bug, never retried)."""
     if offset < 0 or length < 0:
         raise ValueError(f"invalid range: offset={offset} length={length}")
 
 
-__all__ = ["BACKENDS", "open_source", "source_class", "source_options", "split_path", "redact_url", "check_range"]
+__all__ = [
+    "BACKENDS", "open_source", "source_class", "source_options", "split_path", "redact_url", "valid_name",
+    "check_range",
+]  # fmt: skip

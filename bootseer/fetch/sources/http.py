@@ -39,7 +39,7 @@ from typing import Iterator, Mapping
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, redact_url, split_path
+from bootseer.fetch.sources import check_range, redact_url, split_path, valid_name
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -297,10 +297,6 @@ class _LinkParser(HTMLParser):
             self.hrefs.extend(value for name, value in attrs if name == "href" and value)
 
 
-def valid_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
-
-
 def index_links(page: str, dir_url: str) -> list[tuple[str, bool]]:
     """``(name, is_dir)`` for each link of an HTML index that names a direct child of ``dir_url``."""
     parser = _LinkParser()
@@ -324,7 +320,12 @@ def index_links(page: str, dir_url: str) -> list[tuple[str, bool]]:
 
 
 def parse_json_index(body: bytes, url: str) -> list[Entry]:
-    """Entries of an nginx ``autoindex_format json`` listing."""
+    """Entries of an nginx ``autoindex_format json`` listing.
+
+    A malformed listing (not JSON, not a list) raises PermanentError; a malformed
+    item (no usable name: not valid Unicode, ``..``, a ``/``; a file without a
+    usable size) is skipped with a warning, so one bad entry never hides the rest.
+    """
     try:
         items = json.loads(body)
     except ValueError as exc:
@@ -333,8 +334,8 @@ def parse_json_index(body: bytes, url: str) -> list[Entry]:
         raise PermanentError(f"{url}: JSON directory index is not a list")
     entries = []
     for item in items:
-        if not isinstance(item, dict) or not valid_name(str(item.get("name", ""))):
-            log.warning("skipping malformed directory index item", url=url, item=repr(item)[:200])
+        if not isinstance(item, dict) or not valid_name(item.get("name")):
+            log.warning("skipping malformed directory index item", url=url, item=ascii(item)[:200])
             continue
         kind = item.get("type")
         if kind not in ("file", "directory"):
@@ -345,7 +346,9 @@ def parse_json_index(body: bytes, url: str) -> list[Entry]:
         size = item.get("size")
         # bool is an int to Python, not a size to anyone.
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise PermanentError(f"{url}: JSON directory index gives {item['name']!r} a bad size {size!r}")
+            log.warning("skipping directory index item with a bad size", url=url, name=item["name"],
+                        size=ascii(size)[:100])  # fmt: skip
+            continue
         mtime = item.get("mtime")
         version = http_version(size, mtime if isinstance(mtime, str) else None, None)
         entries.append(Entry(name=item["name"], size=size, is_dir=False, mtime=http_date(mtime), version=version))
@@ -608,6 +611,12 @@ class HttpSource:
                 entries.append(self.stat(f"{path}/{name}" if path else name))
             except NotFound:
                 continue
+            except PermanentError as exc:
+                # One link the server refuses (403, a redirect elsewhere, no size)
+                # hides that entry, not the directory; a TransientError still fails
+                # the listing, which the engine retries.
+                log.warning("skipping directory index link the server refuses", url=dir_url, name=name,
+                            error=str(exc))  # fmt: skip
         return entries
 
     def connect(self) -> HttpConnection:

@@ -28,7 +28,7 @@ import botocore.config
 import botocore.exceptions
 
 from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, redact_url, split_path
+from bootseer.fetch.sources import check_range, redact_url, split_path, valid_name
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -193,13 +193,13 @@ class S3Source:
                 for common in page.get("CommonPrefixes", []):
                     seen_anything = True
                     name = common["Prefix"][len(prefix):].rstrip("/")
-                    if _valid_name(name):
+                    if valid_name(name):
                         # An object of the same name wins, as in stat().
                         entries.setdefault(name, Entry(name=name, size=0, is_dir=True, mtime=0.0))
                 for item in page.get("Contents", []):
                     seen_anything = True
                     name = item["Key"][len(prefix):]
-                    if _valid_name(name):
+                    if valid_name(name):
                         entries[name] = Entry(
                             name=name,
                             size=int(item["Size"]),
@@ -224,10 +224,6 @@ class S3Source:
 
     def close(self) -> None:
         self._metadata_client.close()
-
-
-def _valid_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
 
 
 class S3Connection:

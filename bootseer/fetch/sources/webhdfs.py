@@ -30,8 +30,11 @@ from typing import Any, Mapping
 from urllib.parse import quote, unquote, urlencode, urljoin, urlsplit
 
 from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
-from bootseer.fetch.sources import check_range, redact_url, split_path
+from bootseer.fetch.sources import check_range, redact_url, split_path, valid_name
 from bootseer.fetch.sources.http import ChannelPool, HttpChannel, HttpEndpoint, parse_endpoint_url, status_error
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
 
 API_PREFIX = "/webhdfs/v1"
 MAX_METADATA_BYTES = 64 << 20
@@ -188,9 +191,16 @@ class WebHdfsSource:
             raise PermanentError(f"{self.where(path)}: LISTSTATUS answer's FileStatus is not a list")
         entries = []
         for status in statuses:
-            name = str(status.get("pathSuffix", "")) if isinstance(status, dict) else ""
-            if name and name not in (".", "..") and "/" not in name and status.get("type") in ("FILE", "DIRECTORY"):
+            name = status.get("pathSuffix") if isinstance(status, dict) else None
+            if not valid_name(name) or status.get("type") not in ("FILE", "DIRECTORY"):
+                if not (isinstance(status, dict) and status.get("type") == "SYMLINK"):
+                    log.warning("skipping malformed LISTSTATUS entry", url=self.where(path), entry=ascii(status)[:200])
+                continue
+            try:
                 entries.append(_entry(name, status, self.where(path)))
+            except PermanentError as exc:
+                # One entry with a bad length or time hides that entry, not the directory.
+                log.warning("skipping malformed LISTSTATUS entry", url=self.where(path), error=str(exc))
         return sorted(entries, key=lambda entry: entry.name)
 
     def connect(self) -> WebHdfsConnection:

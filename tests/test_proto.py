@@ -36,3 +36,60 @@ def test_service_is_containerds_on_the_wire() -> None:
     assert service.methods_by_name["List"].server_streaming
     assert snapshots_pb2.Kind.Value("COMMITTED") == 3
     assert hasattr(snapshots_pb2_grpc, "add_SnapshotsServicer_to_server")
+
+
+def test_vendoring_reproduces_the_committed_protos(tmp_path: Path) -> None:
+    """``generate.py --vendor`` from containerd's Go sources gives exactly the committed ``.proto`` files."""
+    sys.path.insert(0, str(PROTO))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(PROTO))
+    if not generate.GO_API_DIR.is_dir():
+        pytest.skip(f"{generate.GO_API_DIR} missing: apt-get install golang-github-containerd-containerd-dev")
+    generate.vendor(generate.GO_API_DIR, tmp_path)
+    for source in generate.SOURCES:
+        assert (tmp_path / source).read_text() == (PROTO / source).read_text(), f"{source} differs"
+    committed = sorted(str(p.relative_to(PROTO)) for p in PROTO.rglob("*.proto"))
+    assert committed == sorted(generate.SOURCES), "a vendored .proto is not listed in generate.SOURCES"
+
+
+def test_strip_gogoproto_refuses_what_it_cannot_strip() -> None:
+    sys.path.insert(0, str(PROTO))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(PROTO))
+    text = "/*\nlicence\n*/\n\nsyntax = \"proto3\";\nmessage M {\n\tstring a = 1 [json_name = \"x\", (gogoproto.nullable) = false];\n}\n"
+    with pytest.raises(ValueError, match="gogoproto left"):
+        generate.strip_gogoproto(text, "api/x.proto")
+
+
+@pytest.mark.parametrize("module, service, methods", [
+    ("content.v1.content_pb2", "containerd.services.content.v1.Content",
+     ["Info", "Update", "List", "Delete", "Read", "Status", "ListStatuses", "Write", "Abort"]),
+    ("images.v1.images_pb2", "containerd.services.images.v1.Images", ["Get", "List", "Create", "Update", "Delete"]),
+    ("leases.v1.leases_pb2", "containerd.services.leases.v1.Leases",
+     ["Create", "Delete", "List", "AddResource", "DeleteResource", "ListResources"]),
+    ("diff.v1.diff_pb2", "containerd.services.diff.v1.Diff", ["Apply", "Diff"]),
+])
+def test_rpull_services_are_containerds_on_the_wire(module: str, service: str, methods: list[str]) -> None:
+    # rpull calls these as /<full name>/<Method> on containerd's socket: names and order are containerd's.
+    import importlib
+
+    pb2 = importlib.import_module(f"bootseer.proto.containerd.services.{module}")
+    descriptor = pb2.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[1]]
+    assert descriptor.full_name == service
+    assert [m.name for m in descriptor.methods] == methods
+    grpc_module = importlib.import_module(f"bootseer.proto.containerd.services.{module}_grpc")
+    assert hasattr(grpc_module, f"{service.rsplit('.', 1)[1]}Stub")
+
+
+def test_write_action_and_descriptor_fields() -> None:
+    from bootseer.proto.containerd.services.content.v1 import content_pb2
+    from bootseer.proto.containerd.types import descriptor_pb2
+
+    assert [content_pb2.WriteAction.Value(n) for n in ("STAT", "WRITE", "COMMIT")] == [0, 1, 2]
+    fields = {f.name: f.number for f in descriptor_pb2.Descriptor.DESCRIPTOR.fields}
+    assert fields == {"media_type": 1, "digest": 2, "size": 3, "annotations": 5}
+    assert content_pb2.WriteContentRequest.DESCRIPTOR.fields_by_name["labels"].number == 7

@@ -11,35 +11,42 @@ from a thread pool; the :class:`~.snapshots.Snapshotter` below it is thread-safe
 
 Lifecycle:
 
-* Start: check the socket is free, open the root (its Snapshotter holds an exclusive
-  ``flock`` on ``ROOT/lock``: two daemons never share a root), restore the snapshots
-  already under ROOT, then listen.  The socket is made
-  under a umask that leaves it ``0600`` from the moment it exists; missing parent
-  directories are made ``0711``.  A socket nobody answers on is left over from a
-  daemon that died and is replaced; one that answers belongs to a live daemon and
-  the new one refuses to start.
+* Start: claim the socket path (an exclusive ``flock`` on ``ADDRESS.lock`` until
+  the socket serves, so two daemons racing for one path cannot both win), open
+  the root (its Snapshotter holds an exclusive ``flock`` on ``ROOT/lock``: two
+  daemons never share a root), restore the snapshots already under ROOT, then
+  listen.  The socket is bound under a private name, made under a umask that leaves
+  it ``0600`` from the moment it exists, and renamed onto ADDRESS, so the path
+  switches atomically from a stale socket to ours; missing parent directories are
+  made ``0711``.  A socket nobody answers on is left over from a daemon that died
+  and is replaced; one that answers belongs to a live process and the new daemon
+  refuses to start.
 * SIGTERM or SIGINT: stop accepting calls, let calls in flight finish (up to
   :data:`GRACE_PERIOD` seconds; a second signal cuts that short), close the
-  Snapshotter, remove the socket, exit 0.
+  Snapshotter, remove the socket if it is still the one this daemon bound (same
+  device and inode: a path taken over meanwhile is left alone), exit 0.
 * Restart: every snapshot under ROOT survives.  The mounts handed to containerd are
   plain kernel overlay and bind mounts, which the kernel keeps on its own, so running
   containers keep working while the daemon is down or restarting; only new
   snapshot operations wait for it.
 
-Exit status: 0 after a clean shutdown, 1 when the daemon cannot start or fails,
-2 for a bad command line or config file.
+Exit status: 0 after a clean shutdown; 2 when it refuses to start (a bad command
+line or config file, or a start-up check that failed: the one-line message names
+the path and the reason); 1 when it fails unexpectedly (logged with a traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import select
 import signal
 import socket
 import stat
 import sys
+import uuid
 from pathlib import Path
 from types import FrameType
 
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         return Daemon(settings).run()
     except StartupError as exc:
         log.error(f"{PROG} cannot start", error=str(exc))
-        return 1
+        return 2
     except Exception:
         log.error(f"{PROG} failed", exc_info=True)
         return 1
@@ -117,7 +124,10 @@ class Daemon:
         with contextlib.ExitStack() as cleanup:
             # First, so a signal during a long restore still means a clean stop.
             self._catch_signals(cleanup)
+            check_socket_path(address)
             make_dirs(address.parent, SOCKET_DIR_MODE)
+            claim = SocketClaim(address)
+            cleanup.callback(claim.release)
             check_socket_free(address)
 
             snapshotter = open_snapshotter(root)
@@ -131,9 +141,10 @@ class Daemon:
 
             self._server = service.create_server(snapshotter, GRPC_WORKERS)
             cleanup.callback(self._server.stop, None)  # on the way out after a failure; else a no-op
-            socket_inode = listen(self._server, address)
-            cleanup.callback(remove_socket, address, socket_inode)
+            bound = listen(self._server, address)
+            cleanup.callback(remove_socket, address, bound)
             self._server.start()
+            claim.release()  # the path now answers: the next daemon sees a live socket
             log.info(
                 f"{PROG} started",
                 version=__version__,
@@ -239,14 +250,58 @@ def make_dirs(path: Path, mode: int) -> None:
         os.chmod(directory, mode)
 
 
-def check_socket_free(address: Path) -> None:
-    """Make way for our socket at ``address``: remove a stale one, refuse a live one."""
+class SocketClaim:
+    """An exclusive ``flock`` on ``ADDRESS.lock`` while this daemon takes the socket path.
+
+    Checking that a socket is free and binding it cannot be one system call, so the
+    lock makes them one step: of two daemons started at once on one path, the second
+    fails here at once, or, once the first serves, finds its live socket.  The lock
+    covers the claim (check, restore, bind, rename), not the daemon's life: a daemon
+    whose socket was unlinked from under it has lost the path, and a new one may take
+    it (the old one's shutdown then leaves the new socket alone).  The file holds the
+    claimant's pid for the message, and stays behind (unlinking it would let a third
+    daemon lock a new file while a second still holds the old one).
+    """
+
+    def __init__(self, address: Path) -> None:
+        self.path = address.with_name(address.name + ".lock")
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise StartupError(f"cannot open socket lock {str(self.path)!r}: {exc.strerror}") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            self.release()
+            raise StartupError(
+                f"another {PROG} (pid {holder}) is starting on socket {str(address)!r} "
+                f"(it holds {str(self.path)!r}); stop it first or choose another --address"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release(self) -> None:
+        """Let the next daemon claim the path; releasing twice is fine."""
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+
+def check_socket_path(address: Path) -> None:
+    """Refuse a path too long for a unix socket before anything is created."""
     if len(os.fsencode(address)) > SOCKET_PATH_MAX:
         raise StartupError(f"socket path {str(address)!r} is longer than the {SOCKET_PATH_MAX} bytes unix sockets allow")
+
+
+def check_socket_free(address: Path) -> None:
+    """Refuse a socket at ``address`` that a live process serves; a stale one is left to be replaced."""
     try:
         st = os.lstat(address)
     except FileNotFoundError:
         return
+    except OSError as exc:
+        raise StartupError(f"cannot use socket path {str(address)!r}: {exc.strerror}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"{str(address)!r} exists and is not a socket; refusing to replace it")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
@@ -262,28 +317,48 @@ def check_socket_free(address: Path) -> None:
                 f"another process is serving on {str(address)!r}; stop it first or choose another --address"
             )
     log.info("replacing stale socket", address=str(address))
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(address)
 
 
-def listen(server: grpc.Server, address: Path) -> int:
-    """Bind ``server`` to the unix socket ``address``, created 0600; returns the socket's inode."""
+def listen(server: grpc.Server, address: Path) -> tuple[int, int]:
+    """Bind ``server`` to the unix socket ``address``, created 0600; returns its (st_dev, st_ino).
+
+    gRPC binds a private name beside ``address`` that is then renamed onto it: the
+    rename replaces a stale socket atomically, and gRPC, which unlinks the path it
+    bound when it stops, can then only unlink a name nobody else uses.
+    """
+    # Short, so a path that fits sun_path almost always has a private name that fits too.
+    private = address.with_name(f".bs{uuid.uuid4().hex[:8]}")
+    if len(os.fsencode(private)) > SOCKET_PATH_MAX:
+        raise StartupError(
+            f"socket path {str(address)!r} is too long: its temporary name {str(private)!r} passes the "
+            f"{SOCKET_PATH_MAX} bytes unix sockets allow"
+        )
     # The umask is process-wide; nothing else creates files while the daemon starts.
     previous = os.umask(SOCKET_UMASK)
     try:
-        server.add_insecure_port(f"unix:{address}")
+        server.add_insecure_port(f"unix:{private}")
     except RuntimeError as exc:
         raise StartupError(f"cannot listen on {str(address)!r}: {exc}") from exc
     finally:
         os.umask(previous)
-    return os.lstat(address).st_ino
-
-
-def remove_socket(address: Path, inode: int) -> None:
-    """Remove our socket if it is still there (gRPC usually removes it at stop)."""
     try:
-        if os.lstat(address).st_ino == inode:
+        st = os.lstat(private)
+        os.rename(private, address)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(private)
+        raise StartupError(f"cannot listen on {str(address)!r}: {exc.strerror}") from None
+    return st.st_dev, st.st_ino
+
+
+def remove_socket(address: Path, bound: tuple[int, int]) -> None:
+    """Unlink ``address`` only if it still is the socket this daemon bound (device and inode)."""
+    try:
+        st = os.lstat(address)
+        if (st.st_dev, st.st_ino) == bound:
             os.unlink(address)
+        else:
+            log.info("socket path now belongs to another socket; leaving it", address=str(address))
     except FileNotFoundError:
         pass
     except OSError as exc:

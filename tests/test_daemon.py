@@ -69,7 +69,9 @@ class SnapshotterDaemon:
     def wait_ready(self) -> "SnapshotterDaemon":
         """Wait until the daemon answers on its socket; fail with its log if it exits first."""
         assert self.address is not None, "the tests always name the socket"
-        channel = grpc.insecure_channel(f"unix:{self.address}")
+        # A channel of its own: gRPC shares connections between channels to one target
+        # in a process, which would reach an earlier daemon still connected on this path.
+        channel = grpc.insecure_channel(f"unix:{self.address}", options=[("grpc.use_local_subchannel_pool", 1)])
         ready = grpc.channel_ready_future(channel)
         deadline = time.monotonic() + START_TIMEOUT
         while not ready.done():
@@ -277,7 +279,7 @@ def test_file_at_address_is_not_replaced(tmp_path: Path, snapshotter_factory: Da
     address = tmp_path / "s.sock"
     address.write_text("precious")
     daemon = snapshotter_factory(root=tmp_path / "root", address=address, wait=False)
-    assert daemon.wait_exit() == 1
+    assert daemon.wait_exit() == 2
     assert "is not a socket" in daemon.log
     assert address.read_text() == "precious"
 
@@ -289,10 +291,52 @@ def test_second_daemon_on_same_socket_is_refused(tmp_path: Path, snapshotter_fac
     inode = os.lstat(address).st_ino
 
     second = snapshotter_factory(root=tmp_path / "root2", address=address, wait=False)
-    assert second.wait_exit() == 1
+    assert second.wait_exit() == 2
     assert "another process is serving" in second.log
     assert os.lstat(address).st_ino == inode
     assert first.stub.Stat(api.StatSnapshotRequest(key="k")).info.name == "k"
+
+
+def test_socket_taken_over_is_left_to_its_new_owner(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    # A's socket is unlinked from under it; B claims the path; A's shutdown must not
+    # unlink B's socket (gRPC itself unlinks the path it bound when it stops).
+    address = tmp_path / "s.sock"
+    first = snapshotter_factory(root=tmp_path / "root1", address=address)
+    os.unlink(address)
+    second = snapshotter_factory(root=tmp_path / "root2", address=address)
+    second.stub.Prepare(api.PrepareSnapshotRequest(key="b"))
+    inode = os.lstat(address).st_ino
+
+    assert first.stop() == 0
+    assert stat.S_ISSOCK(os.lstat(address).st_mode) and os.lstat(address).st_ino == inode
+    assert second.stub.Stat(api.StatSnapshotRequest(key="b")).info.name == "b"
+    assert any(r["msg"].startswith("socket path now belongs to another socket") for r in first.log_records())
+    assert second.stop() == 0
+    assert not os.path.lexists(address)
+
+
+def test_daemons_started_at_once_on_one_path_exactly_one_serves(
+    tmp_path: Path, snapshotter_factory: DaemonFactory
+) -> None:
+    address = tmp_path / "s.sock"
+    for round_ in range(3):  # the old check-then-bind lost this race about half the time
+        racers = [
+            snapshotter_factory(root=tmp_path / f"root-{round_}-{i}", address=address, wait=False) for i in range(2)
+        ]
+        deadline = time.monotonic() + START_TIMEOUT
+        while all(r.process.poll() is None for r in racers):  # until the loser gives up
+            assert time.monotonic() < deadline, "\n".join(r.log for r in racers)
+            time.sleep(0.05)
+        (loser,) = [r for r in racers if r.process.poll() is not None]
+        (winner,) = [r for r in racers if r is not loser]
+        assert loser.wait_exit() == 2, loser.log
+        (refusal,) = [r for r in loser.log_records() if r["msg"] == "bootseer-snapshotter cannot start"]
+        assert str(address) in refusal["error"]
+        assert "another bootseer-snapshotter" in refusal["error"] or "another process is serving" in refusal["error"]
+        winner.wait_ready()
+        winner.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
+        assert winner.stop() == 0
+        assert not os.path.lexists(address)
 
 
 def test_second_daemon_on_same_root_is_refused(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
@@ -301,7 +345,7 @@ def test_second_daemon_on_same_root_is_refused(tmp_path: Path, snapshotter_facto
     first.stub.Prepare(api.PrepareSnapshotRequest(key="k"))
 
     second = snapshotter_factory(root=root, address=tmp_path / "s2.sock", wait=False)
-    assert second.wait_exit() == 1
+    assert second.wait_exit() == 2
     assert f"in use by another snapshotter (pid {first.process.pid})" in second.log
     assert not (tmp_path / "s2.sock").exists()
     assert first.stub.Stat(api.StatSnapshotRequest(key="k")).info.name == "k"

@@ -34,7 +34,7 @@ http {{
     keepalive_requests 1000000;
     keepalive_timeout 300s;
     server {{
-        listen 127.0.0.1:{port};
+        listen {host}:{port};
         root {root};
         location / {{
             autoindex on;
@@ -47,27 +47,33 @@ http {{
 
 
 class Nginx:
-    """nginx serving ``root`` on 127.0.0.1:``port``; a context manager."""
+    """nginx serving ``root`` on ``host``:``port``; a context manager.
 
-    def __init__(self, root: Path, prefix: Path, port: int, limit_rate: int | None = None) -> None:
+    ``launcher`` prefixes nginx's command line, e.g. ``ip netns exec NS`` to serve from
+    inside a network namespace (``host`` then being an address reachable from here).
+    """
+
+    def __init__(self, root: Path, prefix: Path, port: int, limit_rate: int | None = None,
+                 host: str = "127.0.0.1", launcher: tuple[str, ...] = ()) -> None:
         self.root, self.prefix, self.port = root, prefix, port
+        self.host, self.launcher = host, launcher
         self.limit_rate = limit_rate
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/"
+        return f"http://{self.host}:{self.port}/"
 
     def config(self) -> str:
         rate = f"limit_rate {self.limit_rate};" if self.limit_rate else ""
-        return CONFIG_TEMPLATE.format(prefix=self.prefix, port=self.port, root=self.root, limit_rate=rate)
+        return CONFIG_TEMPLATE.format(prefix=self.prefix, host=self.host, port=self.port, root=self.root, limit_rate=rate)
 
     def __enter__(self) -> "Nginx":
         (self.prefix / "tmp").mkdir(parents=True, exist_ok=True)
         conf = self.prefix / "nginx.conf"
         conf.write_text(self.config())
         self.process = subprocess.Popen(
-            ["nginx", "-p", str(self.prefix), "-c", str(conf), "-g", "daemon off;"],
+            [*self.launcher, "nginx", "-p", str(self.prefix), "-c", str(conf), "-g", "daemon off;"],
             stdout=subprocess.DEVNULL, stderr=open(self.prefix / "stderr.log", "wb"),
         )
         try:
@@ -84,7 +90,7 @@ class Nginx:
                 log = (self.prefix / "stderr.log").read_text() + (self.prefix / "error.log").read_text()
                 raise RuntimeError(f"nginx exited with status {self.process.returncode}: {log.strip()}")
             try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1.0)
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=1.0)
                 conn.request("HEAD", "/")
                 conn.getresponse().read()
                 conn.close()

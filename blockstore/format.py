@@ -35,6 +35,7 @@ MIN_BLOCK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 64 << 20
 
 INDEX_MAGIC = b"BSLIDX01"
+DEDUP_MAGIC = b"BSDEDUP1"
 _INDEX_HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, payload SHA-256
 MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused (a zstd bomb)
 
@@ -95,6 +96,17 @@ def pack_object(sha256_hex: str) -> str:
     if not _HEX.fullmatch(sha256_hex):
         raise FormatError(f"pack name is not 64 hex digits: {sha256_hex!r}")
     return f"v{FORMAT_VERSION}/packs/{sha256_hex}"
+
+
+def dedup_object(sha256_hex: str) -> str:
+    """Store path of a segment of the dedup table, named by the SHA-256 of its bytes."""
+    if not _HEX.fullmatch(sha256_hex):
+        raise FormatError(f"dedup segment name is not 64 hex digits: {sha256_hex!r}")
+    return f"v{FORMAT_VERSION}/dedup/{sha256_hex}"
+
+
+#: Where dedup segments live (what a converter lists to load the table).
+DEDUP_PREFIX = f"v{FORMAT_VERSION}/dedup"
 
 
 # -- the layer index -----------------------------------------------------------------
@@ -409,3 +421,74 @@ class ChainRecord:
         if expected_chain_id is not None and record.chain_id != expected_chain_id:
             raise FormatError(f"chain record for {record.chain_id} stored under {expected_chain_id}")
         return record
+
+
+# -- the dedup table ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    """Where a block's compressed bytes already lie in the store (one row of the dedup table)."""
+
+    digest: str  #: SHA-256 hex of the raw bytes
+    pack: str  #: SHA-256 hex of the pack holding it
+    offset: int
+    clen: int
+    rlen: int
+
+
+@dataclass
+class DedupSegment:
+    """One converter run's additions to the store-wide dedup table.
+
+    The table is the union of every segment under :data:`DEDUP_PREFIX`; a segment is
+    immutable and named by the SHA-256 of its encoded bytes, so writers never contend
+    for one object.  Only converters read it: a reader of a layer needs the index
+    alone.  ``packs`` gives each pack's size, so a converter can check that a pack it
+    is about to reference is still there whole.
+    """
+
+    packs: dict[str, int]  #: pack SHA-256 hex -> size in bytes
+    blocks: list[StoredBlock]
+
+    def encode(self) -> bytes:
+        document = {
+            "format": FORMAT_VERSION,
+            "packs": dict(sorted(self.packs.items())),
+            "blocks": [[b.digest, b.pack, b.offset, b.clen, b.rlen] for b in self.blocks],
+        }
+        payload = json.dumps(document, separators=(",", ":")).encode("ascii")
+        return DEDUP_MAGIC + zstandard.ZstdCompressor(level=10).compress(payload)
+
+    @classmethod
+    def decode(cls, data: bytes, *, expected_sha256: str | None = None) -> DedupSegment:
+        """Parse and check a segment; FormatError for anything wrong."""
+        if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
+            raise FormatError(f"dedup segment does not match its name {expected_sha256}: tampered with or truncated")
+        if not data.startswith(DEDUP_MAGIC):
+            raise FormatError("not a BootSeer dedup segment (bad magic)")
+        try:
+            payload = zstandard.ZstdDecompressor().stream_reader(data[len(DEDUP_MAGIC) :]).read(MAX_INDEX_BYTES + 1)
+        except zstandard.ZstdError as exc:
+            raise FormatError(f"dedup segment is not valid zstd: {exc}") from None
+        if len(payload) > MAX_INDEX_BYTES:
+            raise FormatError(f"dedup segment is larger than {MAX_INDEX_BYTES} bytes uncompressed")
+        try:
+            document = json.loads(payload)
+            if document.get("format") != FORMAT_VERSION:
+                raise FormatError(f"dedup segment format {document.get('format')!r} is not {FORMAT_VERSION}")
+            packs = {str(k): int(v) for k, v in document["packs"].items()}
+            blocks = [StoredBlock(str(d), str(p), int(o), int(c), int(r)) for d, p, o, c, r in document["blocks"]]
+        except FormatError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise FormatError(f"dedup segment is malformed: {exc!r}") from None
+        for name, size in packs.items():
+            if not _HEX.fullmatch(name) or size <= 0:
+                raise FormatError(f"dedup segment: bad pack {name!r} of {size} bytes")
+        for block in blocks:
+            if not _HEX.fullmatch(block.digest) or block.pack not in packs:
+                raise FormatError(f"dedup segment: block {block.digest!r} names no listed pack")
+            if block.offset < 0 or block.clen <= 0 or block.rlen <= 0 or block.offset + block.clen > packs[block.pack]:
+                raise FormatError(f"dedup segment: block {block.digest} lies outside its pack")
+        return cls(packs=packs, blocks=blocks)

@@ -16,6 +16,7 @@ from bootseer.log import FORMATS, LEVELS, setup_logging
 # Modules that contribute subcommands, in the order ``bootseer --help`` lists them.
 SUBCOMMAND_MODULES = [
     "bootseer.ckptmount.cli",
+    "bootseer.blockstore.cli",
 ]
 
 

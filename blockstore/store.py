@@ -1,0 +1,442 @@
+"""Reading and writing a block store: one interface over file://, s3://, hdfs:// and http(s)://.
+
+Writing (the converter): :func:`open_store_writer` gives a :class:`StoreWriter` for a
+local directory (``file:///dir`` or a plain path), S3 (``s3://bucket/prefix``) or HDFS
+(``hdfs://namenode[:port]/path``).  Every :meth:`StoreWriter.put` is atomic -- a reader
+sees the whole object or nothing -- through a temp name and a rename (file, HDFS) or
+S3's own all-or-nothing PUT and multipart completion.  The S3 and HDFS writers reuse
+the fetch sources' URL parsing and client setup (:class:`~bootseer.fetch.sources.s3.S3Source`,
+:class:`~bootseer.fetch.sources.hdfs.HdfsSource`), so both sides of a store agree on
+what a URL means; credentials come from boto3's standard chain (or the options) and
+never appear in a message: only :func:`~bootseer.fetch.sources.redact_url` forms do.
+An ``http(s)://`` store is read-only (nginx, a CDN or a Dragonfly peer in front of a
+store directory or bucket); write to what stands behind it.
+
+Reading (nodes): :class:`StoreReader` reads chain records and indexes through a
+``bootseer.fetch`` :class:`~bootseer.fetch.engine.Engine` rooted at the store URL, with
+the engine's ``stat`` and :class:`~bootseer.fetch.engine.Reader` (pinned to the
+version it stat'ed), so retries, timeouts, EIO, version checks and metrics are the
+engine's, and blocks are fetched by the same engine (``fetch_extents``).
+
+The HDFS writer is real client code (hdfs-native) but is tested only for URL
+handling and a namenode that is not there: no HDFS server can run in the test
+environment (see docs/FORMAT.md).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+import shutil
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+from urllib.parse import unquote, urlsplit
+
+from blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
+from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
+from bootseer.fetch.source import NotFound, SourceError
+from bootseer.fetch.sources import open_source, redact_url, split_path
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+#: A chain record larger than this is refused before it is read (they are a few hundred bytes).
+MAX_CHAIN_RECORD_BYTES = 1 << 20
+#: An encoded index larger than this is refused before it is read.
+MAX_INDEX_OBJECT_BYTES = 1 << 30
+
+_COPY_CHUNK = 8 << 20
+
+
+class StoreError(OSError):
+    """A store operation failed; the message names the store (no credentials) and the object."""
+
+
+class ReadOnlyStore(StoreError):
+    """The URL names a store that cannot be written (http(s)://)."""
+
+
+def _check_name(name: str) -> list[str]:
+    try:
+        parts = split_path(name)
+    except SourceError as exc:
+        raise ValueError(str(exc)) from None
+    if not parts:
+        raise ValueError("an object name must not be empty")
+    return parts
+
+
+class StoreWriter(abc.ABC):
+    """Objects of one store, by name (``v1/packs/<hex>``...), for the converter.
+
+    Counters ``puts`` and ``put_bytes`` say what this writer uploaded (idempotency
+    checks and the converter's summary).
+    """
+
+    display_url: str
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.put_bytes = 0
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.display_url}>"
+
+    def exists(self, name: str) -> bool:
+        return self.size(name) is not None
+
+    @abc.abstractmethod
+    def size(self, name: str) -> int | None:
+        """The object's size in bytes, None if it does not exist; StoreError if the store fails."""
+
+    @abc.abstractmethod
+    def get(self, name: str) -> bytes | None:
+        """The object's bytes, None if it does not exist; StoreError if the store fails."""
+
+    def put(self, name: str, data: bytes | Path) -> None:
+        """Store ``data`` (bytes, or a local file's contents) as ``name``, atomically."""
+        _check_name(name)
+        size = len(data) if isinstance(data, bytes) else Path(data).stat().st_size
+        self._put(name, data)
+        self.puts += 1
+        self.put_bytes += size
+        log.debug("stored object", store=self.display_url, name=name, size=size)
+
+    @abc.abstractmethod
+    def _put(self, name: str, data: bytes | Path) -> None: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Names of the objects directly under directory ``prefix`` (full names, sorted); [] if none."""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class FileStoreWriter(StoreWriter):
+    """A store in a local (or NFS) directory: temp file, fsync, rename, fsync of the directory."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        super().__init__()
+        self.root = Path(root)
+        self.display_url = str(self.root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"{self.root}: cannot create the store directory: {exc.strerror}") from None
+
+    def path(self, name: str) -> Path:
+        return self.root.joinpath(*_check_name(name))
+
+    def size(self, name: str) -> int | None:
+        try:
+            return self.path(name).stat().st_size
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"{self.root}: stat {name}: {exc.strerror}") from None
+
+    def get(self, name: str) -> bytes | None:
+        try:
+            return self.path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"{self.root}: read {name}: {exc.strerror}") from None
+
+    def _put(self, name: str, data: bytes | Path) -> None:
+        target = self.path(name)
+        temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(temp, "wb") as out:
+                if isinstance(data, bytes):
+                    out.write(data)
+                else:
+                    with open(data, "rb") as source:
+                        shutil.copyfileobj(source, out, _COPY_CHUNK)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, target)
+            directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+        except OSError as exc:
+            raise StoreError(f"{self.root}: write {name}: {exc.strerror or exc}") from None
+        finally:
+            temp.unlink(missing_ok=True)
+
+    def list(self, prefix: str) -> list[str]:
+        directory = self.path(prefix)
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StoreError(f"{self.root}: list {prefix}: {exc.strerror}") from None
+        return sorted(f"{prefix}/{n}" for n in names if not n.startswith(".") and (directory / n).is_file())
+
+
+class S3StoreWriter(StoreWriter):
+    """A store under ``s3://bucket/prefix``, with the S3 fetch source's client setup.
+
+    ``endpoint_url`` (else ``AWS_ENDPOINT_URL`` or the profile's ``endpoint_url``, which
+    boto3 reads itself), ``region``, ``access_key_id``/``secret_access_key``/``session_token``
+    (else boto3's credential chain), ``profile``, ``addressing_style``, ``verify``,
+    ``ca_file``, timeouts: as :class:`~bootseer.fetch.sources.s3.S3Source` takes them.
+    Files go up with boto3's managed transfer (multipart above 8 MiB): the object
+    appears when the upload completes, whole.
+    """
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__()
+        from bootseer.fetch.sources.s3 import S3Source, s3_error  # boto3 only when S3 is used
+
+        self._s3_error = s3_error
+        self.source = S3Source(url, **options)
+        self.display_url = self.source.display_url
+        self.bucket = self.source.bucket
+        import botocore.config
+
+        s3_options = {"addressing_style": options["addressing_style"]} if options.get("addressing_style") else {}
+        config = botocore.config.Config(
+            connect_timeout=options.get("connect_timeout", 10.0),
+            read_timeout=options.get("read_timeout", 60.0),
+            retries={"mode": "standard", "max_attempts": 5},
+            s3=s3_options,
+        )
+        self.client = self.source.new_client(config)
+
+    def _error(self, what: str, name: str, exc: Exception) -> StoreError:
+        return StoreError(f"{what}: {self._s3_error(self.source.where(name), exc)}")
+
+    def size(self, name: str) -> int | None:
+        _check_name(name)
+        try:
+            head = self.client.head_object(Bucket=self.bucket, Key=self.source.key(name))
+        except Exception as exc:
+            if isinstance(self._s3_error("", exc), NotFound):
+                return None
+            raise self._error("stat", name, exc) from None
+        return int(head["ContentLength"])
+
+    def get(self, name: str) -> bytes | None:
+        _check_name(name)
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.source.key(name))
+            return response["Body"].read()
+        except Exception as exc:
+            if isinstance(self._s3_error("", exc), NotFound):
+                return None
+            raise self._error("read", name, exc) from None
+
+    def _put(self, name: str, data: bytes | Path) -> None:
+        key = self.source.key(name)
+        try:
+            if isinstance(data, bytes):
+                self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+            else:
+                self.client.upload_file(str(data), self.bucket, key)
+        except Exception as exc:
+            cause = exc.__cause__ if exc.__cause__ is not None and type(exc).__name__ == "S3UploadFailedError" else exc
+            raise self._error("write", name, cause if isinstance(cause, Exception) else exc) from None
+
+    def list(self, prefix: str) -> list[str]:
+        _check_name(prefix)
+        key_prefix = self.source.key(prefix) + "/"
+        root = self.source.key("")
+        names = []
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=key_prefix, Delimiter="/"):
+                for item in page.get("Contents", []):
+                    rest = item["Key"][len(key_prefix) :]
+                    if rest and "/" not in rest:
+                        full = item["Key"][len(root) + 1 :] if root else item["Key"]
+                        names.append(full)
+        except Exception as exc:
+            raise self._error("list", prefix, exc) from None
+        return sorted(names)
+
+    def close(self) -> None:
+        self.client.close()
+        self.source.close()
+
+
+class HdfsStoreWriter(StoreWriter):
+    """A store under ``hdfs://namenode[:port]/path`` through hdfs-native (the HDFS fetch source's client).
+
+    A put writes ``.NAME.tmp-<random>`` beside the object and renames it over the
+    name (HDFS renames are atomic in the namenode).
+    """
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__()
+        from bootseer.fetch.sources.hdfs import HdfsSource, hdfs_error
+
+        self._hdfs_error = hdfs_error
+        self.source = HdfsSource(url, **options)
+        self.display_url = self.source.display_url
+        self.client = self.source.client
+
+    def _error(self, what: str, name: str, exc: BaseException) -> StoreError:
+        return StoreError(f"{what}: {self._hdfs_error(self.source.where(name), exc)}")
+
+    def size(self, name: str) -> int | None:
+        _check_name(name)
+        try:
+            return int(self.client.get_file_info(self.source.hdfs_path(name)).length)
+        except Exception as exc:
+            if isinstance(self._hdfs_error("", exc), NotFound):
+                return None
+            raise self._error("stat", name, exc) from None
+
+    def get(self, name: str) -> bytes | None:
+        _check_name(name)
+        try:
+            return bytes(self.client.read(self.source.hdfs_path(name)).read())
+        except Exception as exc:
+            if isinstance(self._hdfs_error("", exc), NotFound):
+                return None
+            raise self._error("read", name, exc) from None
+
+    def _put(self, name: str, data: bytes | Path) -> None:
+        target = self.source.hdfs_path(name)
+        parent, _, base = target.rpartition("/")
+        temp = f"{parent}/.{base}.tmp-{uuid.uuid4().hex[:12]}"
+        try:
+            self.client.mkdirs(parent or "/", create_parent=True)
+            writer = self.client.create(temp)
+            try:
+                if isinstance(data, bytes):
+                    writer.write(data)
+                else:
+                    with open(data, "rb") as source:
+                        while chunk := source.read(_COPY_CHUNK):
+                            writer.write(chunk)
+            finally:
+                writer.close()
+            self.client.rename(temp, target, overwrite=True)
+        except Exception as exc:
+            try:
+                self.client.delete(temp)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+            raise self._error("write", name, exc) from None
+
+    def list(self, prefix: str) -> list[str]:
+        _check_name(prefix)
+        try:
+            statuses = list(self.client.list_status(self.source.hdfs_path(prefix)))
+        except Exception as exc:
+            if isinstance(self._hdfs_error("", exc), NotFound):
+                return []
+            raise self._error("list", prefix, exc) from None
+        names = [s.path.rstrip("/").rsplit("/", 1)[-1] for s in statuses if not s.isdir]
+        return sorted(f"{prefix}/{n}" for n in names if n and not n.startswith("."))
+
+
+def open_store_writer(url: str, **options: Any) -> StoreWriter:
+    """A :class:`StoreWriter` for ``url``: a path or ``file://``, ``s3://``, ``hdfs://``.
+
+    ValueError for a malformed URL or unknown scheme, :class:`ReadOnlyStore` for
+    ``http(s)://``, StoreError when the store cannot be reached or created.
+    """
+    if not url:
+        raise ValueError("empty store URL")
+    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    if scheme == "":
+        if options:
+            raise ValueError(f"a local store takes no options ({', '.join(sorted(options))})")
+        return FileStoreWriter(url)
+    if scheme == "file":
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
+            raise ValueError(f"{redact_url(url)!r}: expected file:///absolute/path")
+        return FileStoreWriter(unquote(parts.path))
+    if scheme == "s3":
+        return S3StoreWriter(url, **options)
+    if scheme == "hdfs":
+        return HdfsStoreWriter(url, **options)
+    if scheme in ("http", "https"):
+        raise ReadOnlyStore(
+            f"{redact_url(url)}: an http(s) store is read-only; convert into the directory or bucket it serves"
+        )
+    raise ValueError(f"unsupported store URL {redact_url(url)!r}: expected a path, file://, s3:// or hdfs://")
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+class StoreReader:
+    """Chain records and layer indexes of a store, read through ``engine`` (rooted at the store URL)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def __repr__(self) -> str:
+        return f"<StoreReader {self.engine.url}>"
+
+    async def read_object(self, name: str, max_size: int) -> bytes | None:
+        """The bytes of object ``name`` (one version of it), None if it does not exist.
+
+        FetchError (EIO) when the store fails, FormatError when the object is larger
+        than ``max_size`` (nothing that large is read).
+        """
+        try:
+            entry = await self.engine.stat(name)
+        except NotFound:
+            return None
+        if entry.is_dir:
+            raise FormatError(f"{self.engine.url}: {name} is a directory, not an object")
+        if entry.size > max_size:
+            raise FormatError(f"{self.engine.url}: {name} is {entry.size} bytes, more than {max_size} allowed")
+        reader = self.engine.open(name, entry.size, mtime=entry.mtime, version=entry.version)
+        try:
+            data = await reader.read(0, entry.size)
+        finally:
+            reader.close()
+        if len(data) != entry.size:
+            raise FetchError(f"{self.engine.url}: {name}: read {len(data)} of {entry.size} bytes")
+        return data
+
+    async def chain(self, chain_id: str) -> ChainRecord | None:
+        """The chain record of ``chain_id``; None if the layer is not converted in this store.
+
+        FetchError when the store fails, FormatError when the record is tampered with.
+        """
+        data = await self.read_object(chain_object(chain_id), MAX_CHAIN_RECORD_BYTES)
+        if data is None:
+            return None
+        return ChainRecord.decode(data, expected_chain_id=chain_id)
+
+    async def index(self, record: ChainRecord) -> LayerIndex:
+        """The layer index ``record`` names, verified against ``record.index`` and its diff_id."""
+        name = index_object(record.index)
+        data = await self.read_object(name, MAX_INDEX_OBJECT_BYTES)
+        if data is None:
+            raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names index {record.index}, which is missing")
+        index = LayerIndex.decode(data, expected_sha256=record.index)
+        if index.diff_id != record.diff_id or index.block_size != record.block_size:
+            raise FormatError(f"{self.engine.url}: index {record.index} is not the layer of chain record {record.chain_id}")
+        return index
+
+
+@asynccontextmanager
+async def open_store(url: str, config: EngineConfig = EngineConfig(), **options: Any) -> AsyncIterator[StoreReader]:
+    """A :class:`StoreReader` on a fresh engine over ``open_source(url, **options)`` for the block."""
+    source = open_source(url, **options)
+    try:
+        async with open_engine(source, config) as engine:
+            yield StoreReader(engine)
+    finally:
+        source.close()

@@ -1,0 +1,572 @@
+"""Read one layer tar, as a stream, into the entries of a layer index and blocks of file contents.
+
+:func:`read_layer` takes the layer blob as it comes (gzip, zstd or plain tar, told apart
+by their magic bytes), decompresses and parses it in one pass and hands every
+regular file's contents, ``block_size`` bytes at a time, to a :class:`BlockSink` (the
+converter's pack writer), so memory stays bounded whatever the layer's size: what it
+keeps is one record per entry and one block number per block.  It returns the layer's
+tree in the form an overlayfs lower directory has (:class:`blockstore.format.Entry`)
+and the diffID (SHA-256 of the uncompressed tar) it computed on the way.
+
+Tar semantics, as containerd's applier (``archive/tar.go``) and GNU tar extract:
+
+* Names are cleaned (``./a//b/`` is ``a/b``); ``.`` or ``./`` is the layer root.  A name
+  with a ``..`` component or starting with ``/`` is refused (:class:`LayerError`), never
+  clamped: a tar that tries to leave its root is broken or hostile.
+* A later entry for a path replaces the earlier one (a directory replacing a directory
+  keeps its children and takes the new metadata; anything else replacing a directory
+  removes the subtree, as containerd's ``RemoveAll`` does).  A parent that is not
+  listed is created as a directory 0755 owned by root with mtime 0 (containerd's
+  ``mkparent``); a parent that exists but is not a directory is refused.
+* Hard links must name an earlier regular file of this layer (resolved the same way
+  as names); a link out of the layer, to nothing, or to a non-regular entry is refused.
+  Linked paths share one inode (its metadata and blocks); replacing one of them later
+  leaves the others with the old inode.
+* Symlink targets are kept byte for byte, absolute ones and ``..`` included: they are
+  resolved inside the container's root at run time, and BootSeer never follows them.
+* Whiteouts: ``.wh.NAME`` becomes a character device 0/0 (mode 0) named NAME,
+  ``.wh..wh..opq`` sets ``trusted.overlay.opaque=y`` on its directory, other
+  ``.wh..wh.*`` names (aufs bookkeeping) are skipped.  Xattrs come from PAX
+  ``SCHILY.xattr.*`` records; ``trusted.overlay.*`` xattrs in the tar itself are dropped
+  (overlayfs metadata such as ``redirect`` must not come from an image).
+* Sparse files (GNU old format and PAX 0.0/0.1/1.0, as :mod:`tarfile` reads them) and
+  runs of zeros in any file become zero blocks, stored nowhere.  PAX ``mtime`` keeps
+  nanoseconds; names that are not UTF-8 are kept as surrogate escapes.
+
+Every refusal names the entry and the reason; tarfile's own errors (bad checksums,
+truncation, garbage) are turned into the same :class:`LayerError`.  Header sizes,
+names, link targets, xattrs, sparse maps and the entry count are bounded by
+:class:`TarLimits`, checked before anything that large is read into memory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import tarfile
+import zlib
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import BinaryIO, Protocol
+
+import zstandard
+
+from blockstore.format import Entry, EntryType
+
+WHITEOUT_PREFIX = ".wh."
+OPAQUE_MARKER = ".wh..wh..opq"
+OPAQUE_XATTR = "trusted.overlay.opaque"
+_OVERLAY_XATTR = "trusted.overlay."
+_XATTR_PAX = "SCHILY.xattr."
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_READ_CHUNK = 1 << 20
+
+
+class LayerError(ValueError):
+    """A layer tar that BootSeer refuses to convert: ``entry`` (may be None) and ``reason`` say why."""
+
+    def __init__(self, entry: str | None, reason: str) -> None:
+        self.entry = entry
+        self.reason = reason
+        where = f"entry {entry!r}" if entry is not None else "layer tar"
+        super().__init__(f"{where}: {reason}")
+
+
+@dataclass(frozen=True)
+class TarLimits:
+    """Bounds on what one layer tar may hold; beyond them it is refused, not read."""
+
+    max_path: int = 4096  #: bytes of a cleaned path (Linux PATH_MAX)
+    max_name: int = 255  #: bytes of one path component (NAME_MAX)
+    max_link: int = 4096  #: bytes of a symlink or hardlink target
+    max_header: int = 1 << 20  #: bytes of one PAX or GNU long-name/long-link header's data
+    max_xattr_name: int = 255  #: bytes of an xattr name (XATTR_NAME_MAX)
+    max_xattr_value: int = 64 << 10  #: bytes of one xattr value (XATTR_SIZE_MAX)
+    max_xattrs: int = 1 << 20  #: bytes of all xattrs of one entry
+    max_sparse: int = 1 << 16  #: runs in one sparse file's map
+    max_entries: int = 10_000_000  #: entries in the layer
+
+
+class BlockSink(Protocol):
+    """Where file contents go: ``add`` stores one block (raw bytes) and returns its block number."""
+
+    def add(self, data: bytes) -> int: ...
+
+
+@dataclass
+class ParsedLayer:
+    """What :func:`read_layer` found: the tree, the diffID and how much it read."""
+
+    entries: list[Entry]  #: root first, parents before children (see :class:`blockstore.format.LayerIndex`)
+    diff_id: str  #: ``sha256:`` of the uncompressed tar, every byte of it
+    tar_bytes: int  #: length of the uncompressed tar
+    file_bytes: int  #: bytes of regular file contents (each inode once)
+    compression: str  #: ``gzip``, ``zstd`` or ``none`` (as detected)
+
+
+# -- the byte streams -------------------------------------------------------------------
+
+
+class HashingReader:
+    """A read-only file that hashes and counts every byte read through it."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.hash = hashlib.sha256()
+        self.count = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.raw.read(size)
+        self.hash.update(data)
+        self.count += len(data)
+        return data
+
+    def drain(self) -> None:
+        """Read (and hash) whatever is left."""
+        while self.read(_READ_CHUNK):
+            pass
+
+    def hexdigest(self) -> str:
+        return self.hash.hexdigest()
+
+
+class _Prefixed:
+    """``raw`` with ``head`` (bytes already read from it to sniff the format) put back in front."""
+
+    def __init__(self, head: bytes, raw: BinaryIO) -> None:
+        self.head, self.raw = head, raw
+
+    def read(self, size: int = -1) -> bytes:
+        if self.head:
+            if size < 0:
+                data, self.head = self.head + self.raw.read(), b""
+                return data
+            data, self.head = self.head[:size], self.head[size:]
+            if len(data) < size:
+                data += self.raw.read(size - len(data))
+            return data
+        return self.raw.read(size)
+
+    def readable(self) -> bool:
+        return True
+
+
+class _Decompressed:
+    """The uncompressed tar of a layer blob; decompression errors become :class:`LayerError`."""
+
+    def __init__(self, blob: BinaryIO) -> None:
+        head = b""
+        while len(head) < 4:
+            more = blob.read(4 - len(head))
+            if not more:
+                break
+            head += more
+        source = _Prefixed(head, blob)
+        if head.startswith(_GZIP_MAGIC):
+            self.compression = "gzip"
+            self._stream: BinaryIO = gzip.GzipFile(fileobj=source, mode="rb")  # type: ignore[arg-type]
+        elif head.startswith(_ZSTD_MAGIC):
+            self.compression = "zstd"
+            self._stream = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)  # type: ignore[assignment]
+        else:
+            self.compression = "none"
+            self._stream = source  # type: ignore[assignment]
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._stream.read(size)
+        except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
+            raise LayerError(None, f"{self.compression} stream is corrupt or truncated: {exc}") from None
+
+
+# -- tarfile, strict ------------------------------------------------------------------------
+
+_LONG_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
+
+
+def _strict_tarinfo(limits: TarLimits) -> type[tarfile.TarInfo]:
+    """A TarInfo class that refuses what tarfile would accept silently or read unbounded.
+
+    tarfile treats an invalid header after the first as the end of the archive (a
+    truncated or corrupted layer would convert as a shorter one) and reads PAX and
+    long-name headers and sparse extension chains whole, whatever their size.
+    """
+
+    class StrictTarInfo(tarfile.TarInfo):
+        @classmethod
+        def frombuf(cls, buf: bytes, encoding: str, errors: str) -> tarfile.TarInfo:
+            try:
+                return super().frombuf(buf, encoding, errors)
+            except (tarfile.EOFHeaderError, tarfile.EmptyHeaderError):
+                raise  # the end-of-archive marker, or the stream ends on a block boundary
+            except tarfile.TruncatedHeaderError:
+                raise LayerError(None, "tar ends in the middle of a header (truncated)") from None
+            except tarfile.HeaderError as exc:
+                raise LayerError(None, f"malformed tar header: {exc}") from None
+
+        def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+            if self.type in _LONG_TYPES and self.size > limits.max_header:
+                raise LayerError(self.name, f"extended header of {self.size} bytes (limit {limits.max_header})")
+            return super()._proc_member(tar)  # type: ignore[misc]
+
+        def _proc_sparse(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+            # tarfile's own loop collects extension blocks without bound; this one counts.
+            structs, isextended, origsize = self._sparse_structs  # type: ignore[attr-defined]
+            del self._sparse_structs  # type: ignore[attr-defined]
+            while isextended:
+                if len(structs) > limits.max_sparse:
+                    raise LayerError(self.name, f"sparse map of more than {limits.max_sparse} runs")
+                buf = tar.fileobj.read(tarfile.BLOCKSIZE)  # type: ignore[union-attr]
+                if len(buf) != tarfile.BLOCKSIZE:
+                    raise LayerError(self.name, "tar ends in a sparse extension header (truncated)")
+                for position in range(0, 21 * 24, 24):
+                    try:
+                        offset = tarfile.nti(buf[position : position + 12])
+                        numbytes = tarfile.nti(buf[position + 12 : position + 24])
+                    except tarfile.InvalidHeaderError:
+                        raise LayerError(self.name, "malformed sparse extension header") from None
+                    if offset and numbytes:
+                        structs.append((offset, numbytes))
+                isextended = bool(buf[504])
+            self.sparse = structs
+            self.offset_data = tar.fileobj.tell()  # type: ignore[union-attr]
+            tar.offset = self.offset_data + self._block(self.size)  # type: ignore[attr-defined]
+            self.size = origsize
+            return self
+
+    return StrictTarInfo
+
+
+# -- the tree -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Inode:
+    """What hard links share: a file's metadata and contents."""
+
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    xattrs: dict[str, bytes]
+    size: int = 0
+    blocks: tuple[int, ...] = ()
+
+
+@dataclass
+class _Node:
+    type: EntryType
+    mode: int = 0o755
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0
+    target: str = ""
+    rdev: tuple[int, int] = (0, 0)
+    xattrs: dict[str, bytes] = field(default_factory=dict)
+    inode: _Inode | None = None  #: FILE nodes only
+    children: dict[str, None] | None = None  #: DIR nodes only: names, in insertion order
+
+
+def _encoded(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+class _Tree:
+    def __init__(self, limits: TarLimits) -> None:
+        self.limits = limits
+        self.nodes: dict[str, _Node] = {"": _Node(EntryType.DIR, children={})}
+
+    def clean(self, name: str, what: str, entry: str) -> str:
+        """A tar name as a relative path ("" for the root), or LayerError."""
+        if "\0" in name:
+            raise LayerError(entry, f"{what} has a NUL byte")
+        if len(_encoded(name)) > self.limits.max_path:
+            raise LayerError(entry, f"{what} is longer than {self.limits.max_path} bytes")
+        if name.startswith("/"):
+            raise LayerError(entry, f"{what} is absolute (a layer's names are relative to its root)")
+        parts = [part for part in name.split("/") if part not in ("", ".")]
+        if ".." in parts:
+            raise LayerError(entry, f"{what} has a '..' component (path traversal)")
+        for part in parts:
+            if len(_encoded(part)) > self.limits.max_name:
+                raise LayerError(entry, f"{what} has a component longer than {self.limits.max_name} bytes")
+        return "/".join(parts)
+
+    def ensure_parent(self, path: str, entry: str) -> None:
+        parent = path.rpartition("/")[0]
+        missing = []
+        while parent not in self.nodes:
+            missing.append(parent)
+            parent = parent.rpartition("/")[0]
+        if self.nodes[parent].type is not EntryType.DIR:
+            raise LayerError(entry, f"parent {parent!r} is not a directory")
+        for directory in reversed(missing):
+            self._link(directory, _Node(EntryType.DIR, mode=0o755, children={}))
+
+    def _link(self, path: str, node: _Node) -> None:
+        self.nodes[path] = node
+        parent, _, name = path.rpartition("/")
+        children = self.nodes[parent].children
+        assert children is not None
+        children[name] = None
+
+    def remove(self, path: str) -> None:
+        node = self.nodes.pop(path)
+        if node.children:
+            for name in list(node.children):
+                self.remove(f"{path}/{name}")
+        parent, _, name = path.rpartition("/")
+        siblings = self.nodes[parent].children
+        assert siblings is not None
+        siblings.pop(name, None)
+
+    def put(self, path: str, node: _Node, entry: str) -> None:
+        """Add ``node`` at ``path``: a later entry replaces an earlier one (see the module doc)."""
+        if path == "":
+            if node.type is not EntryType.DIR:
+                raise LayerError(entry, "the layer root is not a directory")
+            root = self.nodes[""]
+            node.children = root.children
+            node.xattrs = {**node.xattrs, **_opaque_of(root)}
+            self.nodes[""] = node
+            return
+        self.ensure_parent(path, entry)
+        old = self.nodes.get(path)
+        if old is not None:
+            if old.type is EntryType.DIR and node.type is EntryType.DIR:
+                node.children = old.children
+                node.xattrs = {**node.xattrs, **_opaque_of(old)}
+                self.nodes[path] = node
+                return
+            self.remove(path)
+        if node.type is EntryType.DIR and node.children is None:
+            node.children = {}
+        self._link(path, node)
+
+    def count(self) -> int:
+        return len(self.nodes)
+
+    def entries(self) -> list[Entry]:
+        """The tree, root first, depth first, children by name; hard links after their first path."""
+        out: list[Entry] = []
+        first_path: dict[int, int] = {}  # id(inode) -> entry number of its first path
+
+        def walk(path: str) -> None:
+            node = self.nodes[path]
+            if node.type is EntryType.FILE:
+                inode = node.inode
+                assert inode is not None
+                number = first_path.get(id(inode))
+                common = dict(mode=inode.mode, uid=inode.uid, gid=inode.gid, mtime_ns=inode.mtime_ns,
+                              size=inode.size, xattrs=dict(inode.xattrs))  # fmt: skip
+                if number is None:
+                    first_path[id(inode)] = len(out)
+                    out.append(Entry(path=path, type=EntryType.FILE, blocks=inode.blocks, **common))  # type: ignore[arg-type]
+                else:
+                    out.append(Entry(path=path, type=EntryType.FILE, link=number, **common))  # type: ignore[arg-type]
+                return
+            size = len(_encoded(node.target)) if node.type is EntryType.SYMLINK else 0
+            out.append(Entry(path=path, type=node.type, mode=node.mode, uid=node.uid, gid=node.gid,
+                             mtime_ns=node.mtime_ns, size=size, target=node.target, rdev=node.rdev,
+                             xattrs=dict(node.xattrs)))  # fmt: skip
+            if node.children is not None:
+                for name in sorted(node.children):
+                    walk(f"{path}/{name}" if path else name)
+
+        walk("")
+        return out
+
+
+def _opaque_of(node: _Node) -> dict[str, bytes]:
+    return {OPAQUE_XATTR: node.xattrs[OPAQUE_XATTR]} if OPAQUE_XATTR in node.xattrs else {}
+
+
+# -- members ------------------------------------------------------------------------------
+
+
+def _mtime_ns(info: tarfile.TarInfo, entry: str) -> int:
+    text = info.pax_headers.get("mtime")
+    if text is not None:
+        try:
+            return int(Decimal(text).scaleb(9).to_integral_value(rounding="ROUND_FLOOR"))
+        except (InvalidOperation, ValueError):
+            raise LayerError(entry, f"PAX mtime {text!r} is not a number") from None
+    return int(info.mtime) * 1_000_000_000
+
+
+def _xattrs(info: tarfile.TarInfo, limits: TarLimits, entry: str) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    total = 0
+    for key, value in info.pax_headers.items():
+        if not key.startswith(_XATTR_PAX):
+            continue
+        name = key[len(_XATTR_PAX) :]
+        raw = _encoded(value)
+        if not name or "\0" in name or len(_encoded(name)) > limits.max_xattr_name:
+            raise LayerError(entry, f"xattr name {name!r} is empty, has a NUL byte or is longer than {limits.max_xattr_name} bytes")
+        if len(raw) > limits.max_xattr_value:
+            raise LayerError(entry, f"xattr {name!r} holds {len(raw)} bytes (limit {limits.max_xattr_value})")
+        total += len(name) + len(raw)
+        if total > limits.max_xattrs:
+            raise LayerError(entry, f"xattrs larger than {limits.max_xattrs} bytes in all")
+        if name.startswith(_OVERLAY_XATTR):
+            continue  # overlayfs metadata comes from whiteouts and opaque markers only
+        out[name] = raw
+    return out
+
+
+def _check_sparse(info: tarfile.TarInfo, limits: TarLimits, entry: str) -> None:
+    runs = info.sparse or []
+    if len(runs) > limits.max_sparse:
+        raise LayerError(entry, f"sparse map of {len(runs)} runs (limit {limits.max_sparse})")
+    end = 0
+    for offset, length in runs:
+        if length == 0:
+            continue  # unused header slots and GNU tar's (size, 0) end marker
+        if offset < end or length < 0 or offset + length > info.size:
+            raise LayerError(entry, f"sparse map run ({offset}, {length}) overlaps, goes backwards or ends past the size {info.size}")
+        end = offset + length
+
+
+def _read_contents(tar: tarfile.TarFile, info: tarfile.TarInfo, sink: BlockSink, block_size: int,
+                   entry: str) -> tuple[int, ...]:  # fmt: skip
+    blocks: list[int] = []
+    stream = tar.extractfile(info)
+    assert stream is not None
+    left = info.size
+    try:
+        while left:
+            want = min(block_size, left)
+            chunk = stream.read(want)
+            while len(chunk) < want:
+                more = stream.read(want - len(chunk))
+                if not more:
+                    raise LayerError(entry, f"file data ends {left - len(chunk)} bytes early (truncated tar)")
+                chunk += more
+            blocks.append(sink.add(chunk))
+            left -= want
+    except tarfile.ReadError as exc:
+        raise LayerError(entry, f"file data unreadable: {exc} (truncated tar?)") from None
+    return tuple(blocks)
+
+
+def read_layer(blob: BinaryIO, sink: BlockSink, *, block_size: int, limits: TarLimits = TarLimits()) -> ParsedLayer:
+    """Parse layer blob ``blob`` (gzip, zstd or plain tar) in one pass; contents go to ``sink``.
+
+    Raises :class:`LayerError` for anything refused or malformed; ``sink`` may then
+    hold blocks of the entries before, which nothing references.
+    """
+    decompressed = _Decompressed(blob)
+    hashed = HashingReader(decompressed)  # type: ignore[arg-type]
+    tree = _Tree(limits)
+    file_bytes = 0
+    last = None
+    try:
+        tar = tarfile.open(fileobj=hashed, mode="r|", tarinfo=_strict_tarinfo(limits),  # type: ignore[call-overload]
+                           encoding="utf-8", errors="surrogateescape")  # fmt: skip
+    except tarfile.ReadError as exc:
+        raise LayerError(None, f"not a tar archive: {exc}") from None
+    except LayerError:
+        raise
+    with tar:
+        while True:
+            try:
+                info = tar.next()
+            except LayerError as exc:
+                if exc.entry is None and last is not None:
+                    raise LayerError(None, f"{exc.reason} (after entry {last!r})") from None
+                raise
+            except tarfile.TarError as exc:
+                raise LayerError(None, f"malformed tar after entry {last!r}: {exc}") from None
+            if info is None:
+                break
+            tar.members.clear()  # tarfile keeps every member in a list; nothing here needs them
+            last = info.name
+            if tree.count() >= limits.max_entries:
+                raise LayerError(info.name, f"more than {limits.max_entries} entries in the layer")
+            file_bytes += _member(tar, info, tree, sink, block_size, limits)
+    hashed.drain()  # the diffID covers every byte, the end-of-archive padding included
+    return ParsedLayer(
+        entries=tree.entries(),
+        diff_id="sha256:" + hashed.hexdigest(),
+        tar_bytes=hashed.count,
+        file_bytes=file_bytes,
+        compression=decompressed.compression,
+    )
+
+
+def _member(tar: tarfile.TarFile, info: tarfile.TarInfo, tree: _Tree, sink: BlockSink, block_size: int,
+            limits: TarLimits) -> int:  # fmt: skip
+    """Add one tar member to ``tree``; returns the file bytes it added."""
+    entry = info.name
+    path = tree.clean(info.name, "name", entry)
+    base = path.rpartition("/")[2]
+    if base.startswith(WHITEOUT_PREFIX):
+        parent = path.rpartition("/")[0]
+        if base == OPAQUE_MARKER:
+            tree.ensure_parent(path, entry)
+            tree.nodes[parent].xattrs[OPAQUE_XATTR] = b"y"
+            return 0
+        if base.startswith(WHITEOUT_PREFIX + WHITEOUT_PREFIX):
+            return 0  # aufs bookkeeping (.wh..wh.plnk, ...): nothing for overlayfs
+        name = base[len(WHITEOUT_PREFIX) :]
+        target = f"{parent}/{name}" if parent else name
+        tree.put(target, _Node(EntryType.CHAR, mode=0, uid=info.uid, gid=info.gid, mtime_ns=_mtime_ns(info, entry)), entry)
+        return 0
+    if info.uid < 0 or info.gid < 0:
+        raise LayerError(entry, f"negative owner {info.uid}:{info.gid}")
+    mode = info.mode & 0o7777
+    mtime_ns = _mtime_ns(info, entry)
+    xattrs = _xattrs(info, limits, entry)
+    common = dict(mode=mode, uid=info.uid, gid=info.gid, mtime_ns=mtime_ns, xattrs=xattrs)
+    if info.isreg():  # REGTYPE, AREGTYPE, CONTTYPE and GNU sparse
+        if info.size < 0:
+            raise LayerError(entry, f"negative size {info.size}")
+        _check_sparse(info, limits, entry)
+        # Check the place first, so that a refused entry reads no data into the sink.
+        if path == "":
+            raise LayerError(entry, "the layer root is not a directory")
+        tree.ensure_parent(path, entry)
+        blocks = _read_contents(tar, info, sink, block_size, entry)
+        inode = _Inode(size=info.size, blocks=blocks, **common)  # type: ignore[arg-type]
+        tree.put(path, _Node(EntryType.FILE, inode=inode), entry)
+        return info.size
+    if info.isdir():
+        tree.put(path, _Node(EntryType.DIR, **common), entry)  # type: ignore[arg-type]
+        return 0
+    if info.issym():
+        target = info.linkname
+        if not target:
+            raise LayerError(entry, "symlink with an empty target")
+        if "\0" in target or len(_encoded(target)) > limits.max_link:
+            raise LayerError(entry, f"symlink target has a NUL byte or is longer than {limits.max_link} bytes")
+        tree.put(path, _Node(EntryType.SYMLINK, target=target, **common), entry)  # type: ignore[arg-type]
+        return 0
+    if info.islnk():
+        if len(_encoded(info.linkname)) > limits.max_link:
+            raise LayerError(entry, f"hardlink target longer than {limits.max_link} bytes")
+        try:
+            target = tree.clean(info.linkname, "hardlink target", entry)
+        except LayerError as exc:
+            raise LayerError(entry, f"{exc.reason}: hardlink points outside the layer") from None
+        node = tree.nodes.get(target)
+        if node is None:
+            raise LayerError(entry, f"hardlink to {info.linkname!r}, which is not an earlier entry of this layer")
+        if node.type is not EntryType.FILE:
+            raise LayerError(entry, f"hardlink to {info.linkname!r}, which is a {node.type.value}, not a regular file")
+        if target == path:
+            return 0  # a link to itself changes nothing
+        tree.put(path, _Node(EntryType.FILE, inode=node.inode), entry)
+        return 0
+    if info.ischr() or info.isblk():
+        kind = EntryType.CHAR if info.ischr() else EntryType.BLOCK
+        if info.devmajor < 0 or info.devminor < 0:
+            raise LayerError(entry, f"bad device number {info.devmajor}:{info.devminor}")
+        tree.put(path, _Node(kind, rdev=(info.devmajor, info.devminor), **common), entry)  # type: ignore[arg-type]
+        return 0
+    if info.isfifo():
+        tree.put(path, _Node(EntryType.FIFO, **common), entry)  # type: ignore[arg-type]
+        return 0
+    raise LayerError(entry, f"unsupported tar entry type {info.type!r}")

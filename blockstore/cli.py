@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blockstore.convert import ConversionError, Progress, check_block_size, convert_image
-from blockstore.format import DEFAULT_BLOCK_SIZE
-from blockstore.store import ReadOnlyStore, StoreError, open_store_writer
+from bootseer.blockstore.convert import ConversionError, Progress, check_block_size, convert_image
+from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE
+from bootseer.blockstore.store import ReadOnlyStore, StoreError, open_store_writer
 from bootseer.ckptmount.cli import parse_size
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url

@@ -36,7 +36,7 @@ from typing import Callable, TextIO
 
 import zstandard
 
-from blockstore.format import (
+from bootseer.blockstore.format import (
     DEDUP_PREFIX,
     DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION,
@@ -55,8 +55,8 @@ from blockstore.format import (
     index_object,
     pack_object,
 )
-from blockstore.store import StoreWriter
-from blockstore.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
+from bootseer.blockstore.store import StoreWriter
+from bootseer.blockstore.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
 from bootseer import __version__
 from bootseer.log import get_logger
 

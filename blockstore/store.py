@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 from urllib.parse import unquote, urlsplit
 
-from blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
+from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
 from bootseer.fetch.source import NotFound, SourceError
 from bootseer.fetch.sources import open_source, redact_url, split_path

@@ -51,7 +51,7 @@ from typing import BinaryIO, Protocol
 
 import zstandard
 
-from blockstore.format import Entry, EntryType
+from bootseer.blockstore.format import Entry, EntryType
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"

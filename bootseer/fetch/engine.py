@@ -7,6 +7,18 @@ by every reader that wants it.  Workers take stripes from one priority queue
 first served within a priority) and run the blocking ``Connection.read_range`` in a
 worker thread, each worker keeping a connection of its own.
 
+Callers that know which bytes they want (the block store's packs) ask for
+:class:`Extent` s instead (:meth:`Engine.fetch_extents`): ranges they name with a
+key of their own (a block's digest and place).  An extent is one more kind of
+stripe: it is held, queued, prioritised, bounded in memory, retried, failed and
+counted by the very same code, and equal keys share one fetch and one buffer.  What
+extents add is coalescing: a worker that takes a queued extent also takes the queued
+extents of the same object and priority that lie next to it (gaps up to
+``coalesce_gap``), up to ``stripe_size`` in all, fetches them with one range
+request and splits the bytes.  Extents skip the stripe disk cache: the caller
+verifies and caches what it asked for (``blockstore/cache.py``), keyed by content
+rather than by place.
+
 Who wants a stripe is recorded as *holds*: a read holds the stripes it is copying
 from (at DEMAND), a :class:`Reader` holds its read-ahead window (at READAHEAD) and
 :meth:`Engine.prefetch` holds the stripes it brings in (at PREFETCH).  A queued
@@ -43,6 +55,7 @@ way, so it never waits on a silent source.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import enum
 import errno
@@ -53,7 +66,7 @@ import platform
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -89,8 +102,23 @@ IN_FLIGHT = prometheus_client.Gauge("bootseer_fetch_in_flight_stripes", "Stripe 
 HELD_BYTES = prometheus_client.Gauge(
     "bootseer_fetch_held_bytes", "Stripe bytes held in memory (in flight and buffered), all engines"
 )
+EXTENTS = prometheus_client.Counter(
+    "bootseer_fetch_extents", "Caller extents finished, by outcome (fetched from the source, failed)", ["outcome"]
+)
+EXTENT_REQUESTS = prometheus_client.Counter(
+    "bootseer_fetch_extent_requests",
+    "Range requests for caller extents, by how many extents each carried (single, coalesced)",
+    ["kind"],
+)
+GAP_BYTES = prometheus_client.Counter(
+    "bootseer_fetch_gap_bytes", "Bytes between coalesced extents that were fetched and thrown away"
+)
 for _outcome in ("fetched", "cached", "failed"):
     STRIPES.labels(_outcome)
+for _outcome in ("fetched", "failed"):
+    EXTENTS.labels(_outcome)
+for _kind in ("single", "coalesced"):
+    EXTENT_REQUESTS.labels(_kind)
 
 
 class Priority(enum.IntEnum):
@@ -113,6 +141,12 @@ class EngineConfig:
     retry_timeout: float = 60.0  #: a stripe that keeps failing this long fails with FetchError (EIO)
     cache_dir: str | None = None  #: optional verified on-disk stripe cache (off by default)
     cache_size: int = 16 * GiB  #: bytes the on-disk cache may hold
+    #: Largest gap between queued extents that one range request bridges (the gap's
+    #: bytes are fetched and dropped).  128 KiB costs about 1 ms at 1 Gbit/s, less than
+    #: the round trip of a second request to an object store or a CDN (several ms), and
+    #: bridges the hole a block already in the node cache leaves between its neighbours
+    #: when blocks are small and compress well.
+    coalesce_gap: int = 128 * KiB
 
     def __post_init__(self) -> None:
         problems = []
@@ -130,6 +164,8 @@ class EngineConfig:
             problems.append(f"retry_timeout must not be negative, not {self.retry_timeout}")
         if self.cache_dir is not None and self.cache_size < self.stripe_size:
             problems.append(f"cache_size ({self.cache_size}) must hold at least one stripe ({self.stripe_size})")
+        if self.coalesce_gap < 0:
+            problems.append(f"coalesce_gap must not be negative, not {self.coalesce_gap}")
         if problems:
             raise ValueError("invalid fetch engine configuration: " + "; ".join(problems))
 
@@ -160,6 +196,11 @@ class EngineStats:
     in_flight: int = 0  #: fetches running now
     held_bytes: int = 0  #: stripe bytes in flight or buffered now
     peak_held_bytes: int = 0  #: the most ``held_bytes`` has ever been
+    extents_fetched: int = 0  #: caller extents read from the source
+    extent_requests: int = 0  #: range requests that fetched extents
+    coalesced_requests: int = 0  #: of those, requests that carried more than one extent
+    gap_bytes: int = 0  #: bytes between coalesced extents, fetched and dropped (in ``bytes_fetched``)
+    discards: int = 0  #: buffered extents dropped by :meth:`Engine.discard`
 
 
 class _State(enum.Enum):
@@ -190,22 +231,64 @@ class FileVersion:
 _StripeKey = tuple[FileVersion, int]  # (file version, stripe index)
 
 
+@dataclass(frozen=True)
+class Extent:
+    """A byte range of an object at the engine's source, named by its caller.
+
+    Equal keys are the caller's promise of equal bytes: they share one fetch and
+    one buffer, so a key must always name the same ``path``, ``offset``, ``length``
+    and ``version`` (ValueError otherwise).
+    """
+
+    key: Hashable  #: the caller's identity of these bytes (a block's digest and place)
+    path: str  #: the object's path at the source
+    offset: int
+    length: int
+    version: str = ""  #: the :attr:`Entry.version` the bytes must come from; "" for any
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, str):
+            raise TypeError(f"extent path must be a str, not {self.path!r}")
+        if not isinstance(self.offset, int) or not isinstance(self.length, int) or self.offset < 0 or self.length < 0:
+            raise ValueError(f"invalid extent {self.key!r}: offset={self.offset!r} length={self.length!r}")
+        hash(self.key)  # an unhashable key fails here, with the caller's frame in the traceback
+
+
+@dataclass(frozen=True)
+class _ExtentKey:
+    """An extent's key in the engine's table, apart from every stripe key."""
+
+    key: Hashable
+
+
 class _Stripe:
-    """One stripe of one version of a file, and who wants it."""
+    """What workers fetch: one stripe of one version of a file, or one caller :class:`Extent`, and who wants it.
+
+    An extent's ``file`` has size -1 (unknown: the caller names a range, not a
+    file) and its ``index`` is -1.
+    """
 
     __slots__ = (
         "key", "file", "path", "file_size", "index", "offset", "length", "state", "data", "error",
         "done", "holders", "waiters", "queued_priority", "last_used", "first_attempt", "attempts",
+        "extent", "indexed",
     )  # fmt: skip
 
-    def __init__(self, file: FileVersion, index: int, stripe_size: int) -> None:
-        self.key: _StripeKey = (file, index)
+    def __init__(self, file: FileVersion, index: int, stripe_size: int, extent: Extent | None = None) -> None:
+        self.extent = extent
+        self.indexed = False  # in the engine's table of queued extents by object
+        if extent is None:
+            self.key: _StripeKey | _ExtentKey = (file, index)
+            self.offset = index * stripe_size
+            self.length = min(stripe_size, file.size - self.offset)
+        else:
+            self.key = _ExtentKey(extent.key)
+            self.offset = extent.offset
+            self.length = extent.length
         self.file = file
         self.path = file.path
         self.file_size = file.size
         self.index = index
-        self.offset = index * stripe_size
-        self.length = min(stripe_size, file.size - self.offset)
         self.state = _State.QUEUED
         self.data: bytes | None = None
         self.error: BaseException | None = None
@@ -225,7 +308,12 @@ class _Stripe:
         return bool(self.holders) or self.waiters > 0
 
     def describe(self) -> str:
-        return f"{self.path or '.'} bytes {self.offset}-{self.offset + self.length - 1} (stripe {self.index})"
+        what = f"stripe {self.index}" if self.extent is None else f"extent {self.extent.key!r}"
+        return f"{self.path or '.'} bytes {self.offset}-{self.offset + self.length - 1} ({what})"
+
+    def object(self) -> tuple[str, str]:
+        """The object version an extent lies in: extents of one may share a range request."""
+        return (self.path, self.file.version)
 
 
 class _SizeChanged(PermanentError):
@@ -306,6 +394,20 @@ async def _run_abandoning(function: Callable[..., T], *args: Any, on_abandon: Ca
 
 def _is_permanent(exc: BaseException) -> bool:
     return isinstance(exc, (NotFound, NotADirectory, PermanentError))
+
+
+def _span(stripes: list[_Stripe]) -> int:
+    """Bytes from the first of ``stripes`` (in offset order) to the end of the last."""
+    return stripes[-1].offset + stripes[-1].length - stripes[0].offset
+
+
+def _check_same_place(known: Extent, extent: Extent) -> None:
+    """ValueError unless two extents of one key name the same bytes."""
+    if (known.path, known.offset, known.length, known.version) != (extent.path, extent.offset, extent.length, extent.version):
+        raise ValueError(
+            f"extent key {extent.key!r} names two places: {known.path!r} {known.offset}+{known.length} "
+            f"(version {known.version!r}) and {extent.path!r} {extent.offset}+{extent.length} (version {extent.version!r})"
+        )
 
 
 # -- bytes filled in place -----------------------------------------------------------
@@ -389,6 +491,8 @@ class Engine:
         self._changed = trio.Event()
         self._starved = False  # a worker waits for memory that evictions could not free
         self._windows: OrderedDict[Reader, None] = OrderedDict()  # readers holding a window, LRU first
+        # The queued extents of each object version, by offset: where workers find neighbours to coalesce.
+        self._queued_extents: dict[tuple[str, str], list[tuple[int, int, _Stripe]]] = {}
         self._running = False
         self._stopped = False
         self.url = display_url(source)  #: the source's URL as logs and messages show it (no secrets)
@@ -517,6 +621,83 @@ class Engine:
         file = FileVersion.of(path, size, version, mtime)
         await self._walk(file, offset, end, Priority(priority), None, drop_passed=False)
 
+    async def fetch_extents(self, extents: Sequence[Extent], priority: Priority = Priority.DEMAND) -> list[bytes]:
+        """The bytes of each extent, exactly its length, in the order given.
+
+        Extents with equal keys share one fetch and one buffer, with those of other
+        callers too; a buffered extent is served without a fetch until memory is
+        needed or :meth:`discard` drops it.  Queued extents of one object next to
+        each other are fetched with one range request (see :class:`EngineConfig`'s
+        ``coalesce_gap``).  A DEMAND fetch goes ahead of PREFETCH ones, and of an
+        extent already queued at a lower priority it raises the priority; one
+        already in flight is waited on, never fetched twice.  Like a stripe's read,
+        this holds the extents a bounded number of bytes ahead of the one it waits
+        for, so a long list stays within the memory bound.
+
+        Raises FetchError (EIO) if an extent cannot be fetched (its object is
+        missing, shorter than the extent, another version than ``version``, or
+        failing for ``retry_timeout``); ValueError if a key names two places.
+        """
+        self._check_running()
+        priority = Priority(priority)
+        results: list[bytes] = [b""] * len(extents)
+        wanted: dict[_ExtentKey, tuple[Extent, list[int]]] = {}  # each key once, in first-seen order
+        for position, extent in enumerate(extents):
+            if not isinstance(extent, Extent):
+                raise TypeError(f"fetch_extents takes Extent objects, not {extent!r}")
+            if extent.length == 0:
+                continue
+            if extent.length > self.config.memory_limit:
+                raise ValueError(
+                    f"extent {extent.key!r} is {extent.length} bytes, more than the engine's memory_limit "
+                    f"({self.config.memory_limit}) can hold"
+                )
+            key = _ExtentKey(extent.key)
+            seen = wanted.get(key)
+            if seen is None:
+                wanted[key] = (extent, [position])
+            else:
+                _check_same_place(seen[0], extent)
+                seen[1].append(position)
+        order = [extent for extent, _ in wanted.values()]
+        token = object()  # the holder of this call's holds
+        held: dict[int, _Stripe] = {}
+        budget = self.read_lookahead * self.stripe_size  # bytes held beyond the one waited on, as a read holds stripes
+        ahead, ahead_bytes = 0, 0  # order[:ahead] have been held; ahead_bytes of them not yet taken
+        try:
+            for number, (extent, positions) in enumerate(wanted.values()):
+                while ahead < len(order) and (ahead <= number or ahead_bytes + order[ahead].length <= budget):
+                    held[ahead] = self._hold_extent(token, order[ahead], priority)
+                    ahead_bytes += order[ahead].length
+                    ahead += 1
+                stripe = held[number]
+                if stripe.state is _State.GONE:  # evicted or discarded before its turn: hold it again
+                    stripe = held[number] = self._hold_extent(token, extent, priority)
+                data = await self._wait(stripe)
+                for position in positions:
+                    results[position] = data
+                ahead_bytes -= extent.length
+                self._release(token, held.pop(number))
+        finally:
+            for stripe in held.values():
+                self._release(token, stripe)
+        return results
+
+    def discard(self, key: Hashable) -> None:
+        """Drop the buffered bytes of extent ``key``, which its caller found corrupt; the next fetch refetches it.
+
+        An extent not buffered (unknown, queued or in flight) is left alone: the
+        bytes on their way are a new fetch.
+        """
+        stripe = self._stripes.get(_ExtentKey(key))
+        if stripe is not None and stripe.state is _State.DONE:
+            self.stats.discards += 1
+            log.info("dropping a buffered extent its reader found corrupt", url=self.url, extent=stripe.describe())
+            self._forget(stripe)
+
+    def _hold_extent(self, holder: object, extent: Extent, priority: Priority) -> _Stripe:
+        return self._hold(holder, FileVersion(extent.path, -1, extent.version), -1, priority, extent)
+
     async def _walk(
         self,
         file: FileVersion,
@@ -580,13 +761,18 @@ class Engine:
 
     # -- holds -----------------------------------------------------------------------
 
-    def _hold(self, holder: object, file: FileVersion, index: int, priority: Priority) -> _Stripe:
-        """Record that ``holder`` wants a stripe, queueing it if it is not fetched or on its way."""
+    def _hold(
+        self, holder: object, file: FileVersion, index: int, priority: Priority, extent: Extent | None = None
+    ) -> _Stripe:
+        """Record that ``holder`` wants a stripe (or ``extent``), queueing it if it is not fetched or on its way."""
         self._check_running()
-        key = (file, index)
+        key: _StripeKey | _ExtentKey = (file, index) if extent is None else _ExtentKey(extent.key)
         stripe = self._stripes.get(key)
+        if stripe is not None and extent is not None:
+            assert stripe.extent is not None
+            _check_same_place(stripe.extent, extent)
         if stripe is None:
-            stripe = _Stripe(file, index, self.stripe_size)
+            stripe = _Stripe(file, index, self.stripe_size, extent)
             self._stripes[key] = stripe
             stripe.holders[holder] = priority
             self._enqueue(stripe, priority)
@@ -629,10 +815,59 @@ class Engine:
         stripe.state = _State.QUEUED
         stripe.queued_priority = priority
         heapq.heappush(self._queue, (priority, next(self._seq), stripe))
+        if stripe.extent is not None and not stripe.indexed:
+            bisect.insort(self._queued_extents.setdefault(stripe.object(), []), (stripe.offset, id(stripe), stripe))
+            stripe.indexed = True
         self._notify()
+
+    def _unindex(self, stripe: _Stripe) -> None:
+        """Take a queued extent out of the table of neighbours (it is taken, cancelled or failed)."""
+        if not stripe.indexed:
+            return
+        stripe.indexed = False
+        queued = self._queued_extents[stripe.object()]
+        position = bisect.bisect_left(queued, (stripe.offset, id(stripe)))
+        assert queued[position][2] is stripe
+        del queued[position]
+        if not queued:
+            del self._queued_extents[stripe.object()]
+
+    def _coalesce(self, head: _Stripe) -> list[_Stripe]:
+        """``head`` and the queued extents beside it that one range request fetches with it, in offset order.
+
+        Only extents queued at ``head``'s priority join it: a demand read must not
+        wait for the prefetch of its neighbours.  Extents that overlap are not
+        joined (each keeps a buffer of its own); gaps up to ``coalesce_gap`` are, and
+        the request spans at most ``stripe_size`` bytes.
+        """
+        if head.extent is None or not head.indexed:
+            return [head]
+        queued = self._queued_extents[head.object()]
+        at = bisect.bisect_left(queued, (head.offset, id(head)))
+        cap, gap = self.stripe_size, self.config.coalesce_gap
+        start, end = head.offset, head.offset + head.length
+        after: list[_Stripe] = []
+        for _, _, stripe in queued[at + 1 :]:
+            if stripe.queued_priority != head.queued_priority or not end <= stripe.offset <= end + gap:
+                break
+            if stripe.offset + stripe.length - start > cap:
+                break
+            after.append(stripe)
+            end = stripe.offset + stripe.length
+        before: list[_Stripe] = []
+        for _, _, stripe in reversed(queued[:at]):
+            stripe_end = stripe.offset + stripe.length
+            if stripe.queued_priority != head.queued_priority or not start - gap <= stripe_end <= start:
+                break
+            if end - stripe.offset > cap:
+                break
+            before.append(stripe)
+            start = stripe.offset
+        return [*reversed(before), head, *after]
 
     def _forget(self, stripe: _Stripe) -> None:
         """Take a stripe out of the engine (cancelled, dropped or evicted), freeing its bytes."""
+        self._unindex(stripe)
         if self._stripes.get(stripe.key) is stripe:
             del self._stripes[stripe.key]
         if stripe.state is _State.DONE:
@@ -642,6 +877,7 @@ class Engine:
         stripe.data = None
 
     def _fail(self, stripe: _Stripe, error: BaseException) -> None:
+        self._unindex(stripe)
         if stripe.state is _State.FETCHING:
             self._unreserve(stripe.length)
         if self._stripes.get(stripe.key) is stripe:
@@ -663,12 +899,14 @@ class Engine:
 
     # -- memory ----------------------------------------------------------------------
 
-    def _reserve(self, stripe: _Stripe) -> bool:
-        """Count ``stripe``'s bytes as held if they fit, evicting less wanted stripes to make room."""
+    def _reserve(self, stripe: _Stripe, length: int | None = None) -> bool:
+        """Count ``stripe``'s bytes (or ``length`` bytes fetched for it) as held if they fit,
+        evicting less wanted stripes to make room."""
+        length = stripe.length if length is None else length
         priority = stripe.priority()
         priority = stripe.queued_priority if priority is None else priority
         limit = self.config.memory_limit - (0 if priority is Priority.DEMAND else self._demand_reserve)
-        short = self.stats.held_bytes + stripe.length - limit
+        short = self.stats.held_bytes + length - limit
         if short > 0:
             victims = self._eviction_candidates(priority)
             if sum(victim.length for victim in victims) < short:
@@ -679,9 +917,9 @@ class Engine:
                 short -= victim.length
                 self.stats.evictions += 1
                 self._forget(victim)
-        self.stats.held_bytes += stripe.length
+        self.stats.held_bytes += length
         self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.stats.held_bytes)
-        HELD_BYTES.inc(stripe.length)
+        HELD_BYTES.inc(length)
         return True
 
     def _eviction_candidates(self, priority: Priority) -> list[_Stripe]:
@@ -716,18 +954,19 @@ class Engine:
         stream = _Stream()
         try:
             while True:
-                stripe = await self._take()
+                stripes = await self._take()
                 if stream.aborted:  # its connection was closed under a hung read
                     stream = _Stream()
-                await self._fetch(stripe, stream)
+                await self._fetch(stripes, stream)
         finally:
             # Idle here (a fetch in flight was aborted), so closing cannot hang.
             if stream.connection is not None and not stream.aborted:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_close_quietly, stream.connection, limiter=self._threads)
 
-    async def _take(self) -> _Stripe:
-        """The most urgent queued stripe whose bytes fit in memory, marked FETCHING."""
+    async def _take(self) -> list[_Stripe]:
+        """The most urgent queued stripe whose bytes fit in memory, marked FETCHING; for
+        an extent, with the neighbours one range request fetches with it (in offset order)."""
         while True:
             now = trio.current_time()
             while self._backoff and self._backoff[0][0] <= now:
@@ -738,40 +977,119 @@ class Engine:
             while self._queue and self._queue[0][2].state is not _State.QUEUED:
                 heapq.heappop(self._queue)  # stale: cancelled, or queued again more urgently
             if self._queue:
-                if self._reserve(self._queue[0][2]):
-                    stripe = heapq.heappop(self._queue)[2]
-                    stripe.state = _State.FETCHING
-                    return stripe
+                head = self._queue[0][2]
+                group = self._coalesce(head)
+                if len(group) > 1 and not self._reserve(head, _span(group)):
+                    group = [head]  # no room for its neighbours now: the head alone, like any stripe
+                if len(group) > 1 or self._reserve(head):
+                    heapq.heappop(self._queue)  # the others' entries go stale: they are no longer QUEUED
+                    for stripe in group:
+                        self._unindex(stripe)
+                        stripe.state = _State.FETCHING
+                    return group
                 self._starved = True  # wake me when a buffered stripe may have become evictable
             with trio.move_on_at(self._backoff[0][0] if self._backoff else float("inf")):
                 await self._changed.wait()
 
-    async def _fetch(self, stripe: _Stripe, stream: _Stream) -> None:
-        """Fetch one reserved stripe and publish it, or put it back to retry, or fail it."""
+    async def _fetch(self, group: list[_Stripe], stream: _Stream) -> None:
+        """Fetch reserved stripes (one stripe, or extents one range request covers) and
+        publish each, or put it back to retry, or fail it."""
+        stripe = group[0]
         self.stats.in_flight += 1
         IN_FLIGHT.inc()
-        if stripe.first_attempt is None:
-            stripe.first_attempt = trio.current_time()
+        now = trio.current_time()
+        for member in group:
+            if member.first_attempt is None:
+                member.first_attempt = now
+        # The bytes between coalesced extents were reserved with them; they go when the request ends.
+        gap = _span(group) - sum(member.length for member in group)
+        cached, cache_key = False, None
         try:
             # Past the deadline the attempt is abandoned and its connection closed: a
             # source that accepts and never answers fails the stripe after
             # retry_timeout, not after the backend's read timeout on top.
-            with trio.move_on_at(self._deadline(stripe.first_attempt)) as deadline:
-                data, cached, cache_key = await _run_abandoning(
-                    self._fetch_blocking, stripe, stream, on_abandon=stream.abort
-                )
+            deadline_at = min(self._deadline(member.first_attempt) for member in group if member.first_attempt is not None)
+            with trio.move_on_at(deadline_at) as deadline:
+                if stripe.extent is None:
+                    data, cached, cache_key = await _run_abandoning(
+                        self._fetch_blocking, stripe, stream, on_abandon=stream.abort
+                    )
+                    outcomes: list[bytes | Exception] = [data]
+                else:
+                    self._count_request(group)
+                    outcomes = await _run_abandoning(
+                        self._fetch_extents_blocking, group, stream, on_abandon=stream.abort
+                    )
             if deadline.cancelled_caught:
                 raise TimeoutError(f"no answer in {self.config.retry_timeout:g}s")
         except Exception as exc:
-            self._fetch_failed(stripe, exc)
+            for member in group:
+                self._fetch_failed(member, exc)
             return
         finally:
             # A cancelled fetch (the engine stopping) stays FETCHING: run() fails it.
             self.stats.in_flight -= 1
             IN_FLIGHT.dec()
-        self._publish(stripe, data, cached)
+            if gap:
+                self._unreserve(gap)
+        if gap and not any(isinstance(outcome, Exception) for outcome in outcomes):
+            self.stats.gap_bytes += gap
+            self.stats.bytes_fetched += gap
+            GAP_BYTES.inc(gap)
+            BYTES_FETCHED.inc(gap)
+        for member, outcome in zip(group, outcomes):
+            if isinstance(outcome, Exception):
+                self._fetch_failed(member, outcome)
+            else:
+                self._publish(member, outcome, cached)
         if self._cache is not None and not cached and cache_key is not None:
             await trio.to_thread.run_sync(self._cache.put, cache_key, data, limiter=self._threads)
+
+    def _count_request(self, group: list[_Stripe]) -> None:
+        kind = "coalesced" if len(group) > 1 else "single"
+        self.stats.extent_requests += 1
+        self.stats.coalesced_requests += len(group) > 1
+        EXTENT_REQUESTS.labels(kind).inc()
+
+    def _fetch_extents_blocking(self, group: list[_Stripe], stream: _Stream) -> list[bytes | Exception]:
+        """In a worker thread: the bytes of extents of one object, in offset order, with one range request.
+
+        Returns each extent's bytes, or the error it failed with where the answer
+        was short: an extent beyond the object's end fails for good, one the
+        answer was merely cut off before is retried.  On any failure the stream's
+        connection is closed.
+        """
+        first, last = group[0], group[-1]
+        start, end = first.offset, last.offset + last.length
+        try:
+            connection = stream.connect(self.source)
+            data = connection.read_range(first.path, start, end - start, first.file.version)
+            if len(data) > end - start:
+                raise PermanentError(
+                    f"{self.url}: {first.path or '.'} bytes {start}-{end - 1}: the source returned "
+                    f"{len(data)} bytes for a range of {end - start}"
+                )
+            size = None
+            if len(data) < end - start:
+                size = self.source.stat(first.path).size  # a truncated object, or a cut-off answer?
+                stream.discard()
+        except BaseException:
+            stream.discard()
+            raise
+        outcomes: list[bytes | Exception] = []
+        for member in group:
+            lo, hi = member.offset - start, member.offset + member.length - start
+            if hi <= len(data):
+                outcomes.append(data if lo == 0 and hi == len(data) else data[lo:hi])
+            elif size is not None and member.offset + member.length > size:
+                outcomes.append(PermanentError(
+                    f"{self.url}: {member.describe()}: the object is only {size} bytes long"
+                ))  # fmt: skip
+            else:
+                outcomes.append(OSError(
+                    errno.EIO, f"{self.url}: {member.describe()}: short read, {len(data)} of {end - start} bytes"
+                ))  # fmt: skip
+        return outcomes
 
     def _fetch_blocking(self, stripe: _Stripe, stream: _Stream) -> tuple[bytes, bool, str | None]:
         """In a worker thread: the stripe's bytes from the disk cache or the source.
@@ -832,7 +1150,12 @@ class Engine:
         stripe.first_attempt = None
         stripe.last_used = next(self._clock)
         self._buffered[stripe.key] = stripe
-        if cached:
+        if stripe.extent is not None:
+            self.stats.extents_fetched += 1
+            self.stats.bytes_fetched += len(data)
+            EXTENTS.labels("fetched").inc()
+            BYTES_FETCHED.inc(len(data))
+        elif cached:
             self.stats.cache_hits += 1
             STRIPES.labels("cached").inc()
         else:
@@ -859,7 +1182,7 @@ class Engine:
             error = FetchError(message)
             error.__cause__ = exc
             self.stats.failures += 1
-            STRIPES.labels("failed").inc()
+            (STRIPES if stripe.extent is None else EXTENTS).labels("failed").inc()
             self._fail(stripe, error)
             return
         if not stripe.wanted():

@@ -272,7 +272,8 @@ async def _mount_and_announce(
 def mount_command(args: argparse.Namespace) -> int:
     """Run ``bootseer ckpt mount``; returns the exit status."""
     try:
-        given = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name) is not None}
+        # Options the mount has no flag for (coalesce_gap: extents only) keep the engine's default.
+        given = {name: getattr(args, name) for name in _ENGINE_OPTIONS if getattr(args, name, None) is not None}
         config = EngineConfig(**given)
         options = backend_options(args)
         check_mountpoint(args.mountpoint)

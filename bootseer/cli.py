@@ -17,6 +17,7 @@ from bootseer.log import FORMATS, LEVELS, setup_logging
 SUBCOMMAND_MODULES = [
     "bootseer.ckptmount.cli",
     "bootseer.blockstore.cli",
+    "bootseer.rpull_cli",
 ]
 
 

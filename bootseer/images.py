@@ -326,12 +326,26 @@ def parse_config(data: bytes, n_layers: int, what: str) -> tuple[dict[str, Any],
     return obj, diff_ids
 
 
-def select_platform(index: Mapping[str, Any], wanted: Platform, what: str) -> Descriptor:
-    """The entry of an image index for ``wanted``: exact variant first, then one without a variant."""
+def index_entries(index: Mapping[str, Any], what: str) -> list[Descriptor]:
+    """The ``manifests`` of a parsed image index, checked."""
     raw = index.get("manifests")
     if not isinstance(raw, list):
         raise MalformedImage(f"{what}: manifests is not a list")
-    entries = [Descriptor.from_json(m, f"{what} manifest {i}") for i, m in enumerate(raw)]
+    return [Descriptor.from_json(m, f"{what} manifest {i}") for i, m in enumerate(raw)]
+
+
+def parse_index(data: bytes, media_type: str, what: str) -> list[Descriptor]:
+    """The entries of an image index (or Docker manifest list); its ``mediaType`` must agree with ``media_type``."""
+    index = _parse_json(data, what)
+    declared = index.get("mediaType", media_type)
+    if declared != media_type:
+        raise MalformedImage(f"{what}: mediaType field {declared!r} disagrees with {media_type!r}")
+    return index_entries(index, what)
+
+
+def select_platform(index: Mapping[str, Any] | Sequence[Descriptor], wanted: Platform, what: str) -> Descriptor:
+    """The entry of an image index for ``wanted``: exact variant first, then one without a variant."""
+    entries = list(index) if not isinstance(index, Mapping) else index_entries(index, what)
     candidates = [e for e in entries if e.platform is not None and wanted.matches(e.platform)
                   and (e.media_type in MANIFEST_TYPES or e.media_type in INDEX_TYPES)]
     candidates.sort(key=lambda e: 0 if (e.platform or {}).get("variant", "") == wanted.variant else 1)
@@ -434,11 +448,7 @@ class ImageSource:
             if index_desc is None:
                 index_desc, index_bytes = desc, data
             what = f"{self.reference} index {desc.digest}"
-            index = _parse_json(data, what)
-            declared = index.get("mediaType", desc.media_type)
-            if declared != desc.media_type:
-                raise MalformedImage(f"{what}: mediaType field {declared!r} disagrees with {desc.media_type!r}")
-            desc = select_platform(index, self.platform, what)
+            desc = select_platform(parse_index(data, desc.media_type, what), self.platform, what)
             data = self._read_manifest(desc)
         what = f"{self.reference} manifest {desc.digest}"
         manifest = parse_manifest(data, desc.media_type, what)
@@ -529,7 +539,7 @@ class OCILayoutSource(ImageSource):
                 raise ImageNotFound(f"{self.reference}: no image tagged {self.tag!r} (tags: {', '.join(tags) or 'none'})")
         if len(chosen) > 1:
             # Several entries under one name: one per platform (skopeo/buildx write layouts so).
-            desc = select_platform({"manifests": [d.to_json() for d in chosen]}, self.platform, self.reference)
+            desc = select_platform(chosen, self.platform, self.reference)
         else:
             desc = chosen[0]
         if desc.media_type not in MANIFEST_TYPES | INDEX_TYPES:
@@ -942,4 +952,5 @@ __all__ = [
     "AuthError", "BadReference", "Descriptor", "DigestMismatch", "ImageError", "ImageNotFound", "ImageSource",
     "MalformedImage", "Manifest", "OCILayoutSource", "Platform", "RegistryError", "RegistryReference",
     "RegistrySource", "ResolvedImage", "UnsupportedMediaType", "VerifiedBlob", "layer_compression", "open_image",
+    "parse_index",
 ]

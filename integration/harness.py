@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -68,6 +69,33 @@ from tests.support.oci import (  # noqa: E402,F401
     OPAQUE_DIR, OPAQUE_NEW, OPAQUE_OLD, PATCH_FILE, PATCH_FILE_DATA, BuiltImage, blob_data, build_oci_layout,
     busybox_layer, chain_ids, demo_layers, expected_inodes,
 )
+
+MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
+
+
+def add_platform_index(image: BuiltImage, other: BuiltImage, tag: str = "multi") -> dict:
+    """Add to ``image.layout`` an image index tagged ``tag``: ``image`` as linux/amd64 and ``other``
+    (built in another layout; its blobs are copied over) as linux/arm64/v8.  Returns its descriptor."""
+    blobs = image.layout / "blobs" / "sha256"
+    for blob in (other.layout / "blobs" / "sha256").iterdir():
+        shutil.copy(blob, blobs / blob.name)
+
+    def entry(built: BuiltImage, platform: dict) -> dict:
+        size = (blobs / built.manifest_digest.removeprefix("sha256:")).stat().st_size
+        return {"mediaType": MEDIA_MANIFEST, "digest": built.manifest_digest, "size": size, "platform": platform}
+
+    index = json.dumps({"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": [
+        entry(image, {"os": "linux", "architecture": "amd64"}),
+        entry(other, {"os": "linux", "architecture": "arm64", "variant": "v8"}),
+    ]}).encode()
+    digest = "sha256:" + hashlib.sha256(index).hexdigest()
+    (blobs / digest.removeprefix("sha256:")).write_bytes(index)
+    desc = {"mediaType": MEDIA_INDEX, "digest": digest, "size": len(index),
+            "annotations": {"org.opencontainers.image.ref.name": tag}}
+    top = json.loads((image.layout / "index.json").read_text())
+    top["manifests"].append(desc)
+    (image.layout / "index.json").write_text(json.dumps(top))
+    return desc
 
 
 # --------------------------------------------------------------------------- processes

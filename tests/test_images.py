@@ -58,29 +58,6 @@ def set_index(layout: Path, manifests: list[dict]) -> None:
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": manifests}))
 
 
-def add_platform_index(image: harness.BuiltImage, other: harness.BuiltImage, tag: str = "multi") -> dict:
-    """Make ``image.layout`` hold an image index tagged ``tag``: ``image`` as linux/amd64, ``other``
-    (built in another layout; its blobs are copied over) as linux/arm64/v8."""
-    for blob in (other.layout / "blobs" / "sha256").iterdir():
-        shutil.copy(blob, image.layout / "blobs" / "sha256" / blob.name)
-
-    def entry(built: harness.BuiltImage, plat: dict) -> dict:
-        size = blob_path(built.layout, built.manifest_digest).stat().st_size
-        return {"mediaType": images.MEDIA_OCI_MANIFEST, "digest": built.manifest_digest, "size": size,
-                "platform": plat}
-
-    index = {"schemaVersion": 2, "mediaType": images.MEDIA_OCI_INDEX, "manifests": [
-        entry(image, {"os": "linux", "architecture": "amd64"}),
-        entry(other, {"os": "linux", "architecture": "arm64", "variant": "v8"}),
-    ]}
-    desc = put_blob(image.layout, json.dumps(index).encode())
-    desc.update(mediaType=images.MEDIA_OCI_INDEX, annotations={"org.opencontainers.image.ref.name": tag})
-    top = json.loads((image.layout / "index.json").read_text())
-    top["manifests"].append(desc)
-    (image.layout / "index.json").write_text(json.dumps(top))
-    return desc
-
-
 def rewrite_manifest(image: harness.BuiltImage, change) -> None:
     """Apply ``change(manifest_dict)`` and point index.json at the new manifest."""
     manifest = json.loads(blob_path(image.layout, image.manifest_digest).read_bytes())
@@ -157,7 +134,7 @@ def test_resolve_oci_layout(tmp_path):
 def test_index_picks_the_platform(tmp_path):
     image = build(tmp_path)
     other = build(tmp_path, "arm", layers=[harness.Layer((harness.File("/arm", b"arm\n"),))])
-    index_desc = add_platform_index(image, other)
+    index_desc = harness.add_platform_index(image, other)
     amd = open_image(f"oci:{image.layout}:multi", platform="linux/amd64").resolve()
     assert amd.manifest_descriptor.digest == image.manifest_digest
     assert amd.index is not None and amd.index.digest == index_desc["digest"]
@@ -297,7 +274,7 @@ def test_registry_by_tag_and_by_digest(registry, tmp_path):
 def test_registry_docker_schema2_and_manifest_list(registry, tmp_path):
     image = build(tmp_path)
     other = build(tmp_path, "arm", layers=[harness.Layer((harness.File("/arm", b"arm\n"),))])
-    add_platform_index(image, other)
+    harness.add_platform_index(image, other)
     ref = f"{registry.address}/bootseer/multi:v2"
     # skopeo converts to Docker's formats on request: a manifest list of schema 2 manifests.
     harness.run(["skopeo", "copy", "--quiet", "--all", "--dest-tls-verify=false", "--format", "v2s2",

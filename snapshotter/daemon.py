@@ -58,7 +58,7 @@ from bootseer.log import FORMATS, LEVELS, get_logger, setup_logging
 from bootseer.metrics import serve_metrics
 
 from . import config, service
-from .errors import FailedPrecondition
+from .errors import CorruptMetadata, RootLocked, SchemaTooNew
 from .snapshots import Snapshotter
 
 log = get_logger(__name__)
@@ -226,20 +226,25 @@ def open_snapshotter(root: Path) -> Snapshotter:
     """The Snapshotter of ``root``; it locks the root (``ROOT/lock``), one daemon per root."""
     try:
         return Snapshotter(root)
-    except FailedPrecondition as exc:
+    except RootLocked as exc:
         raise StartupError(
             f"{exc}; two daemons must never share a root: stop the other one or choose another --root"
         ) from None
+    except (SchemaTooNew, CorruptMetadata) as exc:
+        raise StartupError(str(exc)) from None
     except OSError as exc:
-        raise StartupError(f"cannot use root {str(root)!r}: {exc.strerror or exc}") from exc
+        where = f" ({exc.filename!r})" if exc.filename and str(exc.filename) != str(root) else ""
+        raise StartupError(f"cannot use root {str(root)!r}{where}: {exc.strerror or exc}") from None
 
 
 def make_dirs(path: Path, mode: int) -> None:
     """Create ``path`` and its missing parents with ``mode``, not filtered by the umask."""
     missing = []
-    while not path.exists():
+    while not os.path.lexists(path):
         missing.append(path)
         path = path.parent
+    if not path.is_dir():
+        raise StartupError(f"cannot create the socket's directory: {str(path)!r} exists and is not a directory")
     for directory in reversed(missing):
         try:
             os.mkdir(directory, mode)

@@ -1,33 +1,43 @@
-"""The error kinds of containerd's snapshotter API.
+"""The error kinds of the snapshot logic, as containerd's ``errdefs`` names them.
 
 containerd's proxy client maps gRPC status codes back to its ``errdefs`` kinds, and
 its callers branch on them (an ALREADY_EXISTS from Prepare means "the layer is
-already there, skip the download").  The snapshot logic raises these; the gRPC
-service turns each into its status code.
+already there, skip the download").  The snapshot logic raises these kinds and knows
+nothing of gRPC; the service edge (:mod:`.service`) maps each kind to its status code,
+and the daemon turns the start-up kinds (:class:`RootLocked`, :class:`SchemaTooNew`,
+:class:`CorruptMetadata`) into a one-line refusal.
 """
 
 from __future__ import annotations
 
-import grpc
-
 
 class SnapshotError(Exception):
-    """Base of the snapshotter's errors; ``code`` is the gRPC status it maps to."""
-
-    code = grpc.StatusCode.UNKNOWN
+    """Base of the snapshotter's errors; the message names the object and never the kind."""
 
 
 class NotFound(SnapshotError):
-    code = grpc.StatusCode.NOT_FOUND
+    """The snapshot (or its parent) does not exist."""
 
 
 class AlreadyExists(SnapshotError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+    """A snapshot of that key or name exists already."""
 
 
 class FailedPrecondition(SnapshotError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    """The request is valid but the state does not allow it (wrong kind, has children, closed)."""
 
 
 class InvalidArgument(SnapshotError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    """The request itself is malformed: bad key, labels, filter, field path or timestamp."""
+
+
+class RootLocked(FailedPrecondition):
+    """Another snapshotter holds the root's lock; the message names the root and the holder's pid."""
+
+
+class SchemaTooNew(FailedPrecondition):
+    """The metadata database was written by a newer bootseer with a schema this one does not know."""
+
+
+class CorruptMetadata(SnapshotError):
+    """The metadata database cannot be read: not a database, damaged, or unreadable."""

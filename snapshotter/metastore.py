@@ -24,7 +24,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Iterator
 
-from .errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from .errors import AlreadyExists, CorruptMetadata, FailedPrecondition, InvalidArgument, NotFound, SchemaTooNew
 from .types import Info, Kind, Usage
 
 #: Bumped whenever the tables change; :class:`MetaStore` migrates older databases.
@@ -118,14 +118,27 @@ class MetaStore:
         # walking a layer for its disk usage, happens outside them), and a single
         # writer is what sqlite allows anyway.
         self._lock = threading.RLock()
-        self._db: sqlite3.Connection | None = sqlite3.connect(
-            self.path, isolation_level=None, check_same_thread=False, timeout=30
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("PRAGMA foreign_keys=ON")
-        with self.write() as tx:
-            tx.migrate()
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA foreign_keys=ON")
+            with self.write() as tx:
+                tx.migrate()
+            # A database damaged past its header reads fine until a page is touched.
+            problem = self._db.execute("PRAGMA quick_check").fetchone()[0]
+            if problem != "ok":
+                raise sqlite3.DatabaseError(problem)
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            raise CorruptMetadata(
+                f"metadata database {str(self.path)!r} cannot be read ({exc}): it is damaged or not a "
+                "bootseer-snapshotter database; restore it from a backup or move it aside to start empty"
+            ) from None
+        except BaseException:
+            self.close()
+            raise
 
     @contextmanager
     def read(self) -> Iterator[Transaction]:
@@ -177,9 +190,9 @@ class Transaction:
         row = self._db.execute("SELECT max(version) FROM schema_version").fetchone()
         version = row[0] or 0
         if version > SCHEMA_VERSION:
-            raise FailedPrecondition(
-                f"metadata schema version {version} is newer than this snapshotter supports ({SCHEMA_VERSION}); "
-                "upgrade bootseer"
+            raise SchemaTooNew(
+                f"metadata database schema version {version} is newer than this snapshotter supports "
+                f"({SCHEMA_VERSION}): it was written by a newer bootseer; upgrade bootseer to use this root"
             )
         if version == 0:
             # Statement by statement: executescript() would commit the open transaction.

@@ -66,6 +66,27 @@ LATENCY = prometheus_client.Histogram(
 )
 
 
+# --- the error kinds' status codes ------------------------------------------------------
+
+#: Each kind's status code, looked up along the kind's class hierarchy (a RootLocked is
+#: a FailedPrecondition); containerd's errdefs turns each back into its kind.
+STATUS_CODES: dict[type[errors.SnapshotError], grpc.StatusCode] = {
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.CorruptMetadata: grpc.StatusCode.DATA_LOSS,
+}
+
+
+def status_code(error: errors.SnapshotError) -> grpc.StatusCode:
+    """The gRPC status code of a snapshot error kind (UNKNOWN for the bare base class)."""
+    for kind in type(error).__mro__:
+        if kind in STATUS_CODES:
+            return STATUS_CODES[kind]
+    return grpc.StatusCode.UNKNOWN
+
+
 # --- conversions ----------------------------------------------------------------------
 
 
@@ -102,9 +123,27 @@ def info_from_proto(message: api.Info) -> Info:
         parent=message.parent,
         kind=kind,
         labels=dict(message.labels),
-        created=message.created_at.ToDatetime(timezone.utc) if message.HasField("created_at") else None,
-        updated=message.updated_at.ToDatetime(timezone.utc) if message.HasField("updated_at") else None,
+        created=timestamp_from_proto(message, "created_at"),
+        updated=timestamp_from_proto(message, "updated_at"),
     )
+
+
+# google.protobuf.Timestamp's valid range: 0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999999Z.
+_MIN_TIMESTAMP_SECONDS = -62135596800
+_MAX_TIMESTAMP_SECONDS = 253402300799
+
+
+def timestamp_from_proto(message: api.Info, field: str) -> datetime | None:
+    """The ``field`` timestamp of ``message`` (None if unset); out of range is InvalidArgument."""
+    if not message.HasField(field):
+        return None
+    stamp = getattr(message, field)
+    if not (_MIN_TIMESTAMP_SECONDS <= stamp.seconds <= _MAX_TIMESTAMP_SECONDS and 0 <= stamp.nanos <= 999_999_999):
+        raise errors.InvalidArgument(
+            f"snapshot {message.name!r}: {field} out of range (seconds={stamp.seconds}, nanos={stamp.nanos}); "
+            "a timestamp lies between 0001-01-01 and 9999-12-31 with nanos in [0, 999999999]"
+        )
+    return stamp.ToDatetime(timezone.utc)
 
 
 def labels_from_proto(labels: Any) -> dict[str, str] | None:
@@ -241,7 +280,7 @@ class ServiceInterceptor(grpc.ServerInterceptor):
         """End the call with the status ``exc`` stands for; never returns."""
         fields = {"method": method, **_request_fields(request)}
         if isinstance(exc, errors.SnapshotError):
-            code, message = exc.code, str(exc) or type(exc).__name__
+            code, message = status_code(exc), str(exc) or type(exc).__name__
             log.debug("call failed", code=code.name, error=message, **fields)
         else:
             code = grpc.StatusCode.INTERNAL

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from bootseer.log import get_logger
 
-from .errors import FailedPrecondition, NotFound
+from .errors import FailedPrecondition, NotFound, RootLocked
 from .filters import parse_all as parse_filters
 from .filters import snapshot_adaptor
 from .metastore import BACKING_DIR, Layer, MetaStore, Snapshot
@@ -68,9 +68,7 @@ class Snapshotter:
         except BlockingIOError:
             holder = os.pread(self._lock_fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(self._lock_fd)
-            raise FailedPrecondition(
-                f"snapshotter root {self.root} is in use by another snapshotter (pid {holder})"
-            ) from None
+            raise RootLocked(f"snapshotter root {self.root} is in use by another snapshotter (pid {holder})") from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
         try:

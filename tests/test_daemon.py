@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -346,9 +347,54 @@ def test_second_daemon_on_same_root_is_refused(tmp_path: Path, snapshotter_facto
 
     second = snapshotter_factory(root=root, address=tmp_path / "s2.sock", wait=False)
     assert second.wait_exit() == 2
-    assert f"in use by another snapshotter (pid {first.process.pid})" in second.log
+    assert f"in use by another snapshotter (pid {first.process.pid})" in refusal(second)
+    assert "two daemons must never share a root" in refusal(second)
     assert not (tmp_path / "s2.sock").exists()
     assert first.stub.Stat(api.StatSnapshotRequest(key="k")).info.name == "k"
+
+
+def refusal(daemon: SnapshotterDaemon) -> str:
+    """The one-line reason a daemon gave for not starting; its whole log is that line."""
+    assert "Traceback" not in daemon.log, daemon.log
+    (record,) = [r for r in daemon.log_records() if r["msg"] == "bootseer-snapshotter cannot start"]
+    assert len(daemon.log.splitlines()) == 1, daemon.log
+    return record["error"]
+
+
+def test_socket_parent_that_is_a_file_is_refused(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    parent = tmp_path / "not-a-dir"
+    parent.write_text("x")
+    for address in (parent / "s.sock", parent / "deeper" / "s.sock"):
+        daemon = snapshotter_factory(root=tmp_path / "root", address=address, wait=False)
+        assert daemon.wait_exit() == 2
+        assert f"{str(parent)!r} exists and is not a directory" in refusal(daemon)
+    assert parent.read_text() == "x"
+
+
+def test_corrupt_metadata_is_refused_and_kept(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    garbage = b"this is no sqlite database\n" * 200
+    (root / "metadata.db").write_bytes(garbage)
+    daemon = snapshotter_factory(root=root, wait=False)
+    assert daemon.wait_exit() == 2
+    reason = refusal(daemon)
+    assert str(root / "metadata.db") in reason and "not a database" in reason
+    assert "two daemons" not in reason
+    assert (root / "metadata.db").read_bytes() == garbage, "the damaged file is evidence: never overwritten"
+
+
+def test_newer_schema_is_refused_naming_the_cause(tmp_path: Path, snapshotter_factory: DaemonFactory) -> None:
+    root = tmp_path / "root"
+    assert snapshotter_factory(root=root).stop() == 0
+    with sqlite3.connect(root / "metadata.db") as db:
+        db.execute("UPDATE schema_version SET version = version + 1")
+    db.close()
+    daemon = snapshotter_factory(root=root, wait=False)
+    assert daemon.wait_exit() == 2
+    reason = refusal(daemon)
+    assert "schema version 2 is newer" in reason and "upgrade bootseer" in reason
+    assert "two daemons" not in reason and "in use" not in reason
 
 
 # --- lifecycle ---------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import field_mask_pb2
+from google.protobuf import field_mask_pb2, timestamp_pb2
 
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as api_grpc
@@ -167,6 +167,28 @@ def test_update_labels(snapd: SnapshotterDaemon) -> None:
     # No mask: every mutable field, i.e. the labels are replaced.
     assert dict(update({"only": "this"}).labels) == {"only": "this"}
     assert dict(update({"all": "new"}, "labels").labels) == {"all": "new"}
+
+
+@pytest.mark.parametrize("field", ["created_at", "updated_at"])
+@pytest.mark.parametrize(
+    "seconds, nanos",
+    [(10**12, 0), (-(10**12), 0), (2**63 - 1, 0), (253402300800, 0), (-62135596801, 0), (0, -1), (0, 10**9)],
+)
+def test_update_with_out_of_range_timestamp_is_invalid_argument(
+    snapd: SnapshotterDaemon, field: str, seconds: int, nanos: int
+) -> None:
+    stub = snapd.stub
+    stub.Prepare(api.PrepareSnapshotRequest(key="k", labels={"a": "1"}))
+    info = api.Info(name="k", labels={"a": "2"})
+    getattr(info, field).CopyFrom(timestamp_pb2.Timestamp(seconds=seconds, nanos=nanos))
+    error = rpc_error(stub.Update, api.UpdateSnapshotRequest(info=info))
+    assert error.code() == Code.INVALID_ARGUMENT
+    assert f"{field} out of range" in error.details()
+    assert dict(stub.Stat(api.StatSnapshotRequest(key="k")).info.labels) == {"a": "1"}  # nothing changed
+    # The limits themselves are valid timestamps.
+    getattr(info, field).CopyFrom(timestamp_pb2.Timestamp(seconds=253402300799, nanos=999_999_999))
+    assert dict(stub.Update(api.UpdateSnapshotRequest(info=info)).info.labels) == {"a": "2"}
+    assert not any(r["msg"] == "call failed with an unexpected error" for r in snapd.log_records())
 
 
 def test_usage(snapd: SnapshotterDaemon) -> None:

@@ -18,6 +18,7 @@ SUBCOMMAND_MODULES = [
     "bootseer.ckptmount.cli",
     "bootseer.blockstore.cli",
     "bootseer.rpull_cli",
+    "bootseer.blockstore.server_cli",
 ]
 
 

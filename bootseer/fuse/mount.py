@@ -59,6 +59,14 @@ def check_mountpoint(mountpoint: str) -> None:
     if not os.path.isdir(mountpoint):
         raise MountError(f"mountpoint {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
+        try:
+            os.statvfs(mountpoint)  # reaches a FUSE server, where stat may come from a cache
+        except OSError as exc:
+            if exc.errno in (errno.ENOTCONN, errno.ECONNABORTED):
+                raise MountError(
+                    f"mountpoint {mountpoint} is a dead FUSE mount (transport endpoint is not connected); "
+                    f"unmount it first: fusermount3 -u {mountpoint}"
+                ) from None
         raise MountError(f"mountpoint {mountpoint} is already a mount point; unmount it or choose another")
     if not os.path.exists(FUSE_DEVICE):
         raise MountError(f"{FUSE_DEVICE} is missing: load the fuse module (modprobe fuse) or pass the device in")
@@ -232,7 +240,9 @@ def unmount_dead(mountpoint: str) -> bool:
     """Lazily unmount ``mountpoint`` if it is a dead FUSE mount (its server is gone:
     ENOTCONN); True if it was one.  A live mount or a plain directory is left alone."""
     try:
-        os.stat(mountpoint)
+        # statfs always reaches the FUSE server (stat may be answered from the kernel's
+        # attribute cache), so a dead connection shows here.
+        os.statvfs(mountpoint)
         return False
     except OSError as exc:
         if exc.errno not in (errno.ENOTCONN, errno.ECONNABORTED):

@@ -323,6 +323,11 @@ class ReadOnlyOperations(pyfuse3.Operations):
             OPEN_FILES.labels(self.name).dec()
             opened.close()
 
+    @property
+    def open_files(self) -> int:
+        """Files open through the mount now."""
+        return len(self._files)
+
     def close_all(self) -> None:
         """Close every handle still open (the session is over; no release will come)."""
         while self._files:

@@ -1,0 +1,391 @@
+"""The layer server's control API, from the caller's side: a blocking client and ``ensure_server``.
+
+The snapshotter daemon (its gRPC threads) talks to the long-lived layer server
+(:mod:`blockstore.server`, ``bootseer layer-server``) over ``ROOT/layers/control.sock``,
+a unix socket only root may open (0600 in a 0700 directory).  The protocol is JSON
+lines: one request object per connection, ``{"op": "mount", "chain_id": ...}``, and one
+answer, ``{"ok": true, ...}`` or ``{"ok": false, "error": {"kind": ..., "message": ...}}``.
+Error kinds come back as the exceptions below, so callers branch on domain kinds,
+never on messages.
+
+:func:`ensure_server` connects to the running server or starts one, race-safe (a lock
+file serialises starters, so two callers at once start one server), in a session of
+its own (``setsid``: it outlives the daemon that started it) with its output in
+``ROOT/layers/server.log``.
+
+This module imports neither trio nor pyfuse3: it runs in the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+#: Longest request or answer line; a peer sending more is cut off.
+MAX_MESSAGE = 1 << 20
+
+#: Seconds a call waits for its answer (mount fetches a chain record and an index).
+DEFAULT_TIMEOUT = 10.0
+MOUNT_TIMEOUT = 300.0
+
+
+# -- where things are ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerPaths:
+    """The layer server's files under a node's ``--root``."""
+
+    root: Path
+
+    @property
+    def layers(self) -> Path:
+        return self.root / "layers"
+
+    @property
+    def socket(self) -> Path:
+        return self.layers / "control.sock"
+
+    @property
+    def table(self) -> Path:
+        return self.layers / "table.json"
+
+    @property
+    def mountpoint(self) -> Path:
+        return self.layers / "mnt"
+
+    @property
+    def indexes(self) -> Path:
+        """Local copies of mounted layers' indexes, so a restart needs no store."""
+        return self.layers / "indexes"
+
+    @property
+    def log(self) -> Path:
+        return self.layers / "server.log"
+
+    @property
+    def server_lock(self) -> Path:
+        """Held by the running server for its whole life (one server per root)."""
+        return self.layers / "server.lock"
+
+    @property
+    def start_lock(self) -> Path:
+        """Held by whoever is starting a server (one starter at a time)."""
+        return self.layers / "start.lock"
+
+    def lower_dir(self, slot: int) -> str:
+        return str(self.mountpoint / str(slot))
+
+
+# -- errors ------------------------------------------------------------------------------
+
+
+class LayerServerError(Exception):
+    """Something the layer server could not do; subclasses say which kind."""
+
+    kind = "internal"
+
+
+class ServerUnavailable(LayerServerError):
+    """No layer server answers on the socket (not running, died, or too slow)."""
+
+    kind = "unavailable"
+
+
+class ServerStartError(LayerServerError):
+    """:func:`ensure_server` could not start a layer server; the message says why."""
+
+    kind = "start_failed"
+
+
+class LayerNotConverted(LayerServerError):
+    """The store holds no chain record for this ChainID (the layer was not converted)."""
+
+    kind = "not_converted"
+
+
+class LayerNotMounted(LayerServerError):
+    """``check`` or ``unmount`` of a ChainID the server does not serve."""
+
+    kind = "not_mounted"
+
+
+class StoreUnavailable(LayerServerError):
+    """The store failed (or did not answer in the retry timeout) while loading a layer."""
+
+    kind = "store_unavailable"
+
+
+class LayerCorrupt(LayerServerError):
+    """A store object of the layer failed verification (tampered with or truncated)."""
+
+    kind = "corrupt"
+
+
+class InvalidRequest(LayerServerError):
+    """The request was malformed (a bad ChainID, an unknown operation)."""
+
+    kind = "invalid"
+
+
+ERROR_KINDS: dict[str, type[LayerServerError]] = {
+    cls.kind: cls
+    for cls in (
+        LayerServerError,
+        ServerUnavailable,
+        ServerStartError,
+        LayerNotConverted,
+        LayerNotMounted,
+        StoreUnavailable,
+        LayerCorrupt,
+        InvalidRequest,
+    )
+}
+
+
+# -- the client ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MountedLayer:
+    """Where a mounted layer is: its slot and the lower directory overlayfs takes."""
+
+    chain_id: str
+    slot: int
+    lower_dir: str
+
+
+class LayerServerClient:
+    """Blocking calls to the layer server on ``socket_path``; safe to share between threads.
+
+    Each call opens its own connection, so a server that died and was started again
+    is simply found again by the next call; a call while none runs raises
+    :class:`ServerUnavailable`.
+    """
+
+    def __init__(self, socket_path: str | os.PathLike[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.socket_path = os.fspath(socket_path)
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"<LayerServerClient {self.socket_path}>"
+
+    def mount(self, chain_id: str, *, store: str | None = None, timeout: float = MOUNT_TIMEOUT) -> MountedLayer:
+        """Serve the layer ``chain_id`` (idempotent); its lower directory.
+
+        ``store`` overrides the server's ``--store`` for this layer.  Raises
+        :class:`LayerNotConverted`, :class:`StoreUnavailable`, :class:`LayerCorrupt`,
+        :class:`InvalidRequest` or :class:`ServerUnavailable`.
+        """
+        request: dict[str, Any] = {"op": "mount", "chain_id": chain_id}
+        if store is not None:
+            request["store"] = store
+        answer = self.call(request, timeout=timeout)
+        return MountedLayer(answer["chain_id"], int(answer["slot"]), str(answer["lower_dir"]))
+
+    def check(self, chain_id: str) -> MountedLayer:
+        """The mounted layer ``chain_id`` if it is served and healthy; :class:`LayerNotMounted` if not."""
+        answer = self.call({"op": "check", "chain_id": chain_id})
+        return MountedLayer(answer["chain_id"], int(answer["slot"]), str(answer["lower_dir"]))
+
+    def unmount(self, chain_id: str) -> None:
+        """Stop serving ``chain_id``; :class:`LayerNotMounted` if it was not served."""
+        self.call({"op": "unmount", "chain_id": chain_id})
+
+    def status(self) -> dict[str, Any]:
+        """The server's state: pid, layers and slots, fetch and cache statistics, health."""
+        return self.call({"op": "status"})
+
+    def call(self, request: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+        """Send one request and return the answer's fields; raises the answer's error kind."""
+        timeout = self.timeout if timeout is None else timeout
+        line = json.dumps(request, separators=(",", ":")).encode() + b"\n"
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(timeout)
+                conn.connect(self.socket_path)
+                conn.sendall(line)
+                data = _read_line(conn)
+        except FileNotFoundError:
+            raise ServerUnavailable(f"no layer server: {self.socket_path} does not exist") from None
+        except ConnectionRefusedError:
+            raise ServerUnavailable(f"no layer server listens on {self.socket_path} (it is not running)") from None
+        except socket.timeout:
+            raise ServerUnavailable(
+                f"the layer server on {self.socket_path} did not answer {request.get('op')!r} in {timeout:g}s"
+            ) from None
+        except OSError as exc:
+            raise ServerUnavailable(f"the layer server on {self.socket_path} failed: {exc}") from None
+        if not data:
+            raise ServerUnavailable(f"the layer server on {self.socket_path} closed the connection without answering")
+        try:
+            answer = json.loads(data)
+            ok = answer["ok"]
+        except (ValueError, KeyError, TypeError):
+            raise LayerServerError(f"the layer server on {self.socket_path} sent a malformed answer: {data[:200]!r}")
+        if ok:
+            return answer
+        error = answer.get("error") or {}
+        kind = ERROR_KINDS.get(str(error.get("kind")), LayerServerError)
+        raise kind(str(error.get("message", "unknown error")))
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+        if b"\n" in chunk:
+            return b"".join(chunks).split(b"\n", 1)[0]
+        if size > MAX_MESSAGE:
+            raise OSError(errno.EMSGSIZE, f"answer longer than {MAX_MESSAGE} bytes")
+
+
+# -- starting the server ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How :func:`ensure_server` starts ``bootseer layer-server`` (None: the server's default)."""
+
+    store: str | None = None  #: the default store URL of mounted layers
+    cache_dir: str | None = None  #: the node's block cache (default ``ROOT/cache``)
+    cache_size: int | None = None  #: bytes
+    streams: int | None = None  #: parallel range requests per store
+    retry_timeout: float | None = None  #: seconds a failing fetch is retried before EIO
+    metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
+    log_level: str = "info"
+    extra_args: tuple[str, ...] = ()  #: more ``bootseer layer-server`` options, passed as they are
+    python: str = field(default_factory=lambda: sys.executable)
+    start_timeout: float = 60.0  #: seconds to wait for a started server to answer
+
+    def argv(self, root: str | os.PathLike[str]) -> list[str]:
+        """The command line that starts the server for ``root``."""
+        argv = [self.python, "-m", "bootseer.cli", "--log-level", self.log_level, "layer-server", "--root", os.fspath(root)]
+        for flag, value in (
+            ("--store", self.store),
+            ("--cache-dir", self.cache_dir),
+            ("--cache-size", self.cache_size),
+            ("--streams", self.streams),
+            ("--retry-timeout", self.retry_timeout),
+            ("--metrics-address", self.metrics_address),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv + list(self.extra_args)
+
+
+@contextmanager
+def _locked(path: Path, timeout: float) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (waiting at most ``timeout`` seconds)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"another process has been starting the layer server for {timeout:g}s ({path})")
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _answers(client: LayerServerClient) -> bool:
+    try:
+        client.status()
+        return True
+    except ServerUnavailable:
+        return False
+
+
+def _log_tail(path: Path, start: int, limit: int = 4000) -> str:
+    try:
+        with open(path, "rb") as log:
+            log.seek(start)
+            text = log.read().decode(errors="replace")
+    except OSError:
+        return ""
+    return text[-limit:].strip()
+
+
+def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = ServerSettings()) -> LayerServerClient:
+    """A client of the layer server for ``root``, starting the server if none answers.
+
+    Race-safe: starters take ``ROOT/layers/start.lock`` in turn and check again under
+    it, so two callers at once start one server.  The server runs in a session of
+    its own (it outlives the caller), with stdio appended to ``ROOT/layers/server.log``.
+    Returns once the server answers ``status``.  Raises :class:`ServerStartError`
+    (with the server's own last log lines) if it exits or does not answer within
+    ``settings.start_timeout``.
+    """
+    paths = ServerPaths(Path(root))
+    client = LayerServerClient(paths.socket)
+    if _answers(client):
+        return client
+    paths.layers.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(paths.layers, 0o700)
+    with _locked(paths.start_lock, settings.start_timeout):
+        if _answers(client):  # someone else started it while we waited
+            return client
+        argv = settings.argv(root)
+        with open(paths.log, "ab") as log:
+            log_start = log.tell()
+            try:
+                process = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+                )
+            except OSError as exc:
+                raise ServerStartError(f"cannot start the layer server ({argv[0]}): {exc}") from None
+        # Reap it when it exits, so a server that dies while we live is no zombie.
+        threading.Thread(target=process.wait, name=f"layer server {process.pid} reaper", daemon=True).start()
+        deadline = time.monotonic() + settings.start_timeout
+        while time.monotonic() < deadline:
+            if _answers(client):
+                return client
+            if process.poll() is not None:
+                raise ServerStartError(
+                    f"the layer server exited with status {process.returncode} before answering; "
+                    f"its log ({paths.log}):\n{_log_tail(paths.log, log_start)}"
+                )
+            time.sleep(0.05)
+        raise ServerStartError(
+            f"the layer server (pid {process.pid}) did not answer on {paths.socket} in {settings.start_timeout:g}s; "
+            f"its log ({paths.log}):\n{_log_tail(paths.log, log_start)}"
+        )
+
+
+__all__ = [
+    "ERROR_KINDS",
+    "InvalidRequest",
+    "LayerCorrupt",
+    "LayerNotConverted",
+    "LayerNotMounted",
+    "LayerServerClient",
+    "LayerServerError",
+    "MountedLayer",
+    "ServerPaths",
+    "ServerSettings",
+    "ServerStartError",
+    "ServerUnavailable",
+    "StoreUnavailable",
+    "ensure_server",
+]

@@ -1,0 +1,225 @@
+"""Converted layers as FUSE nodes: one directory per layer, over its :class:`LayerIndex`.
+
+The layer server (:mod:`blockstore.server`) mounts one FUSE filesystem whose root,
+:class:`LayersRoot`, lists one directory per mounted layer, named by its slot number;
+each of those is a :class:`LayerTree`'s root and is an overlayfs lower directory as
+it stands (whiteouts are character devices 0/0, opaque directories carry
+``trusted.overlay.opaque``, exactly as the index records them).
+
+Everything but file contents comes from the index, which is in memory: ``stat``,
+``readdir``, ``readlink``, ``getxattr`` and ``listxattr`` never fetch a block.  A
+read goes to the layer's reader (``blockstore.reader.LayerReader``: verified blocks
+through the node cache and the fetch engine), which fetches only the blocks the read
+covers.
+
+A layer never changes while it is mounted, so its nodes say so: directories are
+immutable (missing names are cached negatively), open files keep the page cache
+across opens, and inode numbers are derived from the slot and the entry's number in
+the index (:func:`inode_number`), so a restarted server that restores the same slots
+answers with the same numbers.  A hard link is another name of its target's node:
+the same inode number, and ``st_nlink`` counts every name.  The root's listing is the
+only thing that changes (layers come and go); the server invalidates a slot's
+directory entry in the kernel when it unmounts a layer.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Mapping, Protocol, Sequence
+
+from bootseer.blockstore.format import Entry, EntryType, FormatError, LayerIndex
+from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, Special, Symlink
+
+#: Entries of one layer are numbered below this; a slot's inode numbers are
+#: ``slot << SLOT_SHIFT | (entry number + 1)``, so slot 1's root is ``2**32 + 1`` and
+#: no layer inode is near the root's (1).
+SLOT_SHIFT = 32
+MAX_ENTRIES = (1 << SLOT_SHIFT) - 1
+MAX_SLOT = (1 << (63 - SLOT_SHIFT)) - 1
+
+_LAYERS_ROOT_MODE = stat.S_IFDIR | 0o555
+
+
+def inode_number(slot: int, entry_number: int) -> int:
+    """The inode number of entry ``entry_number`` of the layer in ``slot`` (slots start at 1)."""
+    if not 1 <= slot <= MAX_SLOT:
+        raise ValueError(f"slot {slot} is outside 1..{MAX_SLOT}")
+    if not 0 <= entry_number < MAX_ENTRIES:
+        raise ValueError(f"entry number {entry_number} is outside 0..{MAX_ENTRIES - 1}")
+    return (slot << SLOT_SHIFT) | (entry_number + 1)
+
+
+class BlockReader(Protocol):
+    """What reads a layer's file contents (``blockstore.reader.LayerReader``)."""
+
+    async def read(self, entry: Entry, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of ``entry`` from ``offset``; fewer only at its end.
+        Raises OSError (EIO) when the blocks cannot be fetched or fail verification."""
+        ...
+
+
+class LayerTree:
+    """One mounted layer: its index, the lookup tables built from it, and its reader.
+
+    Built once when the layer is mounted (O(entries)); raises :class:`FormatError`
+    for an index this filesystem cannot number (more than :data:`MAX_ENTRIES`).
+    """
+
+    def __init__(self, slot: int, index: LayerIndex, reader: BlockReader, *, name: str = "") -> None:
+        if len(index.entries) > MAX_ENTRIES:
+            raise FormatError(f"layer index has {len(index.entries)} entries; at most {MAX_ENTRIES} can be served")
+        inode_number(slot, 0)  # checks the slot
+        self.slot = slot
+        self.index = index
+        self.reader = reader
+        self.name = name or str(slot)  #: what logs call the layer (its ChainID)
+        number_of_path: dict[str, int] = {}
+        self.children: dict[int, dict[str, int]] = {}
+        self.nlink: dict[int, int] = {}
+        for number, entry in enumerate(index.entries):
+            number_of_path[entry.path] = number
+            if entry.type is EntryType.DIR:
+                self.children[number] = {}
+                self.nlink[number] = 2
+            if number == 0:
+                continue
+            parent = number_of_path[entry.parent]
+            self.children[parent][entry.name] = number
+            if entry.type is EntryType.DIR:
+                self.nlink[parent] += 1  # the child's ".."
+            else:
+                target = entry.link if entry.link is not None else number
+                self.nlink[target] = self.nlink.get(target, 0) + 1
+
+    def node(self, number: int) -> Node:
+        """The node entry ``number`` shows (its target's, for a hard link)."""
+        entry = self.index.entries[number]
+        if entry.link is not None:
+            number = entry.link
+            entry = self.index.entries[number]
+        if entry.type is EntryType.DIR:
+            return LayerDirectory(self, number)
+        if entry.type is EntryType.FILE:
+            return LayerFile(self, number)
+        if entry.type is EntryType.SYMLINK:
+            return LayerSymlink(self, number)
+        return LayerSpecial(self, number)
+
+    def root(self) -> LayerDirectory:
+        return LayerDirectory(self, 0)
+
+    def attributes(self, number: int) -> Attributes:
+        entry = self.index.entries[number]
+        return Attributes(
+            entry.st_mode,
+            size=entry.size,
+            mtime_ns=entry.mtime_ns,
+            nlink=self.nlink.get(number, 1),
+            uid=entry.uid,
+            gid=entry.gid,
+            rdev=os.makedev(*entry.rdev) if entry.type in (EntryType.CHAR, EntryType.BLOCK) else 0,
+        )
+
+
+class _LayerNode:
+    """What every node of a layer shares: identity, attributes and xattrs from its entry."""
+
+    def __init__(self, tree: LayerTree, number: int) -> None:
+        self.tree = tree
+        self.number = number
+        self.entry = tree.index.entries[number]
+        self.key = ("layer", tree.slot, number)
+        self.inode = inode_number(tree.slot, number)
+
+    def attributes(self) -> Attributes:
+        return self.tree.attributes(self.number)
+
+    def xattrs(self) -> Mapping[str, bytes]:
+        return self.entry.xattrs
+
+
+class LayerDirectory(_LayerNode, Directory):
+    immutable = True
+
+    async def lookup(self, name: str) -> Node:
+        number = self.tree.children[self.number].get(name)
+        if number is None:
+            raise FileNotFoundError(errno.ENOENT, "no such file or directory", name)
+        return self.tree.node(number)
+
+    async def entries(self) -> Sequence[tuple[str, Node]]:
+        return [(name, self.tree.node(number)) for name, number in self.tree.children[self.number].items()]
+
+
+class LayerOpenFile(OpenFile):
+    # The layer is immutable and the inode number is the entry's: cached pages stay right.
+    keep_cache = True
+
+    def __init__(self, tree: LayerTree, entry: Entry) -> None:
+        self.tree = tree
+        self.entry = entry
+
+    async def read(self, offset: int, size: int) -> bytes:
+        size = max(0, min(size, self.entry.size - offset))
+        if size == 0:
+            return b""
+        data = await self.tree.reader.read(self.entry, offset, size)
+        if len(data) != size:
+            # The reader verifies every block, so this is a bug, not bad data; refuse it.
+            raise OSError(errno.EIO, f"layer {self.tree.name}: short read of {self.entry.path!r}: {len(data)} of {size}")
+        return data
+
+
+class LayerFile(_LayerNode, File):
+    async def open(self) -> OpenFile:
+        return LayerOpenFile(self.tree, self.entry)
+
+
+class LayerSymlink(_LayerNode, Symlink):
+    async def readlink(self) -> str:
+        return self.entry.target
+
+
+class LayerSpecial(_LayerNode, Special):
+    """A device node, FIFO or whiteout (a character device 0/0)."""
+
+
+class LayersRoot(Directory):
+    """The mount's root: a directory per mounted layer, named by its slot.
+
+    Its listing changes as layers are mounted and unmounted; everything under a
+    slot does not.  Only root may enter (0555 here, and ``ROOT/layers`` is 0700).
+    """
+
+    key = ("layers-root",)
+
+    def __init__(self) -> None:
+        self.layers: dict[int, LayerTree] = {}
+
+    def attributes(self) -> Attributes:
+        return Attributes(_LAYERS_ROOT_MODE, nlink=2 + len(self.layers))
+
+    async def lookup(self, name: str) -> Node:
+        tree = self.layers.get(int(name)) if name.isdigit() and name == str(int(name)) else None
+        if tree is None:
+            raise FileNotFoundError(errno.ENOENT, "no layer in this slot", name)
+        return tree.root()
+
+    async def entries(self) -> Sequence[tuple[str, Node]]:
+        return [(str(slot), self.layers[slot].root()) for slot in sorted(self.layers)]
+
+
+__all__ = [
+    "BlockReader",
+    "LayerDirectory",
+    "LayerFile",
+    "LayerSpecial",
+    "LayerSymlink",
+    "LayerTree",
+    "LayersRoot",
+    "MAX_SLOT",
+    "SLOT_SHIFT",
+    "inode_number",
+]

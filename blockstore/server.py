@@ -1,0 +1,586 @@
+"""The layer server: one long-lived process per node serving converted layers over FUSE.
+
+``bootseer layer-server --root ROOT`` (see :mod:`blockstore.server_cli`) runs
+:func:`run_server`: one trio run, one nursery holding
+
+* the FUSE session on ``ROOT/layers/mnt`` (:mod:`blockstore.layerfs`: the root lists
+  one directory per mounted layer, named by its slot, each an overlayfs lower dir);
+* one fetch :class:`~bootseer.fetch.engine.Engine` per store URL, opened when a layer
+  of that store is first mounted, and one block fetcher per engine over the one
+  node-local block cache that every layer shares;
+* the control API on ``ROOT/layers/control.sock`` (JSON lines, see
+  :mod:`blockstore.control`): ``mount``, ``check``, ``unmount``, ``status``.
+
+The table of mounted layers (``ROOT/layers/table.json``, written to a temp name and
+renamed, so it is always a whole table) and a local copy of each mounted layer's
+index (``ROOT/layers/indexes/``) let a restarted server put every layer back in its
+slot, with the same inode numbers, before it answers anyone, and without the store.
+A mount changes the disk first (index copy, then the table) and the served tree
+last, so a crash at any point leaves a table that names only layers that can be
+restored.
+
+One server per root: it holds ``ROOT/layers/server.lock`` for its life.  At start
+it lazily unmounts a dead FUSE mount left on the mountpoint by a killed server.
+SIGTERM or SIGINT unmounts and exits; an external ``umount`` of the mountpoint ends
+the server too (its layers stay in the table for the next start).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import os
+import signal
+import socket as stdlib_socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import prometheus_client
+import pyfuse3
+import trio
+
+from bootseer.blockstore.control import (
+    MAX_MESSAGE,
+    InvalidRequest,
+    LayerCorrupt,
+    LayerNotConverted,
+    LayerNotMounted,
+    LayerServerError,
+    ServerPaths,
+    StoreUnavailable,
+)
+from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
+from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree, inode_number
+from bootseer.fetch.engine import Engine, EngineConfig, FetchError
+from bootseer.fetch.source import SourceError
+from bootseer.fetch.sources import open_source
+from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+SUBTYPE = "bootseer-layers"
+TABLE_VERSION = 1
+#: How long the kernel may trust names, attributes and missing names under a layer:
+#: the layers are immutable, and the root's entries are invalidated when they change.
+CACHE_TIMEOUT = 3600.0
+
+UP = prometheus_client.Gauge("bootseer_layer_server_up", "1 while the layer server's FUSE mount is served")
+LAYERS = prometheus_client.Gauge("bootseer_layer_server_layers", "Layers the layer server serves")
+CONTROL = prometheus_client.Counter(
+    "bootseer_layer_server_requests_total", "Control requests answered, by operation and outcome", ["op", "outcome"]
+)
+RESTORED = prometheus_client.Counter(
+    "bootseer_layer_server_restored_total", "Layers put back at start-up, by outcome", ["outcome"]
+)
+
+
+class ServerAlreadyRunning(Exception):
+    """Another layer server holds this root's lock."""
+
+
+@dataclass(frozen=True)
+class LayerServerConfig:
+    """Everything ``bootseer layer-server`` is started with."""
+
+    root: Path
+    store: str | None = None  #: default store URL of a mount that names none
+    cache_dir: Path | None = None  #: default ``ROOT/cache``
+    cache_size: int = 16 << 30
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    source_options: dict[str, Any] = field(default_factory=dict)  #: passed to open_source for every store
+    shutdown_grace: float = 10.0
+
+    @property
+    def paths(self) -> ServerPaths:
+        return ServerPaths(self.root)
+
+
+@dataclass
+class Layer:
+    """One row of the table: a layer the server serves (or is to serve: ``tree`` None)."""
+
+    chain_id: str
+    slot: int
+    store: str
+    record: ChainRecord
+    tree: LayerTree | None = None
+    error: str = ""  #: why the layer is not being served (restore failed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chain_id": self.chain_id,
+            "slot": self.slot,
+            "store": self.store,
+            "record": json.loads(self.record.encode()),
+        }
+
+
+# -- the saved table -----------------------------------------------------------------------
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``: temp name, fsync, rename, fsync the directory."""
+    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(temp, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.rename(temp, path)
+    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def load_table(path: Path) -> list[Layer]:
+    """The layers of a saved table (none if there is no table); ValueError if it is malformed."""
+    try:
+        document = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return []
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc}); move it away to start with no layers") from None
+    try:
+        if document["version"] != TABLE_VERSION:
+            raise ValueError(f"{path}: table version {document['version']!r} is not {TABLE_VERSION}")
+        layers = []
+        for row in document["layers"]:
+            record = ChainRecord.decode(json.dumps(row["record"]).encode(), expected_chain_id=row["chain_id"])
+            layers.append(Layer(record.chain_id, int(row["slot"]), str(row["store"]), record))
+    except (KeyError, TypeError, FormatError) as exc:
+        raise ValueError(f"{path} is malformed ({exc!r}); move it away to start with no layers") from None
+    slots = [layer.slot for layer in layers]
+    if len(set(slots)) != len(slots) or any(not 1 <= s <= MAX_SLOT for s in slots):
+        raise ValueError(f"{path} gives two layers one slot, or a slot out of range")
+    return layers
+
+
+def save_table(path: Path, layers: list[Layer]) -> None:
+    document = {"version": TABLE_VERSION, "layers": [layer.to_json() for layer in sorted(layers, key=lambda x: x.slot)]}
+    write_atomically(path, (json.dumps(document, indent=1) + "\n").encode())
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+
+class LayerServer:
+    """The layers, their stores and the control operations; runs inside :func:`run_server`."""
+
+    def __init__(self, config: LayerServerConfig, nursery: trio.Nursery) -> None:
+        from bootseer.blockstore.cache import BlockCache
+
+        self.config = config
+        self.paths = config.paths
+        self.nursery = nursery
+        self.root = LayersRoot()
+        self.ops = ReadOnlyOperations(
+            self.root,
+            name=SUBTYPE,
+            entry_timeout=CACHE_TIMEOUT,
+            attr_timeout=CACHE_TIMEOUT,
+            negative_timeout=CACHE_TIMEOUT,
+        )
+        self.layers: dict[str, Layer] = {}
+        self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
+        self._engines: dict[str, Engine] = {}
+        self._fetchers: dict[str, Any] = {}
+        self._opening: dict[str, trio.Lock] = {}
+        self._chain_locks: dict[str, trio.Lock] = {}
+        self._table_lock = trio.Lock()
+        self.session: FuseSession | None = None
+        self.started = time.time()
+
+    # -- stores ----------------------------------------------------------------------
+
+    async def fetcher(self, store: str) -> tuple[Engine, Any]:
+        """The engine and block fetcher of ``store``, started on first use."""
+        from bootseer.blockstore.reader import BlockFetcher
+
+        lock = self._opening.setdefault(store, trio.Lock())
+        async with lock:
+            if store not in self._engines:
+                try:
+                    source = open_source(store, **self.config.source_options)
+                except (ValueError, TypeError, SourceError) as exc:
+                    raise InvalidRequest(f"store {store!r}: {exc}") from None
+                engine = Engine(source, self.config.engine)
+                await self.nursery.start(self._run_engine, engine)
+                self._engines[store] = engine
+                self._fetchers[store] = BlockFetcher(engine, self.cache)
+        return self._engines[store], self._fetchers[store]
+
+    @staticmethod
+    async def _run_engine(engine: Engine, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await engine.run(task_status=task_status)
+        finally:
+            engine.source.close()
+
+    # -- loading a layer ------------------------------------------------------------------
+
+    def _index_path(self, record: ChainRecord) -> Path:
+        return self.paths.indexes / record.index
+
+    async def _fetch_layer(self, chain_id: str, store: str) -> tuple[ChainRecord, LayerIndex]:
+        """The chain record and index of ``chain_id`` from ``store`` (verified)."""
+        from bootseer.blockstore.store import StoreReader
+
+        engine, _fetcher = await self.fetcher(store)
+        reader = StoreReader(engine)
+        try:
+            record = await reader.chain(chain_id)
+            if record is None:
+                raise LayerNotConverted(f"{chain_id} is not converted in {engine.url} (no chain record)")
+            index = await reader.index(record)
+        except FormatError as exc:
+            raise LayerCorrupt(f"{chain_id} in {engine.url}: {exc}") from None
+        except (FetchError, SourceError) as exc:
+            raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
+        return record, index
+
+    def _local_index(self, record: ChainRecord) -> LayerIndex | None:
+        """The saved copy of ``record``'s index, if there is a good one."""
+        try:
+            data = self._index_path(record).read_bytes()
+        except FileNotFoundError:
+            return None
+        try:
+            return LayerIndex.decode(data)
+        except FormatError as exc:
+            log.warning("local index copy is damaged; fetching it again", index=record.index, error=str(exc))
+            return None
+
+    def _save_local_index(self, record: ChainRecord, index: LayerIndex) -> None:
+        path = self._index_path(record)
+        if not path.exists():
+            write_atomically(path, index.encode())
+
+    async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
+        from bootseer.blockstore.reader import LayerReader
+
+        _engine, fetcher = await self.fetcher(layer.store)
+        return LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
+
+    def _free_slot(self) -> int:
+        """The lowest slot no layer holds and the kernel no longer references."""
+        taken = {layer.slot for layer in self.layers.values()}
+        slot = 1
+        while slot in taken or self.ops.inodes.referenced(inode_number(slot, 0)):
+            slot += 1
+        if slot > MAX_SLOT:
+            raise LayerServerError("no free slot")
+        return slot
+
+    async def _save(self) -> None:
+        await trio.to_thread.run_sync(save_table, self.paths.table, list(self.layers.values()))
+
+    # -- restore --------------------------------------------------------------------------
+
+    async def restore(self, saved: list[Layer]) -> None:
+        """Put the saved layers back in their slots (before the mount answers anyone).
+
+        A layer whose index cannot be had (no local copy, store down) keeps its slot and
+        row, reported by ``status``/``check``; its next ``mount`` tries again.
+        """
+        for layer in saved:
+            self.layers[layer.chain_id] = layer
+            index = self._local_index(layer.record)
+            try:
+                if index is None:
+                    _record, index = await self._fetch_layer(layer.chain_id, layer.store)
+                    self._save_local_index(layer.record, index)
+                layer.tree = await self._tree(layer, index)
+            except (LayerServerError, OSError, FormatError) as exc:
+                layer.error = str(exc)
+                RESTORED.labels("failed").inc()
+                log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=str(exc))
+                continue
+            self.root.layers[layer.slot] = layer.tree
+            RESTORED.labels("restored").inc()
+            log.info("restored layer", chain_id=layer.chain_id, slot=layer.slot, entries=len(index.entries))
+        LAYERS.set(len(self.root.layers))
+
+    # -- control operations -----------------------------------------------------------------
+
+    def _answer(self, layer: Layer) -> dict[str, Any]:
+        return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.paths.lower_dir(layer.slot)}
+
+    async def mount(self, chain_id: str, store: str | None = None) -> dict[str, Any]:
+        store = store or self.config.store
+        if not store:
+            raise InvalidRequest("no store: the server has no --store and the request names none")
+        lock = self._chain_locks.setdefault(chain_id, trio.Lock())
+        async with lock:
+            layer = self.layers.get(chain_id)
+            if layer is not None and layer.tree is not None:
+                return self._answer(layer)
+            # A row whose restore failed keeps its slot and store; this is its retry.
+            store = layer.store if layer is not None else store
+            record, index = await self._fetch_layer(chain_id, store)
+            async with self._table_lock:
+                if layer is None:
+                    layer = Layer(chain_id, self._free_slot(), store, record)
+                layer.record = record
+                tree = await self._tree(layer, index)
+                # Disk first (the index copy, then the table), the served tree last.
+                await trio.to_thread.run_sync(self._save_local_index, record, index)
+                added = chain_id not in self.layers
+                self.layers[chain_id] = layer
+                try:
+                    await self._save()
+                except BaseException:
+                    if added:
+                        del self.layers[chain_id]
+                    raise
+                layer.tree, layer.error = tree, ""
+                self.root.layers[layer.slot] = tree
+            LAYERS.set(len(self.root.layers))
+            log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=store)
+            return self._answer(layer)
+
+    async def check(self, chain_id: str) -> dict[str, Any]:
+        layer = self.layers.get(chain_id)
+        if layer is None:
+            raise LayerNotMounted(f"{chain_id} is not mounted by this layer server")
+        if layer.tree is None:
+            raise StoreUnavailable(f"{chain_id} (slot {layer.slot}) could not be restored: {layer.error}")
+        if self.session is None or self.session.ended.is_set():
+            raise LayerServerError("the layer server's FUSE mount is not being served")
+        return self._answer(layer)
+
+    async def unmount(self, chain_id: str) -> dict[str, Any]:
+        lock = self._chain_locks.setdefault(chain_id, trio.Lock())
+        async with lock, self._table_lock:
+            layer = self.layers.pop(chain_id, None)
+            if layer is None:
+                raise LayerNotMounted(f"{chain_id} is not mounted by this layer server")
+            try:
+                await self._save()
+            except OSError:
+                self.layers[chain_id] = layer
+                raise
+            self.root.layers.pop(layer.slot, None)
+            if not any(other.record.index == layer.record.index for other in self.layers.values()):
+                self._index_path(layer.record).unlink(missing_ok=True)
+            self._chain_locks.pop(chain_id, None)
+        LAYERS.set(len(self.root.layers))
+        # The slot's name must go from the kernel's dentry cache now (entries are
+        # trusted for CACHE_TIMEOUT); asynchronous, as a handler may hold the root.
+        pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, str(layer.slot).encode())
+        log.info("unmounted layer", chain_id=chain_id, slot=layer.slot)
+        return {"chain_id": chain_id, "slot": layer.slot}
+
+    async def status(self) -> dict[str, Any]:
+        serving = self.session is not None and not self.session.ended.is_set()
+        stores = {}
+        for url, engine in self._engines.items():
+            stats = engine.stats
+            stores[engine.url] = {
+                "bytes_fetched": stats.bytes_fetched,
+                "stripes_fetched": stats.stripes_fetched,
+                "retries": stats.retries,
+                "failures": stats.failures,
+                "in_flight": stats.in_flight,
+            }
+            fetcher_stats = getattr(self._fetchers[url], "stats", None)
+            if fetcher_stats is not None:
+                stores[engine.url]["blocks"] = _plain(fetcher_stats)
+        cache_stats = getattr(self.cache, "stats", None)
+        return {
+            "pid": os.getpid(),
+            "root": str(self.config.root),
+            "mountpoint": str(self.paths.mountpoint),
+            "uptime_s": round(time.time() - self.started, 3),
+            "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},
+            "layers": [
+                {**self._answer(layer), "store": layer.store, "index": layer.record.index,
+                 "entries": len(layer.tree.index.entries) if layer.tree else 0,
+                 "served": layer.tree is not None, "error": layer.error}
+                for layer in sorted(self.layers.values(), key=lambda x: x.slot)
+            ],  # fmt: skip
+            "stores": stores,
+            "cache": _plain(cache_stats() if callable(cache_stats) else cache_stats) if cache_stats is not None else {},
+        }
+
+
+def _plain(stats: Any) -> Any:
+    """A stats object as JSON-able data (a dataclass, a mapping or a number)."""
+    if hasattr(stats, "__dataclass_fields__"):
+        return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
+    if isinstance(stats, dict):
+        return dict(stats)
+    return stats
+
+
+# -- the control socket -------------------------------------------------------------------------
+
+
+def _checked_chain_id(request: dict[str, Any]) -> str:
+    try:
+        return check_digest(request.get("chain_id"), "chain_id")
+    except FormatError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+async def _dispatch(server: LayerServer, request: Any) -> dict[str, Any]:
+    if not isinstance(request, dict):
+        raise InvalidRequest("a request is a JSON object")
+    op = request.get("op")
+    if op == "status":
+        return await server.status()
+    if op == "mount":
+        store = request.get("store")
+        if store is not None and not isinstance(store, str):
+            raise InvalidRequest("store must be a URL string")
+        return await server.mount(_checked_chain_id(request), store)
+    if op == "check":
+        return await server.check(_checked_chain_id(request))
+    if op == "unmount":
+        return await server.unmount(_checked_chain_id(request))
+    raise InvalidRequest(f"unknown operation {op!r} (mount, check, unmount, status)")
+
+
+async def _handle_connection(server: LayerServer, stream: trio.SocketStream) -> None:
+    async with stream:
+        buffer = b""
+        with trio.move_on_after(30):  # a peer that sends no whole line in time is dropped
+            while b"\n" not in buffer and len(buffer) <= MAX_MESSAGE:
+                chunk = await stream.receive_some(65536)
+                if not chunk:
+                    break
+                buffer += chunk
+        line = buffer.split(b"\n", 1)[0]
+        op = "?"
+        try:
+            if len(line) > MAX_MESSAGE:
+                raise InvalidRequest(f"request longer than {MAX_MESSAGE} bytes")
+            try:
+                request = json.loads(line)
+            except ValueError:
+                raise InvalidRequest("a request is one line of JSON") from None
+            op = str(request.get("op", "?")) if isinstance(request, dict) else "?"
+            answer = {"ok": True, **await _dispatch(server, request)}
+            CONTROL.labels(op, "ok").inc()
+        except LayerServerError as exc:
+            CONTROL.labels(op, exc.kind).inc()
+            log.warning("control request failed", op=op, kind=exc.kind, error=str(exc))
+            answer = {"ok": False, "error": {"kind": exc.kind, "message": str(exc)}}
+        except Exception as exc:
+            CONTROL.labels(op, "internal").inc()
+            log.error("control request failed", op=op, exc_info=exc)
+            answer = {"ok": False, "error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
+        try:
+            await stream.send_all(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            log.debug("control client went away before its answer", op=op)
+
+
+async def _serve_control(
+    server: LayerServer, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Listen on ``path`` (0600; bound under a temp name and renamed into place, so a
+    client never connects to a half-made socket) and answer requests until cancelled."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}")
+    temp.unlink(missing_ok=True)
+    sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
+    try:
+        await sock.bind(str(temp))
+        os.chmod(temp, 0o600)
+        sock.listen(64)
+        os.rename(temp, path)
+    except BaseException:
+        sock.close()
+        temp.unlink(missing_ok=True)
+        raise
+    listener = trio.SocketListener(sock)
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            await trio.serve_listeners(functools.partial(_handle_connection, server), [listener], handler_nursery=nursery)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+# -- the process -----------------------------------------------------------------------------
+
+
+def _hold_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+        os.close(fd)
+        raise ServerAlreadyRunning(f"a layer server (pid {holder or '?'}) already serves {path.parent.parent}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def prepare_root(paths: ServerPaths) -> None:
+    """Create the server's directories (0700: only root may reach the mount) and clear
+    a dead mount a killed server left; MountError if a live one is in the way."""
+    for directory in (paths.layers, paths.mountpoint, paths.indexes):
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(paths.layers, 0o700)
+    unmount_dead(str(paths.mountpoint))
+    for stale in paths.indexes.glob(".*.tmp-*"):
+        stale.unlink(missing_ok=True)
+
+
+async def run_server(
+    config: LayerServerConfig,
+    *,
+    on_ready: Callable[[LayerServer], Awaitable[None] | None] | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT or an external unmount; the mount is gone when this returns.
+
+    Raises :class:`ServerAlreadyRunning`, :class:`~bootseer.fuse.MountError`, or
+    ValueError for a damaged table.
+    """
+    paths = config.paths
+    paths.layers.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock_fd = _hold_lock(paths.server_lock)
+    try:
+        prepare_root(paths)
+        saved = load_table(paths.table)
+        options = mount_options(fsname="bootseer-layers", subtype=SUBTYPE, allow_other=True)
+        # Opened before mounting, so a signal at any moment after the mount unmounts cleanly.
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as nursery:
+                server = LayerServer(config, nursery)
+                await server.restore(saved)
+                server.session = await nursery.start(functools.partial(serve, server.ops, str(paths.mountpoint), options=options))
+                UP.set(1)
+                try:
+                    await nursery.start(_serve_control, server, paths.socket)
+                    log.info("layer server ready", root=str(config.root), mountpoint=str(paths.mountpoint),
+                             layers=len(server.root.layers), socket=str(paths.socket))  # fmt: skip
+                    if on_ready is not None:
+                        result = on_ready(server)
+                        if result is not None:
+                            await result
+                    await end_on_signals(server.session, signals, grace=config.shutdown_grace)
+                finally:
+                    UP.set(0)
+                nursery.cancel_scope.cancel()
+    finally:
+        os.close(lock_fd)
+
+
+__all__ = [
+    "CACHE_TIMEOUT",
+    "Layer",
+    "LayerServer",
+    "LayerServerConfig",
+    "ServerAlreadyRunning",
+    "load_table",
+    "prepare_root",
+    "run_server",
+    "save_table",
+]

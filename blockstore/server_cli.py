@@ -1,0 +1,141 @@
+"""``bootseer layer-server``: the node's long-lived FUSE server of converted layers.
+
+Started by the snapshotter daemon (``blockstore.control.ensure_server``) in a session
+of its own, or by hand or a systemd unit.  Runs in the foreground until SIGTERM or
+SIGINT (then it unmounts and exits 0) or until its mount is unmounted from outside.
+
+Exit status: 0 after a clean stop; 2 for a bad option, a root another server holds,
+a damaged table or a mountpoint that cannot be mounted on; 1 for anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import trio
+
+from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
+from bootseer.ckptmount.cli import parse_size
+from bootseer.fetch.engine import EngineConfig
+from bootseer.fuse import MountError
+from bootseer.log import get_logger
+from bootseer.metrics import serve_metrics
+
+log = get_logger(__name__)
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+DEFAULT_ROOT = "/var/lib/bootseer"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, not {text!r}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "layer-server",
+        help="serve converted image layers over FUSE (started by the snapshotter)",
+        description=(
+            "Serve converted image layers read-only over one FUSE mount at ROOT/layers/mnt, one directory "
+            "per layer (overlayfs lower dirs), controlled on ROOT/layers/control.sock.  One per node; "
+            "it outlives the snapshotter daemon and restores its layers after a restart."
+        ),
+        epilog="Sizes: 8M, 16MiB, 1G, 4096 (K, M, G, T and KiB, MiB... are powers of 1024; KB, MB... of 1000).",
+    )
+    parser.add_argument("--root", default=DEFAULT_ROOT, metavar="DIR", help=f"the node's BootSeer root ({DEFAULT_ROOT})")
+    parser.add_argument("--store", metavar="URL", help="default store of layers (file://, s3://, http(s)://, hdfs://)")
+    parser.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (ROOT/cache)")
+    parser.add_argument("--cache-size", type=parse_size, default=16 << 30, metavar="SIZE", help="block cache size (16G)")
+    parser.add_argument("--streams", type=_positive_int, metavar="N", help="parallel range requests per store (16)")
+    parser.add_argument(
+        "--retry-timeout", type=_seconds, metavar="SECONDS",
+        help=f"retry a failing fetch this long, then fail the read with EIO ({EngineConfig.retry_timeout:g})",
+    )  # fmt: skip
+    parser.add_argument("--stripe-size", type=parse_size, metavar="SIZE", help="largest range request")
+    parser.add_argument("--memory-limit", type=parse_size, metavar="SIZE", help="fetched bytes held in memory")
+    parser.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus metrics on /metrics")
+    parser.add_argument(
+        "--shutdown-grace", type=_seconds, default=10.0, metavar="SECONDS",
+        help="on SIGTERM, how long requests in flight may take to finish (10)",
+    )  # fmt: skip
+    parser.set_defaults(func=layer_server_command)
+
+
+def _usage_error(message: str) -> int:
+    print(f"bootseer layer-server: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def layer_server_command(args: argparse.Namespace) -> int:
+    """Run ``bootseer layer-server``; returns the exit status."""
+    if os.geteuid() != 0:
+        return _usage_error("the layer server mounts FUSE for overlayfs and must run as root")
+    try:
+        given = {
+            name: getattr(args, name)
+            for name in ("streams", "retry_timeout", "stripe_size", "memory_limit")
+            if getattr(args, name) is not None
+        }
+        engine = EngineConfig(**given)
+        if "stripe_size" in given and "memory_limit" not in given:
+            engine = dataclasses.replace(engine, memory_limit=max(engine.memory_limit, engine.stripe_size))
+    except (ValueError, TypeError) as exc:
+        return _usage_error(str(exc))
+    config = LayerServerConfig(
+        root=Path(args.root).resolve(),
+        store=args.store,
+        cache_dir=Path(args.cache_dir).resolve() if args.cache_dir else None,
+        cache_size=args.cache_size,
+        engine=engine,
+        shutdown_grace=args.shutdown_grace,
+    )
+    if args.metrics_address:
+        try:
+            host, port = serve_metrics(args.metrics_address)
+        except (ValueError, OSError) as exc:
+            return _usage_error(f"--metrics-address {args.metrics_address}: {exc}")
+        log.info("serving metrics", address=f"{host}:{port}")
+
+    def announce(server: LayerServer) -> None:
+        # On stdout, for scripts that wait for the server.
+        print(f"layer server ready on {server.paths.socket}", flush=True)
+
+    status = 0
+    try:
+        trio.run(lambda: run_server(config, on_ready=announce))
+    except* (ServerAlreadyRunning, MountError, ValueError) as group:
+        log.error("cannot start the layer server", root=str(config.root), error=str(_first_error(group)))
+        status = EXIT_USAGE
+    except* KeyboardInterrupt:
+        status = 130  # only before the mount exists: once mounted, SIGINT unmounts cleanly
+    if status == 0:
+        log.info("layer server stopped", root=str(config.root))
+    return status

@@ -1,0 +1,573 @@
+"""The layer server for real: converted layers in a store, ``bootseer layer-server`` started by
+``ensure_server``, the FUSE view and an overlayfs stack over it compared with ``tar -x``.
+
+Each test gets a fresh node root and its own server process (started the way the
+snapshotter starts it) and leaves no process or mount behind.  The layers are
+:func:`tests.support.oci.rich_layers` (an entry of every kind), converted into a
+``file://`` (or, where requests are counted or the store must stop answering,
+``http://``) store by :func:`tests.support.layer_store.build_store`.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import importlib.util
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from bootseer.blockstore.control import (
+    InvalidRequest,
+    LayerNotConverted,
+    LayerNotMounted,
+    LayerServerClient,
+    ServerPaths,
+    ServerSettings,
+    ServerStartError,
+    ServerUnavailable,
+    ensure_server,
+)
+from bootseer.blockstore.format import EntryType
+from tests.http_fixtures import RangeHTTPServer, free_port
+from tests.support.layer_store import BuiltLayer, build_store, extract_layer
+from tests.support.oci import NON_UTF8_NAME, rich_layers
+from tests.test_fuse_plumbing import force_unmount, mount_entry
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"),
+]
+
+BLOCK_SIZE = 64 << 10
+REPO = Path(__file__).resolve().parent.parent
+INTERIM = REPO / "tests" / "support" / "interim"
+OPAQUE = "trusted.overlay.opaque"
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
+    store = tmp_path_factory.mktemp("store")
+    return store, build_store(store, rich_layers(BLOCK_SIZE), block_size=BLOCK_SIZE)
+
+
+@pytest.fixture(scope="module")
+def extracted(built: tuple[Path, list[BuiltLayer]], tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    base = tmp_path_factory.mktemp("extracted")
+    dirs = []
+    for number, layer in enumerate(built[1]):
+        extract_layer(layer.tar, base / str(number))
+        dirs.append(base / str(number))
+    return dirs
+
+
+class Node:
+    """One node's layer server, started and stopped as the snapshotter would."""
+
+    def __init__(self, root: Path, settings: ServerSettings) -> None:
+        self.root = root
+        self.paths = ServerPaths(root)
+        self.settings = settings
+        self.overlays: list[Path] = []
+
+    def ensure(self) -> LayerServerClient:
+        return ensure_server(self.root, self.settings)
+
+    @property
+    def client(self) -> LayerServerClient:
+        return LayerServerClient(self.paths.socket)
+
+    def pid(self) -> int:
+        return int(self.client.status()["pid"])
+
+    def stop(self, signum: int = signal.SIGTERM, timeout: float = 30) -> None:
+        pid = self.pid()
+        os.kill(pid, signum)
+        wait_gone(pid, timeout)
+
+    def log(self) -> str:
+        return self.paths.log.read_text(errors="replace") if self.paths.log.exists() else ""
+
+    def cleanup(self) -> None:
+        for overlay in self.overlays:
+            force_unmount(overlay)
+        try:
+            pid = int(self.paths.server_lock.read_text().strip() or 0)
+        except (OSError, ValueError):
+            pid = 0
+        if pid and _alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            try:
+                wait_gone(pid, 30)
+            except AssertionError:
+                os.kill(pid, signal.SIGKILL)
+                wait_gone(pid, 30)
+        force_unmount(self.paths.mountpoint)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as proc:
+            return proc.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_gone(pid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} still running after {timeout}s")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def interim_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # INTERIM: until blockstore/reader.py and cache.py land, servers started by the
+    # tests read blocks through tests/support/interim_reader.py.
+    if importlib.util.find_spec("bootseer.blockstore.reader") is None:
+        monkeypatch.setenv("PYTHONPATH", f"{INTERIM}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"))
+
+
+@pytest.fixture
+def node_factory(tmp_path: Path, interim_env: None) -> Iterator[Any]:
+    nodes: list[Node] = []
+
+    def make(store_url: str, **settings: Any) -> Node:
+        settings.setdefault("retry_timeout", 5)
+        settings.setdefault("log_level", "debug")
+        node = Node(tmp_path / f"root{len(nodes)}", ServerSettings(store=store_url, **settings))
+        nodes.append(node)
+        return node
+
+    try:
+        yield make
+    finally:
+        for node in nodes:
+            node.cleanup()
+
+
+@pytest.fixture
+def node(built: tuple[Path, list[BuiltLayer]], node_factory: Any) -> Node:
+    return node_factory(f"file://{built[0]}")
+
+
+def mount_overlay(node: Node, lowers: list[str], target: Path) -> None:
+    target.mkdir()
+    node.overlays.append(target)
+    subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", "lowerdir=" + ":".join(lowers), str(target)],
+        check=True, capture_output=True, timeout=30,
+    )  # fmt: skip
+
+
+# -- describing a tree -----------------------------------------------------------------------------
+
+
+def describe(root: Path, *, whiteouts_as_tar: bool = False) -> dict[bytes, dict[str, Any]]:
+    """Every entry under ``root`` by relative path (bytes: names may not be UTF-8).
+
+    With ``whiteouts_as_tar`` a tar extraction's ``.wh.NAME`` files are described as the
+    character device 0/0 NAME overlayfs expects and ``.wh..wh..opq`` as the opaque
+    xattr on its directory: the form a layer's lower directory has.
+    """
+    out: dict[bytes, dict[str, Any]] = {}
+    base = os.fsencode(root)
+    for directory, dirnames, filenames in os.walk(base):
+        for name in sorted(dirnames + filenames):
+            path = os.path.join(directory, name)
+            rel = os.path.relpath(path, base)
+            info = os.lstat(path)
+            item: dict[str, Any] = {
+                "type": stat.S_IFMT(info.st_mode),
+                "mode": stat.S_IMODE(info.st_mode),
+                "uid": info.st_uid,
+                "gid": info.st_gid,
+                "ino": info.st_ino,
+                "nlink": info.st_nlink,
+            }
+            if not stat.S_ISLNK(info.st_mode):
+                item["mtime_ns"] = info.st_mtime_ns
+                item["xattrs"] = {n: os.getxattr(path, n, follow_symlinks=False) for n in os.listxattr(path, follow_symlinks=False)}
+            if stat.S_ISREG(info.st_mode):
+                item["size"] = info.st_size
+                with open(path, "rb") as file:
+                    item["sha256"] = hashlib.sha256(file.read()).hexdigest()
+            elif stat.S_ISLNK(info.st_mode):
+                item["target"] = os.readlink(path)
+            elif stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
+                item["rdev"] = info.st_rdev
+            out[rel] = item
+    if whiteouts_as_tar:
+        for rel in [r for r in out if os.path.basename(r).startswith(b".wh.")]:
+            item = out.pop(rel)
+            parent, name = os.path.split(rel)
+            if name == b".wh..wh..opq":
+                out[parent]["xattrs"][OPAQUE] = b"y"
+            else:
+                out[os.path.join(parent, name[4:])] = {"type": stat.S_IFCHR, "rdev": 0}
+    return out
+
+
+def directory_mtimes(tar: bytes) -> dict[bytes, int]:
+    """Directory mtimes (ns) as the tar's headers give them."""
+    import io
+    import tarfile
+    from decimal import Decimal
+
+    out = {}
+    with tarfile.open(fileobj=io.BytesIO(tar), encoding="utf-8", errors="surrogateescape") as archive:
+        for member in archive:
+            if member.isdir() and member.name.strip("./"):
+                seconds = Decimal(member.pax_headers.get("mtime", str(member.mtime)))
+                out[os.fsencode(member.name.rstrip("/"))] = int(seconds * 10**9)
+    return out
+
+
+def comparable(tree: dict[bytes, dict[str, Any]], *, overlay: bool = False) -> dict[bytes, dict[str, Any]]:
+    """What must be equal between two trees: inode numbers only as hard-link groups;
+    whiteouts by type and device only; nlink of directories is the filesystem's own."""
+    groups: dict[int, list[bytes]] = {}
+    for rel, item in tree.items():
+        if item["type"] == stat.S_IFREG:
+            groups.setdefault(item["ino"], []).append(rel)
+    out = {}
+    for rel, item in tree.items():
+        item = dict(item)
+        ino = item.pop("ino", None)
+        if item["type"] == stat.S_IFCHR and item.get("rdev") == 0:
+            item = {"type": stat.S_IFCHR, "rdev": 0}
+        if item["type"] == stat.S_IFDIR:
+            item.pop("nlink", None)
+            if overlay:
+                item.pop("mtime_ns", None)  # overlayfs shows the top layer's directory mtime
+        if item["type"] == stat.S_IFREG:
+            item["links"] = sorted(groups[ino])
+        out[rel] = item
+    return out
+
+
+def apply_layers(layers: list[dict[bytes, dict[str, Any]]]) -> dict[bytes, dict[str, Any]]:
+    """The merged view of layers in lower-dir form (bottom first), as overlayfs shows it."""
+    merged: dict[bytes, dict[str, Any]] = {}
+
+    def remove_under(path: bytes, *, keep_self: bool) -> None:
+        for rel in [r for r in merged if r.startswith(path + b"/") or (r == path and not keep_self)]:
+            del merged[rel]
+
+    for layer in layers:
+        for rel, item in sorted(layer.items()):
+            if item["type"] == stat.S_IFCHR and item.get("rdev") == 0:
+                remove_under(rel, keep_self=False)
+                continue
+            if item["type"] == stat.S_IFDIR and item.get("xattrs", {}).get(OPAQUE) == b"y":
+                remove_under(rel, keep_self=True)
+            if item["type"] != stat.S_IFDIR:
+                remove_under(rel, keep_self=False)
+            merged[rel] = item
+    for item in merged.values():
+        item.get("xattrs", {}).pop(OPAQUE, None)  # overlayfs hides its own xattrs
+    return merged
+
+
+# -- the FUSE view against tar -x ------------------------------------------------------------------
+
+
+def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted: list[Path]) -> None:
+    client = node.ensure()
+    for layer, reference in zip(built[1], extracted):
+        mounted = client.mount(layer.chain_id)
+        fuse_view = describe(Path(mounted.lower_dir))
+        expected = describe(reference, whiteouts_as_tar=True)
+        # GNU tar sets a directory's mtime before it creates the hard links into it, which
+        # then move it: the tar headers are the reference for directories.
+        for rel, mtime_ns in directory_mtimes(layer.tar).items():
+            expected[rel]["mtime_ns"] = mtime_ns
+        assert comparable(fuse_view) == comparable(expected), layer.chain_id
+    # What the layers hold, named: so the comparison above cannot pass on empty trees.
+    base = Path(client.check(built[1][0].chain_id).lower_dir)
+    assert os.lstat(base / "dev/null").st_rdev == os.makedev(1, 3)
+    assert stat.S_ISBLK(os.lstat(base / "dev/sda").st_mode)
+    assert stat.S_ISFIFO(os.lstat(base / "run/fifo").st_mode)
+    big, link = os.lstat(base / "srv/big.bin"), os.lstat(base / "srv/big.link")
+    assert big.st_ino == link.st_ino and big.st_nlink == 2
+    assert os.getxattr(base / "srv/xattr.bin", "user.bin") == b"\x00\xff\xfe"
+    assert os.readlink(base / "srv/abs") == "/etc/hosts"
+    assert (base / NON_UTF8_NAME).read_bytes() == b"non-utf8\n"
+    assert os.stat(base / "srv/sparse.img").st_size == 5 * BLOCK_SIZE
+    middle = Path(client.check(built[1][1].chain_id).lower_dir)
+    whiteout = os.lstat(middle / "etc/secret")
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    assert os.getxattr(middle / "opaque-me", OPAQUE) == b"y"
+    with pytest.raises(OSError) as excinfo:
+        os.getxattr(middle / "app", OPAQUE)
+    assert excinfo.value.errno == errno.ENODATA
+
+
+def test_an_overlay_stack_equals_the_applied_layers(node: Node, built: Any, extracted: list[Path], tmp_path: Path) -> None:
+    client = node.ensure()
+    lowers = [client.mount(layer.chain_id).lower_dir for layer in built[1]]
+    merged = tmp_path / "merged"
+    mount_overlay(node, list(reversed(lowers)), merged)
+    expected = apply_layers([describe(d, whiteouts_as_tar=True) for d in extracted])
+    view = describe(merged)
+    for item in view.values():
+        item.get("xattrs", {}).pop(OPAQUE, None)
+    assert comparable(view, overlay=True) == comparable(expected, overlay=True)
+    # The whiteouts hide, the opaque directory hides, the last entry wins.
+    assert not (merged / "etc/secret").exists() and not (merged / "gone-dir").exists()
+    assert os.listdir(merged / "opaque-me") == ["new.txt"]
+    assert (merged / "replace-me").read_bytes() == b"fourth and last\n"
+    assert (merged / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
+
+
+# -- fetching only what is read --------------------------------------------------------------------
+
+
+def _pack_requests(server: RangeHTTPServer, pack: str) -> list[tuple[int, int]]:
+    ranges = []
+    for method, target, headers in server.requests:
+        if method == "GET" and target.endswith(pack):
+            first, _, last = headers.get("Range", headers.get("range", "bytes=0-")).removeprefix("bytes=").partition("-")
+            ranges.append((int(first), int(last) if last else -1))
+    return ranges
+
+
+def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, node_factory: Any) -> None:
+    store, layers = built
+    with RangeHTTPServer(store) as http:
+        node = node_factory(http.url, extra_args=("--stripe-size", str(BLOCK_SIZE)))
+        client = node.ensure()
+        base = Path(client.mount(layers[0].chain_id).lower_dir)
+        describe_without_contents(base)
+        assert _pack_requests(http, layers[0].pack) == []
+
+        index = layers[0].index
+        entry = next(e for e in index.entries if e.path == "srv/big.bin")
+        block = index.blocks[entry.blocks[2]]
+        with open(base / "srv/big.bin", "rb", buffering=0) as file:
+            file.seek(2 * BLOCK_SIZE + 100)
+            data = file.read(10)
+        expected = rich_big_bin()[2 * BLOCK_SIZE + 100 : 2 * BLOCK_SIZE + 110]
+        assert data == expected
+        ranges = _pack_requests(http, layers[0].pack)
+        assert ranges, "the read fetched nothing"
+        fetched = sum(last - first + 1 for first, last in ranges)
+        pack_size = (store / layers[0].pack).stat().st_size
+        covered = set()
+        for first, last in ranges:
+            covered.update(range(first, last + 1))
+        assert covered.issuperset(range(block.offset, block.offset + block.clen))
+        # The block's neighbourhood, not the layer: a stripe either side at most.
+        assert fetched <= block.clen + 2 * BLOCK_SIZE < pack_size
+        # Read again: the kernel's page cache (keep_cache) answers.
+        with open(base / "srv/big.bin", "rb") as file:
+            file.seek(2 * BLOCK_SIZE + 100)
+            assert file.read(10) == expected
+        assert len(_pack_requests(http, layers[0].pack)) == len(ranges)
+
+
+def describe_without_contents(root: Path) -> None:
+    """stat, readdir, readlink and every xattr of every entry: metadata only."""
+    for directory, dirnames, filenames in os.walk(os.fsencode(root)):
+        for name in dirnames + filenames:
+            path = os.path.join(directory, name)
+            info = os.lstat(path)
+            if stat.S_ISLNK(info.st_mode):
+                os.readlink(path)
+            else:
+                for attr in os.listxattr(path, follow_symlinks=False):
+                    os.getxattr(path, attr, follow_symlinks=False)
+
+
+def rich_big_bin() -> bytes:
+    layer = rich_layers(BLOCK_SIZE)[0]
+    return next(e.data for e in layer.entries if getattr(e, "path", "") == "srv/big.bin")  # type: ignore[attr-defined]
+
+
+# -- the control API --------------------------------------------------------------------------------
+
+
+def test_control_api(node: Node, built: Any) -> None:
+    client = node.ensure()
+    assert stat.S_IMODE(os.stat(node.paths.socket).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(node.paths.layers).st_mode) == 0o700
+    layers = built[1]
+    first = client.mount(layers[0].chain_id)
+    assert first.slot == 1 and first.lower_dir == str(node.paths.mountpoint / "1")
+    assert client.mount(layers[0].chain_id) == first  # idempotent
+    second = client.mount(layers[1].chain_id)
+    assert second.slot == 2
+    assert sorted(os.listdir(node.paths.mountpoint)) == ["1", "2"]
+    status = client.status()
+    assert status["health"]["fuse"] == "serving"
+    assert [(x["chain_id"], x["slot"]) for x in status["layers"]] == [(layers[0].chain_id, 1), (layers[1].chain_id, 2)]
+    assert json.loads(node.paths.table.read_text())["layers"][1]["slot"] == 2
+
+    with pytest.raises(LayerNotConverted, match="not converted"):
+        client.mount("sha256:" + "0" * 64)
+    with pytest.raises(InvalidRequest, match="chain_id"):
+        client.mount("latest")
+    with pytest.raises(InvalidRequest, match="unknown operation"):
+        client.call({"op": "format-disk"})
+    with pytest.raises(LayerNotMounted):
+        client.check(layers[2].chain_id)
+
+    client.unmount(layers[0].chain_id)
+    with pytest.raises(LayerNotMounted):
+        client.unmount(layers[0].chain_id)
+    assert os.listdir(node.paths.mountpoint) == ["2"]
+    with pytest.raises(FileNotFoundError):
+        os.stat(node.paths.mountpoint / "1")
+    third = client.mount(layers[2].chain_id)
+    assert third.slot == 1  # the lowest free slot
+    assert (Path(third.lower_dir) / "replace-me").read_bytes() == b"fourth and last\n"
+
+
+def test_metrics_endpoint(built: Any, node_factory: Any) -> None:
+    port = free_port()
+    node = node_factory(f"file://{built[0]}", metrics_address=f"127.0.0.1:{port}")
+    client = node.ensure()
+    lower = Path(client.mount(built[1][0].chain_id).lower_dir)
+    assert (lower / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    assert "bootseer_layer_server_up 1.0" in text
+    assert "bootseer_layer_server_layers 1.0" in text
+    assert 'bootseer_layer_server_requests_total{op="mount",outcome="ok"} 1.0' in text
+    assert 'bootseer_fuse_requests_total{fs="bootseer-layers",op="read"}' in text
+
+
+# -- starting, dying, restarting --------------------------------------------------------------------
+
+
+def _inodes(lower: Path) -> dict[str, int]:
+    return {p: os.lstat(lower / p).st_ino for p in ("", "srv", "srv/big.bin", "srv/big.link", "etc/hosts", "dev/null")}
+
+
+def test_restart_after_sigterm_and_sigkill_restores_slots_and_inodes(node: Node, built: Any) -> None:
+    client = node.ensure()
+    layers = built[1]
+    slots = {layer.chain_id: client.mount(layer.chain_id).slot for layer in layers}
+    base = Path(client.check(layers[0].chain_id).lower_dir)
+    inodes = _inodes(base)
+    assert inodes["srv/big.bin"] == inodes["srv/big.link"]
+
+    node.stop(signal.SIGTERM)
+    assert mount_entry(node.paths.mountpoint) is None  # a clean stop unmounts
+    assert not node.paths.socket.exists()
+    with pytest.raises(ServerUnavailable, match="does not exist|not running"):
+        client.status()
+
+    client = node.ensure()
+    assert {x["chain_id"]: x["slot"] for x in client.status()["layers"]} == slots
+    assert _inodes(base) == inodes
+    assert (base / "srv/big.bin").read_bytes() == rich_big_bin()
+
+    node.stop(signal.SIGKILL)  # leaves a dead mount behind
+    with pytest.raises(OSError) as excinfo:
+        os.listdir(base / "srv")
+    assert excinfo.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    with pytest.raises(ServerUnavailable, match="not running"):
+        client.mount(layers[0].chain_id)
+
+    client = node.ensure()  # cleans up the dead mount, restores the table
+    assert {x["chain_id"]: x["slot"] for x in client.status()["layers"]} == slots
+    assert _inodes(base) == inodes
+    assert (base / "srv/big.bin").read_bytes() == rich_big_bin()
+    assert "unmounting a dead FUSE mount" in node.log()
+
+
+def test_two_callers_at_once_start_one_server(node: Node) -> None:
+    clients: list[LayerServerClient] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            clients.append(node.ensure())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(clients) == 4
+    assert len({client.status()["pid"] for client in clients}) == 1
+    assert node.log().count("layer server ready on") == 1
+
+
+def test_a_server_that_cannot_start_is_a_clear_error(tmp_path: Path, interim_env: None) -> None:
+    settings = ServerSettings(store="file:///nowhere", extra_args=("--cache-size", "lots"), start_timeout=60)
+    with pytest.raises(ServerStartError, match="(?s)exited with status 2.*invalid size 'lots'"):
+        ensure_server(tmp_path / "root", settings)
+
+
+def test_a_second_server_on_one_root_is_refused(node: Node) -> None:
+    node.ensure()
+    argv = node.settings.argv(node.root)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "already serves" in result.stderr
+    assert node.client.status()["health"]["fuse"] == "serving"
+
+
+# -- a store that stops answering --------------------------------------------------------------------
+
+_STORE_PROGRAM = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from tests.http_fixtures import RangeHTTPServer
+server = RangeHTTPServer({root!r}).start()
+print(server.port, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def test_a_store_that_stops_answering_gives_eio_in_bounded_time_then_recovers(built: Any, node_factory: Any) -> None:
+    store, layers = built
+    program = _STORE_PROGRAM.format(repo=str(REPO), root=str(store))
+    http = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(http.stdout.readline())  # type: ignore[union-attr]
+        node = node_factory(f"http://127.0.0.1:{port}/", retry_timeout=3,
+                            extra_args=("--stripe-size", str(BLOCK_SIZE)))  # fmt: skip
+        client = node.ensure()
+        base = Path(client.mount(layers[0].chain_id).lower_dir)
+        http.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
+        started = time.monotonic()
+        with pytest.raises(OSError) as excinfo:
+            (base / "srv/shared.bin").read_bytes()
+        assert excinfo.value.errno == errno.EIO
+        assert time.monotonic() - started < 120  # bounded: the retry timeout, not forever
+        # Everything else stays healthy: metadata, the control API.
+        assert os.lstat(base / "srv/big.link").st_nlink == 2
+        assert client.status()["health"]["fuse"] == "serving"
+        http.send_signal(signal.SIGCONT)
+        data = (base / "srv/shared.bin").read_bytes()
+        assert len(data) == 2 << 20 and data == _shared_blocks()
+    finally:
+        http.send_signal(signal.SIGCONT)
+        http.kill()
+        http.wait()
+
+
+def _shared_blocks() -> bytes:
+    from tests.support.oci import SHARED_BLOCKS
+
+    return SHARED_BLOCKS

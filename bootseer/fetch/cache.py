@@ -1,12 +1,19 @@
-"""A verified on-disk cache of fetched stripes, shared safely by processes.
+"""Verified on-disk caches, bounded and shared safely by processes: fetched stripes, and the base of the block cache.
 
-Each stripe is one file named by a hash of everything that identifies its bytes:
-the source URL, the path, the file's size and version (the source's content
-validator: ETag, inode + mtime in ns, ...), the stripe index and the stripe size.  The file holds a header (magic, payload length, the key hash again, an
-xxh3-128 checksum of the payload) and the payload.  Every read checks all of it; an
+:class:`VerifiedFileCache` keeps payloads under caller-supplied keys (lowercase hex:
+a key is a file name).  Each entry is one file holding a header (magic, payload
+length, an xxh3-128 hash of the key, an xxh3-128 checksum of the payload) and the
+payload.  Every read checks all of it, and a subclass may add a check of its own
+(:meth:`VerifiedFileCache.verify`: the block cache checks a block's SHA-256); an
 entry that is truncated, corrupt or not what its name says is deleted, logged and
-reported as a miss, so the caller fetches the stripe again.  Nothing unverified is
-ever returned.
+reported as a miss, so the caller fetches it again.  Nothing unverified is ever
+returned.
+
+:class:`StripeCache` is the fetch engine's: each stripe is named by a hash of
+everything that identifies its bytes: the source URL, the path, the file's size and
+version (the source's content validator: ETag, inode + mtime in ns, ...), the stripe
+index and the stripe size.  ``blockstore/cache.py``'s ``BlockCache`` names blocks by
+their content hash instead, so every store and mirror shares its entries.
 
 Writes go to a temporary file in the same directory and are renamed into place, so
 readers in this or another process see a whole entry or none; no fsync is needed
@@ -25,9 +32,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import threading
 import time
+from dataclasses import dataclass
 
 import prometheus_client
 import xxhash
@@ -36,34 +45,66 @@ from bootseer.log import get_logger
 
 log = get_logger(__name__)
 
-MAGIC = b"BSSTRIP1"
+MAGIC = b"BSSTRIP1"  #: the stripe cache's entries
 _HEADER = struct.Struct("<8sQ16s16s")  # magic, payload length, key hash, payload xxh3-128
+_KEY = re.compile(r"[0-9a-f]{16,128}")
 _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
 _LOW_WATER = 0.9  # eviction frees down to this fraction of max_bytes
 
-HITS = prometheus_client.Counter("bootseer_fetch_cache_hits", "Stripes served from the on-disk cache")
-MISSES = prometheus_client.Counter("bootseer_fetch_cache_misses", "Stripes looked up and not in the on-disk cache")
-CORRUPT = prometheus_client.Counter(
-    "bootseer_fetch_cache_corrupt", "On-disk cache entries that failed verification and were discarded"
+# One family per event for every cache; the ``cache`` label says which (stripes, blocks).
+HITS = prometheus_client.Counter("bootseer_fetch_cache_hits", "Entries served from an on-disk cache", ["cache"])
+MISSES = prometheus_client.Counter(
+    "bootseer_fetch_cache_misses", "Entries looked up and not in an on-disk cache", ["cache"]
 )
-EVICTIONS = prometheus_client.Counter("bootseer_fetch_cache_evictions", "On-disk cache entries evicted (LRU)")
-ERRORS = prometheus_client.Counter("bootseer_fetch_cache_errors", "On-disk cache reads or writes that failed")
+CORRUPT = prometheus_client.Counter(
+    "bootseer_fetch_cache_corrupt", "On-disk cache entries that failed verification and were discarded", ["cache"]
+)
+EVICTIONS = prometheus_client.Counter("bootseer_fetch_cache_evictions", "On-disk cache entries evicted (LRU)", ["cache"])
+ERRORS = prometheus_client.Counter("bootseer_fetch_cache_errors", "On-disk cache reads or writes that failed", ["cache"])
+BYTES = prometheus_client.Gauge(
+    "bootseer_fetch_cache_bytes", "Bytes in an on-disk cache, as its last scan found plus what was written since",
+    ["cache"], multiprocess_mode="max",
+)
 
 
-class StripeCache:
-    """Stripes on disk under ``directory``, at most ``max_bytes`` of them (LRU).
+@dataclass
+class CacheStats:
+    """Counters of one cache object (this process), for status output and tests."""
 
-    Thread-safe; several processes may share one directory.
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0  #: entries that failed verification, deleted
+    evictions: int = 0  #: entries this process evicted
+    errors: int = 0  #: disk reads or writes that failed
+    bytes: int = 0  #: bytes on disk (entries and headers), as of the last scan plus writes since
+    max_bytes: int = 0
+
+
+class VerifiedFileCache:
+    """Payloads on disk under ``directory``, at most ``max_bytes`` of them (LRU), keyed by hex strings.
+
+    Thread-safe; several processes may share one directory.  Subclasses set
+    :attr:`MAGIC` (what their entry files start with) and :attr:`kind` (the
+    ``cache`` label of the metrics), and may add a check in :meth:`verify`.
     """
+
+    MAGIC = b"BSCACHE1"
+    kind = "generic"
 
     def __init__(self, directory: str, max_bytes: int) -> None:
         if max_bytes < 1:
             raise ValueError(f"cache size must be positive, not {max_bytes}")
+        if len(self.MAGIC) != 8:
+            raise TypeError(f"{type(self).__name__}.MAGIC must be 8 bytes")
         self.directory = os.path.abspath(directory)
         self.max_bytes = max_bytes
         os.makedirs(self.directory, exist_ok=True)
         self._lock = threading.Lock()
+        self._stats = CacheStats(max_bytes=max_bytes)
+        self._hits, self._misses = HITS.labels(self.kind), MISSES.labels(self.kind)
+        self._corrupt, self._evictions = CORRUPT.labels(self.kind), EVICTIONS.labels(self.kind)
+        self._errors, self._bytes = ERRORS.labels(self.kind), BYTES.labels(self.kind)
         # Bytes on disk as of the last scan plus what this process wrote since; a
         # rescan every eighth of max_bytes written keeps other processes' writes in view.
         self._estimate = 0
@@ -71,21 +112,32 @@ class StripeCache:
         self._evict()
 
     def __repr__(self) -> str:
-        return f"StripeCache({self.directory!r}, max_bytes={self.max_bytes})"
+        return f"{type(self).__name__}({self.directory!r}, max_bytes={self.max_bytes})"
+
+    def stats(self) -> CacheStats:
+        """A copy of this object's counters."""
+        with self._lock:
+            return CacheStats(**{**self._stats.__dict__, "bytes": self._estimate})
+
+    def verify(self, key: str, payload: bytes) -> str | None:
+        """A subclass's own check of an entry that passed the checksum: what is wrong with it, or None."""
+        return None
 
     @staticmethod
-    def key(url: str, path: str, size: int, version: str, mtime: float, index: int, stripe_size: int) -> str:
-        """The name of a stripe's entry: a hash of everything that identifies its bytes.
-
-        ``version`` is the source's :attr:`~bootseer.fetch.source.Entry.version` of the
-        file; only where it is "" (the source gives none) does ``mtime`` stand in for it.
-        """
-        validator = ["version", version] if version else ["mtime", repr(float(mtime))]
-        identity = json.dumps([url, path, size, validator, index, stripe_size])
-        return xxhash.xxh3_128_hexdigest(identity.encode())
+    def check_key(key: str) -> str:
+        """``key`` if it is a valid entry name (16 to 128 lowercase hex digits), else ValueError."""
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise ValueError(f"cache key must be 16 to 128 lowercase hex digits, not {key!r}")
+        return key
 
     def path_of(self, key: str) -> str:
+        self.check_key(key)
         return os.path.join(self.directory, key[:2], key)
+
+    def _count(self, counter: str, amount: int = 1) -> None:
+        with self._lock:
+            setattr(self._stats, counter, getattr(self._stats, counter) + amount)
+        getattr(self, "_" + counter).inc(amount)
 
     def get(self, key: str) -> bytes | None:
         """The verified payload stored under ``key``, or None (missing, or corrupt and now deleted)."""
@@ -101,32 +153,37 @@ class StripeCache:
                     payload = file.read(min(length, on_disk))
                     problem = self._check_payload(payload, length, header, file.read(1))
         except FileNotFoundError:
-            MISSES.inc()
+            self._count("misses")
             return None
         except OSError as exc:
-            ERRORS.inc()
-            log.warning("stripe cache read failed; fetching instead", path=path, error=str(exc))
+            self._count("errors")
+            log.warning("cache read failed; fetching instead", cache=self.kind, path=path, error=str(exc))
             return None
+        if problem is None:
+            problem = self.verify(key, payload)
         if problem is not None:
-            CORRUPT.inc()
-            log.warning("discarding corrupt stripe cache entry", path=path, problem=problem)
+            self._count("corrupt")
+            log.warning("discarding corrupt cache entry", cache=self.kind, path=path, problem=problem)
             self._remove(path)
             return None
         try:
             os.utime(path)  # recency for LRU eviction
         except OSError:
             pass  # evicted meanwhile: the bytes read are still good
-        HITS.inc()
+        self._count("hits")
         return payload
 
     @staticmethod
-    def _check_header(header: bytes, key: str) -> str | None:
+    def _key_hash(key: str) -> bytes:
+        return xxhash.xxh3_128_digest(key.encode("ascii"))
+
+    def _check_header(self, header: bytes, key: str) -> str | None:
         if len(header) < _HEADER.size:
             return f"truncated header ({len(header)} bytes)"
         magic, _length, key_hash, _checksum = _HEADER.unpack(header)
-        if magic != MAGIC:
+        if magic != self.MAGIC:
             return f"bad magic {magic!r}"
-        if key_hash.hex() != key:
+        if key_hash != self._key_hash(key):
             return "entry belongs to another key"
         return None
 
@@ -146,7 +203,7 @@ class StripeCache:
         if size > self.max_bytes:
             return
         path = self.path_of(key)
-        header = _HEADER.pack(MAGIC, len(payload), bytes.fromhex(key), xxhash.xxh3_128_digest(payload))
+        header = _HEADER.pack(self.MAGIC, len(payload), self._key_hash(key), xxhash.xxh3_128_digest(payload))
         temp = os.path.join(os.path.dirname(path), f"{_TEMP_PREFIX}{key}.{os.getpid()}.{threading.get_ident()}")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -155,14 +212,15 @@ class StripeCache:
                 file.write(payload)
             os.replace(temp, path)
         except OSError as exc:
-            ERRORS.inc()
-            log.warning("stripe cache write failed; not cached", path=path, error=str(exc))
+            self._count("errors")
+            log.warning("cache write failed; not cached", cache=self.kind, path=path, error=str(exc))
             self._remove(temp)
             return
         with self._lock:
             self._estimate += size
             self._written_since_scan += size
             due = self._estimate > self.max_bytes or self._written_since_scan > self.max_bytes // 8
+        self._bytes.set(self._estimate)
         if due:
             self._evict()
 
@@ -187,8 +245,9 @@ class StripeCache:
                         entries.append((st.st_mtime, entry.path, st.st_size))
                         total += st.st_size
             except OSError as exc:
-                ERRORS.inc()
-                log.warning("stripe cache scan failed", directory=self.directory, error=str(exc))
+                self._stats.errors += 1
+                self._errors.inc()
+                log.warning("cache scan failed", cache=self.kind, directory=self.directory, error=str(exc))
                 return
             if total > self.max_bytes:
                 entries.sort()
@@ -197,17 +256,36 @@ class StripeCache:
                     if total <= target:
                         break
                     self._remove(path)
-                    EVICTIONS.inc()
+                    self._stats.evictions += 1
+                    self._evictions.inc()
                     total -= size
             self._estimate = total
             self._written_since_scan = 0
+            self._bytes.set(total)
 
-    @staticmethod
-    def _remove(path: str) -> None:
+    def _remove(self, path: str) -> None:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            ERRORS.inc()
-            log.warning("could not delete stripe cache file", path=path, error=str(exc))
+            self._errors.inc()
+            log.warning("could not delete a cache file", cache=self.kind, path=path, error=str(exc))
+
+
+class StripeCache(VerifiedFileCache):
+    """The fetch engine's stripes on disk under ``directory``, at most ``max_bytes`` of them (LRU)."""
+
+    MAGIC = MAGIC
+    kind = "stripes"
+
+    @staticmethod
+    def key(url: str, path: str, size: int, version: str, mtime: float, index: int, stripe_size: int) -> str:
+        """The name of a stripe's entry: a hash of everything that identifies its bytes.
+
+        ``version`` is the source's :attr:`~bootseer.fetch.source.Entry.version` of the
+        file; only where it is "" (the source gives none) does ``mtime`` stand in for it.
+        """
+        validator = ["version", version] if version else ["mtime", repr(float(mtime))]
+        identity = json.dumps([url, path, size, validator, index, stripe_size])
+        return xxhash.xxh3_128_hexdigest(identity.encode())

@@ -194,7 +194,8 @@ def clean(path: str) -> str:
 def _info(path: str, mtime: Mtime = EPOCH, uid: int = 0, gid: int = 0) -> tarfile.TarInfo:
     info = tarfile.TarInfo(path)
     if isinstance(mtime, str):
-        info.mtime = int(mtime.split(".")[0])
+        whole = mtime.split(".")[0]
+        info.mtime = int(whole) if whole.lstrip("-").isdigit() else EPOCH  # a malformed one is for hostile tars
         info.pax_headers = {"mtime": mtime}
     else:
         info.mtime = mtime

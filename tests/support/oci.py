@@ -115,8 +115,26 @@ def _put_file(blobs: Path, path: Path) -> tuple[str, int]:
     return digest, (blobs / h.hexdigest()).stat().st_size
 
 
-def write_layer_blob(layer: Layer, blobs: Path, compression: str = "gzip") -> tuple[str, str, int]:
+@dataclass(frozen=True)
+class RawBlob:
+    """A layer given as the exact bytes of its blob (a truncated tar, a corrupt gzip stream...).
+
+    ``diff_id`` is what the config will claim; by default the SHA-256 of ``data``
+    (right for a plain tar).
+    """
+
+    data: bytes
+    media_type: str = MEDIA_LAYER_TAR
+    diff_id: str = ""
+    comment: str = "raw blob"
+
+
+def write_layer_blob(layer: Layer | RawBlob, blobs: Path, compression: str = "gzip") -> tuple[str, str, int]:
     """Write ``layer`` as a blob under ``blobs``; returns (blob digest, diff_id, blob size)."""
+    if isinstance(layer, RawBlob):
+        digest = sha256_digest(layer.data)
+        (blobs / digest.removeprefix("sha256:")).write_bytes(layer.data)
+        return digest, layer.diff_id or digest, len(layer.data)
     if compression not in LAYER_MEDIA:
         raise ValueError(f"compression must be one of {sorted(LAYER_MEDIA)}, not {compression!r}")
     fd, spool = tempfile.mkstemp(dir=blobs, prefix=".building-")
@@ -143,7 +161,7 @@ def write_layer_blob(layer: Layer, blobs: Path, compression: str = "gzip") -> tu
 
 def build_oci_layout(
     layout: Path,
-    layers: Sequence[Layer],
+    layers: Sequence[Layer | RawBlob],
     *,
     tag: str = "latest",
     cmd: Sequence[str] = ("/bin/sh",),
@@ -173,7 +191,8 @@ def build_oci_layout(
     for layer, how in zip(layers, compressions):
         digest, diff_id, size = write_layer_blob(layer, blobs, how)
         diff_ids.append(diff_id)
-        layer_descs.append({"mediaType": LAYER_MEDIA[how], "digest": digest, "size": size})
+        media_type = layer.media_type if isinstance(layer, RawBlob) else LAYER_MEDIA[how]
+        layer_descs.append({"mediaType": media_type, "digest": digest, "size": size})
         history.append({"created": "2023-11-14T22:13:20Z", "created_by": layer.comment or "bootseer test image"})
     config = {
         "architecture": architecture,

@@ -45,6 +45,8 @@ DEBIAN_MIRROR = "http://deb.debian.org/debian"
 SUITE = "bookworm"
 TORCH_VERSION = "2.13.0"
 IMAGE_TAG = "v1"
+#: Bumped whenever write_layer_tar changes what it writes, so cached blobs are remade.
+TAR_WRITER_VERSION = "2"
 #: What the job prints when it has done its first useful work; the benchmark's clock stops there.
 FIRST_OUTPUT_MARKER = "BOOTSEER-FIRST-OUTPUT"
 
@@ -230,7 +232,11 @@ def write_app(target: Path) -> None:
 def _layer_members(root: Path) -> Iterator[tuple[str, Path | None]]:
     """(name in the tar, path on disk) in a stable order; path None for an opaque marker."""
     for directory, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+        # os.walk lists symlinks to directories (merged-/usr's /bin, /lib, /lib64) with the
+        # directories but never descends into them: they are entries of their own.
+        links = [name for name in dirnames if os.path.islink(os.path.join(directory, name))]
+        dirnames[:] = sorted(set(dirnames) - set(links))
+        filenames = filenames + links
         rel = os.path.relpath(directory, root)
         if rel != ".":
             yield rel, Path(directory)
@@ -402,8 +408,12 @@ def build_image(cache_dir: Path = DEFAULT_CACHE_DIR, jobs: int = 2) -> Image:
         shutil.rmtree(app, ignore_errors=True)
         write_app(app)
     shutil.rmtree(work, ignore_errors=True)
-    records = [make_blob(name, root, blobs, recipes[name], jobs)
+    records = [make_blob(name, root, blobs, _key(recipes[name], TAR_WRITER_VERSION), jobs)
                for name, root in (("base", base), ("python", python), ("torch", torch), ("app", app))]
+    wanted = {r.digest.removeprefix("sha256:") for r in records}
+    for blob in blobs.iterdir():
+        if blob.name not in wanted:  # a blob of an earlier recipe
+            blob.unlink()
     layout = cache_dir / "oci"
     image_record = layout / "image.json"
     if image_record.exists():

@@ -10,9 +10,11 @@ retry timeout, and reads succeed again once it is back.
 from __future__ import annotations
 
 import functools
+import os
 import signal
 from typing import Any
 
+import pyfuse3
 import trio
 
 from bootseer.ckptmount.tree import CheckpointTree
@@ -57,7 +59,35 @@ async def mount_checkpoint(
         # Opened before mounting, so a signal at any moment after the mount unmounts cleanly.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
+                tree.on_version_gone = functools.partial(_forget_in_kernel, ops, nursery)
                 session = await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
                 nursery.start_soon(end_on_signals, session, signals)
                 log.info("mounted", source=shown, mountpoint=mountpoint)
                 task_status.started()
+
+
+def _forget_in_kernel(ops: ReadOnlyOperations, nursery: trio.Nursery, node: Any) -> None:
+    """Drop the kernel's cached pages and name of a file whose version is gone at the source.
+
+    The pages are of that version only (reads are pinned to it), so this is not
+    about wrong bytes: a reader that reopens the name gets the new version at once,
+    instead of the old inode's pages until the entry timeout.  Called from a read
+    handler, it must not wait: the kernel's invalidation waits for the pages that
+    read holds locked, so it runs in a thread of its own once the reply is out.
+    """
+    number = ops.inodes.number(node)
+    parent = ops.inodes.parent(number)
+    name = os.fsencode(node.path.rpartition("/")[2]) if node.path else None
+    nursery.start_soon(_invalidate, number, parent, name)
+
+
+async def _invalidate(number: int, parent: int, name: bytes | None) -> None:
+    def blocking() -> None:
+        try:
+            pyfuse3.invalidate_inode(number)
+            if name is not None:
+                pyfuse3.invalidate_entry(parent, name)
+        except OSError as exc:  # ENOENT: the kernel had forgotten it already
+            log.debug("invalidating a changed file's cache failed", inode=number, error=repr(exc))
+
+    await trio.to_thread.run_sync(blocking, abandon_on_cancel=True)

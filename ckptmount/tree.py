@@ -15,6 +15,9 @@ listing), size and mtime: a file replaced or rewritten at the source, even at th
 same size and mtime, becomes a new inode, and the kernel never mixes its cached
 pages with the old version's.  Its reader is pinned to that version too, so a read
 that reaches the source after a change fails with EIO instead of mixing versions.
+Such a read also tells the tree (:meth:`CheckpointTree.version_gone`): the listing
+of its directory expires, so the next lookup sees the new version, and the mount's
+``on_version_gone`` hook drops the kernel's cached pages and name of the old one.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ import os
 import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import unquote, urlsplit
 
 import trio
 
-from bootseer.fetch.source import Entry, NotADirectory, NotFound, SourceError
+from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, SourceError
 from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, StaticDirectory
 from bootseer.log import get_logger
 
@@ -50,6 +53,18 @@ def source_errors(what: str) -> Iterator[None]:
         raise NotADirectoryError(errno.ENOTDIR, str(exc), what) from exc
     except SourceError as exc:
         raise OSError(errno.EIO, str(exc), what) from exc
+
+
+def caused_by_change(exc: BaseException) -> bool:
+    """Whether ``exc`` (a FetchError, say) comes of a file that changed at the source."""
+    seen: BaseException | None = exc
+    for _depth in range(16):  # a cause chain is short; never loop on a cycle
+        if seen is None:
+            return False
+        if isinstance(seen, Changed):
+            return True
+        seen = seen.__cause__
+    return False
 
 
 def mtime_ns(entry: Entry) -> int:
@@ -80,6 +95,20 @@ class CheckpointTree:
         self._fetching: dict[str, trio.Event] = {}
         # Files belong to whoever mounted them (the source's owners mean nothing here).
         self.uid, self.gid = os.getuid(), os.getgid()
+        #: called with a file node whose version is gone at the source (the mount drops
+        #: the kernel's cached pages and dentry of it); None: nothing beyond the listing
+        self.on_version_gone: Callable[[CheckpointFile], None] | None = None
+
+    def version_gone(self, node: CheckpointFile) -> None:
+        """A read of ``node`` found its version gone at the source: expire its directory's
+        listing, so the next lookup gets the new version (a new inode), and tell the mount."""
+        parent = node.path.rpartition("/")[0]
+        listing = self._listings.get(parent)
+        if listing is not None and listing.entries.get(node.path.rpartition("/")[2]) is node.entry:
+            del self._listings[parent]  # only if it still lists the gone version
+        log.warning("file changed at the source; its cached pages are dropped", path=node.path or ".")
+        if self.on_version_gone is not None:
+            self.on_version_gone(node)
 
     async def listing(self, path: str) -> dict[str, Entry]:
         """The entries of directory ``path`` by name."""
@@ -165,6 +194,8 @@ class CheckpointDirectory(Directory):
 class CheckpointFile(File):
     def __init__(self, tree: CheckpointTree, path: str, entry: Entry) -> None:
         self.key = ("file", path, entry.size, mtime_ns(entry), entry.version)
+        self.tree = tree
+        self.entry = entry
         self.engine = tree.engine
         self.path = path
         self.size = entry.size
@@ -180,7 +211,7 @@ class CheckpointFile(File):
     async def open(self) -> OpenFile:
         with source_errors(self.path):
             reader = self.engine.open(self.path, self.size, self.mtime, self.version)
-        return CheckpointOpenFile(reader, self.path, self.size)
+        return CheckpointOpenFile(reader, self.path, self.size, self)
 
 
 class CheckpointOpenFile(OpenFile):
@@ -189,17 +220,23 @@ class CheckpointOpenFile(OpenFile):
     # across opens; a new version is a new inode with a page cache of its own.
     keep_cache = True
 
-    def __init__(self, reader: Any, path: str, size: int) -> None:
+    def __init__(self, reader: Any, path: str, size: int, node: CheckpointFile | None = None) -> None:
         self.reader = reader
         self.path = path
         self.size = size
+        self.node = node
 
     async def read(self, offset: int, size: int) -> bytes:
         size = max(0, min(size, self.size - offset))
         if size == 0:
             return b""
-        with source_errors(self.path):
-            data = await self.reader.read(offset, size)
+        try:
+            with source_errors(self.path):
+                data = await self.reader.read(offset, size)
+        except OSError as exc:
+            if self.node is not None and caused_by_change(exc):
+                self.node.tree.version_gone(self.node)
+            raise
         if len(data) != size:
             # The file is shorter than its listing said: it changed at the source.
             # Failing is the only answer that serves no wrong byte.

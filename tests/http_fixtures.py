@@ -7,8 +7,9 @@
   behaviour (Range, HEAD, HTML index, 301 for a directory without its ``/``) that
   can inject faults: drop a connection mid-body, answer a status such as 503,
   ignore the Range header and send the whole file with ``200``, announce a huge
-  ``Content-Length`` (and count what the client let it send), or serve a given
-  directory index.
+  ``Content-Length`` (and count what the client let it send), serve a given
+  directory index, refuse a path, or rewrite a file between requests at the same
+  size and date with a new strong ETag each time.
 
 Both listen on 127.0.0.1 only.  Pytest fixtures ``nginx_factory`` and
 ``range_http_factory`` start servers on demand and stop them at teardown::
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import email.utils
+import hashlib
 import html
 import os
 import posixpath
@@ -198,6 +200,8 @@ class Faults:
     index: tuple[str, bytes] | None = None
     #: request path -> status answered to every HEAD and GET of it (say 403), until removed
     refused: dict[str, int] = field(default_factory=dict)
+    _rewrites: dict[str, tuple[list[bytes], bool]] = field(default_factory=dict)
+    _rewrite_count: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     #: what a huge-length answer announces, and what it offers to send of it
@@ -234,6 +238,29 @@ class Faults:
             self._huge_lengths += times
             self.huge_done.clear()
 
+    def rewrite_between_requests(self, path: str, contents: list[bytes], *, honour_if_range: bool = True) -> None:
+        """Serve request path ``path`` (``/f``) as ``contents[0]``, then ``contents[1]``, ...
+        (the last one from then on), one per request (HEAD or GET), each with a strong ETag of its
+        content (:func:`content_etag`) while ``Last-Modified`` (the file's) and the length stay
+        the same: a rewrite within the same second, or a server with coarse dates.
+        ``honour_if_range=False`` answers a Range with 206 whatever If-Range says."""
+        if len({len(content) for content in contents}) != 1:
+            raise ValueError("a same-size rewrite needs contents of one size")
+        with self._lock:
+            self._rewrites[path] = (list(contents), honour_if_range)
+            self._rewrite_count[path] = 0
+
+    def rewritten(self, path: str) -> tuple[bytes, str, bool] | None:
+        """``(content, ETag, honour If-Range)`` for this request of ``path``, if it is rewritten."""
+        with self._lock:
+            if path not in self._rewrites:
+                return None
+            contents, honour = self._rewrites[path]
+            turn = self._rewrite_count[path]
+            self._rewrite_count[path] = turn + 1
+        content = contents[min(turn, len(contents) - 1)]
+        return content, content_etag(content), honour
+
     def send_huge(self, wfile, connection: socket.socket) -> None:
         """The body of a huge-length answer: zeros until the client hangs up."""
         chunk = bytes(1 << 16)
@@ -268,6 +295,11 @@ class Faults:
                 self._huge_lengths -= 1
                 return True
             return False
+
+
+def content_etag(content: bytes) -> str:
+    """The strong ETag a rewritten file is served with: a hash of its bytes, as many servers do."""
+    return '"%s"' % hashlib.sha256(content).hexdigest()[:16]
 
 
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
@@ -345,12 +377,17 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
             "ETag": f'"{target.stat().st_mtime_ns:x}-{size:x}"',
             "Accept-Ranges": "bytes",
         }
+        rewritten = faults.rewritten(urllib.parse.urlsplit(self.path).path)
+        honour_if_range = True
+        if rewritten is not None:
+            content, validators["ETag"], honour_if_range = rewritten
+            size = len(content)
         first, last = 0, size - 1
         status = 200
         range_header = self.headers.get("Range")
         if range_header and body and not faults.take("ignore_range"):
             if_range = self.headers.get("If-Range")
-            if if_range is None or if_range in (validators["ETag"], validators["Last-Modified"]):
+            if not honour_if_range or if_range is None or if_range in (validators["ETag"], validators["Last-Modified"]):
                 try:
                     wanted = parse_range(range_header, size)
                 except ValueError:
@@ -376,6 +413,9 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
         if not body:
             return
         drop = faults.take("drop")
+        if rewritten is not None:
+            self.wfile.write(content[first : last + 1])
+            return
         with open(target, "rb") as file:
             file.seek(first)
             remaining = last - first + 1

@@ -711,6 +711,84 @@ def test_a_same_size_rewrite_at_the_source_gives_new_bytes_or_eio_never_a_mix(tm
         mount.cleanup()
 
 
+def _cached_bytes(path: Path, size: int) -> dict[int, bytes]:
+    """The pages of ``path`` that are in the kernel's page cache, by index, as they are there.
+
+    mincore(2) of a mapping says which are; only those are read, from the mapping, so
+    nothing is fetched."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    pages = (size + page - 1) // page
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) as mapping:
+        anchor = ctypes.c_char.from_buffer(mapping)
+        try:
+            vector = (ctypes.c_ubyte * pages)()
+            if libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vector) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+        finally:
+            del anchor
+        return {index: mapping[index * page : (index + 1) * page] for index in range(pages) if vector[index] & 1}
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        assert exc.errno == errno.EIO, exc
+        return None
+
+
+def test_a_same_date_rewrite_over_http_gives_eio_or_new_bytes_never_a_mix(tmp_path: Path) -> None:
+    """A server that keeps Last-Modified and the length while the content and its strong ETag
+    change (issue 10.1): a 1 MiB read of small stripes is EIO or one content, never a mix,
+    and the page cache keeps no bytes of another content; the next open gets the new one."""
+    from tests.http_fixtures import content_etag
+
+    root = tmp_path / "source"
+    root.mkdir()
+    size = MiB
+    old, new = b"A" * size, b"B" * size
+    (root / "f").write_bytes(old)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    with RangeHTTPServer(root) as server:
+        server.faults.rewrite_between_requests("/f", [old])
+        # A long listing TTL: only the failed read may make the new version visible early.
+        mount = start_mount(Backend("http", server.url, root), mountpoint, tmp_path, "--stripe-size", "64K",
+                            "--listing-ttl", "600", "--retry-timeout", "2")  # fmt: skip
+        try:
+            mount.wait_ready()
+            with open(mountpoint / "f", "rb", buffering=0) as file:
+                assert os.pread(file.fileno(), 256 * 1024, 0) == old[: 256 * 1024]  # cached pages of A
+                # Every request now answers another content than the last, same date and size.
+                server.faults.rewrite_between_requests("/f", [new, old] * 200)
+                # One 1 MiB read, continued where the kernel ends it short (it returns what
+                # it got when a later page fails): one version's bytes up to an EIO, or all of it.
+                data = b""
+                while len(data) < size:
+                    try:
+                        piece = os.pread(file.fileno(), size - len(data), len(data))
+                    except OSError as exc:
+                        assert exc.errno == errno.EIO, exc
+                        break
+                    assert piece
+                    data += piece
+                assert data in (old[: len(data)], new[: len(data)]), (
+                    f"a read mixed versions: {data.count(b'A')} A, {data.count(b'B')} B"
+                )
+                cached = _cached_bytes(mountpoint / "f", size)
+                letters = {letter for page in cached.values() for letter in set(page)}
+                assert len(letters) <= 1, f"the page cache mixes versions: {sorted(cached)}"
+            server.faults.rewrite_between_requests("/f", [new])
+            # The failed read expired the listing: the new version comes well before the TTL.
+            _eventually(lambda: _read_or_none(mountpoint / "f") == new, timeout=20)
+            assert any(headers.get("If-Range") == content_etag(new) for _, _, headers in server.requests)
+        finally:
+            mount.cleanup()
+
+
 def test_sigterm_ends_the_mount_while_a_read_hangs_on_a_silent_source(source_root: Path, tmp_path: Path) -> None:
     from tests.test_fetch_api import SilentRangeHandler, range_gets
 

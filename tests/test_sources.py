@@ -12,6 +12,7 @@ bodies, malformed listings, WebHDFS redirects and unreachable servers.
 
 from __future__ import annotations
 
+import email.utils
 import os
 import random
 import socket
@@ -38,7 +39,7 @@ from bootseer.fetch.sources.http import HttpSource, index_links, parse_json_inde
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.fetch.sources.s3 import S3Source
 from bootseer.fetch.sources.webhdfs import WebHdfsSource, remote_error
-from tests.http_fixtures import Faults, nginx_factory, range_http_factory  # noqa: F401
+from tests.http_fixtures import Faults, content_etag, nginx_factory, range_http_factory  # noqa: F401
 from tests.s3_fixtures import moto_s3, s3_bucket  # noqa: F401
 from tests.webhdfs_server import WebHdfsServer, webhdfs_factory  # noqa: F401
 
@@ -307,6 +308,30 @@ def test_same_size_rewrite_after_listing_is_refused(backend: Backend) -> None:
         connection.close()
 
 
+@pytest.mark.parametrize("kind", ["local", "webhdfs"])
+def test_a_rewrite_that_keeps_time_and_size_is_refused(tree: Path, webhdfs_factory, kind: str) -> None:
+    """Local: a rewrite in place whose mtime is set back (cp -p, rsync -t) still changes the
+    ctime.  WebHDFS: a file created again with the same time and length has a new fileId."""
+    path = tree / "nested" / "b.bin"
+    old = path.read_bytes()
+    stamp = path.stat().st_mtime_ns
+    source = open_source(str(tree)) if kind == "local" else open_source(webhdfs_factory(tree).url)
+    entry = source.stat("nested/b.bin")
+    connection = source.connect()
+    assert connection.read_range("nested/b.bin", 0, 10, entry.version) == old[:10]
+    new = bytes(255 - byte for byte in old)
+    if kind == "local":
+        with open(path, "r+b") as file:  # in place: the same inode
+            file.write(new)
+    else:
+        (tree / "b.tmp").write_bytes(new)
+        os.replace(tree / "b.tmp", path)  # a new file (a new inode: the test namenode's fileId)
+    os.utime(path, ns=(stamp, stamp))
+    with pytest.raises(Changed, match="changed"):
+        source.connect().read_range("nested/b.bin", 0, 10, entry.version)
+    assert source.stat("nested/b.bin").version != entry.version
+
+
 def test_a_version_from_elsewhere_is_refused(backend: Backend) -> None:
     connection = backend.source.connect()
     try:
@@ -440,6 +465,64 @@ def test_http_200_answer_to_a_range_request_is_refused(tree: Path, range_http_fa
         connection.read_range("a.bin", 100, 10)
     # The connection is usable again, and the next answer is a proper 206.
     assert connection.read_range("a.bin", 100, 10) == (tree / "a.bin").read_bytes()[100:110]
+
+
+@pytest.mark.parametrize("honour_if_range", [True, False])
+def test_http_version_is_the_strong_etag_when_the_date_stays_the_same(
+    tmp_path: Path, range_http_factory, honour_if_range: bool
+) -> None:
+    """A server that keeps Last-Modified and the length while the content and its strong
+    ETag change: the version is the ETag, sent as If-Range and checked on every answer."""
+    (tmp_path / "f").write_bytes(b"A" * 1000)
+    server = range_http_factory(tmp_path)
+    old, new = b"A" * 1000, b"B" * 1000
+    server.faults.rewrite_between_requests("/f", [old, new], honour_if_range=honour_if_range)
+    source = open_source(server.url)
+    entry = source.stat("f")  # HEAD: the first content
+    assert entry.version == f"etag:1000:{content_etag(old)}"
+    connection = source.connect()
+    with pytest.raises(Changed, match="changed"):
+        connection.read_range("f", 0, 100, entry.version)  # the second content
+    assert server.requests[-1][2]["If-Range"] == content_etag(old)
+    relisted = source.stat("f")
+    assert relisted.version == f"etag:1000:{content_etag(new)}" and relisted.size == entry.size
+    assert connection.read_range("f", 0, 100, relisted.version) == new[:100]
+
+
+@pytest.mark.parametrize("honour_if_range", [True, False])
+def test_http_a_date_only_version_is_pinned_to_the_first_etag_read(
+    tmp_path: Path, range_http_factory, honour_if_range: bool
+) -> None:
+    """A JSON listing gives only a date: the first answer's strong ETag pins the version, so
+    a later answer with another content (same date, same size) is refused, on any stream."""
+    (tmp_path / "f").write_bytes(b"A" * 1000)
+    mtime = email.utils.formatdate((tmp_path / "f").stat().st_mtime, usegmt=True)
+    server = range_http_factory(tmp_path)
+    server.faults.index = ("application/json", b'[{"name": "f", "type": "file", "size": 1000, "mtime": "%s"}]'
+                           % mtime.encode())  # fmt: skip
+    server.faults.rewrite_between_requests("/f", [b"A" * 1000, b"B" * 1000], honour_if_range=honour_if_range)
+    source = open_source(server.url)
+    (entry,) = source.listdir("")
+    assert entry.version.startswith("lm:")
+    first, second = source.connect(), source.connect()
+    assert first.read_range("f", 0, 10, entry.version) == b"A" * 10  # pins A's ETag
+    assert server.requests[-1][2]["If-Range"] == mtime
+    for connection in (second, first):  # B from now on: same date, same size, other bytes
+        with pytest.raises(Changed, match="changed"):
+            connection.read_range("f", 0, 1000, entry.version)
+        assert server.requests[-1][2]["If-Range"] == content_etag(b"A" * 1000)
+
+
+def test_http_etags_that_are_weak_or_say_only_the_date_leave_the_date_as_version() -> None:
+    from bootseer.fetch.sources.http import http_version
+
+    date = "Mon, 30 Nov 2026 07:40:31 GMT"
+    assert http_version(7, date, 'W/"abc"') == "lm:1796024431:7"
+    assert http_version(7, date, '"6b0d286f-7"') == "lm:1796024431:7"  # nginx's: the date and size
+    assert http_version(7, date, '"sha-abc"') == 'etag:7:"sha-abc"'
+    assert http_version(7, None, '"sha-abc"') == 'etag:7:"sha-abc"'
+    assert http_version(7, None, "unquoted") == "size:7"
+    assert http_version(7, None, None) == "size:7"
 
 
 def test_http_dropped_connection_is_transient(tree: Path, range_http_factory) -> None:

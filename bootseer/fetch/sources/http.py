@@ -361,20 +361,37 @@ _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)\s*$")
 _UNSATISFIED_RANGE = re.compile(r"bytes\s+\*/(\d+)\s*$")
 
 
-def http_version(size: int, last_modified: str | None, etag: str | None) -> str:
-    """The :attr:`Entry.version` of a file from its validators.
+def strong_etag(etag: str | None) -> str | None:
+    """``etag`` if it is a strong entity tag, None for a weak one (``W/"..."``) or none.
 
-    ``lm:<Last-Modified second>:<size>`` where the server gives a date (HEAD's
-    ``Last-Modified`` and an nginx JSON index's ``mtime`` agree on it, and nginx's
-    own ETag holds no more than that); ``etag:<size>:<strong ETag>`` where it gives
-    only an ETag; ``size:<size>`` where it gives neither (then only the size is
-    checked).
+    Only a strong tag names exact bytes: a weak one may stay the same across a
+    rewrite, and If-Range must not carry it (RFC 9110, 13.1.5)."""
+    if etag and not etag.startswith("W/") and len(etag) >= 2 and etag[0] == etag[-1] == '"':
+        return etag
+    return None
+
+
+def _date_etag(etag: str, modified: float, size: int) -> bool:
+    """Whether ``etag`` says no more than the date and size (nginx's ``"<mtime hex>-<size hex>"``)."""
+    return etag == f'"{int(modified):x}-{size:x}"'
+
+
+def http_version(size: int, last_modified: str | None, etag: str | None) -> str:
+    """The :attr:`Entry.version` of a file from its validators: the strongest the server gives.
+
+    ``etag:<size>:<strong ETag>`` where there is a strong ETag that says more than
+    the date (a server that hashes the content, or counts rewrites); otherwise
+    ``lm:<Last-Modified second>:<size>`` where there is a date (nginx's ETag is
+    exactly that date and size, and its JSON index gives the date, so a listing and
+    a stat of the same file agree); ``size:<size>`` where there is neither (then
+    only the size is checked).
     """
     modified = http_date(last_modified)
+    tag = strong_etag(etag)
+    if tag and not (modified and _date_etag(tag, modified, size)):
+        return f"etag:{size}:{tag}"
     if modified:
         return f"lm:{int(modified)}:{size}"
-    if etag and not etag.startswith("W/"):
-        return f"etag:{size}:{etag}"
     return f"size:{size}"
 
 
@@ -383,8 +400,8 @@ class _Version:
     """What a read checks for a version made by :func:`http_version`."""
 
     size: int
-    last_modified: str | None  #: the HTTP date, as If-Range and compared with Last-Modified
-    etag: str | None  #: the strong ETag, as If-Range and compared with ETag
+    last_modified: str | None  #: the HTTP date, compared with Last-Modified (and If-Range without an ETag)
+    etag: str | None  #: the strong ETag: sent as If-Range, and every answer must carry exactly it
 
     @classmethod
     def parse(cls, version: str, where: str) -> _Version:
@@ -393,7 +410,7 @@ class _Version:
         try:
             if kind == "lm":
                 return cls(int(second), email.utils.formatdate(int(first), usegmt=True), None)
-            if kind == "etag" and second:
+            if kind == "etag" and strong_etag(second):
                 return cls(int(first), None, second)
             if kind == "size" and not second:
                 return cls(int(first), None, None)
@@ -401,21 +418,54 @@ class _Version:
             pass
         raise Changed(f"{where}: {version!r} is not a version this source made")
 
+    def pinned(self, etag: str) -> _Version:
+        """This version with the strong ETag its first answer carried: later answers must carry it too."""
+        return _Version(self.size, self.last_modified, etag)
+
     @property
     def if_range(self) -> str | None:
         return self.etag or self.last_modified
 
     def mismatch(self, response: http.client.HTTPResponse) -> str | None:
-        """What in ``response``'s validators says it is another version, if anything."""
+        """What in ``response``'s validators says it is another version, if anything.
+
+        An answer without the ETag the version is pinned to is another version as far
+        as anyone can tell (RFC 9110 makes a 206 carry the ETag a 200 would)."""
         if self.last_modified is not None:
             found = response.getheader("Last-Modified")
             if found is not None and int(http_date(found)) != int(http_date(self.last_modified)):
                 return f"Last-Modified {self.last_modified} -> {found}"
         if self.etag is not None:
             found = response.getheader("ETag")
-            if found is not None and found != self.etag:
+            if found != self.etag:
                 return f"ETag {self.etag} -> {found}"
         return None
+
+
+class _EtagPins:
+    """The strong ETag each date-only version (``lm:``) of a file was first read with.
+
+    A listing may give only a date (nginx's JSON index), and a server may keep the
+    date while the content and its ETag change (a rewrite within the second, coarse
+    dates).  The first answer for such a version pins its ETag; every later read of
+    that version sends it as If-Range and refuses an answer with another, so all the
+    bytes ever served for one version (in the engine, in the kernel's page cache of
+    its inode) are of one content.  Kept for the life of the source: a pin dropped
+    while pages of the version may still be cached would let a read mix them.
+    """
+
+    def __init__(self) -> None:
+        self._pins: dict[tuple[str, str], str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, path: str, version: str) -> str | None:
+        with self._lock:
+            return self._pins.get((path, version))
+
+    def pin(self, path: str, version: str, etag: str) -> str:
+        """The ETag ``version`` is pinned to: ``etag`` if it is the first, else the first one."""
+        with self._lock:
+            return self._pins.setdefault((path, version), etag)
 
 
 def parse_endpoint_url(
@@ -492,6 +542,7 @@ class HttpSource:
         self.base_path = path.rstrip("/")  # as given, already %-encoded
         self.pool = ChannelPool(self.endpoint)
         self.display_url = redact_url(url)
+        self.etag_pins = _EtagPins()  #: shared by all connections: a pin holds for every stream
 
     def __repr__(self) -> str:
         return f"HttpSource({self.display_url!r})"
@@ -641,10 +692,24 @@ class HttpConnection:
         if expected is not None:
             # The version's size bounds the read: ask only for bytes that exist.
             length = max(0, min(length, expected.size - offset))
+            if expected.etag is None and (pinned := self.source.etag_pins.get(path, version)) is not None:
+                expected = expected.pinned(pinned)
         chunks: list[bytes] = []
         with self._lock:
             while length > 0:
-                chunk, at_eof = self._read_once(target, offset, length, expected)
+                chunk, at_eof, etag = self._read_once(target, offset, length, expected)
+                if expected is not None and expected.etag is None:
+                    # The first strong ETag seen for a date-only version pins it (for
+                    # every stream: a stripe of another content fails, never mixes).
+                    found = strong_etag(etag)
+                    if found is not None:
+                        pinned = self.source.etag_pins.pin(path, version, found)
+                        if pinned != found:
+                            raise Changed(
+                                f"{self.source.where(target)}: file changed (ETag {pinned} -> {found}, "
+                                f"Last-Modified unchanged); refusing to mix versions"
+                            )
+                        expected = expected.pinned(found)
                 chunks.append(chunk)
                 offset += len(chunk)
                 length -= len(chunk)
@@ -652,8 +717,10 @@ class HttpConnection:
                     break
         return b"".join(chunks)
 
-    def _read_once(self, target: str, offset: int, length: int, expected: _Version | None) -> tuple[bytes, bool]:
-        """One Range GET: ``(bytes, reached end of file)``."""
+    def _read_once(
+        self, target: str, offset: int, length: int, expected: _Version | None
+    ) -> tuple[bytes, bool, str | None]:
+        """One Range GET: ``(bytes, reached end of file, the answer's ETag)``."""
         where = self.source.where(target)
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
         if expected is not None and expected.if_range:
@@ -682,14 +749,14 @@ class HttpConnection:
                     self.channel.close()
                     raise Changed(f"{where}: file changed ({changed}); refusing to mix versions")
             body = self.channel.read_exact(response, last - first + 1)
-            return body, total is not None and last == total - 1
+            return body, total is not None and last == total - 1, response.getheader("ETag")
         if response.status == 416:
             match = _UNSATISFIED_RANGE.match(response.getheader("Content-Range") or "")
             self.channel.discard(response)
             if match and expected is not None and int(match.group(1)) != expected.size:
                 raise Changed(f"{where}: file changed (size {expected.size} -> {match.group(1)})")
             if match and offset >= int(match.group(1)):
-                return b"", True
+                return b"", True, None
             raise PermanentError(f"{where}: range {offset}+{length} refused (HTTP 416)")
         if response.status == 412:
             self.channel.discard(response)
@@ -702,13 +769,17 @@ class HttpConnection:
                 changed = expected.mismatch(response)
                 if response.length is not None and response.length != expected.size:
                     changed = f"size {expected.size} -> {response.length}"
-                if changed:
-                    # The If-Range no longer matched: the server sent the new version.
-                    raise Changed(f"{where}: file changed ({changed}); refusing to mix versions")
+                if changed or "If-Range" in headers:
+                    # The If-Range no longer matched (RFC 9110: then the whole, current
+                    # file comes back): the file changed, even where no validator shows it.
+                    raise Changed(
+                        f"{where}: file changed ({changed or 'If-Range ' + headers['If-Range'] + ' not matched'}); "
+                        "refusing to mix versions"
+                    )
             elif response.length is not None and response.length <= offset:
                 # nginx answers a range of an empty file (or past the end) with its
                 # whole, shorter body: no byte of it is in the range.
-                return b"", True
+                return b"", True, None
             raise PermanentError(f"{where}: server ignored the Range header (HTTP 200 with the whole file)")
         detail = self.channel.discard(response)[:200].decode("utf-8", "replace").strip()
         raise status_error(where, response.status, response.reason, "" if "<" in detail else detail)

@@ -11,7 +11,7 @@ is checked again through ``/proc/self/fd`` so that swapping a directory for a
 symlink between the check and the open gains nothing.  Symlinks that stay inside
 the root are followed.  Only regular files and directories are served.
 
-A file's :attr:`~bootseer.fetch.source.Entry.version` is ``inode:mtime_ns:size``,
+A file's :attr:`~bootseer.fetch.source.Entry.version` is ``inode:mtime_ns:ctime_ns:size``,
 the same from :meth:`LocalSource.stat` and :meth:`LocalSource.listdir`.  A read
 given a version checks it against ``fstat`` of the fd it reads from and raises
 :class:`~bootseer.fetch.source.Changed` if the file is another one now: bytes of
@@ -39,12 +39,14 @@ _PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG,
 
 
 def file_version(st: os.stat_result) -> str:
-    """The :attr:`Entry.version` of a regular file: its inode, mtime in ns and size.
+    """The :attr:`Entry.version` of a regular file: its inode, mtime and ctime in ns, and size.
 
     A rewrite in place changes the mtime, a replacement (rename over) the inode; the
-    source root lies on one filesystem, so the device adds nothing.
+    ctime catches a rewrite in place whose mtime was set back (``utime``, ``cp -p``,
+    ``rsync -t``): no caller can set it.  The source root lies on one filesystem, so
+    the device adds nothing.
     """
-    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_size}"
+    return f"{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}:{st.st_size}"
 
 
 def os_error(url: str, path: str, exc: OSError) -> SourceError:

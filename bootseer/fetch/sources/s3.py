@@ -267,7 +267,7 @@ class S3Connection:
                 raise PermanentError(
                     f"{where}: asked for bytes {offset}-{offset + length - 1}, got {first}-{last}/{total}"
                 )
-            if version and response.get("ETag") not in (None, version):
+            if version and response.get("ETag") != version:  # IfMatch held, or the server ignored it
                 raise Changed(f"{where}: object changed (ETag {version} -> {response.get('ETag')})")
             wanted = last - first + 1
             announced = response.get("ContentLength")

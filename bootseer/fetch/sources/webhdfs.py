@@ -9,7 +9,7 @@ a redirect from it to a plain ``http://`` datanode is refused.  The ``headers``
 option (and ``user:password@`` credentials) go to the namenode's origin only,
 never to datanodes elsewhere.
 
-A file's version is its ``modificationTime`` and ``length``, which
+A file's version is its ``modificationTime``, ``length`` and ``fileId``, which
 ``GETFILESTATUS`` and ``LISTSTATUS`` give alike.  ``OPEN`` has no condition to
 send, so a read of a version asks the namenode for the file's status again once
 the bytes have arrived: a file rewritten before or while they were read raises
@@ -84,13 +84,18 @@ def _entry(name: str, status: Mapping[str, Any], where: str) -> Entry:
     if is_dir:
         return Entry(name=name, size=0, is_dir=True, mtime=modified / 1000.0)
     size = _count(status, "length", where)
-    return Entry(name=name, size=size, is_dir=False, mtime=modified / 1000.0, version=f"{modified}:{size}")
+    # The fileId (the inode number) tells a file deleted and created again apart even
+    # when its time (ms) and length are the same; namenodes older than Hadoop 2.4 send none.
+    file_id = status.get("fileId")
+    identity = f":{file_id}" if isinstance(file_id, int) and not isinstance(file_id, bool) else ""
+    return Entry(name=name, size=size, is_dir=False, mtime=modified / 1000.0, version=f"{modified}:{size}{identity}")
 
 
 def _version_size(version: str, where: str) -> int:
     """The length a version made by :func:`_entry` names."""
-    modified, _, size = version.partition(":")
-    if not (modified.isdigit() and size.isdigit()):
+    modified, _, rest = version.partition(":")
+    size, _, file_id = rest.partition(":")
+    if not (modified.isdigit() and size.isdigit() and (file_id == "" or file_id.lstrip("-").isdigit())):
         raise Changed(f"{where}: {version!r} is not a version this source made")
     return int(size)
 

@@ -72,6 +72,26 @@ from tests.support.oci import (  # noqa: E402,F401
 
 MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 
+#: The lazy-layer tests' extra layer: PARTS files of one block each (1 MiB, convert's default block size).
+PART_SIZE = 1 << 20
+PARTS = 8
+
+
+def part_path(i: int) -> str:
+    return f"/data/parts/part{i}.bin"
+
+
+def part_data(i: int) -> bytes:
+    """Distinct, incompressible-looking contents of part ``i``."""
+    return b"".join(hashlib.sha256(f"part {i} {n}".encode()).digest() for n in range(PART_SIZE // 32))
+
+
+def lazy_layers() -> list[Layer]:
+    """The demo image (busybox, files, whiteout + opaque dir) plus a layer of PARTS one-block files:
+    what a lazy pull reads a little of."""
+    parts = Layer(tuple(File(part_path(i), part_data(i)) for i in range(PARTS)), "layer 3: one-block files")
+    return [*demo_layers(), parts]
+
 
 def add_platform_index(image: BuiltImage, other: BuiltImage, tag: str = "multi") -> dict:
     """Add to ``image.layout`` an image index tagged ``tag``: ``image`` as linux/amd64 and ``other``
@@ -515,6 +535,13 @@ def _pids_mentioning(needle: str) -> list[int]:
     return pids
 
 
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class Stack:
     """Registry + bootseer-snapshotter + private containerd in one temp dir.
 
@@ -524,8 +551,12 @@ class Stack:
 
     def __init__(self, base: Path | None = None, *, namespace: str | None = None,
                  snapshotter: str = SNAPSHOTTER_NAME, with_registry: bool = True,
-                 snapshotter_log_level: str = "debug"):
-        """``snapshotter`` is ``"bootseer"`` (start the daemon) or :data:`BUILTIN_OVERLAY`."""
+                 snapshotter_log_level: str = "debug", store: bool = False):
+        """``snapshotter`` is ``"bootseer"`` (start the daemon) or :data:`BUILTIN_OVERLAY`.
+
+        ``store``: the daemon serves lazy layers from a local store at :attr:`store_url`
+        (``--store``), with its metrics at :attr:`metrics_address`.
+        """
         if snapshotter not in (SNAPSHOTTER_NAME, BUILTIN_OVERLAY):
             raise ValueError(f"snapshotter must be {SNAPSHOTTER_NAME!r} or {BUILTIN_OVERLAY!r}, not {snapshotter!r}")
         self._own_base = base is None
@@ -533,13 +564,23 @@ class Stack:
         self.base = Path(tempfile.mkdtemp(prefix="bootseer-it-")) if base is None else base
         self.namespace = namespace or f"bootseer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.registry = Registry(self.base / "registry") if with_registry else None
-        self.daemon = (Snapshotter(self.base / "snap", log_level=snapshotter_log_level)
+        self.store_dir: Path | None = self.base / "store" if store else None
+        self.metrics_address: str | None = f"127.0.0.1:{free_port()}" if store else None
+        daemon_args = ["--store", self.store_url, "--metrics-address", self.metrics_address] if store else []
+        self.daemon = (Snapshotter(self.base / "snap", log_level=snapshotter_log_level, extra_args=daemon_args)
                        if snapshotter == SNAPSHOTTER_NAME else None)
         self.containerd = Containerd(self.base / "ctrd", self.base / "snap" / "snapshotter.sock",
                                      self.namespace, snapshotter=snapshotter)
         self.teardown_errors: list[str] = []
         self._exec_seq = 0
         self._saved_logs: str | None = None
+
+    @property
+    def store_url(self) -> str:
+        """The ``file://`` URL of the stack's lazy-layer store (``store=True``)."""
+        if self.store_dir is None:
+            raise HarnessError("this stack has no store (Stack(store=True))")
+        return f"file://{self.store_dir}"
 
     @property
     def fifo_dir(self) -> Path:
@@ -639,6 +680,7 @@ class Stack:
             ("kill leftover runc containers", self._kill_runc_leftovers),
             ("kill leftover shims", self._kill_shims),
             ("stop snapshotter", self.daemon.stop if self.daemon else lambda: None),
+            ("stop the layer server", self._kill_layer_server),
             ("stop registry", self.registry.stop if self.registry else lambda: None),
             ("unmount", self._unmount_all),
         ]
@@ -663,6 +705,22 @@ class Stack:
 
     def _kill_shims(self) -> None:
         for pid in _pids_mentioning(str(self.containerd.address)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _kill_layer_server(self) -> None:
+        """The daemon's layer server outlives it by design (its own session): end it by its ``--root``."""
+        if self.daemon is None:
+            return
+        pids = _pids_mentioning(f"--root {self.daemon.root} ")
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while pids and time.monotonic() < deadline:
+            pids = [pid for pid in pids if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)]
+            time.sleep(0.1)
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

@@ -1,0 +1,219 @@
+"""Lazy image layers end to end, with every real part: registry, ``bootseer convert`` into a local
+store, ``bootseer-snapshotter --store`` (and the layer server it starts), a private containerd,
+``bootseer rpull`` and ``ctr run``.
+
+* the pull is lazy: every converted layer comes back ALREADY_EXISTS from Prepare, no layer blob
+  reaches containerd's content store, and the container sees the image's exact contents;
+* only what the container touches is fetched from the store (the layer server's ``status``);
+* a running container keeps reading files it never read before while ``bootseer-snapshotter`` is
+  stopped (SIGTERM and SIGKILL) and after it is back;
+* an image that was never converted falls back to download-and-unpack, visibly (a log line and a
+  metric), and still runs;
+* ``ctr images rm`` + containerd's GC removes the lazy snapshots and the daemon's state for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from integration import harness
+from integration.harness import (
+    APP_FILE, APP_FILE_DATA, BLOB_FILE, OPAQUE_DIR, PART_SIZE, PARTS, PATCH_FILE, PATCH_FILE_DATA, lazy_layers, part_data,
+    part_path,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parent.parent
+BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer") if (REPO / ".venv" / "bin" / "bootseer").exists() \
+    else shutil.which("bootseer") or "bootseer"
+
+def _missing_parts() -> list[str]:
+    """The parts of the lazy stack this test needs that this checkout does not have yet."""
+    missing = []
+    help_text = subprocess.run([BOOTSEER, "--help"], capture_output=True, text=True, timeout=60).stdout
+    for command in ("convert", "rpull", "layer-server"):
+        if command not in help_text:
+            missing.append(f"`bootseer {command}`")
+    daemon_help = subprocess.run([harness.snapshotter_binary(), "--help"], capture_output=True, text=True,
+                                 timeout=60).stdout
+    if "--store" not in daemon_help:
+        missing.append("bootseer-snapshotter --store (remote snapshots)")
+    return missing
+
+
+@pytest.fixture
+def lazy(runnable) -> Iterator[harness.Stack]:
+    missing = _missing_parts()
+    if missing:
+        pytest.fail(f"lazy layers are not all there: missing {', '.join(missing)}")
+    s = harness.Stack(store=True)
+    try:
+        with s:
+            yield s
+    finally:
+        print(s.logs())
+        assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
+
+
+def convert(stack: harness.Stack, ref: str) -> str:
+    done = harness.run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300)
+    return done.stdout.decode()
+
+
+def rpull(stack: harness.Stack, ref: str) -> str:
+    done = harness.run([BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace",
+                        stack.namespace, "--plain-http", "--snapshotter", harness.SNAPSHOTTER_NAME, ref], timeout=300)
+    return done.stdout.decode()
+
+
+def layer_server(stack: harness.Stack):
+    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+
+    return LayerServerClient(ServerPaths(stack.daemon.root).socket)
+
+
+def bytes_fetched(stack: harness.Stack) -> int:
+    """Bytes the layer server has fetched from its stores (all of them) since it started."""
+    status = layer_server(stack).status()
+    return sum(store["bytes_fetched"] for store in status["stores"].values())
+
+
+def store_bytes(stack: harness.Stack) -> int:
+    return sum(p.stat().st_size for p in stack.store_dir.rglob("*") if p.is_file())
+
+
+def metric_total(stack: harness.Stack, pattern: str) -> float:
+    """Sum of the daemon's Prometheus samples whose name matches ``pattern``."""
+    with urllib.request.urlopen(f"http://{stack.metrics_address}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        if m and re.search(pattern, m.group(1)) and not m.group(1).endswith("_created"):
+            total += float(m.group(3))
+    return total
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def converted(lazy: harness.Stack) -> tuple[harness.BuiltImage, str]:
+    image, ref = lazy.build_and_push(name="bootseer/lazy", layers=lazy_layers())
+    convert(lazy, ref)
+    return image, ref
+
+
+def test_rpull_is_lazy_and_ctr_run_sees_the_image(lazy: harness.Stack, converted):
+    image, ref = converted
+    out = rpull(lazy, ref)
+    assert f"{len(image.diff_ids)} layers on bootseer: {len(image.diff_ids)} lazy, 0 downloaded" in out, out
+
+    chain = harness.chain_ids(image.diff_ids)
+    snapshots = {row["key"]: row for row in lazy.containerd.snapshots()}
+    assert set(snapshots) == set(chain)
+    for depth, key in enumerate(chain):
+        assert snapshots[key] == {"key": key, "parent": chain[depth - 1] if depth else "", "kind": "Committed"}
+    # No layer blob was fetched into containerd: its content store holds the manifest and the config only.
+    content = set(lazy.containerd.ctr_out("content", "ls", "-q").split())
+    assert content == {image.manifest_digest, image.config_digest}
+
+    script = (f"cat {APP_FILE} {PATCH_FILE}; ls {OPAQUE_DIR}; [ -e {harness.DELETED_FILE} ] && echo present; "
+              f"sha256sum {BLOB_FILE} {part_path(0)}")
+    lines = lazy.run_container(ref, "lazy-run", "sh", "-c", script).splitlines()
+    assert lines[:3] == [APP_FILE_DATA.decode().strip(), PATCH_FILE_DATA.decode().strip(), "c.conf"]
+    assert lines[3].split()[0] == sha(harness.blob_data())
+    assert lines[4].split()[0] == sha(part_data(0))
+
+
+def test_only_touched_blocks_are_fetched(lazy: harness.Stack, converted):
+    image, ref = converted
+    rpull(lazy, ref)
+    assert bytes_fetched(lazy) == 0, "nothing is read before a container runs"
+
+    lazy.run_container(ref, "touch-one", "cat", APP_FILE)
+    after_start = bytes_fetched(lazy)  # busybox itself and the small file
+    assert after_start > 0
+
+    lazy.run_container(ref, "read-one-part", "sh", "-c", f"cat {part_path(1)} > /dev/null")
+    one_part = bytes_fetched(lazy) - after_start
+    # One block of (incompressible) file data, plus at most a little around it.
+    assert PART_SIZE * 0.9 <= one_part <= PART_SIZE * 1.5, one_part
+
+    # The other parts and the 3 MiB blob were never read: they were never fetched.
+    untouched = (PARTS - 1) * PART_SIZE + harness.BLOB_SIZE
+    assert bytes_fetched(lazy) <= store_bytes(lazy) - untouched * 0.9
+
+    # Blocks already fetched are served from the node's cache: reading them again fetches nothing.
+    before = bytes_fetched(lazy)
+    lazy.run_container(ref, "again", "sh", "-c", f"cat {part_path(1)} {APP_FILE} > /dev/null")
+    assert bytes_fetched(lazy) == before
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_running_container_reads_untouched_files_while_the_daemon_is_down(lazy: harness.Stack, converted, sig):
+    image, ref = converted
+    rpull(lazy, ref)
+    lazy.start_container(ref, "long", "sh", "-c", "echo started > /run-state; exec sleep 100000")
+    harness.wait_until("the container to start",
+                       lambda: lazy.exec("long", "sh", "-c", "cat /run-state 2>/dev/null; true").strip() == "started", 30)
+    before = {row["key"]: row for row in lazy.containerd.snapshots()}
+
+    status = lazy.daemon.stop(sig)
+    if sig == signal.SIGTERM:
+        assert status == 0
+    # Down: files never read before come from the layer server, which outlives the daemon.
+    fetched = bytes_fetched(lazy)
+    out = lazy.exec("long", "sha256sum", part_path(2), part_path(3))
+    assert [line.split()[0] for line in out.splitlines()] == [sha(part_data(2)), sha(part_data(3))]
+    assert bytes_fetched(lazy) >= fetched + 2 * PART_SIZE * 0.9
+
+    lazy.daemon.start()
+    lazy.wait_for_snapshotter()
+    assert lazy.task_status("long") == "RUNNING"
+    assert lazy.exec("long", "sha256sum", part_path(4)).split()[0] == sha(part_data(4))
+    assert {row["key"]: row for row in lazy.containerd.snapshots()} == before
+    # The restarted daemon found its lazy snapshots: new containers start from them.
+    assert lazy.run_container(ref, "after", "cat", PATCH_FILE).strip() == PATCH_FILE_DATA.decode().strip()
+    assert "0 downloaded" in rpull(lazy, ref)
+
+
+def test_unconverted_image_falls_back_visibly(lazy: harness.Stack):
+    other_layers = [harness.busybox_layer(), harness.Layer((harness.File("/other.txt", b"not converted\n"),), "other")]
+    image, ref = lazy.build_and_push(name="bootseer/plain", layers=other_layers)
+    fallbacks = metric_total(lazy, r"fallback")
+    out = rpull(lazy, ref)
+    assert "0 lazy, 2 downloaded" in out, out
+    assert metric_total(lazy, r"fallback") >= fallbacks + 2
+    assert re.search(r"fallback|not converted", lazy.daemon.process.log_text(), re.IGNORECASE)
+    assert lazy.run_container(ref, "plain", "cat", "/other.txt").strip() == "not converted"
+    assert set(lazy.containerd.ctr_out("content", "ls", "-q").split()) >= set(image.layer_digests)
+
+
+def test_gc_removes_lazy_snapshots(lazy: harness.Stack, converted):
+    image, ref = converted
+    rpull(lazy, ref)
+    lazy.run_container(ref, "once", "cat", APP_FILE)
+    chain = harness.chain_ids(image.diff_ids)
+    assert {row["key"] for row in lazy.containerd.snapshots()} == set(chain)
+
+    lazy.containerd.ctr("images", "rm", "--sync", ref)
+    harness.wait_until("containerd to drop every snapshot", lambda: not lazy.containerd.snapshots(), 60)
+    harness.wait_until("the daemon's snapshot directories to go", lambda: not lazy.daemon.snapshot_dirs(), 60)
+    harness.wait_until("the layer server to unmount the layers",
+                       lambda: not layer_server(lazy).status()["layers"], 60)
+    assert lazy.containerd.ctr_out("content", "ls", "-q").split() == []
+    # And the image can be pulled again, lazily.
+    assert "0 downloaded" in rpull(lazy, ref)

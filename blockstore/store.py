@@ -174,7 +174,10 @@ class FileStoreWriter(StoreWriter):
         except OSError as exc:
             raise StoreError(f"{self.root}: write {name}: {exc.strerror or exc}") from None
         finally:
-            temp.unlink(missing_ok=True)
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the directory itself could not be made: there is no temp file
 
     def list(self, prefix: str) -> list[str]:
         directory = self.path(prefix)
@@ -220,12 +223,17 @@ class S3StoreWriter(StoreWriter):
     def _error(self, what: str, name: str, exc: Exception) -> StoreError:
         return StoreError(f"{what}: {self._s3_error(self.source.where(name), exc)}")
 
+    def _missing(self, exc: Exception) -> bool:
+        """Whether ``exc`` says the object is not there (a missing bucket is a broken store, not a missing object)."""
+        code = getattr(exc, "response", {}).get("Error", {}).get("Code")
+        return code != "NoSuchBucket" and isinstance(self._s3_error("", exc), NotFound)
+
     def size(self, name: str) -> int | None:
         _check_name(name)
         try:
             head = self.client.head_object(Bucket=self.bucket, Key=self.source.key(name))
         except Exception as exc:
-            if isinstance(self._s3_error("", exc), NotFound):
+            if self._missing(exc):
                 return None
             raise self._error("stat", name, exc) from None
         return int(head["ContentLength"])
@@ -236,7 +244,7 @@ class S3StoreWriter(StoreWriter):
             response = self.client.get_object(Bucket=self.bucket, Key=self.source.key(name))
             return response["Body"].read()
         except Exception as exc:
-            if isinstance(self._s3_error("", exc), NotFound):
+            if self._missing(exc):
                 return None
             raise self._error("read", name, exc) from None
 
@@ -433,10 +441,18 @@ class StoreReader:
 
 @asynccontextmanager
 async def open_store(url: str, config: EngineConfig = EngineConfig(), **options: Any) -> AsyncIterator[StoreReader]:
-    """A :class:`StoreReader` on a fresh engine over ``open_source(url, **options)`` for the block."""
+    """A :class:`StoreReader` on a fresh engine over ``open_source(url, **options)`` for the block.
+
+    An error raised in the block comes out as itself, not wrapped in the engine
+    nursery's exception group.
+    """
     source = open_source(url, **options)
     try:
         async with open_engine(source, config) as engine:
             yield StoreReader(engine)
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+            raise group.exceptions[0] from None
+        raise
     finally:
         source.close()

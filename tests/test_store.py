@@ -1,0 +1,287 @@
+"""Stores behind one interface: writers (file, S3 on moto, HDFS URL handling) and the engine-backed reader.
+
+The reader is exercised over a local directory, nginx in front of that directory
+(read-only http://, as a CDN or Dragonfly peer would serve it) and moto's S3; tampered,
+misplaced and missing objects give FormatError or None, a store that fails FetchError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import functools
+
+import trio
+import trio.testing
+
+from bootseer.blockstore.convert import convert_image
+from bootseer.blockstore.format import ChainRecord, FormatError, chain_object, index_object
+from bootseer.blockstore.store import (
+    FileStoreWriter,
+    HdfsStoreWriter,
+    ReadOnlyStore,
+    S3StoreWriter,
+    StoreError,
+    StoreReader,
+    open_store,
+    open_store_writer,
+)
+from bootseer.fetch.engine import EngineConfig, FetchError, open_engine
+from bootseer.fetch.sources import open_source
+from bootseer.images import open_image
+from tests.http_fixtures import nginx_factory  # noqa: F401  (a fixture)
+from tests.s3_fixtures import ACCESS_KEY, REGION, SECRET_KEY, moto_s3, s3_bucket  # noqa: F401  (fixtures)
+from tests.support import layers as L
+from tests.support.oci import SHARED_BLOCKS, build_oci_layout, chain_ids
+
+QUICK = EngineConfig(retry_timeout=2.0)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    base = L.Layer((L.File("etc/hosts", b"127.0.0.1 localhost\n"), L.Symlink("abs", "/etc/hosts"), L.File("big", SHARED_BLOCKS)))
+    top = L.Layer((L.Whiteout("etc/hosts"), L.File("app/again", SHARED_BLOCKS + b"!")))
+    return build_oci_layout(tmp_path_factory.mktemp("img") / "layout", [base, top])
+
+
+def convert_into(writer, image) -> list:
+    with open_image(image.ref) as source:
+        return convert_image(source, writer).layers
+
+
+async def read_all(url: str, chains: list[str], **options) -> list:
+    """(record, index) of each chain through a StoreReader on a fresh engine."""
+    out = []
+    async with open_store(url, QUICK, **options) as store:
+        for chain in chains:
+            record = await store.chain(chain)
+            out.append((record, await store.index(record)))
+    return out
+
+
+# -- the file store -----------------------------------------------------------------------------
+
+
+def test_file_writer_puts_atomically_and_lists(tmp_path):
+    writer = FileStoreWriter(tmp_path / "store")
+    assert writer.get("v1/chains/x.json") is None and writer.size("v1/chains/x.json") is None
+    writer.put("v1/chains/x.json", b"one")
+    writer.put("v1/chains/x.json", b"two")  # replaced whole
+    source = tmp_path / "pack"
+    source.write_bytes(b"p" * 10_000)
+    writer.put("v1/packs/p", source)
+    assert writer.get("v1/chains/x.json") == b"two" and writer.size("v1/packs/p") == 10_000
+    assert writer.list("v1/chains") == ["v1/chains/x.json"] and writer.list("v1/nothing") == []
+    assert sorted(os.listdir(tmp_path / "store" / "v1" / "chains")) == ["x.json"]  # no temp file left
+    assert (writer.puts, writer.put_bytes) == (3, 10_006)
+    for bad in ("../escape", "/abs", "a//b", ""):
+        with pytest.raises(ValueError):
+            writer.put(bad, b"x")
+    assert not (tmp_path / "escape").exists()
+
+
+def test_file_writer_failure_leaves_nothing(tmp_path):
+    writer = FileStoreWriter(tmp_path / "store")
+    (tmp_path / "store" / "v1").write_bytes(b"a file where a directory must be")
+    with pytest.raises(StoreError, match="write v1/packs/p"):
+        writer.put("v1/packs/p", b"data")
+
+
+@pytest.mark.parametrize(
+    "url, error, message",
+    [
+        ("", ValueError, "empty"),
+        ("ftp://host/store", ValueError, "unsupported store URL"),
+        ("file://otherhost/store", ValueError, "file:///absolute/path"),
+        ("http://cdn.example/store", ReadOnlyStore, "read-only"),
+        ("https://user:secret@cdn.example/store", ReadOnlyStore, "read-only"),
+        ("s3://", ValueError, "s3://bucket"),
+        ("s3://bucket/a/../b", Exception, "'..'"),
+        ("hdfs://", ValueError, "hdfs://namenode"),
+        ("hdfs://nn:notaport/x", ValueError, "bad port"),
+        ("hdfs://nn/a/../b", Exception, "'..'"),
+    ],
+)
+def test_writer_urls(url, error, message):
+    with pytest.raises(error) as caught:
+        open_store_writer(url)
+    assert message in str(caught.value)
+    assert "secret" not in str(caught.value)
+
+
+def test_file_urls_and_paths(tmp_path):
+    assert isinstance(open_store_writer(str(tmp_path / "a")), FileStoreWriter)
+    writer = open_store_writer(f"file://{tmp_path}/b%20c")
+    assert isinstance(writer, FileStoreWriter) and writer.root == tmp_path / "b c"
+
+
+def test_hdfs_writer_against_a_namenode_that_is_not_there():
+    """No HDFS server can run here: the real client fails cleanly on a closed port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again when the block ends: nothing listens there
+    writer = open_store_writer(f"hdfs://127.0.0.1:{port}/store", max_failovers=0)
+    assert isinstance(writer, HdfsStoreWriter)
+    assert writer.source.hdfs_path("v1/packs/x") == "/store/v1/packs/x"
+    with pytest.raises(StoreError, match=f"stat: hdfs://127.0.0.1:{port}/store/v1/chains/c"):
+        writer.size("v1/chains/c")
+    with pytest.raises(StoreError, match="write"):
+        writer.put("v1/chains/c", b"x")
+
+
+# -- the reader over a local store -----------------------------------------------------------
+
+
+@pytest.fixture
+def local_store(image, tmp_path):
+    store = tmp_path / "store"
+    convert_into(FileStoreWriter(store), image)
+    return store
+
+
+def test_reader_reads_what_was_converted(image, local_store):
+    chains = chain_ids(image.diff_ids)
+    results = trio.run(read_all, str(local_store), chains)
+    for number, (record, index) in enumerate(results):
+        assert record.chain_id == chains[number] and record.parent == (chains[number - 1] if number else "")
+        assert index.diff_id == image.diff_ids[number]
+    assert any(e.path == "abs" and e.target == "/etc/hosts" for e in results[0][1].entries)
+
+
+def test_reader_missing_chain_is_none(local_store):
+    async def main():
+        async with open_store(str(local_store), QUICK) as store:
+            return await store.chain("sha256:" + "0" * 64)
+
+    assert trio.run(main) is None
+
+
+def _tamper(path: Path, change) -> None:
+    path.write_bytes(change(path.read_bytes()))
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["record-field", "record-elsewhere", "record-garbage", "index-byte", "index-missing", "index-other-layer", "record-huge"],
+)
+def test_reader_refuses_tampered_objects(case, image, local_store):
+    chains = chain_ids(image.diff_ids)
+    record_path = local_store / chain_object(chains[1])
+    record = ChainRecord.decode(record_path.read_bytes())
+    index_path = local_store / index_object(record.index)
+    if case == "record-field":
+        _tamper(record_path, lambda d: d.replace(record.diff_id.encode(), ("sha256:" + "1" * 64).encode()))
+    elif case == "record-elsewhere":  # a valid record of another layer stored under this chain
+        record_path.write_bytes((local_store / chain_object(chains[0])).read_bytes())
+    elif case == "record-garbage":
+        record_path.write_bytes(b"{not json")
+    elif case == "index-byte":
+        _tamper(index_path, lambda d: d[:-10] + bytes([d[-10] ^ 1]) + d[-9:])
+    elif case == "index-missing":
+        index_path.unlink()
+    elif case == "index-other-layer":  # the record names the other layer's (valid) index
+        other = ChainRecord.decode((local_store / chain_object(chains[0])).read_bytes())
+        document = json.loads(record_path.read_bytes())
+        document["index"] = other.index
+        record_path.write_text(json.dumps(document))
+    elif case == "record-huge":
+        record_path.write_bytes(b" " * (2 << 20))
+
+    async def main():
+        async with open_store(str(local_store), QUICK) as store:
+            found = await store.chain(chains[1])
+            await store.index(found)
+
+    with pytest.raises(FormatError):
+        trio.run(main)
+
+
+def test_reader_store_failure_is_fetch_error(tmp_path):
+    """A store that does not answer: FetchError after the engine's retry timeout (autojump clock)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    async def main():
+        async with open_store(f"http://127.0.0.1:{port}/store/", EngineConfig(retry_timeout=1.0)) as store:
+            await store.chain("sha256:" + "2" * 64)
+
+    with pytest.raises(FetchError):
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- http(s): nginx in front of the store directory ----------------------------------------------
+
+
+def test_reader_over_nginx(image, local_store, nginx_factory):
+    server = nginx_factory(local_store)
+    chains = chain_ids(image.diff_ids)
+    over_http = trio.run(read_all, server.url, chains)
+    local = trio.run(read_all, str(local_store), chains)
+    assert over_http == local
+
+    async def missing():
+        async with open_store(server.url, QUICK) as store:
+            return await store.chain("sha256:" + "3" * 64)
+
+    assert trio.run(missing) is None
+
+
+# -- S3 (moto) ---------------------------------------------------------------------------------
+
+
+def test_s3_convert_read_and_idempotency(image, s3_bucket, local_store):
+    url = s3_bucket.url("stores/main")
+    writer = open_store_writer(url, **s3_bucket.options)
+    assert isinstance(writer, S3StoreWriter)
+    first = convert_into(writer, image)
+    assert writer.puts > 0 and not any(layer.skipped for layer in first)
+    keys = sorted(item["Key"] for item in s3_bucket.s3.client().list_objects_v2(Bucket=s3_bucket.name)["Contents"])
+    local_keys = sorted("stores/main/" + str(p.relative_to(local_store)) for p in local_store.rglob("*") if p.is_file())
+    assert keys == local_keys  # the same objects, under the prefix
+    again = open_store_writer(url, **s3_bucket.options)
+    assert all(layer.skipped for layer in convert_into(again, image)) and again.puts == 0
+    chains = chain_ids(image.diff_ids)
+    from_s3 = trio.run(functools.partial(read_all, url, chains, **s3_bucket.options))
+    local = trio.run(read_all, str(local_store), chains)
+    assert [index for _, index in from_s3] == [index for _, index in local]
+    assert [dataclasses.replace(r, converted_at="") for r, _ in from_s3] == [dataclasses.replace(r, converted_at="") for r, _ in local]
+
+
+def test_s3_endpoint_and_credentials_from_the_environment(image, s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_bucket.s3.endpoint_url)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    writer = open_store_writer(s3_bucket.url("env"))
+    writer.put("v1/chains/probe.json", b"{}")
+    assert writer.get("v1/chains/probe.json") == b"{}" and writer.list("v1/chains") == ["v1/chains/probe.json"]
+    assert writer.get("v1/chains/none.json") is None and writer.size("v1/none") is None
+
+
+def test_s3_errors_name_the_object_but_never_the_secret(s3_bucket):
+    options = dict(s3_bucket.options, secret_access_key="secret-value-never-shown")
+    missing = open_store_writer("s3://no-such-bucket-here/x", **options)
+    for call in (lambda: missing.put("v1/chains/c.json", b"x"), lambda: missing.get("v1/chains/c.json"),
+                 lambda: missing.list("v1/dedup")):  # fmt: skip
+        with pytest.raises(StoreError) as caught:
+            call()
+        assert "s3://no-such-bucket-here/x/v1/" in str(caught.value)
+        assert "secret-value-never-shown" not in str(caught.value) and ACCESS_KEY not in str(caught.value)
+
+
+def test_store_reader_over_an_engine_you_made(local_store, image):
+    """StoreReader takes any running Engine rooted at the store (the layer server passes its own)."""
+
+    async def main():
+        source = open_source(str(local_store))
+        async with open_engine(source, QUICK) as engine:
+            reader = StoreReader(engine)
+            return await reader.chain(chain_ids(image.diff_ids)[0])
+
+    assert trio.run(main).diff_id == image.diff_ids[0]

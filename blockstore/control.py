@@ -181,8 +181,8 @@ class LayerServerClient:
     def __repr__(self) -> str:
         return f"<LayerServerClient {self.socket_path}>"
 
-    def mount(self, chain_id: str, *, store: str | None = None, timeout: float = MOUNT_TIMEOUT) -> MountedLayer:
-        """Serve the layer ``chain_id`` (idempotent); its lower directory.
+    def mount(self, chain_id: str, *, store: str | None = None, timeout: float = MOUNT_TIMEOUT) -> str:
+        """Serve the layer ``chain_id`` (idempotent); the path of its lower directory.
 
         ``store`` overrides the server's ``--store`` for this layer.  Raises
         :class:`LayerNotConverted`, :class:`StoreUnavailable`, :class:`LayerCorrupt`,
@@ -191,13 +191,21 @@ class LayerServerClient:
         request: dict[str, Any] = {"op": "mount", "chain_id": chain_id}
         if store is not None:
             request["store"] = store
-        answer = self.call(request, timeout=timeout)
-        return MountedLayer(answer["chain_id"], int(answer["slot"]), str(answer["lower_dir"]))
+        return self.mounted(self.call(request, timeout=timeout)).lower_dir
 
-    def check(self, chain_id: str) -> MountedLayer:
-        """The mounted layer ``chain_id`` if it is served and healthy; :class:`LayerNotMounted` if not."""
-        answer = self.call({"op": "check", "chain_id": chain_id})
-        return MountedLayer(answer["chain_id"], int(answer["slot"]), str(answer["lower_dir"]))
+    def check(self, chain_id: str) -> str:
+        """The lower directory of ``chain_id`` if it is served and healthy; raises
+        :class:`LayerNotMounted` if the server does not serve it, :class:`StoreUnavailable`
+        if it could not be restored, :class:`ServerUnavailable` if no server answers."""
+        return self.layer(chain_id).lower_dir
+
+    def layer(self, chain_id: str) -> MountedLayer:
+        """Like :meth:`check`, with the slot too."""
+        return self.mounted(self.call({"op": "check", "chain_id": chain_id}))
+
+    @staticmethod
+    def mounted(answer: dict[str, Any]) -> MountedLayer:
+        return MountedLayer(str(answer["chain_id"]), int(answer["slot"]), str(answer["lower_dir"]))
 
     def unmount(self, chain_id: str) -> None:
         """Stop serving ``chain_id``; :class:`LayerNotMounted` if it was not served."""
@@ -351,7 +359,8 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
             log_start = log.tell()
             try:
                 process = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True
+                    argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+                    cwd="/",  # pins no directory of the caller's
                 )
             except OSError as exc:
                 raise ServerStartError(f"cannot start the layer server ({argv[0]}): {exc}") from None

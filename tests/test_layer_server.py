@@ -289,8 +289,7 @@ def apply_layers(layers: list[dict[bytes, dict[str, Any]]]) -> dict[bytes, dict[
 def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted: list[Path]) -> None:
     client = node.ensure()
     for layer, reference in zip(built[1], extracted):
-        mounted = client.mount(layer.chain_id)
-        fuse_view = describe(Path(mounted.lower_dir))
+        fuse_view = describe(Path(client.mount(layer.chain_id)))
         expected = describe(reference, whiteouts_as_tar=True)
         # GNU tar sets a directory's mtime before it creates the hard links into it, which
         # then move it: the tar headers are the reference for directories.
@@ -298,7 +297,7 @@ def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted:
             expected[rel]["mtime_ns"] = mtime_ns
         assert comparable(fuse_view) == comparable(expected), layer.chain_id
     # What the layers hold, named: so the comparison above cannot pass on empty trees.
-    base = Path(client.check(built[1][0].chain_id).lower_dir)
+    base = Path(client.check(built[1][0].chain_id))
     assert os.lstat(base / "dev/null").st_rdev == os.makedev(1, 3)
     assert stat.S_ISBLK(os.lstat(base / "dev/sda").st_mode)
     assert stat.S_ISFIFO(os.lstat(base / "run/fifo").st_mode)
@@ -308,7 +307,7 @@ def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted:
     assert os.readlink(base / "srv/abs") == "/etc/hosts"
     assert (base / NON_UTF8_NAME).read_bytes() == b"non-utf8\n"
     assert os.stat(base / "srv/sparse.img").st_size == 5 * BLOCK_SIZE
-    middle = Path(client.check(built[1][1].chain_id).lower_dir)
+    middle = Path(client.check(built[1][1].chain_id))
     whiteout = os.lstat(middle / "etc/secret")
     assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
     assert os.getxattr(middle / "opaque-me", OPAQUE) == b"y"
@@ -319,7 +318,7 @@ def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted:
 
 def test_an_overlay_stack_equals_the_applied_layers(node: Node, built: Any, extracted: list[Path], tmp_path: Path) -> None:
     client = node.ensure()
-    lowers = [client.mount(layer.chain_id).lower_dir for layer in built[1]]
+    lowers = [client.mount(layer.chain_id) for layer in built[1]]
     merged = tmp_path / "merged"
     mount_overlay(node, list(reversed(lowers)), merged)
     expected = apply_layers([describe(d, whiteouts_as_tar=True) for d in extracted])
@@ -351,7 +350,7 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
     with RangeHTTPServer(store) as http:
         node = node_factory(http.url, extra_args=("--stripe-size", str(BLOCK_SIZE)))
         client = node.ensure()
-        base = Path(client.mount(layers[0].chain_id).lower_dir)
+        base = Path(client.mount(layers[0].chain_id))
         describe_without_contents(base)
         assert _pack_requests(http, layers[0].pack) == []
 
@@ -407,10 +406,11 @@ def test_control_api(node: Node, built: Any) -> None:
     assert stat.S_IMODE(os.stat(node.paths.layers).st_mode) == 0o700
     layers = built[1]
     first = client.mount(layers[0].chain_id)
-    assert first.slot == 1 and first.lower_dir == str(node.paths.mountpoint / "1")
+    assert first == str(node.paths.mountpoint / "1")
     assert client.mount(layers[0].chain_id) == first  # idempotent
-    second = client.mount(layers[1].chain_id)
-    assert second.slot == 2
+    client.mount(layers[1].chain_id)
+    second = client.layer(layers[1].chain_id)
+    assert second.slot == 2 and second.lower_dir == str(node.paths.mountpoint / "2")
     assert sorted(os.listdir(node.paths.mountpoint)) == ["1", "2"]
     status = client.status()
     assert status["health"]["fuse"] == "serving"
@@ -433,15 +433,15 @@ def test_control_api(node: Node, built: Any) -> None:
     with pytest.raises(FileNotFoundError):
         os.stat(node.paths.mountpoint / "1")
     third = client.mount(layers[2].chain_id)
-    assert third.slot == 1  # the lowest free slot
-    assert (Path(third.lower_dir) / "replace-me").read_bytes() == b"fourth and last\n"
+    assert third == str(node.paths.mountpoint / "1")  # the lowest free slot
+    assert (Path(third) / "replace-me").read_bytes() == b"fourth and last\n"
 
 
 def test_metrics_endpoint(built: Any, node_factory: Any) -> None:
     port = free_port()
     node = node_factory(f"file://{built[0]}", metrics_address=f"127.0.0.1:{port}")
     client = node.ensure()
-    lower = Path(client.mount(built[1][0].chain_id).lower_dir)
+    lower = Path(client.mount(built[1][0].chain_id))
     assert (lower / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
@@ -461,8 +461,10 @@ def _inodes(lower: Path) -> dict[str, int]:
 def test_restart_after_sigterm_and_sigkill_restores_slots_and_inodes(node: Node, built: Any) -> None:
     client = node.ensure()
     layers = built[1]
-    slots = {layer.chain_id: client.mount(layer.chain_id).slot for layer in layers}
-    base = Path(client.check(layers[0].chain_id).lower_dir)
+    for layer in layers:
+        client.mount(layer.chain_id)
+    slots = {layer.chain_id: client.layer(layer.chain_id).slot for layer in layers}
+    base = Path(client.check(layers[0].chain_id))
     inodes = _inodes(base)
     assert inodes["srv/big.bin"] == inodes["srv/big.link"]
 
@@ -548,7 +550,7 @@ def test_a_store_that_stops_answering_gives_eio_in_bounded_time_then_recovers(bu
         node = node_factory(f"http://127.0.0.1:{port}/", retry_timeout=3,
                             extra_args=("--stripe-size", str(BLOCK_SIZE)))  # fmt: skip
         client = node.ensure()
-        base = Path(client.mount(layers[0].chain_id).lower_dir)
+        base = Path(client.mount(layers[0].chain_id))
         http.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
         started = time.monotonic()
         with pytest.raises(OSError) as excinfo:

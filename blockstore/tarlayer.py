@@ -313,14 +313,17 @@ class _Tree:
         children[name] = None
 
     def remove(self, path: str) -> None:
-        node = self.nodes.pop(path)
-        if node.children:
-            for name in list(node.children):
-                self.remove(f"{path}/{name}")
+        """Remove ``path`` and, for a directory, everything under it (iteratively: trees may be 2048 deep)."""
         parent, _, name = path.rpartition("/")
         siblings = self.nodes[parent].children
         assert siblings is not None
         siblings.pop(name, None)
+        stack = [path]
+        while stack:
+            current = stack.pop()
+            node = self.nodes.pop(current)
+            if node.children:
+                stack.extend(f"{current}/{child}" for child in node.children)
 
     def put(self, path: str, node: _Node, entry: str) -> None:
         """Add ``node`` at ``path``: a later entry replaces an earlier one (see the module doc)."""
@@ -353,7 +356,9 @@ class _Tree:
         out: list[Entry] = []
         first_path: dict[int, int] = {}  # id(inode) -> entry number of its first path
 
-        def walk(path: str) -> None:
+        stack = [""]  # depth first, children by name; iterative: trees may be 2048 deep
+        while stack:
+            path = stack.pop()
             node = self.nodes[path]
             if node.type is EntryType.FILE:
                 inode = node.inode
@@ -366,16 +371,13 @@ class _Tree:
                     out.append(Entry(path=path, type=EntryType.FILE, blocks=inode.blocks, **common))  # type: ignore[arg-type]
                 else:
                     out.append(Entry(path=path, type=EntryType.FILE, link=number, **common))  # type: ignore[arg-type]
-                return
+                continue
             size = len(_encoded(node.target)) if node.type is EntryType.SYMLINK else 0
             out.append(Entry(path=path, type=node.type, mode=node.mode, uid=node.uid, gid=node.gid,
                              mtime_ns=node.mtime_ns, size=size, target=node.target, rdev=node.rdev,
                              xattrs=dict(node.xattrs)))  # fmt: skip
             if node.children is not None:
-                for name in sorted(node.children):
-                    walk(f"{path}/{name}" if path else name)
-
-        walk("")
+                stack.extend(f"{path}/{name}" if path else name for name in sorted(node.children, reverse=True))
         return out
 
 

@@ -11,7 +11,6 @@ snapshotter starts it) and leaves no process or mount behind.  The layers are
 from __future__ import annotations
 
 import errno
-import hashlib
 import importlib.util
 import json
 import os
@@ -19,6 +18,7 @@ import signal
 import stat
 import subprocess
 import sys
+import dataclasses
 import threading
 import time
 import urllib.request
@@ -38,9 +38,10 @@ from bootseer.blockstore.control import (
     ServerUnavailable,
     ensure_server,
 )
-from bootseer.blockstore.format import EntryType
+from bootseer.blockstore.format import pack_object
 from tests.http_fixtures import RangeHTTPServer, free_port
-from tests.support.layer_store import BuiltLayer, build_store, extract_layer
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.trees import Meta, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
 from tests.test_fuse_plumbing import force_unmount, mount_entry
 
@@ -61,7 +62,8 @@ OPAQUE = "trusted.overlay.opaque"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
     store = tmp_path_factory.mktemp("store")
-    return store, build_store(store, rich_layers(BLOCK_SIZE), block_size=BLOCK_SIZE)
+    layout = tmp_path_factory.mktemp("layout")
+    return store, build_store(store, rich_layers(BLOCK_SIZE), block_size=BLOCK_SIZE, layout=layout)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,7 @@ def extracted(built: tuple[Path, list[BuiltLayer]], tmp_path_factory: pytest.Tem
     base = tmp_path_factory.mktemp("extracted")
     dirs = []
     for number, layer in enumerate(built[1]):
-        extract_layer(layer.tar, base / str(number))
+        extract_with_tar(layer.blob, base / str(number))
         dirs.append(base / str(number))
     return dirs
 
@@ -174,113 +176,41 @@ def mount_overlay(node: Node, lowers: list[str], target: Path) -> None:
     )  # fmt: skip
 
 
-# -- describing a tree -----------------------------------------------------------------------------
+# -- comparing trees (tests.support.trees: {path: Meta}, hard links as groups of paths) -------------
 
 
-def describe(root: Path, *, whiteouts_as_tar: bool = False) -> dict[bytes, dict[str, Any]]:
-    """Every entry under ``root`` by relative path (bytes: names may not be UTF-8).
-
-    With ``whiteouts_as_tar`` a tar extraction's ``.wh.NAME`` files are described as the
-    character device 0/0 NAME overlayfs expects and ``.wh..wh..opq`` as the opaque
-    xattr on its directory: the form a layer's lower directory has.
-    """
-    out: dict[bytes, dict[str, Any]] = {}
-    base = os.fsencode(root)
-    for directory, dirnames, filenames in os.walk(base):
-        for name in sorted(dirnames + filenames):
-            path = os.path.join(directory, name)
-            rel = os.path.relpath(path, base)
-            info = os.lstat(path)
-            item: dict[str, Any] = {
-                "type": stat.S_IFMT(info.st_mode),
-                "mode": stat.S_IMODE(info.st_mode),
-                "uid": info.st_uid,
-                "gid": info.st_gid,
-                "ino": info.st_ino,
-                "nlink": info.st_nlink,
-            }
-            if not stat.S_ISLNK(info.st_mode):
-                item["mtime_ns"] = info.st_mtime_ns
-                item["xattrs"] = {n: os.getxattr(path, n, follow_symlinks=False) for n in os.listxattr(path, follow_symlinks=False)}
-            if stat.S_ISREG(info.st_mode):
-                item["size"] = info.st_size
-                with open(path, "rb") as file:
-                    item["sha256"] = hashlib.sha256(file.read()).hexdigest()
-            elif stat.S_ISLNK(info.st_mode):
-                item["target"] = os.readlink(path)
-            elif stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
-                item["rdev"] = info.st_rdev
-            out[rel] = item
-    if whiteouts_as_tar:
-        for rel in [r for r in out if os.path.basename(r).startswith(b".wh.")]:
-            item = out.pop(rel)
-            parent, name = os.path.split(rel)
-            if name == b".wh..wh..opq":
-                out[parent]["xattrs"][OPAQUE] = b"y"
-            else:
-                out[os.path.join(parent, name[4:])] = {"type": stat.S_IFCHR, "rdev": 0}
-    return out
+def is_whiteout(meta: Meta) -> bool:
+    return meta.type == "char" and meta.rdev == (0, 0)
 
 
-def directory_mtimes(tar: bytes) -> dict[bytes, int]:
-    """Directory mtimes (ns) as the tar's headers give them."""
-    import io
-    import tarfile
-    from decimal import Decimal
-
-    out = {}
-    with tarfile.open(fileobj=io.BytesIO(tar), encoding="utf-8", errors="surrogateescape") as archive:
-        for member in archive:
-            if member.isdir() and member.name.strip("./"):
-                seconds = Decimal(member.pax_headers.get("mtime", str(member.mtime)))
-                out[os.fsencode(member.name.rstrip("/"))] = int(seconds * 10**9)
-    return out
+def as_whiteouts(tree: dict[str, Meta]) -> dict[str, Meta]:
+    """Whiteouts compared by what overlayfs looks at: a character device 0/0."""
+    return {path: Meta("char", 0, 0, 0, 0, 0) if is_whiteout(meta) else meta for path, meta in tree.items()}
 
 
-def comparable(tree: dict[bytes, dict[str, Any]], *, overlay: bool = False) -> dict[bytes, dict[str, Any]]:
-    """What must be equal between two trees: inode numbers only as hard-link groups;
-    whiteouts by type and device only; nlink of directories is the filesystem's own."""
-    groups: dict[int, list[bytes]] = {}
-    for rel, item in tree.items():
-        if item["type"] == stat.S_IFREG:
-            groups.setdefault(item["ino"], []).append(rel)
-    out = {}
-    for rel, item in tree.items():
-        item = dict(item)
-        ino = item.pop("ino", None)
-        if item["type"] == stat.S_IFCHR and item.get("rdev") == 0:
-            item = {"type": stat.S_IFCHR, "rdev": 0}
-        if item["type"] == stat.S_IFDIR:
-            item.pop("nlink", None)
-            if overlay:
-                item.pop("mtime_ns", None)  # overlayfs shows the top layer's directory mtime
-        if item["type"] == stat.S_IFREG:
-            item["links"] = sorted(groups[ino])
-        out[rel] = item
-    return out
-
-
-def apply_layers(layers: list[dict[bytes, dict[str, Any]]]) -> dict[bytes, dict[str, Any]]:
+def apply_layers(layers: list[dict[str, Meta]]) -> dict[str, Meta]:
     """The merged view of layers in lower-dir form (bottom first), as overlayfs shows it."""
-    merged: dict[bytes, dict[str, Any]] = {}
+    merged: dict[str, Meta] = {}
 
-    def remove_under(path: bytes, *, keep_self: bool) -> None:
-        for rel in [r for r in merged if r.startswith(path + b"/") or (r == path and not keep_self)]:
+    def remove(path: str, *, keep_self: bool) -> None:
+        for rel in [r for r in merged if r.startswith(path + "/") or (r == path and not keep_self)]:
             del merged[rel]
 
     for layer in layers:
-        for rel, item in sorted(layer.items()):
-            if item["type"] == stat.S_IFCHR and item.get("rdev") == 0:
-                remove_under(rel, keep_self=False)
+        for path, meta in sorted(layer.items()):
+            if is_whiteout(meta):
+                remove(path, keep_self=False)
                 continue
-            if item["type"] == stat.S_IFDIR and item.get("xattrs", {}).get(OPAQUE) == b"y":
-                remove_under(rel, keep_self=True)
-            if item["type"] != stat.S_IFDIR:
-                remove_under(rel, keep_self=False)
-            merged[rel] = item
-    for item in merged.values():
-        item.get("xattrs", {}).pop(OPAQUE, None)  # overlayfs hides its own xattrs
-    return merged
+            if meta.type == "dir" and (OPAQUE, b"y") in meta.xattrs:
+                remove(path, keep_self=True)
+            elif meta.type != "dir":
+                remove(path, keep_self=False)
+            merged[path] = dataclasses.replace(meta, xattrs=tuple(x for x in meta.xattrs if x[0] != OPAQUE))
+    # Hard-link groups as the merged view has them: only the names still there.
+    return {
+        path: dataclasses.replace(meta, links=tuple(p for p in meta.links if p in merged)) if meta.links else meta
+        for path, meta in merged.items()
+    }
 
 
 # -- the FUSE view against tar -x ------------------------------------------------------------------
@@ -289,13 +219,10 @@ def apply_layers(layers: list[dict[bytes, dict[str, Any]]]) -> dict[bytes, dict[
 def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted: list[Path]) -> None:
     client = node.ensure()
     for layer, reference in zip(built[1], extracted):
-        fuse_view = describe(Path(client.mount(layer.chain_id)))
-        expected = describe(reference, whiteouts_as_tar=True)
-        # GNU tar sets a directory's mtime before it creates the hard links into it, which
-        # then move it: the tar headers are the reference for directories.
-        for rel, mtime_ns in directory_mtimes(layer.tar).items():
-            expected[rel]["mtime_ns"] = mtime_ns
-        assert comparable(fuse_view) == comparable(expected), layer.chain_id
+        fuse_view = disk_tree(Path(client.mount(layer.chain_id)), overlay=False)
+        expected = disk_tree(reference, overlay=True)
+        assert as_whiteouts(fuse_view) == as_whiteouts(expected), layer.chain_id
+        assert len(fuse_view) == len(layer.index.entries) - 1
     # What the layers hold, named: so the comparison above cannot pass on empty trees.
     base = Path(client.check(built[1][0].chain_id))
     assert os.lstat(base / "dev/null").st_rdev == os.makedev(1, 3)
@@ -303,6 +230,9 @@ def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted:
     assert stat.S_ISFIFO(os.lstat(base / "run/fifo").st_mode)
     big, link = os.lstat(base / "srv/big.bin"), os.lstat(base / "srv/big.link")
     assert big.st_ino == link.st_ino and big.st_nlink == 2
+    assert os.lstat(base / "etc/hosts").st_nlink == 2 and os.lstat(base / "etc/empty").st_nlink == 1
+    assert os.lstat(base / "srv").st_nlink == 2 and os.lstat(base).st_nlink == 2 + sum(
+        stat.S_ISDIR(os.lstat(base / name).st_mode) for name in os.listdir(base))
     assert os.getxattr(base / "srv/xattr.bin", "user.bin") == b"\x00\xff\xfe"
     assert os.readlink(base / "srv/abs") == "/etc/hosts"
     assert (base / NON_UTF8_NAME).read_bytes() == b"non-utf8\n"
@@ -321,11 +251,8 @@ def test_an_overlay_stack_equals_the_applied_layers(node: Node, built: Any, extr
     lowers = [client.mount(layer.chain_id) for layer in built[1]]
     merged = tmp_path / "merged"
     mount_overlay(node, list(reversed(lowers)), merged)
-    expected = apply_layers([describe(d, whiteouts_as_tar=True) for d in extracted])
-    view = describe(merged)
-    for item in view.values():
-        item.get("xattrs", {}).pop(OPAQUE, None)
-    assert comparable(view, overlay=True) == comparable(expected, overlay=True)
+    expected = apply_layers([disk_tree(d, overlay=True) for d in extracted])
+    assert disk_tree(merged, overlay=False) == expected
     # The whiteouts hide, the opaque directory hides, the last entry wins.
     assert not (merged / "etc/secret").exists() and not (merged / "gone-dir").exists()
     assert os.listdir(merged / "opaque-me") == ["new.txt"]
@@ -351,21 +278,21 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
         node = node_factory(http.url, extra_args=("--stripe-size", str(BLOCK_SIZE)))
         client = node.ensure()
         base = Path(client.mount(layers[0].chain_id))
-        describe_without_contents(base)
-        assert _pack_requests(http, layers[0].pack) == []
-
         index = layers[0].index
         entry = next(e for e in index.entries if e.path == "srv/big.bin")
         block = index.blocks[entry.blocks[2]]
+        pack = pack_object(index.packs[block.pack])
+        metadata_only(base)
+        assert not any("/packs/" in target for _method, target, _headers in http.requests)
         with open(base / "srv/big.bin", "rb", buffering=0) as file:
             file.seek(2 * BLOCK_SIZE + 100)
             data = file.read(10)
         expected = rich_big_bin()[2 * BLOCK_SIZE + 100 : 2 * BLOCK_SIZE + 110]
         assert data == expected
-        ranges = _pack_requests(http, layers[0].pack)
+        ranges = _pack_requests(http, pack)
         assert ranges, "the read fetched nothing"
         fetched = sum(last - first + 1 for first, last in ranges)
-        pack_size = (store / layers[0].pack).stat().st_size
+        pack_size = (store / pack).stat().st_size
         covered = set()
         for first, last in ranges:
             covered.update(range(first, last + 1))
@@ -377,11 +304,11 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
         with open(base / "srv/big.bin", "rb", buffering=0) as file:
             file.seek(2 * BLOCK_SIZE + 100)
             assert file.read(10) == expected
-        for first, last in _pack_requests(http, layers[0].pack)[len(ranges) :]:
+        for first, last in _pack_requests(http, pack)[len(ranges) :]:
             assert covered.isdisjoint(range(first, last + 1))
 
 
-def describe_without_contents(root: Path) -> None:
+def metadata_only(root: Path) -> None:
     """stat, readdir, readlink and every xattr of every entry: metadata only."""
     for directory, dirnames, filenames in os.walk(os.fsencode(root)):
         for name in dirnames + filenames:

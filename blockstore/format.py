@@ -221,13 +221,7 @@ class LayerIndex:
         compressed = data[_INDEX_HEADER.size :]
         if len(compressed) != length or hashlib.sha256(compressed).digest() != checksum:
             raise FormatError("layer index payload fails its checksum: tampered with or truncated")
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(compressed)
-            payload = reader.read(MAX_INDEX_BYTES + 1)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"layer index payload is not valid zstd: {exc}") from None
-        if len(payload) > MAX_INDEX_BYTES:
-            raise FormatError(f"layer index is larger than {MAX_INDEX_BYTES} bytes uncompressed")
+        payload = _decompress_bounded(compressed, MAX_INDEX_BYTES, "layer index")
         try:
             document = json.loads(payload)
             index = cls(
@@ -305,6 +299,25 @@ class LayerIndex:
         if entry.link is not None:
             entry = self.entries[entry.link]
         return [self.blocks[b] for b in entry.blocks]
+
+
+def _decompress_bounded(compressed: bytes, limit: int, what: str) -> bytes:
+    """The zstd ``compressed`` bytes decompressed, FormatError past ``limit`` bytes (a zstd bomb).
+
+    Read in pieces: asking a stream reader for ``limit`` bytes at once would allocate them.
+    """
+    pieces: list[bytes] = []
+    total = 0
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
+        while piece := reader.read(1 << 20):
+            total += len(piece)
+            if total > limit:
+                raise FormatError(f"{what} is larger than {limit} bytes uncompressed")
+            pieces.append(piece)
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"{what} payload is not valid zstd: {exc}") from None
+    return b"".join(pieces)
 
 
 def check_relative_path(path: str, what: str) -> None:
@@ -467,12 +480,7 @@ class DedupSegment:
             raise FormatError(f"dedup segment does not match its name {expected_sha256}: tampered with or truncated")
         if not data.startswith(DEDUP_MAGIC):
             raise FormatError("not a BootSeer dedup segment (bad magic)")
-        try:
-            payload = zstandard.ZstdDecompressor().stream_reader(data[len(DEDUP_MAGIC) :]).read(MAX_INDEX_BYTES + 1)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"dedup segment is not valid zstd: {exc}") from None
-        if len(payload) > MAX_INDEX_BYTES:
-            raise FormatError(f"dedup segment is larger than {MAX_INDEX_BYTES} bytes uncompressed")
+        payload = _decompress_bounded(data[len(DEDUP_MAGIC) :], MAX_INDEX_BYTES, "dedup segment")
         try:
             document = json.loads(payload)
             if document.get("format") != FORMAT_VERSION:

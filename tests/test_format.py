@@ -136,6 +136,27 @@ def test_every_damaged_byte_is_caught():
         LayerIndex.decode(data, expected_sha256="0" * 64)
 
 
+def test_a_zstd_bomb_is_refused_in_bounded_memory(monkeypatch):
+    import struct
+    import tracemalloc
+
+    from bootseer.blockstore import format as fmt
+
+    monkeypatch.setattr(fmt, "MAX_INDEX_BYTES", 1 << 20)
+    compressed = zstandard.ZstdCompressor().compress(b"[" + b" " * (32 << 20) + b"]")
+    data = struct.pack("<8sIQ32s", b"BSLIDX01", 1, len(compressed), hashlib.sha256(compressed).digest()) + compressed
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match="larger than 1048576 bytes"):
+            LayerIndex.decode(data)
+        with pytest.raises(FormatError, match="larger than"):
+            DedupSegment.decode(b"BSDEDUP1" + compressed)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20  # the limit and a piece, not the 32 MiB the bomb holds
+
+
 def _reencode(index: LayerIndex, document_change=None) -> bytes:
     """An index object with a consistent header around a (possibly changed) JSON document."""
     payload = json.loads(zstandard.ZstdDecompressor().stream_reader(index.encode()[52:]).read())

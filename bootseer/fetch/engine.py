@@ -756,7 +756,9 @@ class Engine:
             assert stripe.error is not None
             # A fresh exception per waiter: one object raised in many tasks would
             # collect all their tracebacks.
-            raise FetchError(str(stripe.error)) from stripe.error.__cause__
+            # (Its message, not str(): that would say "[Errno 5]" twice.)
+            message = stripe.error.strerror if isinstance(stripe.error, OSError) and stripe.error.strerror else str(stripe.error)
+            raise FetchError(message) from stripe.error.__cause__
         raise FetchError(f"{self.url}: {stripe.describe()}: the fetch engine stopped")
 
     # -- holds -----------------------------------------------------------------------

@@ -1,0 +1,309 @@
+"""Verified blocks of converted layers, and file reads over them: the read path below the FUSE layer server.
+
+:class:`BlockFetcher` turns block references of a :class:`~bootseer.blockstore.format.LayerIndex`
+into raw bytes: first from the node's :class:`~bootseer.blockstore.cache.BlockCache`,
+the rest with one :meth:`Engine.fetch_extents <bootseer.fetch.engine.Engine.fetch_extents>`
+call on the store's engine (each block is an extent of its pack, so neighbours in a
+pack go out as one range request, and priorities, retries, EIO after
+``retry_timeout`` and the fetch metrics are the engine's).  Every fetched block is
+decompressed (never to more than its raw length) and checked against its SHA-256
+before anyone sees it; one that fails is dropped from the engine's buffer and fetched
+once more, and if it fails again the call fails with FetchError (EIO).  A corrupt
+byte is never served and never cached.  All-zero blocks are stored nowhere and cost
+nothing.  The hot-block prefetcher calls the same :meth:`BlockFetcher.blocks` at
+``Priority.PREFETCH``: a read then overtakes it, and a read of a block being
+prefetched waits on that fetch instead of making another.
+
+:class:`LayerReader` serves ``read(entry, offset, size)`` for one layer: the blocks
+the range touches, sliced.
+
+Metrics (beside the engine's ``bootseer_fetch_*``): ``bootseer_blocks_total`` (blocks
+served, by layer, source and outcome: cached, fetched, zero),
+``bootseer_block_fetched_bytes_total`` (compressed bytes fetched, by layer and
+source), ``bootseer_block_corrupt_total`` (blocks that failed verification, by what
+followed: refetched, failed) and ``bootseer_layer_read_seconds`` (read latency, by
+source).  A layer is labelled by its short diff ID (``sha256:`` and 12 hex digits),
+the same for reads and prefetch.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import prometheus_client
+import trio
+import zstandard
+
+from bootseer.blockstore.cache import BlockCache
+from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, pack_object
+from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+#: A call whose blocks (compressed and raw bytes together) exceed this decompresses and
+#: hashes them in a worker thread (zstd and hashlib release the GIL there); below it
+#: the thread hop (tens of microseconds) costs more than the work.
+OFF_THREAD_BYTES = 256 << 10
+
+BLOCKS = prometheus_client.Counter(
+    "bootseer_blocks",
+    "Blocks served to layer reads and prefetch, by layer, source and where they came from "
+    "(cached: the node cache, fetched: the store, zero: stored nowhere)",
+    ["layer", "source", "outcome"],
+)
+FETCHED_BYTES = prometheus_client.Counter(
+    "bootseer_block_fetched_bytes", "Compressed block bytes fetched from stores, by layer and source", ["layer", "source"]
+)
+CORRUPT = prometheus_client.Counter(
+    "bootseer_block_corrupt",
+    "Fetched blocks that failed verification, by layer, source and what followed (refetched, failed: EIO)",
+    ["layer", "source", "outcome"],
+)
+READ_SECONDS = prometheus_client.Histogram(
+    "bootseer_layer_read_seconds",
+    "Latency of reads of lazy layers' files (cache hits and fetches alike), by source",
+    ["source"],
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
+
+
+@dataclass
+class FetcherStats:
+    """Counters of one :class:`BlockFetcher`, for status output and tests."""
+
+    blocks_cached: int = 0  #: blocks served from the node cache
+    blocks_fetched: int = 0  #: blocks fetched from the store and verified
+    bytes_fetched: int = 0  #: their compressed bytes
+    zero_blocks: int = 0  #: all-zero blocks served without a fetch
+    corrupt: int = 0  #: fetches that failed verification (each refetched once)
+    failed: int = 0  #: blocks that failed verification twice (EIO)
+
+
+class _Place(NamedTuple):
+    """A block's extent key: its digest and where it lies (one block may be stored in several packs)."""
+
+    digest: str
+    pack: str
+    offset: int
+    clen: int
+
+
+def layer_label(index: LayerIndex) -> str:
+    """A layer's name in metrics: its diff ID, shortened as ``docker images`` does."""
+    return index.diff_id[: len("sha256:") + 12]
+
+
+@functools.lru_cache(maxsize=8)
+def _zeros(length: int) -> bytes:
+    return bytes(length)
+
+
+def _decode(block: Block, data: bytes) -> bytes | None:
+    """The raw bytes of ``block`` from its stored bytes ``data``, or None if they are not that block."""
+    if len(data) != block.clen:
+        return None
+    try:
+        # A frame header may claim any size: never decompress more than the block holds.
+        reader = zstandard.ZstdDecompressor().stream_reader(data)
+        pieces, total = [], 0
+        while total <= block.rlen:
+            piece = reader.read(block.rlen + 1 - total)
+            if not piece:
+                break
+            pieces.append(piece)
+            total += len(piece)
+    except zstandard.ZstdError:
+        return None
+    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    if len(raw) != block.rlen or hashlib.sha256(raw).hexdigest() != block.digest:
+        return None
+    return raw
+
+
+class BlockFetcher:
+    """Raw, verified blocks of any layer of one store, through the node cache and the store's engine.
+
+    ``engine`` is the store's (rooted at the store URL, running); ``cache`` the node's
+    block cache (None: no cache); ``source_label`` names the store in metrics (the
+    engine's URL without credentials by default).  One fetcher serves every layer of
+    its store; all methods run in the engine's trio thread.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        cache: BlockCache | None,
+        *,
+        source_label: str | None = None,
+        threads: trio.CapacityLimiter | None = None,
+    ) -> None:
+        self.engine = engine
+        self.cache = cache
+        self.source_label = source_label if source_label is not None else engine.url
+        self.stats = FetcherStats()
+        # Cache I/O, decompression and hashing: one thread per core is all they can use.
+        self._threads = threads or trio.CapacityLimiter(os.cpu_count() or 2)
+
+    def __repr__(self) -> str:
+        return f"<BlockFetcher {self.source_label} cache={self.cache!r}>"
+
+    async def blocks(
+        self, index: LayerIndex, refs: Sequence[int], priority: Priority = Priority.DEMAND
+    ) -> list[bytes]:
+        """The raw bytes of blocks ``refs`` (indexes into ``index.blocks``), in order, each verified.
+
+        Blocks in the node cache are served from it; the others are fetched with one
+        ``fetch_extents`` call at ``priority``, verified, and cached.  Everything asked
+        for is returned at once, so callers with long lists (prefetch) ask a few MiB
+        at a time.  Raises FetchError (EIO) when the store fails (after the engine's
+        ``retry_timeout``) or holds a block that fails verification twice, and
+        ValueError for a reference the index does not have.
+        """
+        labels = (layer_label(index), self.source_label)
+        blocks: list[Block] = []
+        for ref in refs:
+            if not isinstance(ref, int) or not 0 <= ref < len(index.blocks):
+                raise ValueError(f"layer {index.diff_id} has no block {ref!r} (it has {len(index.blocks)})")
+            blocks.append(index.blocks[ref])
+        out: list[bytes] = [b""] * len(blocks)
+        wanted: dict[str, list[int]] = {}  # digest -> positions in ``out``, for stored blocks
+        zero = 0
+        for position, block in enumerate(blocks):
+            if block.is_zero:
+                out[position] = _zeros(block.rlen)
+                zero += 1
+            else:
+                wanted.setdefault(block.digest, []).append(position)
+        if zero:
+            self.stats.zero_blocks += zero
+            BLOCKS.labels(*labels, "zero").inc(zero)
+        if wanted and self.cache is not None:
+            found = await trio.to_thread.run_sync(self._cache_get, list(wanted), limiter=self._threads)
+            for digest, data in found.items():
+                for position in wanted.pop(digest):
+                    out[position] = data
+            if found:
+                self.stats.blocks_cached += len(found)
+                BLOCKS.labels(*labels, "cached").inc(len(found))
+        if wanted:
+            fetched = await self._fetch_verified(index, [blocks[positions[0]] for positions in wanted.values()], priority)
+            for positions, data in zip(wanted.values(), fetched):
+                for position in positions:
+                    out[position] = data
+        return out
+
+    def _cache_get(self, digests: list[str]) -> dict[str, bytes]:
+        """In a worker thread: the blocks of ``digests`` the cache holds (each verified by it)."""
+        assert self.cache is not None
+        found = {}
+        for digest in digests:
+            data = self.cache.get(digest)
+            if data is not None:
+                found[digest] = data
+        return found
+
+    async def _fetch_verified(self, index: LayerIndex, blocks: list[Block], priority: Priority) -> list[bytes]:
+        """Fetch distinct stored ``blocks`` from the store, verify and cache them; refetch a failure once."""
+        labels = (layer_label(index), self.source_label)
+        extents = []
+        for block in blocks:
+            pack = pack_object(index.packs[block.pack])
+            extents.append(Extent(_Place(block.digest, pack, block.offset, block.clen), pack, block.offset, block.clen))
+        raw = await self._decode_and_cache(blocks, await self.engine.fetch_extents(extents, priority))
+        bad = [number for number, data in enumerate(raw) if data is None]
+        if bad:
+            for number in bad:
+                self.engine.discard(extents[number].key)
+                log.warning("fetched block fails verification; fetching it again", store=self.source_label,
+                            layer=index.diff_id, block=blocks[number].digest, pack=extents[number].path,
+                            offset=blocks[number].offset, length=blocks[number].clen)  # fmt: skip
+            self.stats.corrupt += len(bad)
+            CORRUPT.labels(*labels, "refetched").inc(len(bad))
+            again = await self.engine.fetch_extents([extents[number] for number in bad], priority)
+            redone = await self._decode_and_cache([blocks[number] for number in bad], again)
+            for number, data in zip(bad, redone):
+                if data is None:
+                    self.engine.discard(extents[number].key)  # the next read asks the store again
+                    self.stats.failed += 1
+                    CORRUPT.labels(*labels, "failed").inc()
+                    block = blocks[number]
+                    log.error("block fails verification twice; the read fails with EIO", store=self.source_label,
+                              layer=index.diff_id, block=block.digest, pack=extents[number].path)  # fmt: skip
+                    raise FetchError(
+                        f"{self.source_label}: block sha256:{block.digest} of layer {index.diff_id} "
+                        f"({extents[number].path} bytes {block.offset}-{block.offset + block.clen - 1}) "
+                        f"fails verification twice: the store holds a corrupt copy"
+                    )
+                raw[number] = data
+        self.stats.blocks_fetched += len(blocks)
+        fetched_bytes = sum(block.clen for block in blocks)
+        self.stats.bytes_fetched += fetched_bytes
+        BLOCKS.labels(*labels, "fetched").inc(len(blocks))
+        FETCHED_BYTES.labels(*labels).inc(fetched_bytes)
+        return raw  # type: ignore[return-value]  # no None is left
+
+    async def _decode_and_cache(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
+        """Each block's verified raw bytes (None where ``stored`` is not that block), the good ones cached."""
+        size = sum(block.clen + block.rlen for block in blocks)
+        if self.cache is None and size <= OFF_THREAD_BYTES:
+            return [_decode(block, data) for block, data in zip(blocks, stored)]
+        return await trio.to_thread.run_sync(self._decode_and_cache_blocking, blocks, stored, limiter=self._threads)
+
+    def _decode_and_cache_blocking(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
+        raw = [_decode(block, data) for block, data in zip(blocks, stored)]
+        if self.cache is not None:
+            for block, data in zip(blocks, raw):
+                if data is not None:
+                    self.cache.put(block.digest, data)
+        return raw
+
+
+class LayerReader:
+    """Reads of one layer's files: the blocks a range touches, fetched through a :class:`BlockFetcher`, sliced.
+
+    ``layer_id`` (the layer's chain ID, say) names the layer in messages.
+    """
+
+    def __init__(self, index: LayerIndex, fetcher: BlockFetcher, layer_id: str = "") -> None:
+        self.index = index
+        self.fetcher = fetcher
+        self.layer_id = layer_id or index.diff_id
+
+    def __repr__(self) -> str:
+        return f"<LayerReader {self.layer_id} via {self.fetcher!r}>"
+
+    async def read(self, entry: Entry, offset: int, size: int) -> bytes:
+        """Exactly ``size`` bytes of regular file ``entry`` from ``offset``; fewer only at its end, ``b""`` past it.
+
+        A hard link reads the file it links to.  Raises FetchError (EIO) as
+        :meth:`BlockFetcher.blocks` does, ValueError for a bad range or an entry
+        that is not a regular file.
+        """
+        if entry.type is not EntryType.FILE:
+            raise ValueError(f"layer {self.layer_id}: {entry.path!r} is not a regular file")
+        if offset < 0 or size < 0:
+            raise ValueError(f"invalid read of {entry.path!r}: offset={offset} size={size}")
+        target = self.index.entries[entry.link] if entry.link is not None else entry
+        end = min(offset + size, target.size)
+        if end <= offset:
+            return b""
+        block_size = self.index.block_size
+        first, last = offset // block_size, (end - 1) // block_size
+        started = time.perf_counter()
+        try:
+            data = await self.fetcher.blocks(self.index, target.blocks[first : last + 1], Priority.DEMAND)
+        finally:
+            READ_SECONDS.labels(self.fetcher.source_label).observe(time.perf_counter() - started)
+        lo, hi = offset - first * block_size, end - first * block_size
+        if len(data) == 1:
+            return data[0][lo:hi]
+        # One copy: the first and last blocks through views, the middle ones whole.
+        tail = hi - (len(data) - 1) * block_size
+        return b"".join([memoryview(data[0])[lo:], *data[1:-1], memoryview(data[-1])[:tail]])

@@ -1,0 +1,432 @@
+"""BlockFetcher, LayerReader and the node block cache over real stores.
+
+Stores are built here with ``blockstore/format.py`` (a tiny packer: zstd blocks in
+packs, deduplicated, zero blocks stored nowhere) and served from a directory
+(``LocalSource``, wrapped in ``FaultySource`` to count and fail reads) or over HTTP
+(``tests/http_fixtures.py``'s range server, which counts requests).  Trio runs on
+the autojump clock, so retry timeouts pass at once where a source hangs or fails.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import random
+import threading
+from pathlib import Path
+
+import prometheus_client
+import pytest
+import trio
+import trio.testing
+import zstandard
+
+from bootseer.blockstore.cache import BlockCache
+from bootseer.blockstore.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex, pack_object
+from bootseer.blockstore.reader import BlockFetcher, LayerReader, layer_label
+from bootseer.fetch.engine import EngineConfig, FetchError, Priority, open_engine
+from bootseer.fetch.faults import FaultySource
+from bootseer.fetch.sources.http import HttpSource
+from bootseer.fetch.sources.local import LocalSource
+from tests.http_fixtures import range_http_factory  # noqa: F401  (a fixture)
+
+KiB = 1024
+BLOCK = 4 * KiB  # the format's smallest block size: many blocks from little data
+TIMEOUT = 600  # virtual seconds any one test may take
+
+
+def run(async_fn, *args, autojump: float = 0.2):
+    async def bounded():
+        with trio.fail_after(TIMEOUT):
+            return await async_fn(*args)
+
+    return trio.run(bounded, clock=trio.testing.MockClock(autojump_threshold=autojump))
+
+
+def config(**fields) -> EngineConfig:
+    fields.setdefault("stripe_size", 64 * KiB)
+    fields.setdefault("streams", 4)
+    fields.setdefault("memory_limit", 4 << 20)
+    fields.setdefault("retry_timeout", 30.0)
+    return EngineConfig(**fields)
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def pack_layer(store: Path, files: dict[str, bytes], links: dict[str, str] | None = None) -> LayerIndex:
+    """Write ``files`` into ``store`` as one layer (two packs, so reads cross packs) and return its index."""
+    entries = [Entry("", EntryType.DIR, 0o755)]
+    blocks: list[Block] = []
+    by_digest: dict[str, int] = {}
+    packs = [bytearray(), bytearray()]
+    compressor = zstandard.ZstdCompressor(level=3)
+    for number, (name, data) in enumerate(files.items()):
+        pack = number % 2  # files alternate between the packs
+        refs = []
+        for offset in range(0, len(data), BLOCK):
+            raw = data[offset : offset + BLOCK]
+            digest = sha(raw)
+            if digest not in by_digest:
+                if raw.count(0) == len(raw):
+                    block = Block(digest, ZERO_PACK, 0, 0, len(raw))
+                else:
+                    stored = compressor.compress(raw)
+                    block = Block(digest, pack, len(packs[pack]), len(stored), len(raw))
+                    packs[pack] += stored
+                by_digest[digest] = len(blocks)
+                blocks.append(block)
+            refs.append(by_digest[digest])
+        entries.append(Entry(name, EntryType.FILE, 0o644, size=len(data), blocks=tuple(refs)))
+    for name, target in (links or {}).items():
+        number = next(n for n, e in enumerate(entries) if e.path == target)
+        entries.append(Entry(name, EntryType.FILE, 0o644, size=entries[number].size, link=number))
+    names = []
+    for pack in packs:
+        names.append(sha(bytes(pack)))
+        path = store / pack_object(names[-1])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes(pack))
+    index = LayerIndex(diff_id="sha256:" + sha(repr(sorted(files)).encode()), block_size=BLOCK, entries=entries,
+                       blocks=blocks, packs=names)  # fmt: skip
+    index.validate()
+    return index
+
+
+def entry(index: LayerIndex, path: str) -> Entry:
+    return next(e for e in index.entries if e.path == path)
+
+
+@pytest.fixture
+def files() -> dict[str, bytes]:
+    rng = random.Random(5)
+    sparse = bytearray(20 * BLOCK + 77)
+    sparse[3 * BLOCK : 4 * BLOCK] = rng.randbytes(BLOCK)
+    sparse[-50:] = rng.randbytes(50)
+    block = rng.randbytes(BLOCK)
+    return {
+        "big.bin": rng.randbytes(60 * BLOCK + 123),
+        "text.txt": b"".join(b"line %d of some text that compresses\n" % n for n in range(5000)),
+        "sparse.bin": bytes(sparse),
+        "same.bin": block * 6 + block[:100],  # one stored block, six times over
+        "tiny": b"0123456789",
+        "empty": b"",
+    }
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    path = tmp_path / "store"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def source(store: Path) -> FaultySource:
+    source = FaultySource(LocalSource(str(store)))
+    yield source
+    source.close()
+
+
+def sample(name: str, **labels) -> float:
+    return prometheus_client.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+# -- reads ---------------------------------------------------------------------------------------
+
+
+def test_random_reads_are_byte_exact_across_block_boundaries(tmp_path, store, source, files):
+    index = pack_layer(store, files, links={"hardlink": "big.bin"})
+    rng = random.Random(11)
+
+    async def main():
+        async with open_engine(source, config()) as engine:
+            fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20), source_label="test-store")
+            layer = LayerReader(index, fetcher, "sha256:" + "c" * 64)
+            for path in [*files, "hardlink"]:
+                data = files["big.bin" if path == "hardlink" else path]
+                assert await layer.read(entry(index, path), 0, len(data) + 10) == data
+                for _ in range(60):
+                    offset = rng.choice([0, rng.randrange(len(data) + 2 * BLOCK), rng.randrange(4) * BLOCK - 1])
+                    offset = max(offset, 0)
+                    size = rng.choice([0, 1, BLOCK, BLOCK + 1, rng.randrange(1, 5 * BLOCK), 128 * KiB])
+                    assert await layer.read(entry(index, path), offset, size) == data[offset : offset + size]
+            with pytest.raises(ValueError, match="not a regular file"):
+                await layer.read(index.entries[0], 0, 10)
+            with pytest.raises(ValueError, match="invalid read"):
+                await layer.read(entry(index, "tiny"), -1, 10)
+            with pytest.raises(ValueError, match="has no block"):
+                await fetcher.blocks(index, [len(index.blocks)])
+            # Every stored block was fetched once: later reads came from the cache.
+            stored = {b.digest for b in index.blocks if not b.is_zero}
+            assert fetcher.stats.blocks_fetched == len(stored)
+            assert fetcher.stats.corrupt == 0
+
+    run(main)
+
+
+def test_only_the_touched_blocks_are_fetched_neighbours_in_one_request(tmp_path, store, files, range_http_factory):
+    index = pack_layer(store, files)
+    server = range_http_factory(store)
+    big = entry(index, "big.bin")
+    fetched_before = sample("bootseer_blocks_total", layer=layer_label(index), source="http-store", outcome="fetched")
+
+    async def main():
+        source = HttpSource(server.url)
+        try:
+            async with open_engine(source, config()) as engine:
+                fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20), source_label="http-store")
+                layer = LayerReader(index, fetcher)
+                # Bytes 10 KiB .. 22 KiB touch blocks 2..5 of big.bin: four blocks, one range request.
+                data = await layer.read(big, 10 * KiB, 12 * KiB)
+                assert data == files["big.bin"][10 * KiB : 22 * KiB]
+                assert fetcher.stats.blocks_fetched == 4
+                assert engine.stats.extent_requests == 1 and engine.stats.coalesced_requests == 1
+                # The sparse file's zero blocks cost nothing; its one stored block is fetched.
+                sparse = files["sparse.bin"]
+                assert await layer.read(entry(index, "sparse.bin"), 0, len(sparse)) == sparse
+                assert fetcher.stats.zero_blocks >= 18 and fetcher.stats.blocks_fetched == 4 + 2
+                assert await layer.read(entry(index, "sparse.bin"), 10 * BLOCK, 5 * BLOCK) == bytes(5 * BLOCK)
+                # Read again: the cache answers, the store is not asked.
+                requests = len(server.requests)
+                assert await layer.read(big, 10 * KiB, 12 * KiB) == data
+                assert len(server.requests) == requests and fetcher.stats.blocks_cached == 4
+        finally:
+            source.close()
+
+    run(main)
+    ranges = [headers.get("Range") for method, _, headers in server.requests if method == "GET"]
+    blocks = [index.blocks[ref] for ref in entry(index, "big.bin").blocks[2:6]]
+    first, last = blocks[0].offset, blocks[-1].offset + blocks[-1].clen - 1
+    assert ranges[0] == f"bytes={first}-{last}"
+    assert len(ranges) == 2  # big.bin's blocks, then the sparse file's two stored blocks (neighbours in their pack)
+    assert sum(b.clen for b in blocks) == last - first + 1  # exactly those blocks, nothing more
+    after = sample("bootseer_blocks_total", layer=layer_label(index), source="http-store", outcome="fetched")
+    assert after - fetched_before == 6
+
+
+def test_a_prefetch_list_yields_to_a_read(store, source, files):
+    index = pack_layer(store, files)
+    big, text = entry(index, "big.bin"), entry(index, "text.txt")
+
+    async def main():
+        async with open_engine(source, config(streams=1, coalesce_gap=0)) as engine:
+            fetcher = BlockFetcher(engine, None)
+            layer = LayerReader(index, fetcher)
+            source.pause()
+            async with trio.open_nursery() as nursery:
+                # Every other block of big.bin: 30 requests (nothing coalesces across the holes).
+                nursery.start_soon(fetcher.blocks, index, big.blocks[::2], Priority.PREFETCH)
+                await trio.testing.wait_all_tasks_blocked()
+
+                async def read():
+                    assert await layer.read(text, 0, 100) == files["text.txt"][:100]
+                    done.append(len(source.reads))
+
+                done: list[int] = []
+                nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                source.resume()
+            # The read's block went out second, right after the prefetch request in flight,
+            # and the read was done long before the list.
+            first_text = index.blocks[text.blocks[0]]
+            assert (source.reads[1].path, source.reads[1].offset) == (pack_object(index.packs[first_text.pack]), 0)
+            assert done[0] <= 3 and len(source.reads) == 31 + 1
+
+    run(main)
+
+
+# -- corruption ------------------------------------------------------------------------------------
+
+
+class CorruptingSource(FaultySource):
+    """A real source whose next ``times`` range reads come back with one byte flipped (a bad disk or proxy)."""
+
+    def __init__(self, inner, times: int) -> None:
+        super().__init__(inner)
+        self.times = times
+        self._flips = threading.Lock()
+
+    def connect(self):
+        connection = super().connect()
+        read = connection.read_range
+
+        def read_range(path, offset, length, version=""):
+            data = read(path, offset, length, version)
+            with self._flips:
+                if self.times and data:
+                    self.times -= 1
+                    data = bytes([data[0] ^ 0x40]) + data[1:]
+            return data
+
+        connection.read_range = read_range
+        return connection
+
+
+def test_a_block_corrupt_in_transit_is_refetched_once_and_served_right(tmp_path, store, files):
+    index = pack_layer(store, files)
+    source = CorruptingSource(LocalSource(str(store)), times=1)
+
+    async def main():
+        async with open_engine(source, config()) as engine:
+            cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
+            fetcher = BlockFetcher(engine, cache)
+            data = await LayerReader(index, fetcher).read(entry(index, "tiny"), 0, 10)
+            assert data == files["tiny"]
+            assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 0
+            assert len([r for r in source.reads if r.outcome == "ok"]) == 2
+            assert engine.stats.discards == 1
+
+    run(main)
+    source.close()
+
+
+def test_a_block_corrupt_in_the_store_fails_with_eio_and_is_never_served_or_cached(tmp_path, store, source, files):
+    index = pack_layer(store, files)
+    big = entry(index, "big.bin")
+    victim = index.blocks[big.blocks[7]]
+    pack = store / pack_object(index.packs[victim.pack])
+    good = pack.read_bytes()
+    bad = bytearray(good)
+    bad[victim.offset + victim.clen // 2] ^= 0x01
+    pack.write_bytes(bytes(bad))
+    failed_before = sample("bootseer_block_corrupt_total", layer=layer_label(index), source="s", outcome="failed")
+
+    async def main():
+        async with open_engine(source, config(retry_timeout=10 * TIMEOUT)) as engine:
+            cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
+            fetcher = BlockFetcher(engine, cache, source_label="s")
+            layer = LayerReader(index, fetcher)
+            with pytest.raises(FetchError, match="fails verification twice") as caught:
+                await layer.read(big, 6 * BLOCK, 3 * BLOCK)  # blocks 6, 7, 8
+            assert caught.value.errno == errno.EIO
+            # Fetched twice (one request for the three blocks, then the bad one alone), never retried more.
+            ranges = [(r.offset, r.length) for r in source.reads]
+            assert ranges[-1] == (victim.offset, victim.clen) and len(ranges) == 2
+            assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 1
+            # Its good neighbours were cached; the bad block was not.
+            assert cache.get(victim.digest) is None
+            assert cache.get(index.blocks[big.blocks[6]].digest) is not None
+            assert not os.path.exists(cache.path_of(victim.digest))
+            # Reads that do not touch it go on; one that does fails again, without serving it.
+            assert await layer.read(big, 0, BLOCK) == files["big.bin"][:BLOCK]
+            with pytest.raises(FetchError):
+                await layer.read(big, 7 * BLOCK + 5, 1)
+            # The store is repaired: the next read asks it again and succeeds.
+            pack.write_bytes(good)
+            assert await layer.read(big, 7 * BLOCK, BLOCK) == files["big.bin"][7 * BLOCK : 8 * BLOCK]
+
+    run(main)
+    after = sample("bootseer_block_corrupt_total", layer=layer_label(index), source="s", outcome="failed")
+    assert after - failed_before == 2
+
+
+# -- the node cache ---------------------------------------------------------------------------------
+
+
+def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_entry(tmp_path, store, source, files):
+    index = pack_layer(store, files)
+    cache_dir = str(tmp_path / "cache")
+    text = entry(index, "text.txt")
+
+    async def read_all(expect_fetched: int) -> BlockFetcher:
+        async with open_engine(source, config()) as engine:
+            fetcher = BlockFetcher(engine, BlockCache(cache_dir, 64 << 20))
+            assert await LayerReader(index, fetcher).read(text, 0, text.size) == files["text.txt"]
+            assert fetcher.stats.blocks_fetched == expect_fetched
+            return fetcher
+
+    stored = len({index.blocks[ref].digest for ref in text.blocks})
+    first = run(read_all, stored)
+    assert first.stats.blocks_cached == 0
+    reads = len(source.reads)
+    second = run(read_all, 0)  # a new engine, fetcher and cache object: a restarted server
+    assert second.stats.blocks_cached == stored and len(source.reads) == reads
+    # Damage one entry on disk: it is deleted and its block fetched again, never served.
+    victim = index.blocks[text.blocks[3]]
+    path = Path(BlockCache(cache_dir, 64 << 20).path_of(victim.digest))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    third = run(read_all, 1)
+    assert third.stats.blocks_cached == stored - 1
+    assert [(r.offset, r.length) for r in source.reads[reads:]] == [(victim.offset, victim.clen)]
+
+
+def test_an_entry_that_passes_its_checksum_but_not_its_digest_is_refused(tmp_path):
+    cache = BlockCache(str(tmp_path), 1 << 20)
+    good, other = b"a" * 100, b"b" * 100
+    cache.put(sha(other), good)  # a caller's bug (or a hand-made entry): named for bytes it does not hold
+    assert cache.get(sha(other)) is None
+    assert not os.path.exists(cache.path_of(sha(other)))
+    assert cache.stats().corrupt == 1
+    cache.put(sha(good), good)
+    assert cache.get(sha(good)) == good
+    with pytest.raises(ValueError, match="SHA-256"):
+        cache.get("../../etc/passwd")
+    with pytest.raises(ValueError, match="SHA-256"):
+        cache.put("ABC", good)
+
+
+def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(tmp_path, store, source, files):
+    index = pack_layer(store, files)
+    big = entry(index, "big.bin")
+    limit = 12 * (BLOCK + 48)  # a dozen blocks and their headers
+    evictions_before = sample("bootseer_fetch_cache_evictions_total", cache="blocks")
+
+    async def main():
+        async with open_engine(source, config()) as engine:
+            cache = BlockCache(str(tmp_path / "cache"), limit)
+            fetcher = BlockFetcher(engine, cache)
+            layer = LayerReader(index, fetcher)
+            for number in range(40):
+                assert await layer.read(big, number * BLOCK, BLOCK) == files["big.bin"][number * BLOCK : (number + 1) * BLOCK]
+                on_disk = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*") if p.is_file())
+                assert on_disk <= limit
+            assert cache.stats().evictions > 0
+            # The latest blocks are still there; the first ones were evicted and are fetched again.
+            fetched = fetcher.stats.blocks_fetched
+            assert await layer.read(big, 39 * BLOCK, BLOCK) == files["big.bin"][39 * BLOCK : 40 * BLOCK]
+            assert fetcher.stats.blocks_fetched == fetched
+            assert await layer.read(big, 0, BLOCK) == files["big.bin"][:BLOCK]
+            assert fetcher.stats.blocks_fetched == fetched + 1
+
+    run(main)
+    assert sample("bootseer_fetch_cache_evictions_total", cache="blocks") > evictions_before
+
+
+# -- a store that goes away ------------------------------------------------------------------------
+
+
+def test_a_store_that_stops_answering_gives_eio_after_retry_timeout_then_recovers(tmp_path, store, source, files):
+    index = pack_layer(store, files)
+    retry_timeout = 20.0
+
+    async def main():
+        async with open_engine(source, config(retry_timeout=retry_timeout)) as engine:
+            fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20))
+            layer = LayerReader(index, fetcher)
+            big = entry(index, "big.bin")
+            assert await layer.read(big, 0, BLOCK) == files["big.bin"][:BLOCK]  # cached now
+            # Each outage reads blocks not fetched before.
+            for outage, path, offset in [("hang", "text.txt", 0), ("errors", "big.bin", 20 * BLOCK)]:
+                if outage == "hang":
+                    source.pause()  # accepts and never answers
+                else:
+                    source.fail()  # every read fails, forever
+                wanted = entry(index, path)
+                start = trio.current_time()
+                with pytest.raises(FetchError) as caught:
+                    await layer.read(wanted, offset, 3 * BLOCK)
+                assert caught.value.errno == errno.EIO
+                assert retry_timeout <= trio.current_time() - start < retry_timeout + 5
+                # Cached blocks are still served while the store is down.
+                assert await layer.read(big, 0, 100) == files["big.bin"][:100]
+                source.resume()
+                source.heal()
+                await trio.sleep(retry_timeout)  # the engine fails a range that just failed at once, for a while
+                assert await layer.read(wanted, offset, 3 * BLOCK) == files[path][offset : offset + 3 * BLOCK]
+
+    run(main)

@@ -436,35 +436,41 @@ def convert_layer(
             index.validate()
         except FormatError as exc:  # a converter bug, never the input's fault
             raise ConversionError(f"{label} ({digest}): the index built is invalid: {exc}") from None
-        for pack in packs.spooled:
-            _upload_pack(writer, pack)
-        segment = packs.segment()
-        if segment is not None:
-            data = segment.encode()
-            _put_verified(writer, dedup_object(_hex(data)), data)
-            table.add(segment)
-        index_data = index.encode()
-        index_name = _hex(index_data)
-        _put_verified(writer, index_object(index_name), index_data)
-    record = ChainRecord(
-        chain_id=chain,
-        parent=parent,
-        diff_id=diff_id,
-        digest=digest,
-        media_type=media_type,
-        size=size,
-        index=index_name,
-        block_size=block_size,
-        files=len(index.entries),
-        bytes=parsed.file_bytes,
-        converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        converter=f"bootseer {__version__}",
-    )
-    record_data = record.encode()
-    writer.put(chain_object(chain), record_data)  # last: this is what makes the layer visible
-    back = writer.get(chain_object(chain))
-    if back is None or ChainRecord.decode(back, expected_chain_id=chain) != record:
-        raise ConversionError(f"{writer.display_url}: chain record {chain} reads back different from what was written")
+        try:
+            for pack in packs.spooled:
+                _upload_pack(writer, pack)
+            segment = packs.segment()
+            if segment is not None:
+                data = segment.encode()
+                _put_verified(writer, dedup_object(_hex(data)), data)
+                table.add(segment)
+            index_data = index.encode()
+            index_name = _hex(index_data)
+            _put_verified(writer, index_object(index_name), index_data)
+            record = ChainRecord(
+                chain_id=chain,
+                parent=parent,
+                diff_id=diff_id,
+                digest=digest,
+                media_type=media_type,
+                size=size,
+                index=index_name,
+                block_size=block_size,
+                files=len(index.entries),
+                bytes=parsed.file_bytes,
+                converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                converter=f"bootseer {__version__}",
+            )
+            writer.put(chain_object(chain), record.encode())  # last: this is what makes the layer visible
+            back = writer.get(chain_object(chain))
+            try:
+                same = back is not None and ChainRecord.decode(back, expected_chain_id=chain) == record
+            except FormatError:
+                same = False
+            if not same:
+                raise ConversionError(f"{writer.display_url}: chain record {chain} reads back different from what was written")
+        except ConversionError as exc:
+            raise ConversionError(f"{label} ({digest}): {exc}") from None
     return LayerResult(chain_id=chain, digest=digest, skipped=False, stats=packs.stats,
                        files=len(index.entries), uploaded_bytes=writer.put_bytes - puts_before)  # fmt: skip
 

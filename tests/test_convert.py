@@ -365,3 +365,49 @@ def test_cli_errors(argv, code, message, rich_image, tmp_path, capsys):
     err = capsys.readouterr().err
     assert message in err, err
     assert "Traceback" not in err and len([line for line in err.splitlines() if line.startswith("bootseer convert")]) <= 1
+
+
+# -- a registry, and a store that does not keep what it is given --------------------------------
+
+
+def test_cli_converts_from_a_registry_over_plain_http(rich_image, tmp_path, capsys):
+    from integration import harness
+
+    registry = harness.Registry(tmp_path / "registry")
+    registry.start()
+    try:
+        ref = registry.push(rich_image, "bootseer/rich")
+        store = tmp_path / "store"
+        assert cli.main(["convert", ref, "--store", str(store), "--plain-http"]) == 0
+        assert "3 layers (3 converted" in capsys.readouterr().out
+        for chain in chain_ids(rich_image.diff_ids):
+            assert load_index(store, chain).diff_id in rich_image.diff_ids
+        assert cli.main(["convert", ref, "--store", str(store)]) == 1  # HTTPS to a plain-HTTP registry
+        err = capsys.readouterr().err
+        assert err.startswith(f"bootseer convert: {ref}: ") and err.count("\n") == 1
+    finally:
+        registry.stop()
+
+
+class LosingStore(FileStoreWriter):
+    """A store that truncates what it is given for names under ``lose`` (a broken mirror, a full disk)."""
+
+    def __init__(self, root: Path, lose: str) -> None:
+        super().__init__(root)
+        self.lose = lose
+
+    def _put(self, name, data):
+        if name.startswith(self.lose):
+            data = (data if isinstance(data, bytes) else Path(data).read_bytes())[:-2]
+        super()._put(name, data)
+
+
+@pytest.mark.parametrize("lose, message", [("v1/packs/", "reads back as"), ("v1/indexes/", "reads back different"),
+                                           ("v1/chains/", "reads back different")])  # fmt: skip
+def test_what_was_uploaded_is_read_back_and_checked(lose, message, rich_image, tmp_path):
+    writer = LosingStore(tmp_path / "store", lose)
+    with open_image(rich_image.ref) as image, pytest.raises(ConversionError) as caught:
+        convert_image(image, writer)
+    assert message in str(caught.value) and str(caught.value).startswith("layer 1/3 ")
+    if lose != "v1/chains/":
+        assert not (tmp_path / "store" / "v1" / "chains").exists()

@@ -44,7 +44,8 @@ QUICK = EngineConfig(retry_timeout=2.0)
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
-    base = L.Layer((L.File("etc/hosts", b"127.0.0.1 localhost\n"), L.Symlink("abs", "/etc/hosts"), L.File("big", SHARED_BLOCKS)))
+    base = L.Layer((L.File("etc/hosts", b"127.0.0.1 localhost\n"), L.Symlink("abs", "/etc/hosts"), L.File("big", SHARED_BLOCKS),
+                    L.BigFile("large.bin", 12 << 20, seed=3)))  # a pack over boto3's 8 MiB multipart threshold
     top = L.Layer((L.Whiteout("etc/hosts"), L.File("app/again", SHARED_BLOCKS + b"!")))
     return build_oci_layout(tmp_path_factory.mktemp("img") / "layout", [base, top])
 

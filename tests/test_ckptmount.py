@@ -651,6 +651,7 @@ def test_a_source_outage_fails_reads_with_eio_and_the_mount_recovers(source_root
                     assert name in os.listdir(mountpoint)
                     assert os.pread(fd, 4096, 3 * MiB) == data[3 * MiB : 3 * MiB + 4096]
                     link.restore()
+                    time.sleep(2)  # a stripe that failed fails at once for min(--retry-timeout, 10 s)
                     assert os.pread(fd, 4096, 5 * MiB) == data[5 * MiB : 5 * MiB + 4096]
                     assert (mountpoint / "sub" / "deep" / "optimizer.pt").read_bytes() == other
                 finally:
@@ -821,6 +822,38 @@ def test_sigterm_ends_the_mount_while_a_read_hangs_on_a_silent_source(source_roo
         if reader is not None and reader.poll() is None:
             reader.kill()
             reader.wait()
+        mount.cleanup()
+        server.release.set()
+        server.stop()
+
+
+def test_a_failing_read_fails_within_one_retry_timeout(source_root: Path, tmp_path: Path) -> None:
+    """The kernel follows a failed read-ahead read with a one-page read of the same range;
+    that one fails at once (the engine remembers the failed stripe), so a read blocks one
+    --retry-timeout, not two, and the source sees one request for the stripe, not two."""
+    from tests.test_fetch_api import SilentRangeHandler, range_gets
+
+    server = RangeHTTPServer(source_root, SilentRangeHandler)
+    server.release = threading.Event()
+    server.start()
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    retry_timeout = 3.0
+    mount = start_mount(Backend("http", server.url, source_root), mountpoint, tmp_path,
+                        "--retry-timeout", str(retry_timeout), "--readahead-max", "0")  # fmt: skip
+    try:
+        mount.wait_ready()
+        fd = os.open(mountpoint / "model-00001-of-00002.safetensors", os.O_RDONLY)
+        try:
+            started = time.monotonic()
+            with pytest.raises(OSError) as caught:
+                os.pread(fd, 4096, 0)
+            elapsed = time.monotonic() - started
+        finally:
+            os.close(fd)
+        assert caught.value.errno == errno.EIO
+        assert range_gets(server) == 1, f"{range_gets(server)} range requests; the read took {elapsed:.1f}s"
+    finally:
         mount.cleanup()
         server.release.set()
         server.stop()

@@ -178,6 +178,7 @@ def test_fetch_errors_reach_the_caller_as_eio(tmp_path, data):
         with pytest.raises(OSError):
             file.read(100)
         source.heal()
+        time.sleep(config.retry_timeout)  # a failed stripe fails at once for min(retry_timeout, 10 s)
         assert file.read(100) == data[:100]
     source.close()
 

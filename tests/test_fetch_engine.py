@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from bootseer.fetch.engine import Engine, EngineConfig, FetchError, Priority, open_engine
+from bootseer.fetch.engine import Engine, EngineConfig, Extent, FetchError, Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.source import TransientError
 from bootseer.fetch.sources.local import LocalSource
@@ -455,12 +455,57 @@ def test_a_source_that_stays_down_gives_eio_and_other_files_are_served(source, f
             assert len(errors) == 2
             assert all(error.errno == errno.EIO and "still failing" in str(error) for error in errors)
             assert engine.stats.failures >= 2
-            # The source comes back: the same reads now succeed.
+            # The source comes back: the same reads succeed once the failure is forgotten.
             source.heal()
+            await trio.sleep(engine.failure_memory)
             data = files["a.bin"]
             assert await broken[0].read(STRIPE - 10, 100) == data[STRIPE - 10 : STRIPE + 90]
 
     run(main)
+
+
+def test_a_range_that_just_failed_fails_again_at_once_for_a_while(source, files):
+    """The kernel follows a failed read-ahead read with a one-page read of the same range:
+    that read, and any other of the stripe or extent, fails at once for ``failure_memory``
+    seconds instead of waiting out a fresh retry_timeout; then the source is asked again."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    data = files["a.bin"]
+
+    async def main():
+        async with open_engine(source, config(retry_timeout=60.0)) as engine:
+            assert engine.failure_memory == 10.0  # min(retry_timeout, 10 s)
+            source.pause()  # a source that accepts and never answers
+            try:
+                reader = engine.open("a.bin", len(data))
+                started = trio.current_time()
+                with pytest.raises(FetchError):
+                    await reader.read(0, 128 * KiB)  # two stripes, read ahead too
+                assert 60.0 <= trio.current_time() - started < 61.0
+                connections = len(source.opened)
+
+                async def fails_at_once(read) -> None:
+                    before = trio.current_time()
+                    with pytest.raises(FetchError, match="still failing"):
+                        await read()
+                    assert trio.current_time() == before  # virtual time: not a moment spent waiting
+
+                await fails_at_once(lambda: reader.read(0, 4096))  # the kernel's one-page retry
+                await fails_at_once(lambda: engine.open("a.bin", len(data)).read(STRIPE + 5, 10))  # another handle
+                await fails_at_once(lambda: engine.prefetch("a.bin", len(data), 0, STRIPE))
+                assert len(source.opened) == connections  # nothing new was asked of the source
+                extent = Extent(key="x", path="a.bin", offset=100, length=10)
+                with pytest.raises(FetchError):  # an extent is not a stripe: its own first failure
+                    await engine.fetch_extents([extent])
+                await fails_at_once(lambda: engine.fetch_extents([extent]))
+                await trio.sleep(engine.failure_memory)
+                clock.autojump_threshold = 1.0  # real reads in threads from here: no jumping past them
+                source.resume()
+                assert await reader.read(0, 4096) == data[:4096]  # asked again, and served
+                assert await engine.fetch_extents([extent]) == [data[100:110]]
+            finally:
+                source.resume()
+
+    trio.run(main, clock=clock)
 
 
 def test_stripes_belong_to_one_version_of_a_file(tmp_path, source):

@@ -49,7 +49,9 @@ began fails, even if that attempt is still waiting on a source that never answer
 the blocked call is abandoned and its connection closed from another thread, which
 aborts it where the backend allows.  Either way the tasks waiting on it get
 :class:`FetchError` (EIO), never short or wrong bytes, and the engine goes on
-serving everything else.  Stopping the engine abandons calls in flight the same
+serving everything else.  A stripe or extent that failed for good keeps failing at
+once for ``Engine.failure_memory`` seconds (min(retry_timeout, 10 s)), so a read
+the kernel retries right after a failure does not wait out a second timeout.  Stopping the engine abandons calls in flight the same
 way, so it never waits on a silent source.
 """
 
@@ -88,6 +90,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 T = TypeVar("T")
+
+FAILURE_MEMORY_S = 10.0  #: the longest a failed stripe keeps failing at once (see Engine.failure_memory)
 
 BYTES_FETCHED = prometheus_client.Counter(
     "bootseer_fetch_bytes", "Stripe bytes read from sources (not from the disk cache)"
@@ -476,6 +480,10 @@ class Engine:
         self.read_lookahead = max(1, min(2 * self.streams, stripes_in_memory // 2))
         self.readahead_max_stripes = config.readahead_max // config.stripe_size
         self.readahead_initial_stripes = min(2, self.readahead_max_stripes)
+        #: seconds a stripe or extent that failed for good keeps failing at once, without
+        #: a new attempt: long enough for the kernel's retry of a failed read, short
+        #: enough that a source that comes back serves again soon
+        self.failure_memory = min(config.retry_timeout or FAILURE_MEMORY_S, FAILURE_MEMORY_S)
         # Read-ahead and prefetch leave this much memory for demand reads.
         self._demand_reserve = config.stripe_size if stripes_in_memory >= 4 else 0
         self._cache = StripeCache(config.cache_dir, config.cache_size) if config.cache_dir else None
@@ -491,6 +499,8 @@ class Engine:
         self._changed = trio.Event()
         self._starved = False  # a worker waits for memory that evictions could not free
         self._windows: OrderedDict[Reader, None] = OrderedDict()  # readers holding a window, LRU first
+        # Stripes and extents that failed for good lately, by key: (until when, the failed stripe).
+        self._recent_failures: OrderedDict[Hashable, tuple[float, _Stripe]] = OrderedDict()
         # The queued extents of each object version, by offset: where workers find neighbours to coalesce.
         self._queued_extents: dict[tuple[str, str], list[tuple[int, int, _Stripe]]] = {}
         self._running = False
@@ -773,6 +783,10 @@ class Engine:
         if stripe is not None and extent is not None:
             assert stripe.extent is not None
             _check_same_place(stripe.extent, extent)
+        if stripe is None and (failed := self._failed_recently(key)) is not None:
+            if extent is not None and failed.extent is not None:
+                _check_same_place(failed.extent, extent)
+            return failed
         if stripe is None:
             stripe = _Stripe(file, index, self.stripe_size, extent)
             self._stripes[key] = stripe
@@ -887,6 +901,30 @@ class Engine:
         stripe.state = _State.FAILED
         stripe.error = error
         stripe.done.set()
+
+    def _remember_failure(self, stripe: _Stripe) -> None:
+        """Fail holds of ``stripe``'s key at once for :attr:`failure_memory` seconds.
+
+        The kernel follows a failed read-ahead read with a single-page read of the
+        same range: without this it would start a fresh retry clock, and a read would
+        fail only after twice ``retry_timeout``."""
+        if self.failure_memory <= 0:
+            return
+        now = trio.current_time()
+        while self._recent_failures and next(iter(self._recent_failures.values()))[0] <= now:
+            self._recent_failures.popitem(last=False)  # oldest first: all expire after the same time
+        self._recent_failures[stripe.key] = (now + self.failure_memory, stripe)
+        self._recent_failures.move_to_end(stripe.key)
+
+    def _failed_recently(self, key: Hashable) -> _Stripe | None:
+        """The FAILED stripe of ``key`` if it failed less than :attr:`failure_memory` seconds ago."""
+        remembered = self._recent_failures.get(key)
+        if remembered is None:
+            return None
+        if remembered[0] <= trio.current_time():
+            del self._recent_failures[key]
+            return None
+        return remembered[1]
 
     def _notify(self) -> None:
         """Wake the workers waiting in :meth:`_take`: the queue, memory or evictable stripes changed."""
@@ -1186,6 +1224,7 @@ class Engine:
             self.stats.failures += 1
             (STRIPES if stripe.extent is None else EXTENTS).labels("failed").inc()
             self._fail(stripe, error)
+            self._remember_failure(stripe)
             return
         if not stripe.wanted():
             self._forget(stripe)

@@ -11,7 +11,6 @@ snapshotter starts it) and leaves no process or mount behind.  The layers are
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import signal
@@ -52,7 +51,6 @@ pytestmark = [
 
 BLOCK_SIZE = 64 << 10
 REPO = Path(__file__).resolve().parent.parent
-INTERIM = REPO / "tests" / "support" / "interim"
 OPAQUE = "trusted.overlay.opaque"
 
 
@@ -137,15 +135,7 @@ def wait_gone(pid: int, timeout: float) -> None:
 
 
 @pytest.fixture
-def interim_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # INTERIM: until blockstore/reader.py and cache.py land, servers started by the
-    # tests read blocks through tests/support/interim_reader.py.
-    if importlib.util.find_spec("bootseer.blockstore.reader") is None:
-        monkeypatch.setenv("PYTHONPATH", f"{INTERIM}:{os.environ.get('PYTHONPATH', '')}".rstrip(":"))
-
-
-@pytest.fixture
-def node_factory(tmp_path: Path, interim_env: None) -> Iterator[Any]:
+def node_factory(tmp_path: Path) -> Iterator[Any]:
     nodes: list[Node] = []
 
     def make(store_url: str, **settings: Any) -> Node:
@@ -442,7 +432,7 @@ def test_two_callers_at_once_start_one_server(node: Node) -> None:
     assert node.log().count("layer server ready on") == 1
 
 
-def test_a_server_that_cannot_start_is_a_clear_error(tmp_path: Path, interim_env: None) -> None:
+def test_a_server_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
     settings = ServerSettings(store="file:///nowhere", extra_args=("--cache-size", "lots"), start_timeout=60)
     with pytest.raises(ServerStartError, match="(?s)exited with status 2.*invalid size 'lots'"):
         ensure_server(tmp_path / "root", settings)

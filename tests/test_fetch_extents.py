@@ -29,14 +29,17 @@ KiB = 1024
 STRIPE = 64 * KiB
 EXTENT = 4 * KiB
 TIMEOUT = 600  # virtual seconds any one test may take; a hang fails instead of blocking the run
+FAULT_AUTOJUMP = 0.3  # real seconds of idleness before the clock jumps, in tests that wait out backoffs
 
 
-def run(async_fn, *args, autojump: float = 0.2):
+def run(async_fn, *args, autojump: float = 1.0):
     """Run ``async_fn`` on the autojump clock.
 
-    The clock jumps once every task has waited ``autojump`` real seconds: long
-    enough that a read in a worker thread is never taken for a hang, short enough
-    that a source that does hang times out at once.
+    The clock jumps to the next deadline once every task has waited ``autojump``
+    real seconds.  Where only a hang should move it, the default is long enough
+    that a read in a worker thread of a busy machine is never taken for one; tests
+    of retries and timeouts, which sleep through many backoffs, take
+    :data:`FAULT_AUTOJUMP`.
     """
 
     async def bounded():
@@ -268,11 +271,11 @@ def test_transient_failures_are_retried_on_new_connections(source, packs):
             assert failed and failed <= source.closed
             assert "broken" not in source.outcomes()
 
-    run(main)
+    run(main, autojump=FAULT_AUTOJUMP)
 
 
 def test_a_failing_or_hung_source_gives_eio_after_retry_timeout_then_recovers(source, packs):
-    retry_timeout = 20.0
+    retry_timeout = 8.0
     wanted = [extent("p1", 0), extent("p1", EXTENT)]
 
     async def main():
@@ -302,7 +305,7 @@ def test_a_failing_or_hung_source_gives_eio_after_retry_timeout_then_recovers(so
             assert await engine.fetch_extents([extent("p1", 9 * STRIPE)]) == [packs["p1"][9 * STRIPE : 9 * STRIPE + EXTENT]]
             assert engine.stats.held_bytes <= engine.config.memory_limit
 
-    run(main)
+    run(main, autojump=FAULT_AUTOJUMP)
 
 
 def test_missing_truncated_and_changed_objects_fail_at_once(tmp_path, source, packs):

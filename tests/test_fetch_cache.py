@@ -10,10 +10,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import prometheus_client
 import pytest
 import trio
 
-from bootseer.fetch.cache import StripeCache
+from bootseer.fetch.cache import StripeCache, VerifiedFileCache
 from bootseer.fetch.engine import EngineConfig, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
@@ -234,3 +235,56 @@ def test_a_same_size_same_second_rewrite_is_not_served_from_the_cache(tmp_path):
     assert entry.mtime == stamp and entry.size == len(old) and entry.version
     got, stats = read_all(LocalSource(str(root)), config, "model.bin", len(new))
     assert got == new and stats.cache_hits == 0
+
+
+# -- the shared verified cache: keys, checks of its own, metrics --------------------------------------
+
+
+def test_keys_are_checked_because_they_become_file_names(tmp_path):
+    cache = StripeCache(str(tmp_path / "cache"), 10 * STRIPE)
+    for bad in ["../../etc/passwd", "ABCDEF0123456789", "0123", "x" * 32, "", "a" * 129, None]:
+        with pytest.raises(ValueError, match="hex digits"):
+            cache.get(bad)
+        with pytest.raises(ValueError, match="hex digits"):
+            cache.put(bad, b"data")
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+class _EvenOnly(VerifiedFileCache):
+    """A cache with a check of its own: payloads of even length only."""
+
+    MAGIC = b"TESTEVEN"
+    kind = "test-even"
+
+    def verify(self, key: str, payload: bytes) -> str | None:
+        return None if len(payload) % 2 == 0 else "odd length"
+
+
+def test_a_subclass_check_discards_an_entry_and_every_event_is_counted_under_its_label(tmp_path):
+    registry = prometheus_client.REGISTRY
+
+    def sample(name: str) -> float:
+        return registry.get_sample_value(name, {"cache": "test-even"}) or 0.0
+
+    names = ["hits", "misses", "corrupt", "evictions"]
+    before = {name: sample(f"bootseer_fetch_cache_{name}_total") for name in names}
+    cache = _EvenOnly(str(tmp_path), 4 * (HEADER + 100))
+    good, odd = "a" * 32, "b" * 32
+    cache.put(good, bytes(100))
+    cache.put(odd, bytes(99))
+    assert cache.get(good) == bytes(100)
+    assert cache.get(odd) is None  # passes the checksum, fails the subclass: deleted
+    assert not os.path.exists(cache.path_of(odd))
+    assert cache.get("c" * 32) is None
+    for n in range(8):  # more than fits: the oldest go
+        cache.put(f"{n:032x}", bytes(100))
+    stats = cache.stats()
+    assert (stats.hits, stats.misses, stats.corrupt) == (1, 1, 1) and stats.evictions > 0
+    assert stats.bytes <= cache.max_bytes == stats.max_bytes
+    after = {name: sample(f"bootseer_fetch_cache_{name}_total") for name in names}
+    assert {name: after[name] - before[name] for name in names} == {
+        "hits": 1, "misses": 1, "corrupt": 1, "evictions": stats.evictions}  # fmt: skip
+    # Entries of another kind of cache in the same directory are never taken for its own.
+    stripes = StripeCache(str(tmp_path), 4 * (HEADER + 100))
+    survivor = next(f"{n:032x}" for n in range(8) if os.path.exists(cache.path_of(f"{n:032x}")))
+    assert stripes.get(survivor) is None

@@ -187,6 +187,8 @@ class LayerServer:
         )
         self.layers: dict[str, Layer] = {}
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
+        # Cache I/O, decompression and hashing, for every store's fetcher together.
+        self._block_threads = trio.CapacityLimiter(os.cpu_count() or 2)
         self._engines: dict[str, Engine] = {}
         self._fetchers: dict[str, Any] = {}
         self._opening: dict[str, trio.Lock] = {}
@@ -211,7 +213,7 @@ class LayerServer:
                 engine = Engine(source, self.config.engine)
                 await self.nursery.start(self._run_engine, engine)
                 self._engines[store] = engine
-                self._fetchers[store] = BlockFetcher(engine, self.cache)
+                self._fetchers[store] = BlockFetcher(engine, self.cache, threads=self._block_threads)
         return self._engines[store], self._fetchers[store]
 
     @staticmethod

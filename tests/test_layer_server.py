@@ -296,6 +296,21 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
             assert file.read(10) == expected
         for first, last in _pack_requests(http, pack)[len(ranges) :]:
             assert covered.isdisjoint(range(first, last + 1))
+        stats = only(client.status()["stores"])
+        assert stats["blocks"]["blocks_fetched"] >= 1 and stats["blocks"]["blocks_cached"] == 0
+
+        # A restarted server (a new mount: no page cache) finds the block in the node cache.
+        requests_before = len(_pack_requests(http, pack))
+        node.stop(signal.SIGTERM)
+        client = node.ensure()
+        with open(base / "srv/big.bin", "rb", buffering=0) as file:
+            file.seek(2 * BLOCK_SIZE + 100)
+            assert file.read(10) == expected
+        status = client.status()
+        assert only(status["stores"])["blocks"]["blocks_cached"] >= 1
+        assert status["cache"]["hits"] >= 1
+        for first, last in _pack_requests(http, pack)[requests_before:]:
+            assert covered.isdisjoint(range(first, last + 1))  # nothing already fetched is fetched again
 
 
 def metadata_only(root: Path) -> None:
@@ -501,3 +516,9 @@ def _shared_blocks() -> bytes:
     from tests.support.oci import SHARED_BLOCKS
 
     return SHARED_BLOCKS
+
+
+def only(stores: dict[str, Any]) -> dict[str, Any]:
+    """The statistics of the one store a test's server reads."""
+    assert len(stores) == 1, stores
+    return next(iter(stores.values()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -522,3 +523,32 @@ def only(stores: dict[str, Any]) -> dict[str, Any]:
     """The statistics of the one store a test's server reads."""
     assert len(stores) == 1, stores
     return next(iter(stores.values()))
+
+
+def test_a_damaged_table_is_refused_clearly(node: Node) -> None:
+    node.paths.layers.mkdir(parents=True)
+    node.paths.table.write_text("{not json")
+    with pytest.raises(ServerStartError, match="(?s)exited with status 2.*table.json is not valid JSON.*move it away"):
+        node.ensure()
+
+
+def test_a_tampered_block_is_never_served(built: Any, node_factory: Any, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(built[0], store)
+    index = built[1][0].index
+    entry = next(e for e in index.entries if e.path == "srv/big.bin")
+    block = index.blocks[entry.blocks[1]]
+    pack = store / pack_object(index.packs[block.pack])
+    data = bytearray(pack.read_bytes())
+    data[block.offset + block.clen // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    client = node_factory(f"file://{store}").ensure()
+    base = Path(client.mount(built[1][0].chain_id))
+    with open(base / "srv/big.bin", "rb", buffering=0) as file:
+        assert file.read(100) == rich_big_bin()[:100]  # block 0 is intact
+        file.seek(BLOCK_SIZE + 10)
+        with pytest.raises(OSError) as excinfo:
+            file.read(100)
+        assert excinfo.value.errno == errno.EIO
+    assert only(client.status()["stores"])["blocks"]["corrupt"] >= 1
+    assert client.status()["health"]["fuse"] == "serving"

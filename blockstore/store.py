@@ -121,8 +121,22 @@ class StoreWriter(abc.ABC):
         self.close()
 
 
+def _link(source: str | os.PathLike[str], temp: Path) -> bool:
+    """Hard-link ``source`` at ``temp`` if both are on one filesystem (the caller's file is then shared, not copied)."""
+    try:
+        os.link(source, temp)
+    except OSError:
+        return False  # EXDEV across filesystems, EPERM where links are refused: copy instead
+    return True
+
+
 class FileStoreWriter(StoreWriter):
-    """A store in a local (or NFS) directory: temp file, fsync, rename, fsync of the directory."""
+    """A store in a local (or NFS) directory: temp file, fsync, rename, fsync of the directory.
+
+    A file put from the same filesystem is hard-linked into place rather than copied,
+    so the caller must not change it afterwards (the converter's spooled packs are
+    deleted, never rewritten).
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         super().__init__()
@@ -157,14 +171,18 @@ class FileStoreWriter(StoreWriter):
         temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            with open(temp, "wb") as out:
-                if isinstance(data, bytes):
-                    out.write(data)
-                else:
-                    with open(data, "rb") as source:
-                        shutil.copyfileobj(source, out, _COPY_CHUNK)
-                out.flush()
-                os.fsync(out.fileno())
+            if not isinstance(data, bytes) and _link(data, temp):
+                with open(temp, "rb") as linked:  # a spooled file on the same filesystem: no copy
+                    os.fsync(linked.fileno())
+            else:
+                with open(temp, "wb") as out:
+                    if isinstance(data, bytes):
+                        out.write(data)
+                    else:
+                        with open(data, "rb") as source:
+                            shutil.copyfileobj(source, out, _COPY_CHUNK)
+                    out.flush()
+                    os.fsync(out.fileno())
             os.replace(temp, target)
             directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
             try:

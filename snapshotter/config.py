@@ -1,21 +1,30 @@
 """Settings of the ``bootseer-snapshotter`` daemon: defaults, TOML file, command-line flags.
 
 Precedence, lowest first: :data:`DEFAULTS`, the TOML file given with ``--config``,
-then the flags.  The file takes the same keys as the flags (``root``, ``address``,
-``log_level``, ``log_format``, ``metrics_address``); an unknown key or a value of
-the wrong type is a :class:`ConfigError` that names the key, so a typo never leaves
-a setting silently at its default.  ``ctr_examples/bootseer-snapshotter.toml``
-documents every key.
+then the flags.  The file's top-level keys are the daemon's own (``root``,
+``address``, ``log_level``, ``log_format``, ``metrics_address``); the lazy layers
+take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
+``[cache] dir, size`` and ``[fetch] streams, retry_timeout``.  Inside the program a
+section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir`` and
+``--cache-size`` set three of them.  An unknown key or a value of the wrong type is a
+:class:`ConfigError` that names the key, so a typo never leaves a setting silently at
+its default.  ``ctr_examples/bootseer-snapshotter.toml`` documents every key.
+
+With no ``store.url`` the daemon serves plain snapshots only, exactly as it did
+before the lazy layers; the other sections then change nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from bootseer.ckptmount.cli import parse_size
+from bootseer.fetch.sources import source_class
 from bootseer.log import FORMATS, LEVELS
 from bootseer.metrics import parse_address
 
@@ -31,18 +40,51 @@ class Config:
     log_level: str = "info"
     log_format: str = "text"
     metrics_address: str = ""  #: ``HOST:PORT`` of the Prometheus endpoint; empty: off
+    store_url: str = ""  #: where converted layers are; empty: no remote snapshots
+    cache_dir: Path | None = None  #: the node's block cache; None: ``ROOT/cache``
+    cache_size: int = 16 << 30  #: bytes the block cache may hold
+    fetch_streams: int = 16  #: parallel range requests per store
+    fetch_retry_timeout: float = 60.0  #: seconds a failing fetch is retried before the read fails (EIO)
+
+    @property
+    def block_cache_dir(self) -> Path:
+        return self.cache_dir if self.cache_dir is not None else self.root / "cache"
 
 
-DEFAULTS: dict[str, str] = {
+DEFAULTS: dict[str, Any] = {
     "root": "/var/lib/bootseer",
     "address": "/run/bootseer/snapshotter.sock",
     "log_level": "info",
     "log_format": "text",
     "metrics_address": "",
+    "store.url": "",
+    "cache.dir": "",
+    "cache.size": "16G",
+    "fetch.streams": 16,
+    "fetch.retry_timeout": 60.0,
 }
 
-# Every key is a string today; the table stays so a future key of another type is one line.
-KEY_TYPES: dict[str, type] = {key: str for key in DEFAULTS}
+#: The TOML types each key accepts (an integer also serves where seconds are a float).
+KEY_TYPES: dict[str, tuple[type, ...]] = {
+    **{key: (str,) for key in DEFAULTS},
+    "cache.size": (str, int),
+    "fetch.streams": (int,),
+    "fetch.retry_timeout": (float, int),
+}
+
+#: The argparse destination of each key that has a flag.
+FLAGS: dict[str, str] = {
+    "root": "root",
+    "address": "address",
+    "log_level": "log_level",
+    "log_format": "log_format",
+    "metrics_address": "metrics_address",
+    "store.url": "store",
+    "cache.dir": "cache_dir",
+    "cache.size": "cache_size",
+}
+
+SECTIONS = ("store", "cache", "fetch")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -54,17 +96,24 @@ def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {exc}") from exc
-    for key, value in table.items():
+    flat: dict[str, Any] = {}
+    for name, value in table.items():
+        if name in SECTIONS and isinstance(value, dict):
+            flat.update({f"{name}.{key}": item for key, item in value.items()})
+        else:
+            flat[name] = value
+    for key, value in flat.items():
         if key not in KEY_TYPES:
             known = ", ".join(KEY_TYPES)
             raise ConfigError(f"config file {str(path)!r}: unknown key {key!r} (known keys: {known})")
         expected = KEY_TYPES[key]
-        if not isinstance(value, expected):
+        # bool is an int to Python, never to a TOML reader.
+        if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
             raise ConfigError(
-                f"config file {str(path)!r}: key {key!r} must be a {_type_name(expected)}, "
+                f"config file {str(path)!r}: key {key!r} must be a {' or '.join(map(_type_name, expected))}, "
                 f"got {_type_name(type(value))} {value!r}"
             )
-    return table
+    return flat
 
 
 def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | None]) -> Config:
@@ -78,7 +127,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
                 source[key] = origin
 
     def invalid(key: str, why: str) -> ConfigError:
-        flag = "--" + key.replace("_", "-")
+        flag = "--" + FLAGS.get(key, key).replace("_", "-")
         where = f"key {key!r} in the config file" if source[key] == "config file" else flag
         return ConfigError(f"{where}: {why}")
 
@@ -94,12 +143,35 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             parse_address(merged["metrics_address"])
         except ValueError as exc:
             raise invalid("metrics_address", str(exc)) from None
+    store_url = merged["store.url"]
+    if store_url:
+        try:
+            source_class(store_url)
+        except ValueError as exc:
+            raise invalid("store.url", str(exc)) from None
+    size = merged["cache.size"]
+    try:
+        cache_size = size if isinstance(size, int) else parse_size(size)
+    except argparse.ArgumentTypeError as exc:
+        raise invalid("cache.size", str(exc)) from None
+    if cache_size <= 0:
+        raise invalid("cache.size", f"must be positive, not {size!r}")
+    if merged["fetch.streams"] < 1:
+        raise invalid("fetch.streams", f"must be at least 1, not {merged['fetch.streams']}")
+    if not merged["fetch.retry_timeout"] > 0:
+        raise invalid("fetch.retry_timeout", f"must be positive seconds, not {merged['fetch.retry_timeout']}")
+    root = Path(merged["root"]).absolute()
     return Config(
-        root=Path(merged["root"]).absolute(),
+        root=root,
         address=Path(merged["address"]).absolute(),
         log_level=merged["log_level"],
         log_format=merged["log_format"],
         metrics_address=merged["metrics_address"],
+        store_url=store_url,
+        cache_dir=Path(merged["cache.dir"]).absolute() if merged["cache.dir"] else None,
+        cache_size=cache_size,
+        fetch_streams=merged["fetch.streams"],
+        fetch_retry_timeout=float(merged["fetch.retry_timeout"]),
     )
 
 

@@ -57,8 +57,14 @@ from bootseer import __version__
 from bootseer.log import FORMATS, LEVELS, get_logger, setup_logging
 from bootseer.metrics import serve_metrics
 
+from bootseer.blockstore.control import LayerServerError, ServerPaths, ServerSettings
+from bootseer.fetch.engine import EngineConfig
+from bootseer.fetch.sources import redact_url
+
 from . import config, service
+from .backend import LayerBackend
 from .errors import CorruptMetadata, RootLocked, SchemaTooNew
+from .layer_server import LayerServerBackend
 from .snapshots import Snapshotter
 
 log = get_logger(__name__)
@@ -89,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=LEVELS, help="default info")
     parser.add_argument("--log-format", choices=FORMATS, help="default text (logfmt)")
     parser.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus /metrics here (default off)")
+    lazy = parser.add_argument_group("lazy layers (remote snapshots; off unless a store is given)")
+    lazy.add_argument("--store", metavar="URL", help="store of converted layers: file://, s3://, http(s)://, hdfs://")
+    lazy.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (default ROOT/cache)")
+    lazy.add_argument("--cache-size", metavar="SIZE", help=f"block cache size (default {config.DEFAULTS['cache.size']})")
     return parser
 
 
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         file_settings = config.read_file(args.config) if args.config else {}
-        settings = config.resolve(file_settings, {key: getattr(args, key) for key in config.DEFAULTS})
+        settings = config.resolve(file_settings, {key: getattr(args, dest) for key, dest in config.FLAGS.items()})
     except config.ConfigError as exc:
         parser.error(str(exc))  # exits 2
     setup_logging(settings.log_level, settings.log_format)
@@ -130,8 +140,11 @@ class Daemon:
             cleanup.callback(claim.release)
             check_socket_free(address)
 
-            snapshotter = open_snapshotter(root)
+            backend = self._layer_backend()
+            snapshotter = open_snapshotter(root, backend)
             cleanup.callback(self._close_snapshotter, snapshotter)
+            if backend is not None:  # after the root's lock: one daemon per root starts its server
+                self._start_layer_server(backend)
             snapshotter.restore()  # logs what it restored and any damage it found
 
             collector = service.SnapshotCountCollector(snapshotter)
@@ -151,6 +164,7 @@ class Daemon:
                 root=str(root),
                 address=str(address),
                 metrics_address=metrics_address or "off",
+                store=redact_url(self.settings.store_url) if self.settings.store_url else "off",
                 pid=os.getpid(),
             )
 
@@ -198,6 +212,36 @@ class Daemon:
             if received and received[0] in (signal.SIGTERM, signal.SIGINT):
                 return signal.Signals(received[0]).name
 
+    def _layer_backend(self) -> LayerServerBackend | None:
+        """The remote-snapshot backend the settings ask for; None without a store."""
+        settings = self.settings
+        if not settings.store_url:
+            return None
+        server = ServerSettings(
+            store=settings.store_url,
+            cache_dir=str(settings.block_cache_dir),
+            cache_size=settings.cache_size,
+            streams=settings.fetch_streams,
+            retry_timeout=settings.fetch_retry_timeout,
+            log_level=settings.log_level,
+        )
+        engine = EngineConfig(streams=settings.fetch_streams, retry_timeout=settings.fetch_retry_timeout)
+        return LayerServerBackend(settings.root, settings.store_url, server, engine)
+
+    @staticmethod
+    def _start_layer_server(backend: LayerServerBackend) -> None:
+        """Find or start the layer server; if it cannot start, serve on and fall back per layer.
+
+        A pull must never fail because of the lazy path: each Prepare then tries to
+        start the server again and, failing, downloads the layer as without a store.
+        """
+        try:
+            backend.start()
+        except LayerServerError as exc:
+            log.error("the layer server cannot start; layers are downloaded until it can", error=str(exc))
+        else:
+            log.info("layer server ready", socket=str(ServerPaths(backend.root).socket))
+
     def _serve_metrics(self) -> str:
         if not self.settings.metrics_address:
             return ""
@@ -222,10 +266,10 @@ def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     (exit at once) from running."""
 
 
-def open_snapshotter(root: Path) -> Snapshotter:
+def open_snapshotter(root: Path, backend: LayerBackend | None = None) -> Snapshotter:
     """The Snapshotter of ``root``; it locks the root (``ROOT/lock``), one daemon per root."""
     try:
-        return Snapshotter(root)
+        return Snapshotter(root, backend)
     except RootLocked as exc:
         raise StartupError(
             f"{exc}; two daemons must never share a root: stop the other one or choose another --root"

@@ -41,3 +41,16 @@ class SchemaTooNew(FailedPrecondition):
 
 class CorruptMetadata(SnapshotError):
     """The metadata database cannot be read: not a database, damaged, or unreadable."""
+
+
+class LayerUnavailable(SnapshotError):
+    """A remote layer cannot be looked up, mounted or checked now.
+
+    ``reason`` is a short word for logs and the fallback metric (``store_error``,
+    ``server_unavailable``, ``corrupt``, ``mount_failed``, ``not_mounted``).  Prepare
+    never lets it out: it falls back to the ordinary download-and-unpack path.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

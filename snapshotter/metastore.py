@@ -10,7 +10,11 @@ interrupted one leaves no trace.
 Each snapshot has an ``id`` that never changes (committing renames the key, the id
 stays) and names its directory on disk; ids come from an AUTOINCREMENT sequence, so a
 deleted snapshot's id is never handed out again once committed.  ``backing`` says what
-serves a snapshot's contents; today every snapshot is a plain directory (``"dir"``).
+serves a snapshot's contents: a plain directory (``"dir"``) or a layer served lazily
+by the layer server (``"remote"``: ``remote_ref`` is its ChainID, ``remote_dir`` the
+lower directory the server gave).  ``state`` is ``"ready"`` except while a remote
+layer is being mounted (``"mounting"``): the mount runs between two transactions,
+never inside one, and a row left ``"mounting"`` by a crash is undone at restore.
 """
 
 from __future__ import annotations
@@ -28,12 +32,16 @@ from .errors import AlreadyExists, CorruptMetadata, FailedPrecondition, InvalidA
 from .types import Info, Kind, Usage
 
 #: Bumped whenever the tables change; :class:`MetaStore` migrates older databases.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: containerd's ``labels.Validate`` limit: a label's key and value together, in bytes.
 MAX_LABEL_SIZE = 4096
 
 BACKING_DIR = "dir"
+BACKING_REMOTE = "remote"
+
+STATE_READY = "ready"
+STATE_MOUNTING = "mounting"
 
 _SCHEMA = """
 CREATE TABLE snapshots (
@@ -56,6 +64,17 @@ CREATE TABLE labels (
 ) WITHOUT ROWID;
 """
 
+#: The steps from each version to the next (version 1 is :data:`_SCHEMA`).
+_MIGRATIONS: dict[int, str] = {
+    # Remote snapshots: the two-phase mount's state, the ChainID and its lower dir.
+    2: """
+ALTER TABLE snapshots ADD COLUMN state TEXT NOT NULL DEFAULT 'ready' CHECK (state IN ('ready', 'mounting'));
+ALTER TABLE snapshots ADD COLUMN remote_ref TEXT NOT NULL DEFAULT '';
+ALTER TABLE snapshots ADD COLUMN remote_dir TEXT NOT NULL DEFAULT '';
+CREATE INDEX snapshots_by_remote_ref ON snapshots (remote_ref) WHERE remote_ref != '';
+""",
+}
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -63,6 +82,8 @@ class Layer:
 
     id: str
     backing: str
+    remote_ref: str = ""  #: the ChainID, for a remote layer
+    remote_dir: str = ""  #: the layer server's lower dir, for a remote layer
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,13 @@ class Record:
     key: str
     kind: Kind
     backing: str
+    state: str = STATE_READY
+    remote_ref: str = ""
+    remote_dir: str = ""
+
+    @property
+    def layer(self) -> Layer:
+        return Layer(self.id, self.backing, self.remote_ref, self.remote_dir)
 
 
 def validate_labels(labels: dict[str, str] | None) -> None:
@@ -194,11 +222,14 @@ class Transaction:
                 f"metadata database schema version {version} is newer than this snapshotter supports "
                 f"({SCHEMA_VERSION}): it was written by a newer bootseer; upgrade bootseer to use this root"
             )
-        if version == 0:
+        steps = {1: _SCHEMA, **_MIGRATIONS}
+        for step in range(version + 1, SCHEMA_VERSION + 1):
             # Statement by statement: executescript() would commit the open transaction.
-            for statement in _SCHEMA.split(";"):
+            for statement in steps[step].split(";"):
                 if statement.strip():
                     self._db.execute(statement)
+        if version < SCHEMA_VERSION:
+            self._db.execute("DELETE FROM schema_version")
             self._db.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
 
     # -- reads -------------------------------------------------------------------
@@ -263,16 +294,33 @@ class Transaction:
 
     def records(self) -> list[Record]:
         return [
-            Record(str(id_), key, Kind(kind), backing)
-            for id_, key, kind, backing in self._db.execute("SELECT id, key, kind, backing FROM snapshots ORDER BY id")
+            Record(str(id_), key, Kind(kind), backing, state, remote_ref, remote_dir)
+            for id_, key, kind, backing, state, remote_ref, remote_dir in self._db.execute(
+                "SELECT id, key, kind, backing, state, remote_ref, remote_dir FROM snapshots ORDER BY id"
+            )
         ]
+
+    def remote_users(self, chain_id: str) -> list[str]:
+        """The keys of every snapshot (any state) served by, or mounting, the remote layer ``chain_id``."""
+        return [key for (key,) in self._db.execute("SELECT key FROM snapshots WHERE remote_ref = ?", (chain_id,))]
 
     # -- writes ------------------------------------------------------------------
 
     def create_snapshot(
-        self, kind: Kind, key: str, parent: str, labels: dict[str, str] | None, backing: str = BACKING_DIR
+        self,
+        kind: Kind,
+        key: str,
+        parent: str,
+        labels: dict[str, str] | None,
+        backing: str = BACKING_DIR,
+        remote_ref: str = "",
     ) -> Snapshot:
-        """Record a new active or view snapshot ``key`` on top of the committed ``parent``."""
+        """Record a new active or view snapshot ``key`` on top of the committed ``parent``.
+
+        With ``remote_ref`` the snapshot is the first phase of a remote one: recorded
+        ``"mounting"`` until :meth:`commit_active` (with ``remote_dir``) or
+        :meth:`abandon_remote` ends the second phase.
+        """
         if kind not in (Kind.ACTIVE, Kind.VIEW):
             raise InvalidArgument(
                 f"snapshot type {kind.name} invalid; only snapshots of type Active or View can be created"
@@ -291,22 +339,31 @@ class Transaction:
         if self._db.execute("SELECT 1 FROM snapshots WHERE key = ?", (key,)).fetchone():
             raise AlreadyExists(f"snapshot {key!r} already exists")
         now = _now_ns()
+        state = STATE_MOUNTING if remote_ref else STATE_READY
         cursor = self._db.execute(
-            "INSERT INTO snapshots (key, kind, parent_id, backing, created_ns, updated_ns) VALUES (?, ?, ?, ?, ?, ?)",
-            (key, int(kind), parent_id, backing, now, now),
+            "INSERT INTO snapshots (key, kind, parent_id, backing, created_ns, updated_ns, state, remote_ref) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (key, int(kind), parent_id, backing, now, now, state, remote_ref),
         )
         id_ = cursor.lastrowid
         self._write_labels(id_, labels)
         return Snapshot(str(id_), kind, backing, self._chain(parent_id))
 
     def commit_active(
-        self, key: str, name: str, usage: Usage, labels: dict[str, str] | None, expected_id: str | None = None
+        self,
+        key: str,
+        name: str,
+        usage: Usage,
+        labels: dict[str, str] | None,
+        expected_id: str | None = None,
+        remote_dir: str | None = None,
     ) -> str:
         """Turn the active snapshot ``key`` into the committed ``name``; returns its id.
 
         The labels replace the active snapshot's (they are not inherited).  With
         ``expected_id``, fail unless ``key`` is still the snapshot whose usage the
-        caller measured.
+        caller measured.  ``remote_dir`` ends a remote snapshot's mount: the committed
+        snapshot is ``"ready"``, served from that lower directory.
         """
         if not name:
             raise InvalidArgument("committed snapshot name must not be empty")
@@ -327,19 +384,35 @@ class Transaction:
             "WHERE id = ?",
             (name, int(Kind.COMMITTED), now, now, usage.size, usage.inodes, id_),
         )
+        if remote_dir is not None:
+            self._db.execute(
+                "UPDATE snapshots SET backing = ?, state = ?, remote_dir = ? WHERE id = ?",
+                (BACKING_REMOTE, STATE_READY, remote_dir, id_),
+            )
         self._write_labels(id_, labels)
         return str(id_)
 
-    def remove(self, key: str) -> tuple[str, Kind]:
-        """Forget the snapshot ``key``; returns its id and kind."""
-        row = self._db.execute("SELECT id, kind FROM snapshots WHERE key = ?", (key,)).fetchone()
+    def abandon_remote(self, key: str, expected_id: str) -> None:
+        """End a ``"mounting"`` snapshot's second phase without the layer: it becomes a plain active snapshot."""
+        self._db.execute(
+            "UPDATE snapshots SET state = ?, remote_ref = '', remote_dir = '' WHERE key = ? AND id = ? AND state = ?",
+            (STATE_READY, key, expected_id, STATE_MOUNTING),
+        )
+
+    def set_remote_dir(self, id_: str, remote_dir: str) -> None:
+        """Record where the layer server serves a remote snapshot now (restore re-mounts)."""
+        self._db.execute("UPDATE snapshots SET remote_dir = ? WHERE id = ?", (remote_dir, id_))
+
+    def remove(self, key: str) -> tuple[str, Kind, str]:
+        """Forget the snapshot ``key``; returns its id, kind and ChainID if remote (else "")."""
+        row = self._db.execute("SELECT id, kind, remote_ref FROM snapshots WHERE key = ?", (key,)).fetchone()
         if row is None:
             raise NotFound(f"snapshot {key!r} does not exist")
-        id_, kind = row
+        id_, kind, remote_ref = row
         if self._db.execute("SELECT 1 FROM snapshots WHERE parent_id = ? LIMIT 1", (id_,)).fetchone():
             raise FailedPrecondition(f"cannot remove snapshot {key!r} with child")
         self._db.execute("DELETE FROM snapshots WHERE id = ?", (id_,))
-        return str(id_), Kind(kind)
+        return str(id_), Kind(kind), remote_ref
 
     def update_info(self, info: Info, fieldpaths: list[str] | None) -> Info:
         """Change the mutable fields (labels) of ``info.name``, as containerd's UpdateInfo.
@@ -390,12 +463,13 @@ class Transaction:
         if parent_id is None:
             return ()
         rows = self._db.execute(
-            "WITH RECURSIVE chain (id, backing, parent_id, depth) AS ("
-            " SELECT id, backing, parent_id, 0 FROM snapshots WHERE id = ?"
+            "WITH RECURSIVE chain (id, backing, remote_ref, remote_dir, parent_id, depth) AS ("
+            " SELECT id, backing, remote_ref, remote_dir, parent_id, 0 FROM snapshots WHERE id = ?"
             " UNION ALL"
-            " SELECT s.id, s.backing, s.parent_id, chain.depth + 1 FROM snapshots s JOIN chain ON s.id = chain.parent_id"
-            ") SELECT id, backing FROM chain ORDER BY depth",
+            " SELECT s.id, s.backing, s.remote_ref, s.remote_dir, s.parent_id, chain.depth + 1"
+            " FROM snapshots s JOIN chain ON s.id = chain.parent_id"
+            ") SELECT id, backing, remote_ref, remote_dir FROM chain ORDER BY depth",
             (parent_id,),
         ).fetchall()
-        return tuple(Layer(str(id_), backing) for id_, backing in rows)
+        return tuple(Layer(str(id_), backing, ref, directory) for id_, backing, ref, directory in rows)
 

@@ -76,6 +76,7 @@ STATUS_CODES: dict[type[errors.SnapshotError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     errors.CorruptMetadata: grpc.StatusCode.DATA_LOSS,
+    errors.LayerUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 

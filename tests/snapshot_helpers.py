@@ -1,13 +1,18 @@
-"""Shared helpers of the snapshotter tests: perform returned mounts for real, always undo them."""
+"""Shared helpers of the snapshotter tests: perform returned mounts for real, always undo them;
+a directory-serving layer backend for the remote snapshots."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from bootseer.snapshotter.backend import RemoteLayer
+from bootseer.snapshotter.errors import LayerUnavailable
 from bootseer.snapshotter.types import Mount
 
 
@@ -74,3 +79,89 @@ def read_tree(root: str | os.PathLike) -> dict[str, str]:
 
 def snapshot_dirs(root: str | os.PathLike) -> set[str]:
     return set(os.listdir(Path(root, "snapshots")))
+
+
+class DirectoryLayers:
+    """A real :class:`~bootseer.snapshotter.backend.LayerBackend` for tests: "converted" layers are
+    directories, served as read-only bind mounts.
+
+    ``convert()`` puts a layer in the store (``STORE/<hex>/record.json`` and its tree
+    in ``STORE/<hex>/fs``); ``mount`` bind-mounts the tree read-only at
+    ``MNT/<hex[:12]>``, as the layer server serves a layer at ``ROOT/layers/mnt/<slot>``.
+    The kernel's mount table is the state, so it survives the test's process being
+    killed.  ``down`` makes the store unreachable (lookups and mounts fail the way a
+    store that stopped answering does); ``crash_on_mount`` SIGKILLs the process right
+    after a mount, before the snapshotter can record it.
+    """
+
+    def __init__(self, store: Path, mnt: Path) -> None:
+        self.store, self.mnt = Path(store), Path(mnt)
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.mnt.mkdir(parents=True, exist_ok=True)
+        self.down = False
+        self.crash_on_mount = False
+        self.calls: list[tuple[str, str]] = []
+
+    def convert(self, chain_id: str, parent: str, files: dict[str, str], diff_id: str = "") -> None:
+        layer = self.store / chain_id.split(":")[-1]
+        write_files(layer / "fs", files)
+        record = {"chain_id": chain_id, "parent": parent, "diff_id": diff_id or chain_id, "digest": chain_id,
+                  "size": 1, "files": len(files)}  # fmt: skip
+        (layer / "record.json").write_text(json.dumps(record))
+
+    def lower_dir(self, chain_id: str) -> Path:
+        return self.mnt / chain_id.split(":")[-1][:12]
+
+    # -- LayerBackend ----------------------------------------------------------------------
+
+    def lookup(self, chain_id: str) -> RemoteLayer | None:
+        self.calls.append(("lookup", chain_id))
+        self._check_up(chain_id)
+        record = self.store / chain_id.split(":")[-1] / "record.json"
+        if not record.exists():
+            return None
+        return RemoteLayer(**json.loads(record.read_text()))
+
+    def mount(self, chain_id: str) -> str:
+        self.calls.append(("mount", chain_id))
+        self._check_up(chain_id)
+        source = self.store / chain_id.split(":")[-1] / "fs"
+        if not source.is_dir():
+            raise LayerUnavailable("not_converted", f"no layer {chain_id}")
+        target = self.lower_dir(chain_id)
+        if not is_mountpoint(target):
+            target.mkdir(exist_ok=True)
+            subprocess.run(["mount", "--bind", "-o", "ro", str(source), str(target)], check=True, capture_output=True)
+        if self.crash_on_mount:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return str(target)
+
+    def check(self, chain_id: str) -> str:
+        self.calls.append(("check", chain_id))
+        target = self.lower_dir(chain_id)
+        if not is_mountpoint(target):
+            raise LayerUnavailable("not_mounted", f"{chain_id} is not served")
+        return str(target)
+
+    def unmount(self, chain_id: str) -> None:
+        self.calls.append(("unmount", chain_id))
+        self._check_up(chain_id)
+        unmount(self.lower_dir(chain_id))
+
+    def mounted(self) -> list[str]:
+        self._check_up("")
+        served = []
+        for layer in self.store.iterdir():
+            record = json.loads((layer / "record.json").read_text())
+            if is_mountpoint(self.lower_dir(record["chain_id"])):
+                served.append(record["chain_id"])
+        return served
+
+    def close(self) -> None:
+        """Unmount everything (teardown)."""
+        for entry in self.mnt.iterdir():
+            unmount(entry)
+
+    def _check_up(self, chain_id: str) -> None:
+        if self.down:
+            raise LayerUnavailable("store_error", f"the store did not answer for {chain_id}")

@@ -29,6 +29,7 @@ from bootseer import __version__
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as api_grpc
 from bootseer.snapshotter import config
+from bootseer.snapshotter.metastore import SCHEMA_VERSION
 
 BINARY = Path(sys.executable).with_name("bootseer-snapshotter")
 START_TIMEOUT = 30.0
@@ -216,6 +217,13 @@ def test_example_config_sets_every_key_to_its_default() -> None:
         ('metrics_address = "no-port"\n', ["metrics_address", "HOST:PORT"]),
         ('root = "/x\n', ["not valid TOML"]),
         ("[root]\npath = '/x'\n", ["'root'", "string", "table"]),
+        ('[store]\nurll = "file:///x"\n', ["'store.urll'", "unknown key"]),
+        ('store = "file:///x"\n', ["'store'", "unknown key"]),
+        ("[fetch]\nstreams = \"8\"\n", ["'fetch.streams'", "integer", "string"]),
+        ("[fetch]\nstreams = 0\n", ["fetch.streams", "at least 1"]),
+        ("[fetch]\nretry_timeout = true\n", ["'fetch.retry_timeout'", "boolean"]),
+        ('[cache]\nsize = "lots"\n', ["cache.size", "invalid size"]),
+        ('[store]\nurl = "ftp://host/store"\n', ["store.url", "ftp"]),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path, content: str, expected: list[str]) -> None:
@@ -241,6 +249,8 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path, content: str, expecte
         (["--metrics-address", "localhost"], "--metrics-address"),
         (["--log-level", "loud"], "--log-level"),
         (["--root", ""], "--root"),
+        (["--cache-size", "-5"], "--cache-size"),
+        (["--store", "gopher://x/y"], "--store"),
     ],
 )
 def test_bad_flags_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:
@@ -393,7 +403,7 @@ def test_newer_schema_is_refused_naming_the_cause(tmp_path: Path, snapshotter_fa
     daemon = snapshotter_factory(root=root, wait=False)
     assert daemon.wait_exit() == 2
     reason = refusal(daemon)
-    assert "schema version 2 is newer" in reason and "upgrade bootseer" in reason
+    assert f"schema version {SCHEMA_VERSION + 1} is newer" in reason and "upgrade bootseer" in reason
     assert "two daemons" not in reason and "in use" not in reason
 
 

@@ -140,3 +140,31 @@ def test_persists_across_reopen(tmp_path: Path):
     with pytest.raises(FailedPrecondition, match="closed"):
         with ms.read():
             pass
+
+
+def test_version_1_database_is_migrated_keeping_every_snapshot(tmp_path: Path):
+    from bootseer.snapshotter import metastore
+
+    path = tmp_path / "metadata.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for statement in metastore._SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
+    db.execute("INSERT INTO schema_version (version) VALUES (1)")
+    db.execute("INSERT INTO snapshots (key, kind, created_ns, updated_ns, size) VALUES ('old', 3, 1000, 1000, 42)")
+    db.close()
+
+    ms = MetaStore(path)
+    try:
+        with ms.read() as tx:
+            (record,) = tx.records()
+            assert (record.key, record.kind, record.backing, record.state, record.remote_ref) == (
+                "old", Kind.COMMITTED, "dir", "ready", "",
+            )  # fmt: skip
+            assert tx.get_info("old")[2] == Usage(42, 0)
+    finally:
+        ms.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT version FROM schema_version").fetchall() == [(SCHEMA_VERSION,)]
+    db.close()

@@ -1,0 +1,56 @@
+"""What serves remote snapshots: the seam between the snapshot logic and the layer server.
+
+:class:`~.snapshots.Snapshotter` takes a :class:`LayerBackend`, as stargz-snapshotter's
+``snapshot.go`` takes a ``FileSystem``: the snapshot logic decides *when* a layer is
+served lazily (Prepare with ``containerd.io/snapshot.ref``, parent checked, two-phase
+mount, Remove, restore) and the backend knows *how* (the store's chain records, the
+FUSE layer server).  The daemon's backend is :class:`~.layer_server.LayerServerBackend`;
+tests use small real ones.
+
+Every method is blocking and thread-safe (gRPC threads call them).  A failure is a
+:class:`~.errors.LayerUnavailable` whose ``reason`` names what failed; a layer that is
+simply not converted is ``None`` from :meth:`LayerBackend.lookup`, not an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class RemoteLayer:
+    """A converted layer as the store's chain record describes it."""
+
+    chain_id: str
+    parent: str  #: the ChainID of the layers below ("" for a bottom layer)
+    diff_id: str  #: digest of the uncompressed layer tar
+    digest: str  #: digest of the (compressed) layer blob in the registry
+    size: int  #: the layer blob's size in bytes
+    files: int = 0  #: entries in the layer's index
+
+
+class LayerBackend(Protocol):
+    def lookup(self, chain_id: str) -> RemoteLayer | None:
+        """The converted layer ``chain_id``; None if the store has none.
+
+        Raises :class:`~.errors.LayerUnavailable` when the store (or the backend)
+        fails, so a failure never reads as "not converted".
+        """
+        ...
+
+    def mount(self, chain_id: str) -> str:
+        """Serve ``chain_id`` (idempotent) and return the lower directory overlayfs takes."""
+        ...
+
+    def check(self, chain_id: str) -> str:
+        """The lower directory of ``chain_id`` if it is served and healthy; LayerUnavailable if not."""
+        ...
+
+    def unmount(self, chain_id: str) -> None:
+        """Stop serving ``chain_id``; serving nothing under that ChainID is fine."""
+        ...
+
+    def mounted(self) -> Sequence[str]:
+        """The ChainIDs served now (Cleanup unmounts those no snapshot uses)."""
+        ...

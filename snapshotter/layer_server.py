@@ -1,0 +1,134 @@
+"""The daemon's :class:`~.backend.LayerBackend`: the store's chain records and the FUSE layer server.
+
+``lookup`` reads the chain record straight from the store through the fetch engine
+(:class:`bootseer.blockstore.store.StoreReader`), so the snapshot logic can check the
+parent before anything is mounted.  ``mount``/``check``/``unmount``/``mounted`` go to
+the long-lived layer server (``bootseer layer-server``) over its control socket
+(:mod:`bootseer.blockstore.control`), which the daemon starts at start-up with
+:func:`~bootseer.blockstore.control.ensure_server` and finds again after its own
+restart.  A server that died is started again by the next call that finds it gone
+(once per call), so new containers work again without a daemon restart.
+
+Each layer-server error kind maps to a :class:`~.errors.LayerUnavailable` reason; a
+store that fails is never read as "not converted".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+import trio
+
+from bootseer.blockstore import control
+from bootseer.blockstore.format import FormatError
+from bootseer.blockstore.store import open_store
+from bootseer.fetch.engine import EngineConfig
+from bootseer.fetch.source import SourceError
+from bootseer.log import get_logger
+
+from .backend import RemoteLayer
+from .errors import LayerUnavailable
+
+log = get_logger(__name__)
+
+#: A chain-record lookup gives up after this long (the fetch's retries included): a
+#: store that does not answer makes Prepare fall back to downloading soon, not after
+#: the mount's full retry timeout.
+LOOKUP_TIMEOUT = 10.0
+
+_REASONS: dict[type[control.LayerServerError], str] = {
+    control.LayerNotConverted: "not_converted",
+    control.StoreUnavailable: "store_error",
+    control.LayerCorrupt: "corrupt",
+    control.LayerNotMounted: "not_mounted",
+    control.ServerUnavailable: "server_unavailable",
+    control.ServerStartError: "server_unavailable",
+}
+
+T = TypeVar("T")
+
+
+class LayerServerBackend:
+    """Remote layers of the store ``store_url``, served by the layer server under ``root``."""
+
+    def __init__(
+        self,
+        root: Path,
+        store_url: str,
+        server: control.ServerSettings,
+        engine: EngineConfig = EngineConfig(),
+        lookup_timeout: float = LOOKUP_TIMEOUT,
+    ) -> None:
+        self.root = root
+        self.store_url = store_url
+        self.server = server
+        self.lookup_timeout = lookup_timeout
+        self._engine = dataclasses.replace(engine, retry_timeout=min(engine.retry_timeout, lookup_timeout))
+        self._client = control.LayerServerClient(control.ServerPaths(root).socket)
+
+    def start(self) -> None:
+        """Find the running layer server or start one (daemon start-up); ServerStartError if it cannot."""
+        self._client = control.ensure_server(self.root, self.server)
+
+    # -- LayerBackend ------------------------------------------------------------------------
+
+    def lookup(self, chain_id: str) -> RemoteLayer | None:
+        try:
+            record = trio.run(self._read_chain, chain_id)
+        except FormatError as exc:
+            raise LayerUnavailable("corrupt", f"the store's chain record of {chain_id} is invalid: {exc}") from None
+        except trio.TooSlowError:
+            raise LayerUnavailable(
+                "store_error", f"the store did not answer for {chain_id} in {self.lookup_timeout:g}s"
+            ) from None
+        except (OSError, SourceError) as exc:  # FetchError is an OSError
+            raise LayerUnavailable("store_error", f"the store failed looking up {chain_id}: {exc}") from None
+        if record is None:
+            return None
+        return RemoteLayer(
+            chain_id=record.chain_id,
+            parent=record.parent,
+            diff_id=record.diff_id,
+            digest=record.digest,
+            size=record.size,
+            files=record.files,
+        )
+
+    def mount(self, chain_id: str) -> str:
+        return self._call(lambda client: client.mount(chain_id).lower_dir)
+
+    def check(self, chain_id: str) -> str:
+        return self._call(lambda client: client.check(chain_id).lower_dir)
+
+    def unmount(self, chain_id: str) -> None:
+        try:
+            self._call(lambda client: client.unmount(chain_id))
+        except LayerUnavailable as exc:
+            if exc.reason != "not_mounted":
+                raise
+
+    def mounted(self) -> Sequence[str]:
+        status = self._call(lambda client: client.status())
+        return [str(layer["chain_id"]) for layer in status.get("layers", [])]
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    async def _read_chain(self, chain_id: str):  # -> ChainRecord | None
+        with trio.fail_after(self.lookup_timeout + 5):  # the engine's own bound, plus its shutdown
+            async with open_store(self.store_url, self._engine) as store:
+                return await store.chain(chain_id)
+
+    def _call(self, operation: Callable[[control.LayerServerClient], T]) -> T:
+        """Run ``operation``; a server found gone is started again once, then the call retried."""
+        try:
+            try:
+                return operation(self._client)
+            except control.ServerUnavailable as exc:
+                log.warning("the layer server is gone; starting it again", error=str(exc))
+                self.start()
+                return operation(self._client)
+        except control.LayerServerError as exc:
+            reason = next((r for kind, r in _REASONS.items() if isinstance(exc, kind)), "mount_failed")
+            raise LayerUnavailable(reason, f"layer server: {exc}") from None

@@ -1,0 +1,325 @@
+"""Remote snapshots: the snapshot logic of lazily served layers, on real mounts.
+
+The layers come from :class:`snapshot_helpers.DirectoryLayers`, a real
+:class:`~bootseer.snapshotter.backend.LayerBackend` that serves each "converted" layer
+as a read-only bind mount (the FUSE layer server has its own tests; here what is
+tested is what the snapshotter does with a backend: Prepare with
+``containerd.io/snapshot.ref``, the two phases and a crash between them, fallbacks,
+Remove/Cleanup/restore).  :class:`~bootseer.snapshotter.layer_server.LayerServerBackend`'s
+store lookup is tested against real ``file://`` and ``http://`` stores.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import prometheus_client
+import pytest
+
+from bootseer.blockstore.control import ServerSettings
+from bootseer.blockstore.format import ChainRecord, chain_id, chain_object
+from bootseer.fetch.engine import EngineConfig
+from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, LayerUnavailable, NotFound
+from bootseer.snapshotter.layer_server import LayerServerBackend
+from bootseer.snapshotter.snapshots import REF_LABEL, Snapshotter
+from bootseer.snapshotter.types import Kind, Usage
+from snapshot_helpers import DirectoryLayers, is_mountpoint, mounted, read_tree, snapshot_dirs
+from tests.http_fixtures import free_port
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
+
+DIFF_A = "sha256:" + "a" * 64
+DIFF_B = "sha256:" + "b" * 64
+CHAIN_A = chain_id("", DIFF_A)
+CHAIN_B = chain_id(CHAIN_A, DIFF_B)
+GC_ROOT = {"containerd.io/gc.root": "test"}
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "root"
+
+
+@pytest.fixture
+def layers(tmp_path: Path):
+    backend = DirectoryLayers(tmp_path / "store", tmp_path / "mnt")
+    backend.convert(CHAIN_A, "", {"a": "base", "etc/conf": "from A"}, diff_id=DIFF_A)
+    backend.convert(CHAIN_B, CHAIN_A, {"b": "second", "etc/conf": "from B"}, diff_id=DIFF_B)
+    yield backend
+    backend.close()
+
+
+@pytest.fixture
+def sn(root: Path, layers: DirectoryLayers):
+    snapshotter = Snapshotter(root, layers)
+    yield snapshotter
+    snapshotter.close()
+
+
+def unpack_labels(chain: str) -> dict[str, str]:
+    """What containerd 1.6's unpacker passes to Prepare (unpacker.go), plus the CRI hints."""
+    return {REF_LABEL: chain, "containerd.io/snapshot/cri.image-ref": "example.com/app:1", **GC_ROOT}
+
+
+def fallbacks(reason: str) -> float:
+    return prometheus_client.REGISTRY.get_sample_value("bootseer_snapshotter_remote_fallbacks_total", {"reason": reason}) or 0.0
+
+
+def rows(root: Path) -> list[tuple]:
+    with sqlite3.connect(root / "metadata.db") as db:
+        return db.execute("SELECT key, kind, backing, state, remote_ref FROM snapshots ORDER BY id").fetchall()
+
+
+def prepare_remote(sn: Snapshotter, key: str, parent: str, chain: str) -> None:
+    with pytest.raises(AlreadyExists, match="served lazily"):
+        sn.prepare(key, parent, unpack_labels(chain))
+
+
+# -- Prepare of a converted layer ------------------------------------------------------------
+
+
+def test_converted_layers_are_committed_remote_and_answer_already_exists(
+    sn: Snapshotter, layers: DirectoryLayers, tmp_path: Path
+):
+    prepare_remote(sn, f"extract-1 {CHAIN_A}", "", CHAIN_A)
+    prepare_remote(sn, f"extract-2 {CHAIN_B}", CHAIN_A, CHAIN_B)
+
+    # What the unpacker does next: Stat(chainID) finds the layer, the extract key is gone.
+    info = sn.stat(CHAIN_B)
+    assert (info.kind, info.parent) == (Kind.COMMITTED, CHAIN_A)
+    assert info.labels == unpack_labels(CHAIN_B)
+    with pytest.raises(NotFound):
+        sn.stat(f"extract-2 {CHAIN_B}")
+    assert [i.name for i in sn.list(["kind==committed"])] == sorted([CHAIN_A, CHAIN_B])
+    assert [i.name for i in sn.list([f'labels."{REF_LABEL}"=={CHAIN_B}'])] == [CHAIN_B]
+    assert sn.usage(CHAIN_A) == Usage(size=0, inodes=2)  # no bytes under the root; the index's entries
+    assert [call for call in layers.calls if call[0] == "mount"] == [("mount", CHAIN_A), ("mount", CHAIN_B)]
+
+    # A container on top reads both lazy layers through overlayfs and writes its own upper.
+    mounts = sn.prepare("container", CHAIN_B, GC_ROOT)
+    (mount,) = mounts
+    assert f"lowerdir={layers.lower_dir(CHAIN_B)}:{layers.lower_dir(CHAIN_A)}" in mount.options
+    with mounted(mounts, tmp_path / "rootfs") as rootfs:
+        assert read_tree(rootfs) == {"a": "base", "b": "second", "etc": "/", "etc/conf": "from B"}
+        (rootfs / "new").write_text("written by the container")
+    sn.commit("container-layer", "container")
+    assert sn.stat("container-layer").parent == CHAIN_B
+
+    # A view of one remote layer is a read-only bind mount of its lower dir.
+    (view,) = sn.view("view", CHAIN_A)
+    assert (view.type, view.source, view.options) == ("bind", str(layers.lower_dir(CHAIN_A)), ("ro", "rbind"))
+    assert all(state == "ready" for *_, state, _ in rows(sn.root))
+
+
+def test_prepare_of_an_existing_chain_answers_already_exists_without_a_mount(sn: Snapshotter, layers: DirectoryLayers):
+    prepare_remote(sn, "extract-1", "", CHAIN_A)
+    layers.calls.clear()
+    with pytest.raises(AlreadyExists):
+        sn.prepare("extract-again", "", unpack_labels(CHAIN_A))
+    assert layers.calls == []
+    with pytest.raises(NotFound):
+        sn.stat("extract-again")
+
+
+# -- fallbacks ----------------------------------------------------------------------------------
+
+
+def test_unconverted_layer_is_downloaded_as_usual(sn: Snapshotter, layers: DirectoryLayers, tmp_path: Path):
+    other = "sha256:" + "c" * 64
+    before = fallbacks("not_converted")
+    mounts = sn.prepare("extract-1", "", unpack_labels(other))
+    assert fallbacks("not_converted") == before + 1
+    with mounted(mounts, tmp_path / "unpack") as target:  # what the unpacker does: apply the tar here
+        (target / "f").write_text("unpacked")
+    sn.commit(other, "extract-1")
+    assert sn.stat(other).kind is Kind.COMMITTED
+    assert ("mount", other) not in layers.calls
+    assert rows(sn.root) == [(other, int(Kind.COMMITTED), "dir", "ready", "")]
+
+
+def test_parent_mismatch_falls_back(sn: Snapshotter, layers: DirectoryLayers):
+    sn.prepare("tmp", "")
+    sn.commit("another-base", "tmp")
+    before = fallbacks("parent_mismatch")
+    mounts = sn.prepare("extract-2", "another-base", unpack_labels(CHAIN_B))  # B sits on A, not here
+    assert fallbacks("parent_mismatch") == before + 1
+    assert mounts[0].type == "overlay"
+    assert sn.stat("extract-2").kind is Kind.ACTIVE
+    assert not any(call[0] == "mount" for call in layers.calls)
+
+
+def test_store_down_falls_back_and_recovers(sn: Snapshotter, layers: DirectoryLayers):
+    layers.down = True
+    before = fallbacks("store_error")
+    sn.prepare("extract-1", "", unpack_labels(CHAIN_A))
+    assert fallbacks("store_error") == before + 1
+    assert sn.stat("extract-1").kind is Kind.ACTIVE
+    layers.down = False
+    prepare_remote(sn, "extract-again", "", CHAIN_A)
+
+
+def test_failed_mount_leaves_an_ordinary_active_snapshot(sn: Snapshotter, layers: DirectoryLayers, tmp_path: Path):
+    broken = chain_id("", "sha256:" + "d" * 64)
+    layers.convert(broken, "", {"x": "y"})
+    for entry in (layers.store / broken.split(":")[-1] / "fs").iterdir():
+        entry.unlink()
+    (layers.store / broken.split(":")[-1] / "fs").rmdir()  # the record is there, the layer is not
+    mounts = sn.prepare("extract-1", "", unpack_labels(broken))
+    with mounted(mounts, tmp_path / "unpack") as target:
+        (target / "x").write_text("downloaded instead")
+    assert rows(sn.root) == [("extract-1", int(Kind.ACTIVE), "dir", "ready", "")]
+    sn.commit(broken, "extract-1")
+    assert sn.stat(broken).kind is Kind.COMMITTED
+
+
+def test_without_a_backend_the_label_changes_nothing(root: Path):
+    sn = Snapshotter(root)
+    try:
+        (mount,) = sn.prepare("extract-1", "", unpack_labels(CHAIN_A))
+        assert mount.type == "bind"
+        assert sn.stat("extract-1").kind is Kind.ACTIVE
+    finally:
+        sn.close()
+
+
+# -- Remove, Cleanup, restore ---------------------------------------------------------------------
+
+
+def test_remove_unmounts_the_layer_once_unused(sn: Snapshotter, layers: DirectoryLayers):
+    prepare_remote(sn, "extract-1", "", CHAIN_A)
+    sn.prepare("container", CHAIN_A)
+    with pytest.raises(FailedPrecondition, match="child"):
+        sn.remove(CHAIN_A)
+    sn.remove("container")
+    assert is_mountpoint(layers.lower_dir(CHAIN_A))
+    sn.remove(CHAIN_A)
+    assert not is_mountpoint(layers.lower_dir(CHAIN_A))
+    assert rows(sn.root) == []
+    assert snapshot_dirs(sn.root) == set()
+
+
+def test_cleanup_unmounts_layers_no_snapshot_uses(sn: Snapshotter, layers: DirectoryLayers):
+    prepare_remote(sn, "extract-1", "", CHAIN_A)
+    prepare_remote(sn, "extract-2", CHAIN_A, CHAIN_B)
+    layers.down = True  # the unmount at Remove fails: the layer stays served, Cleanup retries
+    sn.remove(CHAIN_B)
+    layers.down = False
+    assert is_mountpoint(layers.lower_dir(CHAIN_B))
+    sn.cleanup()
+    assert not is_mountpoint(layers.lower_dir(CHAIN_B))
+    assert is_mountpoint(layers.lower_dir(CHAIN_A))  # in use
+    assert sn.stat(CHAIN_A).kind is Kind.COMMITTED
+
+
+def test_restore_mounts_every_remote_snapshot_again(root: Path, layers: DirectoryLayers, tmp_path: Path):
+    sn = Snapshotter(root, layers)
+    prepare_remote(sn, "extract-1", "", CHAIN_A)
+    prepare_remote(sn, "extract-2", CHAIN_A, CHAIN_B)
+    sn.prepare("container", CHAIN_B)
+    sn.close()
+    layers.close()  # the layer server restarted and serves nothing yet
+
+    sn = Snapshotter(root, layers)
+    try:
+        assert sn.restore() == []
+        assert is_mountpoint(layers.lower_dir(CHAIN_A)) and is_mountpoint(layers.lower_dir(CHAIN_B))
+        with mounted(sn.mounts("container"), tmp_path / "rootfs") as rootfs:
+            assert (rootfs / "a").read_text() == "base"
+    finally:
+        sn.close()
+
+    # Started without a store, the daemon says what it cannot serve, and keeps the metadata.
+    sn = Snapshotter(root)
+    try:
+        problems = sn.restore()
+        assert len(problems) == 2 and all("no store is configured" in p for p in problems)
+        assert sn.stat(CHAIN_B).kind is Kind.COMMITTED
+        with pytest.raises(FailedPrecondition, match="no store is configured"):
+            sn.mounts("container")
+    finally:
+        sn.close()
+
+
+CRASH_AT_MOUNT = """
+import sys
+sys.path.insert(0, sys.argv[4])
+from pathlib import Path
+from bootseer.snapshotter.snapshots import Snapshotter, REF_LABEL
+from snapshot_helpers import DirectoryLayers
+layers = DirectoryLayers(Path(sys.argv[2]), Path(sys.argv[3]))
+layers.crash_on_mount = True
+Snapshotter(Path(sys.argv[1]), layers).prepare("extract-1", "", {REF_LABEL: sys.argv[5]})
+"""
+
+
+def test_killed_at_the_mount_step_then_restore_forgets_the_half_made_snapshot(root: Path, layers: DirectoryLayers):
+    child = subprocess.run(
+        [sys.executable, "-c", CRASH_AT_MOUNT, str(root), str(layers.store), str(layers.mnt),
+         str(Path(__file__).parent), CHAIN_A],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    # Between the phases: the row says "mounting", the layer is mounted, nothing is committed.
+    assert rows(root) == [("extract-1", int(Kind.ACTIVE), "dir", "mounting", CHAIN_A)]
+    assert is_mountpoint(layers.lower_dir(CHAIN_A))
+
+    sn = Snapshotter(root, layers)
+    try:
+        assert sn.restore() == []
+        assert rows(root) == []
+        assert not is_mountpoint(layers.lower_dir(CHAIN_A))  # nothing uses it any more
+        sn.cleanup()
+        assert snapshot_dirs(root) == set()
+        # containerd retries the unpack with a new key: now it goes through.
+        prepare_remote(sn, "extract-2", "", CHAIN_A)
+        assert sn.stat(CHAIN_A).kind is Kind.COMMITTED
+    finally:
+        sn.close()
+
+
+# -- the daemon's backend: chain records read from a real store ----------------------------------
+
+
+def write_chain_record(store: Path, chain: str, parent: str, diff_id: str, tamper: bool = False) -> None:
+    record = ChainRecord(
+        chain_id=chain, parent=parent, diff_id=diff_id, digest="sha256:" + "e" * 64,
+        media_type="application/vnd.oci.image.layer.v1.tar+gzip", size=123, index="f" * 64, block_size=1 << 20,
+        files=7,
+    )  # fmt: skip
+    data = record.encode()
+    if tamper:
+        data = data.replace(diff_id.encode(), ("sha256:" + "0" * 64).encode())
+    path = store / chain_object(chain)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def backend_for(url: str, tmp_path: Path) -> LayerServerBackend:
+    return LayerServerBackend(tmp_path / "node", url, ServerSettings(store=url), EngineConfig(retry_timeout=2))
+
+
+def test_layer_server_backend_looks_chain_records_up_in_the_store(tmp_path: Path):
+    store = tmp_path / "store"
+    write_chain_record(store, CHAIN_A, "", DIFF_A)
+    write_chain_record(store, CHAIN_B, CHAIN_A, DIFF_B, tamper=True)
+    backend = backend_for(f"file://{store}", tmp_path)
+
+    layer = backend.lookup(CHAIN_A)
+    assert layer is not None
+    assert (layer.chain_id, layer.parent, layer.diff_id, layer.size, layer.files) == (CHAIN_A, "", DIFF_A, 123, 7)
+    assert backend.lookup(chain_id(CHAIN_A, "sha256:" + "9" * 64)) is None  # not converted
+    with pytest.raises(LayerUnavailable) as raised:
+        backend.lookup(CHAIN_B)  # the record claims another chain: never served
+    assert raised.value.reason == "corrupt"
+
+
+def test_layer_server_backend_store_that_does_not_answer_is_a_store_error(tmp_path: Path):
+    backend = backend_for(f"http://127.0.0.1:{free_port()}/store", tmp_path)  # nobody listens
+    with pytest.raises(LayerUnavailable) as raised:
+        backend.lookup(CHAIN_A)
+    assert raised.value.reason == "store_error"

@@ -7,7 +7,7 @@ leaves, ``ctr run`` starts the image, and ``ctr images rm`` + GC removes everyth
 
 from __future__ import annotations
 
-import json
+import hashlib
 import os
 import shutil
 import subprocess
@@ -140,7 +140,7 @@ def test_rpull_then_ctr_run(stack: harness.Stack):
                               f"cat {APP_FILE} {PATCH_FILE}; ls {OPAQUE_DIR}; sha256sum {BLOB_FILE}")
     lines = out.splitlines()
     assert lines[:3] == [APP_FILE_DATA.decode().strip(), PATCH_FILE_DATA.decode().strip(), "c.conf"]
-    assert lines[3].split()[0] == __import__("hashlib").sha256(harness.blob_data()).hexdigest()
+    assert lines[3].split()[0] == hashlib.sha256(harness.blob_data()).hexdigest()
 
     again = rpull(stack, ref)
     assert "0 lazy, 0 downloaded (0 B), 3 already unpacked" in again.stdout
@@ -228,3 +228,34 @@ def test_errors_are_clear(stack: harness.Stack):
                             stack.namespace, "--plain-http", "--snapshotter", "nosuch", ref],
                            capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 1 and "nosuch" in wrong.stderr
+
+
+def test_an_interrupted_ingest_is_resumed(stack: harness.Stack):
+    """A blob write cut off mid-way (a killed rpull) leaves an ingest; the next pull resumes it at its offset."""
+    from bootseer.rpull import Containerd, _blob_ref
+
+    image, ref = stack.build_and_push()
+    source = images.open_image(ref, plain_http=True)
+    layer = source.resolve().layers[1]  # the 3 MiB one
+    assert layer.size > 2 * (1 << 20)
+
+    class Cut(Exception):
+        pass
+
+    def first_chunk_then_die():
+        with source.open_blob(layer) as blob:
+            yield blob.read(1 << 20)
+        raise Cut
+
+    with Containerd(str(stack.containerd.address), stack.namespace) as client:
+        with pytest.raises(Cut):
+            client.write_content(_blob_ref("layer", layer.digest), layer, first_chunk_then_die(), {})
+    active = stack.containerd.ctr_out("content", "active").splitlines()[1:]
+    assert len(active) == 1 and _blob_ref("layer", layer.digest) in active[0]
+
+    done = rpull(stack, ref)
+    assert "3 downloaded" in done.stdout
+    assert "resuming an interrupted content write" in done.stderr and "offset=1048576" in done.stderr
+    assert stack.containerd.ctr_out("content", "active").splitlines()[1:] == []
+    assert stack.run_container(ref, "resumed", "sha256sum", BLOB_FILE).split()[0] == \
+        hashlib.sha256(harness.blob_data()).hexdigest()

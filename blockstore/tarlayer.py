@@ -27,8 +27,10 @@ Tar semantics, as containerd's applier (``archive/tar.go``) and GNU tar extract:
 * Whiteouts: ``.wh.NAME`` becomes a character device 0/0 (mode 0) named NAME,
   ``.wh..wh..opq`` sets ``trusted.overlay.opaque=y`` on its directory, other
   ``.wh..wh.*`` names (aufs bookkeeping) are skipped.  Xattrs come from PAX
-  ``SCHILY.xattr.*`` records; ``trusted.overlay.*`` xattrs in the tar itself are dropped
-  (overlayfs metadata such as ``redirect`` must not come from an image).
+  ``SCHILY.xattr.*`` records; of the ``trusted.overlay.*`` xattrs in the tar itself only
+  ``opaque=y`` on a directory is kept (it means what the marker means); the others
+  (``redirect``, ``origin``, ``metacopy``...) are dropped: overlayfs metadata that points
+  elsewhere must not come from an image.
 * Sparse files (GNU old format and PAX 0.0/0.1/1.0, as :mod:`tarfile` reads them) and
   runs of zeros in any file become zero blocks, stored nowhere.  PAX ``mtime`` keeps
   nanoseconds; names that are not UTF-8 are kept as surrogate escapes.
@@ -413,8 +415,8 @@ def _xattrs(info: tarfile.TarInfo, limits: TarLimits, entry: str) -> dict[str, b
         total += len(name) + len(raw)
         if total > limits.max_xattrs:
             raise LayerError(entry, f"xattrs larger than {limits.max_xattrs} bytes in all")
-        if name.startswith(_OVERLAY_XATTR):
-            continue  # overlayfs metadata comes from whiteouts and opaque markers only
+        if name.startswith(_OVERLAY_XATTR) and not (name == OPAQUE_XATTR and raw == b"y" and info.isdir()):
+            continue  # other overlayfs metadata (redirect, origin, metacopy...) must not come from an image
         out[name] = raw
     return out
 
@@ -514,6 +516,8 @@ def _member(tar: tarfile.TarFile, info: tarfile.TarInfo, tree: _Tree, sink: Bloc
         if base.startswith(WHITEOUT_PREFIX + WHITEOUT_PREFIX):
             return 0  # aufs bookkeeping (.wh..wh.plnk, ...): nothing for overlayfs
         name = base[len(WHITEOUT_PREFIX) :]
+        if name in ("", ".", ".."):
+            raise LayerError(entry, f"whiteout of {name!r}, which names no entry")
         target = f"{parent}/{name}" if parent else name
         tree.put(target, _Node(EntryType.CHAR, mode=0, uid=info.uid, gid=info.gid, mtime_ns=_mtime_ns(info, entry)), entry)
         return 0

@@ -287,6 +287,8 @@ def test_whiteouts_and_opaque_markers():
         L.Opaque("o"), L.Dir("o", 0o711),  # the marker before its directory's own entry: still opaque
         L.Whiteout("deep/er/gone"), L.raw(".wh..wh.plnk", data=b""),
         L.File("x", b"1", xattrs={"trusted.overlay.redirect": b"/etc", "trusted.overlay.opaque": b"y", "user.k": b"v"}),
+        L.Dir("by-xattr", xattrs={"trusted.overlay.opaque": b"y", "trusted.overlay.redirect": b"/etc"}),
+        L.Dir("not-y", xattrs={"trusted.overlay.opaque": b"x"}),
     ), add_parents=False)  # fmt: skip
     entries, _, _ = parse(layer)
     assert entries["o"].xattrs == {"trusted.overlay.opaque": b"y"} and entries["o"].mode == 0o711
@@ -294,7 +296,15 @@ def test_whiteouts_and_opaque_markers():
     assert (gone.type, gone.rdev, gone.mode) == (EntryType.CHAR, (0, 0), 0)
     assert entries["deep/er"].type is EntryType.DIR
     assert not any(".wh." in path for path in entries)
-    assert entries["x"].xattrs == {"user.k": b"v"}  # overlayfs xattrs never come from the tar itself
+    assert entries["x"].xattrs == {"user.k": b"v"}  # overlayfs metadata from the tar itself is dropped...
+    assert entries["by-xattr"].xattrs == {"trusted.overlay.opaque": b"y"}  # ...but for opaque=y on a directory
+    assert entries["not-y"].xattrs == {}
+
+
+@pytest.mark.parametrize("name", [".wh.", ".wh..", ".wh...", "d/.wh.."])
+def test_whiteouts_of_no_name_are_refused(name):
+    with pytest.raises(LayerError, match="names no entry"):
+        parse(L.Layer((L.raw(name, data=b""),), add_parents=False))
 
 
 def test_diff_id_covers_every_byte_and_compression_is_detected():

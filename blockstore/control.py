@@ -181,8 +181,8 @@ class LayerServerClient:
     def __repr__(self) -> str:
         return f"<LayerServerClient {self.socket_path}>"
 
-    def mount(self, chain_id: str, *, store: str | None = None, timeout: float = MOUNT_TIMEOUT) -> str:
-        """Serve the layer ``chain_id`` (idempotent); the path of its lower directory.
+    def mount(self, chain_id: str, *, store: str | None = None, timeout: float = MOUNT_TIMEOUT) -> MountedLayer:
+        """Serve the layer ``chain_id`` (idempotent); where it is (``.lower_dir``, ``.slot``).
 
         ``store`` overrides the server's ``--store`` for this layer.  Raises
         :class:`LayerNotConverted`, :class:`StoreUnavailable`, :class:`LayerCorrupt`,
@@ -191,21 +191,13 @@ class LayerServerClient:
         request: dict[str, Any] = {"op": "mount", "chain_id": chain_id}
         if store is not None:
             request["store"] = store
-        return self.mounted(self.call(request, timeout=timeout)).lower_dir
+        return _mounted(self.call(request, timeout=timeout))
 
-    def check(self, chain_id: str) -> str:
-        """The lower directory of ``chain_id`` if it is served and healthy; raises
-        :class:`LayerNotMounted` if the server does not serve it, :class:`StoreUnavailable`
-        if it could not be restored, :class:`ServerUnavailable` if no server answers."""
-        return self.layer(chain_id).lower_dir
-
-    def layer(self, chain_id: str) -> MountedLayer:
-        """Like :meth:`check`, with the slot too."""
-        return self.mounted(self.call({"op": "check", "chain_id": chain_id}))
-
-    @staticmethod
-    def mounted(answer: dict[str, Any]) -> MountedLayer:
-        return MountedLayer(str(answer["chain_id"]), int(answer["slot"]), str(answer["lower_dir"]))
+    def check(self, chain_id: str) -> MountedLayer:
+        """Where ``chain_id`` is, if it is served and healthy; raises :class:`LayerNotMounted`
+        if the server does not serve it, :class:`StoreUnavailable` if it could not be
+        restored, :class:`ServerUnavailable` if no server answers."""
+        return _mounted(self.call({"op": "check", "chain_id": chain_id}))
 
     def unmount(self, chain_id: str) -> None:
         """Stop serving ``chain_id``; :class:`LayerNotMounted` if it was not served."""
@@ -247,6 +239,10 @@ class LayerServerClient:
         error = answer.get("error") or {}
         kind = ERROR_KINDS.get(str(error.get("kind")), LayerServerError)
         raise kind(str(error.get("message", "unknown error")))
+
+
+def _mounted(answer: dict[str, Any]) -> MountedLayer:
+    return MountedLayer(str(answer["chain_id"]), int(answer["slot"]), str(answer["lower_dir"]))
 
 
 def _read_line(conn: socket.socket) -> bytes:

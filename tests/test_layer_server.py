@@ -210,12 +210,12 @@ def apply_layers(layers: list[dict[str, Meta]]) -> dict[str, Meta]:
 def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted: list[Path]) -> None:
     client = node.ensure()
     for layer, reference in zip(built[1], extracted):
-        fuse_view = disk_tree(Path(client.mount(layer.chain_id)), overlay=False)
+        fuse_view = disk_tree(Path(client.mount(layer.chain_id).lower_dir), overlay=False)
         expected = disk_tree(reference, overlay=True)
         assert as_whiteouts(fuse_view) == as_whiteouts(expected), layer.chain_id
         assert len(fuse_view) == len(layer.index.entries) - 1
     # What the layers hold, named: so the comparison above cannot pass on empty trees.
-    base = Path(client.check(built[1][0].chain_id))
+    base = Path(client.check(built[1][0].chain_id).lower_dir)
     assert os.lstat(base / "dev/null").st_rdev == os.makedev(1, 3)
     assert stat.S_ISBLK(os.lstat(base / "dev/sda").st_mode)
     assert stat.S_ISFIFO(os.lstat(base / "run/fifo").st_mode)
@@ -228,7 +228,7 @@ def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted:
     assert os.readlink(base / "srv/abs") == "/etc/hosts"
     assert (base / NON_UTF8_NAME).read_bytes() == b"non-utf8\n"
     assert os.stat(base / "srv/sparse.img").st_size == 5 * BLOCK_SIZE
-    middle = Path(client.check(built[1][1].chain_id))
+    middle = Path(client.check(built[1][1].chain_id).lower_dir)
     whiteout = os.lstat(middle / "etc/secret")
     assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
     assert os.getxattr(middle / "opaque-me", OPAQUE) == b"y"
@@ -239,7 +239,7 @@ def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted:
 
 def test_an_overlay_stack_equals_the_applied_layers(node: Node, built: Any, extracted: list[Path], tmp_path: Path) -> None:
     client = node.ensure()
-    lowers = [client.mount(layer.chain_id) for layer in built[1]]
+    lowers = [client.mount(layer.chain_id).lower_dir for layer in built[1]]
     merged = tmp_path / "merged"
     mount_overlay(node, list(reversed(lowers)), merged)
     expected = apply_layers([disk_tree(d, overlay=True) for d in extracted])
@@ -268,7 +268,7 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
     with RangeHTTPServer(store) as http:
         node = node_factory(http.url, extra_args=("--stripe-size", str(BLOCK_SIZE)))
         client = node.ensure()
-        base = Path(client.mount(layers[0].chain_id))
+        base = Path(client.mount(layers[0].chain_id).lower_dir)
         index = layers[0].index
         entry = next(e for e in index.entries if e.path == "srv/big.bin")
         block = index.blocks[entry.blocks[2]]
@@ -341,10 +341,9 @@ def test_control_api(node: Node, built: Any) -> None:
     assert stat.S_IMODE(os.stat(node.paths.layers).st_mode) == 0o700
     layers = built[1]
     first = client.mount(layers[0].chain_id)
-    assert first == str(node.paths.mountpoint / "1")
-    assert client.mount(layers[0].chain_id) == first  # idempotent
-    client.mount(layers[1].chain_id)
-    second = client.layer(layers[1].chain_id)
+    assert first.slot == 1 and first.lower_dir == str(node.paths.mountpoint / "1")
+    assert client.mount(layers[0].chain_id) == first == client.check(layers[0].chain_id)  # idempotent
+    second = client.mount(layers[1].chain_id)
     assert second.slot == 2 and second.lower_dir == str(node.paths.mountpoint / "2")
     assert sorted(os.listdir(node.paths.mountpoint)) == ["1", "2"]
     status = client.status()
@@ -368,15 +367,15 @@ def test_control_api(node: Node, built: Any) -> None:
     with pytest.raises(FileNotFoundError):
         os.stat(node.paths.mountpoint / "1")
     third = client.mount(layers[2].chain_id)
-    assert third == str(node.paths.mountpoint / "1")  # the lowest free slot
-    assert (Path(third) / "replace-me").read_bytes() == b"fourth and last\n"
+    assert third.slot == 1  # the lowest free slot
+    assert (Path(third.lower_dir) / "replace-me").read_bytes() == b"fourth and last\n"
 
 
 def test_metrics_endpoint(built: Any, node_factory: Any) -> None:
     port = free_port()
     node = node_factory(f"file://{built[0]}", metrics_address=f"127.0.0.1:{port}")
     client = node.ensure()
-    lower = Path(client.mount(built[1][0].chain_id))
+    lower = Path(client.mount(built[1][0].chain_id).lower_dir)
     assert (lower / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
@@ -396,10 +395,8 @@ def _inodes(lower: Path) -> dict[str, int]:
 def test_restart_after_sigterm_and_sigkill_restores_slots_and_inodes(node: Node, built: Any) -> None:
     client = node.ensure()
     layers = built[1]
-    for layer in layers:
-        client.mount(layer.chain_id)
-    slots = {layer.chain_id: client.layer(layer.chain_id).slot for layer in layers}
-    base = Path(client.check(layers[0].chain_id))
+    slots = {layer.chain_id: client.mount(layer.chain_id).slot for layer in layers}
+    base = Path(client.check(layers[0].chain_id).lower_dir)
     inodes = _inodes(base)
     assert inodes["srv/big.bin"] == inodes["srv/big.link"]
 
@@ -485,7 +482,7 @@ def test_a_store_that_stops_answering_gives_eio_in_bounded_time_then_recovers(bu
         node = node_factory(f"http://127.0.0.1:{port}/", retry_timeout=3,
                             extra_args=("--stripe-size", str(BLOCK_SIZE)))  # fmt: skip
         client = node.ensure()
-        base = Path(client.mount(layers[0].chain_id))
+        base = Path(client.mount(layers[0].chain_id).lower_dir)
         http.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
         started = time.monotonic()
         with pytest.raises(OSError) as excinfo:
@@ -543,7 +540,7 @@ def test_a_tampered_block_is_never_served(built: Any, node_factory: Any, tmp_pat
     data[block.offset + block.clen // 2] ^= 0xFF
     pack.write_bytes(bytes(data))
     client = node_factory(f"file://{store}").ensure()
-    base = Path(client.mount(built[1][0].chain_id))
+    base = Path(client.mount(built[1][0].chain_id).lower_dir)
     with open(base / "srv/big.bin", "rb", buffering=0) as file:
         assert file.read(100) == rich_big_bin()[:100]  # block 0 is intact
         file.seek(BLOCK_SIZE + 10)

@@ -249,6 +249,35 @@ def test_an_overlay_stack_equals_the_applied_layers(node: Node, built: Any, extr
     assert os.listdir(merged / "opaque-me") == ["new.txt"]
     assert (merged / "replace-me").read_bytes() == b"fourth and last\n"
     assert (merged / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
+    # A container's non-root user reads through it (allow_other), within the file modes
+    # (default_permissions).
+    # (Run from inside the overlay: the test's own temp directories are root's, 0700.)
+    as_user = ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups"]
+    read = subprocess.run([*as_user, "cat", "srv/mtime-ns", "etc/hosts"], cwd=merged, capture_output=True, timeout=30)
+    assert read.returncode == 0 and read.stdout == b"ns\n127.0.0.1 localhost\n", read.stderr
+    denied = subprocess.run([*as_user, "cat", "replace-me"], cwd=merged, capture_output=True, timeout=30)
+    assert denied.returncode != 0 and b"Permission denied" in denied.stderr  # 0600 root
+    entry = mount_entry(node.paths.mountpoint)
+    assert entry is not None and entry.fstype == "fuse.bootseer-layers"
+    assert {"ro", "nosuid", "nodev", "allow_other"} <= set(entry.options)
+
+
+def test_what_a_running_overlay_sees_when_the_server_dies(node: Node, built: Any, tmp_path: Path) -> None:
+    client = node.ensure()
+    lowers = [client.mount(layer.chain_id).lower_dir for layer in built[1]]
+    merged = tmp_path / "merged"
+    mount_overlay(node, list(reversed(lowers)), merged)
+    assert (merged / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
+    node.stop(signal.SIGTERM)  # exits 0 although an overlay stacks on its mount
+    # What was never read is gone with the server (docs/lazy-layers.md says so)...
+    with pytest.raises(OSError) as excinfo:
+        (merged / "srv/big.bin").read_bytes()
+    assert excinfo.value.errno in (errno.ENOTCONN, errno.ECONNABORTED, errno.EIO)
+    # ...and a new container, on a new overlay over the restarted server, works.
+    client = node.ensure()
+    again = tmp_path / "again"
+    mount_overlay(node, list(reversed([client.check(layer.chain_id).lower_dir for layer in built[1]])), again)
+    assert (again / "srv/big.bin").read_bytes() == rich_big_bin()
 
 
 # -- fetching only what is read --------------------------------------------------------------------

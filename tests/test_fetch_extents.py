@@ -250,6 +250,7 @@ def test_a_demand_read_waits_on_an_in_flight_prefetch_and_raises_a_queued_one(so
             assert got["queued"] == [data[5 * STRIPE : 5 * STRIPE + EXTENT]]
             # Fetched once each; the last queued prefetch went first once a read wanted it.
             assert [r.offset // STRIPE for r in source.reads] == [0, 5, 2, 3, 4]
+            assert engine.stats.extents_joined_in_flight == 1 and engine.stats.extents_raised == 1
 
     run(main)
 

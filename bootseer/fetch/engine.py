@@ -114,6 +114,12 @@ EXTENT_REQUESTS = prometheus_client.Counter(
     "Range requests for caller extents, by how many extents each carried (single, coalesced)",
     ["kind"],
 )
+EXTENT_JOINS = prometheus_client.Counter(
+    "bootseer_fetch_extents_joined",
+    "Extents a more urgent caller asked for while a less urgent fetch of them was on its way (a read meeting a "
+    "prefetch), by where that fetch was (in_flight: waited on, queued: its priority raised)",
+    ["state"],
+)
 GAP_BYTES = prometheus_client.Counter(
     "bootseer_fetch_gap_bytes", "Bytes between coalesced extents that were fetched and thrown away"
 )
@@ -123,6 +129,8 @@ for _outcome in ("fetched", "failed"):
     EXTENTS.labels(_outcome)
 for _kind in ("single", "coalesced"):
     EXTENT_REQUESTS.labels(_kind)
+for _state in ("in_flight", "queued"):
+    EXTENT_JOINS.labels(_state)
 
 
 class Priority(enum.IntEnum):
@@ -205,6 +213,8 @@ class EngineStats:
     coalesced_requests: int = 0  #: of those, requests that carried more than one extent
     gap_bytes: int = 0  #: bytes between coalesced extents, fetched and dropped (in ``bytes_fetched``)
     discards: int = 0  #: buffered extents dropped by :meth:`Engine.discard`
+    extents_joined_in_flight: int = 0  #: urgent asks for an extent a less urgent fetch was already fetching
+    extents_raised: int = 0  #: urgent asks for an extent queued at a lower priority, which they raised
 
 
 class _State(enum.Enum):
@@ -798,6 +808,8 @@ class Engine:
             stripe.first_attempt = None
             stripe.attempts = 0
         held = stripe.holders.get(holder)
+        if extent is not None and held is None and priority < stripe.queued_priority:
+            self._count_join(stripe)
         if held is None or priority < held:
             stripe.holders[holder] = priority
         if stripe.state is _State.QUEUED and priority < stripe.queued_priority:
@@ -806,6 +818,15 @@ class Engine:
             stripe.queued_priority = min(stripe.queued_priority, priority)
         stripe.last_used = next(self._clock)
         return stripe
+
+    def _count_join(self, stripe: _Stripe) -> None:
+        """An urgent caller met an extent on its way at a lower priority (a read meeting a prefetch)."""
+        if stripe.state is _State.FETCHING:
+            self.stats.extents_joined_in_flight += 1  # it waits for that fetch instead of making one
+            EXTENT_JOINS.labels("in_flight").inc()
+        elif stripe.state in (_State.QUEUED, _State.BACKOFF):
+            self.stats.extents_raised += 1  # its priority goes up
+            EXTENT_JOINS.labels("queued").inc()
 
     def _holding(self, holder: object, key: _StripeKey, priority: Priority) -> bool:
         """Add ``holder`` to a stripe that is fetched or on its way, without queueing anything."""

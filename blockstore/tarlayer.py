@@ -185,6 +185,10 @@ class _Decompressed:
 
 # -- tarfile, strict ------------------------------------------------------------------------
 
+#: What tarfile raises for malformed input besides LayerError (``ValueError`` covers
+#: ``int()`` of bad numbers and ``UnicodeError``; never OSError, which is ours: a full spool disk).
+_TARFILE_ERRORS = (tarfile.TarError, ValueError, OverflowError, EOFError)
+
 _LONG_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)
 
 
@@ -237,6 +241,40 @@ def _strict_tarinfo(limits: TarLimits) -> type[tarfile.TarInfo]:
             tar.offset = self.offset_data + self._block(self.size)  # type: ignore[attr-defined]
             self.size = origsize
             return self
+
+        def _proc_gnusparse_10(self, next: tarfile.TarInfo, pax_headers: dict, tar: tarfile.TarFile) -> None:
+            # PAX sparse 1.0 keeps its map at the start of the data; tarfile reads as many
+            # runs as the first line says.  This reads the count first and refuses a large one.
+            fileobj = tar.fileobj
+            assert fileobj is not None
+            buf = fileobj.read(tarfile.BLOCKSIZE)
+            numbers: list[int] = []
+            wanted: int | None = None
+            while wanted is None or len(numbers) < 2 * wanted:
+                line, newline, rest = buf.partition(b"\n")
+                if not newline:
+                    if len(buf) > 64:  # no decimal number is that long
+                        raise LayerError(next.name, "malformed PAX 1.0 sparse map")
+                    more = fileobj.read(tarfile.BLOCKSIZE)
+                    if len(more) != tarfile.BLOCKSIZE:
+                        raise LayerError(next.name, "tar ends in a sparse map (truncated)")
+                    buf += more
+                    continue
+                buf = rest
+                try:
+                    number = int(line)
+                except ValueError:
+                    raise LayerError(next.name, f"malformed PAX 1.0 sparse map line {line[:20]!r}") from None
+                if number < 0:
+                    raise LayerError(next.name, "negative number in a sparse map")
+                if wanted is None:
+                    if number > limits.max_sparse:
+                        raise LayerError(next.name, f"sparse map of {number} runs (limit {limits.max_sparse})")
+                    wanted = number
+                else:
+                    numbers.append(number)
+            next.offset_data = fileobj.tell()
+            next.sparse = list(zip(numbers[::2], numbers[1::2]))
 
     return StrictTarInfo
 
@@ -482,7 +520,7 @@ def read_layer(blob: BinaryIO, sink: BlockSink, *, block_size: int, limits: TarL
                 if exc.entry is None and last is not None:
                     raise LayerError(None, f"{exc.reason} (after entry {last!r})") from None
                 raise
-            except tarfile.TarError as exc:
+            except _TARFILE_ERRORS as exc:  # tarfile's own, and what its parsers let through (int(), decoding)
                 raise LayerError(None, f"malformed tar after entry {last!r}: {exc}") from None
             if info is None:
                 break
@@ -490,7 +528,12 @@ def read_layer(blob: BinaryIO, sink: BlockSink, *, block_size: int, limits: TarL
             last = info.name
             if tree.count() >= limits.max_entries:
                 raise LayerError(info.name, f"more than {limits.max_entries} entries in the layer")
-            file_bytes += _member(tar, info, tree, sink, block_size, limits)
+            try:
+                file_bytes += _member(tar, info, tree, sink, block_size, limits)
+            except LayerError:
+                raise
+            except _TARFILE_ERRORS as exc:
+                raise LayerError(info.name, f"unreadable entry: {exc}") from None
     hashed.drain()  # the diffID covers every byte, the end-of-archive padding included
     return ParsedLayer(
         entries=tree.entries(),

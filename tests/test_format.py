@@ -349,3 +349,22 @@ def test_errors_name_the_entry():
         parse(L.Layer((L.File("ok", b""), L.raw("../../x", data=b"")), add_parents=False))
     assert caught.value.entry == "../../x" and "path traversal" in caught.value.reason
     assert str(caught.value).startswith("entry '../../x': ")
+
+
+def _pax_sparse_10(map_text: bytes, realsize: int = 100) -> L.Raw:
+    """A PAX 1.0 sparse member whose data begins with ``map_text`` (the map GNU tar writes there)."""
+    info = tarfile.TarInfo("GNUSparseFile.0/s")
+    info.pax_headers = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "s",
+                        "GNU.sparse.realsize": str(realsize)}  # fmt: skip
+    data = map_text + b"\0" * (-len(map_text) % 512) + b"payload!"
+    info.size = len(data)
+    return L.Raw(info, data)
+
+
+def test_pax_sparse_1_0_maps():
+    entries, _, sink = parse(L.Layer((_pax_sparse_10(b"1\n10\n8\n"),), add_parents=False))
+    assert entries["s"].size == 100 and contents(entries, sink, "s") == bytes(10) + b"payload!" + bytes(82)
+    for map_text, reason in ((b"99999999\n", "sparse map of 99999999 runs"), (b"two\n", "malformed PAX 1.0 sparse map"),
+                             (b"1" * 600, "malformed PAX 1.0 sparse map"), (b"1\n200\n8\n", "ends past the size")):  # fmt: skip
+        with pytest.raises(LayerError, match=reason):
+            parse(L.Layer((_pax_sparse_10(map_text),), add_parents=False))

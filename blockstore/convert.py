@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, TextIO
+from typing import BinaryIO, Callable, TextIO
 
 import zstandard
 
@@ -58,6 +58,7 @@ from bootseer.blockstore.format import (
 from bootseer.blockstore.store import StoreWriter
 from bootseer.blockstore.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
 from bootseer import __version__
+from bootseer.images import ImageSource, layer_compression
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -396,7 +397,7 @@ def _upload_pack(writer: StoreWriter, pack: SpooledPack) -> None:
 def convert_layer(
     writer: StoreWriter,
     table: DedupTable,
-    blob,  # a binary stream of the layer blob, verified by its reader
+    blob: BinaryIO,  # the layer blob, verified against its digest by its reader (bootseer.images.VerifiedBlob)
     *,
     chain: str,
     parent: str,
@@ -482,7 +483,7 @@ def check_block_size(block_size: int) -> int:
 
 
 def convert_image(
-    image,  # a bootseer.images.ImageSource
+    image: ImageSource,
     writer: StoreWriter,
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -497,8 +498,6 @@ def convert_image(
     cannot be read.  Layers converted before the failure stay published (each one
     is complete and verified); the failed one is not.
     """
-    from bootseer.images import layer_compression
-
     check_block_size(block_size)
     started = time.monotonic()
     puts_before, bytes_before = writer.puts, writer.put_bytes

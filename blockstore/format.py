@@ -39,6 +39,12 @@ DEDUP_MAGIC = b"BSDEDUP1"
 _INDEX_HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, payload SHA-256
 MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused (a zstd bomb)
 
+#: Bounds an index entry must keep (Linux's NAME_MAX, XATTR_NAME_MAX, XATTR_SIZE_MAX, PATH_MAX).
+MAX_NAME_BYTES = 255
+MAX_XATTR_NAME_BYTES = 255
+MAX_XATTR_VALUE_BYTES = 64 << 10
+MAX_TARGET_BYTES = 4096
+
 #: :attr:`Block.pack` of an all-zero block, which no pack holds.
 ZERO_PACK = -1
 
@@ -272,6 +278,15 @@ class LayerIndex:
             seen[entry.path] = entry.type
             if entry.mode & ~0o7777 or entry.uid < 0 or entry.gid < 0 or entry.size < 0:
                 raise FormatError(f"{what}: bad mode, owner or size")
+            if number and len(entry.name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+                raise FormatError(f"{what}: a name longer than {MAX_NAME_BYTES} bytes")
+            if entry.rdev[0] < 0 or entry.rdev[1] < 0 or (entry.rdev != (0, 0) and entry.type not in (EntryType.CHAR, EntryType.BLOCK)):
+                raise FormatError(f"{what}: device number {entry.rdev} on a {entry.type.value}")
+            for name, value in entry.xattrs.items():
+                if not name or "\0" in name or len(name.encode("utf-8", "surrogateescape")) > MAX_XATTR_NAME_BYTES or len(value) > MAX_XATTR_VALUE_BYTES:
+                    raise FormatError(f"{what}: xattr {name[:40]!r} has a bad name or a value over {MAX_XATTR_VALUE_BYTES} bytes")
+            if entry.target and (entry.type is not EntryType.SYMLINK or "\0" in entry.target or entry.size > MAX_TARGET_BYTES):
+                raise FormatError(f"{what}: a link target on a {entry.type.value}, with a NUL byte or over {MAX_TARGET_BYTES} bytes")
             if entry.link is not None:
                 if not (0 < entry.link < number and self.entries[entry.link].type is EntryType.FILE
                         and self.entries[entry.link].link is None and entry.type is EntryType.FILE):  # fmt: skip

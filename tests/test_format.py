@@ -184,9 +184,15 @@ def _reencode(index: LayerIndex, document_change=None) -> bytes:
         (lambda d: d.__setitem__("block_size", 3), "block size"),
         (lambda d: d.__setitem__("format", 2), "format"),
         (lambda d: d["entries"].__setitem__(1, {**d["entries"][1], "x": {"a": "!!notbase64"}}), "malformed"),
+        (lambda d: d["entries"].__setitem__(1, {**d["entries"][1], "x": {"a\u0000b": ""}}), "bad name"),
+        (lambda d: d["entries"].__setitem__(1, {**d["entries"][1], "x": {"user.v": "A" * 90000}}), "value over"),
+        (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "p": "f" * 256}), "longer than 255"),
+        (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "d": [1, 3]}), "device number"),
+        (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "l": "/etc"}), "link target on a fifo"),
     ],
     ids=["orphan", "dot-dot", "absolute", "link-forward", "block-range", "size", "symlink-size", "twice",
-         "pack-range", "zero-stored", "block-size", "version", "xattr"],  # fmt: skip
+         "pack-range", "zero-stored", "block-size", "version", "xattr", "xattr-name", "xattr-value", "long-name",
+         "rdev-on-fifo", "target-on-fifo"],  # fmt: skip
 )
 def test_inconsistent_index_is_refused(change, message):
     with pytest.raises(FormatError, match=message):

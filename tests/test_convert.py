@@ -411,3 +411,33 @@ def test_what_was_uploaded_is_read_back_and_checked(lose, message, rich_image, t
     assert message in str(caught.value) and str(caught.value).startswith("layer 1/3 ")
     if lose != "v1/chains/":
         assert not (tmp_path / "store" / "v1" / "chains").exists()
+
+
+def test_a_conversion_killed_midway_publishes_nothing_and_a_rerun_completes(tmp_path):
+    """kill -9 while a layer is being packed: no chain record, nothing half-written; the next run finishes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    image = build_oci_layout(tmp_path / "img", [L.Layer((L.File("small", b"first layer"),)),
+                                                L.Layer((L.BigFile("big.bin", 256 << 20, seed=5),))], compression="none")  # fmt: skip
+    store, spool = tmp_path / "store", tmp_path / "spool"
+    spool.mkdir()
+    argv = [sys.executable, "-m", "bootseer.cli", "convert", image.ref, "--store", str(store), "--spool-dir", str(spool)]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(p.stat().st_size > 32 << 20 for p in spool.rglob("pack-*")):
+            assert process.poll() is None and time.monotonic() < deadline, "the conversion ended before it could be killed"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    chains = chain_ids(image.diff_ids)
+    assert (store / chain_object(chains[0])).exists() and not (store / chain_object(chains[1])).exists()
+    assert not [p for p in store.rglob("*") if ".tmp-" in p.name]
+    result, _ = convert(image.ref, store)
+    assert [layer.skipped for layer in result.layers] == [True, False]
+    assert load_index(store, chains[1]).entries[-1].size == 256 << 20

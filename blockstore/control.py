@@ -203,6 +203,10 @@ class LayerServerClient:
         """Stop serving ``chain_id``; :class:`LayerNotMounted` if it was not served."""
         self.call({"op": "unmount", "chain_id": chain_id})
 
+    def shutdown(self) -> int:
+        """Stop the server as SIGTERM would (unmount, exit 0; the table stays); its pid."""
+        return int(self.call({"op": "shutdown"})["pid"])
+
     def status(self) -> dict[str, Any]:
         """The server's state: pid, layers and slots, fetch and cache statistics, health."""
         return self.call({"op": "status"})

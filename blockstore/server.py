@@ -93,6 +93,7 @@ class LayerServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     source_options: dict[str, Any] = field(default_factory=dict)  #: passed to open_source for every store
     shutdown_grace: float = 10.0
+    hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
 
     @property
     def paths(self) -> ServerPaths:
@@ -196,6 +197,9 @@ class LayerServer:
         self._table_lock = trio.Lock()
         self.session: FuseSession | None = None
         self.started = time.time()
+        from bootseer.hotlist.service import HotListService
+
+        self.hotlist = HotListService(self, config.hotlist)  #: records first boots, prefetches later ones
 
     # -- stores ----------------------------------------------------------------------
 
@@ -266,7 +270,9 @@ class LayerServer:
         from bootseer.blockstore.reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
-        return LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
+        tree = LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
+        tree.observer = self.hotlist
+        return tree
 
     def _free_slot(self) -> int:
         """The lowest slot no layer holds and the kernel no longer references."""
@@ -343,6 +349,7 @@ class LayerServer:
                 self.root.layers[layer.slot] = tree
             LAYERS.set(len(self.root.layers))
             log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=store)
+            self.hotlist.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
 
     async def check(self, chain_id: str) -> dict[str, Any]:
@@ -376,6 +383,20 @@ class LayerServer:
         pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, str(layer.slot).encode())
         log.info("unmounted layer", chain_id=chain_id, slot=layer.slot)
         return {"chain_id": chain_id, "slot": layer.slot}
+
+    async def shutdown(self) -> dict[str, Any]:
+        """Stop as on SIGTERM: unmount once the requests in flight are answered (within the grace)."""
+        if self.session is None:
+            raise LayerServerError("the layer server is not serving yet")
+        log.info("shutting down on request", mountpoint=str(self.paths.mountpoint))
+        self.nursery.start_soon(self._shutdown, self.session)
+        return {"pid": os.getpid()}
+
+    async def _shutdown(self, session: FuseSession) -> None:
+        await trio.sleep(0)  # the answer goes out first
+        session.terminate()
+        await trio.sleep(self.config.shutdown_grace)
+        session.abort()
 
     async def status(self) -> dict[str, Any]:
         serving = self.session is not None and not self.session.ended.is_set()
@@ -435,6 +456,8 @@ async def _dispatch(server: LayerServer, request: Any) -> dict[str, Any]:
     op = request.get("op")
     if op == "status":
         return await server.status()
+    if isinstance(op, str) and op.startswith("hotlist."):
+        return await server.hotlist.dispatch(op, request)
     if op == "mount":
         store = request.get("store")
         if store is not None and not isinstance(store, str):
@@ -444,7 +467,9 @@ async def _dispatch(server: LayerServer, request: Any) -> dict[str, Any]:
         return await server.check(_checked_chain_id(request))
     if op == "unmount":
         return await server.unmount(_checked_chain_id(request))
-    raise InvalidRequest(f"unknown operation {op!r} (mount, check, unmount, status)")
+    if op == "shutdown":
+        return await server.shutdown()
+    raise InvalidRequest(f"unknown operation {op!r} (mount, check, unmount, status, shutdown)")
 
 
 async def _handle_connection(server: LayerServer, stream: trio.SocketStream) -> None:
@@ -527,10 +552,10 @@ def _hold_lock(path: Path) -> int:
 def prepare_root(paths: ServerPaths) -> None:
     """Create the server's directories (0700: only root may reach the mount) and clear
     a dead mount a killed server left; MountError if a live one is in the way."""
+    unmount_dead(str(paths.mountpoint))  # first: on a dead mount even mkdir's stat fails (ENOTCONN)
     for directory in (paths.layers, paths.mountpoint, paths.indexes):
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(paths.layers, 0o700)
-    unmount_dead(str(paths.mountpoint))
     for stale in paths.indexes.glob(".*.tmp-*"):
         stale.unlink(missing_ok=True)
 

@@ -453,6 +453,11 @@ def test_restart_after_sigterm_and_sigkill_restores_slots_and_inodes(node: Node,
     assert (base / "srv/big.bin").read_bytes() == rich_big_bin()
     assert "unmounting a dead FUSE mount" in node.log()
 
+    wait_gone(client.shutdown(), 30)  # the control API's stop: as SIGTERM
+    assert mount_entry(node.paths.mountpoint) is None
+    assert "layer server stopped" in node.log()
+    assert {x["chain_id"]: x["slot"] for x in node.ensure().status()["layers"]} == slots
+
 
 def test_two_callers_at_once_start_one_server(node: Node) -> None:
     clients: list[LayerServerClient] = []

@@ -93,7 +93,6 @@ class LayerServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     source_options: dict[str, Any] = field(default_factory=dict)  #: passed to open_source for every store
     shutdown_grace: float = 10.0
-    hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
 
     @property
     def paths(self) -> ServerPaths:
@@ -197,9 +196,6 @@ class LayerServer:
         self._table_lock = trio.Lock()
         self.session: FuseSession | None = None
         self.started = time.time()
-        from bootseer.hotlist.service import HotListService
-
-        self.hotlist = HotListService(self, config.hotlist)  #: records first boots, prefetches later ones
 
     # -- stores ----------------------------------------------------------------------
 
@@ -270,9 +266,7 @@ class LayerServer:
         from bootseer.blockstore.reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
-        tree = LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
-        tree.observer = self.hotlist
-        return tree
+        return LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
 
     def _free_slot(self) -> int:
         """The lowest slot no layer holds and the kernel no longer references."""
@@ -349,7 +343,6 @@ class LayerServer:
                 self.root.layers[layer.slot] = tree
             LAYERS.set(len(self.root.layers))
             log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=store)
-            self.hotlist.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
 
     async def check(self, chain_id: str) -> dict[str, Any]:
@@ -456,8 +449,6 @@ async def _dispatch(server: LayerServer, request: Any) -> dict[str, Any]:
     op = request.get("op")
     if op == "status":
         return await server.status()
-    if isinstance(op, str) and op.startswith("hotlist."):
-        return await server.hotlist.dispatch(op, request)
     if op == "mount":
         store = request.get("store")
         if store is not None and not isinstance(store, str):
@@ -552,10 +543,10 @@ def _hold_lock(path: Path) -> int:
 def prepare_root(paths: ServerPaths) -> None:
     """Create the server's directories (0700: only root may reach the mount) and clear
     a dead mount a killed server left; MountError if a live one is in the way."""
-    unmount_dead(str(paths.mountpoint))  # first: on a dead mount even mkdir's stat fails (ENOTCONN)
     for directory in (paths.layers, paths.mountpoint, paths.indexes):
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(paths.layers, 0o700)
+    unmount_dead(str(paths.mountpoint))
     for stale in paths.indexes.glob(".*.tmp-*"):
         stale.unlink(missing_ok=True)
 

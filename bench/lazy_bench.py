@@ -79,7 +79,16 @@ SCENARIOS = {
     "lazy-cold": "bootseer: `bootseer rpull` + `ctr run --snapshotter bootseer`, cold",
     "overlay-local": "overlayfs: `ctr run`, image already pulled",
     "lazy-local": "bootseer: `ctr run`, blocks in the node cache",
+    "fuse-cold": "layer server alone, no containerd: mount the layers, overlay, `chroot … python3 /app/train.py`, cold",
+    "fuse-local": "the same, blocks in the node cache",
+    "plain-local": "`chroot … python3 /app/train.py` on an overlay of the unpacked layer dirs (no FUSE)",
 }
+#: The scenario each one is compared with in the report's ratio column.
+BASELINES = {"overlay-cold": "overlay-cold", "lazy-cold": "overlay-cold", "overlay-local": "overlay-local",
+             "lazy-local": "overlay-local", "fuse-cold": "overlay-cold", "fuse-local": "plain-local",
+             "plain-local": "plain-local"}
+KINDS = {"overlay": ("overlay-cold", "overlay-local"), "lazy": ("lazy-cold", "lazy-local"),
+         "fuse": ("fuse-cold", "fuse-local", "plain-local")}
 
 
 class BenchError(RuntimeError):
@@ -296,11 +305,15 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float) ->
         shutil.rmtree(base, ignore_errors=True)
 
 
-def layer_server_figures(stack: harness.Stack) -> dict[str, float]:
+def control_socket(stack: harness.Stack) -> Path:
+    """The layer server's control socket of a node whose daemon has ``--root ROOT``."""
+    return stack.daemon.root / "layers" / "control.sock"
+
+
+def layer_server_figures(socket_path: Path) -> dict[str, float]:
     """What the layer server says it fetched, served and cached (``status`` on its control socket)."""
     from bootseer.blockstore.control import LayerServerClient
 
-    socket_path = stack.daemon.root / "layers" / "control.sock"
     try:
         status = LayerServerClient(socket_path).status()
     except Exception as e:  # noqa: BLE001 - a missing figure must not lose the timing
@@ -324,8 +337,105 @@ def layer_server_figures(stack: harness.Stack) -> dict[str, float]:
     return figures
 
 
+#: Prometheus series of the layer server worth a line in the report, by the figure's name.
+FUSE_SERIES = {
+    "bootseer_fuse_requests_total": ("fuse.requests", "op"),
+    "bootseer_fuse_errors_total": ("fuse.errors", "op", "errno"),
+    "bootseer_fuse_read_bytes_total": ("fuse.read_bytes",),
+    "bootseer_fuse_read_seconds_sum": ("fuse.read_seconds",),
+    "bootseer_layer_read_seconds_sum": ("layer.read_seconds",),
+    "bootseer_layer_read_seconds_count": ("layer.reads",),
+}
+
+
+def scrape_metrics(url: str | None) -> dict[str, float]:
+    """The :data:`FUSE_SERIES` figures from a Prometheus ``/metrics`` page (empty when ``url`` is None)."""
+    import re
+    import urllib.request
+
+    if url is None:
+        return {}
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+    except OSError as e:
+        log(f"  metrics {url}: {e}")
+        return {}
+    figures: dict[str, float] = {}
+    for match in re.finditer(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", text, re.MULTILINE):
+        name, labels, value = match.groups()
+        if name not in FUSE_SERIES:
+            continue
+        label_map = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
+        figure, *keys = FUSE_SERIES[name]
+        key = ".".join([figure, *(label_map.get(k, "") for k in keys)])
+        figures[key] = figures.get(key, 0.0) + float(value)
+    return figures
+
+
 def diff_figures(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {key: value - before.get(key, 0) for key, value in after.items()}
+
+
+@contextlib.contextmanager
+def profiled(socket_path: Path, out: Path | None) -> Iterator[None]:
+    """Sample the layer server with py-spy (``--gil``: Python code holding the GIL) while the body runs.
+
+    The raw samples (``py-spy record --format raw``) go to ``out``; nothing happens when
+    ``out`` is None, and a missing py-spy or layer server only costs the profile.
+    """
+    spy = None
+    if out is not None:
+        from bootseer.blockstore.control import LayerServerClient
+
+        try:
+            pid = LayerServerClient(socket_path).status()["pid"]
+            spy = subprocess.Popen([shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")),
+                                    "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--gil",
+                                    "--nonblocking", "--threads", "-o", str(out)],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except Exception as e:  # noqa: BLE001 - a profile must never cost the measurement
+            log(f"  no profile: {e}")
+    try:
+        yield
+    finally:
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            try:
+                spy.wait(30)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                spy.wait()
+
+
+def summarize_profile(path: Path, top: int = 12) -> list[str]:
+    """The frames holding the GIL most often in a py-spy raw profile, as Markdown rows."""
+    if not path.exists():
+        return []
+    total = 0
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")[1:]  # the first element names the thread
+        total += int(count)
+        if frames:
+            own[frames[-1]] = own.get(frames[-1], 0) + int(count)
+        for frame in set(frames):
+            if ("bootseer/" in frame or "blockstore/" in frame or "pyfuse3" in frame) and "cli.py" not in frame:
+                inclusive[frame] = inclusive.get(frame, 0) + int(count)
+    if not total:
+        return []
+    rows = [f"{total} samples at 200 Hz ({total / 200:.1f} s of the GIL held by the layer server)", "",
+            "| frame (self) | share |", "|---|---|"]
+    rows += [f"| `{frame}` | {count / total:.0%} |" for frame, count in
+             sorted(own.items(), key=lambda item: -item[1])[:top]]
+    rows += ["", "| frame (inclusive, BootSeer and pyfuse3) | share |", "|---|---|"]
+    rows += [f"| `{frame}` | {count / total:.0%} |" for frame, count in
+             sorted(inclusive.items(), key=lambda item: -item[1])[:top]]
+    return rows
 
 
 def ctr_argv(stack: harness.Stack, *args: str) -> list[str]:
@@ -338,25 +448,27 @@ def run_argv(stack: harness.Stack, ref: str, name: str) -> list[str]:
 
 
 def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
-                timeout: float, log_path: Path, lazy: bool) -> Run:
+                timeout: float, log_path: Path, lazy: bool, profile: Path | None = None) -> Run:
     """Drop caches, then (pull and) run the container; time to its marker line."""
-    before = layer_server_figures(stack) if lazy and not pull else {}
+    before = layer_server_figures(control_socket(stack)) if lazy and not pull else {}
     drop_caches()
     counters = link.counters()
-    start = time.perf_counter()
-    pull_seconds = 0.0
-    if pull:
-        run_checked(pull, "pull", timeout=timeout, log_path=log_path)
-        pull_seconds = time.perf_counter() - start
-    seconds, line = run_until_marker(run_argv(stack, ref, name), image_build.FIRST_OUTPUT_MARKER, timeout, log_path)
+    with profiled(control_socket(stack) if lazy else Path(), profile if lazy else None):
+        start = time.perf_counter()
+        pull_seconds = 0.0
+        if pull:
+            run_checked(pull, "pull", timeout=timeout, log_path=log_path)
+            pull_seconds = time.perf_counter() - start
+        seconds, line = run_until_marker(run_argv(stack, ref, name), image_build.FIRST_OUTPUT_MARKER, timeout,
+                                         log_path)
     total = pull_seconds + seconds
     fetched = (link.counters() - counters).received
-    server = diff_figures(layer_server_figures(stack), before) if lazy else {}
+    server = diff_figures(layer_server_figures(control_socket(stack)), before) if lazy else {}
     return Run(seconds=total, pull_seconds=pull_seconds, link_bytes=fetched, output=line, server=server)
 
 
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
-                 scenarios: dict[str, Scenario], timeout: float) -> None:
+                 scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None) -> None:
     """One fresh node: a cold start, then a local start, of ``kind`` (overlay or lazy)."""
     lazy = kind == "lazy"
     cold, local = scenarios[f"{kind}-cold"], scenarios[f"{kind}-local"]
@@ -371,7 +483,9 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
                 pull = ctr_argv(stack, "images", "pull", "--plain-http", "--snapshotter", "overlayfs", ref)
             for scenario, pull_argv in ((cold, pull), (local, None)):
                 try:
-                    run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pull_argv, timeout, log_path, lazy)
+                    profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
+                    run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pull_argv, timeout, log_path, lazy,
+                                      profile)
                 except BenchError as e:
                     scenario.errors.append(f"run {rep}: {e}")
                     log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
@@ -388,6 +502,139 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
         for scenario in (cold, local):
             scenario.errors.append(f"run {rep}: node did not start: {e}")
         log(f"  {kind} node {rep}: FAILED: {e}")
+
+
+# --------------------------------------------------------------------------- the layer server alone
+
+
+@contextlib.contextmanager
+def overlay_root(lowers: list[str], base: Path, name: str) -> Iterator[Path]:
+    """An overlay of ``lowers`` (topmost first) with a fresh upper dir and /proc, for a chroot."""
+    upper, work, merged = base / f"{name}.up", base / f"{name}.work", base / f"{name}.root"
+    for path in (upper, work, merged):
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    options = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
+    run_checked(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], "overlay mount", timeout=60)
+    try:
+        run_checked(["mount", "-t", "proc", "proc", str(merged / "proc")], "proc mount", timeout=60)
+        try:
+            yield merged
+        finally:
+            subprocess.run(["umount", str(merged / "proc")], capture_output=True)
+    finally:
+        if subprocess.run(["umount", str(merged)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(merged)], capture_output=True)
+
+
+def chroot_start(root: Path, timeout: float, log_path: Path) -> tuple[float, str]:
+    """Run the image's command in a chroot of ``root``; seconds to its marker line."""
+    argv = ["chroot", str(root), "/usr/bin/env", "-i", f"PATH={image_build.CHROOT_PATH}", "LANG=C.UTF-8",
+            "python3", "/app/train.py"]
+    return run_until_marker(argv, image_build.FIRST_OUTPUT_MARKER, timeout, log_path)
+
+
+@contextlib.contextmanager
+def layer_server_node(base: Path, store_url: str) -> Iterator[tuple[Path, str]]:
+    """``bootseer layer-server --root BASE/root --store URL`` on a fresh root; yields its control socket
+    and its metrics URL."""
+    from bootseer.blockstore.control import LayerServerClient
+
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    root = base / "root"
+    metrics = f"127.0.0.1:{harness.free_port()}"
+    server = harness.ManagedProcess("layer-server", bootseer_argv("layer-server", "--root", str(root), "--store",
+                                                                  store_url, "--metrics-address", metrics),
+                                    base / "layer-server.log", python=True)
+    socket_path = root / "layers" / "control.sock"
+
+    def answers() -> bool:
+        with contextlib.suppress(Exception):
+            LayerServerClient(socket_path).status()
+            return True
+        return False
+
+    server.start()
+    try:
+        harness.wait_until("the layer server to answer", answers, 60, alive=server)
+        yield socket_path, f"http://{metrics}/metrics"
+    finally:
+        with contextlib.suppress(harness.HarnessError):
+            server.stop()
+        with contextlib.suppress(Exception):
+            for point in harness._mounts_under(base):
+                subprocess.run(["umount", "-l", point], capture_output=True)
+        keep_logs = base.parent / "logs"
+        keep_logs.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            shutil.copy(base / "layer-server.log", keep_logs / f"{base.name}-layer-server.log")
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _lower_dir(mounted: Any) -> str:
+    """The lower dir from ``LayerServerClient.mount``'s answer (a MountedLayer, or its path)."""
+    return mounted if isinstance(mounted, str) else mounted.lower_dir
+
+
+def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image_build.Image, store_url: str,
+                      scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
+                      cache_dir: Path) -> None:
+    """The layer server alone (no containerd, no snapshotter): cold, local, and plain overlayfs beside it."""
+    from bootseer.blockstore.control import LayerServerClient
+
+    log_path = work / "logs" / f"fuse{rep}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    chains = harness.chain_ids([layer.diff_id for layer in image.layers])
+    cold, local, plain = (scenarios[name] for name in KINDS["fuse"])
+    base = work / f"f{rep}"
+    try:
+        with layer_server_node(base, store_url) as (socket_path, metrics_url):
+            client = LayerServerClient(socket_path)
+            lowers: list[str] = []
+            for scenario in (cold, local):
+                before = {**layer_server_figures(socket_path), **scrape_metrics(metrics_url)} if lowers else {}
+                profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
+                drop_caches()
+                counters = link.counters()
+                try:
+                    with profiled(socket_path, profile):
+                        start = time.perf_counter()
+                        if not lowers:  # what the snapshotter does when rpull prepares the layers
+                            lowers = [_lower_dir(client.mount(chain)) for chain in chains][::-1]
+                        mounted = time.perf_counter() - start
+                        with overlay_root(lowers, base, scenario.name) as root:
+                            seconds, line = chroot_start(root, timeout, log_path)
+                        total = time.perf_counter() - start
+                except Exception as e:  # noqa: BLE001 - recorded, the other scenarios still run
+                    scenario.errors.append(f"run {rep}: {e}")
+                    log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
+                    break
+                fetched = (link.counters() - counters).received
+                server = diff_figures({**layer_server_figures(socket_path), **scrape_metrics(metrics_url)}, before)
+                scenario.runs.append(Run(seconds=total, pull_seconds=mounted, link_bytes=fetched, output=line,
+                                         server=server))
+                log(f"  {scenario.name:14} run {rep}: {total:6.2f} s (mounts {mounted:5.2f} s), "
+                    f"link {fetched / MB:7.1f} MB")
+    except (BenchError, harness.HarnessError) as e:
+        cold.errors.append(f"run {rep}: layer server did not start: {e}")
+        log(f"  fuse node {rep}: FAILED: {e}")
+    plain_lowers = [str(cache_dir / "layers" / layer.name) for layer in image.layers][::-1]
+    drop_caches()
+    try:
+        start = time.perf_counter()
+        with overlay_root(plain_lowers, work, f"plain{rep}") as root:
+            seconds, line = chroot_start(root, timeout, log_path)
+        total = time.perf_counter() - start
+    except BenchError as e:
+        plain.errors.append(f"run {rep}: {e}")
+        log(f"  plain-local    run {rep}: FAILED: {e}")
+        return
+    finally:
+        for suffix in ("up", "work", "root"):
+            shutil.rmtree(work / f"plain{rep}.{suffix}", ignore_errors=True)
+    plain.runs.append(Run(seconds=total, pull_seconds=0.0, link_bytes=0, output=line))
+    log(f"  plain-local    run {rep}: {total:6.2f} s")
 
 
 # --------------------------------------------------------------------------- report
@@ -448,21 +695,25 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         "|---|---|---|---|---|---|---|",
     ]
     for name, scenario in scenarios.items():
-        baseline = seconds["overlay-local" if name.endswith("local") else "overlay-cold"]
+        if not scenario.runs and not scenario.errors:
+            continue  # not asked for
+        baseline = seconds[BASELINES[name]]
         ratio = seconds[name] / baseline if seconds[name] and baseline else None
         runs = ", ".join(f"{r.seconds:.2f}" for r in scenario.runs) or "—"
         lines.append(
             f"| {name} | {SCENARIOS[name]} | {runs} | {_f(seconds[name])} | "
             f"{_f(scenario.median(lambda r: r.pull_seconds))} | {_f(ratio)} | "
             f"{_f(scenario.median(lambda r: r.link_bytes / MB), '.1f')} |")
-    lazy = scenarios["lazy-cold"]
+    # The bytes of a lazy start: through containerd if it ran, else through the layer server alone.
+    lazy = scenarios["lazy-cold"] if scenarios["lazy-cold"].runs or not scenarios["fuse-cold"].runs \
+        else scenarios["fuse-cold"]
     read = lazy.median(lambda r: _read_bytes(r) or 0.0) if any(_read_bytes(r) for r in lazy.runs) else None
     fetched = lazy.median(lambda r: _fetched_bytes(r) or 0.0) if lazy.runs else None
     def median_of(key: str) -> float | None:
         values = [r.server[key] for r in lazy.runs if key in r.server]
         return statistics.median(values) if values else None
 
-    lines += ["", "## Bytes (lazy cold start, medians)", "",
+    lines += ["", f"## Bytes ({lazy.name}, medians)", "",
               "| figure | MB |", "|---|---|",
               f"| crossed the link (registry + store; host end's interface counters) | {_f(fetched and fetched / MB, '.1f')} |",
               f"| fetched from the store (layer server: range requests, gaps included) "
@@ -476,7 +727,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     if lazy.runs:
         keys = sorted({k for r in lazy.runs for k in r.server})
         if keys:
-            lines += ["", "Layer server figures per lazy cold run (deltas over the run):", "",
+            lines += ["", f"Layer server figures per {lazy.name} run (deltas over the run):", "",
                       "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(lazy.runs))) + " |",
                       "|---|" + "---|" * len(lazy.runs)]
             for key in keys:
@@ -493,10 +744,18 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     fetch_ratio = fetched / read if read and fetched else None
     lines += ["", "## Targets", "", "| target | wanted | measured | |", "|---|---|---|---|",
               check("lazy cold start / overlayfs cold start", cold_ratio, TARGET_COLD_RATIO),
-              check("bytes fetched / bytes read (lazy cold)", fetch_ratio, TARGET_FETCH_OVER_READ),
+              check(f"bytes fetched / bytes read ({lazy.name})", fetch_ratio, TARGET_FETCH_OVER_READ),
               check("lazy local start / overlayfs local start", local_ratio, TARGET_LOCAL_RATIO)]
+    if seconds["fuse-local"] and seconds["plain-local"]:
+        lines.append(check("(layer server alone) fuse-local / plain-local", seconds["fuse-local"] / seconds["plain-local"],
+                           TARGET_LOCAL_RATIO))
     if context.get("convert_seconds") is not None:
         lines += ["", f"`bootseer convert` of the image took {context['convert_seconds']:.1f} s (once; cached after)."]
+    if context.get("profile_dir"):
+        for name in ("lazy-cold", "lazy-local", "fuse-cold", "fuse-local"):
+            rows = summarize_profile(context["profile_dir"] / f"{name}-1.txt")
+            if rows:
+                lines += ["", f"## Where the layer server's time goes: {name}, run 1 (py-spy --gil)", "", *rows]
     errors = [f"- {name}: {e}" for name, s in scenarios.items() for e in s.errors]
     if errors:
         lines += ["", "## Failures", "", *errors]
@@ -537,7 +796,10 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
         path.chmod(0o755)  # nginx's worker (www-data) must reach the store below the cache dir
     scenarios = {name: Scenario(name) for name in SCENARIOS}
     context: dict[str, Any] = {"notes": []}
-    kinds = [k for k in ("overlay", "lazy") if k in args.modes]
+    kinds = [k for k in KINDS if k in args.modes]
+    if args.profile:
+        context["profile_dir"] = work / "profile"
+        context["profile_dir"].mkdir()
     with contextlib.ExitStack() as servers:
         link = servers.enter_context(netns.ShapedLink(args.rate))
         log(f"link {link.client_ip} -> {link.server_ip} (namespace {link.name}), tbf {args.rate}")
@@ -546,20 +808,27 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
         context["link_rate"] = measure_link(link, registry, image)
         log(f"pushed {ref}; one GET across the link: {context['link_rate']:.1f} MB/s")
         store_url = None
-        if "lazy" in kinds:
+        if "lazy" in kinds or "fuse" in kinds:
             try:
                 context["convert_seconds"] = convert_store(image, args.cache_dir / "store", work / "convert.log")
                 nginx = servers.enter_context(Nginx(args.cache_dir / "store", work / "nginx", STORE_PORT,
                                                     host=link.server_ip, launcher=link.launcher()))
                 store_url = nginx.url
             except (BenchError, RuntimeError) as e:
-                kinds.remove("lazy")
-                for name in ("lazy-cold", "lazy-local"):
-                    scenarios[name].errors.append(f"store not ready: {e}")
+                for kind in ("lazy", "fuse"):
+                    if kind in kinds:
+                        kinds.remove(kind)
+                        for name in KINDS[kind]:
+                            scenarios[name].errors.append(f"store not ready: {e}")
                 log(f"lazy path not measured: {e}")
         for rep in range(1, args.reps + 1):
             for kind in kinds:
-                measure_node(kind, rep, work, link, ref, store_url, scenarios, args.timeout)
+                if kind == "fuse":
+                    measure_fuse_node(rep, work, link, image, store_url, scenarios, args.timeout,
+                                      context.get("profile_dir"), args.cache_dir)
+                else:
+                    measure_node(kind, rep, work, link, ref, store_url, scenarios, args.timeout,
+                                 context.get("profile_dir"))
         context["tc"] = link.describe()
     context["wall"] = time.monotonic() - started
     return image, scenarios, context
@@ -571,15 +840,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", default="1gbit", help="the link's rate each way, in tc's syntax (1gbit)")
     parser.add_argument("--cache-dir", type=Path, default=image_build.DEFAULT_CACHE_DIR,
                         help=f"image, registry storage and store, kept across runs ({image_build.DEFAULT_CACHE_DIR})")
-    parser.add_argument("--modes", default="overlay,lazy", help="overlay, lazy or both (overlay,lazy)")
+    parser.add_argument("--modes", default="overlay,lazy",
+                        help="comma-separated: overlay, lazy, fuse (the layer server alone, no containerd, with "
+                             "plain overlayfs chroot runs beside it) (overlay,lazy)")
     parser.add_argument("--jobs", type=int, default=2, help="gzip threads when building the image (2)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one pull or run may take (600)")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample the layer server with py-spy during the lazy runs; summary in the report, "
+                             "raw samples under CACHE/runs/PID/profile/")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "results" / "lazy.md",
                         help="Markdown results (bench/results/lazy.md)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not args.modes or set(args.modes) - {"overlay", "lazy"}:
-        parser.error("--modes takes overlay, lazy or overlay,lazy")
+    if not args.modes or set(args.modes) - set(KINDS):
+        parser.error(f"--modes takes a comma-separated subset of {','.join(KINDS)}")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     args.cache_dir = args.cache_dir.resolve()

@@ -3,7 +3,8 @@
 Exit status: 0 when every layer is in the store (converted now or before); 2 for bad
 usage (a malformed reference, store URL or block size); 1 when the conversion failed
 (the image cannot be read, a layer is refused, the store fails), with one line on
-stderr saying which layer and why.
+stderr saying which layer and why; 130 on Ctrl-C.  Layers finished before a failure
+stay published; the one being converted is not.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ log = get_logger(__name__)
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
+EXIT_INTERRUPTED = 130
 
 
 def _block_size(text: str) -> int:
@@ -31,6 +33,16 @@ def _block_size(text: str) -> int:
         return check_block_size(size)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _platform(text: str) -> str:
+    from bootseer.images import ImageError, Platform
+
+    try:
+        Platform.parse(text)
+    except (ImageError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -50,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("ref", metavar="REF")
     convert.add_argument("--store", required=True, metavar="URL", help="where to write the converted layers")
     convert.add_argument("--plain-http", action="store_true", help="talk HTTP, not HTTPS, to the registry")
-    convert.add_argument("--platform", default="linux/amd64", metavar="OS/ARCH[/VARIANT]",
+    convert.add_argument("--platform", type=_platform, default="linux/amd64", metavar="OS/ARCH[/VARIANT]",
                          help="the platform to pick from an image index (default linux/amd64)")  # fmt: skip
     convert.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
                          help="bytes of file contents per block, a power of two (default 1M)")  # fmt: skip
@@ -83,7 +95,14 @@ def run_convert(args: argparse.Namespace) -> int:
                 result = convert_image(image, writer, block_size=args.block_size, spool_dir=args.spool_dir,
                                        progress=Progress())  # fmt: skip
     except (ConversionError, ImageError, StoreError, SourceError) as exc:
-        print(f"bootseer convert: {args.ref}: {exc}", file=sys.stderr)
+        message = str(exc)
+        if not message.startswith(args.ref):
+            message = f"{args.ref}: {message}"
+        print(f"bootseer convert: {message}", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:
+        # The layer being converted has no chain record: nothing of it is visible; a rerun resumes.
+        print(f"bootseer convert: {args.ref}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(result.summary())
     return 0

@@ -346,14 +346,15 @@ def test_progress_on_a_terminal_is_one_live_line():
 @pytest.mark.parametrize(
     "argv, code, message",
     [
-        (["convert", "oci:/nonexistent/layout", "--store", "{store}"], 1, "bootseer convert: oci:/nonexistent/layout:"),
+        (["convert", "oci:/nonexistent/layout", "--store", "{store}"], 1, "bootseer convert: oci:/nonexistent/layout: /nonexistent"),
         (["convert", "http://registry/x", "--store", "{store}"], 2, "without a scheme"),
         (["convert", "{ref}", "--store", "ftp://host/x"], 2, "bad --store"),
         (["convert", "{ref}", "--store", "https://cdn.example/store"], 2, "read-only"),
         (["convert", "{ref}", "--store", "{store}", "--block-size", "3M"], 2, "power of two"),
         (["convert", "{ref}"], 2, "--store"),
+        (["convert", "{ref}", "--store", "{store}", "--platform", "linux"], 2, "bad platform"),
     ],
-    ids=["missing-layout", "url-ref", "bad-scheme", "http-store", "block-size", "no-store"],
+    ids=["missing-layout", "url-ref", "bad-scheme", "http-store", "block-size", "no-store", "platform"],
 )
 def test_cli_errors(argv, code, message, rich_image, tmp_path, capsys):
     argv = [a.format(store=tmp_path / "store", ref=rich_image.ref) for a in argv]

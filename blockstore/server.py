@@ -543,10 +543,10 @@ def _hold_lock(path: Path) -> int:
 def prepare_root(paths: ServerPaths) -> None:
     """Create the server's directories (0700: only root may reach the mount) and clear
     a dead mount a killed server left; MountError if a live one is in the way."""
+    unmount_dead(str(paths.mountpoint))  # first: on a dead mount even mkdir's stat fails (ENOTCONN)
     for directory in (paths.layers, paths.mountpoint, paths.indexes):
         directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(paths.layers, 0o700)
-    unmount_dead(str(paths.mountpoint))
     for stale in paths.indexes.glob(".*.tmp-*"):
         stale.unlink(missing_ok=True)
 

@@ -46,6 +46,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import uuid
 from pathlib import Path
 from types import FrameType
@@ -75,6 +76,7 @@ GRPC_WORKERS = 32  #: concurrent calls; containerd unpacks several layers at onc
 SOCKET_UMASK = 0o177  #: the socket is created 0600
 SOCKET_DIR_MODE = 0o711
 SOCKET_PATH_MAX = 107  #: sun_path holds 108 bytes with the terminating NUL
+LAYER_SERVER_CHECK_INTERVAL = 5.0  #: seconds between checks that the layer server still runs
 
 
 class StartupError(Exception):
@@ -145,6 +147,7 @@ class Daemon:
             cleanup.callback(self._close_snapshotter, snapshotter)
             if backend is not None:  # after the root's lock: one daemon per root starts its server
                 self._start_layer_server(backend)
+                self._watch_layer_server(backend, cleanup)
             snapshotter.restore()  # logs what it restored and any damage it found
 
             collector = service.SnapshotCountCollector(snapshotter)
@@ -241,6 +244,28 @@ class Daemon:
             log.error("the layer server cannot start; layers are downloaded until it can", error=str(exc))
         else:
             log.info("layer server ready", socket=str(ServerPaths(backend.root).socket))
+
+    @staticmethod
+    def _watch_layer_server(backend: LayerServerBackend, cleanup: contextlib.ExitStack) -> None:
+        """Check the layer server every :data:`LAYER_SERVER_CHECK_INTERVAL` seconds; start it again if it died.
+
+        Running containers read their lazy layers from it: a server that died is
+        noticed and replaced (it restores its table) without waiting for a Prepare.
+        """
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(LAYER_SERVER_CHECK_INTERVAL):
+                try:
+                    if backend.ensure_running():
+                        log.info("layer server started again", socket=str(ServerPaths(backend.root).socket))
+                except LayerServerError as exc:
+                    log.error("the layer server cannot start; layers are downloaded until it can", error=str(exc))
+
+        thread = threading.Thread(target=watch, name="layer server watch", daemon=True)
+        thread.start()
+        cleanup.callback(thread.join)
+        cleanup.callback(stop.set)
 
     def _serve_metrics(self) -> str:
         if not self.settings.metrics_address:

@@ -72,6 +72,20 @@ class LayerServerBackend:
         """Find the running layer server or start one (daemon start-up); ServerStartError if it cannot."""
         self._client = control.ensure_server(self.root, self.server)
 
+    def ensure_running(self) -> bool:
+        """Start the layer server again if it died; True if it had to (the daemon's watch calls this).
+
+        A new server restores its saved table: the same layers in the same slots, so
+        the lower dirs recorded in the metadata stay right.
+        """
+        try:
+            self._client.status()
+            return False
+        except control.ServerUnavailable as exc:
+            log.warning("the layer server is gone; starting it again", error=str(exc))
+        self.start()
+        return True
+
     # -- LayerBackend ------------------------------------------------------------------------
 
     def lookup(self, chain_id: str) -> RemoteLayer | None:

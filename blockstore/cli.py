@@ -10,6 +10,7 @@ stay published; the one being converted is not.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from bootseer.blockstore.convert import ConversionError, Progress, check_block_size, convert_image
@@ -73,6 +74,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_convert(args: argparse.Namespace) -> int:
     from bootseer.images import BadReference, ImageError, open_image
 
+    if args.spool_dir is not None and not os.path.isdir(args.spool_dir):
+        print(f"bootseer convert: --spool-dir {args.spool_dir}: not a directory", file=sys.stderr)
+        return EXIT_USAGE
     try:
         writer = open_store_writer(args.store)
     except ReadOnlyStore as exc:
@@ -94,7 +98,7 @@ def run_convert(args: argparse.Namespace) -> int:
             with image:
                 result = convert_image(image, writer, block_size=args.block_size, spool_dir=args.spool_dir,
                                        progress=Progress())  # fmt: skip
-    except (ConversionError, ImageError, StoreError, SourceError) as exc:
+    except (ConversionError, ImageError, StoreError, SourceError, OSError) as exc:  # OSError: the spool (disk full)
         message = str(exc)
         if not message.startswith(args.ref):
             message = f"{args.ref}: {message}"

@@ -353,8 +353,9 @@ def test_progress_on_a_terminal_is_one_live_line():
         (["convert", "{ref}", "--store", "{store}", "--block-size", "3M"], 2, "power of two"),
         (["convert", "{ref}"], 2, "--store"),
         (["convert", "{ref}", "--store", "{store}", "--platform", "linux"], 2, "bad platform"),
+        (["convert", "{ref}", "--store", "{store}", "--spool-dir", "/nonexistent/spool"], 2, "not a directory"),
     ],
-    ids=["missing-layout", "url-ref", "bad-scheme", "http-store", "block-size", "no-store", "platform"],
+    ids=["missing-layout", "url-ref", "bad-scheme", "http-store", "block-size", "no-store", "platform", "spool"],
 )
 def test_cli_errors(argv, code, message, rich_image, tmp_path, capsys):
     argv = [a.format(store=tmp_path / "store", ref=rich_image.ref) for a in argv]

@@ -10,15 +10,18 @@ decompressed (never to more than its raw length) and checked against its SHA-256
 before anyone sees it; one that fails is dropped from the engine's buffer and fetched
 once more, and if it fails again the call fails with FetchError (EIO).  A corrupt
 byte is never served and never cached.  All-zero blocks are stored nowhere and cost
-nothing.  The hot-block prefetcher calls the same :meth:`BlockFetcher.blocks` at
-``Priority.PREFETCH``: a read then overtakes it, and a read of a block being
-prefetched waits on that fetch instead of making another.
+nothing.  The fetcher keeps the blocks it served lately in memory (the kernel reads a
+block in several pieces) and lets a call wait for a block another call is getting
+rather than get it twice.  The hot-block prefetcher calls the same
+:meth:`BlockFetcher.blocks` at ``Priority.PREFETCH``: a read then overtakes it, and a
+read of a block being prefetched waits on that fetch instead of making another
+(``joined`` in the metrics).
 
 :class:`LayerReader` serves ``read(entry, offset, size)`` for one layer: the blocks
 the range touches, sliced.
 
 Metrics (beside the engine's ``bootseer_fetch_*``): ``bootseer_blocks_total`` (blocks
-served, by layer, source and outcome: cached, fetched, zero),
+served, by layer, source and outcome: memory, cached, fetched, joined, zero),
 ``bootseer_block_fetched_bytes_total`` (compressed bytes fetched, by layer and
 source), ``bootseer_block_corrupt_total`` (blocks that failed verification, by what
 followed: refetched, failed) and ``bootseer_layer_read_seconds`` (read latency, by
@@ -32,6 +35,7 @@ import functools
 import hashlib
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,8 +58,8 @@ OFF_THREAD_BYTES = 256 << 10
 
 BLOCKS = prometheus_client.Counter(
     "bootseer_blocks",
-    "Blocks served to layer reads and prefetch, by layer, source and where they came from "
-    "(cached: the node cache, fetched: the store, zero: stored nowhere)",
+    "Blocks served to layer reads and prefetch, by layer, source and where they came from (memory: "
+    "recently served, cached: the node cache, fetched: the store, joined: another call's fetch, zero: stored nowhere)",
     ["layer", "source", "outcome"],
 )
 FETCHED_BYTES = prometheus_client.Counter(
@@ -78,7 +82,9 @@ READ_SECONDS = prometheus_client.Histogram(
 class FetcherStats:
     """Counters of one :class:`BlockFetcher`, for status output and tests."""
 
+    blocks_from_memory: int = 0  #: blocks served from the fetcher's memory of recent blocks
     blocks_cached: int = 0  #: blocks served from the node cache
+    blocks_joined: int = 0  #: blocks another call was getting, waited for (a read meeting a prefetch)
     blocks_fetched: int = 0  #: blocks fetched from the store and verified
     bytes_fetched: int = 0  #: their compressed bytes
     zero_blocks: int = 0  #: all-zero blocks served without a fetch
@@ -127,13 +133,27 @@ def _decode(block: Block, data: bytes) -> bytes | None:
     return raw
 
 
+class _Pending:
+    """A block one call is getting (from the node cache or the store) that others wait for."""
+
+    __slots__ = ("done", "data")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.data: bytes | None = None  # None once done: its call failed or was cancelled
+
+
 class BlockFetcher:
-    """Raw, verified blocks of any layer of one store, through the node cache and the store's engine.
+    """Raw, verified blocks of any layer of one store, through memory, the node cache and the store's engine.
 
     ``engine`` is the store's (rooted at the store URL, running); ``cache`` the node's
     block cache (None: no cache); ``source_label`` names the store in metrics (the
-    engine's URL without credentials by default).  One fetcher serves every layer of
-    its store; all methods run in the engine's trio thread.
+    engine's URL without credentials by default); ``memory_bytes`` bounds the
+    verified blocks kept in memory, least recently used first out (0: none).  The
+    kernel reads a file in pieces smaller than a block (128 KiB for FUSE), so
+    without them every piece would read, decompress and hash its whole block again.
+    One fetcher serves every layer of its store; all methods run in the engine's
+    trio thread.
     """
 
     def __init__(
@@ -142,14 +162,21 @@ class BlockFetcher:
         cache: BlockCache | None,
         *,
         source_label: str | None = None,
+        memory_bytes: int = 64 << 20,
         threads: trio.CapacityLimiter | None = None,
     ) -> None:
+        if memory_bytes < 0:
+            raise ValueError(f"memory_bytes must not be negative, not {memory_bytes}")
         self.engine = engine
         self.cache = cache
         self.source_label = source_label if source_label is not None else engine.url
+        self.memory_bytes = memory_bytes
         self.stats = FetcherStats()
         # Cache I/O, decompression and hashing: one thread per core is all they can use.
         self._threads = threads or trio.CapacityLimiter(os.cpu_count() or 2)
+        self._recent: OrderedDict[str, bytes] = OrderedDict()  # digest -> verified raw bytes, LRU first
+        self._recent_bytes = 0
+        self._pending: dict[str, _Pending] = {}  # digest -> the call getting it now
 
     def __repr__(self) -> str:
         return f"<BlockFetcher {self.source_label} cache={self.cache!r}>"
@@ -159,12 +186,13 @@ class BlockFetcher:
     ) -> list[bytes]:
         """The raw bytes of blocks ``refs`` (indexes into ``index.blocks``), in order, each verified.
 
-        Blocks in the node cache are served from it; the others are fetched with one
-        ``fetch_extents`` call at ``priority``, verified, and cached.  Everything asked
-        for is returned at once, so callers with long lists (prefetch) ask a few MiB
-        at a time.  Raises FetchError (EIO) when the store fails (after the engine's
-        ``retry_timeout``) or holds a block that fails verification twice, and
-        ValueError for a reference the index does not have.
+        Each block comes from memory, else from the node cache, else from the store:
+        those are fetched with one ``fetch_extents`` call at ``priority``, verified,
+        and cached.  A block another call is getting already is waited for, not got
+        twice.  Everything asked for is returned at once, so callers with long lists
+        (prefetch) ask a few MiB at a time.  Raises FetchError (EIO) when the store
+        fails (after the engine's ``retry_timeout``) or holds a block that fails
+        verification twice, and ValueError for a reference the index does not have.
         """
         labels = (layer_label(index), self.source_label)
         blocks: list[Block] = []
@@ -184,20 +212,73 @@ class BlockFetcher:
         if zero:
             self.stats.zero_blocks += zero
             BLOCKS.labels(*labels, "zero").inc(zero)
-        if wanted and self.cache is not None:
-            found = await trio.to_thread.run_sync(self._cache_get, list(wanted), limiter=self._threads)
-            for digest, data in found.items():
-                for position in wanted.pop(digest):
-                    out[position] = data
-            if found:
-                self.stats.blocks_cached += len(found)
-                BLOCKS.labels(*labels, "cached").inc(len(found))
-        if wanted:
-            fetched = await self._fetch_verified(index, [blocks[positions[0]] for positions in wanted.values()], priority)
-            for positions, data in zip(wanted.values(), fetched):
-                for position in positions:
-                    out[position] = data
+
+        def serve(digest: str, data: bytes) -> None:
+            for position in wanted.pop(digest):
+                out[position] = data
+
+        while wanted:
+            in_memory = [digest for digest in wanted if digest in self._recent]
+            for digest in in_memory:
+                self._recent.move_to_end(digest)
+                serve(digest, self._recent[digest])
+            if in_memory:
+                self.stats.blocks_from_memory += len(in_memory)
+                BLOCKS.labels(*labels, "memory").inc(len(in_memory))
+            theirs = [(digest, self._pending[digest]) for digest in wanted if digest in self._pending]
+            mine = {digest: blocks[positions[0]] for digest, positions in wanted.items() if digest not in self._pending}
+            if mine:
+                for digest, data in (await self._get(index, mine, priority, labels)).items():
+                    serve(digest, data)
+            for digest, pending in theirs:
+                await pending.done.wait()
+                if pending.data is not None:
+                    self.stats.blocks_joined += 1
+                    BLOCKS.labels(*labels, "joined").inc()
+                    serve(digest, pending.data)
+                # Else the call getting it failed or was cancelled: the next round gets it.
         return out
+
+    async def _get(
+        self, index: LayerIndex, mine: dict[str, Block], priority: Priority, labels: tuple[str, str]
+    ) -> dict[str, bytes]:
+        """The blocks ``mine`` (by digest) from the node cache or the store; other calls may wait for them meanwhile."""
+        pending = {digest: _Pending() for digest in mine}
+        self._pending.update(pending)
+        try:
+            got: dict[str, bytes] = {}
+            if self.cache is not None:
+                got = await trio.to_thread.run_sync(self._cache_get, list(mine), limiter=self._threads)
+                if got:
+                    self.stats.blocks_cached += len(got)
+                    BLOCKS.labels(*labels, "cached").inc(len(got))
+                for digest, data in got.items():
+                    self._remember(digest, data)
+                    pending[digest].data = data
+            rest = [block for digest, block in mine.items() if digest not in got]
+            if rest:
+                for block, data in zip(rest, await self._fetch_verified(index, rest, priority)):
+                    self._remember(block.digest, data)
+                    pending[block.digest].data = data
+                    got[block.digest] = data
+            return got
+        finally:
+            for digest, entry in pending.items():
+                if self._pending.get(digest) is entry:
+                    del self._pending[digest]
+                entry.done.set()
+
+    def _remember(self, digest: str, data: bytes) -> None:
+        """Keep a verified block in memory, least recently used blocks out beyond ``memory_bytes``."""
+        if len(data) > self.memory_bytes // 4:  # a block that would push out a quarter of the others is not worth it
+            return
+        if digest not in self._recent:
+            self._recent_bytes += len(data)
+        self._recent[digest] = data
+        self._recent.move_to_end(digest)
+        while self._recent_bytes > self.memory_bytes:
+            _, dropped = self._recent.popitem(last=False)
+            self._recent_bytes -= len(dropped)
 
     def _cache_get(self, digests: list[str]) -> dict[str, bytes]:
         """In a worker thread: the blocks of ``digests`` the cache holds (each verified by it)."""

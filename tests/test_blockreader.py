@@ -192,10 +192,10 @@ def test_only_the_touched_blocks_are_fetched_neighbours_in_one_request(tmp_path,
                 assert await layer.read(entry(index, "sparse.bin"), 0, len(sparse)) == sparse
                 assert fetcher.stats.zero_blocks >= 18 and fetcher.stats.blocks_fetched == 4 + 2
                 assert await layer.read(entry(index, "sparse.bin"), 10 * BLOCK, 5 * BLOCK) == bytes(5 * BLOCK)
-                # Read again: the cache answers, the store is not asked.
+                # Read again: the fetcher's memory answers, the store is not asked.
                 requests = len(server.requests)
                 assert await layer.read(big, 10 * KiB, 12 * KiB) == data
-                assert len(server.requests) == requests and fetcher.stats.blocks_cached == 4
+                assert len(server.requests) == requests and fetcher.stats.blocks_from_memory == 4
         finally:
             source.close()
 
@@ -237,6 +237,64 @@ def test_a_prefetch_list_yields_to_a_read(store, source, files):
             first_text = index.blocks[text.blocks[0]]
             assert (source.reads[1].path, source.reads[1].offset) == (pack_object(index.packs[first_text.pack]), 0)
             assert done[0] <= 3 and len(source.reads) == 31 + 1
+
+    run(main)
+
+
+def test_a_block_read_in_pieces_is_got_once_and_concurrent_reads_share_it(tmp_path, store, source, files):
+    index = pack_layer(store, files)
+    big = entry(index, "big.bin")
+    data = files["big.bin"]
+
+    async def main():
+        async with open_engine(source, config()) as engine:
+            cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
+            fetcher = BlockFetcher(engine, cache)
+            layer = LayerReader(index, fetcher)
+            # A block read in quarters, as the kernel reads a big block: fetched, decoded
+            # and hashed once, then served from memory (the node cache is not asked again).
+            for piece in range(4):
+                offset = 5 * BLOCK + piece * BLOCK // 4
+                assert await layer.read(big, offset, BLOCK // 4) == data[offset : offset + BLOCK // 4]
+            assert (fetcher.stats.blocks_fetched, fetcher.stats.blocks_from_memory) == (1, 3)
+            assert cache.stats().hits == 0
+            # Eight reads of one cold block at once: one fetch, one decode, seven waiters.
+            source.pause()
+            results = []
+            async with trio.open_nursery() as nursery:
+                for number in range(8):
+
+                    async def read(offset=9 * BLOCK + number * 100):
+                        results.append(await layer.read(big, offset, 100) == data[offset : offset + 100])
+
+                    nursery.start_soon(read)
+                await trio.testing.wait_all_tasks_blocked()
+                source.resume()
+            assert results == [True] * 8
+            assert fetcher.stats.blocks_fetched == 2 and fetcher.stats.blocks_joined == 7
+            assert len(source.reads) == 2
+            # The one getting it is cancelled: a waiter gets it itself.
+            source.pause()
+            async with trio.open_nursery() as nursery:
+                first = trio.CancelScope()
+
+                async def cancelled():
+                    with first:
+                        await layer.read(big, 11 * BLOCK, 10)
+
+                async def waiter():
+                    results.append(await layer.read(big, 11 * BLOCK, 10) == data[11 * BLOCK : 11 * BLOCK + 10])
+
+                nursery.start_soon(cancelled)
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(waiter)
+                await trio.testing.wait_all_tasks_blocked()
+                first.cancel()
+                await trio.testing.wait_all_tasks_blocked()
+                source.resume()
+            assert results[-1] is True and fetcher.stats.blocks_fetched == 3
+            with pytest.raises(ValueError, match="memory_bytes"):
+                BlockFetcher(engine, None, memory_bytes=-1)
 
     run(main)
 
@@ -382,7 +440,7 @@ def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(tmp_p
     async def main():
         async with open_engine(source, config()) as engine:
             cache = BlockCache(str(tmp_path / "cache"), limit)
-            fetcher = BlockFetcher(engine, cache)
+            fetcher = BlockFetcher(engine, cache, memory_bytes=0)  # every read asks the node cache
             layer = LayerReader(index, fetcher)
             for number in range(40):
                 assert await layer.read(big, number * BLOCK, BLOCK) == files["big.bin"][number * BLOCK : (number + 1) * BLOCK]

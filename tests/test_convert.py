@@ -294,10 +294,11 @@ def test_absolute_symlinks_are_stored_and_never_followed(tmp_path):
 
 
 def test_memory_stays_bounded_on_a_large_layer(tmp_path):
-    """A 1.2 GiB layer (192 MiB of data, a 1 GiB hole) converts with under 48 MiB of Python heap.
+    """A 1.2 GiB layer (192 MiB of data, a 1 GiB hole) converts with under 16 MiB of Python heap.
 
-    Tolerance: the block size (1 MiB) times a few buffers (tarfile's, zstd's, the pack
-    writer's) plus the per-entry and per-block records; the layer itself is 25x that.
+    Measured here: a 4.1 MiB peak.  Tolerance: the block size (1 MiB) times a few
+    buffers (tarfile's, zstd's, the pack writer's) plus the per-entry and per-block
+    records, with room to spare; the layer itself is 75 times the bound.
     """
     layer = L.Layer((
         L.BigFile("data/big.bin", 192 << 20, seed=1),
@@ -312,7 +313,7 @@ def test_memory_stays_bounded_on_a_large_layer(tmp_path):
         tracemalloc.stop()
     stats = result.layers[0].stats
     assert stats.raw_bytes == (192 << 20) + (1 << 30)
-    assert peak < 48 << 20, f"peak Python heap {peak / (1 << 20):.1f} MiB"
+    assert peak < 16 << 20, f"peak Python heap {peak / (1 << 20):.1f} MiB"
 
 
 # -- the command line ------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from typing import Iterator
 
 import prometheus_client
 
+from bootseer.hotlist import hooks as hotlist_hooks
 from bootseer.log import get_logger
 
 from .backend import LayerBackend, RemoteLayer
@@ -128,7 +129,10 @@ class Snapshotter:
         chain_id = (labels or {}).get(REF_LABEL, "")
         if self.backend is not None and chain_id:
             return self._prepare_remote(key, parent, labels or {}, chain_id)
-        return self._create(Kind.ACTIVE, key, parent, labels)[1]
+        snapshot, mounts = self._create(Kind.ACTIVE, key, parent, labels)
+        if self.backend is not None:  # a container's rootfs on lazy layers: record or prefetch its hot list
+            hotlist_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id)))
+        return mounts
 
     def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
         """Create the read-only view ``key`` of the committed ``parent``."""
@@ -168,6 +172,8 @@ class Snapshotter:
                 os.rename(aside, self._snapshot_dir(id_))
             raise
         log.debug("snapshot removed", key=key, id=id_, kind=kind.name.lower())
+        if self.backend is not None and kind is Kind.ACTIVE:
+            hotlist_hooks.container_removed(self, key)
         if aside is not None:
             _remove_tree(aside)
         if chain_id:
@@ -356,6 +362,7 @@ class Snapshotter:
     ) -> tuple[Snapshot, list[Mount]]:
         new: str | None = None
         placed: Path | None = None
+        snapshot: Snapshot | None = None
         try:
             with self._ms.write() as tx:
                 # Made inside the transaction, so cleanup() never sees it half-built.
@@ -380,6 +387,8 @@ class Snapshotter:
             for path in (new, placed):
                 if path is not None:
                     _remove_tree(path)
+            if remote_ref and snapshot is not None:
+                self._mounting.discard(snapshot.id)  # rolled back: the id may come round again
             raise
         log.debug("snapshot created", key=key, parent=parent, id=snapshot.id, kind=kind.name.lower())
         return snapshot, self._mounts(snapshot)
@@ -409,11 +418,14 @@ class Snapshotter:
             try:
                 try:
                     lower = self.backend.mount(chain_id)
-                except LayerUnavailable as exc:
+                except Exception as exc:
+                    if not isinstance(exc, LayerUnavailable):  # a bug below us must not fail the pull either
+                        log.error("mounting a remote layer failed unexpectedly", chain_id=chain_id, exc_info=exc)
+                    reason = exc.reason if isinstance(exc, LayerUnavailable) else "mount_failed"
                     # The snapshot just made is what the ordinary path needs: keep it, as a plain one.
                     with self._ms.write() as tx:
                         tx.abandon_remote(key, snapshot.id)
-                    self._count_fallback(key, chain_id, exc.reason, str(exc), hints)
+                    self._count_fallback(key, chain_id, reason, str(exc), hints)
                     self._release_remote(chain_id)
                     return mounts
                 try:
@@ -451,6 +463,9 @@ class Snapshotter:
             layer = self.backend.lookup(chain_id)
         except LayerUnavailable as exc:
             return None, exc.reason, str(exc)
+        except Exception as exc:  # a bug below us must not fail the pull
+            log.error("looking up a remote layer failed unexpectedly", chain_id=chain_id, exc_info=exc)
+            return None, "store_error", f"{type(exc).__name__}: {exc}"
         if layer is None:
             return None, "not_converted", f"the store has no converted layer {chain_id}"
         if layer.parent != parent:

@@ -185,6 +185,15 @@ def test_failed_mount_leaves_an_ordinary_active_snapshot(sn: Snapshotter, layers
     assert sn.stat(broken).kind is Kind.COMMITTED
 
 
+def test_unexpected_backend_error_falls_back_too(sn: Snapshotter, layers: DirectoryLayers):
+    layers.lower_dir(CHAIN_A).write_text("in the way")  # the backend's mkdir of its mount point fails
+    before = fallbacks("mount_failed")
+    (mount,) = sn.prepare("extract-1", "", unpack_labels(CHAIN_A))
+    assert mount.type == "bind"
+    assert fallbacks("mount_failed") == before + 1
+    assert rows(sn.root) == [("extract-1", int(Kind.ACTIVE), "dir", "ready", "")]
+
+
 def test_without_a_backend_the_label_changes_nothing(root: Path):
     sn = Snapshotter(root)
     try:

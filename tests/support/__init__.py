@@ -16,7 +16,13 @@ Import what you need from the two modules (or from here, which re-exports both):
   layout: ``oci-layout``, ``index.json``, manifest, config with ``diff_ids``, layer blobs
   gzip, zstd or uncompressed), the busybox base layer (runnable with ``busybox-static``),
   the three-layer demo image the integration tests run, and :func:`~tests.support.oci.rich_layers`,
-  a multi-layer image with one entry of every kind for format round trips.
+  a multi-layer image with one entry of every kind for format round trips;
+  :class:`~tests.support.oci.RawBlob` puts exact blob bytes (truncated, corrupt) in a layout.
+* :mod:`tests.support.trees` -- compare a converted layer with a plain extraction:
+  :func:`~tests.support.trees.extract_with_tar` (GNU tar as root, xattrs kept),
+  :func:`~tests.support.trees.disk_tree` (lstat only, in overlayfs lower-dir form),
+  :func:`~tests.support.trees.index_tree` and :func:`~tests.support.trees.read_file`
+  (contents from a local store's packs, every block verified; symlinks never followed).
 
 Everything here is plain files and bytes: no registry, no containerd, no root (except
 where a test extracts device nodes itself).

@@ -1,0 +1,322 @@
+"""The hot-list object: an image's first-touch block trace, as it lies in a block store.
+
+A hot list is keyed by the image's top ChainID and an optional profile name, and
+lists every block the image's first recorded boot read, in the order it first read
+them, each with where its compressed bytes lie (the layer's ChainID, the block's
+SHA-256, its pack, offset and lengths) and when it was first read (seconds after the
+container's writable snapshot was prepared).  It says when and where (node,
+container) it was recorded and why recording ended.
+
+On disk it is framed like a layer index (:mod:`bootseer.blockstore.format`): a header
+(magic ``BSHOTL01``, format version, payload length, payload SHA-256) and a
+zstd-compressed JSON payload.  :meth:`HotList.decode` never trusts the store: a
+truncated, tampered, oversized or malformed object, or one stored under another
+image's or profile's name, raises :class:`HotListError`.  Whether its blocks match
+the image's layer indexes is checked against those indexes (:func:`resolve`), since
+only the layer server holds them.
+
+Store paths (:func:`hotlist_object`): ``v1/hotlists/<top chain hex>/default`` for the
+default profile and ``v1/hotlists/<top chain hex>/profile.<NAME>`` for profile NAME.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import zstandard
+
+from bootseer.blockstore.format import FORMAT_VERSION as STORE_FORMAT_VERSION
+from bootseer.blockstore.format import FormatError, LayerIndex, check_digest
+
+HOTLIST_VERSION = 1
+HOTLIST_MAGIC = b"BSHOTL01"
+_HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256
+#: A decompressed hot list larger than this is refused (a zstd bomb); 1M blocks are ~120 MB.
+MAX_PAYLOAD_BYTES = 256 << 20
+#: An encoded hot list larger than this is refused before it is read.
+MAX_OBJECT_BYTES = 64 << 20
+
+#: The snapshot label that names a profile (``ctr run --snapshotter-label bootseer.io/profile=NAME``).
+PROFILE_LABEL = "bootseer.io/profile"
+_PROFILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+#: Where every hot list lives, one directory per image.
+HOTLIST_PREFIX = f"v{STORE_FORMAT_VERSION}/hotlists"
+
+
+class HotListError(FormatError):
+    """A hot list is malformed, truncated, tampered with, foreign, or does not match the image."""
+
+
+def check_profile(profile: str) -> str:
+    """``profile`` if it is a valid profile name ("" is the default profile), else HotListError."""
+    if profile != "" and not (isinstance(profile, str) and _PROFILE.fullmatch(profile)):
+        raise HotListError(
+            f"profile name {profile!r} is not valid: 1-63 of A-Z a-z 0-9 . _ -, starting with a letter or digit"
+        )
+    return profile
+
+
+def hotlist_object(image: str, profile: str = "") -> str:
+    """Store path of the hot list of image ``image`` (its top ChainID) for ``profile``."""
+    top = check_digest(image, "image top ChainID")[len("sha256:") :]
+    check_profile(profile)
+    return f"{HOTLIST_PREFIX}/{top}/{'profile.' + profile if profile else 'default'}"
+
+
+def hotlist_dir(image: str) -> str:
+    """Store directory holding every profile's hot list of ``image``."""
+    return f"{HOTLIST_PREFIX}/{check_digest(image, 'image top ChainID')[len('sha256:'):]}"
+
+
+def profile_of_object(name: str) -> str | None:
+    """The profile a hot-list object name stands for ("" default), None if it is not one."""
+    base = name.rsplit("/", 1)[-1]
+    if base == "default":
+        return ""
+    if base.startswith("profile.") and _PROFILE.fullmatch(base[len("profile.") :]):
+        return base[len("profile.") :]
+    return None
+
+
+@dataclass(frozen=True)
+class HotBlock:
+    """One block's first touch: which layer, which block, where it lies, when it was first read."""
+
+    layer: str  #: ChainID of the layer whose file was read
+    digest: str  #: SHA-256 hex of the raw block
+    pack: str  #: SHA-256 hex of the pack holding it
+    offset: int  #: of the compressed block in the pack
+    clen: int  #: compressed length
+    rlen: int  #: raw length
+    at: float  #: seconds after the container's writable snapshot was prepared
+
+
+@dataclass
+class HotList:
+    """An image's first-touch trace (see the module docstring)."""
+
+    image: str  #: the image's top ChainID
+    profile: str  #: "" for the default profile
+    layers: list[str]  #: the image's ChainIDs, bottom first (the top one last)
+    blocks: list[HotBlock]
+    recorded_at: str = ""  #: ISO 8601 time recording began (UTC)
+    node: str = ""  #: host name of the node that recorded it
+    container: str = ""  #: the container (snapshot key) whose reads were recorded
+    sealed_by: str = ""  #: what ended recording: seal, marker, quiet, window, removed
+    duration: float = 0.0  #: seconds recording ran
+    unattributed: int = 0  #: first touches by readers of no known container, left out
+    recorder: str = ""  #: ``bootseer <version>``
+
+    @property
+    def total_bytes(self) -> int:
+        """Compressed bytes of all the blocks (what a prefetch moves)."""
+        return sum(block.clen for block in self.blocks)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(block.rlen for block in self.blocks)
+
+    @property
+    def span(self) -> float:
+        """Seconds from the first block's first read to the last's."""
+        return self.blocks[-1].at - self.blocks[0].at if self.blocks else 0.0
+
+    def per_layer(self) -> dict[str, tuple[int, int]]:
+        """ChainID -> (blocks, compressed bytes), in the image's layer order."""
+        out = {layer: (0, 0) for layer in self.layers}
+        for block in self.blocks:
+            count, size = out[block.layer]
+            out[block.layer] = (count + 1, size + block.clen)
+        return out
+
+    # -- encoding ---------------------------------------------------------------------
+
+    def encode(self) -> bytes:
+        self.validate()
+        layer_numbers = {layer: number for number, layer in enumerate(self.layers)}
+        packs: dict[str, int] = {}
+        rows = []
+        for block in self.blocks:
+            pack = packs.setdefault(block.pack, len(packs))
+            # Times in microseconds: compact integers, enough for ordering and spans.
+            rows.append([layer_numbers[block.layer], block.digest, pack, block.offset, block.clen, block.rlen,
+                         round(block.at * 1e6)])  # fmt: skip
+        document = {
+            "format": HOTLIST_VERSION,
+            "image": self.image,
+            "profile": self.profile,
+            "layers": self.layers,
+            "packs": list(packs),
+            "blocks": rows,
+            "recorded_at": self.recorded_at,
+            "node": self.node,
+            "container": self.container,
+            "sealed_by": self.sealed_by,
+            "duration": round(self.duration, 6),
+            "unattributed": self.unattributed,
+            "recorder": self.recorder,
+        }
+        payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        compressed = zstandard.ZstdCompressor(level=10).compress(payload)
+        return _HEADER.pack(HOTLIST_MAGIC, HOTLIST_VERSION, len(compressed), hashlib.sha256(compressed).digest()) + compressed
+
+    @classmethod
+    def decode(cls, data: bytes, *, expected_image: str | None = None, expected_profile: str | None = None) -> HotList:
+        """Parse and check an encoded hot list; HotListError for anything wrong.
+
+        ``expected_image``/``expected_profile`` (what the object's store path names)
+        must be what the list says it is: a list copied under another image's name
+        is foreign and refused.
+        """
+        if len(data) < _HEADER.size:
+            raise HotListError(f"hot list is truncated ({len(data)} bytes)")
+        if len(data) > MAX_OBJECT_BYTES:
+            raise HotListError(f"hot list is {len(data)} bytes, more than {MAX_OBJECT_BYTES}")
+        magic, version, length, checksum = _HEADER.unpack_from(data)
+        if magic != HOTLIST_MAGIC:
+            raise HotListError("not a BootSeer hot list (bad magic)")
+        if version != HOTLIST_VERSION:
+            raise HotListError(f"hot list format version {version} is not supported (this BootSeer reads {HOTLIST_VERSION})")
+        compressed = data[_HEADER.size :]
+        if len(compressed) != length or hashlib.sha256(compressed).digest() != checksum:
+            raise HotListError("hot list payload fails its checksum: tampered with or truncated")
+        try:
+            payload = zstandard.ZstdDecompressor().stream_reader(compressed).read(MAX_PAYLOAD_BYTES + 1)
+        except zstandard.ZstdError as exc:
+            raise HotListError(f"hot list payload is not valid zstd: {exc}") from None
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            raise HotListError(f"hot list is larger than {MAX_PAYLOAD_BYTES} bytes uncompressed")
+        try:
+            document = json.loads(payload)
+            if not isinstance(document, dict) or document.get("format") != HOTLIST_VERSION:
+                raise HotListError(f"hot list document format is not {HOTLIST_VERSION}")
+            layers = [check_digest(layer, "hot list layer") for layer in document["layers"]]
+            packs = [str(pack) for pack in document["packs"]]
+            blocks = []
+            for row in document["blocks"]:
+                layer, digest, pack, offset, clen, rlen, at = row
+                if not (isinstance(layer, int) and 0 <= layer < len(layers) and isinstance(pack, int) and 0 <= pack < len(packs)):
+                    raise HotListError(f"hot list block {digest!r}: layer or pack number out of range")
+                blocks.append(HotBlock(layers[layer], str(digest), packs[pack], int(offset), int(clen), int(rlen), int(at) / 1e6))
+            hot = cls(
+                image=check_digest(document["image"], "hot list image"),
+                profile=str(document["profile"]),
+                layers=layers,
+                blocks=blocks,
+                recorded_at=str(document.get("recorded_at", "")),
+                node=str(document.get("node", "")),
+                container=str(document.get("container", "")),
+                sealed_by=str(document.get("sealed_by", "")),
+                duration=float(document.get("duration", 0.0)),
+                unattributed=int(document.get("unattributed", 0)),
+                recorder=str(document.get("recorder", "")),
+            )
+        except HotListError:
+            raise
+        except FormatError as exc:
+            raise HotListError(str(exc)) from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise HotListError(f"hot list is malformed: {exc!r}") from None
+        hot.validate()
+        if expected_image is not None and hot.image != expected_image:
+            raise HotListError(f"hot list of image {hot.image} stored under image {expected_image}: foreign, ignored")
+        if expected_profile is not None and hot.profile != expected_profile:
+            raise HotListError(f"hot list of profile {hot.profile!r} stored under profile {expected_profile!r}")
+        return hot
+
+    def validate(self) -> None:
+        """HotListError unless the list is consistent in itself."""
+        check_digest(self.image, "hot list image")
+        check_profile(self.profile)
+        if not self.layers or self.layers[-1] != self.image:
+            raise HotListError("a hot list's layers end with its image's top ChainID")
+        if len(set(self.layers)) != len(self.layers):
+            raise HotListError("a hot list names a layer twice")
+        known = set(self.layers)
+        seen: set[tuple[str, str]] = set()
+        last = 0.0
+        for number, block in enumerate(self.blocks):
+            what = f"hot list block {number}"
+            if block.layer not in known:
+                raise HotListError(f"{what}: layer {block.layer} is not a layer of the image")
+            if not _HEX.fullmatch(block.digest) or not _HEX.fullmatch(block.pack):
+                raise HotListError(f"{what}: digest or pack is not 64 hex digits")
+            if block.offset < 0 or block.clen <= 0 or block.rlen <= 0:
+                raise HotListError(f"{what}: bad offset or length")
+            if block.at < last - 1e-6 or block.at < 0:
+                raise HotListError(f"{what}: first touches are not in time order")
+            last = block.at
+            if (block.layer, block.digest) in seen:
+                raise HotListError(f"{what}: block {block.digest} of {block.layer} is listed twice")
+            seen.add((block.layer, block.digest))
+
+
+@dataclass(frozen=True)
+class ResolvedBlock:
+    """A hot block matched to its layer's index: what the prefetcher fetches."""
+
+    layer: str  #: ChainID
+    ref: int  #: index into that layer's ``LayerIndex.blocks``
+    hot: HotBlock
+
+
+def resolve(hot: HotList, image_layers: Sequence[str], indexes: Mapping[str, LayerIndex]) -> list[ResolvedBlock]:
+    """Each hot block as a reference into its layer's index, in recorded order.
+
+    ``image_layers`` is the image's chain, bottom first (from the chain records of the
+    layers actually served), ``indexes`` their indexes.  HotListError if the list is
+    for another chain of layers, or names a block its layer's index does not hold at
+    that place (the list does not match the image: ignore it).
+    """
+    if list(hot.layers) != list(image_layers):
+        raise HotListError(
+            f"hot list for layers {[layer[:19] for layer in hot.layers]} does not match the image's "
+            f"{[layer[:19] for layer in image_layers]}"
+        )
+    places: dict[str, dict[tuple[str, str, int, int, int], int]] = {}
+    for layer in hot.layers:
+        index = indexes[layer]
+        table: dict[tuple[str, str, int, int, int], int] = {}
+        for ref, block in enumerate(index.blocks):
+            if not block.is_zero:
+                table.setdefault((block.digest, index.packs[block.pack], block.offset, block.clen, block.rlen), ref)
+        places[layer] = table
+    out = []
+    for number, block in enumerate(hot.blocks):
+        ref = places[block.layer].get((block.digest, block.pack, block.offset, block.clen, block.rlen))
+        if ref is None:
+            raise HotListError(
+                f"hot list block {number} ({block.digest[:12]} in pack {block.pack[:12]} at {block.offset}) "
+                f"is not a block of layer {block.layer}'s index"
+            )
+        out.append(ResolvedBlock(block.layer, ref, block))
+    return out
+
+
+def summary(hot: HotList) -> dict[str, Any]:
+    """What ``bootseer hotlist show`` prints, as data."""
+    return {
+        "image": hot.image,
+        "profile": hot.profile or "(default)",
+        "blocks": len(hot.blocks),
+        "bytes": hot.total_bytes,
+        "raw_bytes": hot.raw_bytes,
+        "span_s": round(hot.span, 3),
+        "first_s": round(hot.blocks[0].at, 3) if hot.blocks else None,
+        "last_s": round(hot.blocks[-1].at, 3) if hot.blocks else None,
+        "recorded_at": hot.recorded_at,
+        "node": hot.node,
+        "container": hot.container,
+        "sealed_by": hot.sealed_by,
+        "duration_s": round(hot.duration, 3),
+        "unattributed": hot.unattributed,
+        "recorder": hot.recorder,
+        "layers": [{"chain_id": layer, "blocks": n, "bytes": b} for layer, (n, b) in hot.per_layer().items()],
+    }

@@ -1,0 +1,305 @@
+"""Replaying a hot list: fetch an image's hot blocks in recorded order before its container reads them.
+
+A :class:`Prefetch` walks the resolved hot list (:func:`bootseer.hotlist.format.resolve`)
+in order, in batches of consecutive blocks of one layer (at most ``batch_bytes``
+compressed), with at most ``concurrency`` batches in flight, each one call of the
+layer's :meth:`BlockFetcher.blocks <bootseer.blockstore.reader.BlockFetcher.blocks>`
+at ``Priority.PREFETCH``: the same fetch path as reads (verification, node cache,
+the engine's coalescing of neighbours into range requests, retries).  Because each
+batch is small, the engine always holds only a few MiB of prefetch in its queue, so
+a read (``Priority.DEMAND``) goes out ahead of everything still queued, and a read
+of a block a batch is fetching waits on that fetch instead of making another (the
+engine shares extents by key).  Blocks already in the node cache are skipped (an
+existence check; the read verifies as always).
+
+The prefetch keeps, per block digest, whether it was skipped, is in flight or has
+been fetched (and when), so the read hook can classify each read's blocks
+(:meth:`Prefetch.classify`): ``hit`` (prefetched before the read), ``waited`` (the
+read waited on an in-flight prefetch), ``cached`` (in the node cache before the
+prefetch began), ``miss`` (not prefetched yet: fetched on demand).
+
+An optional cold pass (``cold_rate`` bytes/s, off by default) then fetches every
+other block of the image's layers, rate-limited, in index order.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import prometheus_client
+import trio
+
+from bootseer.blockstore.format import LayerIndex
+from bootseer.fetch.engine import Priority
+from bootseer.hotlist.format import ResolvedBlock
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+PREFETCHED_BLOCKS = prometheus_client.Counter(
+    "bootseer_hotlist_prefetch_blocks",
+    "Hot-list blocks handled by prefetch, by outcome (fetched, cached: already in the node cache, failed)",
+    ["outcome"],
+)
+PREFETCHED_BYTES = prometheus_client.Counter(
+    "bootseer_hotlist_prefetch_bytes", "Compressed bytes fetched by hot-list prefetch (hot and cold passes)", ["pass"]
+)
+READS = prometheus_client.Counter(
+    "bootseer_hotlist_reads",
+    "Blocks read by containers of prefetched images, by outcome (hit: prefetched before the read; waited: "
+    "the read waited on an in-flight prefetch; cached: in the node cache before prefetch; miss: fetched on demand)",
+    ["outcome"],
+)
+UNREAD_BYTES = prometheus_client.Counter(
+    "bootseer_hotlist_prefetch_unread_bytes", "Compressed bytes prefetched that no read used before the prefetch ended"
+)
+
+
+@dataclass(frozen=True)
+class PrefetchLimits:
+    """How much a prefetch may do at once."""
+
+    concurrency: int = 4  #: batches in flight
+    batch_bytes: int = 4 << 20  #: compressed bytes per batch (memory: concurrency x batch_bytes)
+    cold_rate: int = 0  #: bytes/s of the cold pass after the hot list; 0: no cold pass
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.batch_bytes < 1 or self.cold_rate < 0:
+            raise ValueError("prefetch concurrency and batch size must be positive, the cold rate not negative")
+
+
+class Fetcher:
+    """What a prefetch fetches through (``blockstore.reader.BlockFetcher``)."""
+
+    async def blocks(self, index: LayerIndex, refs: Sequence[int], priority: Priority = Priority.DEMAND) -> list[bytes]:
+        raise NotImplementedError
+
+
+@dataclass
+class PrefetchStats:
+    """What a prefetch did and how the reads fared, for the summary line and ``status``."""
+
+    planned_blocks: int = 0
+    planned_bytes: int = 0
+    fetched_blocks: int = 0
+    fetched_bytes: int = 0
+    cached_blocks: int = 0  #: skipped: already in the node cache
+    failed_blocks: int = 0
+    cold_blocks: int = 0
+    cold_bytes: int = 0
+    hits: int = 0
+    waited: int = 0
+    cached_reads: int = 0
+    misses: int = 0
+    lead_times: list[float] = field(default_factory=list)  #: per hit: seconds the block was ready before its read
+    finished: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        reads = self.hits + self.waited + self.misses
+        lead = sorted(self.lead_times)
+        return {
+            "planned_blocks": self.planned_blocks,
+            "planned_bytes": self.planned_bytes,
+            "fetched_blocks": self.fetched_blocks,
+            "fetched_bytes": self.fetched_bytes,
+            "cached_blocks": self.cached_blocks,
+            "failed_blocks": self.failed_blocks,
+            "cold_blocks": self.cold_blocks,
+            "cold_bytes": self.cold_bytes,
+            "hits": self.hits,
+            "waited": self.waited,
+            "cached_reads": self.cached_reads,
+            "misses": self.misses,
+            "hit_rate": round((self.hits + self.waited) / reads, 4) if reads else None,
+            "lead_median_s": round(statistics.median(lead), 4) if lead else None,
+            "lead_min_s": round(lead[0], 4) if lead else None,
+            "finished": self.finished,
+        }
+
+
+class Prefetch:
+    """One image's hot-list prefetch (see the module docstring).
+
+    ``plan`` is the resolved list in order; ``indexes`` maps each layer's ChainID to
+    its index; ``fetchers`` to the block fetcher of its store; ``cached`` tells
+    whether a block digest is in the node cache (blocking; run in a thread).
+    """
+
+    def __init__(
+        self,
+        *,
+        image: str,
+        profile: str,
+        plan: Sequence[ResolvedBlock],
+        indexes: dict[str, LayerIndex],
+        fetchers: dict[str, Fetcher],
+        cached: Callable[[str], bool] | None,
+        limits: PrefetchLimits = PrefetchLimits(),
+    ) -> None:
+        self.image = image
+        self.profile = profile
+        self.plan = list(plan)
+        self.indexes = indexes
+        self.fetchers = fetchers
+        self._cached = cached
+        self.limits = limits
+        self.stats = PrefetchStats(planned_blocks=len(self.plan), planned_bytes=sum(b.hot.clen for b in self.plan))
+        self.in_flight: set[str] = set()
+        self.done: dict[str, float] = {}  #: digest -> trio time its prefetch finished
+        self.skipped: set[str] = set()  #: digests in the node cache before prefetch reached them
+        self.read: set[str] = set()  #: digests some read has touched (each counted once)
+        self.cancel_scope = trio.CancelScope()
+        self.containers: set[str] = set()
+        self.had_container = False
+        self.started = trio.current_time()
+        self.ended = trio.Event()
+
+    def __repr__(self) -> str:
+        return f"<Prefetch {self.image[:19]} profile={self.profile!r} {len(self.done)}/{len(self.plan)}>"
+
+    @property
+    def layers(self) -> set[str]:
+        return set(self.indexes)
+
+    # -- the read side -----------------------------------------------------------------
+
+    def classify(self, digest: str, now: float) -> str | None:
+        """Count a read of block ``digest``: hit, waited, cached or miss; None if counted already."""
+        if digest in self.read:
+            return None
+        self.read.add(digest)
+        if digest in self.done:
+            outcome = "hit"
+            self.stats.hits += 1
+            self.stats.lead_times.append(max(0.0, now - self.done[digest]))
+        elif digest in self.in_flight:
+            outcome = "waited"
+            self.stats.waited += 1
+        elif digest in self.skipped:
+            outcome = "cached"
+            self.stats.cached_reads += 1
+        else:
+            outcome = "miss"
+            self.stats.misses += 1
+        READS.labels(outcome).inc()
+        return outcome
+
+    def unread_bytes(self) -> int:
+        sizes = {b.hot.digest: b.hot.clen for b in self.plan}
+        return sum(sizes.get(digest, 0) for digest in self.done if digest not in self.read)
+
+    def stop(self) -> None:
+        self.cancel_scope.cancel()
+
+    # -- the fetch side -------------------------------------------------------------------
+
+    def batches(self) -> list[tuple[str, list[ResolvedBlock]]]:
+        """The plan cut into runs of one layer, each at most ``batch_bytes`` (at least one block)."""
+        out: list[tuple[str, list[ResolvedBlock]]] = []
+        size = 0
+        for block in self.plan:
+            if not out or out[-1][0] != block.layer or size + block.hot.clen > self.limits.batch_bytes:
+                out.append((block.layer, []))
+                size = 0
+            out[-1][1].append(block)
+            size += block.hot.clen
+        return out
+
+    async def run(self) -> None:
+        """Fetch the plan (then the cold pass, if on) until done or :meth:`stop`."""
+        try:
+            with self.cancel_scope:
+                limiter = trio.Semaphore(self.limits.concurrency)
+                async with trio.open_nursery() as nursery:
+                    for layer, batch in self.batches():
+                        await limiter.acquire()
+                        nursery.start_soon(self._fetch_batch, layer, batch, limiter)
+                self.stats.finished = True
+                if self.limits.cold_rate > 0:
+                    await self._cold_pass()
+        finally:
+            self.in_flight.clear()
+            self.ended.set()
+
+    async def _fetch_batch(self, layer: str, batch: list[ResolvedBlock], limiter: trio.Semaphore) -> None:
+        try:
+            wanted = [block for block in batch if block.hot.digest not in self.done and block.hot.digest not in self.skipped]
+            if self._cached is not None and wanted:
+                present = await trio.to_thread.run_sync(lambda: [self._cached(b.hot.digest) for b in wanted])  # type: ignore[misc]
+                for block, hit in zip(list(wanted), present):
+                    if hit:
+                        self.skipped.add(block.hot.digest)
+                        self.stats.cached_blocks += 1
+                        PREFETCHED_BLOCKS.labels("cached").inc()
+                wanted = [block for block, hit in zip(wanted, present) if not hit]
+            # A read may have fetched some meanwhile; those it counted as misses stay so.
+            wanted = [block for block in wanted if block.hot.digest not in self.read]
+            if not wanted:
+                return
+            digests = [block.hot.digest for block in wanted]
+            self.in_flight.update(digests)
+            try:
+                await self.fetchers[layer].blocks(self.indexes[layer], [block.ref for block in wanted], Priority.PREFETCH)
+            except (OSError, ValueError) as exc:
+                self.stats.failed_blocks += len(wanted)
+                PREFETCHED_BLOCKS.labels("failed").inc(len(wanted))
+                log.warning("hot-list prefetch batch failed; reads fetch those blocks on demand",
+                            image=self.image, layer=layer, blocks=len(wanted), error=str(exc))  # fmt: skip
+                return
+            finally:
+                self.in_flight.difference_update(digests)
+            now = trio.current_time()
+            size = sum(block.hot.clen for block in wanted)
+            for digest in digests:
+                self.done.setdefault(digest, now)
+            self.stats.fetched_blocks += len(wanted)
+            self.stats.fetched_bytes += size
+            PREFETCHED_BLOCKS.labels("fetched").inc(len(wanted))
+            PREFETCHED_BYTES.labels("hot").inc(size)
+        finally:
+            limiter.release()
+
+    async def _cold_pass(self) -> None:
+        """Every other stored block of the image's layers, at most ``cold_rate`` bytes/s, one batch at a time."""
+        rate = self.limits.cold_rate
+        for layer, index in self.indexes.items():
+            refs: list[int] = []
+            size = 0
+            seen: set[str] = set()
+            for ref, block in enumerate(index.blocks):
+                if block.is_zero or block.digest in self.done or block.digest in self.skipped or block.digest in seen:
+                    continue
+                if self._cached is not None and await trio.to_thread.run_sync(self._cached, block.digest):
+                    continue
+                seen.add(block.digest)
+                refs.append(ref)
+                size += block.clen
+                if size >= min(self.limits.batch_bytes, max(rate, 1)):
+                    await self._cold_batch(layer, index, refs, size)
+                    refs, size = [], 0
+            if refs:
+                await self._cold_batch(layer, index, refs, size)
+
+    async def _cold_batch(self, layer: str, index: LayerIndex, refs: list[int], size: int) -> None:
+        started = trio.current_time()
+        try:
+            await self.fetchers[layer].blocks(index, refs, Priority.PREFETCH)
+        except (OSError, ValueError) as exc:
+            log.warning("cold-block prefetch failed; stopping the cold pass", image=self.image, layer=layer, error=str(exc))
+            self.stop()
+            return
+        self.stats.cold_blocks += len(refs)
+        self.stats.cold_bytes += size
+        PREFETCHED_BYTES.labels("cold").inc(size)
+        # Rate limit: this batch may take size/rate seconds in all.
+        await trio.sleep_until(started + size / self.limits.cold_rate)
+
+
+def cache_checker(cache: Any) -> Callable[[str], bool] | None:
+    """A cheap "is this block in the node cache" test for ``blockstore.cache.BlockCache`` (its file exists)."""
+    if cache is None or not hasattr(cache, "path_of"):
+        return None
+    return lambda digest: os.path.exists(cache.path_of(digest))

@@ -1,0 +1,466 @@
+"""Hot lists inside the layer server: record first boots, prefetch later ones, account for every read.
+
+One :class:`HotListService` lives in the layer server (:mod:`bootseer.blockstore.server`)
+and is that server's only hot-list code.  It is told three things:
+
+* ``layer_mounted(chain_id)`` (the server mounted a layer: rpull or containerd's
+  unpacker prepared it): if the store holds a default-profile hot list keyed by that
+  ChainID, the layer is an image's top, all the image's layers are served, and
+  prefetch starts now, before any container exists.
+* control op ``hotlist.prepared`` (from the snapshotter, when a container's writable
+  snapshot is prepared on top of a served layer): the container joins its image's
+  prefetch if one runs for its profile; otherwise recording starts at once (so reads
+  from t=0 are seen) while the store is asked for the hot list (image top ChainID,
+  ``bootseer.io/profile`` label): a valid list turns the recording into a prefetch,
+  none lets it run, an invalid one is logged and ignored (nothing is recorded: the
+  name is taken until ``bootseer hotlist clear``).
+* control op ``hotlist.removed`` (the container's snapshot is gone): its recording
+  seals; a prefetch whose containers are all gone stops, with a summary line.
+
+And, as the layer tree's read observer, every FUSE open and read of a served layer
+(:meth:`opened`, :meth:`read`).  Attribution is at open, through the opener's pid
+and cgroup (:mod:`bootseer.hotlist.attribution`).  A read of a recording image's
+layer whose opener is not any recording container (another container sharing the
+layer, a host process) is left out of the trace.  One whose opener cannot be
+identified (pid 0, process gone: rare, as the opener is blocked in ``open`` while
+we look) is recorded to the image's recording if exactly one recording covers that
+layer, and counted as unattributed otherwise (the count is in the hot list).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import prometheus_client
+import trio
+
+from bootseer.blockstore.format import Entry, FormatError
+from bootseer.fetch.engine import FetchError
+from bootseer.fetch.source import SourceError
+from bootseer.hotlist.attribution import cgroup_paths, container_of
+from bootseer.hotlist.format import (
+    MAX_OBJECT_BYTES,
+    PROFILE_LABEL,
+    HotList,
+    HotListError,
+    check_profile,
+    hotlist_object,
+    resolve,
+)
+from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker
+from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+RECORDINGS = prometheus_client.Counter(
+    "bootseer_hotlist_recordings",
+    "Hot-list recordings ended, by outcome (published, lost_race: another node published first, empty, failed, discarded)",
+    ["outcome"],
+)
+RECORDED_BLOCKS = prometheus_client.Counter("bootseer_hotlist_recorded_blocks", "First touches recorded")
+UNATTRIBUTED = prometheus_client.Counter(
+    "bootseer_hotlist_unattributed_opens", "Opens of a recording image's layer whose caller names no container"
+)
+IGNORED = prometheus_client.Counter(
+    "bootseer_hotlist_ignored", "Hot lists found but not used, by reason (invalid, mismatch, store_error)", ["reason"]
+)
+PREFETCHES = prometheus_client.Gauge("bootseer_hotlist_prefetches", "Hot-list prefetches running")
+
+
+@dataclass(frozen=True)
+class HotListConfig:
+    """The layer server's hot-list settings (``bootseer layer-server --hotlist-*`` and ``--publish-store``)."""
+
+    enabled: bool = True
+    publish_store: str | None = None  #: where hot lists are written; None: the layers' store
+    recording: RecordingLimits = field(default_factory=RecordingLimits)
+    prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)
+
+
+@dataclass(frozen=True)
+class OpenTag:
+    """Who opened a file of a served layer (what :meth:`HotListService.opened` hands the open file)."""
+
+    pid: int
+    container: str | None  #: a recording or prefetched container, by key
+    identified: bool  #: whether the caller's cgroup could be read at all
+
+
+@dataclass
+class _Container:
+    key: str
+    image: str
+    profile: str
+    prepared: float
+    upper: str | None
+
+
+class HotListService:
+    """See the module docstring.  ``server`` is the :class:`~bootseer.blockstore.server.LayerServer`."""
+
+    def __init__(self, server: Any, config: HotListConfig | None = None) -> None:
+        self.server = server
+        self.config = config or HotListConfig()
+        self.recordings: dict[str, Recording] = {}  #: container key -> its recording
+        self.prefetches: dict[tuple[str, str], Prefetch] = {}  #: (image, profile) -> running prefetch
+        self.containers: dict[str, _Container] = {}
+        self.finished: list[dict[str, Any]] = []  #: summaries of ended recordings and prefetches (last 32)
+        self.proc = "/proc"  #: where callers' cgroups are read (tests point it elsewhere)
+
+    # -- the layers the server serves ------------------------------------------------------
+
+    def image_layers(self, top: str) -> list[str] | None:
+        """The served chain ending in ``top``, bottom first; None if any of it is not served."""
+        chain: list[str] = []
+        current = top
+        while current:
+            layer = self.server.layers.get(current)
+            if layer is None or layer.tree is None or current in chain:
+                return None
+            chain.append(current)
+            current = layer.record.parent
+        return chain[::-1]
+
+    async def _read_hot_list(self, image: str, profile: str) -> HotList | None:
+        """The store's hot list for (image, profile): None if there is none; HotListError if it is bad."""
+        from bootseer.blockstore.store import StoreReader
+
+        store = self.server.layers[image].store
+        engine, _fetcher = await self.server.fetcher(store)
+        data = await StoreReader(engine).read_object(hotlist_object(image, profile), MAX_OBJECT_BYTES)
+        if data is None:
+            return None
+        return HotList.decode(data, expected_image=image, expected_profile=profile)
+
+    def _spawn(self, function: Any, *args: Any) -> None:
+        """Run ``function(*args)`` in the server's nursery; an error is logged, never the server's end."""
+
+        async def guarded() -> None:
+            try:
+                await function(*args)
+            except Exception:
+                log.error("hot-list task failed", task=function.__name__, exc_info=True)
+
+        self.server.nursery.start_soon(guarded)
+
+    # -- triggers --------------------------------------------------------------------------
+
+    def layer_mounted(self, chain_id: str) -> None:
+        """A layer was mounted: start the default-profile prefetch if it is an image's top with a hot list."""
+        if self.config.enabled:
+            self._spawn(self._prefetch_if_listed, chain_id)
+
+    async def _prefetch_if_listed(self, image: str) -> None:
+        if (image, "") in self.prefetches or self.image_layers(image) is None:
+            return
+        try:
+            hot = await self._lookup(image, "")
+        except HotListError:
+            return  # logged
+        if hot is not None and (image, "") not in self.prefetches:
+            await self._start_prefetch(hot)
+
+    async def _lookup(self, image: str, profile: str) -> HotList | None:
+        """The hot list, None if absent or unusable (logged)."""
+        try:
+            return await self._read_hot_list(image, profile)
+        except HotListError as exc:
+            IGNORED.labels("invalid").inc()
+            log.warning("hot list ignored: invalid (bootseer hotlist clear removes it)", image=image, profile=profile, error=str(exc))
+            raise
+        except (FetchError, SourceError, FormatError, OSError) as exc:
+            IGNORED.labels("store_error").inc()
+            log.warning("cannot read the hot list; no prefetch", image=image, profile=profile, error=str(exc))
+            return None
+
+    async def _start_prefetch(self, hot: HotList) -> Prefetch | None:
+        layers = self.image_layers(hot.image)
+        if layers is None:
+            return None
+        indexes = {layer: self.server.layers[layer].tree.index for layer in layers}
+        try:
+            plan = resolve(hot, layers, indexes)
+        except HotListError as exc:
+            IGNORED.labels("mismatch").inc()
+            log.warning("hot list ignored: it does not match the image's layers", image=hot.image, profile=hot.profile, error=str(exc))
+            return None
+        fetchers = {}
+        for layer in layers:
+            _engine, fetchers[layer] = await self.server.fetcher(self.server.layers[layer].store)
+        prefetch = Prefetch(
+            image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
+            cached=cache_checker(self.server.cache), limits=self.config.prefetch,
+        )  # fmt: skip
+        self.prefetches[(hot.image, hot.profile)] = prefetch
+        PREFETCHES.set(len(self.prefetches))
+        log.info("hot-list prefetch started", image=hot.image, profile=hot.profile, blocks=len(plan),
+                 bytes=prefetch.stats.planned_bytes, recorded_on=hot.node, recorded_at=hot.recorded_at)  # fmt: skip
+        self._spawn(self._run_prefetch, prefetch)
+        return prefetch
+
+    async def _run_prefetch(self, prefetch: Prefetch) -> None:
+        try:
+            await prefetch.run()
+            log.info("hot-list prefetch done", image=prefetch.image, profile=prefetch.profile,
+                     cancelled=prefetch.cancel_scope.cancelled_caught, **_log_stats(prefetch))  # fmt: skip
+        finally:
+            # It stays in ``prefetches`` (for read accounting) until its containers are gone.
+            if not prefetch.containers and prefetch.had_container:
+                self._end_prefetch(prefetch)
+
+    def _end_prefetch(self, prefetch: Prefetch) -> None:
+        prefetch.stop()
+        if self.prefetches.get((prefetch.image, prefetch.profile)) is prefetch:
+            del self.prefetches[(prefetch.image, prefetch.profile)]
+            UNREAD_BYTES.inc(prefetch.unread_bytes())
+            self._remember({"kind": "prefetch", "image": prefetch.image, "profile": prefetch.profile, **prefetch.stats.as_dict(),
+                            "unread_bytes": prefetch.unread_bytes()})  # fmt: skip
+        PREFETCHES.set(len(self.prefetches))
+
+    def _remember(self, summary: dict[str, Any]) -> None:
+        self.finished = (self.finished + [summary])[-32:]
+
+    # -- containers ---------------------------------------------------------------------------
+
+    async def container_prepared(self, key: str, parent: str, labels: dict[str, str], upper: str | None) -> dict[str, Any]:
+        """A container's writable snapshot ``key`` was prepared on ``parent``: prefetch or record."""
+        if not self.config.enabled:
+            return {"action": "disabled"}
+        layers = self.image_layers(parent) if parent else None
+        if layers is None:
+            return {"action": "none", "reason": "the parent is not a lazily served image"}
+        profile = check_profile(str(labels.get(PROFILE_LABEL, "")))
+        now = trio.current_time()
+        if key in self.containers:
+            return {"action": "known"}
+        container = _Container(key, parent, profile, now, upper)
+        self.containers[key] = container
+        prefetch = self.prefetches.get((parent, profile))
+        if prefetch is not None:
+            self._attach(prefetch, key)
+            return {"action": "prefetch"}
+        for (image, other), running in list(self.prefetches.items()):
+            if image == parent and other != profile and not running.containers:
+                # The early default-profile guess is not this workload: it would only compete with its reads.
+                log.info("stopping the default hot-list prefetch: the container runs another profile", image=image, profile=profile)
+                self._end_prefetch(running)
+        if any(r.image == parent and r.profile == profile for r in self.recordings.values()):
+            return {"action": "none", "reason": "another container of this image is being recorded"}
+        recording = Recording(container=key, image=parent, profile=profile, layers=layers, started=now, upper=upper,
+                              marker=self.config.recording.marker)  # fmt: skip
+        self.recordings[key] = recording
+        self._spawn(self._decide, recording)
+        return {"action": "record"}
+
+    def _attach(self, prefetch: Prefetch, key: str) -> None:
+        prefetch.containers.add(key)
+        prefetch.had_container = True
+
+    async def _decide(self, recording: Recording) -> None:
+        """Look the hot list up while recording runs: a list means prefetch, none means record to the end."""
+        try:
+            hot = await self._lookup(recording.image, recording.profile)
+        except HotListError:
+            self._discard(recording, "the stored hot list is invalid")
+            return
+        if hot is not None:
+            self._discard(recording, "a hot list exists")
+            prefetch = self.prefetches.get((hot.image, hot.profile)) or await self._start_prefetch(hot)
+            if prefetch is not None and recording.container in self.containers:
+                self._attach(prefetch, recording.container)
+            return
+        log.info("recording the image's first boot", container=recording.container, image=recording.image,
+                 profile=recording.profile, layers=len(recording.layers))  # fmt: skip
+        await run_recording(recording, self.config.recording)
+        await self._publish(recording)
+
+    def _discard(self, recording: Recording, why: str) -> None:
+        if self.recordings.get(recording.container) is recording:
+            del self.recordings[recording.container]
+        recording.outcome = "discarded"
+        recording.seal("seal")
+        recording.done.set()
+        log.debug("recording discarded", container=recording.container, why=why)
+
+    async def _publish(self, recording: Recording) -> None:
+        from bootseer.blockstore.store import StoreError
+
+        if self.recordings.get(recording.container) is recording:
+            del self.recordings[recording.container]
+        hot = recording.hot_list()
+        outcome = "empty"
+        error = ""
+        if hot.blocks:
+            url = self.config.publish_store or self.server.layers.get(recording.image, None) and self.server.layers[recording.image].store
+            name = hotlist_object(hot.image, hot.profile)
+            try:
+                if not url:
+                    raise StoreError("the image's layers are no longer served and no --publish-store is set")
+                published = await trio.to_thread.run_sync(functools.partial(_publish_blocking, url, name, hot.encode()))
+                outcome = "published" if published else "lost_race"
+            except (StoreError, ValueError, OSError) as exc:
+                outcome, error = "failed", str(exc)
+        recording.outcome = outcome
+        RECORDINGS.labels(outcome).inc()
+        RECORDED_BLOCKS.inc(len(hot.blocks))
+        summary = {
+            "kind": "recording", "container": recording.container, "image": hot.image, "profile": hot.profile,
+            "sealed_by": hot.sealed_by, "blocks": len(hot.blocks), "bytes": hot.total_bytes, "span_s": round(hot.span, 3),
+            "duration_s": round(hot.duration, 3), "unattributed": hot.unattributed, "outcome": outcome,
+        }  # fmt: skip
+        self._remember(summary)
+        level = log.error if outcome == "failed" else log.info
+        level("hot-list recording sealed", **summary, **({"error": error} if error else {}))
+        recording.done.set()
+
+    async def container_removed(self, key: str) -> dict[str, Any]:
+        container = self.containers.pop(key, None)
+        recording = self.recordings.get(key)
+        if recording is not None:
+            recording.seal("removed")
+        for prefetch in list(self.prefetches.values()):
+            if key in prefetch.containers:
+                prefetch.containers.discard(key)
+                log.info("prefetched container gone", container=key, image=prefetch.image, profile=prefetch.profile,
+                         **_log_stats(prefetch))  # fmt: skip
+                if not prefetch.containers:
+                    self._end_prefetch(prefetch)
+        return {"known": container is not None}
+
+    async def seal(self, key: str, wait: float = 8.0) -> dict[str, Any]:
+        recording = self.recordings.get(key)
+        if recording is None:
+            return {"sealed": False, "reason": f"container {key!r} is not being recorded on this node"}
+        recording.seal("seal")
+        with trio.move_on_after(wait):
+            await recording.done.wait()
+        return {"sealed": True, "outcome": recording.outcome or "publishing", "blocks": len(recording.blocks)}
+
+    def status(self) -> dict[str, Any]:
+        now = trio.current_time()
+        return {
+            "enabled": self.config.enabled,
+            "recordings": [
+                {"container": r.container, "image": r.image, "profile": r.profile, "blocks": len(r.blocks),
+                 "running_s": round(now - r.started, 3), "sealed_by": r.sealed_by}
+                for r in self.recordings.values()
+            ],
+            "prefetches": [
+                {"image": p.image, "profile": p.profile, "containers": sorted(p.containers), **p.stats.as_dict()}
+                for p in self.prefetches.values()
+            ],
+            "finished": self.finished,
+        }  # fmt: skip
+
+    async def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
+        """Answer a ``hotlist.*`` control request."""
+        from bootseer.blockstore.control import InvalidRequest
+
+        def text(name: str, required: bool = True) -> str:
+            value = request.get(name, "")
+            if not isinstance(value, str) or (required and not value):
+                raise InvalidRequest(f"{op}: {name} must be a non-empty string")
+            return value
+
+        try:
+            if op == "hotlist.prepared":
+                labels = request.get("labels") or {}
+                if not isinstance(labels, dict):
+                    raise InvalidRequest(f"{op}: labels must be an object")
+                upper = request.get("upper")
+                return await self.container_prepared(text("key"), text("parent", False), labels,
+                                                      upper if isinstance(upper, str) else None)  # fmt: skip
+            if op == "hotlist.removed":
+                return await self.container_removed(text("key"))
+            if op == "hotlist.seal":
+                return await self.seal(text("container"))
+            if op == "hotlist.status":
+                return self.status()
+        except HotListError as exc:
+            raise InvalidRequest(str(exc)) from None
+        raise InvalidRequest(f"unknown operation {op!r} (hotlist.prepared, hotlist.removed, hotlist.seal, hotlist.status)")
+
+    # -- the read observer (called by blockstore.layerfs for every open and read) -------------
+
+    def opened(self, tree: Any) -> OpenTag | None:
+        """Who opened a file of ``tree``'s layer; None when nothing records or prefetches that layer."""
+        try:
+            return self._opened(tree)
+        except Exception:  # accounting must never fail an open
+            log.error("hot-list open hook failed", layer=tree.name, exc_info=True)
+            return None
+
+    def _opened(self, tree: Any) -> OpenTag | None:
+        layer = tree.name
+        recording = [r for r in self.recordings.values() if r.covers(layer) and not r.sealed.is_set()]
+        if not recording and not any(layer in p.layers for p in self.prefetches.values()):
+            return None
+        from bootseer.fuse.operations import OPENER_PID
+
+        pid = OPENER_PID.get()
+        paths = cgroup_paths(pid, self.proc)
+        if paths is None:
+            return OpenTag(pid, None, False)
+        return OpenTag(pid, container_of(paths, [r.container for r in recording]), True)
+
+    def read(self, tree: Any, entry: Entry, offset: int, size: int, tag: OpenTag | None) -> None:
+        """Account for a read of ``size`` bytes at ``offset`` of ``entry`` in ``tree``'s layer."""
+        if tag is None:
+            return
+        try:
+            self._read(tree, entry, offset, size, tag)
+        except Exception:  # accounting must never fail a read
+            log.error("hot-list read hook failed", layer=tree.name, exc_info=True)
+
+    def _read(self, tree: Any, entry: Entry, offset: int, size: int, tag: OpenTag) -> None:
+        index = tree.index
+        target = index.entries[entry.link] if entry.link is not None else entry
+        end = min(offset + size, target.size)
+        if end <= offset:
+            return
+        first, last = offset // index.block_size, (end - 1) // index.block_size
+        refs = target.blocks[first : last + 1]
+        layer = tree.name
+        now = trio.current_time()
+        if self.recordings:
+            recording = self.recordings.get(tag.container) if tag.container else None
+            if recording is None and not tag.identified:
+                covering = [r for r in self.recordings.values() if r.covers(layer) and not r.sealed.is_set()]
+                if len(covering) == 1:
+                    recording = covering[0]
+                else:
+                    for other in covering:
+                        other.unattributed += 1
+                    UNATTRIBUTED.inc()
+            if recording is not None:
+                recording.touch(layer, index, refs, now)
+        for prefetch in self.prefetches.values():
+            if layer in prefetch.indexes:
+                for ref in refs:
+                    block = index.blocks[ref]
+                    if not block.is_zero:
+                        prefetch.classify(block.digest, now)
+
+
+def _publish_blocking(url: str, name: str, data: bytes) -> bool:
+    from bootseer.blockstore.store import open_store_writer
+    from bootseer.hotlist.publish import publish_if_absent
+
+    with open_store_writer(url) as writer:
+        return publish_if_absent(writer, name, data)
+
+
+def _log_stats(prefetch: Prefetch) -> dict[str, Any]:
+    stats = prefetch.stats.as_dict()
+    return {
+        "prefetched_blocks": stats["fetched_blocks"], "prefetched_bytes": stats["fetched_bytes"],
+        "cached_blocks": stats["cached_blocks"], "hits": stats["hits"], "waited": stats["waited"],
+        "misses": stats["misses"], "hit_rate": stats["hit_rate"], "lead_median_s": stats["lead_median_s"],
+        "unread_bytes": prefetch.unread_bytes(),
+    }  # fmt: skip
+
+
+__all__ = ["HotListConfig", "HotListService", "OpenTag"]

@@ -1,0 +1,542 @@
+"""Hot lists: the object, first-writer-wins publishing, recording timers, attribution, and record/prefetch
+through the real layer server objects (layer trees and their read hook, BlockFetcher, the fetch
+engine over a converted ``file://`` store, the node block cache).
+
+The service tests run a :class:`~bootseer.blockstore.server.LayerServer` in-process without its
+FUSE session: mounts load real chain records and indexes from the store, and reads go through the
+same :class:`~bootseer.blockstore.layerfs.LayerOpenFile` the FUSE mount serves, with the opener's pid
+set as the FUSE ``open`` handler sets it.  Attribution reads real ``cgroup`` files under a
+``/proc``-shaped directory the test writes (the test process cannot be moved into containers' cgroups).
+Timers run on trio's autojump clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from bootseer.blockstore.format import LayerIndex
+from bootseer.blockstore.layerfs import LayerFile
+from bootseer.blockstore.server import LayerServer, LayerServerConfig
+from bootseer.blockstore.store import FileStoreWriter
+from bootseer.fuse.operations import OPENER_PID
+from bootseer.hotlist import attribution
+from bootseer.hotlist.format import (
+    PROFILE_LABEL,
+    HotBlock,
+    HotList,
+    HotListError,
+    hotlist_object,
+    profile_of_object,
+    resolve,
+)
+from bootseer.hotlist.prefetch import PrefetchLimits
+from bootseer.hotlist.publish import publish_if_absent, remove_object
+from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
+from bootseer.hotlist.service import HotListConfig
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+from tests.http_fixtures import nginx_factory  # noqa: F401  (a fixture)
+from tests.s3_fixtures import moto_s3, s3_bucket  # noqa: F401  (fixtures)
+
+BLOCK_SIZE = 64 << 10
+IMAGE = "sha256:" + "ab" * 32
+LOWER = "sha256:" + "cd" * 32
+
+
+def _block(n: int, layer: str = IMAGE, at: float = 0.0) -> HotBlock:
+    digest = hashlib.sha256(str(n).encode()).hexdigest()
+    return HotBlock(layer, digest, "ee" * 32, n * 100, 50, 64, at)
+
+
+def _list(**fields: Any) -> HotList:
+    values: dict[str, Any] = dict(image=IMAGE, profile="", layers=[LOWER, IMAGE],
+                                  blocks=[_block(1, LOWER, 0.1), _block(2, IMAGE, 0.2)], node="n1", container="c1")
+    values.update(fields)
+    return HotList(**values)
+
+
+# -- the object -------------------------------------------------------------------------------
+
+
+def test_round_trip_and_paths() -> None:
+    hot = _list(profile="train", sealed_by="quiet", duration=3.5)
+    back = HotList.decode(hot.encode(), expected_image=IMAGE, expected_profile="train")
+    assert back == hot
+    assert hotlist_object(IMAGE) == f"v1/hotlists/{'ab' * 32}/default"
+    assert hotlist_object(IMAGE, "train") == f"v1/hotlists/{'ab' * 32}/profile.train"
+    assert profile_of_object(hotlist_object(IMAGE, "train")) == "train"
+    assert profile_of_object(hotlist_object(IMAGE)) == ""
+    assert back.per_layer() == {LOWER: (1, 50), IMAGE: (1, 50)}
+    with pytest.raises(HotListError, match="profile name"):
+        hotlist_object(IMAGE, "../x")
+
+
+def test_corrupt_truncated_foreign_and_inconsistent_lists_are_refused() -> None:
+    data = hot_data = _list().encode()
+    flipped = bytearray(data)
+    flipped[-5] ^= 0x40
+    for bad, message in [
+        (bytes(flipped), "checksum"),
+        (data[:-7], "checksum"),
+        (data[:20], "truncated"),
+        (b"BSLIDX01" + data[8:], "magic"),
+        (data[:8] + (2).to_bytes(4, "little") + data[12:], "version"),
+    ]:
+        with pytest.raises(HotListError, match=message):
+            HotList.decode(bad)
+    other = "sha256:" + "99" * 32
+    with pytest.raises(HotListError, match="foreign"):
+        HotList.decode(hot_data, expected_image=other)
+    with pytest.raises(HotListError, match="profile"):
+        HotList.decode(hot_data, expected_image=IMAGE, expected_profile="train")
+    with pytest.raises(HotListError, match="not a layer of the image"):
+        _list(blocks=[_block(1, other)]).encode()
+    with pytest.raises(HotListError, match="time order"):
+        _list(blocks=[_block(1, at=2.0), _block(2, at=1.0)]).encode()
+    with pytest.raises(HotListError, match="twice"):
+        _list(blocks=[_block(1), _block(1)]).encode()
+    with pytest.raises(HotListError, match="end with"):
+        _list(layers=[IMAGE, LOWER]).encode()
+
+
+# -- publishing -----------------------------------------------------------------------------------
+
+
+def test_first_writer_wins_on_a_directory_store(tmp_path: Path) -> None:
+    name = hotlist_object(IMAGE)
+    lists = [_list(node=f"node{n}").encode() for n in range(16)]
+    results: list[bool] = [False] * len(lists)
+    barrier = threading.Barrier(len(lists))
+
+    def publish(n: int) -> None:
+        writer = FileStoreWriter(tmp_path / "store")
+        barrier.wait()
+        results[n] = publish_if_absent(writer, name, lists[n])
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(len(lists))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(results) == 1
+    stored = FileStoreWriter(tmp_path / "store").get(name)
+    assert stored == lists[results.index(True)]
+    assert HotList.decode(stored).node == f"node{results.index(True)}"
+    # No temp file is left beside it, and a later writer changes nothing.
+    assert [p.name for p in (tmp_path / "store").joinpath(*name.split("/")[:-1]).iterdir()] == ["default"]
+    assert not publish_if_absent(FileStoreWriter(tmp_path / "store"), name, _list(node="late").encode())
+    assert remove_object(FileStoreWriter(tmp_path / "store"), name)
+    assert not remove_object(FileStoreWriter(tmp_path / "store"), name)
+
+
+def test_first_writer_wins_on_s3(s3_bucket: Any) -> None:
+    from bootseer.blockstore.store import open_store_writer
+
+    name = hotlist_object(IMAGE, "p")
+    with open_store_writer(s3_bucket.url("store"), **s3_bucket.options) as writer:
+        assert publish_if_absent(writer, name, _list(profile="p", node="first").encode())
+        assert not publish_if_absent(writer, name, _list(profile="p", node="second").encode())
+        assert HotList.decode(writer.get(name)).node == "first"
+        assert remove_object(writer, name)
+        assert not writer.exists(name)
+
+
+# -- recording timers (autojump clock) ----------------------------------------------------------------
+
+
+class _Index:
+    """Enough of a LayerIndex for Recording.touch: blocks and packs."""
+
+    def __init__(self, count: int) -> None:
+        from bootseer.blockstore.format import Block
+
+        self.packs = ["ee" * 32]
+        self.blocks = [Block(hashlib.sha256(bytes([n])).hexdigest(), 0, n * 10, 10, 100) for n in range(count)]
+
+
+def _recording(upper: str | None = None) -> Recording:
+    return Recording(container="c1", image=IMAGE, profile="", layers=[IMAGE], started=trio.current_time(), upper=upper)
+
+
+def _autojump(fn: Any) -> Any:
+    return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_recording_seals_after_the_quiet_period_counted_from_the_first_block() -> None:
+    async def main() -> None:
+        recording = _recording()
+        index = _Index(8)
+        async with trio.open_nursery() as nursery:
+            result: list[str] = []
+
+            async def run() -> None:
+                result.append(await run_recording(recording, RecordingLimits(quiet=10, window=120)))
+
+            nursery.start_soon(run)
+            await trio.sleep(30)  # nothing read yet: no quiet seal before the first block
+            assert not recording.sealed.is_set()
+            assert recording.touch(IMAGE, index, [0, 1, 1], trio.current_time()) == 2
+            await trio.sleep(9)
+            assert recording.touch(IMAGE, index, [1, 2], trio.current_time()) == 1  # 1 again is not new
+            await trio.sleep(9.5)
+            assert not recording.sealed.is_set()
+            await trio.sleep(1)
+        assert result == ["quiet"]
+        assert [b.at for b in recording.blocks] == [30.0, 30.0, 39.0]
+        assert recording.sealed_at == pytest.approx(49.0)
+
+    _autojump(main)
+
+
+def test_recording_seals_at_the_window_and_by_marker_and_explicitly(tmp_path: Path) -> None:
+    async def window() -> None:
+        recording = _recording()
+        index = _Index(200)
+        async with trio.open_nursery() as nursery:
+            async def keep_reading() -> None:
+                for n in range(200):
+                    recording.touch(IMAGE, index, [n], trio.current_time())
+                    await trio.sleep(1)
+
+            nursery.start_soon(keep_reading)
+            assert await run_recording(recording, RecordingLimits(quiet=10, window=120)) == "window"
+            nursery.cancel_scope.cancel()
+        assert trio.current_time() == pytest.approx(120)
+        assert recording.touch(IMAGE, index, [199], trio.current_time()) == 0  # sealed: nothing more
+
+    async def marker() -> None:
+        recording = _recording(str(tmp_path))
+        async with trio.open_nursery() as nursery:
+            async def job() -> None:
+                await trio.sleep(5)
+                (tmp_path / ".bootseer-seal").touch()
+
+            nursery.start_soon(job)
+            assert await run_recording(recording, RecordingLimits()) == "marker"
+        assert 5 <= trio.current_time() <= 5.5
+
+    async def explicit() -> None:
+        recording = _recording()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: trio.sleep(3))
+            async def seal_later() -> None:
+                await trio.sleep(3)
+                assert recording.seal("seal")
+                assert not recording.seal("removed")
+
+            nursery.start_soon(seal_later)
+            assert await run_recording(recording, RecordingLimits()) == "seal"
+
+    _autojump(window)
+    _autojump(marker)
+    _autojump(explicit)
+
+
+# -- attribution ----------------------------------------------------------------------------------
+
+
+def test_cgroup_attribution(tmp_path: Path) -> None:
+    cases = {
+        11: "0::/default/job-1\n",  # ctr, cgroup v2
+        12: "12:pids:/k8s.io/job-2\n4:memory:/k8s.io/job-2\n0::/\n",  # ctr, v1
+        13: "0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-job-3.scope/init\n",  # CRI systemd, nested
+        14: "0::/user.slice/session-1.scope\n",  # a host process
+    }
+    for pid, text in cases.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cgroup").write_text(text)
+    known = ["job-1", "job-2", "job-3"]
+    found = {pid: attribution.container_of(attribution.cgroup_paths(pid, str(tmp_path)) or [], known) for pid in cases}
+    assert found == {11: "job-1", 12: "job-2", 13: "job-3", 14: None}
+    assert attribution.cgroup_paths(99, str(tmp_path)) is None
+    assert attribution.cgroup_paths(0, str(tmp_path)) is None
+    assert attribution.container_of(["/default/job-10"], ["job-1"]) is None  # whole components only
+
+
+# -- record and prefetch through the layer server's objects --------------------------------------------
+
+
+def _layers(seed: int = 1) -> list[Any]:
+    import random
+
+    rng = random.Random(seed)
+
+    def blob(size: int) -> bytes:
+        return rng.randbytes(size)
+
+    base = (File("bin/tool", blob(5 * BLOCK_SIZE)), File("lib/libbig.so", blob(12 * BLOCK_SIZE)))
+    app = (File("app/main.py", blob(3 * BLOCK_SIZE + 100)), File("app/data.bin", blob(20 * BLOCK_SIZE)),
+           File("app/cold.bin", blob(8 * BLOCK_SIZE)))  # fmt: skip
+    return [Layer(base), Layer(app)]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
+    directory = tmp_path_factory.mktemp("store")
+    built = build_store(directory, _layers(), block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+    return directory, built
+
+
+class Proc:
+    """A /proc-shaped directory: pid -> cgroup file."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.next_pid = 1000
+
+    def process(self, cgroup: str) -> int:
+        self.next_pid += 1
+        (self.root / str(self.next_pid)).mkdir(parents=True)
+        (self.root / str(self.next_pid) / "cgroup").write_text(f"0::{cgroup}\n")
+        return self.next_pid
+
+
+class NodeUnderTest:
+    """One node's layer server objects (no FUSE session) over the shared store."""
+
+    def __init__(self, root: Path, store_url: str, nursery: trio.Nursery, proc: Proc, **hotlist: Any) -> None:
+        config = LayerServerConfig(root=root, store=store_url, hotlist=HotListConfig(**hotlist))
+        config.paths.indexes.mkdir(parents=True, exist_ok=True)
+        self.server = LayerServer(config, nursery)
+        self.server.hotlist.proc = str(proc.root)
+        self.proc = proc
+
+    async def pull(self, built: list[BuiltLayer]) -> None:
+        for layer in built:
+            await self.server.mount(layer.chain_id)
+
+    async def read(self, layer: BuiltLayer, path: str, pid: int, offset: int = 0, size: int | None = None) -> bytes:
+        tree = self.server.layers[layer.chain_id].tree
+        number = next(n for n, e in enumerate(tree.index.entries) if e.path == path)
+        node = tree.node(number)
+        assert isinstance(node, LayerFile)
+        OPENER_PID.set(pid)  # as the FUSE open handler does
+        opened = await node.open()
+        return await opened.read(offset, node.entry.size if size is None else size)
+
+    @property
+    def hotlist(self) -> Any:
+        return self.server.hotlist
+
+
+def _expected(built: list[BuiltLayer], layer: int, path: str) -> bytes:
+    import tarfile
+
+    with tarfile.open(built[layer].blob) as tar:
+        member = tar.extractfile(path)
+        assert member is not None
+        return member.read()
+
+
+def run_nodes(store: tuple[Path, list[BuiltLayer]], tmp_path: Path, test: Any, **hotlist: Any) -> None:
+    directory, built = store
+
+    async def main() -> None:
+        proc = Proc(tmp_path / "proc")
+        async with trio.open_nursery() as nursery:
+            def node(name: str, **more: Any) -> NodeUnderTest:
+                return NodeUnderTest(tmp_path / name, str(directory), nursery, proc, **{**hotlist, **more})
+
+            await test(node, built, proc)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.05))
+
+
+@pytest.fixture
+def clean_store(store: tuple[Path, list[BuiltLayer]]) -> Any:
+    directory, built = store
+    yield store
+    writer = FileStoreWriter(directory)
+    for name in writer.list(f"v1/hotlists/{built[-1].chain_id[7:]}"):
+        remove_object(writer, name)
+
+
+def test_first_boot_records_and_a_fresh_node_prefetches_before_the_reads(clean_store: Any, tmp_path: Path) -> None:
+    directory, built = clean_store
+    top = built[-1].chain_id
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        first = node("node1")
+        await first.pull(built)
+        job, neighbour = proc.process("/default/job-1"), proc.process("/default/other")
+        answer = await first.hotlist.container_prepared("job-1", top, {}, None)
+        assert answer == {"action": "record"}
+        await trio.sleep(0.2)  # the store says there is no list yet
+        assert _expected(built, 1, "app/main.py") == await first.read(built[1], "app/main.py", job)
+        await trio.sleep(1)
+        await first.read(built[0], "lib/libbig.so", job, 0, 4 * BLOCK_SIZE)
+        await first.read(built[1], "app/cold.bin", neighbour)  # another container: not in the trace
+        await first.read(built[1], "app/data.bin", job, 2 * BLOCK_SIZE, 3 * BLOCK_SIZE)
+        recording = first.hotlist.recordings["job-1"]
+        assert (await first.hotlist.seal("job-1"))["sealed"]
+        await recording.done.wait()  # (the autojump clock may pass seal's own wait while the store is written)
+        assert recording.outcome == "published"
+        stored = FileStoreWriter(directory).get(hotlist_object(top))
+        hot = HotList.decode(stored, expected_image=top, expected_profile="")
+        assert [b.layer for b in hot.blocks] == [built[1].chain_id] * 4 + [built[0].chain_id] * 4 + [built[1].chain_id] * 3
+        cold = {built[1].index.blocks[r].digest for e in built[1].index.entries if e.path == "app/cold.bin" for r in e.blocks}
+        assert not cold & {b.digest for b in hot.blocks}
+        assert hot.blocks[0].at >= 0.2 and hot.blocks[4].at - hot.blocks[3].at >= 1.0
+        assert hot.container == "job-1" and hot.sealed_by == "seal" and hot.layers == [b.chain_id for b in built]
+
+        # A fresh node: new root, empty cache, same store.  Prefetch starts when the top layer is mounted.
+        second = node("node2")
+        await second.pull(built)
+        await trio.sleep(0.5)
+        prefetch = second.hotlist.prefetches[(top, "")]
+        await prefetch.ended.wait()
+        assert prefetch.stats.fetched_blocks == len(hot.blocks)
+        job2 = proc.process("/default/job-2")
+        assert (await second.hotlist.container_prepared("job-2", top, {}, None)) == {"action": "prefetch"}
+        assert _expected(built, 1, "app/main.py") == await second.read(built[1], "app/main.py", job2)
+        await second.read(built[0], "lib/libbig.so", job2, 0, 4 * BLOCK_SIZE)
+        await second.read(built[1], "app/data.bin", job2, 2 * BLOCK_SIZE, 4 * BLOCK_SIZE)  # one block more than recorded
+        stats = prefetch.stats
+        assert (stats.hits, stats.waited, stats.misses) == (len(hot.blocks), 0, 1)
+        fetcher = second.server._fetchers[str(directory)]
+        assert fetcher.stats.blocks_fetched == len(hot.blocks) + 1  # every hot block once, by prefetch
+        await second.hotlist.container_removed("job-2")
+        assert (top, "") not in second.hotlist.prefetches
+        summary = second.hotlist.finished[-1]
+        assert summary["kind"] == "prefetch" and summary["hit_rate"] == pytest.approx(11 / 12, abs=1e-3)
+        assert summary["unread_bytes"] == 0
+
+    run_nodes(clean_store, tmp_path, test)
+
+
+def test_profiles_keep_separate_lists_and_two_first_boots_leave_one(clean_store: Any, tmp_path: Path) -> None:
+    directory, built = clean_store
+    top = built[-1].chain_id
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        a, b = node("a"), node("b")
+        await a.pull(built)
+        await b.pull(built)
+        pa, pb = proc.process("/default/ja"), proc.process("/k8s.io/cri-containerd-jb.scope")
+        assert (await a.hotlist.container_prepared("ja", top, {}, None))["action"] == "record"
+        assert (await b.hotlist.container_prepared("jb", top, {}, None))["action"] == "record"
+        await trio.sleep(0.2)
+        await a.read(built[1], "app/main.py", pa)
+        await b.read(built[0], "bin/tool", pb)
+        recordings = [a.hotlist.recordings["ja"], b.hotlist.recordings["jb"]]
+        for recording in recordings:  # both seal on the quiet period
+            await recording.done.wait()
+        assert [r.sealed_by for r in recordings] == ["quiet", "quiet"]
+        outcomes = sorted(summary["outcome"] for n in (a, b) for summary in n.hotlist.finished)
+        assert outcomes == ["lost_race", "published"]
+        hot = HotList.decode(FileStoreWriter(directory).get(hotlist_object(top)))
+        winner = a if a.hotlist.finished[0]["outcome"] == "published" else b
+        assert hot.container == ("ja" if winner is a else "jb")
+
+        # A profile has its own list: recording it leaves the default one alone.
+        c = node("c")
+        await c.pull(built)
+        await trio.sleep(0.5)
+        assert (top, "") in c.hotlist.prefetches  # the default list, started at the pull
+        pc = proc.process("/default/jc")
+        answer = await c.hotlist.container_prepared("jc", top, {PROFILE_LABEL: "eval"}, None)
+        assert answer["action"] == "record"
+        assert (top, "") not in c.hotlist.prefetches  # the default guess stops for another profile
+        await trio.sleep(0.2)
+        await c.read(built[1], "app/cold.bin", pc, 0, BLOCK_SIZE)
+        recording = c.hotlist.recordings["jc"]
+        await c.hotlist.container_removed("jc")
+        await recording.done.wait()
+        assert c.hotlist.finished[-1]["sealed_by"] == "removed"
+        evaluation = HotList.decode(FileStoreWriter(directory).get(hotlist_object(top, "eval")), expected_profile="eval")
+        assert len(evaluation.blocks) == 1
+        assert HotList.decode(FileStoreWriter(directory).get(hotlist_object(top))) == hot
+
+    run_nodes(clean_store, tmp_path, test, recording=RecordingLimits(quiet=10, window=120))
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "mismatch"])
+def test_a_bad_hot_list_is_ignored(clean_store: Any, tmp_path: Path, damage: str) -> None:
+    directory, built = clean_store
+    top = built[-1].chain_id
+    layers = [b.chain_id for b in built]
+    index = built[1].index
+    block = index.blocks[0]
+    good = HotList(top, "", layers, [HotBlock(layers[1], block.digest, index.packs[block.pack], block.offset, block.clen, block.rlen, 0.1)])
+    data = good.encode()
+    if damage == "corrupt":
+        data = data[:-3] + bytes([data[-3] ^ 1]) + data[-2:]
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "foreign":
+        data = HotList(layers[0], "", layers[:1], []).encode()
+    else:  # right image, but a block its layer's index does not hold there
+        data = HotList(top, "", layers, [HotBlock(layers[1], block.digest, index.packs[block.pack], block.offset + 1,
+                                                  block.clen, block.rlen, 0.1)]).encode()  # fmt: skip
+    FileStoreWriter(directory).put(hotlist_object(top), data)
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        n = node("n")
+        await n.pull(built)
+        await trio.sleep(0.5)
+        assert not n.hotlist.prefetches
+        pid = proc.process("/default/j")
+        await n.hotlist.container_prepared("j", top, {}, None)
+        await trio.sleep(0.5)
+        assert not n.hotlist.prefetches and not n.hotlist.recordings  # neither used nor overwritten
+        assert _expected(built, 1, "app/main.py") == await n.read(built[1], "app/main.py", pid)
+        assert FileStoreWriter(directory).get(hotlist_object(top)) == data
+
+    run_nodes(clean_store, tmp_path, test)
+
+
+def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
+    clean_store: Any, tmp_path: Path, nginx_factory: Any
+) -> None:
+    """The store behind a rate-limited nginx (read-only): the whole base layer is hot, prefetched in the
+    default batches; a read of a cold block is served long before the prefetch ends, a read of a hot
+    block being fetched waits on that fetch (fetched once), and a recording publishes to --publish-store."""
+    directory, built = clean_store
+    top = built[-1].chain_id
+    layers = [b.chain_id for b in built]
+    index: LayerIndex = built[0].index
+    hot_blocks = [HotBlock(layers[0], b.digest, index.packs[b.pack], b.offset, b.clen, b.rlen, 0.0)
+                  for b in index.blocks if not b.is_zero]  # fmt: skip
+    FileStoreWriter(directory).put(hotlist_object(top), HotList(top, "", layers, hot_blocks).encode())
+    front = nginx_factory(directory, limit_rate="1m")  # the base layer's ~1.1 MB takes about a second
+
+    async def main() -> None:
+        proc = Proc(tmp_path / "proc")
+        async with trio.open_nursery() as nursery:
+            n = NodeUnderTest(tmp_path / "n", front.url, nursery, proc, publish_store=str(directory))
+            await n.pull(built)
+            with trio.fail_after(30):
+                while (top, "") not in n.hotlist.prefetches:
+                    await trio.sleep(0.01)
+            prefetch = n.hotlist.prefetches[(top, "")]
+            while not prefetch.in_flight:
+                await trio.sleep(0.005)
+            pid = proc.process("/default/j")
+            assert (await n.hotlist.container_prepared("j", top, {}, None)) == {"action": "prefetch"}
+            started = trio.current_time()
+            data = await n.read(built[1], "app/cold.bin", pid, 0, BLOCK_SIZE)
+            cold_latency = trio.current_time() - started
+            assert data == _expected(built, 1, "app/cold.bin")[:BLOCK_SIZE]
+            assert not prefetch.ended.is_set(), "the read waited for the whole prefetch"
+            # The last hot block is in flight now: a read of it waits on that fetch.
+            last = next(e for e in built[0].index.entries if e.path == "lib/libbig.so")
+            await n.read(built[0], "lib/libbig.so", pid, (len(last.blocks) - 1) * BLOCK_SIZE, BLOCK_SIZE)
+            await prefetch.ended.wait()
+            prefetch_time = trio.current_time() - started
+            assert (prefetch.stats.misses, prefetch.stats.waited) == (1, 1)
+            assert prefetch.stats.fetched_blocks == len(hot_blocks)
+            assert cold_latency < prefetch_time / 3
+            fetcher = n.server._fetchers[front.url]
+            assert fetcher.stats.blocks_fetched == len(hot_blocks) + 1  # the waited-on block was fetched once
+            await n.hotlist.container_removed("j")
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import trio
 
 from bootseer.ckptmount.mount import SourceUnavailable, mount_checkpoint
+from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.engine import EngineConfig, display_url
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, source_class, source_options
@@ -280,6 +281,8 @@ def mount_command(args: argparse.Namespace) -> int:
         source = open_source(args.source, **options)
     except (ValueError, TypeError, SourceError, MountError) as exc:
         return _usage_error(str(exc))
+    # Resident memory follows --memory-limit only if freed stripes leave the process.
+    return_large_blocks()
     status = 0
     try:
         if args.metrics_address:

@@ -859,6 +859,71 @@ def test_a_failing_read_fails_within_one_retry_timeout(source_root: Path, tmp_pa
         server.stop()
 
 
+def _rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (VmRSS)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+#: What RSS may rise above idle beyond --memory-limit's stripes: up to half the limit
+#: again for a second copy of stripes in flight (an HTTP body read into a buffer, then
+#: into bytes; the copy of a stripe a reader is cut from), plus a fixed 32 MiB for the
+#: FUSE side (pyfuse3's request buffers and each reply, up to 1 MiB per read in flight),
+#: thread stacks touched by 16+ workers and Python's own heap growth.
+RSS_LIMIT_FACTOR = 1.5
+RSS_ALLOWANCE = 32 * MiB
+
+
+def test_resident_memory_follows_the_memory_limit_under_concurrent_readers(tmp_path: Path) -> None:
+    """8 concurrent readers of large files with --memory-limit 64M: the mount's RSS stays
+    within the limit's tolerance above idle (issue 10.4; it was about 270 MiB above)."""
+    root = tmp_path / "source"
+    root.mkdir()
+    size, readers, limit = 128 * MiB, 8, 64 * MiB
+    for index in range(readers):
+        with open(root / f"shard-{index}", "wb") as file:
+            file.truncate(size)  # sparse: reading it costs no disk
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mount = start_mount(Backend("local", str(root), root), mountpoint, tmp_path,
+                        "--stripe-size", "8M", "--memory-limit", "64M")  # fmt: skip
+    try:
+        mount.wait_ready()
+        assert len(os.listdir(mountpoint)) == readers
+        idle = _rss(mount.process.pid)
+        errors: list[BaseException] = []
+
+        def read_all(index: int) -> None:
+            try:
+                with open(mountpoint / f"shard-{index}", "rb", buffering=0) as file:
+                    total = 0
+                    while piece := file.read(MiB):
+                        total += len(piece)
+                    assert total == size
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read_all, args=(index,)) for index in range(readers)]
+        for thread in threads:
+            thread.start()
+        peak = idle
+        while any(thread.is_alive() for thread in threads):
+            peak = max(peak, _rss(mount.process.pid))
+            time.sleep(0.01)
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        above = peak - idle
+        assert above <= limit * RSS_LIMIT_FACTOR + RSS_ALLOWANCE, (
+            f"RSS rose {above / MiB:.0f} MiB above idle ({idle / MiB:.0f} MiB) with --memory-limit 64M"
+        )
+    finally:
+        mount.cleanup()
+
+
 def test_credentials_and_query_tokens_never_reach_messages_or_logs(tmp_path: Path) -> None:
     port = free_port()  # nothing listens there
     url = f"http://alice:s3cr3t@127.0.0.1:{port}/ckpt/?X-Amz-Signature=TOKEN123"

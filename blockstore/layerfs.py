@@ -27,7 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from bootseer.blockstore.format import Entry, EntryType, FormatError, LayerIndex
 from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, Special, Symlink
@@ -75,6 +75,7 @@ class LayerTree:
         self.index = index
         self.reader = reader
         self.name = name or str(slot)  #: what logs call the layer (its ChainID)
+        self.observer: Any = None  #: sees every open and read (hot lists: bootseer.hotlist.service)
         number_of_path: dict[str, int] = {}
         self.children: dict[int, dict[str, int]] = {}
         self.nlink: dict[int, int] = {}
@@ -160,11 +161,14 @@ class LayerOpenFile(OpenFile):
     def __init__(self, tree: LayerTree, entry: Entry) -> None:
         self.tree = tree
         self.entry = entry
+        self.tag = tree.observer.opened(tree) if tree.observer is not None else None
 
     async def read(self, offset: int, size: int) -> bytes:
         size = max(0, min(size, self.entry.size - offset))
         if size == 0:
             return b""
+        if self.tree.observer is not None:
+            self.tree.observer.read(self.tree, self.entry, offset, size, self.tag)
         data = await self.tree.reader.read(self.entry, offset, size)
         if len(data) != size:
             # The reader verifies every block, so this is a bug, not bad data; refuse it.

@@ -93,6 +93,7 @@ class LayerServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     source_options: dict[str, Any] = field(default_factory=dict)  #: passed to open_source for every store
     shutdown_grace: float = 10.0
+    hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
 
     @property
     def paths(self) -> ServerPaths:
@@ -196,6 +197,9 @@ class LayerServer:
         self._table_lock = trio.Lock()
         self.session: FuseSession | None = None
         self.started = time.time()
+        from bootseer.hotlist.service import HotListService
+
+        self.hotlist = HotListService(self, config.hotlist)  #: records first boots, prefetches later ones
 
     # -- stores ----------------------------------------------------------------------
 
@@ -266,7 +270,9 @@ class LayerServer:
         from bootseer.blockstore.reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
-        return LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
+        tree = LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
+        tree.observer = self.hotlist
+        return tree
 
     def _free_slot(self) -> int:
         """The lowest slot no layer holds and the kernel no longer references."""
@@ -343,6 +349,7 @@ class LayerServer:
                 self.root.layers[layer.slot] = tree
             LAYERS.set(len(self.root.layers))
             log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=store)
+            self.hotlist.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
 
     async def check(self, chain_id: str) -> dict[str, Any]:
@@ -449,6 +456,8 @@ async def _dispatch(server: LayerServer, request: Any) -> dict[str, Any]:
     op = request.get("op")
     if op == "status":
         return await server.status()
+    if isinstance(op, str) and op.startswith("hotlist."):
+        return await server.hotlist.dispatch(op, request)
     if op == "mount":
         store = request.get("store")
         if store is not None and not isinstance(store, str):

@@ -22,6 +22,7 @@ from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlr
 from bootseer.ckptmount.cli import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fuse import MountError
+from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
 from bootseer.log import get_logger
 from bootseer.metrics import serve_metrics
 
@@ -79,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--shutdown-grace", type=_seconds, default=10.0, metavar="SECONDS",
         help="on SIGTERM, how long requests in flight may take to finish (10)",
     )  # fmt: skip
+    add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
     parser.set_defaults(func=layer_server_command)
 
 
@@ -117,6 +119,10 @@ def layer_server_command(args: argparse.Namespace) -> int:
         engine=engine,
         shutdown_grace=args.shutdown_grace,
     )
+    try:
+        config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args))
+    except ValueError as exc:
+        return _usage_error(str(exc))
     if args.metrics_address:
         try:
             host, port = serve_metrics(args.metrics_address)

@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = [
     "bootseer.blockstore.cli",
     "bootseer.rpull_cli",
     "bootseer.blockstore.server_cli",
+    "bootseer.hotlist.cli",
 ]
 
 

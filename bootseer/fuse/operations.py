@@ -17,6 +17,7 @@ negative entry the kernel keeps for ``negative_timeout`` seconds.
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import functools
 import os
@@ -49,6 +50,10 @@ OPEN_FILES = prometheus_client.Gauge("bootseer_fuse_open_files", "Files open thr
 
 # Errors that are part of normal use and not worth more than a debug line.
 _EXPECTED_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errno.EINVAL, errno.ENODATA}
+
+#: The pid of the process whose ``open`` is being answered, set before ``File.open()`` runs
+#: (pyfuse3 gives a read no caller; hot-list recording attributes reads to their opener).
+OPENER_PID: contextvars.ContextVar[int] = contextvars.ContextVar("bootseer_fuse_opener_pid", default=0)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -298,6 +303,7 @@ class ReadOnlyOperations(pyfuse3.Operations):
             raise IsADirectoryError(errno.EISDIR, "is a directory")
         if not isinstance(node, File):
             raise OSError(errno.EINVAL, "not a regular file")
+        OPENER_PID.set(ctx.pid)
         opened = await node.open()
         handle = self._new_handle()
         self._files[handle] = opened

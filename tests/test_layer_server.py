@@ -36,6 +36,7 @@ from bootseer.blockstore.control import (
     ServerSettings,
     ServerStartError,
     ServerUnavailable,
+    StoreUnavailable,
     ensure_server,
 )
 from bootseer.blockstore.format import pack_object
@@ -583,3 +584,38 @@ def test_a_tampered_block_is_never_served(built: Any, node_factory: Any, tmp_pat
         assert excinfo.value.errno == errno.EIO
     assert only(client.status()["stores"])["blocks"]["corrupt"] >= 1
     assert client.status()["health"]["fuse"] == "serving"
+
+
+def test_concurrent_mounts_of_one_layer_share_a_slot(node: Node, built: Any) -> None:
+    client = node.ensure()
+    results: list[Any] = []
+    threads = [threading.Thread(target=lambda: results.append(client.mount(built[1][0].chain_id))) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(results) == 6 and len(set(results)) == 1
+    assert [x["slot"] for x in client.status()["layers"]] == [1]
+
+
+def test_a_layer_that_cannot_be_restored_keeps_its_slot(built: Any, node_factory: Any, tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    shutil.copytree(built[0], store)
+    node = node_factory(f"file://{store}", retry_timeout=1)
+    client = node.ensure()
+    first, second = (client.mount(layer.chain_id) for layer in built[1][:2])
+    client.unmount(first.chain_id)  # slot 1 free, slot 2 held
+    wait_gone(client.shutdown(), 30)
+    # Neither the local copy of the index nor the store is there at the restart.
+    for copy in node.paths.indexes.iterdir():
+        copy.unlink()
+    store.rename(tmp_path / "store-away")
+    client = node.ensure()
+    [row] = client.status()["layers"]
+    assert row["slot"] == 2 and not row["served"] and "store" in row["error"]
+    with pytest.raises(StoreUnavailable):
+        client.check(second.chain_id)
+    (tmp_path / "store-away").rename(store)
+    assert client.mount(built[1][2].chain_id).slot == 1  # slot 2 stays reserved
+    assert client.mount(second.chain_id) == second  # the retry restores it in its slot
+    assert (Path(second.lower_dir) / "opaque-me/new.txt").read_bytes() == b"new\n"

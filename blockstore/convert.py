@@ -24,12 +24,16 @@ row per block in the store), never by a layer's size.  Progress goes to stderr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, TextIO
@@ -71,6 +75,15 @@ BLOCK_ZSTD_LEVEL = 3
 
 class ConversionError(Exception):
     """A conversion failed; the message says which layer and why.  Nothing of that layer was published."""
+
+
+def default_workers() -> int:
+    """Compression threads by default: the CPUs this process may use, at most 4."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
 
 
 def _hex(data: bytes) -> str:
@@ -163,10 +176,17 @@ class BlockStats:
 
 
 class PackWriter:
-    """The :class:`~blockstore.tarlayer.BlockSink` of one layer: dedup, compress, spool into packs."""
+    """The :class:`~blockstore.tarlayer.BlockSink` of one layer: dedup, compress, spool into packs.
+
+    Digests and dedup decisions are made in the caller's thread, in order; only
+    compression runs on ``workers`` threads (zstd releases the GIL), and compressed
+    blocks are written to the pack in the order they were added, so a file's blocks
+    stay adjacent.  At most ``2 * workers`` blocks are in flight.  Use it as a context
+    manager (or call :meth:`close`) so the threads end even when the layer fails.
+    """
 
     def __init__(self, block_size: int, table: DedupTable, spool_dir: Path, *, max_pack_bytes: int = MAX_PACK_BYTES,
-                 on_block: Callable[[], None] | None = None) -> None:  # fmt: skip
+                 on_block: Callable[[], None] | None = None, workers: int | None = None) -> None:  # fmt: skip
         self.block_size = block_size
         self.table = table
         self.spool_dir = spool_dir
@@ -179,12 +199,36 @@ class PackWriter:
         self.stats = BlockStats()
         self._numbers: dict[str, int] = {}  # digest -> block number in this layer
         self._slots: dict[str, int] = {}  # pack name -> its number in :attr:`packs`
-        self._compressor = zstandard.ZstdCompressor(level=BLOCK_ZSTD_LEVEL)
+        self._workers = workers if workers is not None else default_workers()
+        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="bootseer-zstd") if self._workers > 1 else None
+        self._local = threading.local()  # a compressor per thread: one must not be shared
+        self._inflight: deque[tuple[int, Future[bytes] | bytes]] = deque()  # (block number, compressed), in order
         self._file = None  # the pack being written
         self._hash = hashlib.sha256()
         self._offset = 0
         self._slot = -1
         self._pending: list[int] = []  # blocks of the open pack (their pack name is filled in on close)
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the compression threads (what is in flight is dropped) and close the spool file."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _compress(self, data: bytes) -> bytes:
+        compressor = getattr(self._local, "compressor", None)
+        if compressor is None:
+            compressor = self._local.compressor = zstandard.ZstdCompressor(level=BLOCK_ZSTD_LEVEL)
+        return compressor.compress(data)
 
     def add(self, data: bytes) -> int:
         stats = self.stats
@@ -204,22 +248,38 @@ class PackWriter:
         if found is not None and found.rlen == len(data):
             stats.in_store += 1
             return self._append(digest, Block(digest, self._pack_slot(found.pack), found.offset, found.clen, found.rlen))
-        compressed = self._compressor.compress(data)
+        # A placeholder until the compressed bytes are written (nothing reads blocks before finish()).
+        number = self._append(digest, Block(digest, ZERO_PACK, 0, 0, len(data)))
+        stats.stored += 1
+        stats.stored_raw += len(data)
+        self._inflight.append((number, self._pool.submit(self._compress, data) if self._pool else self._compress(data)))
+        self._drain(keep=2 * self._workers)
+        return number
+
+    def _drain(self, keep: int) -> None:
+        """Write finished blocks in order; wait for the oldest while more than ``keep`` are in flight."""
+        while self._inflight:
+            number, result = self._inflight[0]
+            if isinstance(result, Future):
+                if len(self._inflight) <= keep and not result.done():
+                    return
+                result = result.result()
+            self._inflight.popleft()
+            self._write(number, result)
+
+    def _write(self, number: int, compressed: bytes) -> None:
         if self._file is None:
             self._open_pack()
         assert self._file is not None
         self._file.write(compressed)
         self._hash.update(compressed)
-        block = Block(digest, self._slot, self._offset, len(compressed), len(data))
+        placeholder = self.blocks[number]
+        self.blocks[number] = Block(placeholder.digest, self._slot, self._offset, len(compressed), placeholder.rlen)
         self._offset += len(compressed)
-        stats.stored += 1
-        stats.stored_raw += len(data)
-        stats.stored_compressed += len(compressed)
-        number = self._append(digest, block)
+        self.stats.stored_compressed += len(compressed)
         self._pending.append(number)
         if self._offset >= self.max_pack_bytes:
             self._close_pack()
-        return number
 
     def _append(self, digest: str, block: Block) -> int:
         self.blocks.append(block)
@@ -260,7 +320,8 @@ class PackWriter:
         self._pending = []
 
     def finish(self) -> None:
-        """Close the pack being written (after the last block)."""
+        """Write what is in flight and close the pack being written (after the last block)."""
+        self._drain(keep=0)
         if self._file is not None:
             self._close_pack()
 
@@ -414,8 +475,9 @@ def convert_layer(
 ) -> LayerResult:
     """Convert one layer blob and publish it (packs, dedup segment, index, chain record last)."""
     puts_before = writer.put_bytes
-    with tempfile.TemporaryDirectory(prefix="bootseer-convert-", dir=spool_dir) as spool:
-        packs = PackWriter(block_size, table, Path(spool), on_block=progress.tick if progress else None)
+    with contextlib.ExitStack() as stack:
+        spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="bootseer-convert-", dir=spool_dir))
+        packs = stack.enter_context(PackWriter(block_size, table, Path(spool), on_block=progress.tick if progress else None))
         if progress is not None:
             progress.start_layer(label, packs.stats, lambda: getattr(blob, "bytes_read", 0))
         try:

@@ -10,6 +10,7 @@ xattrs, whiteouts and opaque directories.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import os
 import tarfile
@@ -444,3 +445,24 @@ def test_a_conversion_killed_midway_publishes_nothing_and_a_rerun_completes(tmp_
     result, _ = convert(image.ref, store)
     assert [layer.skipped for layer in result.layers] == [True, False]
     assert load_index(store, chains[1]).entries[-1].size == 256 << 20
+
+
+def test_pack_writer_output_does_not_depend_on_its_threads(tmp_path):
+    """Blocks are compressed on threads but written in order: same packs, same index, with 1 or 4 workers."""
+    from bootseer.blockstore.convert import DedupTable, PackWriter
+
+    blocks = [blob_data(BLOCK)[i:] + bytes(i) for i in range(0, 40 * 997, 997)] + [bytes(BLOCK), b"short tail"]
+    results = []
+    for workers in (1, 4):
+        spool = tmp_path / f"spool-{workers}"
+        spool.mkdir()
+        with PackWriter(BLOCK, DedupTable(FileStoreWriter(tmp_path / "store")), spool, workers=workers,
+                        max_pack_bytes=8 << 20) as packs:  # fmt: skip
+            numbers = [packs.add(block) for block in blocks + blocks[:3]]
+            packs.finish()
+        results.append((numbers, packs.blocks, packs.packs, [(p.sha256, p.size, p.path.read_bytes()) for p in packs.spooled]))
+    assert results[0] == results[1]
+    numbers, index_blocks, pack_names, spooled = results[0]
+    assert numbers[-3:] == numbers[:3] and len(pack_names) == len(spooled) > 1  # rotated past 8 MiB
+    for sha, size, data in spooled:
+        assert hashlib.sha256(data).hexdigest() == sha and len(data) == size

@@ -376,7 +376,7 @@ class LayerServer:
             self.root.layers.pop(layer.slot, None)
             if not any(other.record.index == layer.record.index for other in self.layers.values()):
                 self._index_path(layer.record).unlink(missing_ok=True)
-            self._chain_locks.pop(chain_id, None)
+            # The chain's lock stays: a mount waiting on it must not race one taking a new lock.
         LAYERS.set(len(self.root.layers))
         # The slot's name must go from the kernel's dentry cache now (entries are
         # trusted for CACHE_TIMEOUT); asynchronous, as a handler may hold the root.

@@ -272,9 +272,10 @@ def test_a_subclass_check_discards_an_entry_and_every_event_is_counted_under_its
     good, odd = "a" * 32, "b" * 32
     cache.put(good, bytes(100))
     cache.put(odd, bytes(99))
+    assert cache.contains(odd) and not cache.contains("c" * 32)  # present, not verified
     assert cache.get(good) == bytes(100)
     assert cache.get(odd) is None  # passes the checksum, fails the subclass: deleted
-    assert not os.path.exists(cache.path_of(odd))
+    assert not os.path.exists(cache.path_of(odd)) and not cache.contains(odd)
     assert cache.get("c" * 32) is None
     for n in range(8):  # more than fits: the oldest go
         cache.put(f"{n:032x}", bytes(100))

@@ -134,6 +134,14 @@ class VerifiedFileCache:
         self.check_key(key)
         return os.path.join(self.directory, key[:2], key)
 
+    def contains(self, key: str) -> bool:
+        """Whether an entry for ``key`` is on disk: a cheap test (one stat) that verifies nothing.
+
+        For deciding whether to fetch ahead of time (a prefetch skips what is here);
+        only :meth:`get` says whether the entry is good.
+        """
+        return os.path.exists(self.path_of(key))
+
     def _count(self, counter: str, amount: int = 1) -> None:
         with self._lock:
             setattr(self._stats, counter, getattr(self._stats, counter) + amount)

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# BootSeer demo: a real containerd pulls and runs a multi-layer image through BootSeer.
+# BootSeer demo: a real containerd starts a multi-layer image lazily through BootSeer.
 #
 # On a fresh Debian machine, as root:  ctr_examples/demo.sh
 #
 # Installs what is missing (ctr_examples/install-deps.sh: Debian packages and a venv at
 # .venv with BootSeer; skip with BOOTSEER_SKIP_INSTALL=1), then, in a temp dir and on
-# 127.0.0.1 only, starts a local registry, bootseer-snapshotter and a private containerd
-# (the host's containerd, if any, is not touched), builds and pushes a three-layer image,
-# pulls it and runs it with `ctr run --snapshotter bootseer`, kills the daemon under a
-# running container and brings it back, and prints each step with its timing.
+# 127.0.0.1 only, starts a local registry, bootseer-snapshotter with a local store (it
+# starts the layer server) and a private containerd (the host's containerd, if any, is not
+# touched); builds and pushes a four-layer image, converts it into the store with
+# `bootseer convert`, pulls it with `bootseer rpull` (every layer lazy: no layer blob is
+# downloaded), runs it with `ctr run --snapshotter bootseer` and shows how few bytes the
+# run fetched, kills the daemon under a running container that then reads a file it never
+# read before, brings the daemon back, and lets containerd's GC remove the lazy snapshots;
+# each step is printed with its timing.
 # Everything is cleaned up on exit, Ctrl-C or failure.  `--keep` keeps the temp dir.
 set -euo pipefail
 

@@ -1,12 +1,15 @@
-"""The BootSeer demo (``ctr_examples/demo.sh``): a real containerd pulling and running through BootSeer.
+"""The BootSeer demo (``ctr_examples/demo.sh``): a real containerd starting an image lazily through BootSeer.
 
 Step by step, with timings, all in one temp dir and on 127.0.0.1 only: start a local
-registry, ``bootseer-snapshotter`` and a private containerd that knows it as the
-``bootseer`` proxy snapshotter; build a three-layer OCI image (busybox, files, a
-whiteout and an opaque directory) and push it; pull it and run it with
-``ctr run --snapshotter bootseer``; kill the daemon under a running container and
-bring it back.  Everything is torn down on exit, Ctrl-C or failure (the logs of every
-process are printed on failure).  Needs root.
+registry, ``bootseer-snapshotter --store`` (it starts the layer server) and a private
+containerd that knows it as the ``bootseer`` proxy snapshotter; build a four-layer OCI
+image (busybox, files, a whiteout and an opaque directory, eight 1 MiB files) and push it;
+``bootseer convert`` it into the store; ``bootseer rpull`` it (every layer lazy, no layer
+blob downloaded); ``ctr run`` it and show how little was fetched; SIGKILL the daemon under
+a running container that then reads a file it never read before; bring the daemon back;
+remove everything and let containerd's GC collect the lazy snapshots.  Everything is torn
+down on exit, Ctrl-C or failure (the logs of every process are printed on failure).
+Needs root.
 
     python -m integration.demo [--keep]
 """
@@ -17,14 +20,18 @@ import argparse
 import contextlib
 import hashlib
 import os
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 from integration import harness
 
-STEP_WIDTH = 64
+REPO = Path(__file__).resolve().parent.parent
+BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer") if (REPO / ".venv" / "bin" / "bootseer").exists() \
+    else shutil.which("bootseer") or "bootseer"
 
 
 @contextlib.contextmanager
@@ -45,6 +52,22 @@ def show(text: str) -> None:
         print(f"    | {line}")
 
 
+def bootseer(*args: str) -> str:
+    return harness.run([BOOTSEER, *args], timeout=300).stdout.decode()
+
+
+def fetched(stack: harness.Stack) -> int:
+    """Compressed bytes of the blocks the layer server fetched from the store so far."""
+    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+
+    status = LayerServerClient(ServerPaths(stack.daemon.root).socket).status()
+    return sum(store.get("blocks", {}).get("bytes_fetched", 0) for store in status["stores"].values())
+
+
+def mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
 def _sigterm_to_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -52,54 +75,61 @@ def _sigterm_to_interrupt(signum, frame) -> None:
 def demo(keep: bool) -> None:
     if keep:
         os.environ["BOOTSEER_KEEP_TMP"] = "1"
-    stack = harness.Stack()
+    stack = harness.Stack(store=True)
     try:
-        with step(f"start registry, bootseer-snapshotter and containerd under {stack.base}"):
+        with step(f"start registry, bootseer-snapshotter --store and containerd under {stack.base}"):
             stack.start()
             show(f"registry          http://{stack.registry.address}")
-            show(f"snapshotter       {stack.daemon.socket} (root {stack.daemon.root})")
+            show(f"store             {stack.store_url}")
+            show(f"snapshotter       {stack.daemon.socket} (root {stack.daemon.root}, metrics {stack.metrics_address})")
             show(f"containerd        {stack.containerd.address} (namespace {stack.namespace})")
-            show("containerd config:")
-            show(stack.containerd.config_text())
             show(stack.containerd.ctr_out("plugins", "ls", "id==bootseer"))
 
-        with step("build a 3-layer OCI image in Python (busybox, app files, whiteout + opaque dir)"):
-            image = harness.build_oci_layout(stack.base / "images" / "demo", harness.demo_layers(), tag="v1")
-            for digest, diff_id, layer in zip(image.layer_digests, image.diff_ids, harness.demo_layers()):
-                blob = image.layout / "blobs" / "sha256" / digest.removeprefix("sha256:")
-                show(f"{digest[:19]}  {blob.stat().st_size:>9} B gz  {len(layer.entries):>4} entries  {layer.comment}")
-
-        with step("push it to the local registry with skopeo"):
-            ref = stack.registry.push(image, "bootseer/demo")
+        layers = harness.lazy_layers()
+        with step("build a 4-layer OCI image and push it to the local registry"):
+            image, ref = stack.build_and_push(name="bootseer/demo", layers=layers)
+            for digest, layer in zip(image.layer_digests, layers):
+                show(f"{digest[:19]}  {len(layer.entries):>4} entries  {layer.comment}")
             show(ref)
 
-        with step("ctr images pull --plain-http --snapshotter bootseer"):
-            stack.pull(ref)
+        with step(f"bootseer convert --plain-http --store {stack.store_url} {ref}"):
+            show(bootseer("convert", "--plain-http", "--store", stack.store_url, ref))
+
+        with step("bootseer rpull --snapshotter bootseer: every layer is a remote snapshot, no blob downloaded"):
+            show(bootseer("rpull", "--address", str(stack.containerd.address), "--namespace", stack.namespace,
+                          "--plain-http", ref))
             show(stack.containerd.ctr_out("snapshots", "--snapshotter", "bootseer", "ls"))
 
-        with step("ctr run --rm --snapshotter bootseer: what the container sees"):
-            script = (f"/app/run.sh; echo; echo '$ ls /app {harness.OPAQUE_DIR}'; ls /app {harness.OPAQUE_DIR}; "
-                      f"echo; echo '$ cat {harness.DELETED_FILE}  (deleted by layer 2)'; "
-                      f"cat {harness.DELETED_FILE} 2>&1; echo; echo '$ sha256sum {harness.BLOB_FILE}'; "
-                      f"sha256sum {harness.BLOB_FILE}")
+        with step("ctr run --rm --snapshotter bootseer: the container reads a few files"):
+            script = (f"/app/run.sh; cat {harness.PATCH_FILE}; echo '$ ls {harness.OPAQUE_DIR}'; ls {harness.OPAQUE_DIR}; "
+                      f"echo '$ cat {harness.DELETED_FILE}  (deleted by layer 2)'; cat {harness.DELETED_FILE} 2>&1; "
+                      f"echo '$ sha256sum {harness.part_path(0)}'; sha256sum {harness.part_path(0)}")
             show(stack.run_container(ref, "demo-run", "sh", "-c", script))
-            show(f"(expected blob sha256 {hashlib.sha256(harness.blob_data()).hexdigest()})")
+            store = sum(p.stat().st_size for p in stack.store_dir.rglob("*") if p.is_file())
+            show(f"fetched from the store: {mib(fetched(stack))} of {mib(store)} it holds")
 
-        with step("start a long-running container, then SIGKILL the snapshotter under it"):
+        with step("start a long-running container, SIGKILL the snapshotter, read a never-read file"):
             stack.start_container(ref, "demo-long", "sh", "-c", "echo alive > /state; exec sleep 100000")
+            harness.wait_until("the container to start", lambda: stack.exec(
+                "demo-long", "sh", "-c", "cat /state 2>/dev/null; true").strip() == "alive", 30)
             stack.daemon.stop(signal.SIGKILL)
-            show("daemon down; the container still reads its layers:")
-            show(stack.exec("demo-long", "sh", "-c", f"cat /state {harness.APP_FILE}"))
+            before = fetched(stack)
+            show("daemon down; the layer server still serves the container:")
+            show(stack.exec("demo-long", "sha256sum", harness.part_path(5)))
+            show(f"(expected {hashlib.sha256(harness.part_data(5)).hexdigest()}; "
+                 f"fetched {mib(fetched(stack) - before)} meanwhile)")
 
-        with step("restart bootseer-snapshotter; containerd reconnects, every snapshot is still there"):
+        with step("restart bootseer-snapshotter; containerd reconnects, the lazy snapshots are all there"):
             stack.daemon.start()
             stack.wait_for_snapshotter()
             show(stack.containerd.ctr_out("snapshots", "--snapshotter", "bootseer", "ls"))
+            show(stack.exec("demo-long", "cat", "/state", harness.APP_FILE))
 
-        with step("remove container and image; containerd's GC removes the snapshots"):
+        with step("remove container and image; containerd's GC removes the lazy snapshots"):
             stack.remove_container("demo-long")
             stack.containerd.ctr("images", "rm", "--sync", ref)
             harness.wait_until("snapshots to go", lambda: not stack.containerd.snapshots(), 60)
+            harness.wait_until("the daemon's snapshot directories to go", lambda: not stack.daemon.snapshot_dirs(), 60)
             show(f"snapshots left: {len(stack.containerd.snapshots())}, "
                  f"directories under {stack.daemon.root}/snapshots: {len(stack.daemon.snapshot_dirs())}")
     except BaseException:
@@ -107,7 +137,7 @@ def demo(keep: bool) -> None:
             stack.close()
         print("\n==> logs of every process\n" + stack.logs(), file=sys.stderr)
         raise
-    with step("tear down (tasks, containerd, snapshotter, registry, mounts, temp dir)"):
+    with step("tear down (tasks, containerd, snapshotter, layer server, registry, mounts, temp dir)"):
         stack.close()
     if stack.teardown_errors:
         raise harness.HarnessError(f"teardown: {stack.teardown_errors}")
@@ -116,10 +146,10 @@ def demo(keep: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m integration.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, configs) for a look")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, configs, store) for a look")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
-        print("demo: needs root (containerd, runc, overlay mounts)", file=sys.stderr)
+        print("demo: needs root (containerd, runc, overlay and FUSE mounts)", file=sys.stderr)
         return 2
     why = harness.snapshotter_available()
     if why:

@@ -286,3 +286,76 @@ def test_store_reader_over_an_engine_you_made(local_store, image):
             return await reader.chain(chain_ids(image.diff_ids)[0])
 
     assert trio.run(main).diff_id == image.diff_ids[0]
+
+
+class LocalHdfsClient:
+    """hdfs-native's ``Client`` calls the writer makes, over a local directory (no HDFS can run here).
+
+    Same semantics where the writer depends on them: ``get_file_info``/``read`` of a
+    missing path raise FileNotFoundError, ``create`` fails if the path exists,
+    ``rename(overwrite=True)`` replaces atomically, ``list_status`` yields statuses with
+    ``path``/``isdir``/``length``.  ``fail_writes`` makes every write fail half-way.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fail_writes = False
+
+    def _local(self, path: str) -> Path:
+        return self.root / path.lstrip("/")
+
+    def get_file_info(self, path: str):
+        st = self._local(path).stat()  # FileNotFoundError as hdfs-native raises it
+        return type("FileStatus", (), {"path": path, "isdir": self._local(path).is_dir(), "length": st.st_size})()
+
+    def mkdirs(self, path: str, permission: int = 0o755, create_parent: bool = False) -> None:
+        self._local(path).mkdir(parents=create_parent, exist_ok=True)
+
+    def create(self, path: str):
+        client, handle = self, open(self._local(path), "xb")
+
+        class Writer:
+            def write(self, data: bytes) -> int:
+                if client.fail_writes:
+                    handle.write(data[: len(data) // 2])
+                    raise RuntimeError("DataStreamer: pipeline to datanode failed")
+                return handle.write(data)
+
+            def close(self) -> None:
+                handle.close()
+
+        return Writer()
+
+    def rename(self, src: str, dst: str, overwrite: bool = False) -> None:
+        assert overwrite
+        os.replace(self._local(src), self._local(dst))
+
+    def delete(self, path: str, recursive: bool = False) -> bool:
+        self._local(path).unlink()
+        return True
+
+    def read(self, path: str):
+        data = self._local(path).read_bytes()
+        return type("FileReader", (), {"read": lambda self: data})()
+
+    def list_status(self, path: str, recursive: bool = False):
+        for child in sorted(self._local(path).iterdir()):
+            yield type("FileStatus", (), {"path": f"{path}/{child.name}", "isdir": child.is_dir(), "length": 0})()
+
+
+def test_hdfs_writer_puts_through_a_temp_name(tmp_path):
+    writer = open_store_writer("hdfs://namenode:8020/stores/main", max_failovers=0)
+    writer.client = client = LocalHdfsClient(tmp_path)
+    assert writer.get("v1/chains/c.json") is None and writer.size("v1/chains/c.json") is None
+    writer.put("v1/chains/c.json", b"record")
+    source = tmp_path / "pack"
+    source.write_bytes(b"p" * 20_000)
+    writer.put("v1/packs/p", source)
+    assert writer.get("v1/chains/c.json") == b"record" and writer.size("v1/packs/p") == 20_000
+    assert writer.list("v1/chains") == ["v1/chains/c.json"] and writer.list("v1/none") == []
+    assert sorted(os.listdir(tmp_path / "stores" / "main" / "v1" / "chains")) == ["c.json"]
+    client.fail_writes = True
+    with pytest.raises(StoreError, match="write: hdfs://namenode:8020/stores/main/v1/chains/c.json: .*pipeline"):
+        writer.put("v1/chains/c.json", b"other record")
+    assert writer.get("v1/chains/c.json") == b"record"  # the old object, whole
+    assert sorted(os.listdir(tmp_path / "stores" / "main" / "v1" / "chains")) == ["c.json"]  # the temp file is gone

@@ -18,9 +18,9 @@ the engine's ``stat`` and :class:`~bootseer.fetch.engine.Reader` (pinned to the
 version it stat'ed), so retries, timeouts, EIO, version checks and metrics are the
 engine's, and blocks are fetched by the same engine (``fetch_extents``).
 
-The HDFS writer is real client code (hdfs-native) but is tested only for URL
-handling and a namenode that is not there: no HDFS server can run in the test
-environment (see docs/FORMAT.md).
+The HDFS writer is real client code (hdfs-native); no HDFS server can run in the
+test environment, so it is tested for URL handling, a namenode that is not there and
+its calls against a local stand-in for the client (see docs/FORMAT.md).
 """
 
 from __future__ import annotations

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import os
-import shutil
 import subprocess
+import tarfile
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,9 +243,6 @@ def build_oci_layout(
 
 def expected_inodes(layer: Layer) -> int:
     """Inodes the unpacked ``layer`` has: one per tar entry but opaque markers, plus its root."""
-    import io
-    import tarfile
-
     members = tarfile.open(fileobj=io.BytesIO(layer_tar(layer))).getnames()
     return 1 + sum(1 for name in members if not name.endswith(OPAQUE_MARKER))
 
@@ -391,6 +389,3 @@ def rich_layers(block_size: int = 1 << 20) -> list[Layer]:
     )
     return [base, middle, top]
 
-
-def remove_layout(layout: Path) -> None:
-    shutil.rmtree(layout, ignore_errors=True)

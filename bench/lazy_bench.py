@@ -653,6 +653,16 @@ def _machine() -> str:
             f"containerd {ctrd[2] if len(ctrd) > 2 else '?'}, Python {platform.python_version()}")
 
 
+def _code_version() -> str:
+    """The commit measured, and the files changed on top of it (the tree is shared while work goes on)."""
+    head = subprocess.run(["git", "-C", str(REPO_ROOT), "log", "-1", "--format=%h %s"], capture_output=True,
+                          text=True).stdout.strip()
+    changed = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--",
+                              "bootseer", "blockstore", "snapshotter"], capture_output=True, text=True).stdout.split()
+    dirty = [name for name in changed if "/" in name]
+    return f"`{head[:90]}`" + (f" plus uncommitted changes to {', '.join(dirty)}" if dirty else "")
+
+
 def _f(value: float | None, spec: str = ".2f") -> str:
     return "—" if value is None else format(value, spec)
 
@@ -680,6 +690,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- Machine: {_machine()}",
         f"- Command: `{shlex.join(['python', 'bench/lazy_bench.py', *sys.argv[1:]])}`",
+        f"- Code: {_code_version()}",
         f"- Image: {len(image.layers)} layers, {image.unpacked_bytes / MB:.0f} MB unpacked, "
         f"{image.compressed_bytes / MB:.0f} MB gzip: "
         + ", ".join(f"{layer.name} {layer.tar_size / MB:.0f} MB" for layer in image.layers)

@@ -25,6 +25,11 @@ Lifecycle:
   :data:`GRACE_PERIOD` seconds; a second signal cuts that short), close the
   Snapshotter, remove the socket if it is still the one this daemon bound (same
   device and inode: a path taken over meanwhile is left alone), exit 0.
+* With a store (``--store``/``[store] url``): after the root's lock, find or start the
+  layer server (``bootseer layer-server``, in a session of its own under ROOT/layers:
+  it outlives the daemon), restore re-mounts every remote snapshot through it, and a
+  watch thread starts it again if it dies.  A server that cannot start is logged and
+  every Prepare falls back to downloading; the daemon still serves.
 * Restart: every snapshot under ROOT survives.  The mounts handed to containerd are
   plain kernel overlay and bind mounts, which the kernel keeps on its own, so running
   containers keep working while the daemon is down or restarting; only new

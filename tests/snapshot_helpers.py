@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -100,6 +101,8 @@ class DirectoryLayers:
         self.mnt.mkdir(parents=True, exist_ok=True)
         self.down = False
         self.crash_on_mount = False
+        self.mount_gate: threading.Event | None = None  #: set: mounts wait for it (a slow store)
+        self.mounting = threading.Event()  #: set once a mount has started
         self.calls: list[tuple[str, str]] = []
 
     def convert(self, chain_id: str, parent: str, files: dict[str, str], diff_id: str = "") -> None:
@@ -124,6 +127,9 @@ class DirectoryLayers:
 
     def mount(self, chain_id: str) -> str:
         self.calls.append(("mount", chain_id))
+        self.mounting.set()
+        if self.mount_gate is not None:
+            assert self.mount_gate.wait(60), "the test never let the mount finish"
         self._check_up(chain_id)
         source = self.store / chain_id.split(":")[-1] / "fs"
         if not source.is_dir():

@@ -17,6 +17,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,6 +133,52 @@ def test_prepare_of_an_existing_chain_answers_already_exists_without_a_mount(sn:
     assert layers.calls == []
     with pytest.raises(NotFound):
         sn.stat("extract-again")
+
+
+def test_the_mount_runs_outside_the_metadata_transaction(sn: Snapshotter, layers: DirectoryLayers):
+    # A slow store: while the layer is being mounted, every other call goes on.
+    layers.mount_gate = threading.Event()
+    outcome: list[BaseException] = []
+
+    def remote_prepare() -> None:
+        try:
+            sn.prepare("extract-1", "", unpack_labels(CHAIN_A))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=remote_prepare)
+    worker.start()
+    try:
+        assert layers.mounting.wait(30)
+        sn.prepare("other", "")  # a write transaction
+        assert sn.stat("extract-1").kind is Kind.ACTIVE  # phase one is visible, as an active snapshot
+        assert [i.name for i in sn.list()] == ["extract-1", "other"]
+        assert rows(sn.root)[0][3] == "mounting"
+    finally:
+        layers.mount_gate.set()
+        worker.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], AlreadyExists), outcome
+    assert sn.stat(CHAIN_A).kind is Kind.COMMITTED
+
+
+def test_concurrent_prepares_of_one_chain_commit_it_once(sn: Snapshotter, layers: DirectoryLayers):
+    results: list[BaseException | None] = []
+
+    def prepare(key: str) -> None:
+        try:
+            sn.prepare(key, "", unpack_labels(CHAIN_A))
+            results.append(None)
+        except BaseException as exc:
+            results.append(exc)
+
+    workers = [threading.Thread(target=prepare, args=(f"extract-{i}",)) for i in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+    assert len(results) == 4 and all(isinstance(r, AlreadyExists) for r in results), results
+    assert [i.name for i in sn.list()] == [CHAIN_A]
+    assert [call for call in layers.calls if call[0] == "mount"] == [("mount", CHAIN_A)]
 
 
 # -- fallbacks ----------------------------------------------------------------------------------

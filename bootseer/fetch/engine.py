@@ -538,7 +538,8 @@ class Engine:
             self._stopped = True
             self._fail_all(FetchError(f"{self.url}: the fetch engine stopped"))
 
-    def _check_running(self) -> None:
+    def check_running(self) -> None:
+        """FetchError (EIO) once the engine has stopped: nothing more can be read through it."""
         if self._stopped:
             raise FetchError(f"{self.url}: the fetch engine stopped")
 
@@ -573,7 +574,7 @@ class Engine:
     async def _call_retrying(self, what: str, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` in a thread, retried with backoff until ``retry_timeout``
         after the first attempt began (a call still waiting on the source then is abandoned)."""
-        self._check_running()
+        self.check_running()
         first_attempt = trio.current_time()
         attempts = 0
         while True:
@@ -610,7 +611,7 @@ class Engine:
         disk cache where the source gives no version; without either, the engine asks
         the source when the cache first needs it.
         """
-        self._check_running()
+        self.check_running()
         if size < 0:
             raise ValueError(f"file size must not be negative, not {size}")
         return Reader(self, path, size, version=version, mtime=mtime)
@@ -632,7 +633,7 @@ class Engine:
         readers of that version.  Returns when they have been fetched; they then stay
         buffered until memory is needed.  Raises FetchError if a stripe cannot be fetched.
         """
-        self._check_running()
+        self.check_running()
         if offset < 0 or length < 0:
             raise ValueError(f"invalid prefetch range: offset={offset} length={length}")
         end = min(offset + length, size)
@@ -658,7 +659,7 @@ class Engine:
         missing, shorter than the extent, another version than ``version``, or
         failing for ``retry_timeout``); ValueError if a key names two places.
         """
-        self._check_running()
+        self.check_running()
         priority = Priority(priority)
         results: list[bytes] = [b""] * len(extents)
         wanted: dict[_ExtentKey, tuple[Extent, list[int]]] = {}  # each key once, in first-seen order
@@ -787,7 +788,7 @@ class Engine:
         self, holder: object, file: FileVersion, index: int, priority: Priority, extent: Extent | None = None
     ) -> _Stripe:
         """Record that ``holder`` wants a stripe (or ``extent``), queueing it if it is not fetched or on its way."""
-        self._check_running()
+        self.check_running()
         key: _StripeKey | _ExtentKey = (file, index) if extent is None else _ExtentKey(extent.key)
         stripe = self._stripes.get(key)
         if stripe is not None and extent is not None:
@@ -1266,17 +1267,49 @@ class Engine:
         """Exponential backoff with jitter: about 50 ms, 100 ms, ... up to 2 s."""
         return min(0.05 * 2 ** (attempts - 1), 2.0) * random.uniform(0.5, 1.0)
 
-    # -- read-ahead windows ----------------------------------------------------------
+    # -- what a Reader uses ------------------------------------------------------------
+    #
+    # A Reader keeps one handle's stream (position, window); the engine keeps the
+    # stripes and who holds them.  These, check_running and the sizes a Reader plans
+    # with (stripe_size, read_lookahead, readahead_*_stripes, config.max_windows) are
+    # all a Reader asks of the engine.
 
-    def _window_used(self, reader: Reader) -> None:
+    def hold_stripe(self, holder: object, file: FileVersion, index: int, priority: Priority) -> None:
+        """``holder`` wants stripe ``index`` of ``file`` at ``priority``: queued unless fetched or on its way."""
+        self._hold(holder, file, index, priority)
+
+    def keep_stripe(self, holder: object, file: FileVersion, index: int, priority: Priority) -> bool:
+        """Add ``holder`` to stripe ``index`` of ``file`` if it is fetched or on its way (queueing nothing); whether it is."""
+        return self._holding(holder, (file, index), priority)
+
+    def release_stripe(self, holder: object, file: FileVersion, index: int, *, drop: bool = False) -> None:
+        """``holder`` no longer wants the stripe: cancelled if queued and nobody else wants it, or, with
+        ``drop``, its buffer freed (a sequential reader has passed it)."""
+        self._release(holder, (file, index), drop=drop)
+
+    async def read_range(
+        self, file: FileVersion, offset: int, end: int, deliver: Callable[[int, memoryview], None], *,
+        holder: object, sequential: bool,
+    ) -> None:  # fmt: skip
+        """Hand bytes [offset, end) of ``file`` to ``deliver`` at DEMAND priority, stripe by stripe, in order.
+
+        ``deliver(position, piece)`` gets each piece and its position relative to
+        ``offset`` and must copy what it keeps.  ``holder`` holds the stripes on the
+        way; ``sequential`` (the read moved a stream) drops each stripe it passes.
+        Raises FetchError (EIO) if a stripe cannot be fetched.
+        """
+        await self._walk(file, offset, end, Priority.DEMAND, deliver, drop_passed=sequential, token=holder)
+
+    def take_window(self, reader: Reader) -> None:
         """``reader`` holds a window now; take the window of the least recently used reader beyond ``max_windows``."""
         self._windows[reader] = None
         self._windows.move_to_end(reader)
         while len(self._windows) > self.config.max_windows:
             victim, _ = self._windows.popitem(last=False)
-            victim._lose_window()
+            victim.lose_window()
 
-    def _window_dropped(self, reader: Reader) -> None:
+    def drop_window(self, reader: Reader) -> None:
+        """``reader`` holds no window any more."""
         self._windows.pop(reader, None)
 
 
@@ -1366,7 +1399,7 @@ class Reader:
             raise ValueError(f"read from a closed reader of {self.path!r}")
         if offset < 0 or size < 0:
             raise ValueError(f"invalid read: offset={offset} size={size}")
-        self.engine._check_running()
+        self.engine.check_running()
         return min(offset + size, self.size)
 
     async def _read(self, offset: int, end: int, deliver: Callable[[int, memoryview], None]) -> None:
@@ -1376,13 +1409,13 @@ class Reader:
         # Queue this read's own stripes before the read-ahead beyond them.
         token = object()
         for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
-            engine._hold(token, self.file, index, Priority.DEMAND)
+            engine.hold_stripe(token, self.file, index, Priority.DEMAND)
         try:
             continues = self._follow(offset, end)
-            await engine._walk(self.file, offset, end, Priority.DEMAND, deliver, drop_passed=continues, token=token)
+            await engine.read_range(self.file, offset, end, deliver, holder=token, sequential=continues)
         finally:
             for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
-                engine._release(token, (self.file, index))
+                engine.release_stripe(token, self.file, index)
 
     def _follow(self, offset: int, end: int) -> bool:
         """Place the read of [offset, end) in the stream and move the window; whether it moved the stream.
@@ -1406,7 +1439,7 @@ class Reader:
             # this extent without reading it again.
             self._ahead.append((offset, end))
             del self._ahead[:-_MAX_AHEAD_EXTENTS]
-            engine._window_used(self)
+            engine.take_window(self)
             return False
         if missed_end is not None and missed_end - stripe_size <= offset <= missed_end + stripe_size // 2:
             # Continues a read elsewhere: a new stream starts there.
@@ -1417,9 +1450,9 @@ class Reader:
         if self._window:
             self._paused_window = self._window
             self._window = 0
-            engine._window_dropped(self)
+            engine.drop_window(self)
         for index in self._held:
-            engine._release(self, (self.file, index))
+            engine.release_stripe(self, self.file, index)
         self._held = set()
         return False
 
@@ -1446,33 +1479,33 @@ class Reader:
             self._window = min(2 * self._window, engine.readahead_max_stripes)
         self._paused_window = 0
         if self._window:
-            engine._window_used(self)
+            engine.take_window(self)
         else:
-            engine._window_dropped(self)
+            engine.drop_window(self)
         self._position = position
         self._last_stripe = current
         end_stripe = (self.size - 1) // stripe_size
         window = range(current + 1, min(current + self._window, end_stripe) + 1)
         for index in window:
             if index not in self._held:
-                engine._hold(self, self.file, index, Priority.READAHEAD)
+                engine.hold_stripe(self, self.file, index, Priority.READAHEAD)
         # Keep what lies within a stripe behind the position, if it is here anyway: late
         # and reordered reads (an mmap's read-around, concurrent requests) come back for it.
         behind = range(max(0, position - stripe_size) // stripe_size, current + 1)
         wanted = set(window)
-        wanted.update(index for index in behind if engine._holding(self, (self.file, index), Priority.READAHEAD))
+        wanted.update(index for index in behind if engine.keep_stripe(self, self.file, index, Priority.READAHEAD))
         for index in self._held - wanted:
             # A stream does not come back to what lies more than a stripe behind it.
-            engine._release(self, (self.file, index), drop=not restart and index < behind.start)
+            engine.release_stripe(self, self.file, index, drop=not restart and index < behind.start)
         self._held = wanted
 
-    def _lose_window(self) -> None:
+    def lose_window(self) -> None:
         """Give up the read-ahead window (the engine has too many); called by the engine."""
         self._window = 0
         self._paused_window = 0
         for index in self._held:
             if index > self._last_stripe:
-                self.engine._release(self, (self.file, index))
+                self.engine.release_stripe(self, self.file, index)
         self._held = {index for index in self._held if index <= self._last_stripe}
 
     def close(self) -> None:
@@ -1480,9 +1513,9 @@ class Reader:
         if self.closed:
             return
         self.closed = True
-        self.engine._window_dropped(self)
+        self.engine.drop_window(self)
         for index in self._held:
-            self.engine._release(self, (self.file, index))
+            self.engine.release_stripe(self, self.file, index)
         self._held = set()
 
 

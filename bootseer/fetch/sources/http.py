@@ -7,16 +7,21 @@ the engine uses a new one.  Partial reads must come back as ``206`` with a
 the file changed) is refused, never taken for the range.
 
 Metadata: :meth:`HttpSource.stat` sends ``HEAD`` (size from ``Content-Length``,
-mtime from ``Last-Modified``).  A file's version (:func:`http_version`) is its
-``Last-Modified`` second and size, which an nginx JSON index gives as well, so a
-listing and a stat of the same file agree; a strong ``ETag`` where the server
-gives no date.  A read of a version sends it as ``If-Range`` and checks the
-answer's ``Content-Range`` total and validators: a file changed since raises
-:class:`~bootseer.fetch.source.Changed`.  No body is read past the length asked
-for, whatever ``Content-Length`` the server announces.  A URL ending in ``/``, or one the server redirects
-to the same path plus ``/``, is a directory.  :meth:`HttpSource.listdir` reads
-nginx's ``autoindex_format json`` or an HTML index (the ``<a href>`` links that
-name a direct child; files in an HTML index cost one ``HEAD`` each).
+mtime from ``Last-Modified``).  A file's version (:func:`http_version`) is the
+strongest validator the server gives: a strong ``ETag`` that says more than the
+date, else the ``Last-Modified`` second and size (all an nginx JSON index gives,
+and all nginx's own ETag says, so a listing and a stat agree there).  A read of a
+version sends it as ``If-Range`` and checks the answer: the ``Content-Range``
+total, the date, and the ETag, which every ``206`` must carry; a ``200`` to a
+ranged request with ``If-Range`` means the file changed.  A date-only version is
+pinned to the first strong ETag an answer carries (:class:`_EtagPins`), for all
+connections.  A file changed since raises :class:`~bootseer.fetch.source.Changed`.
+No body is read past the length asked for, whatever ``Content-Length`` the server
+announces.  A URL ending in ``/``, or one the server redirects to the same path
+plus ``/``, is a directory.  :meth:`HttpSource.listdir` reads nginx's
+``autoindex_format json`` or an HTML index (the ``<a href>`` links that name a
+direct child; files in an HTML index cost one ``HEAD`` each); an entry that is
+malformed or that the server refuses is skipped with a warning.
 
 The plumbing (:class:`HttpEndpoint`, :class:`HttpChannel`, :class:`ChannelPool`,
 :func:`status_error`) is shared with the WebHDFS backend.

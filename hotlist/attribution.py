@@ -18,6 +18,7 @@ and mmap faults of a mapped file read through the same open file).
 
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 
@@ -49,3 +50,17 @@ def container_of(paths: Iterable[str], containers: Iterable[str]) -> str | None:
         if components & _names(container):
             return container
     return None
+
+
+_METADATA_KEY = re.compile(r"[^/]+/[0-9]+/(.+)")
+
+
+def container_id(key: str) -> str:
+    """The container ID in a snapshot key as a proxy snapshotter sees it.
+
+    containerd's metadata store hands proxy snapshotters ``<namespace>/<n>/<key>``, and
+    ctr and CRI name a container's rootfs snapshot by the container ID, so the ID is the
+    part after the second ``/``; a key without that prefix is taken as it is.
+    """
+    match = _METADATA_KEY.fullmatch(key)
+    return match.group(1) if match else key

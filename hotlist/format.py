@@ -41,8 +41,18 @@ MAX_PAYLOAD_BYTES = 256 << 20
 #: An encoded hot list larger than this is refused before it is read.
 MAX_OBJECT_BYTES = 64 << 20
 
-#: The snapshot label that names a profile (``ctr run --snapshotter-label bootseer.io/profile=NAME``).
-PROFILE_LABEL = "bootseer.io/profile"
+#: The snapshot label that names a profile:
+#: ``ctr run --snapshotter-label containerd.io/snapshot/bootseer.profile=NAME``.  containerd
+#: passes a proxy snapshotter only labels under ``containerd.io/snapshot/`` (and
+#: ``containerd.io/snapshot.ref``): ``FilterInheritedLabels`` in its metadata store.
+PROFILE_LABEL = "containerd.io/snapshot/bootseer.profile"
+#: The short form, honoured where labels reach the snapshotter unfiltered (a direct gRPC Prepare).
+PROFILE_LABEL_SHORT = "bootseer.io/profile"
+
+
+def profile_of_labels(labels: Mapping[str, str]) -> str:
+    """The profile a snapshot's labels name ("" for none); HotListError for an invalid name."""
+    return check_profile(str(labels.get(PROFILE_LABEL, labels.get(PROFILE_LABEL_SHORT, ""))))
 _PROFILE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _HEX = re.compile(r"[0-9a-f]{64}")
 

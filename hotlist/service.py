@@ -39,14 +39,13 @@ import trio
 from bootseer.blockstore.format import Entry, FormatError
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
-from bootseer.hotlist.attribution import cgroup_paths, container_of
+from bootseer.hotlist.attribution import cgroup_paths, container_id, container_of
 from bootseer.hotlist.format import (
     MAX_OBJECT_BYTES,
-    PROFILE_LABEL,
     HotList,
     HotListError,
-    check_profile,
     hotlist_object,
+    profile_of_labels,
     resolve,
 )
 from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker
@@ -226,13 +225,18 @@ class HotListService:
     # -- containers ---------------------------------------------------------------------------
 
     async def container_prepared(self, key: str, parent: str, labels: dict[str, str], upper: str | None) -> dict[str, Any]:
-        """A container's writable snapshot ``key`` was prepared on ``parent``: prefetch or record."""
+        """A container's writable snapshot ``key`` was prepared on ``parent``: prefetch or record.
+
+        ``key`` is the snapshot key as the snapshotter got it; the container is named by
+        the ID in it (:func:`~bootseer.hotlist.attribution.container_id`).
+        """
+        key = container_id(key)
         if not self.config.enabled:
             return {"action": "disabled"}
         layers = self.image_layers(parent) if parent else None
         if layers is None:
             return {"action": "none", "reason": "the parent is not a lazily served image"}
-        profile = check_profile(str(labels.get(PROFILE_LABEL, "")))
+        profile = profile_of_labels(labels)
         now = trio.current_time()
         if key in self.containers:
             return {"action": "known"}
@@ -317,6 +321,7 @@ class HotListService:
         recording.done.set()
 
     async def container_removed(self, key: str) -> dict[str, Any]:
+        key = container_id(key)
         container = self.containers.pop(key, None)
         recording = self.recordings.get(key)
         if recording is not None:

@@ -258,6 +258,7 @@ def test_cgroup_attribution(tmp_path: Path) -> None:
     assert attribution.cgroup_paths(99, str(tmp_path)) is None
     assert attribution.cgroup_paths(0, str(tmp_path)) is None
     assert attribution.container_of(["/default/job-10"], ["job-1"]) is None  # whole components only
+    assert attribution.container_id("ns-1/17/job-1") == "job-1" and attribution.container_id("job-1") == "job-1"
 
 
 # -- record and prefetch through the layer server's objects --------------------------------------------

@@ -1,0 +1,129 @@
+"""Hot lists end to end with every real part: registry, ``bootseer convert``, ``bootseer-snapshotter
+--store`` and its layer server, a private containerd, ``bootseer rpull``, ``ctr run``.
+
+Node 1 boots the image for the first time: the layer server records the container's first touches
+(attributed through its cgroup, ctr's ``/<namespace>/<id>``), the job seals the recording by creating
+``/.bootseer-seal`` inside the container, and the hot list lands in the store.  Node 2 is a fresh
+node (its own registry, containerd, snapshotter root and an empty block cache) over a copy of the
+same store: ``bootseer rpull`` mounts the layers, prefetch starts before any container exists, and
+the same job then finds its blocks already fetched (hits, no misses).  A profile
+(``ctr run --snapshotter-label bootseer.io/profile=NAME``) is recorded beside the default list.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from typing import Any
+
+import pytest
+
+from integration import harness
+from integration.harness import lazy_layers, part_path
+from integration.test_lazy import BOOTSEER, _missing_parts, convert, layer_server, rpull
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+JOB = f"cat /bin/busybox {part_path(1)} {part_path(3)} > /dev/null; touch /.bootseer-seal; echo done"
+
+
+def hotlist_status(stack: harness.Stack) -> dict[str, Any]:
+    return layer_server(stack).call({"op": "hotlist.status"})
+
+
+def show(stack: harness.Stack, ref_or_chain: str, *extra: str) -> list[dict[str, Any]]:
+    done = harness.run([BOOTSEER, "hotlist", "show", "--json", "--plain-http", "--store", stack.store_url,
+                        ref_or_chain, *extra], timeout=120)
+    return json.loads(done.stdout)
+
+
+def part_digests(parts: list[int]) -> set[str]:
+    """Block digests of the parts files (each one block at convert's default 1 MiB block size)."""
+    import hashlib
+
+    from integration.harness import part_data
+
+    return {hashlib.sha256(part_data(i)).hexdigest() for i in parts}
+
+
+@pytest.fixture
+def stacks(runnable) -> Any:
+    missing = _missing_parts()
+    if missing:
+        pytest.fail(f"lazy layers are not all there: missing {', '.join(missing)}")
+    made: list[harness.Stack] = []
+
+    def make() -> harness.Stack:
+        stack = harness.Stack(store=True)
+        made.append(stack)
+        stack.start()
+        return stack
+
+    try:
+        yield make
+    finally:
+        for stack in made:
+            stack.close()
+            print(stack.logs())
+        for stack in made:
+            assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
+
+
+def wait_for(what: str, check: Any, timeout: float = 60) -> Any:
+    result = None
+
+    def probe() -> bool:
+        nonlocal result
+        result = check()
+        return bool(result)
+
+    harness.wait_until(what, probe, timeout, interval=0.2)
+    return result
+
+
+def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any) -> None:
+    first = stacks()
+    image, ref = first.build_and_push(name="bootseer/hot", layers=lazy_layers())
+    convert(first, ref)
+    chain = harness.chain_ids(image.diff_ids)
+    top = chain[-1]
+    rpull(first, ref)
+    assert first.run_container(ref, "rec-1", "sh", "-c", JOB).strip() == "done"
+    finished = wait_for("the recording to be published", lambda: [
+        f for f in hotlist_status(first)["finished"] if f["kind"] == "recording"])
+    assert finished[0]["outcome"] == "published" and finished[0]["sealed_by"] in ("marker", "removed"), finished
+    [listed] = show(first, ref)
+    assert listed["image"] == top and listed["container"] == "rec-1"
+    assert listed["blocks"] > 2 and {layer["chain_id"] for layer in listed["layers"]} == set(chain)
+    hot_digests = {b["digest"] for b in show(first, top, "--blocks")[0]["block_list"]}
+    assert part_digests([1, 3]) <= hot_digests
+    assert not part_digests([0, 2, 4, 5, 6, 7]) & hot_digests  # never read: not hot
+
+    # A profile is recorded beside the default list, which stays as it was.
+    assert first.containerd.ctr_out(
+        "run", "--rm", "--fifo-dir", str(first.fifo_dir), "--snapshotter", first.snapshotter_name,
+        "--snapshotter-label", "containerd.io/snapshot/bootseer.profile=eval", ref, "rec-eval", "sh", "-c",
+        f"cat {part_path(5)} > /dev/null; touch /.bootseer-seal; echo done").strip() == "done"
+    wait_for("the eval recording", lambda: [f for f in hotlist_status(first)["finished"]
+                                            if f["kind"] == "recording" and f["profile"] == "eval"])
+    [evaluation] = show(first, ref, "--profile", "eval")
+    assert evaluation["profile"] == "eval" and evaluation["container"] == "rec-eval"
+    assert show(first, ref)[0]["container"] == "rec-1"
+
+    # A fresh node over the same store: prefetch runs as soon as rpull has mounted the layers.
+    second = stacks()
+    shutil.rmtree(second.store_dir, ignore_errors=True)
+    shutil.copytree(first.store_dir, second.store_dir)
+    _image2, ref2 = second.build_and_push(name="bootseer/hot", layers=lazy_layers())
+    rpull(second, ref2)
+    prefetch = wait_for("the prefetch to finish", lambda: [
+        p for p in hotlist_status(second)["prefetches"] if p["image"] == top and p["finished"]])[0]
+    assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"]
+    fetched_before = sum(s["bytes_fetched"] for s in layer_server(second).status()["stores"].values())
+    assert second.run_container(ref2, "job-2", "sh", "-c", JOB).strip() == "done"
+    summary = wait_for("the prefetched container's summary", lambda: [
+        f for f in hotlist_status(second)["finished"] if f["kind"] == "prefetch"])[0]
+    assert summary["hits"] >= listed["blocks"] - 1, summary
+    assert summary["misses"] <= 1, summary  # the same job reads what its first boot read
+    fetched_after = sum(s["bytes_fetched"] for s in layer_server(second).status()["stores"].values())
+    assert fetched_after - fetched_before < prefetch["fetched_bytes"] // 4 + (1 << 20)

@@ -442,7 +442,7 @@ class ImageSource:
             if desc.media_type in MANIFEST_TYPES:
                 break
             if desc.media_type not in INDEX_TYPES:
-                raise UnsupportedMediaType(self._media_type_message(desc))
+                raise UnsupportedMediaType(self._media_type_message(desc.media_type, desc.digest))
             if depth == MAX_INDEX_DEPTH:
                 raise MalformedImage(f"{self.reference}: image indexes nested deeper than {MAX_INDEX_DEPTH}")
             if index_desc is None:
@@ -459,10 +459,10 @@ class ImageSource:
         return ResolvedImage(self.reference, desc, data, manifest, config_bytes, config, diff_ids,
                              index_desc, index_bytes)
 
-    def _media_type_message(self, desc: Descriptor) -> str:
-        if desc.media_type in MEDIA_DOCKER_SCHEMA1:
+    def _media_type_message(self, media_type: str, what: str) -> str:
+        if media_type in MEDIA_DOCKER_SCHEMA1:
             return f"{self.reference}: Docker schema 1 manifests are not supported (re-push the image)"
-        return f"{self.reference}: {desc.digest} has media type {desc.media_type!r}, not a manifest or index"
+        return f"{self.reference}: {what} has media type {media_type!r}, not a manifest or index"
 
     def read_blob(self, descriptor: Descriptor, limit: int) -> bytes:
         """A small blob, whole and verified; :class:`MalformedImage` if it is larger than ``limit``."""
@@ -543,7 +543,7 @@ class OCILayoutSource(ImageSource):
         else:
             desc = chosen[0]
         if desc.media_type not in MANIFEST_TYPES | INDEX_TYPES:
-            raise UnsupportedMediaType(self._media_type_message(desc))
+            raise UnsupportedMediaType(self._media_type_message(desc.media_type, desc.digest))
         return desc, self._read_manifest(desc)
 
     def _blob_path(self, descriptor: Descriptor) -> Path:
@@ -862,7 +862,7 @@ class RegistrySource(ImageSource):
             # Some registries answer a generic type; the document's own mediaType then decides.
             media_type = _parse_json(data, what).get("mediaType") or content_type
         if media_type not in MANIFEST_TYPES | INDEX_TYPES:
-            raise UnsupportedMediaType(self._media_type_message(Descriptor(media_type or "(none)", "sha256:" + "0" * 64, 0)))
+            raise UnsupportedMediaType(self._media_type_message(media_type or "(none)", f"manifest {name}"))
         algorithm = self.ref.digest.partition(":")[0] if self.ref.digest else "sha256"
         actual = f"{algorithm}:{hashlib.new(algorithm, data).hexdigest()}"
         if self.ref.digest and actual != self.ref.digest:

@@ -15,7 +15,9 @@ does what containerd's Go client does when it pulls with unpack (``client.Pull``
    that has the layer (a remote snapshot) answers ALREADY_EXISTS: nothing is fetched.
    Otherwise the blob is fetched into the content store, applied with the ``Diff``
    service on the mounts ``Prepare`` returned (its diffID checked), committed under the
-   chainID and labelled ``containerd.io/uncompressed``;
+   chainID and labelled ``containerd.io/uncompressed``.  Blobs are fetched one at a time
+   and only for layers that need one: containerd's unpacker starts fetching every layer
+   above the first it must download, which would defeat remote snapshots higher up;
 4. ``containerd.io/gc.ref.snapshot.<snapshotter>=<top chainID>`` on the config (what
    ``ctr run``'s "is it unpacked?" check and the garbage collector follow), the image
    record (``Images.Create``/``Update``), and the lease is released.

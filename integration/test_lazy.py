@@ -223,3 +223,20 @@ def test_gc_removes_lazy_snapshots(lazy: harness.Stack, converted):
     assert lazy.containerd.ctr_out("content", "ls", "-q").split() == []
     # And the image can be pulled again, lazily.
     assert "0 downloaded" in rpull(lazy, ref)
+
+
+def test_a_layer_added_on_a_converted_base_is_downloaded_onto_lazy_layers(lazy: harness.Stack):
+    """The common case of an image built FROM a converted one: its base layers are lazy, its own
+    layer is downloaded and unpacked on top of them (an overlay whose lower dirs are FUSE)."""
+    base_layers = harness.demo_layers()
+    _, base_ref = lazy.build_and_push(name="bootseer/base", layers=base_layers)
+    convert(lazy, base_ref)
+    extra = harness.Layer((harness.File("/app/extra.txt", b"added on top\n"), harness.Whiteout(APP_FILE)), "top")
+    image, ref = lazy.build_and_push(name="bootseer/derived", layers=[*base_layers, extra])
+
+    out = rpull(lazy, ref)
+    assert f"{len(base_layers) + 1} layers on bootseer: {len(base_layers)} lazy, 1 downloaded" in out, out
+    assert image.layer_digests[-1] in lazy.containerd.ctr_out("content", "ls", "-q").split()
+    lines = lazy.run_container(ref, "derived", "sh", "-c",
+                               f"cat /app/extra.txt {PATCH_FILE}; [ -e {APP_FILE} ] || echo whited-out").splitlines()
+    assert lines == ["added on top", PATCH_FILE_DATA.decode().strip(), "whited-out"]

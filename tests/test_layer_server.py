@@ -44,7 +44,7 @@ from tests.http_fixtures import RangeHTTPServer, free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.trees import Meta, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
-from tests.test_fuse_plumbing import force_unmount, mount_entry
+from tests.support.mounts import force_unmount, mount_entry
 
 pytestmark = [
     pytest.mark.timeout(300),

@@ -32,6 +32,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -258,6 +259,8 @@ class Registry:
         self.process: ManagedProcess | None = None
         #: YAML appended to the config at the next start (an ``auth:`` section, say).
         self.extra_config = ""
+        #: (certificate, key) PEM files: serve HTTPS with them from the next start.
+        self.tls: tuple[Path, Path] | None = None
 
     @property
     def address(self) -> str:
@@ -275,6 +278,7 @@ class Registry:
                 f"storage:\n  filesystem:\n    rootdirectory: {self.base / 'storage'}\n"
                 "  delete:\n    enabled: true\n"
                 f"http:\n  addr: {self.address}\n"
+                + (f"  tls:\n    certificate: {self.tls[0]}\n    key: {self.tls[1]}\n" if self.tls else "")
                 + self.extra_config
             )
             self.process = ManagedProcess("docker-registry", [self.binary, "serve", str(config)],
@@ -290,7 +294,10 @@ class Registry:
 
     def _answers(self) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.address}/v2/", timeout=2) as resp:
+            # Up is all this asks, so a TLS registry's (test) certificate is not checked here.
+            context = ssl._create_unverified_context() if self.tls else None
+            scheme = "https" if self.tls else "http"
+            with urllib.request.urlopen(f"{scheme}://{self.address}/v2/", timeout=2, context=context) as resp:
                 return resp.status == 200
         except urllib.error.HTTPError as e:
             return e.code == 401  # up, and asking for credentials (an auth: section)

@@ -76,6 +76,8 @@ class LayerTree:
         self.reader = reader
         self.name = name or str(slot)  #: what logs call the layer (its ChainID)
         self.observer: Any = None  #: sees every open and read (hot lists: bootseer.hotlist.service)
+        #: raw bytes of the layer's regular files (each inode once), for statfs
+        self.index_bytes = sum(e.size for e in index.entries if e.type is EntryType.FILE and e.link is None)
         number_of_path: dict[str, int] = {}
         self.children: dict[int, dict[str, int]] = {}
         self.nlink: dict[int, int] = {}

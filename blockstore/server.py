@@ -185,6 +185,7 @@ class LayerServer:
             entry_timeout=CACHE_TIMEOUT,
             attr_timeout=CACHE_TIMEOUT,
             negative_timeout=CACHE_TIMEOUT,
+            statfs=self._statfs,
         )
         self.layers: dict[str, Layer] = {}
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
@@ -200,6 +201,15 @@ class LayerServer:
         from bootseer.hotlist.service import HotListService
 
         self.hotlist = HotListService(self, config.hotlist)  #: records first boots, prefetches later ones
+
+    def _statfs(self) -> pyfuse3.StatvfsData:
+        """What ``df`` shows: the served layers' file bytes and entries, nothing free (read-only)."""
+        data = pyfuse3.StatvfsData()
+        data.f_bsize = data.f_frsize = 4096
+        data.f_blocks = sum(tree.index_bytes for tree in self.root.layers.values()) // 4096
+        data.f_files = sum(len(tree.index.entries) for tree in self.root.layers.values())
+        data.f_namemax = 255
+        return data
 
     # -- stores ----------------------------------------------------------------------
 

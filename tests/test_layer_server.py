@@ -376,6 +376,10 @@ def test_control_api(node: Node, built: Any) -> None:
     second = client.mount(layers[1].chain_id)
     assert second.slot == 2 and second.lower_dir == str(node.paths.mountpoint / "2")
     assert sorted(os.listdir(node.paths.mountpoint)) == ["1", "2"]
+    vfs = os.statvfs(node.paths.mountpoint)
+    assert vfs.f_flag & os.ST_RDONLY and vfs.f_bfree == 0
+    assert vfs.f_files == len(layers[0].index.entries) + len(layers[1].index.entries)
+    assert vfs.f_blocks * vfs.f_frsize > len(rich_big_bin())
     status = client.status()
     assert status["health"]["fuse"] == "serving"
     assert [(x["chain_id"], x["slot"]) for x in status["layers"]] == [(layers[0].chain_id, 1), (layers[1].chain_id, 2)]

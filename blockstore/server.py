@@ -280,7 +280,10 @@ class LayerServer:
         from bootseer.blockstore.reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
-        tree = LayerTree(layer.slot, index, LayerReader(index, fetcher, layer.chain_id), name=layer.chain_id)
+        reader = LayerReader(index, fetcher, layer.chain_id)
+        # O(entries): in a thread, so a large layer's mount does not stall the FUSE requests of others.
+        build = functools.partial(LayerTree, layer.slot, index, reader, name=layer.chain_id)
+        tree = await trio.to_thread.run_sync(build)
         tree.observer = self.hotlist
         return tree
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import prometheus_client
 import trio
@@ -71,11 +71,12 @@ class PrefetchLimits:
             raise ValueError("prefetch concurrency and batch size must be positive, the cold rate not negative")
 
 
-class Fetcher:
-    """What a prefetch fetches through (``blockstore.reader.BlockFetcher``)."""
+class Fetcher(Protocol):
+    """What a prefetch fetches through: ``blockstore.reader.BlockFetcher``."""
 
     async def blocks(self, index: LayerIndex, refs: Sequence[int], priority: Priority = Priority.DEMAND) -> list[bytes]:
-        raise NotImplementedError
+        """The raw, verified blocks ``refs`` of ``index`` (OSError, EIO, when they cannot be had)."""
+        ...
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Prefetch:
         self.cancel_scope = trio.CancelScope()
         self.containers: set[str] = set()
         self.had_container = False
+        self.attached = trio.Event()  #: set when a container joins
         self.started = trio.current_time()
         self.ended = trio.Event()
 

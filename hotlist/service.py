@@ -176,6 +176,10 @@ class HotListService:
             return None
 
     async def _start_prefetch(self, hot: HotList) -> Prefetch | None:
+        """Start prefetching ``hot`` (or return the prefetch of its image and profile already running)."""
+        running = self.prefetches.get((hot.image, hot.profile))
+        if running is not None:
+            return running
         layers = self.image_layers(hot.image)
         if layers is None:
             return None
@@ -189,6 +193,9 @@ class HotListService:
         fetchers = {}
         for layer in layers:
             _engine, fetchers[layer] = await self.server.fetcher(self.server.layers[layer].store)
+        running = self.prefetches.get((hot.image, hot.profile))
+        if running is not None:  # started by another trigger while we waited for a fetcher
+            return running
         prefetch = Prefetch(
             image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
             cached=cache_checker(self.server.cache), limits=self.config.prefetch,
@@ -206,8 +213,12 @@ class HotListService:
             log.info("hot-list prefetch done", image=prefetch.image, profile=prefetch.profile,
                      cancelled=prefetch.cancel_scope.cancelled_caught, **_log_stats(prefetch))  # fmt: skip
         finally:
-            # It stays in ``prefetches`` (for read accounting) until its containers are gone.
-            if not prefetch.containers and prefetch.had_container:
+            # It stays in ``prefetches`` (for read accounting) until its containers are gone;
+            # one started at pull that no container joins within the recording window ends then.
+            if not prefetch.had_container:
+                with trio.move_on_after(self.config.recording.window):
+                    await prefetch.attached.wait()
+            if not prefetch.containers:
                 self._end_prefetch(prefetch)
 
     def _end_prefetch(self, prefetch: Prefetch) -> None:
@@ -262,6 +273,7 @@ class HotListService:
     def _attach(self, prefetch: Prefetch, key: str) -> None:
         prefetch.containers.add(key)
         prefetch.had_container = True
+        prefetch.attached.set()
 
     async def _decide(self, recording: Recording) -> None:
         """Look the hot list up while recording runs: a list means prefetch, none means record to the end."""
@@ -298,7 +310,8 @@ class HotListService:
         outcome = "empty"
         error = ""
         if hot.blocks:
-            url = self.config.publish_store or self.server.layers.get(recording.image, None) and self.server.layers[recording.image].store
+            top = self.server.layers.get(recording.image)
+            url = self.config.publish_store or (top.store if top is not None else None)
             name = hotlist_object(hot.image, hot.profile)
             try:
                 if not url:

@@ -34,7 +34,6 @@ from bootseer.hotlist.format import (
     HotListError,
     hotlist_object,
     profile_of_object,
-    resolve,
 )
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.publish import publish_if_absent, remove_object
@@ -281,8 +280,13 @@ def _layers(seed: int = 1) -> list[Any]:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
     directory = tmp_path_factory.mktemp("store")
-    built = build_store(directory, _layers(), block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+    layout = tmp_path_factory.mktemp("layout")
+    built = build_store(directory, _layers(), block_size=BLOCK_SIZE, layout=layout)
+    _LAYOUT_REFS[directory] = f"oci:{layout}:latest"
     return directory, built
+
+
+_LAYOUT_REFS: dict[Path, str] = {}
 
 
 class Proc:
@@ -541,3 +545,128 @@ def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+
+def _cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    from bootseer.cli import main
+
+    status = main(["hotlist", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_cli_show_clear_record_and_seal(clean_store: Any, capsys: Any, tmp_path: Path) -> None:
+    directory, built = clean_store
+    ref = _LAYOUT_REFS[directory]
+    top = built[-1].chain_id
+    layers = [b.chain_id for b in built]
+    index = built[1].index
+    blocks = [HotBlock(layers[1], b.digest, index.packs[b.pack], b.offset, b.clen, b.rlen, 0.5 + n)
+              for n, b in enumerate(index.blocks[:3])]  # fmt: skip
+    FileStoreWriter(directory).put(hotlist_object(top), HotList(top, "", layers, blocks, node="n7", container="job",
+                                                                sealed_by="marker").encode())  # fmt: skip
+    status, out, _ = _cli(capsys, "show", ref, "--store", str(directory))
+    assert status == 0
+    assert f"image      {top}" in out and "blocks     3" in out and "on n7 (container job" in out
+    assert "span       0.5s .. 2.5s after prepare (2.0s)" in out
+    assert f"layer {layers[1]}        3 blocks" in out and f"layer {layers[0]}        0 blocks" in out
+    status, out, _ = _cli(capsys, "show", top, "--store", str(directory), "--json")
+    [document] = __import__("json").loads(out)
+    assert status == 0 and document["bytes"] == sum(b.clen for b in blocks) and document["sealed_by"] == "marker"
+
+    assert _cli(capsys, "show", top, "--store", str(directory), "--profile", "eval")[0] == 1
+    status, _, err = _cli(capsys, "show", top, "--store", str(directory), "--profile", "../x")
+    assert status == 2 and "profile name" in err
+    status, _, err = _cli(capsys, "show", "sha256:nothex", "--store", str(directory))
+    assert status == 2 and "ChainID" in err
+
+    FileStoreWriter(directory).put(hotlist_object(top, "bad"), b"BSHOTL01" + bytes(60))
+    status, _, err = _cli(capsys, "show", top, "--store", str(directory), "--profile", "bad")
+    assert status == 2 and "unusable" in err and "version 0" in err
+    status, out, _ = _cli(capsys, "clear", top, "--store", str(directory), "--all")
+    assert status == 0 and out.count("removed ") == 2
+    assert _cli(capsys, "clear", top, "--store", str(directory))[0] == 1
+    status, out, _ = _cli(capsys, "record", ref, "--store", str(directory))
+    assert status == 0 and "records a new one" in out
+    status, _, err = _cli(capsys, "clear", top, "--store", "http://127.0.0.1:9/")
+    assert status == 2 and "read-only" in err
+
+    status, _, err = _cli(capsys, "seal", "job", "--root", str(tmp_path))
+    assert status == 2 and "no layer server" in err
+
+
+def test_cold_remainder_is_fetched_after_the_hot_blocks_at_the_rate_given(clean_store: Any, tmp_path: Path) -> None:
+    directory, built = clean_store
+    top = built[-1].chain_id
+    layers = [b.chain_id for b in built]
+    index = built[1].index
+    first = index.blocks[0]
+    FileStoreWriter(directory).put(hotlist_object(top), HotList(top, "", layers, [
+        HotBlock(layers[1], first.digest, index.packs[first.pack], first.offset, first.clen, first.rlen, 0.0)]).encode())
+    stored = {b.digest: b.clen for layer in built for b in layer.index.blocks if not b.is_zero}
+    rate = 1 << 20
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        n = node("n", prefetch=PrefetchLimits(cold_rate=rate, batch_bytes=256 << 10))
+        await n.pull(built)
+        while (top, "") not in n.hotlist.prefetches:
+            await trio.sleep(0.01)
+        prefetch = n.hotlist.prefetches[(top, "")]
+        started = trio.current_time()
+        await prefetch.ended.wait()
+        elapsed = trio.current_time() - started
+        assert prefetch.stats.fetched_blocks == 1
+        assert prefetch.stats.cold_blocks == len(stored) - 1
+        assert prefetch.stats.cold_bytes == sum(stored.values()) - first.clen
+        assert elapsed >= (prefetch.stats.cold_bytes - (256 << 10)) / rate  # rate-limited (virtual clock)
+        cache = n.server.cache
+        assert all(cache.get(digest) is not None for digest in stored)
+
+    run_nodes(clean_store, tmp_path, test)
+
+
+def test_an_opener_without_a_cgroup_is_recorded_to_the_one_recording_and_counted(clean_store: Any, tmp_path: Path) -> None:
+    directory, built = clean_store
+    top = built[-1].chain_id
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        n = node("n")
+        await n.pull(built)
+        assert (await n.hotlist.container_prepared("ns/3/job", top, {}, None)) == {"action": "record"}
+        await trio.sleep(0.2)
+        recording = n.hotlist.recordings["job"]
+        await n.read(built[1], "app/main.py", 0)  # pid 0: no cgroup to read
+        await n.read(built[1], "app/cold.bin", proc.process("/default/someone-else"), 0, BLOCK_SIZE)
+        assert len(recording.blocks) == 4 and recording.unattributed == 0
+        # A second recording of another profile covers the same layers: an unknown opener is now ambiguous.
+        assert (await n.hotlist.container_prepared("ns/4/job-b", top, {PROFILE_LABEL: "b"}, None))["action"] == "record"
+        await trio.sleep(0.2)
+        await n.read(built[0], "bin/tool", 999999)  # a pid with no /proc entry
+        assert len(recording.blocks) == 4 and recording.unattributed == 1
+        assert n.hotlist.recordings["job-b"].unattributed == 1
+        for key in ("ns/3/job", "ns/4/job-b"):
+            await n.hotlist.container_removed(key)
+        await recording.done.wait()
+        assert HotList.decode(FileStoreWriter(directory).get(hotlist_object(top))).unattributed == 1
+
+    run_nodes(clean_store, tmp_path, test)
+
+
+def test_layer_server_hot_list_options() -> None:
+    import argparse
+
+    from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
+
+    parser = argparse.ArgumentParser()
+    add_layer_server_arguments(parser)
+    config = layer_server_hotlist_config(parser.parse_args(["--hotlist-quiet", "3", "--prefetch-batch", "1M"]))
+    assert config.recording.quiet == 3 and config.prefetch.batch_bytes == 1 << 20 and config.enabled
+    with pytest.raises(ValueError, match="read-only"):
+        layer_server_hotlist_config(parser.parse_args(["--publish-store", "http://127.0.0.1:9/"]))
+    with pytest.raises(ValueError, match="positive"):
+        layer_server_hotlist_config(parser.parse_args(["--hotlist-window", "0"]))
+    with pytest.raises(ValueError, match="plain file name"):
+        layer_server_hotlist_config(parser.parse_args(["--hotlist-marker", "../x"]))

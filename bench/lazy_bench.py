@@ -345,6 +345,9 @@ FUSE_SERIES = {
     "bootseer_fuse_read_seconds_sum": ("fuse.read_seconds",),
     "bootseer_layer_read_seconds_sum": ("layer.read_seconds",),
     "bootseer_layer_read_seconds_count": ("layer.reads",),
+    "bootseer_fetch_extent_requests_total": ("fetch.range_requests", "kind"),
+    "bootseer_fetch_extents_total": ("fetch.extents", "outcome"),
+    "bootseer_fetch_gap_bytes_total": ("fetch.gap_bytes",),
 }
 
 
@@ -373,8 +376,13 @@ def scrape_metrics(url: str | None) -> dict[str, float]:
     return figures
 
 
+#: Figures that are levels, not counters: reported as they are after the run, not as a difference.
+LEVELS = {"cache.max_bytes", "layers", "store.in_flight"}
+
+
 def diff_figures(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {key: value - before.get(key, 0) for key, value in after.items()}
+    """What the run added to each counter of ``after`` since ``before``."""
+    return {key: value if key in LEVELS else value - before.get(key, 0) for key, value in after.items()}
 
 
 @contextlib.contextmanager

@@ -38,10 +38,12 @@ def _send(snapshotter: Any, request: dict[str, Any]) -> dict[str, Any] | None:
     client = _client(snapshotter)
     if client is None:
         return None
-    from bootseer.blockstore.control import LayerServerError
+    from bootseer.blockstore.control import InvalidRequest, LayerServerError
 
     try:
         return client.call(request)
+    except InvalidRequest as exc:  # a bad profile label, say: the user wants to know
+        log.warning("hot-list notice refused", op=request["op"], key=request.get("key"), error=str(exc))
     except LayerServerError as exc:
         log.debug("hot-list notice not delivered", op=request["op"], key=request.get("key"), error=str(exc))
     except Exception as exc:  # noqa: BLE001 - a notice must never fail a snapshot operation

@@ -419,6 +419,8 @@ class HotListService:
         from bootseer.fuse.operations import OPENER_PID
 
         pid = OPENER_PID.get()
+        if not recording:
+            return OpenTag(pid, None, True)  # prefetch accounting only: who opened does not matter
         paths = cgroup_paths(pid, self.proc)
         if paths is None:
             return OpenTag(pid, None, False)

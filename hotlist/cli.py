@@ -104,7 +104,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     def image_command(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("image", metavar="REF|CHAINID", help="image reference, oci:DIR[:TAG], or the top ChainID")
-        sub.add_argument("--store", required=True, metavar="URL", help="the block store (writable for clear/record)")
+        store = os.environ.get("BOOTSEER_STORE") or None
+        sub.add_argument("--store", required=store is None, default=store, metavar="URL",
+                         help="the block store (writable for clear/record); default $BOOTSEER_STORE")  # fmt: skip
         sub.add_argument("--profile", metavar="NAME", help="the profile (bootseer.io/profile label); default: the default profile")
         sub.add_argument("--plain-http", action="store_true", help="talk HTTP to the registry")
         sub.set_defaults(func=func)

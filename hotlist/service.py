@@ -328,9 +328,11 @@ class HotListService:
             "sealed_by": hot.sealed_by, "blocks": len(hot.blocks), "bytes": hot.total_bytes, "span_s": round(hot.span, 3),
             "duration_s": round(hot.duration, 3), "unattributed": hot.unattributed, "outcome": outcome,
         }  # fmt: skip
+        if error:
+            summary["error"] = error
         self._remember(summary)
         level = log.error if outcome == "failed" else log.info
-        level("hot-list recording sealed", **summary, **({"error": error} if error else {}))
+        level("hot-list recording sealed", **summary)
         recording.done.set()
 
     async def container_removed(self, key: str) -> dict[str, Any]:

@@ -670,3 +670,51 @@ def test_layer_server_hot_list_options() -> None:
         layer_server_hotlist_config(parser.parse_args(["--hotlist-window", "0"]))
     with pytest.raises(ValueError, match="plain file name"):
         layer_server_hotlist_config(parser.parse_args(["--hotlist-marker", "../x"]))
+
+
+def test_a_node_behind_a_read_only_front_publishes_to_the_publish_store(
+    clean_store: Any, tmp_path: Path, nginx_factory: Any
+) -> None:
+    """Nodes read the store through nginx (http: read-only); the recording goes to --publish-store (the
+    directory nginx serves), and the next node finds it through the http URL."""
+    directory, built = clean_store
+    top = built[-1].chain_id
+    front = nginx_factory(directory)
+
+    async def main() -> None:
+        proc = Proc(tmp_path / "proc")
+        async with trio.open_nursery() as nursery:
+            first = NodeUnderTest(tmp_path / "a", front.url, nursery, proc, publish_store=str(directory))
+            await first.pull(built)
+            pid = proc.process("/default/j1")
+            assert (await first.hotlist.container_prepared("j1", top, {}, None)) == {"action": "record"}
+            await trio.sleep(0.3)
+            recording = first.hotlist.recordings["j1"]
+            await first.read(built[1], "app/main.py", pid)
+            await first.hotlist.container_removed("j1")
+            await recording.done.wait()
+            assert recording.outcome == "published" and len(recording.blocks) == 4
+            second = NodeUnderTest(tmp_path / "b", front.url, nursery, proc)
+            await second.pull(built)
+            with trio.fail_after(30):
+                while (top, "") not in second.hotlist.prefetches:
+                    await trio.sleep(0.01)
+            prefetch = second.hotlist.prefetches[(top, "")]
+            await prefetch.ended.wait()
+            assert prefetch.stats.fetched_blocks == 4
+            # Without --publish-store, a node behind the front cannot publish: a clear error, nothing written.
+            third = NodeUnderTest(tmp_path / "c", front.url, nursery, proc)
+            await third.pull(built)
+            remove_object(FileStoreWriter(directory), hotlist_object(top))
+            await third.hotlist.container_prepared("j3", top, {}, None)
+            await trio.sleep(0.3)
+            recording = third.hotlist.recordings["j3"]
+            await third.read(built[1], "app/main.py", proc.process("/default/j3"))
+            await third.hotlist.container_removed("j3")
+            await recording.done.wait()
+            assert recording.outcome == "failed"
+            assert "read-only" in third.hotlist.finished[-1]["error"]
+            assert not FileStoreWriter(directory).exists(hotlist_object(top))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

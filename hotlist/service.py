@@ -29,6 +29,7 @@ layer, and counted as unattributed otherwise (the count is in the hot list).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,9 +197,13 @@ class HotListService:
         running = self.prefetches.get((hot.image, hot.profile))
         if running is not None:  # started by another trigger while we waited for a fetcher
             return running
+        # Never more batches in flight than half an engine's streams: a read always finds a free one.
+        streams = min(int(getattr(getattr(f, "engine", None), "streams", 2)) for f in fetchers.values())
+        limits = self.config.prefetch
+        limits = dataclasses.replace(limits, concurrency=max(1, min(limits.concurrency, streams // 2)))
         prefetch = Prefetch(
             image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
-            cached=cache_checker(self.server.cache), limits=self.config.prefetch,
+            cached=cache_checker(self.server.cache), limits=limits,
         )  # fmt: skip
         self.prefetches[(hot.image, hot.profile)] = prefetch
         PREFETCHES.set(len(self.prefetches))

@@ -247,7 +247,7 @@ class LayerServer:
         from bootseer.blockstore.store import StoreReader
 
         engine, _fetcher = await self.fetcher(store)
-        reader = StoreReader(engine)
+        reader = StoreReader(engine, threads=self._block_threads)  # the index decodes off the trio thread
         try:
             record = await reader.chain(chain_id)
             if record is None:
@@ -283,7 +283,7 @@ class LayerServer:
         reader = LayerReader(index, fetcher, layer.chain_id)
         # O(entries): in a thread, so a large layer's mount does not stall the FUSE requests of others.
         build = functools.partial(LayerTree, layer.slot, index, reader, name=layer.chain_id)
-        tree = await trio.to_thread.run_sync(build)
+        tree = await trio.to_thread.run_sync(build, limiter=self._block_threads)
         tree.observer = self.hotlist
         return tree
 
@@ -310,7 +310,7 @@ class LayerServer:
         """
         for layer in saved:
             self.layers[layer.chain_id] = layer
-            index = self._local_index(layer.record)
+            index = await trio.to_thread.run_sync(self._local_index, layer.record, limiter=self._block_threads)
             try:
                 if index is None:
                     _record, index = await self._fetch_layer(layer.chain_id, layer.store)

@@ -26,6 +26,7 @@ its calls against a local stand-in for the client (see docs/FORMAT.md).
 from __future__ import annotations
 
 import abc
+import functools
 import os
 import shutil
 import uuid
@@ -33,6 +34,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 from urllib.parse import unquote, urlsplit
+
+import trio
 
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
@@ -404,10 +407,17 @@ def open_store_writer(url: str, **options: Any) -> StoreWriter:
 
 
 class StoreReader:
-    """Chain records and layer indexes of a store, read through ``engine`` (rooted at the store URL)."""
+    """Chain records and layer indexes of a store, read through ``engine`` (rooted at the store URL).
 
-    def __init__(self, engine: Engine) -> None:
+    Decoding an index is CPU work proportional to its entries (over a second for
+    100k of them): it runs in a worker thread, under ``threads`` (the layer server
+    passes the limiter its block fetchers share; None: trio's default limiter), so
+    the trio thread that serves FUSE requests for every layer never waits on it.
+    """
+
+    def __init__(self, engine: Engine, *, threads: trio.CapacityLimiter | None = None) -> None:
         self.engine = engine
+        self.threads = threads
 
     def __repr__(self) -> str:
         return f"<StoreReader {self.engine.url}>"
@@ -451,7 +461,9 @@ class StoreReader:
         data = await self.read_object(name, MAX_INDEX_OBJECT_BYTES)
         if data is None:
             raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names index {record.index}, which is missing")
-        index = LayerIndex.decode(data, expected_sha256=record.index)
+        # Hashing and parsing a large index takes seconds of CPU: never on the trio thread.
+        decode = functools.partial(LayerIndex.decode, data, expected_sha256=record.index)
+        index = await trio.to_thread.run_sync(decode, limiter=self.threads)
         if index.diff_id != record.diff_id or index.block_size != record.block_size:
             raise FormatError(f"{self.engine.url}: index {record.index} is not the layer of chain record {record.chain_id}")
         return index

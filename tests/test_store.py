@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import trio
 import trio.testing
 
 from bootseer.blockstore.convert import convert_image
-from bootseer.blockstore.format import ChainRecord, FormatError, chain_object, index_object
+from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
 from bootseer.blockstore.store import (
     FileStoreWriter,
     HdfsStoreWriter,
@@ -286,6 +287,36 @@ def test_store_reader_over_an_engine_you_made(local_store, image):
             return await reader.chain(chain_ids(image.diff_ids)[0])
 
     assert trio.run(main).diff_id == image.diff_ids[0]
+
+
+def test_index_is_decoded_in_a_worker_thread_under_the_given_limiter(local_store, image, monkeypatch):
+    """A large index takes seconds to decode: that must not stall the trio thread (the
+    layer server's FUSE requests for every layer), so it runs in a worker thread and
+    holds a token of the limiter the caller passes."""
+    limiter = trio.CapacityLimiter(1)
+    seen: list[tuple[int, int]] = []
+    real_decode = LayerIndex.decode.__func__
+
+    def recording_decode(cls, data, **kwargs):
+        tokens = trio.from_thread.run_sync(lambda: limiter.borrowed_tokens)  # fails on the trio thread itself
+        seen.append((threading.get_ident(), tokens))
+        return real_decode(cls, data, **kwargs)
+
+    monkeypatch.setattr(LayerIndex, "decode", classmethod(recording_decode))
+
+    async def main():
+        source = open_source(str(local_store))
+        async with open_engine(source, QUICK) as engine:
+            reader = StoreReader(engine, threads=limiter)
+            record = await reader.chain(chain_ids(image.diff_ids)[0])
+            return threading.get_ident(), await reader.index(record)
+
+    trio_thread, index = trio.run(main)
+    assert index.diff_id == image.diff_ids[0]
+    assert len(seen) == 1
+    decoder_thread, tokens = seen[0]
+    assert decoder_thread != trio_thread
+    assert tokens == 1
 
 
 class LocalHdfsClient:

@@ -121,7 +121,7 @@ class HotList:
     container: str = ""  #: the container (snapshot key) whose reads were recorded
     sealed_by: str = ""  #: what ended recording: seal, marker, quiet, window, removed
     duration: float = 0.0  #: seconds recording ran
-    unattributed: int = 0  #: first touches by readers of no known container, left out
+    unattributed: int = 0  #: reads whose opener could not be identified, left out (several recordings were possible)
     recorder: str = ""  #: ``bootseer <version>``
 
     @property

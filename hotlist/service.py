@@ -62,7 +62,8 @@ RECORDINGS = prometheus_client.Counter(
 )
 RECORDED_BLOCKS = prometheus_client.Counter("bootseer_hotlist_recorded_blocks", "First touches recorded")
 UNATTRIBUTED = prometheus_client.Counter(
-    "bootseer_hotlist_unattributed_opens", "Opens of a recording image's layer whose caller names no container"
+    "bootseer_hotlist_unattributed_reads",
+    "Reads of a recorded layer whose opener could not be identified while several recordings cover it (left out)",
 )
 IGNORED = prometheus_client.Counter(
     "bootseer_hotlist_ignored", "Hot lists found but not used, by reason (invalid, mismatch, store_error)", ["reason"]

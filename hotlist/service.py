@@ -105,9 +105,9 @@ class HotListService:
     def __init__(self, server: Any, config: HotListConfig | None = None) -> None:
         self.server = server
         self.config = config or HotListConfig()
-        self.recordings: dict[str, Recording] = {}  #: container key -> its recording
+        self.recordings: dict[str, Recording] = {}  #: container ID -> its recording
         self.prefetches: dict[tuple[str, str], Prefetch] = {}  #: (image, profile) -> running prefetch
-        self.containers: dict[str, _Container] = {}
+        self.containers: dict[str, _Container] = {}  #: container ID -> what it was prepared on
         self.finished: list[dict[str, Any]] = []  #: summaries of ended recordings and prefetches (last 32)
         self.proc = "/proc"  #: where callers' cgroups are read (tests point it elsewhere)
 
@@ -165,7 +165,7 @@ class HotListService:
             await self._start_prefetch(hot)
 
     async def _lookup(self, image: str, profile: str) -> HotList | None:
-        """The hot list, None if absent or unusable (logged)."""
+        """The hot list; None if absent or the store fails (logged); HotListError (logged) if it is invalid."""
         try:
             return await self._read_hot_list(image, profile)
         except HotListError as exc:

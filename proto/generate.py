@@ -30,6 +30,10 @@ SOURCES = [
     "containerd/services/images/v1/images.proto",
     "containerd/services/leases/v1/leases.proto",
     "containerd/services/diff/v1/diff.proto",
+    "containerd/services/events/v1/events.proto",
+    "containerd/events/task.proto",
+    "containerd/events/image.proto",
+    "containerd/events/container.proto",
 ]
 _IMPORT = re.compile(r"^from containerd(\.[\w.]+)? import", re.MULTILINE)
 
@@ -41,6 +45,9 @@ _GOGO_IMPORT = re.compile(r'^import weak "gogoproto/gogo.proto";\n', re.MULTILIN
 _GOGO_OPTION_LINES = re.compile(r"^[ \t]*option \(gogoproto\.[^;]*;\n(?:[ \t]*option \(gogoproto\.[^;]*;\n)*(?:[ \t]*\n)?",
                                 re.MULTILINE)
 _GOGO_FIELD_OPTIONS = re.compile(r"\s*\[\s*\(gogoproto\.[^\]]*\]")
+# containerd's fieldpath plugin (Go code generation for event filters): an import and message/file options.
+_FIELDPATH_IMPORT = re.compile(r'^import weak "github\.com/containerd/containerd/protobuf/plugin/fieldpath\.proto";\n', re.MULTILINE)
+_FIELDPATH_OPTIONS = re.compile(r"^[ \t]*option \(containerd\.plugin\.fieldpath(?:_all)?\) = true;\n", re.MULTILINE)
 _LICENSE_END = "*/\n"
 
 
@@ -49,6 +56,8 @@ def strip_gogoproto(text: str, origin: str) -> str:
     text = _GOGO_IMPORT.sub("", text)
     text = _GOGO_OPTION_LINES.sub("", text)
     text = _GOGO_FIELD_OPTIONS.sub("", text)
+    text = _FIELDPATH_IMPORT.sub("", text)
+    text = _FIELDPATH_OPTIONS.sub("", text)
     if "gogoproto" in text:
         raise ValueError(f"{origin}: gogoproto left after stripping (a field mixing gogo and other options?)")
     text = text.replace(f'import "{_GO_IMPORT_PREFIX}', 'import "containerd/')

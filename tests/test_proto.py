@@ -93,3 +93,49 @@ def test_write_action_and_descriptor_fields() -> None:
     fields = {f.name: f.number for f in descriptor_pb2.Descriptor.DESCRIPTOR.fields}
     assert fields == {"media_type": 1, "digest": 2, "size": 3, "annotations": 5}
     assert content_pb2.WriteContentRequest.DESCRIPTOR.fields_by_name["labels"].number == 7
+
+
+def test_events_service_and_task_events_are_containerds_on_the_wire() -> None:
+    # The profiler subscribes to /containerd.services.events.v1.Events/Subscribe and decodes each
+    # envelope's Any by its type URL (containerd.events.TaskStart, ...): names and numbers are containerd's.
+    from google.protobuf import any_pb2, timestamp_pb2
+
+    from bootseer.proto.containerd.events import container_pb2, image_pb2, task_pb2
+    from bootseer.proto.containerd.services.events.v1 import events_pb2, events_pb2_grpc
+
+    service = events_pb2.DESCRIPTOR.services_by_name["Events"]
+    assert service.full_name == "containerd.services.events.v1.Events"
+    assert [m.name for m in service.methods] == ["Publish", "Forward", "Subscribe"]
+    assert service.methods_by_name["Subscribe"].server_streaming
+    assert hasattr(events_pb2_grpc, "EventsStub")
+    envelope = {f.name: f.number for f in events_pb2.Envelope.DESCRIPTOR.fields}
+    assert envelope == {"timestamp": 1, "namespace": 2, "topic": 3, "event": 4}
+    assert task_pb2.TaskStart.DESCRIPTOR.full_name == "containerd.events.TaskStart"
+    assert {f.name: f.number for f in task_pb2.TaskExit.DESCRIPTOR.fields} == {
+        "container_id": 1, "id": 2, "pid": 3, "exit_status": 4, "exited_at": 5}
+    assert {f.name: f.number for f in task_pb2.TaskCreate.DESCRIPTOR.fields}["pid"] == 6
+    assert image_pb2.ImageCreate.DESCRIPTOR.full_name == "containerd.services.images.v1.ImageCreate"
+    assert container_pb2.ContainerCreate.DESCRIPTOR.full_name == "containerd.events.ContainerCreate"
+    # A round trip through the envelope, as containerd sends it.
+    packed = any_pb2.Any()
+    packed.Pack(task_pb2.TaskExit(container_id="job", pid=42, exit_status=3,
+                                  exited_at=timestamp_pb2.Timestamp(seconds=1700000000)))
+    wire = events_pb2.Envelope(namespace="ns", topic="/tasks/exit", event=packed).SerializeToString()
+    back = events_pb2.Envelope.FromString(wire)
+    assert back.event.type_url == "type.googleapis.com/containerd.events.TaskExit"
+    exit_event = task_pb2.TaskExit()
+    assert back.event.Unpack(exit_event) and exit_event.exit_status == 3 and exit_event.container_id == "job"
+
+
+def test_strip_gogoproto_removes_containerds_fieldpath_plugin() -> None:
+    sys.path.insert(0, str(PROTO))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(PROTO))
+    text = ('/*\nlicence\n*/\n\nsyntax = "proto3";\n'
+            'import weak "github.com/containerd/containerd/protobuf/plugin/fieldpath.proto";\n'
+            'option (containerd.plugin.fieldpath_all) = true;\n'
+            'message M {\n\toption (containerd.plugin.fieldpath) = true;\n\tstring a = 1;\n}\n')
+    out = generate.strip_gogoproto(text, "api/x.proto")
+    assert "fieldpath" not in out and "\tstring a = 1;" in out

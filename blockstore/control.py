@@ -276,6 +276,7 @@ class ServerSettings:
     cache_size: int | None = None  #: bytes
     streams: int | None = None  #: parallel range requests per store
     retry_timeout: float | None = None  #: seconds a failing fetch is retried before EIO
+    memory_limit: int | None = None  #: stripe bytes each store's engine holds in memory
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()  #: more ``bootseer layer-server`` options, passed as they are
@@ -291,6 +292,7 @@ class ServerSettings:
             ("--cache-size", self.cache_size),
             ("--streams", self.streams),
             ("--retry-timeout", self.retry_timeout),
+            ("--memory-limit", self.memory_limit),
             ("--metrics-address", self.metrics_address),
         ):
             if value is not None:

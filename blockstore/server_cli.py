@@ -21,6 +21,7 @@ import trio
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.ckptmount.cli import parse_size
 from bootseer.fetch.engine import EngineConfig
+from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fuse import MountError
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
 from bootseer.log import get_logger
@@ -74,7 +75,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"retry a failing fetch this long, then fail the read with EIO ({EngineConfig.retry_timeout:g})",
     )  # fmt: skip
     parser.add_argument("--stripe-size", type=parse_size, metavar="SIZE", help="largest range request")
-    parser.add_argument("--memory-limit", type=parse_size, metavar="SIZE", help="fetched bytes held in memory")
+    parser.add_argument(
+        "--memory-limit", type=parse_size, metavar="SIZE",
+        help=f"stripe bytes held in memory, per store ({EngineConfig.memory_limit >> 20}M); the process's RSS follows it",
+    )  # fmt: skip
     parser.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus metrics on /metrics")
     parser.add_argument(
         "--shutdown-grace", type=_seconds, default=10.0, metavar="SECONDS",
@@ -123,6 +127,9 @@ def layer_server_command(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args))
     except ValueError as exc:
         return _usage_error(str(exc))
+    # Resident memory follows --memory-limit only if freed stripes leave the process
+    # (glibc keeps them in its arenas otherwise: see bootseer.fetch.malloc).
+    return_large_blocks()
     if args.metrics_address:
         try:
             host, port = serve_metrics(args.metrics_address)

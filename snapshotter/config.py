@@ -4,7 +4,7 @@ Precedence, lowest first: :data:`DEFAULTS`, the TOML file given with ``--config`
 then the flags.  The file's top-level keys are the daemon's own (``root``,
 ``address``, ``log_level``, ``log_format``, ``metrics_address``); the lazy layers
 take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
-``[cache] dir, size`` and ``[fetch] streams, retry_timeout``.  Inside the program a
+``[cache] dir, size`` and ``[fetch] streams, retry_timeout, memory_limit``.  Inside the program a
 section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir`` and
 ``--cache-size`` set three of them.  An unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key, so a typo never leaves a setting silently at
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bootseer.ckptmount.cli import parse_size
+from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import source_class
 from bootseer.log import FORMATS, LEVELS
 from bootseer.metrics import parse_address
@@ -45,6 +46,7 @@ class Config:
     cache_size: int = 16 << 30  #: bytes the block cache may hold
     fetch_streams: int = 16  #: parallel range requests per store
     fetch_retry_timeout: float = 60.0  #: seconds a failing fetch is retried before the read fails (EIO)
+    fetch_memory_limit: int = 1 << 30  #: stripe bytes the layer server holds in memory per store
 
     @property
     def block_cache_dir(self) -> Path:
@@ -62,6 +64,7 @@ DEFAULTS: dict[str, Any] = {
     "cache.size": "16G",
     "fetch.streams": 16,
     "fetch.retry_timeout": 60.0,
+    "fetch.memory_limit": "1G",
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -70,6 +73,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "cache.size": (str, int),
     "fetch.streams": (int,),
     "fetch.retry_timeout": (float, int),
+    "fetch.memory_limit": (str, int),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -160,6 +164,13 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         raise invalid("fetch.streams", f"must be at least 1, not {merged['fetch.streams']}")
     if not merged["fetch.retry_timeout"] > 0:
         raise invalid("fetch.retry_timeout", f"must be positive seconds, not {merged['fetch.retry_timeout']}")
+    limit = merged["fetch.memory_limit"]
+    try:
+        memory_limit = limit if isinstance(limit, int) else parse_size(limit)
+    except argparse.ArgumentTypeError as exc:
+        raise invalid("fetch.memory_limit", str(exc)) from None
+    if memory_limit < EngineConfig.stripe_size:
+        raise invalid("fetch.memory_limit", f"must hold at least one stripe ({EngineConfig.stripe_size >> 20}M), not {limit!r}")
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -172,6 +183,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         cache_size=cache_size,
         fetch_streams=merged["fetch.streams"],
         fetch_retry_timeout=float(merged["fetch.retry_timeout"]),
+        fetch_memory_limit=memory_limit,
     )
 
 

@@ -231,6 +231,7 @@ class Daemon:
             cache_size=settings.cache_size,
             streams=settings.fetch_streams,
             retry_timeout=settings.fetch_retry_timeout,
+            memory_limit=settings.fetch_memory_limit,
             log_level=settings.log_level,
         )
         engine = EngineConfig(streams=settings.fetch_streams, retry_timeout=settings.fetch_retry_timeout)

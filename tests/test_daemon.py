@@ -208,6 +208,18 @@ def test_example_config_sets_every_key_to_its_default() -> None:
     assert config.read_file(example) == config.DEFAULTS
 
 
+def test_fetch_memory_limit_reaches_the_layer_server_command_line() -> None:
+    """``[fetch] memory_limit`` is the layer server's ``--memory-limit`` (its RSS follows it)."""
+    from bootseer.blockstore.control import ServerSettings
+
+    settings = config.resolve({"fetch.memory_limit": "256M", "store.url": "file:///store"}, {})
+    assert settings.fetch_memory_limit == 256 << 20
+    assert config.resolve({}, {}).fetch_memory_limit == 1 << 30
+    argv = ServerSettings(memory_limit=settings.fetch_memory_limit).argv("/root")
+    assert argv[argv.index("--memory-limit") + 1] == str(256 << 20)
+    assert "--memory-limit" not in ServerSettings().argv("/root")
+
+
 @pytest.mark.parametrize(
     "content, expected",
     [
@@ -224,6 +236,8 @@ def test_example_config_sets_every_key_to_its_default() -> None:
         ("[fetch]\nretry_timeout = true\n", ["'fetch.retry_timeout'", "boolean"]),
         ('[cache]\nsize = "lots"\n', ["cache.size", "invalid size"]),
         ('[store]\nurl = "ftp://host/store"\n', ["store.url", "ftp"]),
+        ('[fetch]\nmemory_limit = "1M"\n', ["fetch.memory_limit", "at least one stripe"]),
+        ('[fetch]\nmemory_limit = "plenty"\n', ["fetch.memory_limit", "invalid size"]),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path, content: str, expected: list[str]) -> None:

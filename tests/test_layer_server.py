@@ -623,3 +623,28 @@ def test_a_layer_that_cannot_be_restored_keeps_its_slot(built: Any, node_factory
     assert client.mount(built[1][2].chain_id).slot == 1  # slot 2 stays reserved
     assert client.mount(second.chain_id) == second  # the retry restores it in its slot
     assert (Path(second.lower_dir) / "opaque-me/new.txt").read_bytes() == b"new\n"
+
+
+def test_the_server_process_returns_freed_stripes_before_it_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bootseer layer-server`` fixes malloc's mmap threshold (bootseer.fetch.malloc) before it
+    serves, as ``bootseer ckpt mount`` does, so its RSS follows ``--memory-limit``; and that
+    option reaches the engines' config."""
+    import argparse
+
+    from bootseer.blockstore import server_cli
+
+    calls: list[str] = []
+    configs: list[Any] = []
+
+    async def fake_run_server(config: Any, *, on_ready: Any = None) -> None:
+        calls.append("run_server")
+        configs.append(config)
+
+    monkeypatch.setattr(server_cli, "return_large_blocks", lambda: calls.append("return_large_blocks") or True)
+    monkeypatch.setattr(server_cli, "run_server", fake_run_server)
+    parser = argparse.ArgumentParser()
+    server_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["layer-server", "--root", str(tmp_path / "root"), "--memory-limit", "64M"])
+    assert server_cli.layer_server_command(args) == 0
+    assert calls == ["return_large_blocks", "run_server"]
+    assert configs[0].engine.memory_limit == 64 << 20

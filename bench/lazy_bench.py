@@ -104,6 +104,7 @@ class Run:
     link_bytes: int  #: bytes from the namespace to the host while it ran
     output: str  #: the marker line
     server: dict[str, float] = dataclasses.field(default_factory=dict)  #: layer server figures (lazy)
+    pull_summary: str = ""  #: the pull's last line of output (rpull: how many layers were lazy)
 
 
 @dataclasses.dataclass
@@ -464,15 +465,18 @@ def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: st
     with profiled(control_socket(stack) if lazy else Path(), profile if lazy else None):
         start = time.perf_counter()
         pull_seconds = 0.0
+        summary = ""
         if pull:
-            run_checked(pull, "pull", timeout=timeout, log_path=log_path)
+            output = run_checked(pull, "pull", timeout=timeout, log_path=log_path).strip().splitlines()
             pull_seconds = time.perf_counter() - start
+            summary = output[-1].strip() if output else ""
         seconds, line = run_until_marker(run_argv(stack, ref, name), image_build.FIRST_OUTPUT_MARKER, timeout,
                                          log_path)
     total = pull_seconds + seconds
     fetched = (link.counters() - counters).received
     server = diff_figures(layer_server_figures(control_socket(stack)), before) if lazy else {}
-    return Run(seconds=total, pull_seconds=pull_seconds, link_bytes=fetched, output=line, server=server)
+    return Run(seconds=total, pull_seconds=pull_seconds, link_bytes=fetched, output=line, server=server,
+               pull_summary=summary)
 
 
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
@@ -743,14 +747,16 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
               f"distinct blocks it touched (node cache growth) | {_f(read and read / MB, '.1f')} |",
               f"| whole image, gzip (what overlayfs pulls) | {image.compressed_bytes / MB:.1f} |",
               f"| whole image, unpacked | {image.unpacked_bytes / MB:.1f} |"]
-    if lazy.runs:
-        keys = sorted({k for r in lazy.runs for k in r.server})
+    for scenario in (scenarios[name] for name in ("lazy-cold", "lazy-local", "fuse-cold", "fuse-local")):
+        keys = sorted({k for r in scenario.runs for k in r.server})
         if keys:
-            lines += ["", f"Layer server figures per {lazy.name} run (deltas over the run):", "",
-                      "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(lazy.runs))) + " |",
-                      "|---|" + "---|" * len(lazy.runs)]
+            lines += ["", f"Layer server figures per {scenario.name} run (counters: what the run added):", "",
+                      "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(scenario.runs))) + " |",
+                      "|---|" + "---|" * len(scenario.runs)]
             for key in keys:
-                lines.append(f"| {key} | " + " | ".join(f"{r.server.get(key, 0):.0f}" for r in lazy.runs) + " |")
+                spec = ".2f" if key.endswith("seconds") else ".0f"
+                lines.append(f"| {key} | " + " | ".join(format(r.server.get(key, 0), spec) for r in scenario.runs)
+                             + " |")
 
     def check(label: str, value: float | None, target: float, unit: str = "×") -> str:
         if value is None:
@@ -768,6 +774,12 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     if seconds["fuse-local"] and seconds["plain-local"]:
         lines.append(check("(layer server alone) fuse-local / plain-local", seconds["fuse-local"] / seconds["plain-local"],
                            TARGET_LOCAL_RATIO))
+    summaries = sorted({r.pull_summary for r in scenarios["lazy-cold"].runs if r.pull_summary})
+    if summaries:
+        lines += ["", "`bootseer rpull` said: " + "; ".join(f"`{text}`" for text in summaries)]
+    outputs = sorted({r.output for s in scenarios.values() for r in s.runs})
+    if outputs:
+        lines += ["", "The job's first useful output: " + "; ".join(f"`{text}`" for text in outputs)]
     if context.get("convert_seconds") is not None:
         lines += ["", f"`bootseer convert` of the image took {context['convert_seconds']:.1f} s (once; cached after)."]
     if context.get("profile_dir"):
@@ -898,6 +910,9 @@ def main(argv: list[str] | None = None) -> int:
         image, scenarios, context = run_benchmark(args)
     except (image_build.BuildError, BenchError, harness.HarnessError, netns.NetnsError) as e:
         sys.exit(f"error: {e}")
+    except KeyboardInterrupt as e:
+        log(f"interrupted ({str(e) or 'Ctrl-C'}); everything it started is torn down")
+        return 130
     text = report(args, image, scenarios, context)
     print("\n" + text)
     args.output.parent.mkdir(parents=True, exist_ok=True)

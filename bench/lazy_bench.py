@@ -711,6 +711,8 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         f"tbf {args.rate} each way (measured {_f(context.get('link_rate'), '.1f')} MB/s with one HTTP GET)",
         f"- Each run on a fresh containerd root and snapshotter root (empty caches), page cache dropped "
         f"before every timed start; {args.reps} repetitions; wall time {context['wall'] / 60:.1f} min",
+        f"- Load average (5 min) of the machine, which other work shares: {context['load'][0]:.1f} at the start, "
+        f"{context['load'][1]:.1f} at the end, on {os.cpu_count()} cores",
         "",
         "## Time to the first useful output",
         "",
@@ -814,6 +816,7 @@ def measure_link(link: netns.ShapedLink, registry: NetnsRegistry, image: image_b
 
 def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str, Scenario], dict[str, Any]]:
     started = time.monotonic()
+    load_before = os.getloadavg()[1]
     image = image_build.build_image(args.cache_dir, args.jobs)
     log(f"image {image.oci_ref}: {image.unpacked_bytes / MB:.0f} MB unpacked, {image.compressed_bytes / MB:.0f} MB gzip")
     runs = args.cache_dir / "runs"
@@ -862,6 +865,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                                  context.get("profile_dir"))
         context["tc"] = link.describe()
     context["wall"] = time.monotonic() - started
+    context["load"] = (load_before, os.getloadavg()[1])
     return image, scenarios, context
 
 

@@ -49,7 +49,7 @@ from bootseer.fetch.engine import EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.log import get_logger
 
-from .capture import CaptureError, CaptureResult, diff, publish_capture, scan
+from .capture import CaptureError, CaptureResult, Tree, diff, publish_capture, scan
 from .key import DepsKey, compute_key, tree_digest
 from .record import MAX_RECORD_BYTES, DepsRecord, deps_object
 
@@ -82,6 +82,7 @@ class PrefixState:
     upper: str = ""
     at: str = ""
     installed_tree: str = ""  #: (installed) :func:`tree_signature` right after the install: unchanged since?
+    published: bool = False  #: (installed) its capture is in the store (this run's or another's)
 
 
 def tree_signature(prefix: Path) -> str:
@@ -230,6 +231,7 @@ def restore(node: NodeRoot, prefix: Path, record: DepsRecord, store: str, prior_
     below = os.stat(mounted.lower_dir)  # overlayfs's root takes the upper root's owner and mode
     os.chown(upper, below.st_uid, below.st_gid)
     os.chmod(upper, below.st_mode & 0o7777)
+    os.utime(upper, ns=(below.st_atime_ns, below.st_mtime_ns))  # so the restored root's mtime is the captured one
     prefix.mkdir(parents=True, exist_ok=True)
     lowers = [mounted.lower_dir] + ([str(prefix)] if prior_content not in ("absent", "empty") else [])
     options = ["index=off"] if os.path.exists("/sys/module/overlay/parameters/index") else []
@@ -315,6 +317,11 @@ def run(
             in_place = (is_mountpoint(prefix_path) if state.state == "restored"
                         else state.installed_tree == tree_signature(prefix_path))  # fmt: skip
             if key.key == state.key and in_place:
+                if state.state == "installed" and not state.published and publish and (publish_store or store) \
+                        and state.prior_content in ("absent", "empty"):
+                    # Installed here, its capture interrupted (killed, store down): the change is all
+                    # of the prefix, so it can be captured now.
+                    return _capture(node, argv, prefix_path, key, {}, scan(prefix_path), state, store, publish_store)
                 return RunOutcome("present", key.key, detail=f"{prefix_path} holds this install already ({state.state})")
             if state.state == "restored" and is_mountpoint(prefix_path):
                 raise DepsError(f"{prefix_path} holds the restored snapshot {state.key[:12]} of another install; "
@@ -351,17 +358,25 @@ def _install_and_capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key:
         detail = f"the install failed (status {status}): nothing captured"
         return RunOutcome("failed", key.key, status=status if status > 0 else 128 - status, detail=detail)
     after = scan(prefix)
-    node.save_state(PrefixState(prefix=str(prefix), key=key.key, state="installed", at=_now(),
-                                prior_content=key.inputs["prefix-content"], installed_tree=tree_signature(prefix)))  # fmt: skip
-    target = publish_store or store
-    if not publish or not target:
+    state = PrefixState(prefix=str(prefix), key=key.key, state="installed", at=_now(),
+                        prior_content=key.inputs["prefix-content"], installed_tree=tree_signature(prefix))  # fmt: skip
+    node.save_state(state)
+    if not publish or not (publish_store or store):
         return RunOutcome("installed", key.key, detail="installed; not published (no store given)")
+    return _capture(node, argv, prefix, key, before, after, state, store, publish_store)
+
+
+def _capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, before: Tree, after: Tree,
+             state: PrefixState, store: str | None, publish_store: str | None) -> RunOutcome:  # fmt: skip
+    """Publish the change from ``before`` to ``after`` under ``key``; the state remembers that it is published."""
+    target = publish_store or store
+    assert target
     change = diff(before, after)
     if change.empty:
         return RunOutcome("installed", key.key, detail="installed; the install changed nothing: not published")
     try:
         writer = open_store_writer(target)
-    except ValueError as exc:
+    except (ValueError, StoreError) as exc:  # ReadOnlyStore: an http front
         return RunOutcome("installed", key.key, detail=f"installed; not published: {exc} (give --publish-store)")
     node.spool.mkdir(parents=True, exist_ok=True)
     try:
@@ -372,6 +387,8 @@ def _install_and_capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key:
     except (CaptureError, StoreError) as exc:
         log.error("the install worked but its capture was not published", key=key.key, error=str(exc))
         return RunOutcome("installed", key.key, detail=f"installed; not published: {exc}")
+    state.published = True
+    node.save_state(state)
     if not result.published:
         return RunOutcome("installed", key.key, capture=result,
                           detail="installed; another run published this key first (its snapshot stays)")  # fmt: skip

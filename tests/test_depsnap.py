@@ -1,0 +1,392 @@
+"""Dependency snapshots on bare metal, with real pip and uv installing real wheels the tests build.
+
+The wheels (``alpha`` 1.0 and 1.1 with a console script, ``beta`` 2.0 needing alpha)
+are built once per module with ``pip wheel --no-build-isolation`` from tiny
+pyproject projects: no network.  A hit is restored through the real layer server
+(FUSE) and overlayfs, so those tests need root; the key, capture and publishing
+tests do not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerUnavailable
+from bootseer.blockstore.format import FormatError
+from bootseer.blockstore.store import open_store_writer
+from bootseer.depsnap.capture import diff, publish_capture, scan
+from bootseer.depsnap.key import KeyError_, compute_key, strip_credentials
+from bootseer.depsnap.record import DepsRecord, deps_object
+from tests.support.mounts import force_unmount, mount_entry
+
+PYTHON = sys.executable
+VENV_BIN = Path(PYTHON).parent
+UV = str(VENV_BIN / "uv")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="restoring mounts overlayfs and FUSE: needs root")
+
+
+def _project(root: Path, name: str, version: str, deps: list[str], script: bool) -> Path:
+    project = root / f"{name}-{version}"
+    (project / "src" / name).mkdir(parents=True)
+    lines = ["[build-system]", 'requires = ["setuptools"]', 'build-backend = "setuptools.build_meta"',
+             "[project]", f'name = "{name}"', f'version = "{version}"', f"dependencies = {json.dumps(deps)}"]
+    if script:
+        lines += ["[project.scripts]", f'{name}-hello = "{name}:main"']
+    (project / "pyproject.toml").write_text("\n".join(lines) + "\n")
+    (project / "src" / name / "__init__.py").write_text(
+        f'VERSION = "{version}"\n' + "".join(f"import {d.split('>')[0].split('=')[0]}\n" for d in deps)
+        + f'def main():\n    print("hello from {name} {version}")\n')  # fmt: skip
+    return project
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = tmp_path_factory.mktemp("projects")
+    out = tmp_path_factory.mktemp("wheels")
+    projects = [_project(src, "alpha", "1.0", [], True), _project(src, "alpha", "1.1", [], True),
+                _project(src, "beta", "2.0", ["alpha>=1.0"], False)]  # fmt: skip
+    for project in projects:  # one at a time: one resolution may not hold two versions of alpha
+        subprocess.run([PYTHON, "-m", "pip", "wheel", "-q", "--no-build-isolation", "--no-deps", "--no-index",
+                        "-w", str(out), str(project)], check=True, env=clean_env(src), cwd=src)  # fmt: skip
+    assert len(list(out.glob("*.whl"))) == 3
+    return out
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    """An environment without the session's pip settings and PYTHONDONTWRITEBYTECODE (installs write bytecode)."""
+    return {"PATH": f"{VENV_BIN}:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(home), "PIP_CONFIG_FILE": os.devnull,
+            "UV_NO_CONFIG": "1", "UV_CACHE_DIR": str(home / "uv-cache"), "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "LANG": "C.UTF-8"}  # fmt: skip
+
+
+@pytest.fixture
+def work(tmp_path: Path):
+    """A node root, a store and a home; teardown unmounts what a test left and stops its layer server."""
+    node = tmp_path / "node"
+    yield tmp_path
+    for mounted in [p for p in tmp_path.glob("*") if mount_entry(p) is not None]:
+        force_unmount(mounted)
+    try:
+        LayerServerClient(ServerPaths(node).socket, timeout=5).shutdown()
+        deadline = time.monotonic() + 20
+        while mount_entry(node / "layers" / "mnt") is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except ServerUnavailable:
+        pass
+    force_unmount(node / "layers" / "mnt")
+
+
+def deps(work: Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+    argv = [PYTHON, "-m", "bootseer.cli", "deps", *args]
+    done = subprocess.run(argv, env=env or clean_env(work), cwd=work, capture_output=True, text=True, timeout=300)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{argv} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
+    return done
+
+
+def run_args(work: Path, prefix: Path, *install: str, options: tuple[str, ...] = ()) -> list[str]:
+    return ["run", "--prefix", str(prefix), "--store", str(work / "store"), "--root", str(work / "node"), *options,
+            "--", *install]  # fmt: skip
+
+
+def snapshot_tree(root: Path) -> dict[str, tuple]:
+    """Everything a restored tree must keep: type, mode, owner, size, mtime, contents or link target."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in ["", *dirnames, *filenames]:
+            path = Path(dirpath) / name if name else Path(dirpath)
+            rel = str(path.relative_to(root)) if path != root else ""
+            if name == "" and rel in out:
+                continue
+            st = os.lstat(path)
+            what: object = None
+            if stat.S_ISREG(st.st_mode):
+                what = hashlib.sha256(path.read_bytes()).hexdigest()
+            elif stat.S_ISLNK(st.st_mode):
+                what = os.readlink(path)
+            size = st.st_size if not stat.S_ISDIR(st.st_mode) else 0
+            out[rel] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, size, st.st_mtime_ns, what)
+    return out
+
+
+def records(store: Path) -> list[Path]:
+    return sorted((store / "v1" / "deps").glob("*.json")) if (store / "v1" / "deps").exists() else []
+
+
+# -- the key -----------------------------------------------------------------------------------
+
+
+def test_key_follows_nested_files_index_urls_and_relevant_env(tmp_path: Path, wheels: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "req.txt").write_text("-r sub/base.txt\nbeta  # the app\n")
+    (tmp_path / "sub" / "base.txt").write_text("-c pins.txt\nalpha\n")  # relative to sub/, not the cwd
+    (tmp_path / "sub" / "pins.txt").write_text("alpha==1.0\n")
+    env = clean_env(tmp_path)
+    argv = ["pip", "install", "--target", str(tmp_path / "env"), "--no-index", "-f", str(wheels), "-r", "req.txt"]
+
+    def key(argv: list[str] = argv, env: dict[str, str] = env) -> str:
+        return compute_key(argv, prefix=tmp_path / "env", env=env, cwd=tmp_path, python=PYTHON).key
+
+    first = compute_key(argv, prefix=tmp_path / "env", env=env, cwd=tmp_path, python=PYTHON)
+    assert f"constraints:{tmp_path / 'sub' / 'pins.txt'}" in first.inputs
+    assert f"find-links:{wheels}" in first.inputs and first.inputs["python.version"]
+    # Not otherwise: same inputs, a touched file, an irrelevant variable.
+    assert key() == first.key
+    os.utime(tmp_path / "sub" / "pins.txt", ns=(1, 1))
+    assert key() == first.key
+    assert key(env={**env, "PIP_NO_COLOR": "1", "PIP_CACHE_DIR": "/x", "PYTHONUNBUFFERED": "1", "TERM": "dumb"}) == first.key
+    # The nested-most file.
+    (tmp_path / "sub" / "pins.txt").write_text("alpha==1.1\n")
+    changed = key()
+    assert changed != first.key
+    (tmp_path / "sub" / "pins.txt").write_text("alpha==1.0\n")
+    assert key() == first.key
+    # Index URLs: in argv, in a requirement file, in the environment; credentials stripped.
+    assert key(argv + ["--extra-index-url", "http://mirror.example/simple"]) != first.key
+    (tmp_path / "sub" / "base.txt").write_text("-c pins.txt\n-i http://other.example/simple\nalpha\n")
+    assert key() != first.key
+    (tmp_path / "sub" / "base.txt").write_text("-c pins.txt\nalpha\n")
+    assert key(env={**env, "PIP_INDEX_URL": "http://a.example/simple"}) != first.key
+    with_password = compute_key(argv, prefix=tmp_path / "env", cwd=tmp_path, python=PYTHON,
+                                env={**env, "PIP_INDEX_URL": "http://user:secret@a.example/simple"})  # fmt: skip
+    assert "secret" not in with_password.describe()
+    assert with_password.key == key(env={**env, "PIP_INDEX_URL": "http://other:rotated@a.example/simple"})
+    # Relevant variables; a wheel added to the find-links directory.
+    assert key(env={**env, "PYTHONPATH": "/opt/site"}) != first.key
+    assert key(env={**env, "SOURCE_DATE_EPOCH": "0"}) != first.key
+    (wheels / "gamma-1.0-py3-none-any.whl").write_bytes(b"not really")
+    try:
+        assert key() != first.key
+    finally:
+        (wheels / "gamma-1.0-py3-none-any.whl").unlink()
+    # The prefix's prior contents and path.
+    (tmp_path / "env").mkdir()
+    assert key() != first.key
+    (tmp_path / "env").rmdir()
+    assert compute_key(argv, prefix=tmp_path / "env2", env=env, cwd=tmp_path, python=PYTHON).key != first.key
+
+
+def test_key_uv_and_errors(tmp_path: Path, wheels: Path) -> None:
+    (tmp_path / "req.txt").write_text("beta\n")
+    env = clean_env(tmp_path)
+    argv = [UV, "pip", "install", "--python", PYTHON, "--no-index", "--find-links", str(wheels), "-r", "req.txt"]
+    key = compute_key(argv, prefix=tmp_path / "env", env=env, cwd=tmp_path)
+    assert key.inputs["uv.version"].startswith("uv ")
+    assert key.inputs["python"] == PYTHON
+    assert compute_key(argv, prefix=tmp_path / "env", env={**env, "UV_RESOLUTION": "lowest"}, cwd=tmp_path).key != key.key
+    assert compute_key(argv, prefix=tmp_path / "env", env={**env, "UV_CONCURRENT_DOWNLOADS": "2"}, cwd=tmp_path).key == key.key
+    (tmp_path / "req.txt").write_text("-r missing.txt\n")
+    with pytest.raises(KeyError_, match="missing.txt does not exist"):
+        compute_key(argv, prefix=tmp_path / "env", env=env, cwd=tmp_path)
+    (tmp_path / "req.txt").write_text("-r req.txt\nbeta\n")  # a file including itself is read once
+    compute_key(argv, prefix=tmp_path / "env", env=env, cwd=tmp_path)
+    assert strip_credentials("https://u:p@h.example:8443/s?x=1") == "https://h.example:8443/s?x=1"
+    cli = deps(tmp_path, "key", "--prefix", str(tmp_path / "env"), "--", *argv)
+    assert cli.stdout.startswith("key ") and "requirements:" in cli.stdout
+    bad = deps(tmp_path, "key", "--prefix", str(tmp_path / "env"), "--", "pip", "install", "-r", "nope.txt", check=False)
+    assert bad.returncode == 2 and "nope.txt does not exist" in bad.stderr
+
+
+# -- capture, bare metal -------------------------------------------------------------------------
+
+
+@needs_root
+def test_pip_target_miss_captures_and_hit_restores_an_identical_tree(work: Path, wheels: Path) -> None:
+    (work / "req.txt").write_text("beta\n")
+    prefix = work / "env"
+    install = [PYTHON, "-m", "pip", "install", "-q", "--no-index", "-f", str(wheels), "--target", str(prefix), "-r", "req.txt"]
+    first = deps(work, *run_args(work, prefix, *install))
+    assert "captured" in first.stderr
+    assert len(records(work / "store")) == 1
+    installed = snapshot_tree(prefix)
+    assert any(p.endswith(".pyc") for p in installed), "pip compiled bytecode, and it is captured"
+    assert (prefix / "bin" / "alpha-hello").read_text().startswith("#!")
+    # A fresh node: nothing local, the same store.
+    os.rename(prefix, work / "installed")
+    (work / "node").rename(work / "node-first")
+    hit = deps(work, *run_args(work, prefix, *install))
+    assert "hit" in hit.stderr, hit.stderr
+    assert mount_entry(prefix).fstype == "overlay"
+    assert snapshot_tree(prefix) == installed
+    env = {**clean_env(work), "PYTHONPATH": str(prefix)}
+    out = subprocess.run([PYTHON, "-c", "import beta, alpha; print(alpha.VERSION, alpha.__file__)"], env=env,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.split()[0] == "1.1" and out.stdout.split()[1].startswith(str(prefix))
+    # The job can write (to the upper directory), and release drops that and unmounts.
+    (prefix / "scratch").write_text("job output")
+    again = deps(work, *run_args(work, prefix, *install))
+    assert "present" in again.stderr
+    released = deps(work, "release", str(prefix), "--root", str(work / "node"))
+    assert "released" in released.stdout
+    assert mount_entry(prefix) is None and not any(prefix.iterdir())
+    assert deps(work, "release", str(prefix), "--root", str(work / "node"), check=False).returncode == 1
+
+
+@needs_root
+def test_uv_venv_with_prior_contents_upgrade_whiteouts_pip_check(work: Path, wheels: Path) -> None:
+    """A venv (symlinks) made before; uv upgrades alpha 1.0 -> 1.1 (deleted files are whiteouts); pip check passes."""
+    prefix = work / "venv"
+    env = clean_env(work)
+    subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(prefix)], check=True, env=env)
+    subprocess.run([UV, "pip", "install", "-q", "--python", str(prefix / "bin" / "python"), "--no-index", "-f", str(wheels),
+                    "alpha==1.0"], check=True, env=env)  # fmt: skip
+    prior = snapshot_tree(prefix)
+    (work / "req.txt").write_text("beta\nalpha==1.1\n")
+    install = [UV, "pip", "install", "-q", "--compile-bytecode", "--python", str(prefix / "bin" / "python"),
+               "--no-index", "-f", str(wheels), "-r", "req.txt"]  # fmt: skip
+    first = deps(work, *run_args(work, prefix, *install))
+    assert "captured" in first.stderr, first.stderr
+    installed = snapshot_tree(prefix)
+    gone = [p for p in prior if p not in installed]
+    assert any("alpha-1.0.dist-info" in p for p in gone)
+    script = prefix / "bin" / "alpha-hello"
+    assert script.read_text().startswith(f"#!{prefix}/bin/python")
+    # Put the prior venv back (the byte-identical tree of another node), then run again: a hit.
+    subprocess.run(["rm", "-rf", str(prefix)], check=True)
+    restore_prior = subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(prefix)], env=env)
+    assert restore_prior.returncode == 0
+    subprocess.run([UV, "pip", "install", "-q", "--python", str(prefix / "bin" / "python"), "--no-index", "-f", str(wheels),
+                    "alpha==1.0"], check=True, env=env)  # fmt: skip
+    deps(work, "release", str(prefix), "--root", str(work / "node"))  # forget "installed here"
+    hit = deps(work, *run_args(work, prefix, *install))
+    assert "hit" in hit.stderr, hit.stderr
+    restored = snapshot_tree(prefix)
+    same_content = {p: v[:5] + v[6:] for p, v in restored.items()}
+    assert same_content == {p: v[:5] + v[6:] for p, v in installed.items()}  # the prior venv's own mtimes are this node's
+    assert subprocess.run([str(script)], capture_output=True, text=True, check=True).stdout.strip() == "hello from alpha 1.1"
+    check = subprocess.run([PYTHON, "-m", "pip", "--python", str(prefix / "bin" / "python"), "check"], env=env,
+                           capture_output=True, text=True)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    deps(work, "release", str(prefix), "--root", str(work / "node"))
+    assert mount_entry(prefix) is None and (prefix / "lib").exists()  # the prior venv is there again, untouched
+
+
+def test_failed_install_publishes_nothing(work: Path, wheels: Path) -> None:
+    (work / "req.txt").write_text("beta\nno-such-package\n")
+    prefix = work / "env"
+    done = deps(work, *run_args(work, prefix, PYTHON, "-m", "pip", "install", "-q", "--no-index", "-f", str(wheels),
+                                "--target", str(prefix), "-r", "req.txt"), check=False)  # fmt: skip
+    assert done.returncode == 1 and "nothing captured" in done.stderr
+    assert records(work / "store") == []
+    assert not (work / "node" / "prefixes").exists() or not any((work / "node" / "prefixes").iterdir())
+
+
+def test_capture_killed_half_way_publishes_nothing_and_a_rerun_publishes(work: Path, wheels: Path) -> None:
+    (work / "req.txt").write_text("beta\n")
+    prefix = work / "env"
+    # The install writes 96 MiB besides the wheels, so the capture takes a while.
+    script = (f"{PYTHON} -m pip install -q --no-index -f {wheels} --target {prefix} -r req.txt && "
+              f"head -c 100663296 /dev/urandom > {prefix}/blob")  # fmt: skip
+    args = run_args(work, prefix, "sh", "-c", script, options=("--input", "req.txt"))
+    argv = [PYTHON, "-m", "bootseer.cli", "deps", *args]
+    process = subprocess.Popen(argv, env=clean_env(work), cwd=work, stderr=subprocess.PIPE, text=True)
+    spool = work / "node" / "spool"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and process.poll() is None:
+        if spool.exists() and any(spool.iterdir()):  # capturing: the tar is being written
+            break
+        time.sleep(0.005)
+    assert process.poll() is None, process.stderr.read() if process.stderr else ""
+    time.sleep(0.2)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert records(work / "store") == []
+    # The next run on the node publishes what the killed one installed.
+    rerun = deps(work, *args)
+    assert "captured" in rerun.stderr, rerun.stderr
+    assert len(records(work / "store")) == 1
+
+
+def test_two_concurrent_first_runs_one_captures_one_waits(work: Path, wheels: Path) -> None:
+    (work / "req.txt").write_text("beta\n")
+    prefix = work / "env"
+    argv = [PYTHON, "-m", "bootseer.cli", "deps", *run_args(work, prefix, PYTHON, "-m", "pip", "install", "-q", "--no-index",
+                                                            "-f", str(wheels), "--target", str(prefix), "-r", "req.txt")]  # fmt: skip
+    runs = [subprocess.Popen(argv, env=clean_env(work), cwd=work, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [p.communicate(timeout=300)[1] for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outputs
+    assert sum("captured" in o for o in outputs) == 1 and sum("present" in o for o in outputs) == 1, outputs
+    assert any("waiting for another run" in o for o in outputs)
+    assert len(records(work / "store")) == 1
+    assert subprocess.run([PYTHON, "-c", "import beta"], env={**clean_env(work), "PYTHONPATH": str(prefix)}).returncode == 0
+
+
+def test_captures_of_one_key_on_two_nodes_leave_one_whole_record(tmp_path: Path) -> None:
+    """First writer wins: two nodes (two trees) publishing one key at once; the record is one of them, whole."""
+    trees = []
+    for n in range(2):
+        root = tmp_path / f"node{n}"
+        (root / "pkg").mkdir(parents=True)
+        (root / "pkg" / "mod.py").write_text(f"NODE = {n}\n")
+        trees.append(root)
+    writer = open_store_writer(str(tmp_path / "store"))
+    results = [None, None]
+
+    def capture(n: int) -> None:
+        tree = scan(trees[n])
+        results[n] = publish_capture(writer, key="b" * 64, root=trees[n], tree=tree, change=diff({}, tree),
+                                     mode="prefix", prefix="/opt/env")  # fmt: skip
+
+    threads = [threading.Thread(target=capture, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.published for r in results) == [False, True]
+    stored = DepsRecord.decode((tmp_path / "store" / deps_object("b" * 64)).read_bytes(), expected_key="b" * 64)
+    winner = next(r for r in results if r.published)
+    assert stored.chain_id == winner.chain_id and all(r.record == stored for r in results)
+
+
+def test_capture_refuses_a_tree_that_changes_under_it(tmp_path: Path) -> None:
+    root = tmp_path / "env"
+    root.mkdir()
+    (root / "a.py").write_text("x = 1\n")
+    tree = scan(root)
+    (root / "a.py").write_text("x = 2\n")  # same size, new contents: the layer no longer matches the disk
+    from bootseer.depsnap.capture import CaptureError
+
+    with pytest.raises(CaptureError):
+        publish_capture(open_store_writer(str(tmp_path / "store")), key="c" * 64, root=root, tree=tree,
+                        change=diff({}, tree), mode="prefix", prefix=str(root))  # fmt: skip
+    assert records(tmp_path / "store") == []
+
+
+def test_record_checks_and_housekeeping(work: Path) -> None:
+    root = work / "tree"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f").write_text("f")
+    writer = open_store_writer(str(work / "store"))
+    tree = scan(root)
+    for n, key in enumerate(["1" * 64, "2" * 64, "3" * 64]):
+        (root / "d" / "f").write_text("f" * (n + 1))
+        tree = scan(root)
+        publish_capture(writer, key=key, root=root, tree=tree, change=diff({}, tree), mode="prefix", prefix="/opt/x")
+    data = (work / "store" / deps_object("1" * 64)).read_bytes()
+    with pytest.raises(FormatError, match="stored under"):
+        DepsRecord.decode(data, expected_key="2" * 64)
+    tampered = json.loads(data)
+    tampered["chain_id"] = "sha256:" + "0" * 64
+    with pytest.raises(FormatError, match="chain_id"):
+        DepsRecord.decode(json.dumps(tampered).encode())
+    listed = deps(work, "ls", "--store", str(work / "store"), "--root", str(work / "node"), "--json")
+    assert sorted(r["key"] for r in json.loads(listed.stdout)["snapshots"]) == ["1" * 64, "2" * 64, "3" * 64]
+    assert deps(work, "rm", "1" * 64, "--store", str(work / "store")).returncode == 0
+    assert deps(work, "rm", "1" * 64, "--store", str(work / "store"), check=False).returncode == 1
+    assert deps(work, "rm", "xyz", "--store", str(work / "store"), check=False).returncode == 2
+    kept = deps(work, "prune", "--store", str(work / "store"), "--max-size", "2")  # one record of 2 or 3 bytes fits
+    assert "1 removed, 1 kept" in kept.stderr
+    deps(work, "prune", "--store", str(work / "store"), "--older-than", "0s")
+    assert records(work / "store") == []
+    assert deps(work, "prune", "--store", str(work / "store"), check=False).returncode == 2

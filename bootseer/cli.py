@@ -20,6 +20,7 @@ SUBCOMMAND_MODULES = [
     "bootseer.rpull_cli",
     "bootseer.blockstore.server_cli",
     "bootseer.hotlist.cli",
+    "bootseer.profile.cli",
     "bootseer.depsnap.cli",
 ]
 

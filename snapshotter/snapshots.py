@@ -41,6 +41,7 @@ from typing import Iterator
 import prometheus_client
 
 from bootseer.hotlist import hooks as hotlist_hooks
+from bootseer.profile import hooks as profile_hooks
 from bootseer.log import get_logger
 
 from .backend import LayerBackend, RemoteLayer
@@ -93,6 +94,7 @@ class Snapshotter:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._snapshots_dir = self.root / "snapshots"
         self._snapshots_dir.mkdir(mode=0o700, exist_ok=True)
+        profile_hooks.use_root(self.root)  # BOOTSEER_PROFILE=1: the start-up profiler's spool is ROOT/profile
         db_path = self.root / "metadata.db"
         # One snapshotter per root, as bolt's exclusive file lock ensures for containerd.
         # The lock is a file of its own: an fd of metadata.db opened and closed beside
@@ -130,6 +132,7 @@ class Snapshotter:
         if self.backend is not None and chain_id:
             return self._prepare_remote(key, parent, labels or {}, chain_id)
         snapshot, mounts = self._create(Kind.ACTIVE, key, parent, labels)
+        profile_hooks.container_prepared(key, parent, labels, self._upper_path(snapshot.id))  # profiler: marks dir, event
         if self.backend is not None:  # a container's rootfs on lazy layers: record or prefetch its hot list
             hotlist_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id)))
         return mounts
@@ -175,6 +178,7 @@ class Snapshotter:
         if self.backend is not None and kind is Kind.ACTIVE:
             hotlist_hooks.container_removed(self, key)
         if aside is not None:
+            profile_hooks.container_removed(key, aside)  # profiler: the container's marks, before they go
             _remove_tree(aside)
         if chain_id:
             self._release_remote(chain_id)

@@ -22,8 +22,12 @@ One command (as root): ``.venv/bin/python bench/lazy_bench.py``.  It
 
    each from the start of the pull (or run) to the marker line on the container's
    stdout, with the bytes that crossed the link (the host end's interface counters)
-   and, for the lazy runs, the layer server's own figures (bytes fetched from the store,
-   blocks, bytes returned to FUSE reads);
+   and, for the lazy runs, the layer server's own figures from its ``status`` (bytes
+   fetched from the store, blocks, the node cache's growth: the raw bytes of the blocks
+   the start-up touched);
+   ``--modes fuse`` adds the layer server alone under a chroot (no containerd), with
+   its Prometheus figures (FUSE requests, read latency, range requests), beside the
+   same chroot on plain overlayfs; ``--profile`` samples the layer server with py-spy;
 4. writes a Markdown table with medians, ratios to overlayfs in the same run and the
    targets (lazy cold <= 0.45x overlayfs cold; bytes fetched <= 2x bytes read; lazy local
    <= 1.15x overlayfs local) to ``--output`` (bench/results/lazy.md).
@@ -38,7 +42,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import selectors

@@ -851,6 +851,13 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                 nginx = servers.enter_context(Nginx(args.cache_dir / "store", work / "nginx", STORE_PORT,
                                                     host=link.server_ip, launcher=link.launcher()))
                 store_url = nginx.url
+                hotlists = args.cache_dir / "store" / "v1" / "hotlists"
+                listed = sorted(str(path.relative_to(hotlists)) for path in hotlists.rglob("*") if path.is_file()) \
+                    if hotlists.is_dir() else []
+                context["notes"].append(
+                    f"The store holds hot lists ({', '.join(listed)}): lazy starts may be prefetched." if listed else
+                    "The store holds no hot list and is read-only over HTTP (nothing is published to it), so no "
+                    "lazy start is prefetched; the layer server records each first boot as it does by default.")
             except (BenchError, RuntimeError) as e:
                 for kind in ("lazy", "fuse"):
                     if kind in kinds:

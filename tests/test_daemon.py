@@ -126,8 +126,9 @@ DaemonFactory = Callable[..., SnapshotterDaemon]
 
 
 @pytest.fixture
-def snapshotter_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
-    """Starts daemons (``factory(*flags, root=, address=, wait=True)``); all are stopped at teardown.
+def snapshotter_factory(tmp_path: Path, layer_server_reaper: Callable[[Path], None]) -> Iterator[DaemonFactory]:
+    """Starts daemons (``factory(*flags, root=, address=, wait=True)``); all are stopped at teardown,
+    then the layer servers a daemon with ``--store`` started under their roots (they outlive it).
 
     ``root`` and ``address`` default to ``tmp_path/root`` and ``tmp_path/run/s.sock``;
     ``None`` leaves the flag out.
@@ -142,6 +143,7 @@ def snapshotter_factory(tmp_path: Path) -> Iterator[DaemonFactory]:
     ) -> SnapshotterDaemon:
         daemon = SnapshotterDaemon(tmp_path / "logs", root, address, *args)
         daemons.append(daemon)
+        layer_server_reaper(root if root is not None else tmp_path)  # after the daemons: their watch restarts one
         return daemon.wait_ready() if wait else daemon
 
     yield start

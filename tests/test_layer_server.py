@@ -42,6 +42,7 @@ from bootseer.blockstore.control import (
 from bootseer.blockstore.format import pack_object
 from tests.http_fixtures import RangeHTTPServer, free_port
 from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layer_servers import stop_layer_servers
 from tests.support.trees import Meta, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
 from tests.support.mounts import force_unmount, mount_entry
@@ -104,20 +105,11 @@ class Node:
         return self.paths.log.read_text(errors="replace") if self.paths.log.exists() else ""
 
     def cleanup(self) -> None:
+        """Unmount the overlays, then stop every server of this root (by its --root, so one
+        still starting is found too) and unmount its FUSE mount."""
         for overlay in self.overlays:
             force_unmount(overlay)
-        try:
-            pid = int(self.paths.server_lock.read_text().strip() or 0)
-        except (OSError, ValueError):
-            pid = 0
-        if pid and _alive(pid):
-            os.kill(pid, signal.SIGTERM)
-            try:
-                wait_gone(pid, 30)
-            except AssertionError:
-                os.kill(pid, signal.SIGKILL)
-                wait_gone(pid, 30)
-        force_unmount(self.paths.mountpoint)
+        stop_layer_servers(self.root)
 
 
 def _alive(pid: int) -> bool:
@@ -648,3 +640,4 @@ def test_the_server_process_returns_freed_stripes_before_it_serves(tmp_path: Pat
     assert server_cli.layer_server_command(args) == 0
     assert calls == ["return_large_blocks", "run_server"]
     assert configs[0].engine.memory_limit == 64 << 20
+

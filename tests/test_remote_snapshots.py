@@ -11,7 +11,6 @@ store lookup is tested against real ``file://`` and ``http://`` stores.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sqlite3
@@ -33,12 +32,12 @@ from bootseer.snapshotter.layer_server import LayerServerBackend
 from bootseer.snapshotter.snapshots import REF_LABEL, Snapshotter
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.snapshotter.types import Kind, Mount, Usage
-from snapshot_helpers import DirectoryLayers, is_mountpoint, mounted, read_tree, snapshot_dirs, unmount
+from snapshot_helpers import DirectoryLayers, is_mountpoint, mounted, read_tree, snapshot_dirs
 from tests.http_fixtures import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File
 from tests.support.layers import Layer as TarLayer
-from tests.test_daemon import SnapshotterDaemon, scrape, snapshotter_factory, started_record  # noqa: F401  (fixture)
+from tests.test_daemon import scrape, snapshotter_factory, started_record  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
 
@@ -390,25 +389,8 @@ def test_layer_server_backend_store_that_does_not_answer_is_a_store_error(tmp_pa
 
 
 # -- through the daemon, with the real layer server ------------------------------------------------
-
-
-def stop_layer_server(root: Path, *daemons: SnapshotterDaemon) -> None:
-    """Stop ``daemons`` (first: their watch would start the server again), then the layer
-    server they started under ``root`` (it outlives them), then its mount."""
-    for daemon in daemons:
-        daemon.kill()
-    paths = ServerPaths(root)
-    try:
-        pid = int(paths.server_lock.read_text().strip() or 0)
-    except (OSError, ValueError):
-        pid = 0
-    if pid:
-        for signum in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-            if wait_gone(pid, 30):
-                break
-    unmount(paths.mountpoint)
+# The layer servers these daemons start outlive them; snapshotter_factory's teardown stops
+# them and unmounts their FUSE mounts, pass or fail (tests/conftest.py: layer_server_reaper).
 
 
 def wait_gone(pid: int, timeout: float) -> bool:
@@ -442,52 +424,48 @@ def test_daemon_serves_converted_layers_lazily_and_across_restarts(
     store = f"file://{tmp_path / 'store'}"
     root = tmp_path / "root"
     base, top = converted[0].chain_id, converted[1].chain_id
-    started: list[SnapshotterDaemon] = []
-    try:
-        daemon = snapshotter_factory("--store", store, "--metrics-address", "127.0.0.1:0", root=root)
-        started.append(daemon)
-        stub = daemon.stub
-        for key, parent, chain in (("extract-1", "", base), ("extract-2", base, top)):
-            with pytest.raises(grpc.RpcError) as raised:
-                stub.Prepare(api.PrepareSnapshotRequest(key=key, parent=parent, labels=unpack_labels(chain)))
-            assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS, raised.value.details()
-            info = stub.Stat(api.StatSnapshotRequest(key=chain)).info
-            assert (info.kind, info.parent) == (api.COMMITTED, parent)
+    daemon = snapshotter_factory("--store", store, "--metrics-address", "127.0.0.1:0", root=root)
+    stub = daemon.stub
+    for key, parent, chain in (("extract-1", "", base), ("extract-2", base, top)):
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Prepare(api.PrepareSnapshotRequest(key=key, parent=parent, labels=unpack_labels(chain)))
+        assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS, raised.value.details()
+        info = stub.Stat(api.StatSnapshotRequest(key=chain)).info
+        assert (info.kind, info.parent) == (api.COMMITTED, parent)
 
-        # An image that was not converted is downloaded as always: ordinary mounts.
-        other = "sha256:" + "c" * 64
-        (plain,) = stub.Prepare(api.PrepareSnapshotRequest(key="extract-x", labels=unpack_labels(other))).mounts
-        assert plain.type == "bind"
-        metrics = started_record(daemon)["metrics_address"]
-        samples = scrape(metrics)
-        assert samples[("bootseer_snapshotter_remote_fallbacks_total", (("reason", "not_converted"),))] == 1
-        assert samples[("bootseer_snapshotter_remote_snapshots_total", ())] == 2
+    # An image that was not converted is downloaded as always: ordinary mounts.
+    other = "sha256:" + "c" * 64
+    (plain,) = stub.Prepare(api.PrepareSnapshotRequest(key="extract-x", labels=unpack_labels(other))).mounts
+    assert plain.type == "bind"
+    metrics = started_record(daemon)["metrics_address"]
+    samples = scrape(metrics)
+    assert samples[("bootseer_snapshotter_remote_fallbacks_total", (("reason", "not_converted"),))] == 1
+    assert samples[("bootseer_snapshotter_remote_snapshots_total", ())] == 2
 
-        container = stub.Prepare(api.PrepareSnapshotRequest(key="container", parent=top)).mounts
-        expected = {"a": "base layer\n", "b": "second layer\n", "big": BIG.decode(), "etc": "/", "etc/conf": "from B\n"}
-        with mounted(to_mounts(container), tmp_path / "rootfs") as rootfs:
-            assert read_tree(rootfs) == expected
-        server_pid = LayerServerClient(ServerPaths(root).socket).status()["pid"]
+    container = stub.Prepare(api.PrepareSnapshotRequest(key="container", parent=top)).mounts
+    expected = {"a": "base layer\n", "b": "second layer\n", "big": BIG.decode(), "etc": "/", "etc/conf": "from B\n"}
+    with mounted(to_mounts(container), tmp_path / "rootfs") as rootfs:
+        assert read_tree(rootfs) == expected
+    server_pid = LayerServerClient(ServerPaths(root).socket).status()["pid"]
+    # Started with the node's [fetch] memory_limit (1G by default), which its RSS follows.
+    argv = Path(f"/proc/{server_pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--memory-limit") + 1] == str(1 << 30).encode()
 
-        # The daemon restarts; the layer server outlives it and is found again.
-        assert daemon.stop() == 0
-        daemon = snapshotter_factory("--store", store, root=root)
-        started.append(daemon)
-        assert LayerServerClient(ServerPaths(root).socket).status()["pid"] == server_pid
-        again = daemon.stub.Mounts(api.MountsRequest(key="container")).mounts
-        assert list(again) == list(container)
-        with mounted(to_mounts(again), tmp_path / "rootfs") as rootfs:
-            assert (rootfs / "etc/conf").read_text() == "from B\n"
+    # The daemon restarts; the layer server outlives it and is found again.
+    assert daemon.stop() == 0
+    daemon = snapshotter_factory("--store", store, root=root)
+    assert LayerServerClient(ServerPaths(root).socket).status()["pid"] == server_pid
+    again = daemon.stub.Mounts(api.MountsRequest(key="container")).mounts
+    assert list(again) == list(container)
+    with mounted(to_mounts(again), tmp_path / "rootfs") as rootfs:
+        assert (rootfs / "etc/conf").read_text() == "from B\n"
 
-        # Remove the container and the layers: the layer server stops serving them.
-        daemon.stub.Remove(api.RemoveSnapshotRequest(key="container"))
-        daemon.stub.Remove(api.RemoveSnapshotRequest(key=top))
-        served = [layer["chain_id"] for layer in LayerServerClient(ServerPaths(root).socket).status()["layers"]]
-        assert served == [base]
-        assert daemon.stop() == 0
-    finally:
-        stop_layer_server(root, *started)
-
+    # Remove the container and the layers: the layer server stops serving them.
+    daemon.stub.Remove(api.RemoveSnapshotRequest(key="container"))
+    daemon.stub.Remove(api.RemoveSnapshotRequest(key=top))
+    served = [layer["chain_id"] for layer in LayerServerClient(ServerPaths(root).socket).status()["layers"]]
+    assert served == [base]
+    assert daemon.stop() == 0
 
 
 def to_mounts(mounts) -> list[Mount]:
@@ -499,30 +477,27 @@ def test_daemon_starts_a_killed_layer_server_again(tmp_path: Path, snapshotter_f
     root = tmp_path / "root"
     base = converted[0].chain_id
     daemon = snapshotter_factory("--store", store, root=root)
-    try:
-        with pytest.raises(grpc.RpcError) as raised:
-            daemon.stub.Prepare(api.PrepareSnapshotRequest(key="extract-1", labels=unpack_labels(base)))
-        assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        client = LayerServerClient(ServerPaths(root).socket)
-        first_pid = client.status()["pid"]
-        os.kill(first_pid, signal.SIGKILL)
-        assert wait_gone(first_pid, 30)
+    with pytest.raises(grpc.RpcError) as raised:
+        daemon.stub.Prepare(api.PrepareSnapshotRequest(key="extract-1", labels=unpack_labels(base)))
+    assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    client = LayerServerClient(ServerPaths(root).socket)
+    first_pid = client.status()["pid"]
+    os.kill(first_pid, signal.SIGKILL)
+    assert wait_gone(first_pid, 30)
 
-        # The daemon's watch notices and starts a server that restores the same layers.
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                status = client.status()
-                if status["pid"] != first_pid and status["layers"]:
-                    break
-            except LayerServerError:
-                pass
-            assert time.monotonic() < deadline, ServerPaths(root).log.read_text(errors="replace")
-            time.sleep(0.2)
-        assert any(r["msg"] == "layer server started again" for r in daemon.log_records()), daemon.log
-        container = daemon.stub.Prepare(api.PrepareSnapshotRequest(key="container", parent=base)).mounts
-        with mounted(to_mounts(container), tmp_path / "rootfs") as rootfs:
-            assert (rootfs / "a").read_text() == "base layer\n"
-            assert (rootfs / "big").read_bytes() == BIG
-    finally:
-        stop_layer_server(root, daemon)
+    # The daemon's watch notices and starts a server that restores the same layers.
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            status = client.status()
+            if status["pid"] != first_pid and status["layers"]:
+                break
+        except LayerServerError:
+            pass
+        assert time.monotonic() < deadline, ServerPaths(root).log.read_text(errors="replace")
+        time.sleep(0.2)
+    assert any(r["msg"] == "layer server started again" for r in daemon.log_records()), daemon.log
+    container = daemon.stub.Prepare(api.PrepareSnapshotRequest(key="container", parent=base)).mounts
+    with mounted(to_mounts(container), tmp_path / "rootfs") as rootfs:
+        assert (rootfs / "a").read_text() == "base layer\n"
+        assert (rootfs / "big").read_bytes() == BIG

@@ -1,0 +1,73 @@
+"""Layer-server processes and FUSE mounts that tests leave, found and stopped (test teardown).
+
+A layer server runs in a session of its own and outlives whatever started it, so
+teardown finds it by its ``--root`` in ``/proc``, not by a pid someone recorded: that
+also finds one a killed daemon was still starting, which has not yet written its pid
+to ``ROOT/layers/server.lock``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from tests.support.mounts import force_unmount
+
+STOP_TIMEOUT_S = 30.0
+
+
+def layer_server_processes(under: Path) -> dict[int, Path]:
+    """pid -> ``--root`` of every live ``layer-server`` process whose root lies in ``under``."""
+    under = under.resolve()
+    found = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+            state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+        if b"layer-server" not in argv or b"--root" not in argv or state == "Z":
+            continue
+        position = argv.index(b"--root") + 1
+        root = Path(os.fsdecode(argv[position])) if position < len(argv) else None
+        if root is not None and (root.resolve() == under or under in root.resolve().parents):
+            found[int(entry.name)] = root
+    return found
+
+
+def fuse_mounts(under: Path) -> list[str]:
+    """Mountpoints of FUSE mounts in ``under`` (``/proc/self/mounts`` escapes spaces as ``\\040``)."""
+    prefix = str(under.resolve())
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1:3] for line in mounts]
+    return [_unescape(p) for p, fstype in points
+            if fstype.startswith("fuse") and (p == prefix or p.startswith(prefix + "/"))]  # fmt: skip
+
+
+def stop_layer_servers(under: Path) -> list[int]:
+    """Stop every layer server of a root in ``under``, then unmount the FUSE mounts there; the pids stopped."""
+    pids = layer_server_processes(under)
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while set(layer_server_processes(under)) & set(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not set(layer_server_processes(under)) & set(pids):
+            break
+    for mountpoint in fuse_mounts(under):
+        force_unmount(mountpoint)
+    return sorted(pids)
+
+
+def _unescape(field: str) -> str:
+    for code in ("040", "011", "012", "134"):
+        field = field.replace("\\" + code, chr(int(code, 8)))
+    return field

@@ -640,4 +640,3 @@ def test_the_server_process_returns_freed_stripes_before_it_serves(tmp_path: Pat
     assert server_cli.layer_server_command(args) == 0
     assert calls == ["return_large_blocks", "run_server"]
     assert configs[0].engine.memory_limit == 64 << 20
-

@@ -34,9 +34,10 @@ import os
 import signal
 import socket as stdlib_socket
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import prometheus_client
 import pyfuse3
@@ -331,12 +332,28 @@ class LayerServer:
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.paths.lower_dir(layer.slot)}
 
+    @asynccontextmanager
+    async def _chain_lock(self, chain_id: str) -> AsyncIterator[None]:
+        """Hold ``chain_id``'s lock (a mount and an unmount of one layer never interleave).
+
+        The lock is dropped from the table once nobody holds or waits for it, so the
+        table does not grow with every ChainID ever asked for (requests name any they
+        like).  trio hands a released lock straight to its next waiter, so a lock still
+        wanted is never dropped, and one made afresh later excludes nobody who holds the old.
+        """
+        lock = self._chain_locks.setdefault(chain_id, trio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and lock.statistics().tasks_waiting == 0 and self._chain_locks.get(chain_id) is lock:
+                del self._chain_locks[chain_id]
+
     async def mount(self, chain_id: str, store: str | None = None) -> dict[str, Any]:
         store = store or self.config.store
         if not store:
             raise InvalidRequest("no store: the server has no --store and the request names none")
-        lock = self._chain_locks.setdefault(chain_id, trio.Lock())
-        async with lock:
+        async with self._chain_lock(chain_id):
             layer = self.layers.get(chain_id)
             if layer is not None and layer.tree is not None:
                 return self._answer(layer)
@@ -376,8 +393,7 @@ class LayerServer:
         return self._answer(layer)
 
     async def unmount(self, chain_id: str) -> dict[str, Any]:
-        lock = self._chain_locks.setdefault(chain_id, trio.Lock())
-        async with lock, self._table_lock:
+        async with self._chain_lock(chain_id), self._table_lock:
             layer = self.layers.pop(chain_id, None)
             if layer is None:
                 raise LayerNotMounted(f"{chain_id} is not mounted by this layer server")
@@ -389,7 +405,6 @@ class LayerServer:
             self.root.layers.pop(layer.slot, None)
             if not any(other.record.index == layer.record.index for other in self.layers.values()):
                 self._index_path(layer.record).unlink(missing_ok=True)
-            # The chain's lock stays: a mount waiting on it must not race one taking a new lock.
         LAYERS.set(len(self.root.layers))
         # The slot's name must go from the kernel's dentry cache now (entries are
         # trusted for CACHE_TIMEOUT); asynchronous, as a handler may hold the root.

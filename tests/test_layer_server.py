@@ -640,3 +640,38 @@ def test_the_server_process_returns_freed_stripes_before_it_serves(tmp_path: Pat
     assert server_cli.layer_server_command(args) == 0
     assert calls == ["return_large_blocks", "run_server"]
     assert configs[0].engine.memory_limit == 64 << 20
+
+
+def test_chain_locks_do_not_outlive_their_requests(built: Any, tmp_path: Path) -> None:
+    """Each ChainID a request names gets a lock while it is being mounted or unmounted; the
+    table of them must not keep one for every ChainID ever asked for (unbounded growth)."""
+    import trio
+
+    from bootseer.blockstore.server import LayerServer, LayerServerConfig
+
+    store = f"file://{built[0]}"
+    layer = built[1][0].chain_id
+    unknown = [f"sha256:{n:064x}" for n in range(50)]
+
+    async def main() -> dict[str, Any]:
+        async with trio.open_nursery() as nursery:
+            config = LayerServerConfig(root=tmp_path / "root", store=store, cache_dir=tmp_path / "cache")
+            config.paths.indexes.mkdir(parents=True)
+            server = LayerServer(config, nursery)
+
+            async def mount_unknown(chain_id: str) -> None:
+                with pytest.raises(LayerNotConverted):
+                    await server.mount(chain_id)
+
+            async with trio.open_nursery() as requests:
+                for chain_id in unknown + unknown[:10]:  # some asked for twice at once
+                    requests.start_soon(mount_unknown, chain_id)
+                for _ in range(3):
+                    requests.start_soon(server.mount, layer)
+            assert [row["chain_id"] for row in (await server.status())["layers"]] == [layer]
+            await server.unmount(layer)
+            left = dict(server._chain_locks)
+            nursery.cancel_scope.cancel()
+        return left
+
+    assert trio.run(main) == {}

@@ -103,6 +103,14 @@ class ServerUnavailable(LayerServerError):
     kind = "unavailable"
 
 
+class ServerTimedOut(ServerUnavailable):
+    """The layer server took the connection but did not answer within the call's timeout.
+
+    It is running (busy, or stuck on a store), so starting another cannot help, and
+    asking again would only double the caller's wait: callers give up instead.
+    """
+
+
 class ServerStartError(LayerServerError):
     """:func:`ensure_server` could not start a layer server; the message says why."""
 
@@ -226,7 +234,7 @@ class LayerServerClient:
         except ConnectionRefusedError:
             raise ServerUnavailable(f"no layer server listens on {self.socket_path} (it is not running)") from None
         except socket.timeout:
-            raise ServerUnavailable(
+            raise ServerTimedOut(
                 f"the layer server on {self.socket_path} did not answer {request.get('op')!r} in {timeout:g}s"
             ) from None
         except OSError as exc:
@@ -396,6 +404,7 @@ __all__ = [
     "ServerPaths",
     "ServerSettings",
     "ServerStartError",
+    "ServerTimedOut",
     "ServerUnavailable",
     "StoreUnavailable",
     "ensure_server",

@@ -60,17 +60,19 @@ class LayerServerBackend:
         server: control.ServerSettings,
         engine: EngineConfig = EngineConfig(),
         lookup_timeout: float = LOOKUP_TIMEOUT,
+        call_timeout: float = control.DEFAULT_TIMEOUT,
     ) -> None:
         self.root = root
         self.store_url = store_url
         self.server = server
         self.lookup_timeout = lookup_timeout
         self._engine = dataclasses.replace(engine, retry_timeout=min(engine.retry_timeout, lookup_timeout))
-        self._client = control.LayerServerClient(control.ServerPaths(root).socket)
+        #: every call but mount (which waits up to control.MOUNT_TIMEOUT) waits ``call_timeout`` for its answer
+        self._client = control.LayerServerClient(control.ServerPaths(root).socket, timeout=call_timeout)
 
     def start(self) -> None:
         """Find the running layer server or start one (daemon start-up); ServerStartError if it cannot."""
-        self._client = control.ensure_server(self.root, self.server)
+        control.ensure_server(self.root, self.server)  # a client of the socket self._client already calls
 
     def ensure_running(self) -> bool:
         """Start the layer server again if it died; True if it had to (the daemon's watch calls this).
@@ -80,6 +82,10 @@ class LayerServerBackend:
         """
         try:
             self._client.status()
+            return False
+        except control.ServerTimedOut as exc:
+            # Running but slow: another server could not take its root; the next check asks again.
+            log.warning("the layer server is slow to answer", error=str(exc))
             return False
         except control.ServerUnavailable as exc:
             log.warning("the layer server is gone; starting it again", error=str(exc))
@@ -135,10 +141,16 @@ class LayerServerBackend:
                 return await store.chain(chain_id)
 
     def _call(self, operation: Callable[[control.LayerServerClient], T]) -> T:
-        """Run ``operation``; a server found gone is started again once, then the call retried."""
+        """Run ``operation``; a server found gone is started again once, then the call retried.
+
+        One that is running but did not answer in time (:class:`~bootseer.blockstore.control.ServerTimedOut`)
+        is not asked again: that would double the caller's wait, and a second server cannot start.
+        """
         try:
             try:
                 return operation(self._client)
+            except control.ServerTimedOut:
+                raise
             except control.ServerUnavailable as exc:
                 log.warning("the layer server is gone; starting it again", error=str(exc))
                 self.start()

@@ -11,8 +11,10 @@ store lookup is tested against real ``file://`` and ``http://`` stores.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -386,6 +388,38 @@ def test_layer_server_backend_store_that_does_not_answer_is_a_store_error(tmp_pa
     with pytest.raises(LayerUnavailable) as raised:
         backend.lookup(CHAIN_A)
     assert raised.value.reason == "store_error"
+
+
+def test_a_server_too_slow_to_answer_is_asked_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A layer server that takes the call but does not answer in time is running: the backend
+    neither starts another nor asks again (which would double the gRPC call's wait)."""
+    backend = LayerServerBackend(tmp_path / "node", "file:///store", ServerSettings(), call_timeout=0.5)
+    starts: list[int] = []
+    monkeypatch.setattr(backend, "start", lambda: starts.append(1))
+    paths = ServerPaths(tmp_path / "node")
+    paths.layers.mkdir(parents=True)
+    accepted: list[socket.socket] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(paths.socket))
+        listener.listen(8)
+        listener.settimeout(5)
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                while True:
+                    accepted.append(listener.accept()[0])  # and never answer
+
+        thread = threading.Thread(target=accept, daemon=True)
+        thread.start()
+        with pytest.raises(LayerUnavailable) as raised:
+            backend.check(CHAIN_A)
+        assert raised.value.reason == "server_unavailable"
+        assert "did not answer" in str(raised.value)
+        assert backend.ensure_running() is False  # the watch leaves a slow server be
+        assert (len(accepted), starts) == (2, [])
+    thread.join(10)
+    for conn in accepted:
+        conn.close()
 
 
 # -- through the daemon, with the real layer server ------------------------------------------------

@@ -60,6 +60,7 @@ from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
 from bootseer.log import get_logger
+from bootseer.profile import hooks as profile_hooks
 
 log = get_logger(__name__)
 
@@ -603,6 +604,7 @@ async def run_server(
     lock_fd = _hold_lock(paths.server_lock)
     try:
         prepare_root(paths)
+        profile_hooks.use_root(config.root)  # BOOTSEER_PROFILE=1: the start-up profiler's spool is ROOT/profile
         saved = load_table(paths.table)
         options = mount_options(fsname="bootseer-layers", subtype=SUBTYPE, allow_other=True)
         # Opened before mounting, so a signal at any moment after the mount unmounts cleanly.
@@ -612,6 +614,7 @@ async def run_server(
                 await server.restore(saved)
                 server.session = await nursery.start(functools.partial(serve, server.ops, str(paths.mountpoint), options=options))
                 UP.set(1)
+                nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", lambda: sum(e.stats.bytes_fetched for e in server._engines.values()), phase="image"))  # profiler: bytes over time
                 try:
                     await nursery.start(_serve_control, server, paths.socket)
                     log.info("layer server ready", root=str(config.root), mountpoint=str(paths.mountpoint),

@@ -47,6 +47,7 @@ from bootseer import images
 from bootseer.blockstore.format import chain_ids
 from bootseer.images import Descriptor, ImageSource, ResolvedImage
 from bootseer.log import get_logger
+from bootseer.profile import hooks as profile_hooks, traced
 from bootseer.proto.containerd.services.content.v1 import content_pb2, content_pb2_grpc
 from bootseer.proto.containerd.services.diff.v1 import diff_pb2, diff_pb2_grpc
 from bootseer.proto.containerd.services.images.v1 import images_pb2, images_pb2_grpc
@@ -528,6 +529,7 @@ class _Puller:
             self.client.abort_write(ref)
             raise
 
+    @traced("image.layer", phase="image", attrs=profile_hooks.layer_attrs)  # start-up profiler: one span per layer
     def unpack_layer(self, resolved: ResolvedImage, index: int, chain: Sequence[str]) -> LayerResult:
         """Layer ``index`` as containerd's unpacker does it (see the module docstring, step 3)."""
         layer, chain_id = resolved.layers[index], chain[index]
@@ -599,6 +601,7 @@ class _Puller:
         return PullResult(resolved.reference, resolved.target, manifest.digest, top, self.snapshotter, tuple(results))
 
 
+@traced("image.pull", phase="image", attrs=profile_hooks.pull_attrs)  # start-up profiler: the pull as a span
 def rpull(ref: str, *, address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_NAMESPACE,
           snapshotter: str = DEFAULT_SNAPSHOTTER, plain_http: bool = False, platform: str | None = None,
           progress: Progress | None = None) -> PullResult:

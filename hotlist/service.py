@@ -52,6 +52,7 @@ from bootseer.hotlist.format import (
 from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
 from bootseer.log import get_logger
+from bootseer.profile import hooks as profile_hooks
 
 log = get_logger(__name__)
 
@@ -211,6 +212,7 @@ class HotListService:
         log.info("hot-list prefetch started", image=hot.image, profile=hot.profile, blocks=len(plan),
                  bytes=prefetch.stats.planned_bytes, recorded_on=hot.node, recorded_at=hot.recorded_at)  # fmt: skip
         self._spawn(self._run_prefetch, prefetch)
+        self._spawn(profile_hooks.sample_prefetch, prefetch)  # start-up profiler: start, progress, end
         return prefetch
 
     async def _run_prefetch(self, prefetch: Prefetch) -> None:
@@ -248,6 +250,7 @@ class HotListService:
         the ID in it (:func:`~bootseer.hotlist.attribution.container_id`).
         """
         key = container_id(key)
+        profile_hooks.armed_first_read(key)  # start-up profiler: this container's first read is an event
         if not self.config.enabled:
             return {"action": "disabled"}
         layers = self.image_layers(parent) if parent else None
@@ -339,6 +342,7 @@ class HotListService:
         self._remember(summary)
         level = log.error if outcome == "failed" else log.info
         level("hot-list recording sealed", **summary)
+        profile_hooks.hotlist_sealed(summary)  # start-up profiler
         recording.done.set()
 
     async def container_removed(self, key: str) -> dict[str, Any]:
@@ -436,6 +440,7 @@ class HotListService:
 
     def read(self, tree: Any, entry: Entry, offset: int, size: int, tag: OpenTag | None) -> None:
         """Account for a read of ``size`` bytes at ``offset`` of ``entry`` in ``tree``'s layer."""
+        profile_hooks.layer_read(tag.container if tag is not None else None, tree.name)  # profiler: first read
         if tag is None:
             return
         try:

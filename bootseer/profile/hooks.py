@@ -124,3 +124,52 @@ async def sample_counter(name: str, read: Callable[[], int], *, phase: str = "",
             value = last
         if value != last:
             events.counter(name, value, phase=phase, **attrs)
+
+
+def pull_attrs(result: Any) -> dict[str, Any]:
+    """The attributes of ``image.pull`` from rpull's PullResult."""
+    return {"image": result.name, "chain_id": result.chain_id, "snapshotter": result.snapshotter,
+            "layers": len(result.layers), "lazy": result.count("lazy"), "downloaded": result.count("downloaded"),
+            "bytes": result.fetched_bytes}
+
+
+def layer_attrs(result: Any) -> dict[str, Any]:
+    """The attributes of ``image.layer`` from rpull's LayerResult: lazy, downloaded or already unpacked."""
+    return {"layer": result.digest, "chain_id": result.chain_id, "state": result.state, "bytes": result.fetched_bytes}
+
+
+async def sample_prefetch(prefetch: Any, interval: float = SAMPLE_INTERVAL) -> None:
+    """A hot-list prefetch's start, progress (``prefetch.bytes``) and end (a background span).
+
+    ``prefetch`` is a :class:`bootseer.hotlist.prefetch.Prefetch`; this returns when it has
+    ended (its ``ended`` event), at once when profiling is off.
+    """
+    if events._spool is None:
+        return
+    import trio
+
+    started = time.time()
+    attrs = {"image": prefetch.image, "profile": prefetch.profile}
+    events.emit("prefetch.start", phase="image", background=True, planned_bytes=prefetch.stats.planned_bytes,
+                planned_blocks=prefetch.stats.planned_blocks, **attrs)
+    last = -1
+    try:
+        while not prefetch.ended.is_set():
+            if prefetch.stats.fetched_bytes != last:
+                last = prefetch.stats.fetched_bytes
+                events.counter("prefetch.bytes", last, phase="image", **attrs)
+            with trio.move_on_after(interval):
+                await prefetch.ended.wait()
+    finally:
+        stats = prefetch.stats
+        events.counter("prefetch.bytes", stats.fetched_bytes, phase="image", **attrs)
+        events.emit("prefetch", "span", start=started, end=time.time(), phase="image", bytes=stats.fetched_bytes,
+                    background=True, blocks=stats.fetched_blocks, cached_blocks=stats.cached_blocks,
+                    failed_blocks=stats.failed_blocks, finished=stats.finished, **attrs)
+
+
+def hotlist_sealed(summary: dict[str, Any]) -> None:
+    """A hot-list recording ended (the layer server's summary of it)."""
+    if events._spool is None:
+        return
+    events.emit("hotlist.sealed", **{("recording_kind" if k == "kind" else k): v for k, v in summary.items()})

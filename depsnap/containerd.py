@@ -1,0 +1,284 @@
+"""Dependency snapshots in containerd: stack a deps layer under a container's writable layer, or capture one.
+
+The snapshotter (:mod:`bootseer.snapshotter.snapshots`) calls these hooks; all the
+logic is here.  A container asks for a snapshot with the label
+``containerd.io/snapshot/bootseer.deps=KEY`` on its writable snapshot (``ctr run
+--snapshotter-label ...``; containerd passes a proxy snapshotter only labels under
+``containerd.io/snapshot/``, so the short ``bootseer.io/deps`` works only for clients
+that talk to the snapshotter directly).  KEY comes from ``bootseer deps key --base
+<image top ChainID> -- CMD...``.
+
+* **Hit** (:func:`container_prepared`): the store has a record of KEY made on this
+  very image (its ``parent`` is the Prepare's parent, the image's top ChainID): the
+  layer server mounts the deps layer and it goes into the overlay's ``lowerdir`` just
+  under the writable layer, on every Mounts call (:func:`lowers`, from
+  ``SNAPSHOT_DIR/deps.json``).  ``/.bootseer/deps-hit`` (holding KEY) appears in the
+  container: the entry point's guard line skips the install when it is there.
+* **Miss**: the snapshot is watched (every 0.5 s) for ``/.bootseer/deps-done``, which
+  the job creates after its install step succeeded; then everything in the writable
+  layer (but ``/.bootseer``, ``/tmp``, ``/var/tmp``, ``/run``, ``/proc``, ``/sys``,
+  ``/dev`` and ``/root/.cache``) is captured as a layer on the image's top ChainID
+  and published (:func:`bootseer.depsnap.capture.publish_capture`: verified, record
+  last, first writer wins) to ``$BOOTSEER_PUBLISH_STORE`` or the snapshotter's store.
+  The job must not write under the captured paths until ``/.bootseer/deps-captured``
+  exists (it holds ``published``, ``exists`` or ``failed: why``): a tree that changes
+  during the capture is never published.  The job reads it with ``ls /.bootseer``
+  (the snapshotter writes it into the upper directory behind overlayfs's back; a
+  readdir of that upper-only directory sees it, a lookup cached as negative may not).
+* The deps layer stays mounted while a snapshot stacks it (:func:`in_use`, so Cleanup
+  and Remove of other snapshots leave it), and is unmounted with the last one.
+
+A daemon restart keeps stacked layers (``deps.json`` and the layer server's own
+table); a capture that was waiting for its marker when the daemon stopped is not
+resumed (the next container with the key captures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bootseer.blockstore.store import StoreError, open_store_writer
+from bootseer.log import get_logger
+
+from .capture import CaptureError, publish_capture, scan, upper_change
+from .key import KeyError_, check_key
+from .prefix import StoreUnreachable, lookup
+
+log = get_logger(__name__)
+
+DEPS_LABEL = "containerd.io/snapshot/bootseer.deps"
+SHORT_DEPS_LABEL = "bootseer.io/deps"
+MARKER_DIR = ".bootseer"
+DONE_MARKER = "deps-done"
+HIT_MARKER = "deps-hit"
+CAPTURED_MARKER = "deps-captured"
+STATE_FILE = "deps.json"
+#: Paths of the writable layer never captured (markers, scratch space, runtime mount points, caches).
+EXCLUDED = (MARKER_DIR, "tmp", "var/tmp", "run", "proc", "sys", "dev", "root/.cache")
+POLL_INTERVAL = 0.5
+LOOKUP_TIMEOUT = 10.0
+
+
+def key_of(labels: dict[str, str] | None) -> str | None:
+    """The deps key a snapshot's labels ask for; None if none (a malformed one is logged and ignored)."""
+    labels = labels or {}
+    text = labels.get(DEPS_LABEL) or labels.get(SHORT_DEPS_LABEL)
+    if not text:
+        return None
+    try:
+        return check_key(text)
+    except KeyError_ as exc:
+        log.warning("ignoring a malformed deps label", error=str(exc))
+        return None
+
+
+def _state_path(upper: str | os.PathLike[str]) -> Path:
+    return Path(upper).parent / STATE_FILE
+
+
+def _read_state(snapshot_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((snapshot_dir / STATE_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("unreadable deps state", path=str(snapshot_dir / STATE_FILE), error=str(exc))
+        return None
+
+
+def _write_state(upper: str, state: dict[str, Any]) -> None:
+    path = _state_path(upper)
+    temp = path.with_name(f".{path.name}.tmp")
+    temp.write_text(json.dumps(state))
+    os.replace(temp, path)
+
+
+def _marker(upper: str, name: str, text: str) -> None:
+    """Write ``/.bootseer/NAME`` into the container's writable layer (temp name + rename: whole or absent)."""
+    directory = Path(upper) / MARKER_DIR
+    directory.mkdir(mode=0o755, exist_ok=True)
+    temp = directory / f".{name}.tmp"
+    temp.write_text(text + "\n")
+    os.chmod(temp, 0o644)
+    os.replace(temp, directory / name)
+
+
+def publish_store(backend: Any) -> str:
+    return os.environ.get("BOOTSEER_PUBLISH_STORE") or backend.store_url
+
+
+# -- hooks -------------------------------------------------------------------------------------
+
+
+def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str, str] | None, upper: str) -> bool:
+    """An active snapshot was prepared; True if a deps layer is now stacked under it (its mounts changed)."""
+    deps_key = key_of(labels)
+    backend = snapshotter.backend
+    if deps_key is None or backend is None or not parent:
+        return False
+    try:
+        record = lookup(backend.store_url, deps_key, timeout=LOOKUP_TIMEOUT)
+    except StoreUnreachable as exc:
+        log.warning("deps lookup failed; the container installs as on a miss", key=key, deps=deps_key, error=str(exc))
+        record = None
+    if record is not None:
+        if record.mode != "container" or record.parent != parent:
+            log.warning("deps record is of another image; not stacked, not captured", key=key, deps=deps_key,
+                        parent=parent, record_parent=record.parent)  # fmt: skip
+            return False
+        from bootseer.snapshotter.errors import LayerUnavailable
+
+        try:
+            lower = backend.mount(record.chain_id)
+        except LayerUnavailable as exc:
+            log.warning("deps layer cannot be served; the container installs", key=key, deps=deps_key, error=str(exc))
+            return False
+        _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "lower_dir": lower})
+        _marker(upper, HIT_MARKER, deps_key)
+        log.info("dependency snapshot stacked", key=key, deps=deps_key, chain_id=record.chain_id)
+        return True
+    _write_state(upper, {"key": deps_key, "state": "watching", "parent": parent})
+    WATCHER.watch(snapshotter, key, deps_key, parent, upper)
+    log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key,
+             marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
+    return False
+
+
+def lowers(snapshotter: Any, upper: str) -> list[str]:
+    """The deps layer's lower directory, if one is stacked under this snapshot (asked again on every Mounts)."""
+    state = _read_state(Path(upper).parent)
+    if state is None or state.get("state") != "stacked" or snapshotter.backend is None:
+        return []
+    from bootseer.snapshotter.errors import FailedPrecondition, LayerUnavailable
+
+    chain = str(state["chain_id"])
+    try:
+        try:
+            return [snapshotter.backend.check(chain)]
+        except LayerUnavailable:
+            return [snapshotter.backend.mount(chain)]
+    except LayerUnavailable as exc:
+        # Without it the container would see /.bootseer/deps-hit and no packages: fail loudly instead.
+        raise FailedPrecondition(f"the dependency layer {chain} of this snapshot cannot be served: {exc}") from None
+
+
+def in_use(snapshotter: Any, chain_id: str, *, besides: Path | None = None) -> bool:
+    """Whether a snapshot (other than the directory ``besides``) stacks the deps layer ``chain_id``."""
+    snapshots = Path(snapshotter.root) / "snapshots"
+    try:
+        directories = list(snapshots.iterdir())
+    except FileNotFoundError:
+        return False
+    for directory in directories:
+        if directory == besides or directory.name.startswith(("rm-", "new-")):
+            continue
+        state = _read_state(directory)
+        if state is not None and state.get("state") == "stacked" and state.get("chain_id") == chain_id:
+            return True
+    return False
+
+
+def container_removed(snapshotter: Any, snapshot_dir: Path) -> None:
+    """The snapshot whose directory is now ``snapshot_dir`` (set aside, about to go) was removed."""
+    state = _read_state(snapshot_dir)
+    WATCHER.forget_upper(snapshot_dir)
+    if state is None or state.get("state") != "stacked" or snapshotter.backend is None:
+        return
+    chain = str(state["chain_id"])
+    if in_use(snapshotter, chain, besides=snapshot_dir):
+        return
+    from bootseer.snapshotter.errors import LayerUnavailable
+
+    try:
+        snapshotter.backend.unmount(chain)
+        log.info("unused dependency layer unmounted", chain_id=chain)
+    except LayerUnavailable as exc:
+        log.warning("cannot unmount an unused dependency layer", chain_id=chain, error=str(exc))
+
+
+# -- capture on a miss -------------------------------------------------------------------------
+
+
+@dataclass
+class _Watch:
+    snapshotter: Any
+    key: str  #: the snapshot's key (containerd's)
+    deps_key: str
+    parent: str
+    upper: str
+
+
+class Watcher:
+    """One thread per process polling watched writable layers for the done marker; captures run in threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._watches: dict[str, _Watch] = {}  # upper -> watch
+        self._thread: threading.Thread | None = None
+        self.captures: list[threading.Thread] = []
+
+    def watch(self, snapshotter: Any, key: str, deps_key: str, parent: str, upper: str) -> None:
+        with self._lock:
+            self._watches[upper] = _Watch(snapshotter, key, deps_key, parent, upper)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="deps marker watch", daemon=True)
+                self._thread.start()
+
+    def forget_upper(self, snapshot_dir: Path) -> None:
+        with self._lock:
+            for upper in [u for u in self._watches if Path(u).parent.name == snapshot_dir.name]:
+                del self._watches[upper]
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                watches = list(self._watches.values())
+                if not watches:
+                    self._thread = None
+                    return
+            for watch in watches:
+                if not os.path.isdir(watch.upper):
+                    with self._lock:
+                        self._watches.pop(watch.upper, None)
+                    continue
+                if os.path.exists(os.path.join(watch.upper, MARKER_DIR, DONE_MARKER)):
+                    with self._lock:
+                        self._watches.pop(watch.upper, None)
+                    thread = threading.Thread(target=capture_container, args=(watch,), name=f"deps capture {watch.key}")
+                    self.captures.append(thread)
+                    thread.start()
+            time.sleep(POLL_INTERVAL)
+
+
+WATCHER = Watcher()
+
+
+def capture_container(watch: _Watch) -> str:
+    """Capture a container's writable layer and publish it under its deps key; the outcome, also in the marker."""
+    started = time.monotonic()
+    outcome = "failed: unknown"
+    try:
+        tree = scan(watch.upper, exclude=EXCLUDED)
+        with open_store_writer(publish_store(watch.snapshotter.backend)) as writer:
+            result = publish_capture(writer, key=watch.deps_key, root=watch.upper, tree=tree, change=upper_change(tree),
+                                     mode="container", parent=watch.parent, overlay_upper=True, exclude=EXCLUDED,
+                                     command=[], inputs={"container": watch.key})  # fmt: skip
+        outcome = "published" if result.published else "exists"
+        _write_state(watch.upper, {"key": watch.deps_key, "state": "captured", "chain_id": result.chain_id})
+        log.info("dependency snapshot captured", key=watch.key, deps=watch.deps_key, chain_id=result.chain_id,
+                 files=result.files, bytes=result.bytes, published=result.published,
+                 seconds=round(time.monotonic() - started, 3))  # fmt: skip
+    except (CaptureError, StoreError, ValueError, OSError) as exc:
+        outcome = f"failed: {exc}"
+        log.error("dependency snapshot not captured", key=watch.key, deps=watch.deps_key, error=str(exc))
+    try:
+        _marker(watch.upper, CAPTURED_MARKER, outcome)
+    except OSError as exc:
+        log.warning("cannot tell the container the capture ended", key=watch.key, error=str(exc))
+    return outcome

@@ -21,6 +21,7 @@ from bootseer.ckptmount.tree import CheckpointTree
 from bootseer.fetch.engine import EngineConfig, display_url, open_engine
 from bootseer.fuse import ReadOnlyOperations, end_on_signals, mount_options, serve
 from bootseer.log import get_logger
+from bootseer.profile import hooks as profile_hooks
 
 log = get_logger(__name__)
 
@@ -62,6 +63,7 @@ async def mount_checkpoint(
                 tree.on_version_gone = functools.partial(_forget_in_kernel, ops, nursery)
                 session = await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
                 nursery.start_soon(end_on_signals, session, signals)
+                nursery.start_soon(functools.partial(profile_hooks.sample_counter, "checkpoint.bytes", lambda: engine.stats.bytes_fetched, phase="checkpoint", until=session.ended, source=shown))  # profiler
                 log.info("mounted", source=shown, mountpoint=mountpoint)
                 task_status.started()
 

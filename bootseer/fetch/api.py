@@ -30,6 +30,7 @@ from bootseer.fetch.engine import BytesBuilder, Engine, EngineConfig, FetchError
 from bootseer.fetch.source import Entry, RangeSource
 from bootseer.fetch.sources import open_source
 from bootseer.log import get_logger
+from bootseer.profile import traced
 
 log = get_logger(__name__)
 
@@ -350,6 +351,7 @@ def open(url: str, *, config: EngineConfig | None = None, **source_options: Any)
     return file
 
 
+@traced("checkpoint.read", phase="checkpoint", attrs=lambda data: {"bytes": len(data)})  # start-up profiler
 def read_bytes(url: str, *, config: EngineConfig | None = None, **source_options: Any) -> bytes:
     """The whole file at ``url``, fetched with all streams in parallel."""
     with Client(url, config, **source_options) as client:

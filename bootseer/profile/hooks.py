@@ -99,11 +99,12 @@ def layer_read(container: str | None, layer: str) -> None:
 
 
 async def sample_counter(name: str, read: Callable[[], int], *, phase: str = "", interval: float = SAMPLE_INTERVAL,
-                         **attrs: Any) -> None:
+                         until: Any = None, **attrs: Any) -> None:
     """Sample ``read()`` (a cumulative byte count) every ``interval`` s, writing a counter when it moved.
 
-    Runs until cancelled (in the caller's nursery); returns at once when profiling is off.
-    A final sample is written on cancellation, so the last bytes are never lost.
+    Runs until cancelled (in the caller's nursery) or until the trio.Event ``until`` is set (a
+    FUSE session's ``ended``: the mount's nursery must not wait on us); returns at once when
+    profiling is off. A final sample is written at the end, so the last bytes are never lost.
     """
     if events._spool is None:
         return
@@ -111,12 +112,16 @@ async def sample_counter(name: str, read: Callable[[], int], *, phase: str = "",
 
     last = -1
     try:
-        while True:
+        while until is None or not until.is_set():
             value = read()
             if value != last:
                 events.counter(name, value, phase=phase, **attrs)
                 last = value
-            await trio.sleep(interval)
+            if until is None:
+                await trio.sleep(interval)
+            else:
+                with trio.move_on_after(interval):
+                    await until.wait()
     finally:
         try:
             value = read()

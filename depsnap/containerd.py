@@ -45,6 +45,7 @@ from typing import Any
 
 from bootseer.blockstore.store import StoreError, open_store_writer
 from bootseer.log import get_logger
+from bootseer.profile import hooks as profile_hooks, traced
 
 from .capture import CaptureError, publish_capture, scan, upper_change
 from .key import KeyError_, check_key
@@ -142,9 +143,11 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
         _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "lower_dir": lower})
         _marker(upper, HIT_MARKER, deps_key)
         log.info("dependency snapshot stacked", key=key, deps=deps_key, chain_id=record.chain_id)
+        profile_hooks.deps_container("hit", key, deps_key, chain_id=record.chain_id)  # start-up profiler
         return True
     _write_state(upper, {"key": deps_key, "state": "watching", "parent": parent})
     WATCHER.watch(snapshotter, key, deps_key, parent, upper)
+    profile_hooks.deps_container("miss", key, deps_key)  # start-up profiler
     log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key,
              marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
     return False
@@ -259,6 +262,7 @@ class Watcher:
 WATCHER = Watcher()
 
 
+@traced("deps.capture", phase="dependencies", attrs=lambda outcome: {"outcome": outcome, "background": True})  # profiler
 def capture_container(watch: _Watch) -> str:
     """Capture a container's writable layer and publish it under its deps key; the outcome, also in the marker."""
     started = time.monotonic()

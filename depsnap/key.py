@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
+from bootseer.profile import hooks as profile_hooks, traced
+
 #: Bumped when the meaning of an input changes, so old keys are never matched by new code.
 KEY_VERSION = 1
 
@@ -504,6 +506,7 @@ def _environment(c: _Collector, kind: str) -> None:
 # -- the key ----------------------------------------------------------------------------------
 
 
+@traced("deps.key", phase="dependencies", attrs=profile_hooks.deps_key_attrs)  # start-up profiler
 def compute_key(
     argv: Sequence[str],
     *,

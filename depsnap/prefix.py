@@ -48,6 +48,7 @@ from bootseer.blockstore.store import StoreError, open_store, open_store_writer
 from bootseer.fetch.engine import EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.log import get_logger
+from bootseer.profile import hooks as profile_hooks, traced
 
 from .capture import CaptureError, CaptureResult, Tree, diff, publish_capture, scan
 from .key import DepsKey, compute_key, tree_digest
@@ -291,6 +292,7 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
+@traced("deps.run", phase="dependencies", attrs=profile_hooks.deps_run_attrs)  # start-up profiler: hit/restore or install
 def run(
     argv: Sequence[str],
     *,

@@ -178,3 +178,24 @@ def hotlist_sealed(summary: dict[str, Any]) -> None:
     if events._spool is None:
         return
     events.emit("hotlist.sealed", **{("recording_kind" if k == "kind" else k): v for k, v in summary.items()})
+
+
+def deps_key_attrs(key: Any) -> dict[str, Any]:
+    """``deps.key``: the dependency key computed (depsnap's DepsKey)."""
+    return {"key": key.key, "inputs": len(key.inputs)}
+
+
+def deps_run_attrs(outcome: Any) -> dict[str, Any]:
+    """``deps.run`` (``bootseer deps run``): hit and restored, or missed and installed (and captured)."""
+    action = outcome.action
+    capture = outcome.capture
+    return {"key": outcome.key, "action": action, "hit": action in ("hit", "present"),
+            "restore": action == "hit", "install": action in ("captured", "installed"), "status": outcome.status,
+            "bytes": getattr(capture, "bytes", 0) or 0}
+
+
+def deps_container(event: str, key: str, deps: str, **attrs: Any) -> None:
+    """A container's dependency snapshot, at its Prepare: ``hit`` (a layer stacked) or ``miss`` (to capture)."""
+    if events._spool is None:
+        return
+    events.emit(f"deps.{event}", phase="dependencies", container=container_name(key), key=deps, **attrs)

@@ -40,6 +40,7 @@ from typing import Iterator
 
 import prometheus_client
 
+from bootseer.depsnap import containerd as deps_hooks
 from bootseer.hotlist import hooks as hotlist_hooks
 from bootseer.profile import hooks as profile_hooks
 from bootseer.log import get_logger
@@ -134,6 +135,8 @@ class Snapshotter:
         snapshot, mounts = self._create(Kind.ACTIVE, key, parent, labels)
         profile_hooks.container_prepared(key, parent, labels, self._upper_path(snapshot.id))  # profiler: marks dir, event
         if self.backend is not None:  # a container's rootfs on lazy layers: record or prefetch its hot list
+            if deps_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id))):
+                mounts = self._mounts(snapshot)  # a dependency snapshot is stacked under it (depsnap/containerd.py)
             hotlist_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id)))
         return mounts
 
@@ -179,6 +182,8 @@ class Snapshotter:
             hotlist_hooks.container_removed(self, key)
         if aside is not None:
             profile_hooks.container_removed(key, aside)  # profiler: the container's marks, before they go
+            if self.backend is not None and kind is Kind.ACTIVE:
+                deps_hooks.container_removed(self, aside)  # unmount its dependency layer if it was the last user
             _remove_tree(aside)
         if chain_id:
             self._release_remote(chain_id)
@@ -355,7 +360,8 @@ class Snapshotter:
             snapshot.kind,
             upper=str(self._upper_path(snapshot.id)),
             work=str(self._work_path(snapshot.id)),
-            lowers=[self.lower_dir(layer) for layer in snapshot.parents],
+            lowers=(deps_hooks.lowers(self, str(self._upper_path(snapshot.id))) if snapshot.kind is Kind.ACTIVE else [])
+            + [self.lower_dir(layer) for layer in snapshot.parents],
             index_off=self._index_off,
         )
 
@@ -517,7 +523,7 @@ class Snapshotter:
         with self._chain_lock(chain_id):
             with self._ms.read() as tx:
                 users = tx.remote_users(chain_id)
-            if users:
+            if users or deps_hooks.in_use(self, chain_id):  # a dependency layer stacked under a snapshot
                 return
             try:
                 self.backend.unmount(chain_id)

@@ -1,0 +1,91 @@
+"""Dependency snapshots in containerd, with every real part: registry, private containerd, ``bootseer-snapshotter
+--store`` and its layer server, ``ctr run --snapshotter-label containerd.io/snapshot/bootseer.deps=KEY``.
+
+The first container finds no snapshot: its entry point installs (a shell "install" into ``/opt/deps``,
+which also deletes a file of the image, as an upgrade does), signals ``/.bootseer/deps-done`` and waits for
+``/.bootseer/deps-captured``; the snapshotter captures the writable layer and publishes it.  The second
+container (and one on a fresh node over the same store) gets the deps layer stacked under its writable layer:
+the guard line sees ``/.bootseer/deps-hit`` and skips the install, and the installed files (modes, a
+symlink) and the deletion are there.  Removing it unmounts the deps layer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from bootseer.blockstore.format import chain_ids
+from bootseer.depsnap.containerd import DEPS_LABEL
+from bootseer.depsnap.key import compute_key
+from bootseer.depsnap.record import DepsRecord
+from integration import harness
+from integration.harness import APP_FILE
+from integration.test_lazy import layer_server
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+INSTALL = ("mkdir -p /opt/deps/bin /opt/deps/lib && echo 'echo tool-ran' > /opt/deps/bin/tool && "
+           f"chmod 0750 /opt/deps/bin/tool && ln -s ../bin/tool /opt/deps/lib/link && rm {APP_FILE}")  # fmt: skip
+# The one guard line, then what the job does either way.
+JOB = ("[ -e /.bootseer/deps-hit ] && echo HIT || { " + INSTALL + " && touch /.bootseer/deps-done && "
+       "until ls /.bootseer | grep -qx deps-captured; do sleep 0.2; done; cat /.bootseer/deps-captured; }; "
+       "sh /opt/deps/bin/tool; ls -l /opt/deps/bin/tool | cut -c1-10; readlink /opt/deps/lib/link; "
+       f"[ -e {APP_FILE} ] && echo app-present || echo app-gone")  # fmt: skip
+
+
+def run_with_deps(stack: harness.Stack, ref: str, name: str, key: str) -> list[str]:
+    out = stack.containerd.ctr_out("run", "--rm", "--fifo-dir", str(stack.fifo_dir), "--snapshotter",
+                                   stack.snapshotter_name, "--snapshotter-label", f"{DEPS_LABEL}={key}",
+                                   ref, name, "sh", "-c", JOB, timeout=180)  # fmt: skip
+    return out.split()
+
+
+@pytest.fixture
+def stacks(runnable):
+    made: list[harness.Stack] = []
+
+    def make() -> harness.Stack:
+        stack = harness.Stack(store=True)
+        made.append(stack)
+        stack.start()
+        return stack
+
+    try:
+        yield make
+    finally:
+        for stack in made:
+            stack.close()
+            print(stack.logs())
+        for stack in made:
+            assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
+
+
+def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
+    first = stacks()
+    image, ref = first.build_and_push()
+    first.pull(ref)
+    top = chain_ids(image.diff_ids)[-1]
+    key = compute_key(["sh", "-c", INSTALL], base_chain=top).key
+
+    assert run_with_deps(first, ref, "deps-1", key) == ["published", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
+    record_path = first.store_dir / "v1" / "deps" / f"{key}.json"
+    record = DepsRecord.decode(record_path.read_bytes(), expected_key=key)
+    assert record.mode == "container" and record.parent == top
+
+    # A second container on the node: the deps layer is stacked, the install skipped.
+    assert run_with_deps(first, ref, "deps-2", key) == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
+    # --rm removed its snapshot: the deps layer is no longer served.
+    served = [layer["chain_id"] for layer in layer_server(first).status()["layers"]]
+    assert record.chain_id not in served
+
+    # A fresh node (own registry, containerd, snapshotter root, empty cache) over a copy of the store.
+    second = stacks()
+    image2, ref2 = second.build_and_push()
+    assert image2.diff_ids == image.diff_ids
+    shutil.copytree(first.store_dir, second.store_dir, dirs_exist_ok=True)
+    second.pull(ref2)
+    assert run_with_deps(second, ref2, "deps-3", key) == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
+    # Only one record, never rewritten by the hit.
+    assert json.loads(record_path.read_bytes())["key"] == key

@@ -173,8 +173,11 @@ def _svg_timeline(trace: Trace, origin: float, scale_s: float, title: str) -> st
             colour = COLOURS.get(e.phase, COLOURS[""])
             tip = html.escape(f"{e.name} {e.duration:.3f} s {e.attrs}")
             if e.kind == "span":
-                parts.append(f'<rect x="{x(e.start):.1f}" y="{y + 4}" width="{max(1.0, x(e.end or e.start) - x(e.start)):.1f}" '
-                             f'height="{ROW - 12}" fill="{colour}"><title>{tip}</title></rect>')
+                # Background work (prefetch) is drawn thin and faint: it gates nothing.
+                thin = 8 if e.attrs.get("background") else 0
+                parts.append(f'<rect x="{x(e.start):.1f}" y="{y + 4 + thin}" width="{max(1.0, x(e.end or e.start) - x(e.start)):.1f}" '
+                             f'height="{ROW - 12 - thin}" fill="{colour}" fill-opacity="{0.45 if thin else 1}">'
+                             f'<title>{tip}</title></rect>')
             else:
                 parts.append(f'<line x1="{x(e.start):.1f}" x2="{x(e.start):.1f}" y1="{y}" y2="{y + ROW - 4}" '
                              f'stroke="{colour if not e.name.startswith("mark.") else "#000"}" stroke-width="2">'

@@ -719,7 +719,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         "",
         "## Time to the first useful output",
         "",
-        "| scenario | what is timed | runs (s) | median (s) | pull (s) | × overlayfs | link bytes (MB) |",
+        "| scenario | what is timed | runs (s) | median (s) | pull (s) | × baseline | link bytes (MB) |",
         "|---|---|---|---|---|---|---|",
     ]
     for name, scenario in scenarios.items():
@@ -732,6 +732,10 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
             f"| {name} | {SCENARIOS[name]} | {runs} | {_f(seconds[name])} | "
             f"{_f(scenario.median(lambda r: r.pull_seconds))} | {_f(ratio)} | "
             f"{_f(scenario.median(lambda r: r.link_bytes / MB), '.1f')} |")
+    lines += ["", "Baselines (medians of the same run): "
+              + "; ".join(f"{name} against {base}" for name, base in BASELINES.items()
+                          if name != base and (scenarios[name].runs or scenarios[name].errors))
+              + ". `pull` is the pull alone (for the fuse scenarios: the layer mounts)."]
     # The bytes of a lazy start: through containerd if it ran, else through the layer server alone.
     lazy = scenarios["lazy-cold"] if scenarios["lazy-cold"].runs or not scenarios["fuse-cold"].runs \
         else scenarios["fuse-cold"]

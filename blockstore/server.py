@@ -45,6 +45,7 @@ import trio
 
 from bootseer.blockstore.control import (
     MAX_MESSAGE,
+    MOUNT_TIMEOUT,
     InvalidRequest,
     LayerCorrupt,
     LayerNotConverted,
@@ -57,7 +58,7 @@ from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, che
 from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree, inode_number
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
-from bootseer.fetch.sources import open_source
+from bootseer.fetch.sources import open_source, redact_url
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks
@@ -95,6 +96,9 @@ class LayerServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     source_options: dict[str, Any] = field(default_factory=dict)  #: passed to open_source for every store
     shutdown_grace: float = 10.0
+    #: a mount that has not got its chain record and index by then fails (StoreUnavailable),
+    #: answered before the client's own MOUNT_TIMEOUT, so it gets the reason, not a timeout
+    load_timeout: float = MOUNT_TIMEOUT - 30
     hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
 
     @property
@@ -360,7 +364,14 @@ class LayerServer:
                 return self._answer(layer)
             # A row whose restore failed keeps its slot and store; this is its retry.
             store = layer.store if layer is not None else store
-            record, index = await self._fetch_layer(chain_id, store)
+            # The engine fails a store that errors within retry_timeout; this bounds one that
+            # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
+            with trio.move_on_after(self.config.load_timeout) as loading:
+                record, index = await self._fetch_layer(chain_id, store)
+            if loading.cancelled_caught:
+                raise StoreUnavailable(
+                    f"{chain_id}: the store {redact_url(store)} did not give its chain record and index in {self.config.load_timeout:g}s"
+                )
             async with self._table_lock:
                 if layer is None:
                     layer = Layer(chain_id, self._free_slot(), store, record)

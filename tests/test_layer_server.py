@@ -675,3 +675,62 @@ def test_chain_locks_do_not_outlive_their_requests(built: Any, tmp_path: Path) -
         return left
 
     assert trio.run(main) == {}
+
+
+def test_a_store_that_takes_the_request_and_never_answers_fails_the_mount_in_its_bound(tmp_path: Path) -> None:
+    """The engine fails a store that errors within its retry timeout; one that holds the
+    request open is bounded by the mount's ``load_timeout``, which answers StoreUnavailable
+    before the client's own timeout (so the daemon falls back for the right reason)."""
+    import socket
+
+    import trio
+    import trio.testing
+
+    from bootseer.blockstore.server import LayerServer, LayerServerConfig
+    from bootseer.fetch.engine import EngineConfig
+
+    held: list[socket.socket] = []
+    reached = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+
+    def accept() -> None:
+        try:
+            while True:
+                held.append(listener.accept()[0])  # and never answer
+                reached.set()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    store = f"http://127.0.0.1:{listener.getsockname()[1]}/store/"
+
+    clock = trio.testing.MockClock()  # stands still until the store holds a request, then jumps
+
+    async def jump_once_the_store_is_reached() -> None:
+        assert await trio.to_thread.run_sync(reached.wait, 60), "the mount never reached the store"
+        clock.jump(120)
+
+    async def main() -> str:
+        async with trio.open_nursery() as nursery:
+            config = LayerServerConfig(
+                root=tmp_path / "root", store=store, cache_dir=tmp_path / "cache",
+                engine=EngineConfig(retry_timeout=3600), load_timeout=120,
+            )  # fmt: skip
+            config.paths.indexes.mkdir(parents=True)
+            server = LayerServer(config, nursery)
+            started = trio.current_time()
+            nursery.start_soon(jump_once_the_store_is_reached)
+            with pytest.raises(StoreUnavailable, match="in 120s") as raised:
+                await server.mount("sha256:" + "a" * 64)
+            assert trio.current_time() - started == pytest.approx(120)
+            assert server.layers == {}
+            nursery.cancel_scope.cancel()
+        return str(raised.value)
+
+    try:
+        trio.run(main, clock=clock)
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()

@@ -311,7 +311,7 @@ def demo_trace(node: str = "node-a", *, t0: float = 1000.0, checkpoint_s: float 
         E("deps.hit", "instant", t0 + 1.6, phase="dependencies"),
         E("deps.run", "span", t0 + 2.1, t0 + 3.0, phase="dependencies", attrs={"action": "hit"}),
         E("checkpoint.bytes", "counter", t0 + 3.0, phase="checkpoint", value=0),
-        E("checkpoint.bytes", "counter", t0 + 3.25, phase="checkpoint", value=1 << 20),
+        E("checkpoint.bytes", "counter", t0 + 3.1, phase="checkpoint", value=1 << 20),
         E("checkpoint.bytes", "counter", t0 + 3.0 + checkpoint_s, phase="checkpoint", value=8 << 20),
         E("mark.import.end", "instant", t0 + 4.0 + checkpoint_s, attrs={"mark": "import.end"}),
         E("mark.first_step", "instant", t0 + 5.0 + checkpoint_s, attrs={"mark": "first_step"}),
@@ -541,5 +541,9 @@ def test_containerd_envelopes_become_events() -> None:
         "task.start", "container", 1700000000.5, {"namespace": "ns", "container": "job", "pid": 7})
     name, phase, _, attrs = decode(envelope("/tasks/exit", task_pb2.TaskExit(container_id="job", id="job", exit_status=2)))
     assert (name, phase, attrs["exit_status"], attrs["container"]) == ("task.exit", "", 2, "job")
+    # As containerd sends them: a bare message name as the type URL.
+    bare = envelope("/tasks/create", task_pb2.TaskCreate(container_id="job", pid=9))
+    bare.event.type_url = "containerd.events.TaskCreate"
+    assert decode(bare)[0] == "task.create" and decode(bare)[3]["pid"] == 9
     assert decode(envelope("/snapshot/prepare", task_pb2.TaskStart())) is None  # a topic not profiled
     assert decode(envelope("/tasks/start", task_pb2.TaskExit())) is None  # a type the topic does not carry

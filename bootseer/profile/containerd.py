@@ -46,12 +46,22 @@ def decode(envelope: events_pb2.Envelope) -> tuple[str, str, float, dict[str, An
     if known is None:
         return None
     name, phase, kind, fields = known
-    payload = kind()
-    if not envelope.event.Unpack(payload):
+    # containerd's type URLs are bare message names ("containerd.events.TaskStart"), which protobuf's
+    # Any.Unpack refuses (it wants a "/"): compare the name after the last "/" ourselves.
+    if envelope.event.type_url.rsplit("/", 1)[-1] != kind.DESCRIPTOR.full_name:
         return None  # another type under a known topic: not ours to guess at
+    payload = kind()
+    try:
+        payload.ParseFromString(envelope.event.value)
+    except message.DecodeError:
+        return None
     attrs: dict[str, Any] = {"namespace": envelope.namespace}
     for field in fields:
-        attrs["container" if field in ("container_id", "id") and "container" not in attrs else field] = getattr(payload, field)
+        # Named as the other components name them: the container's ID, the image's reference.
+        renamed = {"container_id": "container", "name": "image"}.get(field, field)
+        if field == "id" and "container" not in attrs:
+            renamed = "container"
+        attrs[renamed] = getattr(payload, field)
     when = envelope.timestamp.seconds + envelope.timestamp.nanos / 1e9
     return name, phase, when, attrs
 

@@ -278,7 +278,7 @@ def spool() -> Spool | None:
 # --------------------------------------------------------------------------- emitting
 
 
-def emit(name: str, kind: str = "instant", *, start: float | None = None, end: float | None = None,
+def emit(name: str, kind: str = "instant", /, *, start: float | None = None, end: float | None = None,
          phase: str = "", bytes: int = 0, value: float | None = None, job: str = "",
          **attrs: Any) -> None:
     """Record one event now (or at ``start``); nothing at all when profiling is off."""
@@ -293,14 +293,14 @@ def emit(name: str, kind: str = "instant", *, start: float | None = None, end: f
         pass
 
 
-def counter(name: str, value: float, *, phase: str = "", **attrs: Any) -> None:
+def counter(name: str, value: float, /, *, phase: str = "", **attrs: Any) -> None:
     """Sample a cumulative counter (bytes fetched so far, ...)."""
     if _spool is not None:
         emit(name, "counter", phase=phase, value=value, **attrs)
 
 
 @contextlib.contextmanager
-def span(name: str, *, phase: str = "", **attrs: Any) -> Iterator[dict[str, Any]]:
+def span(name: str, /, *, phase: str = "", **attrs: Any) -> Iterator[dict[str, Any]]:
     """Time a block as one span; the yielded dict takes attributes (``bytes`` too) known only at its end."""
     if _spool is None:
         yield {}

@@ -28,7 +28,7 @@ from bootseer.profile import events
 from bootseer.profile.events import use_root  # noqa: F401 - daemons call hooks.use_root(ROOT)
 
 #: How often counters (bytes fetched) are sampled; a sample is written only when the value moved.
-SAMPLE_INTERVAL = 0.25
+SAMPLE_INTERVAL = 0.1
 _METADATA_KEY = re.compile(r"[^/]+/\d+/(.+)")
 #: Containers announced to the layer server whose first read is still to come: id -> time announced.
 _awaiting_first_read: dict[str, float] = {}

@@ -31,10 +31,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from bootseer.profile.events import PHASES, Event, EventError, read_marks, read_spool
+from bootseer.profile.hooks import SAMPLE_INTERVAL
 
 TRACE_VERSION = 1
 #: The mark that ends a start.
 FIRST_STEP = "first_step"
+#: Marks other parts define that close a phase: depsnap's ``/.bootseer/deps-done`` (the job's install succeeded).
+MARK_ALIASES = {"deps-done": "dependencies.end"}
 
 
 class TraceError(ValueError):
@@ -130,7 +133,15 @@ def collect(spool: str | os.PathLike[str], *, job: str = "", since: float | None
     if since is None:
         pulls = [e.start for e in events if e.name == "image.pull"]
         since = max(pulls) if pulls else (events[0].start if events else 0.0)
-    events = [e for e in events if (e.end or e.start) >= since and (until is None or e.start <= until)]
+    # A counter's last sample before the window is its baseline: without it, bytes fetched in the
+    # window's first sampling interval would not show as growth.
+    baselines: dict[str, Event] = {}
+    for e in events:
+        if e.kind == "counter" and e.start < since:
+            baselines[e.name] = e
+    events = list(baselines.values()) + [
+        e for e in events if (e.end or e.start) >= since and (until is None or e.start <= until)]
+    events.sort(key=lambda e: e.start)
     if not node:
         counts = Counter(e.node for e in events if e.node)
         node = counts.most_common(1)[0][0] if counts else os.environ.get("BOOTSEER_NODE", "") or os.uname().nodename
@@ -153,8 +164,9 @@ class Phase:
         return max(0.0, self.end - self.start)
 
 
-def _counter_window(samples: list[Event]) -> tuple[float, float, int] | None:
-    """When a cumulative counter grew: (from the sample before the first growth, the last growth, bytes)."""
+def _counter_window(samples: list[Event]) -> tuple[float, float, float, int] | None:
+    """When a cumulative counter grew: (earliest it can have begun, the first sample that showed growth,
+    the last growth, bytes)."""
     if len(samples) < 1:
         return None
     values = [(e.start, float(e.value or 0)) for e in samples]
@@ -162,7 +174,10 @@ def _counter_window(samples: list[Event]) -> tuple[float, float, int] | None:
     grew = [i for i in range(1, len(values)) if values[i][1] > values[i - 1][1]]
     if not grew:
         return None
-    return values[grew[0] - 1][0], values[grew[-1]][0], int(values[-1][1] - base)
+    # Samples are written only when the value moved, so the one before the first growth may be much
+    # older (the mount's first sample): the growth began at most one sampling interval before it showed.
+    first = values[grew[0]][0]
+    return max(values[grew[0] - 1][0], first - SAMPLE_INTERVAL), first, values[grew[-1]][0], int(values[-1][1] - base)
 
 
 def _background(e: Event) -> bool:
@@ -183,9 +198,12 @@ def phases(trace: Trace) -> list[Phase]:
         window[0], window[1] = min(window[0], start), max(window[1], end)
 
     counters: dict[tuple[str, str], list[Event]] = {}
+    #: phase -> when its counter first showed growth: its start is known only to one sampling interval
+    uncertain: dict[str, float] = {}
     for e in trace.events:
         if e.name.startswith("mark."):
             name = str(e.attrs.get("mark", e.name[5:]))
+            name = MARK_ALIASES.get(name, name)
             if name == FIRST_STEP:
                 first_step = e.start if first_step is None else min(first_step, e.start)
                 continue
@@ -214,11 +232,12 @@ def phases(trace: Trace) -> list[Phase]:
         window = _counter_window(samples)
         if window is None:
             continue
-        start, end, grown = window
+        start, seen, end, grown = window
         moved[phase] += grown
         if phase in ("checkpoint", "dependencies"):  # their bytes are their phase; image bytes go on all start long
             widen(phase, start, end)
             counts[phase] += 1
+            uncertain[phase] = seen
 
     result: list[Phase] = []
     # A phase known only by its end starts where the latest phase before it ended, or with the trace.
@@ -241,6 +260,9 @@ def phases(trace: Trace) -> list[Phase]:
         if start is None:
             start = latest_end if latest_end is not None else origin
             start = min(start, end)  # type: ignore[type-var]
+        elif name in uncertain and name not in explicit_start and latest_end is not None \
+                and start < latest_end <= uncertain[name]:
+            start = latest_end  # within the sampling interval: after what came before, not overlapping it
         if end is None:
             end = start
         result.append(Phase(name, start, max(start, end), moved[name], counts[name]))

@@ -889,9 +889,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", default="1gbit", help="the link's rate each way, in tc's syntax (1gbit)")
     parser.add_argument("--cache-dir", type=Path, default=image_build.DEFAULT_CACHE_DIR,
                         help=f"image, registry storage and store, kept across runs ({image_build.DEFAULT_CACHE_DIR})")
-    parser.add_argument("--modes", default="overlay,lazy",
+    parser.add_argument("--modes", default="overlay,lazy,fuse",
                         help="comma-separated: overlay, lazy, fuse (the layer server alone, no containerd, with "
-                             "plain overlayfs chroot runs beside it) (overlay,lazy)")
+                             "plain overlayfs chroot runs beside it) (overlay,lazy,fuse)")
     parser.add_argument("--jobs", type=int, default=2, help="gzip threads when building the image (2)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one pull or run may take (600)")
     parser.add_argument("--profile", action="store_true",

@@ -168,8 +168,8 @@ def _svg_timeline(trace: Trace, origin: float, scale_s: float, title: str) -> st
                          f'{phase.duration:.3f} s</title></rect>')
         parts.append(f'<text x="4" y="{y + ROW - 10}">{html.escape(label)}</text>')
         for e in trace.events:
-            if e.kind == "counter" or _timeline_row(e) != row:
-                continue
+            if e.kind == "counter" or _timeline_row(e) != row or not origin <= e.start <= origin + scale_s:
+                continue  # counters are drawn below; what happened after the start is not on its timeline
             colour = COLOURS.get(e.phase, COLOURS[""])
             tip = html.escape(f"{e.name} {e.duration:.3f} s {e.attrs}")
             if e.kind == "span":
@@ -193,7 +193,14 @@ def _svg_timeline(trace: Trace, origin: float, scale_s: float, title: str) -> st
     for i, (name, points) in enumerate(sorted(series.items())):
         low = points[0][1]
         high = max(v for _, v in points) - low or 1.0
-        path = " ".join(f"{x(t):.1f},{base + CHART - (v - low) / high * CHART:.1f}" for t, v in points)
+        # A step line: samples are written when the value moved, so it held its value until the next one.
+        y = lambda v: base + CHART - (v - low) / high * CHART  # noqa: E731
+        steps = [(max(points[0][0], origin), points[0][1])]
+        for (t, v) in points[1:]:
+            if t > origin + scale_s:
+                break
+            steps += [(max(t, origin), steps[-1][1]), (max(t, origin), v)]
+        path = " ".join(f"{x(t):.1f},{y(v):.1f}" for t, v in steps)
         colour = SERIES_COLOURS[i % len(SERIES_COLOURS)]
         parts.append(f'<polyline class="bytes" points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
         parts.append(f'<text x="4" y="{base + 14 + 14 * i}" fill="{colour}">{html.escape(name)} '

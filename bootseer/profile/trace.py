@@ -275,7 +275,9 @@ def start_window(trace: Trace, found: list[Phase] | None = None) -> tuple[float,
     found = phases(trace) if found is None else found
     if not trace.events:
         return 0.0, 0.0
-    first = min(min(e.start for e in trace.events), *(p.start for p in found)) if found else trace.events[0].start
+    # Counter samples do not start anything (the first may be a baseline from long before).
+    starts = [e.start for e in trace.events if e.kind != "counter"] + [p.start for p in found]
+    first = min(starts) if starts else trace.events[0].start
     step = [p for p in found if p.name == FIRST_STEP]
     if step:
         return first, step[0].end

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterable
 
 from bootseer import __version__
-from bootseer.blockstore.convert import DedupTable, convert_layer, verify_layer
+from bootseer.blockstore.convert import ConversionError, DedupTable, convert_layer, verify_layer
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, EntryType, LayerIndex, chain_id, index_object
 from bootseer.blockstore.store import StoreWriter
 from bootseer.blockstore.tarlayer import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
@@ -409,10 +409,13 @@ def publish_capture(
             diff_id, size, expected = write_tar(root, tree, change, out, overlay_upper=overlay_upper)  # type: ignore[arg-type]
         chain = chain_id(parent, diff_id)
         table = DedupTable.load(writer)
-        with open(tar_path, "rb") as blob:
-            result = convert_layer(writer, table, blob, chain=chain, parent=parent, diff_id=diff_id, digest=diff_id,
-                                   media_type=LAYER_MEDIA_TYPE, size=size, block_size=block_size, compression="none",
-                                   spool_dir=spool, label=f"deps {key[:12]}")  # fmt: skip
+        try:
+            with open(tar_path, "rb") as blob:
+                result = convert_layer(writer, table, blob, chain=chain, parent=parent, diff_id=diff_id, digest=diff_id,
+                                       media_type=LAYER_MEDIA_TYPE, size=size, block_size=block_size,
+                                       compression="none", spool_dir=spool, label=f"deps {key[:12]}")  # fmt: skip
+        except ConversionError as exc:
+            raise CaptureError(str(exc)) from None
     chain_record = verify_layer(writer, chain)
     if chain_record is None:
         raise CaptureError(f"the captured layer {chain} does not verify in {writer.display_url}")

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -64,6 +65,16 @@ STATE_FILE = "deps.json"
 EXCLUDED = (MARKER_DIR, "tmp", "var/tmp", "run", "proc", "sys", "dev", "root/.cache")
 POLL_INTERVAL = 0.5
 LOOKUP_TIMEOUT = 10.0
+
+
+_CHAIN_AT_END = re.compile(r"(sha256:[0-9a-f]{64})$")
+
+
+def base_chain(parent: str) -> str | None:
+    """The image's top ChainID from a Prepare's parent: containerd names committed snapshots of image
+    layers ``<namespace>/<n>/<chainID>`` when it talks to a proxy snapshotter; None for anything else."""
+    match = _CHAIN_AT_END.search(parent)
+    return match.group(1) if match else None
 
 
 def key_of(labels: dict[str, str] | None) -> str | None:
@@ -121,7 +132,11 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
     """An active snapshot was prepared; True if a deps layer is now stacked under it (its mounts changed)."""
     deps_key = key_of(labels)
     backend = snapshotter.backend
-    if deps_key is None or backend is None or not parent:
+    if deps_key is None or backend is None:
+        return False
+    base = base_chain(parent)
+    if base is None:
+        log.warning("deps label on a snapshot that is not over an image layer; ignored", key=key, parent=parent)
         return False
     try:
         record = lookup(backend.store_url, deps_key, timeout=LOOKUP_TIMEOUT)
@@ -129,7 +144,7 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
         log.warning("deps lookup failed; the container installs as on a miss", key=key, deps=deps_key, error=str(exc))
         record = None
     if record is not None:
-        if record.mode != "container" or record.parent != parent:
+        if record.mode != "container" or record.parent != base:
             log.warning("deps record is of another image; not stacked, not captured", key=key, deps=deps_key,
                         parent=parent, record_parent=record.parent)  # fmt: skip
             return False
@@ -145,8 +160,11 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
         log.info("dependency snapshot stacked", key=key, deps=deps_key, chain_id=record.chain_id)
         profile_hooks.deps_container("hit", key, deps_key, chain_id=record.chain_id)  # start-up profiler
         return True
-    _write_state(upper, {"key": deps_key, "state": "watching", "parent": parent})
-    WATCHER.watch(snapshotter, key, deps_key, parent, upper)
+    _write_state(upper, {"key": deps_key, "state": "watching", "parent": base})
+    marks = Path(upper) / MARKER_DIR
+    marks.mkdir(mode=0o1777, exist_ok=True)  # where the job signals, whatever its uid (as /tmp)
+    os.chmod(marks, 0o1777)
+    WATCHER.watch(snapshotter, key, deps_key, base, upper)
     profile_hooks.deps_container("miss", key, deps_key)  # start-up profiler
     log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key,
              marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
@@ -213,7 +231,7 @@ class _Watch:
     snapshotter: Any
     key: str  #: the snapshot's key (containerd's)
     deps_key: str
-    parent: str
+    parent: str  #: the image's top ChainID
     upper: str
 
 
@@ -281,6 +299,9 @@ def capture_container(watch: _Watch) -> str:
     except (CaptureError, StoreError, ValueError, OSError) as exc:
         outcome = f"failed: {exc}"
         log.error("dependency snapshot not captured", key=watch.key, deps=watch.deps_key, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - the job waits for the marker: it must always be written
+        outcome = f"failed: {type(exc).__name__}: {exc}"
+        log.exception("dependency snapshot not captured (unexpected error)", key=watch.key, deps=watch.deps_key)
     try:
         _marker(watch.upper, CAPTURED_MARKER, outcome)
     except OSError as exc:

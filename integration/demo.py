@@ -75,7 +75,9 @@ def _sigterm_to_interrupt(signum, frame) -> None:
 def demo(keep: bool) -> None:
     if keep:
         os.environ["BOOTSEER_KEEP_TMP"] = "1"
+    os.environ["BOOTSEER_PROFILE"] = "1"  # the start-up profiler: the daemon's spool is ROOT/profile (docs/profile.md)
     stack = harness.Stack(store=True)
+    os.environ["BOOTSEER_PROFILE"] = str(stack.daemon.root / "profile")  # and rpull's, convert's: the same spool
     try:
         with step(f"start registry, bootseer-snapshotter --store and containerd under {stack.base}"):
             stack.start()
@@ -103,8 +105,9 @@ def demo(keep: bool) -> None:
         with step("ctr run --rm --snapshotter bootseer: the container reads a few files"):
             script = (f"/app/run.sh; cat {harness.PATCH_FILE}; echo '$ ls {harness.OPAQUE_DIR}'; ls {harness.OPAQUE_DIR}; "
                       f"echo '$ cat {harness.DELETED_FILE}  (deleted by layer 2)'; cat {harness.DELETED_FILE} 2>&1; "
-                      f"echo '$ sha256sum {harness.part_path(0)}'; sha256sum {harness.part_path(0)}")
+                      f"echo '$ sha256sum {harness.part_path(0)}'; sha256sum {harness.part_path(0)}; touch /.bootseer/first_step")
             show(stack.run_container(ref, "demo-run", "sh", "-c", script))
+            profiled_until = time.time()
             store = sum(p.stat().st_size for p in stack.store_dir.rglob("*") if p.is_file())
             show(f"fetched from the store: {mib(fetched(stack))} of {mib(store)} it holds")
 
@@ -132,6 +135,10 @@ def demo(keep: bool) -> None:
             harness.wait_until("the daemon's snapshot directories to go", lambda: not stack.daemon.snapshot_dirs(), 60)
             show(f"snapshots left: {len(stack.containerd.snapshots())}, "
                  f"directories under {stack.daemon.root}/snapshots: {len(stack.daemon.snapshot_dirs())}")
+
+        with step("bootseer profile collect: where the start (rpull to the container's first step) went"):
+            show(bootseer("profile", "collect", "--spool", os.environ["BOOTSEER_PROFILE"], "--until", str(profiled_until),
+                          "-o", str(stack.base / "profile.json"), "--html", str(stack.base / "profile.html")))
     except BaseException:
         with step("tear down"):
             stack.close()

@@ -75,6 +75,7 @@ def collect_command(args: argparse.Namespace) -> int:
             return _fail(f"cannot publish to the store: {exc}")
         print(f"published: {name}")
     print(table(trace))
+    _write_outputs(args, [trace])
     return 0
 
 
@@ -223,6 +224,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--until", type=_float, help="window end, Unix seconds or -SECONDS")
     p.add_argument("-o", "--output", help="trace file (default profile-NODE-JOB.json)")
     p.add_argument("--publish", metavar="STORE", help="also put the trace into the store under the job")
+    p.add_argument("--html", help="also write the timeline page here (as report --html)")
+    p.add_argument("--chrome", help="also write a Chrome trace event file here (as report --chrome)")
     p.set_defaults(func=collect_command)
 
     p = commands.add_parser("report", help="phase table, HTML timeline and Chrome trace of a trace or a job")

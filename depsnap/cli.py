@@ -71,6 +71,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--base", metavar="CHAINID", help="containerd: the ChainID of the image's top layer")
     key.add_argument("--python", metavar="PATH", help="the interpreter the install runs with (default: found from CMD)")
     key.add_argument("--input", action="append", default=[], metavar="FILE", help="another file CMD reads (repeatable)")
+    key.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                     help="with --base: a variable of the container's environment (repeatable; this process's "
+                          "environment does not count for a container)")  # fmt: skip
     key.add_argument("--json", action="store_true", help="print JSON")
     key.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     key.set_defaults(func=key_command)
@@ -124,8 +127,17 @@ def key_command(args: argparse.Namespace) -> int:
     from .key import KeyError_, compute_key
 
     argv = _command(args)
+    env = None
+    if args.env:
+        if args.prefix:
+            return _error("--env is for --base (a container); on bare metal the environment is this process's")
+        bad = [e for e in args.env if "=" not in e or e.startswith("=")]
+        if bad:
+            return _error(f"--env takes NAME=VALUE, not {bad[0]!r}")
+        env = dict(e.split("=", 1) for e in args.env)
     try:
-        key = compute_key(argv, prefix=args.prefix, base_chain=args.base, python=args.python, extra_files=args.input)
+        key = compute_key(argv, prefix=args.prefix, base_chain=args.base, python=args.python, extra_files=args.input,
+                          env=env)  # fmt: skip
     except KeyError_ as exc:
         return _error(str(exc))
     if args.json:

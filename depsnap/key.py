@@ -529,7 +529,11 @@ def compute_key(
         raise KeyError_("no install command given")
     if (prefix is None) == (base_chain is None):
         raise KeyError_("a key is computed for a prefix (bare metal) or a base ChainID (a container), exactly one")
-    env = dict(os.environ if env is None else env)
+    if env is None:
+        # In a container the install sees the container's environment and configuration files, not
+        # this process's: there only what the caller passes counts (``bootseer deps key --env``).
+        env = dict(os.environ) if prefix is not None else {}
+    env = dict(env)
     c = _Collector(cwd=Path(cwd or os.getcwd()).absolute(), env=env)
     c.add("format", str(KEY_VERSION))
     kind, args, _ = _tool(argv, env)
@@ -581,7 +585,7 @@ def compute_key(
         if not path.exists():
             raise KeyError_(f"input file {path} does not exist")
         c.add(f"input:{path}", tree_digest(path))
-    if kind != "other":
+    if kind != "other" and prefix is not None:  # a container's configuration files are in its image (the base)
         for path in _config_files("pip" if kind == "pip" else "uv", env, c.cwd, python_prefix):
             if path.is_file():
                 c.add(f"config:{path}", file_digest(path))

@@ -405,6 +405,7 @@ class Snapshotter:
 
     # -- remote snapshots ----------------------------------------------------------------
 
+    @profile_hooks.remote_prepare  # start-up profiler: each layer's Prepare, lazy or downloaded
     def _prepare_remote(self, key: str, parent: str, labels: dict[str, str], chain_id: str) -> list[Mount]:
         """Prepare ``key`` as containerd's unpacker asks, committing ``chain_id`` lazily if the store has it.
 

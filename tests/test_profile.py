@@ -547,3 +547,59 @@ def test_containerd_envelopes_become_events() -> None:
     assert decode(bare)[0] == "task.create" and decode(bare)[3]["pid"] == 9
     assert decode(envelope("/snapshot/prepare", task_pb2.TaskStart())) is None  # a topic not profiled
     assert decode(envelope("/tasks/start", task_pb2.TaskExit())) is None  # a type the topic does not carry
+
+
+def test_a_ctr_pull_start_is_found_by_its_layer_prepares(spool: Path) -> None:
+    # No rpull: containerd's unpacker prepared the layers (the snapshotter's spans) and created the image.
+    for start in (10.0, 11.0):  # an earlier pull
+        events.emit("image.layer_prepare", "span", start=start, end=start + 0.5, phase="image", state="lazy")
+    for start in (500.0, 501.0, 502.0):
+        events.emit("image.layer_prepare", "span", start=start, end=start + 0.5, phase="image", state="lazy")
+    events.emit("image.created", start=503.0, phase="image", image="r")
+    events.emit("task.start", start=504.0, phase="container")
+    trace = collect(spool)
+    assert trace.events[0].start == 500.0
+    image = next(p for p in phases(trace) if p.name == "image")
+    assert (image.start, image.end) == (500.0, 503.0)
+
+
+def test_layer_prepares_through_the_snapshotter_are_lazy_or_downloaded(spool: Path) -> None:
+    from bootseer.snapshotter.errors import AlreadyExists
+
+    class Backend:  # the decorator only sees the method's outcome: a lazy layer raises ALREADY_EXISTS
+        pass
+
+    calls = []
+
+    @hooks.remote_prepare
+    def prepare(self, key, parent, labels, chain_id):
+        calls.append(chain_id)
+        if chain_id == "sha256:lazy":
+            raise AlreadyExists("served lazily")
+        return ["mount"]
+
+    with pytest.raises(AlreadyExists):
+        prepare(Backend(), "k1", "", {}, "sha256:lazy")
+    assert prepare(Backend(), "k2", "", {}, "sha256:plain") == ["mount"]
+    spans = [e for e in read_spool(spool)[0] if e.name == "image.layer_prepare"]
+    assert [(e.attrs["chain_id"], e.attrs["state"], e.phase) for e in spans] == [
+        ("sha256:lazy", "lazy", "image"), ("sha256:plain", "downloaded", "image")]
+
+
+def test_profile_1_puts_the_spool_under_the_snapshotter_root(tmp_path: Path) -> None:
+    # As the daemon runs with Environment=BOOTSEER_PROFILE=1: a process of its own, the real Snapshotter.
+    code = ("import sys, os; from bootseer.snapshotter.snapshots import Snapshotter; s = Snapshotter(sys.argv[1]); "
+            "s.prepare('ns/1/l', ''); s.commit('base', 'ns/1/l'); s.prepare('ns/2/job', 'base'); s.close(); "
+            "print(os.environ.get('BOOTSEER_PROFILE', ''))")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "root")], capture_output=True, text=True,
+                          timeout=60, env={**base, "BOOTSEER_PROFILE": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "root" / "profile")  # exported for the layer server it starts
+    found, _ = read_spool(tmp_path / "root" / "profile")
+    assert [e.attrs.get("container") for e in found if e.name == "container.prepare"] == ["job"]
+    # Off (unset): no spool at all.
+    off = subprocess.run([sys.executable, "-c", code, str(tmp_path / "root2")], capture_output=True, text=True,
+                         timeout=60, env=base)
+    assert off.returncode == 0 and off.stdout.strip() == "", off.stderr
+    assert not (tmp_path / "root2" / "profile").exists()

@@ -25,7 +25,8 @@ log = get_logger(__name__)
 
 #: containerd's topic -> (event name, phase, message type, fields copied into the attributes).
 TOPICS: dict[str, tuple[str, str, type[message.Message], tuple[str, ...]]] = {
-    "/images/create": ("image.created", "", image_pb2.ImageCreate, ("name",)),
+    # An image is created when its pull is done (ctr pull, CRI, rpull): the image phase's end.
+    "/images/create": ("image.created", "image", image_pb2.ImageCreate, ("name",)),
     "/images/update": ("image.updated", "", image_pb2.ImageUpdate, ("name",)),
     "/containers/create": ("container.create", "container", container_pb2.ContainerCreate, ("id", "image")),
     "/tasks/create": ("task.create", "container", task_pb2.TaskCreate, ("container_id", "pid")),

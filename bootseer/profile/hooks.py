@@ -199,3 +199,34 @@ def deps_container(event: str, key: str, deps: str, **attrs: Any) -> None:
     if events._spool is None:
         return
     events.emit(f"deps.{event}", phase="dependencies", container=container_name(key), key=deps, **attrs)
+
+
+def remote_prepare(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate the snapshotter's layer Prepare (``_prepare_remote(key, parent, labels, chain_id)``).
+
+    Each layer containerd's unpacker (``ctr pull``, CRI) or rpull prepares becomes an
+    ``image.layer_prepare`` span: ``lazy`` when it is answered ALREADY_EXISTS (served from the
+    store), ``downloaded`` when it falls back to an ordinary snapshot to unpack into.
+    """
+    import functools
+
+    @functools.wraps(function)
+    def wrapper(self: Any, key: str, parent: str, labels: dict[str, str], chain_id: str) -> Any:
+        if events._spool is None:
+            return function(self, key, parent, labels, chain_id)
+        from bootseer.snapshotter.errors import AlreadyExists
+
+        started, state = time.time(), "downloaded"
+        try:
+            return function(self, key, parent, labels, chain_id)
+        except AlreadyExists:
+            state = "lazy"
+            raise
+        except BaseException:
+            state = "failed"
+            raise
+        finally:
+            events.emit("image.layer_prepare", "span", start=started, end=time.time(), phase="image",
+                        chain_id=chain_id, state=state)
+
+    return wrapper

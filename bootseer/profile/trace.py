@@ -131,8 +131,7 @@ def collect(spool: str | os.PathLike[str], *, job: str = "", since: float | None
         unique.append(e)
     events = [e for e in unique if not job or not e.job or e.job == job]
     if since is None:
-        pulls = [e.start for e in events if e.name == "image.pull"]
-        since = max(pulls) if pulls else (events[0].start if events else 0.0)
+        since = last_start(events)
     # A counter's last sample before the window is its baseline: without it, bytes fetched in the
     # window's first sampling interval would not show as growth.
     baselines: dict[str, Event] = {}
@@ -146,6 +145,26 @@ def collect(spool: str | os.PathLike[str], *, job: str = "", since: float | None
         counts = Counter(e.node for e in events if e.node)
         node = counts.most_common(1)[0][0] if counts else os.environ.get("BOOTSEER_NODE", "") or os.uname().nodename
     return Trace(node=node, job=job, events=events, problems=problems)
+
+
+#: Image events (layer Prepares of one pull) this close together belong to the same start.
+PULL_GAP_S = 60.0
+
+
+def last_start(events: list[Event]) -> float:
+    """When the spool's last start began: its ``image.pull`` (rpull), else the first layer Prepare of the
+    last pull containerd's unpacker made (``ctr pull``, CRI: image events with no gap of
+    :data:`PULL_GAP_S`), else the first event."""
+    pulls = [e.start for e in events if e.name == "image.pull"]
+    if pulls:
+        return max(pulls)
+    image = sorted(e.start for e in events if e.phase == "image" and e.kind != "counter")
+    if image:
+        first = len(image) - 1
+        while first > 0 and image[first] - image[first - 1] < PULL_GAP_S:
+            first -= 1
+        return image[first]
+    return events[0].start if events else 0.0
 
 
 # --------------------------------------------------------------------------- phases

@@ -24,6 +24,7 @@ from bootseer.profile.cluster import fetch_job, job_report, job_table, percentil
 from bootseer.profile.events import Event, EventError, Spool, read_marks, read_spool
 from bootseer.profile.render import chrome_trace, compare_table, html_page, table
 from bootseer.profile.trace import Trace, TraceError, collect, phases, start_window
+from tests.support.chromium import render
 
 REPO = Path(__file__).resolve().parent.parent
 BOOTSEER = [sys.executable, "-m", "bootseer.cli"]
@@ -388,37 +389,12 @@ def test_chrome_trace_is_valid_json_with_the_expected_events() -> None:
         assert {"name", "ph", "pid", "tid"} <= set(e) and (e["ph"] == "M" or isinstance(e["ts"], float | int))
 
 
-def _chromium() -> str | None:
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def _chromium_argv(binary: str, profile: Path) -> list[str]:
-    # As root Chromium needs --no-sandbox; a profile dir of our own leaves nothing in $HOME.
-    return [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            f"--user-data-dir={profile}", "--hide-scrollbars"]
-
-
-def render_in_chromium(page: Path, out: Path) -> tuple[str, Path]:
-    """The DOM Chromium built from ``page`` and a PNG screenshot of it."""
-    binary = _chromium()
-    if binary is None:
-        pytest.skip("chromium is not installed (ctr_examples/install-deps.sh installs it)")
-    argv = _chromium_argv(binary, out / "chromium-profile")
-    dom = subprocess.run([*argv, "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    png = out / "timeline.png"
-    shot = subprocess.run([*argv, f"--screenshot={png}", "--window-size=1200,1400", page.as_uri()],
-                          capture_output=True, text=True, timeout=120)
-    assert shot.returncode == 0 and png.exists(), shot.stderr[-2000:]
-    return dom.stdout, png
-
-
 def test_html_timeline_renders_in_headless_chromium(tmp_path: Path) -> None:
     page = tmp_path / "profile.html"
     page.write_text(html_page([demo_trace()]))
     text = page.read_text()
     assert "<script" not in text and "http://" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    dom, png = render_in_chromium(page, tmp_path)
+    dom, png = render(page, tmp_path)
     for label in ("image 1.50 s", "container start 0.40 s", "dependencies 1.40 s", "checkpoint 2.00 s",
                   "import 1.00 s", "first step 1.00 s", "bytes fetched over time"):
         assert label in dom, label

@@ -12,7 +12,6 @@ the phase that put it most behind the median node.
 from __future__ import annotations
 
 import re
-import statistics
 from dataclasses import dataclass
 from typing import Any, Sequence
 

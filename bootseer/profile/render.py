@@ -14,7 +14,7 @@ import html
 from typing import Any, Sequence
 
 from bootseer.profile.events import PHASES, Event
-from bootseer.profile.trace import Phase, Trace, phases, start_window, totals
+from bootseer.profile.trace import Trace, phases, start_window, totals
 
 COLOURS = {"image": "#4e79a7", "container": "#f28e2b", "dependencies": "#59a14f", "checkpoint": "#e15759",
            "import": "#b07aa1", "first_step": "#edc948", "": "#9c9c9c"}

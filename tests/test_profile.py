@@ -579,3 +579,11 @@ def test_profile_1_puts_the_spool_under_the_snapshotter_root(tmp_path: Path) -> 
                          timeout=60, env=base)
     assert off.returncode == 0 and off.stdout.strip() == "", off.stderr
     assert not (tmp_path / "root2" / "profile").exists()
+
+
+def test_marks_read_from_a_container_are_bounded(tmp_path: Path) -> None:
+    for i in range(events.MAX_MARKS + 50):
+        (tmp_path / f"m{i:05d}").touch()
+    assert len(read_marks(tmp_path)) == events.MAX_MARKS
+    os.mkfifo(tmp_path / "a-fifo")  # a FIFO is not read (it would block the snapshotter)
+    assert "a-fifo" not in {m[0] for m in read_marks(tmp_path)}

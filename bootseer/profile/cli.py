@@ -183,13 +183,20 @@ def containerd_command(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    ready = threading.Event()
-    threading.Thread(target=lambda: (ready.wait(), print(f"watching containerd at {args.address}", flush=True)),
-                     daemon=True).start()
-    try:
-        written = watch(args.address, args.namespace or "", ready=ready, stop=stop)
-    except ContainerdEventsError as exc:
-        return _fail(str(exc), 1)
+    written, connected = 0, False
+    while not stop.is_set():
+        ready = threading.Event()
+        threading.Thread(target=lambda r=ready: (r.wait(), stop.is_set() or print(
+            f"watching containerd at {args.address}", flush=True)), daemon=True).start()
+        try:
+            written += watch(args.address, args.namespace or "", ready=ready, stop=stop)
+        except ContainerdEventsError as exc:
+            if not (connected or ready.is_set()):
+                return _fail(str(exc), 1)  # never reached it: a wrong socket, say
+            # containerd restarted: its events until it is back are lost (it keeps no history).
+            print(f"bootseer profile: {exc}; reconnecting", file=sys.stderr, flush=True)
+        connected = connected or ready.is_set()
+        stop.wait(1.0)
     print(f"{written} containerd events written", flush=True)
     return 0
 

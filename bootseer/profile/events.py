@@ -52,6 +52,8 @@ FILE_LIMIT = 8 << 20
 SPOOL_LIMIT = 64 << 20
 #: Mark names: what a file name and a shell word can carry without quoting.
 MARK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+#: At most this many marks are read from one marks directory (the container writes it: bound the work).
+MAX_MARKS = 1024
 #: The directory a container started through the snapshotter sees at its root (see hooks.py).
 CONTAINER_MARKS_DIR = "/.bootseer"
 ENV_PROFILE = "BOOTSEER_PROFILE"
@@ -379,14 +381,17 @@ def read_marks(directory: str | os.PathLike[str]) -> list[tuple[str, float, int,
     A file's lines are the Python API's (one per call, each with its time); an empty file or
     one written by the shell form counts once, at its modification time. Names that are not
     mark names (anything else the job put there) are skipped; so are symlinks (the directory
-    is the container's to write: never follow a link out of it).
+    is the container's to write: never follow a link out of it). At most :data:`MAX_MARKS` marks
+    are read, each file's first 64 KiB.
     """
     marks: list[tuple[str, float, int, dict[str, Any]]] = []
     try:
-        entries = list(os.scandir(directory))
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)[:MAX_MARKS]
     except OSError:
         return marks
     for entry in entries:
+        if len(marks) >= MAX_MARKS:
+            break
         if not MARK_NAME.match(entry.name) or not entry.is_file(follow_symlinks=False):
             continue
         try:
@@ -409,6 +414,8 @@ def read_marks(directory: str | os.PathLike[str]) -> list[tuple[str, float, int,
             attrs = record.get("attrs") if isinstance(record.get("attrs"), dict) else {}
             marks.append((entry.name, when, pid, attrs))
             found = True
+            if len(marks) >= MAX_MARKS:
+                break
         if not found:
             marks.append((entry.name, st.st_mtime, 0, {}))
     marks.sort(key=lambda m: m[1])

@@ -266,3 +266,24 @@ def check_merge(store_url: str, trace: Trace) -> None:
     assert [s["node"] for s in merged.stragglers] == ["sim-3"]
     assert merged.stragglers[0]["phase"] == "checkpoint"
     assert merged.stragglers[0]["phase_behind_s"] == pytest.approx(30.0, abs=0.5)
+
+
+def test_profile_run_takes_a_containers_marks_through_a_bind_mount(stack: harness.Stack, pulled, tmp_path: Path) -> None:
+    """Outside the snapshotter's marks dir (any snapshotter): ``bootseer profile run -- ctr run`` with
+    ``$BOOTSEER_MARKS`` bind-mounted at ``/.bootseer``; the container's ``touch`` is the mark."""
+    _, ref = pulled
+    ctr = (f'ctr -a {stack.containerd.address} -n {stack.namespace} run --rm --fifo-dir {stack.fifo_dir} '
+           f'--snapshotter {stack.snapshotter_name} '
+           f'--mount "type=bind,src=$BOOTSEER_MARKS,dst=/.bootseer,options=rbind:rw" {ref} marks-1 '
+           f'sh -c "sleep 0.2; touch /.bootseer/import.end; sleep 0.2; touch /.bootseer/first_step"')
+    base = {k: v for k, v in os.environ.items() if not k.startswith("BOOTSEER_")}
+    done = subprocess.run([BOOTSEER, "profile", "run", "--spool", str(tmp_path / "spool"), "--job", "bind-1", "-o",
+                           str(tmp_path / "t.json"), "--", "sh", "-c", ctr], capture_output=True, text=True,
+                          timeout=180, env=base)
+    assert done.returncode == 0, done.stderr
+    trace = Trace.load(tmp_path / "t.json")
+    by_name = {e.name: e for e in trace.events}
+    run = by_name["job.run"]
+    assert run.start < by_name["mark.import.end"].start < by_name["mark.first_step"].start <= run.end
+    assert [p.name for p in phases(trace)] == ["import", "first_step"]
+    assert 0.15 < next(p for p in phases(trace) if p.name == "first_step").duration < 60

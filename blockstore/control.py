@@ -286,6 +286,14 @@ class ServerSettings:
     retry_timeout: float | None = None  #: seconds a failing fetch is retried before EIO
     memory_limit: int | None = None  #: stripe bytes each store's engine holds in memory
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
+    publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
+    hotlist: bool = True  #: False: ``--no-hotlist`` (neither record nor prefetch)
+    hotlist_quiet: float | None = None  #: seconds without a new block that end a recording
+    hotlist_window: float | None = None  #: seconds after the prepare that end a recording
+    hotlist_marker: str | None = None  #: file name at a container's root that ends its recording
+    prefetch_concurrency: int | None = None  #: prefetch batches in flight
+    prefetch_batch: int | None = None  #: compressed bytes per prefetch batch
+    prefetch_cold_rate: int | None = None  #: bytes/s of the cold pass; 0: off
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()  #: more ``bootseer layer-server`` options, passed as they are
     python: str = field(default_factory=lambda: sys.executable)
@@ -302,9 +310,19 @@ class ServerSettings:
             ("--retry-timeout", self.retry_timeout),
             ("--memory-limit", self.memory_limit),
             ("--metrics-address", self.metrics_address),
+            ("--publish-store", self.publish_store),
+            ("--hotlist-quiet", self.hotlist_quiet),
+            ("--hotlist-window", self.hotlist_window),
+            ("--prefetch-concurrency", self.prefetch_concurrency),
+            ("--prefetch-batch", self.prefetch_batch),
+            ("--prefetch-cold-rate", self.prefetch_cold_rate),
         ):
             if value is not None:
                 argv += [flag, str(value)]
+        if self.hotlist_marker is not None:  # one word: a name that starts with "-" is still the value
+            argv.append(f"--hotlist-marker={self.hotlist_marker}")
+        if not self.hotlist:
+            argv.append("--no-hotlist")
         return argv + list(self.extra_args)
 
 

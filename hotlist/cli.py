@@ -54,9 +54,9 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
     from bootseer.ckptmount.cli import parse_size
 
     group = parser.add_argument_group("hot lists (record first boots, prefetch later ones)")
-    group.add_argument("--publish-store", metavar="URL", default=os.environ.get("BOOTSEER_PUBLISH_STORE") or None,
+    group.add_argument("--publish-store", metavar="URL",
                        help="writable store hot lists are written to, where the read store is read-only (an http "
-                            "front); default $BOOTSEER_PUBLISH_STORE, else the layers' store")  # fmt: skip
+                            "front); default: the layers' store")  # fmt: skip
     group.add_argument("--no-hotlist", action="store_true", help="neither record nor prefetch hot lists")
     group.add_argument("--hotlist-quiet", type=float, default=RecordingLimits.quiet, metavar="SECONDS",
                        help="end a recording after this long without a new block (10)")  # fmt: skip

@@ -4,9 +4,12 @@ Precedence, lowest first: :data:`DEFAULTS`, the TOML file given with ``--config`
 then the flags.  The file's top-level keys are the daemon's own (``root``,
 ``address``, ``log_level``, ``log_format``, ``metrics_address``); the lazy layers
 take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
-``[cache] dir, size`` and ``[fetch] streams, retry_timeout, memory_limit``.  Inside the program a
-section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir`` and
-``--cache-size`` set three of them.  An unknown key or a value of the wrong type is a
+``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
+enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
+prefetch_cold_rate`` (the layer server's hot-list options, docs/hotlist.md).  Inside the
+program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
+``--cache-size`` and ``--publish-store`` set four of them.  The daemon passes the
+``[fetch]`` and ``[hotlist]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key, so a typo never leaves a setting silently at
 its default.  ``ctr_examples/bootseer-snapshotter.toml`` documents every key.
 
@@ -17,15 +20,19 @@ before the lazy layers; the other sections then change nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
 
 from bootseer.ckptmount.cli import parse_size
 from bootseer.fetch.engine import EngineConfig
-from bootseer.fetch.sources import source_class
+from bootseer.fetch.sources import redact_url, source_class
+from bootseer.hotlist.prefetch import PrefetchLimits
+from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.log import FORMATS, LEVELS
 from bootseer.metrics import parse_address
 
@@ -47,6 +54,10 @@ class Config:
     fetch_streams: int = 16  #: parallel range requests per store
     fetch_retry_timeout: float = 60.0  #: seconds a failing fetch is retried before the read fails (EIO)
     fetch_memory_limit: int = 1 << 30  #: stripe bytes the layer server holds in memory per store
+    hotlist_enabled: bool = True  #: record first boots and prefetch later ones
+    publish_store: str = ""  #: writable store hot lists are written to; empty: the layers' store
+    hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
+    hotlist_prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)  #: how much a prefetch does at once
 
     @property
     def block_cache_dir(self) -> Path:
@@ -65,6 +76,14 @@ DEFAULTS: dict[str, Any] = {
     "fetch.streams": 16,
     "fetch.retry_timeout": 60.0,
     "fetch.memory_limit": "1G",
+    "hotlist.enabled": True,
+    "hotlist.publish_store": "",
+    "hotlist.quiet": RecordingLimits.quiet,
+    "hotlist.window": RecordingLimits.window,
+    "hotlist.marker": RecordingLimits.marker,
+    "hotlist.prefetch_concurrency": PrefetchLimits.concurrency,
+    "hotlist.prefetch_batch": "4M",
+    "hotlist.prefetch_cold_rate": "0",
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -74,6 +93,12 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "fetch.streams": (int,),
     "fetch.retry_timeout": (float, int),
     "fetch.memory_limit": (str, int),
+    "hotlist.enabled": (bool,),
+    "hotlist.quiet": (float, int),
+    "hotlist.window": (float, int),
+    "hotlist.prefetch_concurrency": (int,),
+    "hotlist.prefetch_batch": (str, int),
+    "hotlist.prefetch_cold_rate": (str, int),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -86,9 +111,10 @@ FLAGS: dict[str, str] = {
     "store.url": "store",
     "cache.dir": "cache_dir",
     "cache.size": "cache_size",
+    "hotlist.publish_store": "publish_store",
 }
 
-SECTIONS = ("store", "cache", "fetch")
+SECTIONS = ("store", "cache", "fetch", "hotlist")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -171,6 +197,33 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         raise invalid("fetch.memory_limit", str(exc)) from None
     if memory_limit < EngineConfig.stripe_size:
         raise invalid("fetch.memory_limit", f"must hold at least one stripe ({EngineConfig.stripe_size >> 20}M), not {limit!r}")
+    publish_store = merged["hotlist.publish_store"]
+    if publish_store:
+        if not store_url:
+            raise invalid("hotlist.publish_store", "needs a store of layers ([store] url or --store) to publish beside")
+        _check_writable(publish_store, lambda why: invalid("hotlist.publish_store", why))
+    recording = RecordingLimits()
+    for key, field_name in (("hotlist.quiet", "quiet"), ("hotlist.window", "window"), ("hotlist.marker", "marker")):
+        value = merged[key] if key == "hotlist.marker" else float(merged[key])
+        try:  # one key at a time, so the message names the key that is wrong
+            recording = dataclasses.replace(recording, **{field_name: value})
+        except ValueError as exc:
+            raise invalid(key, f"{exc}, not {merged[key]!r}") from None
+    prefetch = PrefetchLimits()
+    for key, field_name in (
+        ("hotlist.prefetch_concurrency", "concurrency"),
+        ("hotlist.prefetch_batch", "batch_bytes"),
+        ("hotlist.prefetch_cold_rate", "cold_rate"),
+    ):
+        value = merged[key]
+        try:
+            number = value if isinstance(value, int) else parse_size(value)
+        except argparse.ArgumentTypeError as exc:
+            raise invalid(key, str(exc)) from None
+        try:
+            prefetch = dataclasses.replace(prefetch, **{field_name: number})
+        except ValueError as exc:
+            raise invalid(key, f"{exc}, not {value!r}") from None
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -184,7 +237,24 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         fetch_streams=merged["fetch.streams"],
         fetch_retry_timeout=float(merged["fetch.retry_timeout"]),
         fetch_memory_limit=memory_limit,
+        hotlist_enabled=merged["hotlist.enabled"],
+        publish_store=publish_store,
+        hotlist_recording=recording,
+        hotlist_prefetch=prefetch,
     )
+
+
+def _check_writable(url: str, invalid: Callable[[str], ConfigError]) -> None:
+    """Refuse a publish store that cannot be written (http(s)://, a bad URL), naming why.
+
+    Only the URL is checked (no connection is made: the store may come up after the
+    daemon); the layer server reports a store that fails when it publishes.
+    """
+    scheme = urlsplit(url).scheme.lower() if "://" in url else ""
+    if scheme in ("http", "https"):
+        raise invalid("an http(s) store is read-only; give the directory or bucket behind it")
+    if scheme not in ("", "file", "s3", "hdfs"):
+        raise invalid(f"unsupported store URL {redact_url(url)!r}: expected a path, file://, s3:// or hdfs://")
 
 
 def _type_name(kind: type) -> str:

@@ -27,7 +27,8 @@ Lifecycle:
   device and inode: a path taken over meanwhile is left alone), exit 0.
 * With a store (``--store``/``[store] url``): after the root's lock, find or start the
   layer server (``bootseer layer-server``, in a session of its own under ROOT/layers:
-  it outlives the daemon), restore re-mounts every remote snapshot through it, and a
+  it outlives the daemon; the ``[cache]``, ``[fetch]`` and ``[hotlist]`` settings are its
+  flags), restore re-mounts every remote snapshot through it, and a
   watch thread starts it again if it dies.  A server that cannot start is logged and
   every Prepare falls back to downloading; the daemon still serves.
 * Restart: every snapshot under ROOT survives.  The mounts handed to containerd are
@@ -106,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     lazy.add_argument("--store", metavar="URL", help="store of converted layers: file://, s3://, http(s)://, hdfs://")
     lazy.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (default ROOT/cache)")
     lazy.add_argument("--cache-size", metavar="SIZE", help=f"block cache size (default {config.DEFAULTS['cache.size']})")
+    lazy.add_argument(
+        "--publish-store", metavar="URL",
+        help="writable store the layer server publishes hot lists to, where --store is read-only (an http front); "
+             "default: the store of layers",
+    )  # fmt: skip
     return parser
 
 
@@ -232,6 +238,14 @@ class Daemon:
             streams=settings.fetch_streams,
             retry_timeout=settings.fetch_retry_timeout,
             memory_limit=settings.fetch_memory_limit,
+            publish_store=settings.publish_store or None,
+            hotlist=settings.hotlist_enabled,
+            hotlist_quiet=settings.hotlist_recording.quiet,
+            hotlist_window=settings.hotlist_recording.window,
+            hotlist_marker=settings.hotlist_recording.marker,
+            prefetch_concurrency=settings.hotlist_prefetch.concurrency,
+            prefetch_batch=settings.hotlist_prefetch.batch_bytes,
+            prefetch_cold_rate=settings.hotlist_prefetch.cold_rate,
             log_level=settings.log_level,
         )
         engine = EngineConfig(streams=settings.fetch_streams, retry_timeout=settings.fetch_retry_timeout)

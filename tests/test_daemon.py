@@ -222,6 +222,46 @@ def test_fetch_memory_limit_reaches_the_layer_server_command_line() -> None:
     assert "--memory-limit" not in ServerSettings().argv("/root")
 
 
+def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
+    tmp_path: Path, snapshotter_factory: DaemonFactory
+) -> None:
+    """``[hotlist]`` keys and ``--publish-store`` become the started layer server's options."""
+    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+
+    store, publish = tmp_path / "store", tmp_path / "publish"
+    store.mkdir()
+    config_file = tmp_path / "snapshotter.toml"
+    config_file.write_text(
+        '[hotlist]\npublish_store = "/not/this/one"\nquiet = 3\nwindow = 30.5\nmarker = "-done"\n'
+        'prefetch_concurrency = 2\nprefetch_batch = "1M"\nprefetch_cold_rate = "8M"\n'
+    )
+    root = tmp_path / "root"
+    snapshotter_factory("--config", str(config_file), "--store", f"file://{store}", "--publish-store", str(publish), root=root)
+    pid = LayerServerClient(ServerPaths(root).socket).status()["pid"]
+    argv = [arg.decode() for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+
+    def option(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert option("--publish-store") == str(publish)  # the flag wins over the file
+    assert (option("--hotlist-quiet"), option("--hotlist-window")) == ("3.0", "30.5")
+    assert "--hotlist-marker=-done" in argv  # one word: a marker starting with "-" is still a value
+    assert (option("--prefetch-concurrency"), option("--prefetch-batch"), option("--prefetch-cold-rate")) == (
+        "2", str(1 << 20), str(8 << 20),
+    )  # fmt: skip
+    assert "--no-hotlist" not in argv
+
+
+def test_hotlist_can_be_turned_off_for_the_layer_server() -> None:
+    from bootseer.blockstore.control import ServerSettings
+
+    settings = config.resolve({"hotlist.enabled": False, "store.url": "file:///store"}, {})
+    assert settings.hotlist_enabled is False
+    assert "--no-hotlist" in ServerSettings(hotlist=settings.hotlist_enabled).argv("/root")
+    default = ServerSettings().argv("/root")
+    assert "--no-hotlist" not in default and "--publish-store" not in default
+
+
 @pytest.mark.parametrize(
     "content, expected",
     [
@@ -240,6 +280,15 @@ def test_fetch_memory_limit_reaches_the_layer_server_command_line() -> None:
         ('[store]\nurl = "ftp://host/store"\n', ["store.url", "ftp"]),
         ('[fetch]\nmemory_limit = "1M"\n', ["fetch.memory_limit", "at least one stripe"]),
         ('[fetch]\nmemory_limit = "plenty"\n', ["fetch.memory_limit", "invalid size"]),
+        ('[hotlist]\nenabled = "yes"\n', ["'hotlist.enabled'", "boolean", "string"]),
+        ('[hotlist]\nquiett = 5\n', ["'hotlist.quiett'", "unknown key"]),
+        ('[hotlist]\nquiet = 0\n', ["hotlist.quiet", "positive"]),
+        ('[hotlist]\nmarker = "a/b"\n', ["hotlist.marker", "plain file name"]),
+        ('[hotlist]\nprefetch_concurrency = 0\n', ["hotlist.prefetch_concurrency", "positive"]),
+        ('[hotlist]\nprefetch_batch = "lots"\n', ["hotlist.prefetch_batch", "invalid size"]),
+        ('[hotlist]\npublish_store = "/srv/lists"\n', ["hotlist.publish_store", "store of layers"]),
+        ('[store]\nurl = "file:///s"\n[hotlist]\npublish_store = "http://front/s"\n', ["hotlist.publish_store", "read-only"]),
+        ('[store]\nurl = "file:///s"\n[hotlist]\npublish_store = "ftp://h/s"\n', ["hotlist.publish_store", "ftp"]),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(tmp_path: Path, content: str, expected: list[str]) -> None:
@@ -267,6 +316,7 @@ def test_bad_config_exits_2_naming_the_key(tmp_path: Path, content: str, expecte
         (["--root", ""], "--root"),
         (["--cache-size", "-5"], "--cache-size"),
         (["--store", "gopher://x/y"], "--store"),
+        (["--store", "/srv/store", "--publish-store", "https://front/store"], "--publish-store"),
     ],
 )
 def test_bad_flags_exit_2(tmp_path: Path, args: list[str], expected: str) -> None:

@@ -655,15 +655,18 @@ def test_an_opener_without_a_cgroup_is_recorded_to_the_one_recording_and_counted
     run_nodes(clean_store, tmp_path, test)
 
 
-def test_layer_server_hot_list_options() -> None:
+def test_layer_server_hot_list_options(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
     from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
 
+    # The publish store is an option (the daemon passes its [hotlist] publish_store), never the environment.
+    monkeypatch.setenv("BOOTSEER_PUBLISH_STORE", "/from/the/environment")
     parser = argparse.ArgumentParser()
     add_layer_server_arguments(parser)
     config = layer_server_hotlist_config(parser.parse_args(["--hotlist-quiet", "3", "--prefetch-batch", "1M"]))
     assert config.recording.quiet == 3 and config.prefetch.batch_bytes == 1 << 20 and config.enabled
+    assert config.publish_store is None
     with pytest.raises(ValueError, match="read-only"):
         layer_server_hotlist_config(parser.parse_args(["--publish-store", "http://127.0.0.1:9/"]))
     with pytest.raises(ValueError, match="positive"):

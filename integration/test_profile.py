@@ -173,12 +173,39 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
         check_chrome_trace(json.loads(chrome.read_text()))
         check_html(html, base)
         check_merge(stack.store_url, trace)
+        check_prefetch_of_a_later_start(stack, ref, spool, env)
     finally:
         for process in background:
             process.stop()
         stack.close()
         print(stack.logs())
         assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
+
+
+def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, spool: Path, env: dict[str, str]) -> None:
+    """The first boot's hot list (sealed when its container went) is prefetched at the image's next pull."""
+    from bootseer.profile.events import read_spool
+
+    sealed = [e for e in read_spool(spool)[0] if e.name == "hotlist.sealed"]
+    assert sealed and sealed[0].attrs["outcome"] == "published", sealed
+    stack.containerd.ctr("images", "rm", "--sync", ref)
+    harness.wait_until("the image's snapshots to go", lambda: not stack.containerd.snapshots(), 60)
+    again = time.time()
+    pulled = subprocess.run([BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace",
+                             stack.namespace, "--plain-http", "--snapshotter", harness.SNAPSHOTTER_NAME, ref],
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert pulled.returncode == 0, pulled.stderr
+
+    def prefetch_ended() -> list:
+        return [e for e in read_spool(spool)[0] if e.name == "prefetch" and e.start >= again]
+
+    spans = harness.wait_until("the prefetch to end", prefetch_ended, 60)
+    found = [e for e in read_spool(spool)[0] if e.start >= again]
+    starts = [e for e in found if e.name == "prefetch.start"]
+    assert starts and starts[0].attrs["planned_blocks"] == sealed[0].attrs["blocks"]
+    assert spans[0].attrs["background"] and spans[0].attrs["finished"]
+    assert spans[0].attrs["blocks"] + spans[0].attrs["cached_blocks"] == sealed[0].attrs["blocks"]
+    assert any(e.name == "prefetch.bytes" for e in found)
 
 
 def check_trace(trace: Trace, image_layers: int) -> None:

@@ -314,3 +314,65 @@ def test_profile_run_takes_a_containers_marks_through_a_bind_mount(stack: harnes
     assert run.start < by_name["mark.import.end"].start < by_name["mark.first_step"].start <= run.end
     assert [p.name for p in phases(trace)] == ["import", "first_step"]
     assert 0.15 < next(p for p in phases(trace) if p.name == "first_step").duration < 60
+
+
+def test_compare_a_start_on_overlayfs_with_one_on_bootseer(base: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before and after BootSeer, on one node: the same job pulled and run on containerd's overlayfs
+    (``ctr images pull``) and on BootSeer (``bootseer rpull``, lazy), each under ``bootseer profile run``;
+    ``bootseer profile compare`` puts the two traces side by side and draws both on one time scale."""
+    spool = base / "spool"
+    monkeypatch.setenv("BOOTSEER_PROFILE", str(spool))
+    monkeypatch.setenv("BOOTSEER_NODE", NODE)
+    stack = harness.Stack(base / "stack", store=True)
+    watcher = None
+    try:
+        stack.start()
+        image, ref = stack.build_and_push(name="bootseer/compare", layers=lazy_layers())
+        harness.run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300)
+        env = dict(os.environ)
+        watcher = Background([BOOTSEER, "profile", "containerd", "--address", str(stack.containerd.address),
+                              "--namespace", stack.namespace], "watching containerd", base / "watch.log", env)
+        ctr = f"ctr -a {stack.containerd.address} -n {stack.namespace}"
+        job = ("; ".join(f"cat {part_path(i)} > /dev/null" for i in range(PARTS))
+               + "; touch /.bootseer/import.end; sleep 0.2; touch /.bootseer/first_step")
+        pulls = {"overlayfs": f"{ctr} images pull --plain-http --snapshotter overlayfs {ref} > /dev/null",
+                 "bootseer": f"{BOOTSEER} rpull --address {stack.containerd.address} --namespace {stack.namespace} "
+                             f"--plain-http --snapshotter bootseer {ref} > /dev/null"}
+        for name, pull in pulls.items():
+            script = (f'touch "$BOOTSEER_MARKS/image.start"; {pull}; touch "$BOOTSEER_MARKS/image.end"; '
+                      f'{ctr} run --rm --fifo-dir {stack.fifo_dir} --snapshotter {name} '
+                      f'--mount "type=bind,src=$BOOTSEER_MARKS,dst=/.bootseer,options=rbind:rw" {ref} job-{name} '
+                      f'sh -c "{job}"')
+            done = subprocess.run([BOOTSEER, "profile", "run", "--job", f"cmp-{name}", "-o", str(base / f"{name}.json"),
+                                   "--", "sh", "-c", script], capture_output=True, text=True, timeout=300, env=env)
+            assert done.returncode == 0, done.stderr
+        time.sleep(0.5)
+        assert watcher.stop() == 0
+        watcher = None
+        before, after = Trace.load(base / "overlayfs.json"), Trace.load(base / "bootseer.json")
+        for trace in (before, after):
+            assert [p.name for p in phases(trace)] == ["image", "container", "import", "first_step"], trace.job
+        lazy = [e for e in after.events if e.name == "image.layer"]
+        assert lazy and all(e.attrs["state"] == "lazy" for e in lazy)
+        assert not any(e.name == "image.layer" for e in before.events)  # ctr pull is containerd's own
+        page = base / "compare.html"
+        compared = subprocess.run([BOOTSEER, "profile", "compare", str(base / "overlayfs.json"),
+                                   str(base / "bootseer.json"), "--names", "overlayfs,bootseer", "--html", str(page)],
+                                  capture_output=True, text=True, timeout=120)
+        assert compared.returncode == 0, compared.stderr
+        print(compared.stdout)
+        lines = compared.stdout.splitlines()
+        assert lines[0].split()[:3] == ["phase", "overlayfs", "bootseer"]
+        assert [line.split()[0] for line in lines[1:6]] == ["image", "container", "import", "first", "total"]
+        dom, png = render(page, base)
+        assert dom.count("<svg") == 2 and dom.count('class="phase"') == 8
+        assert "overlayfs: " in dom and "bootseer: " in dom
+        keep = os.environ.get("BOOTSEER_PROFILE_ARTIFACTS")
+        if keep:
+            shutil.copy(png, Path(keep) / "compare-timeline.png")
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        stack.close()
+        print(stack.logs())
+        assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"

@@ -175,7 +175,8 @@ def _svg_timeline(trace: Trace, origin: float, scale_s: float, title: str) -> st
             if e.kind == "span":
                 # Background work (prefetch) is drawn thin and faint: it gates nothing.
                 thin = 8 if e.attrs.get("background") else 0
-                parts.append(f'<rect x="{x(e.start):.1f}" y="{y + 4 + thin}" width="{max(1.0, x(e.end or e.start) - x(e.start)):.1f}" '
+                end = min(e.end or e.start, origin + scale_s)  # a span that outlived the start is cut at its end
+                parts.append(f'<rect x="{x(e.start):.1f}" y="{y + 4 + thin}" width="{max(1.0, x(end) - x(e.start)):.1f}" '
                              f'height="{ROW - 12 - thin}" fill="{colour}" fill-opacity="{0.45 if thin else 1}">'
                              f'<title>{tip}</title></rect>')
             else:
@@ -190,7 +191,8 @@ def _svg_timeline(trace: Trace, origin: float, scale_s: float, title: str) -> st
     for e in trace.events:
         if e.kind == "counter":
             series.setdefault(e.name, []).append((e.start, float(e.value or 0)))
-    for i, (name, points) in enumerate(sorted(series.items())):
+    grew = {name: points for name, points in series.items() if max(v for _, v in points) > points[0][1]}
+    for i, (name, points) in enumerate(sorted(grew.items())):
         low = points[0][1]
         high = max(v for _, v in points) - low or 1.0
         # A step line: samples are written when the value moved, so it held its value until the next one.

@@ -4,7 +4,9 @@ Writing (the converter): :func:`open_store_writer` gives a :class:`StoreWriter` 
 local directory (``file:///dir`` or a plain path), S3 (``s3://bucket/prefix``) or HDFS
 (``hdfs://namenode[:port]/path``).  Every :meth:`StoreWriter.put` is atomic -- a reader
 sees the whole object or nothing -- through a temp name and a rename (file, HDFS) or
-S3's own all-or-nothing PUT and multipart completion.  The S3 and HDFS writers reuse
+S3's own all-or-nothing PUT and multipart completion.  :meth:`StoreWriter.put_if_absent`
+is the first-writer-wins put of objects named by what they are for rather than by their
+bytes (hot lists, deps records): atomic on each backend (see its docstring).  The S3 and HDFS writers reuse
 the fetch sources' URL parsing and client setup (:class:`~bootseer.fetch.sources.s3.S3Source`,
 :class:`~bootseer.fetch.sources.hdfs.HdfsSource`), so both sides of a store agree on
 what a URL means; credentials come from boto3's standard chain (or the options) and
@@ -30,9 +32,9 @@ import functools
 import os
 import shutil
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 from urllib.parse import unquote, urlsplit
 
 import trio
@@ -110,6 +112,41 @@ class StoreWriter(abc.ABC):
     @abc.abstractmethod
     def _put(self, name: str, data: bytes | Path) -> None: ...
 
+    def put_if_absent(self, name: str, data: bytes) -> bool:
+        """Store ``data`` as ``name`` unless the name exists; True if this call stored it.
+
+        First writer wins: of several writers racing for one name (on one node or many),
+        exactly one gets True and its bytes stay; the others get False and change
+        nothing.  The object appears whole or not at all.  How each backend makes that
+        atomic:
+
+        * **file** (a local or NFS directory): written whole under a temp name (fsync),
+          then ``link(2)``-ed to the name, which fails with EEXIST if it exists.
+        * **S3**: ``PutObject`` with ``If-None-Match: *`` (S3's conditional write: 412
+          for every writer but the first).  A server that does not implement it (older
+          S3-compatible stores answer 501 NotImplemented) gets check-then-put: a HEAD,
+          then a plain PUT, logged.  Two writers may then both see the name free; each
+          PUT is atomic, so readers see one whole object (the last one), never a mix.
+        * **HDFS**: written under a temp name, then renamed without overwrite (the
+          namenode refuses a rename onto an existing name).
+
+        StoreError when the store fails.  Blocking (network and disk I/O).
+        """
+        _check_name(name)
+        stored = self._put_if_absent(name, data)
+        if stored:
+            self.puts += 1
+            self.put_bytes += len(data)
+            log.debug("stored object", store=self.display_url, name=name, size=len(data))
+        return stored
+
+    @abc.abstractmethod
+    def _put_if_absent(self, name: str, data: bytes) -> bool: ...
+
+    @abc.abstractmethod
+    def remove(self, name: str) -> bool:
+        """Delete ``name``; True if it existed, False if it did not.  StoreError when the store fails."""
+
     @abc.abstractmethod
     def list(self, prefix: str) -> list[str]:
         """Names of the objects directly under directory ``prefix`` (full names, sorted); [] if none."""
@@ -131,6 +168,15 @@ def _link(source: str | os.PathLike[str], temp: Path) -> bool:
     except OSError:
         return False  # EXDEV across filesystems, EPERM where links are refused: copy instead
     return True
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a rename or link in ``path`` durable."""
+    directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 class FileStoreWriter(StoreWriter):
@@ -170,6 +216,26 @@ class FileStoreWriter(StoreWriter):
             raise StoreError(f"{self.root}: read {name}: {exc.strerror}") from None
 
     def _put(self, name: str, data: bytes | Path) -> None:
+        with self._temp_file(name, data) as (temp, target):
+            os.replace(temp, target)
+            _fsync_directory(target.parent)
+
+    def _put_if_absent(self, name: str, data: bytes) -> bool:
+        with self._temp_file(name, data) as (temp, target):
+            try:
+                os.link(temp, target)  # EEXIST for every writer but the first; the temp name goes below
+            except FileExistsError:
+                return False
+            _fsync_directory(target.parent)
+            return True
+
+    @contextmanager
+    def _temp_file(self, name: str, data: bytes | Path) -> Iterator[tuple[Path, Path]]:
+        """``data`` written whole and fsync'ed under a temp name beside ``name``'s path: (temp, target).
+
+        The block moves it into place; the temp name is removed afterwards, whatever
+        happened, and an OSError comes out as a StoreError naming the object.
+        """
         target = self.path(name)
         temp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:12]}")
         try:
@@ -186,12 +252,7 @@ class FileStoreWriter(StoreWriter):
                             shutil.copyfileobj(source, out, _COPY_CHUNK)
                     out.flush()
                     os.fsync(out.fileno())
-            os.replace(temp, target)
-            directory = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(directory)
-            finally:
-                os.close(directory)
+            yield temp, target
         except OSError as exc:
             raise StoreError(f"{self.root}: write {name}: {exc.strerror or exc}") from None
         finally:
@@ -199,6 +260,15 @@ class FileStoreWriter(StoreWriter):
                 temp.unlink(missing_ok=True)
             except OSError:
                 pass  # the directory itself could not be made: there is no temp file
+
+    def remove(self, name: str) -> bool:
+        try:
+            self.path(name).unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"{self.root}: remove {name}: {exc.strerror}") from None
+        return True
 
     def list(self, prefix: str) -> list[str]:
         directory = self.path(prefix)
@@ -280,6 +350,35 @@ class S3StoreWriter(StoreWriter):
             cause = exc.__cause__ if exc.__cause__ is not None and type(exc).__name__ == "S3UploadFailedError" else exc
             raise self._error("write", name, cause if isinstance(cause, Exception) else exc) from None
 
+    def _put_if_absent(self, name: str, data: bytes) -> bool:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self.source.key(name), Body=data, IfNoneMatch="*")
+        except Exception as exc:
+            response = getattr(exc, "response", {}) or {}
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return False  # taken (412), or another conditional write of it in flight (409)
+            if code in ("NotImplemented", "InvalidArgument", "InvalidRequest") or status == 501:
+                log.warning("the S3 store does not do conditional writes; check-then-put instead "
+                            "(two writers at once may both write: the last whole object stays)",
+                            store=self.display_url, name=name, code=code)  # fmt: skip
+                if self.exists(name):
+                    return False
+                self._put(name, data)
+                return True
+            raise self._error("write", name, exc) from None
+        return True
+
+    def remove(self, name: str) -> bool:
+        if not self.exists(name):  # S3's DELETE answers 204 either way
+            return False
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.source.key(name))
+        except Exception as exc:
+            raise self._error("remove", name, exc) from None
+        return True
+
     def list(self, prefix: str) -> list[str]:
         _check_name(prefix)
         key_prefix = self.source.key(prefix) + "/"
@@ -339,9 +438,21 @@ class HdfsStoreWriter(StoreWriter):
             raise self._error("read", name, exc) from None
 
     def _put(self, name: str, data: bytes | Path) -> None:
+        self._write_and_rename(name, data, overwrite=True)
+
+    def _put_if_absent(self, name: str, data: bytes) -> bool:
+        return self._write_and_rename(name, data, overwrite=False)
+
+    def _write_and_rename(self, name: str, data: bytes | Path, *, overwrite: bool) -> bool:
+        """Write ``.NAME.tmp-<random>`` beside ``name`` and rename it onto the name.
+
+        Without ``overwrite``, a name that exists makes the rename fail: False (the
+        temp file is removed).  True once the object is in place.
+        """
         target = self.source.hdfs_path(name)
         parent, _, base = target.rpartition("/")
         temp = f"{parent}/.{base}.tmp-{uuid.uuid4().hex[:12]}"
+        renamed = False
         try:
             self.client.mkdirs(parent or "/", create_parent=True)
             writer = self.client.create(temp)
@@ -354,13 +465,33 @@ class HdfsStoreWriter(StoreWriter):
                             writer.write(chunk)
             finally:
                 writer.close()
-            self.client.rename(temp, target, overwrite=True)
-        except Exception as exc:
             try:
-                self.client.delete(temp)
-            except Exception:  # noqa: BLE001 - the first error is the one to report
-                pass
+                self.client.rename(temp, target, overwrite=overwrite)
+            except Exception:
+                if not overwrite and self.exists(name):
+                    return False  # another writer's object is there: first writer wins
+                raise
+            renamed = True
+            return True
+        except StoreError:
+            raise
+        except Exception as exc:
             raise self._error("write", name, exc) from None
+        finally:
+            if not renamed:
+                try:
+                    self.client.delete(temp)
+                except Exception:  # noqa: BLE001 - the first error is the one to report
+                    pass
+
+    def remove(self, name: str) -> bool:
+        if not self.exists(name):
+            return False
+        try:
+            self.client.delete(self.source.hdfs_path(name))
+        except Exception as exc:
+            raise self._error("remove", name, exc) from None
+        return True
 
     def list(self, prefix: str) -> list[str]:
         _check_name(prefix)

@@ -211,7 +211,6 @@ def show_command(args: argparse.Namespace) -> int:
 
 def _clear(args: argparse.Namespace, *, every: bool) -> tuple[str, list[str]]:
     from bootseer.blockstore.store import open_store_writer
-    from bootseer.hotlist.publish import remove_object
 
     top = top_chain_id(args.image, plain_http=args.plain_http)
     removed = []
@@ -221,7 +220,7 @@ def _clear(args: argparse.Namespace, *, every: bool) -> tuple[str, list[str]]:
         else:
             names = [hotlist_object(top, check_profile(args.profile or ""))]
         for name in names:
-            if remove_object(writer, name):
+            if writer.remove(name):
                 removed.append(name)
     return top, removed
 

@@ -480,10 +480,9 @@ class HotListService:
 
 def _publish_blocking(url: str, name: str, data: bytes) -> bool:
     from bootseer.blockstore.store import open_store_writer
-    from bootseer.hotlist.publish import publish_if_absent
 
     with open_store_writer(url) as writer:
-        return publish_if_absent(writer, name, data)
+        return writer.put_if_absent(name, data)  # first writer wins
 
 
 def _log_stats(prefetch: Prefetch) -> dict[str, Any]:

@@ -36,7 +36,6 @@ from bootseer.hotlist.format import (
     profile_of_object,
 )
 from bootseer.hotlist.prefetch import PrefetchLimits
-from bootseer.hotlist.publish import publish_if_absent, remove_object
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
 from bootseer.hotlist.service import HotListConfig
 from tests.support.layer_store import BuiltLayer, build_store
@@ -117,7 +116,7 @@ def test_first_writer_wins_on_a_directory_store(tmp_path: Path) -> None:
     def publish(n: int) -> None:
         writer = FileStoreWriter(tmp_path / "store")
         barrier.wait()
-        results[n] = publish_if_absent(writer, name, lists[n])
+        results[n] = writer.put_if_absent(name, lists[n])
 
     threads = [threading.Thread(target=publish, args=(n,)) for n in range(len(lists))]
     for thread in threads:
@@ -130,9 +129,9 @@ def test_first_writer_wins_on_a_directory_store(tmp_path: Path) -> None:
     assert HotList.decode(stored).node == f"node{results.index(True)}"
     # No temp file is left beside it, and a later writer changes nothing.
     assert [p.name for p in (tmp_path / "store").joinpath(*name.split("/")[:-1]).iterdir()] == ["default"]
-    assert not publish_if_absent(FileStoreWriter(tmp_path / "store"), name, _list(node="late").encode())
-    assert remove_object(FileStoreWriter(tmp_path / "store"), name)
-    assert not remove_object(FileStoreWriter(tmp_path / "store"), name)
+    assert not FileStoreWriter(tmp_path / "store").put_if_absent(name, _list(node="late").encode())
+    assert FileStoreWriter(tmp_path / "store").remove(name)
+    assert not FileStoreWriter(tmp_path / "store").remove(name)
 
 
 def test_first_writer_wins_on_s3(s3_bucket: Any) -> None:
@@ -140,10 +139,10 @@ def test_first_writer_wins_on_s3(s3_bucket: Any) -> None:
 
     name = hotlist_object(IMAGE, "p")
     with open_store_writer(s3_bucket.url("store"), **s3_bucket.options) as writer:
-        assert publish_if_absent(writer, name, _list(profile="p", node="first").encode())
-        assert not publish_if_absent(writer, name, _list(profile="p", node="second").encode())
+        assert writer.put_if_absent(name, _list(profile="p", node="first").encode())
+        assert not writer.put_if_absent(name, _list(profile="p", node="second").encode())
         assert HotList.decode(writer.get(name)).node == "first"
-        assert remove_object(writer, name)
+        assert writer.remove(name)
         assert not writer.exists(name)
 
 
@@ -361,7 +360,7 @@ def clean_store(store: tuple[Path, list[BuiltLayer]]) -> Any:
     yield store
     writer = FileStoreWriter(directory)
     for name in writer.list(f"v1/hotlists/{built[-1].chain_id[7:]}"):
-        remove_object(writer, name)
+        writer.remove(name)
 
 
 def test_first_boot_records_and_a_fresh_node_prefetches_before_the_reads(clean_store: Any, tmp_path: Path) -> None:
@@ -708,7 +707,7 @@ def test_a_node_behind_a_read_only_front_publishes_to_the_publish_store(
             # Without --publish-store, a node behind the front cannot publish: a clear error, nothing written.
             third = NodeUnderTest(tmp_path / "c", front.url, nursery, proc)
             await third.pull(built)
-            remove_object(FileStoreWriter(directory), hotlist_object(top))
+            FileStoreWriter(directory).remove(hotlist_object(top))
             await third.hotlist.container_prepared("j3", top, {}, None)
             await trio.sleep(0.3)
             recording = third.hotlist.recordings["j3"]

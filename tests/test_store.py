@@ -87,6 +87,42 @@ def test_file_writer_puts_atomically_and_lists(tmp_path):
     assert not (tmp_path / "escape").exists()
 
 
+def race_put_if_absent(open_writer, name: str, writers: int = 16) -> list[bool]:
+    """``writers`` threads, each with its own writer, call ``put_if_absent(name, <its own bytes>)`` at once."""
+    results = [False] * writers
+    barrier = threading.Barrier(writers)
+
+    def publish(n: int) -> None:
+        with open_writer() as writer:
+            barrier.wait()
+            results[n] = writer.put_if_absent(name, f"writer {n}".encode() * 1000)
+
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(writers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def test_file_put_if_absent_first_writer_wins_a_race(tmp_path):
+    name = "v1/hotlists/" + "a" * 64 + "/default"
+    results = race_put_if_absent(lambda: FileStoreWriter(tmp_path / "store"), name)
+    assert sum(results) == 1
+    writer = FileStoreWriter(tmp_path / "store")
+    assert writer.get(name) == f"writer {results.index(True)}".encode() * 1000  # the winner's bytes, whole
+    assert os.listdir(writer.path(name).parent) == ["default"]  # no temp file left by any writer
+    assert not writer.put_if_absent(name, b"late") and writer.get(name).startswith(b"writer ")
+    assert (writer.puts, writer.put_bytes) == (0, 0)  # a lost race stores nothing
+    assert writer.put_if_absent("v1/other", b"x") and (writer.puts, writer.put_bytes) == (1, 1)
+    assert writer.remove(name) and not writer.remove(name) and not writer.exists(name)
+    with pytest.raises(ValueError):
+        writer.put_if_absent("../escape", b"x")
+    (tmp_path / "store" / "v1" / "file").write_bytes(b"a file where a directory must be")
+    with pytest.raises(StoreError, match="write v1/file/x"):
+        writer.put_if_absent("v1/file/x", b"data")
+
+
 def test_file_writer_failure_leaves_nothing(tmp_path):
     writer = FileStoreWriter(tmp_path / "store")
     (tmp_path / "store" / "v1").write_bytes(b"a file where a directory must be")
@@ -266,6 +302,49 @@ def test_s3_endpoint_and_credentials_from_the_environment(image, s3_bucket, monk
     assert writer.get("v1/chains/none.json") is None and writer.size("v1/none") is None
 
 
+def test_s3_put_if_absent_first_writer_wins_a_race(s3_bucket):
+    """``If-None-Match: *`` on moto's S3: of 8 writers at once, exactly one stores its object."""
+    name = "v1/deps/" + "b" * 64 + ".json"
+    results = race_put_if_absent(lambda: open_store_writer(s3_bucket.url("race"), **s3_bucket.options), name, writers=8)
+    assert sum(results) == 1
+    with open_store_writer(s3_bucket.url("race"), **s3_bucket.options) as writer:
+        assert writer.get(name) == f"writer {results.index(True)}".encode() * 1000
+        assert not writer.put_if_absent(name, b"late")
+        assert writer.remove(name) and not writer.remove(name) and writer.put_if_absent(name, b"again")
+        assert writer.get(name) == b"again"
+
+
+def test_s3_put_if_absent_without_conditional_writes_checks_then_puts(s3_bucket):
+    """A server that answers a conditional PUT with 501 NotImplemented (older S3-compatible
+    stores) gets a HEAD, then a plain PUT: a name that exists still wins.  The 501 is
+    answered at the HTTP boundary (botocore's before-send hook) for requests with
+    If-None-Match; everything else reaches moto."""
+    from botocore.awsrequest import AWSResponse
+
+    class Body:
+        def __init__(self, data: bytes) -> None:
+            self.data = data
+
+        def stream(self, **_):
+            yield self.data
+
+    conditional_puts = []
+
+    def not_implemented(request, **_):
+        if "If-None-Match" in request.headers:
+            conditional_puts.append(request.url)
+            body = b"<Error><Code>NotImplemented</Code><Message>conditional writes</Message></Error>"
+            return AWSResponse(request.url, 501, {"Content-Type": "application/xml"}, Body(body))
+        return None
+
+    with open_store_writer(s3_bucket.url("old"), **s3_bucket.options) as writer:
+        writer.client.meta.events.register("before-send.s3.PutObject", not_implemented)
+        assert writer.put_if_absent("v1/x", b"first")
+        assert not writer.put_if_absent("v1/x", b"second")
+        assert writer.get("v1/x") == b"first" and len(conditional_puts) == 2
+        assert (writer.puts, writer.put_bytes) == (1, 5)
+
+
 def test_s3_errors_name_the_object_but_never_the_secret(s3_bucket):
     options = dict(s3_bucket.options, secret_access_key="secret-value-never-shown")
     missing = open_store_writer("s3://no-such-bucket-here/x", **options)
@@ -324,7 +403,8 @@ class LocalHdfsClient:
 
     Same semantics where the writer depends on them: ``get_file_info``/``read`` of a
     missing path raise FileNotFoundError, ``create`` fails if the path exists,
-    ``rename(overwrite=True)`` replaces atomically, ``list_status`` yields statuses with
+    ``rename(overwrite=True)`` replaces atomically, ``rename(overwrite=False)`` fails
+    if the target exists, ``list_status`` yields statuses with
     ``path``/``isdir``/``length``.  ``fail_writes`` makes every write fail half-way.
     """
 
@@ -358,8 +438,14 @@ class LocalHdfsClient:
         return Writer()
 
     def rename(self, src: str, dst: str, overwrite: bool = False) -> None:
-        assert overwrite
-        os.replace(self._local(src), self._local(dst))
+        if overwrite:
+            os.replace(self._local(src), self._local(dst))
+        else:  # the namenode refuses a rename onto an existing name
+            try:
+                os.link(self._local(src), self._local(dst))
+            except FileExistsError:
+                raise RuntimeError(f"FileAlreadyExistsException: {dst}") from None
+            os.unlink(self._local(src))
 
     def delete(self, path: str, recursive: bool = False) -> bool:
         self._local(path).unlink()
@@ -390,3 +476,19 @@ def test_hdfs_writer_puts_through_a_temp_name(tmp_path):
         writer.put("v1/chains/c.json", b"other record")
     assert writer.get("v1/chains/c.json") == b"record"  # the old object, whole
     assert sorted(os.listdir(tmp_path / "stores" / "main" / "v1" / "chains")) == ["c.json"]  # the temp file is gone
+
+
+def test_hdfs_put_if_absent_renames_without_overwrite(tmp_path):
+    writer = open_store_writer("hdfs://namenode:8020/stores/main", max_failovers=0)
+    writer.client = client = LocalHdfsClient(tmp_path)
+    directory = tmp_path / "stores" / "main" / "v1" / "hotlists"
+    assert writer.put_if_absent("v1/hotlists/default", b"first")
+    assert not writer.put_if_absent("v1/hotlists/default", b"second")
+    assert writer.get("v1/hotlists/default") == b"first"
+    assert os.listdir(directory) == ["default"]  # the loser's temp file is gone
+    assert (writer.puts, writer.put_bytes) == (1, 5)
+    client.fail_writes = True
+    with pytest.raises(StoreError, match="write: hdfs://namenode:8020/stores/main/v1/hotlists/other: .*pipeline"):
+        writer.put_if_absent("v1/hotlists/other", b"data")
+    assert os.listdir(directory) == ["default"]
+    assert writer.remove("v1/hotlists/default") and not writer.remove("v1/hotlists/default")

@@ -36,7 +36,7 @@ MAX_BLOCK_SIZE = 64 << 20
 
 INDEX_MAGIC = b"BSLIDX01"
 DEDUP_MAGIC = b"BSDEDUP1"
-_INDEX_HEADER = struct.Struct("<8sIQ32s")  # magic, format version, payload length, payload SHA-256
+_SEALED_HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256
 MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused (a zstd bomb)
 
 #: Bounds an index entry must keep (Linux's NAME_MAX, XATTR_NAME_MAX, XATTR_SIZE_MAX, PATH_MAX).
@@ -205,8 +205,7 @@ class LayerIndex:
         }
         # ensure_ascii keeps lone surrogates (non-UTF-8 names) as \udcXX escapes.
         payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-        compressed = zstandard.ZstdCompressor(level=10).compress(payload)
-        return _INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, len(compressed), hashlib.sha256(compressed).digest()) + compressed
+        return encode_sealed(INDEX_MAGIC, FORMAT_VERSION, payload)
 
     @classmethod
     def decode(cls, data: bytes, *, expected_sha256: str | None = None) -> LayerIndex:
@@ -217,17 +216,7 @@ class LayerIndex:
         """
         if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
             raise FormatError(f"layer index does not match its digest {expected_sha256}: tampered with or truncated")
-        if len(data) < _INDEX_HEADER.size:
-            raise FormatError(f"layer index is truncated ({len(data)} bytes)")
-        magic, version, length, checksum = _INDEX_HEADER.unpack_from(data)
-        if magic != INDEX_MAGIC:
-            raise FormatError("not a BootSeer layer index (bad magic)")
-        if version != FORMAT_VERSION:
-            raise FormatError(f"layer index format version {version} is not supported (this BootSeer reads {FORMAT_VERSION})")
-        compressed = data[_INDEX_HEADER.size :]
-        if len(compressed) != length or hashlib.sha256(compressed).digest() != checksum:
-            raise FormatError("layer index payload fails its checksum: tampered with or truncated")
-        payload = _decompress_bounded(compressed, MAX_INDEX_BYTES, "layer index")
+        payload = decode_sealed(data, INDEX_MAGIC, FORMAT_VERSION, MAX_INDEX_BYTES, "layer index")
         try:
             document = json.loads(payload)
             index = cls(
@@ -316,8 +305,53 @@ class LayerIndex:
         return [self.blocks[b] for b in entry.blocks]
 
 
-def _decompress_bounded(compressed: bytes, limit: int, what: str) -> bytes:
-    """The zstd ``compressed`` bytes decompressed, FormatError past ``limit`` bytes (a zstd bomb).
+# -- sealed objects: header + zstd payload ----------------------------------------------------
+
+
+def encode_sealed(magic: bytes, version: int, payload: bytes) -> bytes:
+    """A sealed store object: a 52-byte header (``magic``, ``version``, length and SHA-256
+    of what follows) and ``payload`` zstd-compressed (level 10).
+
+    The one writer of the layer index's and the hot list's bytes (docs/FORMAT.md):
+    every reader checks them with :func:`decode_sealed`.
+    """
+    if len(magic) != 8:
+        raise ValueError(f"a sealed object's magic is 8 bytes, not {magic!r}")
+    compressed = zstandard.ZstdCompressor(level=10).compress(payload)
+    return _SEALED_HEADER.pack(magic, version, len(compressed), hashlib.sha256(compressed).digest()) + compressed
+
+
+def decode_sealed(
+    data: bytes,
+    magic: bytes,
+    version: int,
+    max_payload: int,
+    what: str,
+    error_type: type[FormatError] = FormatError,
+) -> bytes:
+    """The payload of a sealed object made by :func:`encode_sealed`, checked; ``error_type``
+    (a FormatError) naming ``what`` for anything wrong.
+
+    Checked in this order: the header is all there, the magic, the version, the
+    payload's length and SHA-256 (so a truncated or tampered object is refused before
+    it is decompressed), then decompression within ``max_payload`` bytes (a zstd bomb
+    is refused in bounded memory).
+    """
+    if len(data) < _SEALED_HEADER.size:
+        raise error_type(f"{what} is truncated ({len(data)} bytes)")
+    found_magic, found_version, length, checksum = _SEALED_HEADER.unpack_from(data)
+    if found_magic != magic:
+        raise error_type(f"not a BootSeer {what} (bad magic)")
+    if found_version != version:
+        raise error_type(f"{what} format version {found_version} is not supported (this BootSeer reads {version})")
+    compressed = data[_SEALED_HEADER.size :]
+    if len(compressed) != length or hashlib.sha256(compressed).digest() != checksum:
+        raise error_type(f"{what} payload fails its checksum: tampered with or truncated")
+    return _decompress_bounded(compressed, max_payload, what, error_type)
+
+
+def _decompress_bounded(compressed: bytes, limit: int, what: str, error_type: type[FormatError] = FormatError) -> bytes:
+    """The zstd ``compressed`` bytes decompressed, ``error_type`` past ``limit`` bytes (a zstd bomb).
 
     Read in pieces: asking a stream reader for ``limit`` bytes at once would allocate them.
     """
@@ -328,10 +362,10 @@ def _decompress_bounded(compressed: bytes, limit: int, what: str) -> bytes:
         while piece := reader.read(1 << 20):
             total += len(piece)
             if total > limit:
-                raise FormatError(f"{what} is larger than {limit} bytes uncompressed")
+                raise error_type(f"{what} is larger than {limit} bytes uncompressed")
             pieces.append(piece)
     except zstandard.ZstdError as exc:
-        raise FormatError(f"{what} payload is not valid zstd: {exc}") from None
+        raise error_type(f"{what} payload is not valid zstd: {exc}") from None
     return b"".join(pieces)
 
 

@@ -7,9 +7,10 @@ SHA-256, its pack, offset and lengths) and when it was first read (seconds after
 container's writable snapshot was prepared).  It says when and where (node,
 container) it was recorded and why recording ended.
 
-On disk it is framed like a layer index (:mod:`bootseer.blockstore.format`): a header
-(magic ``BSHOTL01``, format version, payload length, payload SHA-256) and a
-zstd-compressed JSON payload.  :meth:`HotList.decode` never trusts the store: a
+On disk it is a sealed object, as a layer index is
+(:func:`bootseer.blockstore.format.encode_sealed`/``decode_sealed``): a header (magic
+``BSHOTL01``, format version, payload length, payload SHA-256) and a zstd-compressed
+JSON payload.  :meth:`HotList.decode` never trusts the store: a
 truncated, tampered, oversized or malformed object, or one stored under another
 image's or profile's name, raises :class:`HotListError`.  Whether its blocks match
 the image's layer indexes is checked against those indexes (:func:`resolve`), since
@@ -21,21 +22,16 @@ default profile and ``v1/hotlists/<top chain hex>/profile.<NAME>`` for profile N
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import zstandard
-
 from bootseer.blockstore.format import FORMAT_VERSION as STORE_FORMAT_VERSION
-from bootseer.blockstore.format import FormatError, LayerIndex, check_digest
+from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, decode_sealed, encode_sealed
 
 HOTLIST_VERSION = 1
 HOTLIST_MAGIC = b"BSHOTL01"
-_HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256
 #: A decompressed hot list larger than this is refused (a zstd bomb); 1M blocks are ~120 MB.
 MAX_PAYLOAD_BYTES = 256 << 20
 #: An encoded hot list larger than this is refused before it is read.
@@ -174,8 +170,7 @@ class HotList:
             "recorder": self.recorder,
         }
         payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-        compressed = zstandard.ZstdCompressor(level=10).compress(payload)
-        return _HEADER.pack(HOTLIST_MAGIC, HOTLIST_VERSION, len(compressed), hashlib.sha256(compressed).digest()) + compressed
+        return encode_sealed(HOTLIST_MAGIC, HOTLIST_VERSION, payload)
 
     @classmethod
     def decode(cls, data: bytes, *, expected_image: str | None = None, expected_profile: str | None = None) -> HotList:
@@ -185,24 +180,9 @@ class HotList:
         must be what the list says it is: a list copied under another image's name
         is foreign and refused.
         """
-        if len(data) < _HEADER.size:
-            raise HotListError(f"hot list is truncated ({len(data)} bytes)")
         if len(data) > MAX_OBJECT_BYTES:
             raise HotListError(f"hot list is {len(data)} bytes, more than {MAX_OBJECT_BYTES}")
-        magic, version, length, checksum = _HEADER.unpack_from(data)
-        if magic != HOTLIST_MAGIC:
-            raise HotListError("not a BootSeer hot list (bad magic)")
-        if version != HOTLIST_VERSION:
-            raise HotListError(f"hot list format version {version} is not supported (this BootSeer reads {HOTLIST_VERSION})")
-        compressed = data[_HEADER.size :]
-        if len(compressed) != length or hashlib.sha256(compressed).digest() != checksum:
-            raise HotListError("hot list payload fails its checksum: tampered with or truncated")
-        try:
-            payload = zstandard.ZstdDecompressor().stream_reader(compressed).read(MAX_PAYLOAD_BYTES + 1)
-        except zstandard.ZstdError as exc:
-            raise HotListError(f"hot list payload is not valid zstd: {exc}") from None
-        if len(payload) > MAX_PAYLOAD_BYTES:
-            raise HotListError(f"hot list is larger than {MAX_PAYLOAD_BYTES} bytes uncompressed")
+        payload = decode_sealed(data, HOTLIST_MAGIC, HOTLIST_VERSION, MAX_PAYLOAD_BYTES, "hot list", HotListError)
         try:
             document = json.loads(payload)
             if not isinstance(document, dict) or document.get("format") != HOTLIST_VERSION:

@@ -9,11 +9,14 @@ compression, each checked on a tar built by tests/support.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import gzip
 import hashlib
 import io
 import json
+import re
+import struct
 import tarfile
 
 import pytest
@@ -33,12 +36,15 @@ from bootseer.blockstore.format import (
     chain_id,
     chain_ids,
     chain_object,
+    decode_sealed,
     dedup_object,
+    encode_sealed,
     index_object,
     pack_object,
 )
 from bootseer.blockstore.tarlayer import LayerError, read_layer
 from tests.support import layers as L
+from tests.support.sealed import same_sealed_object
 from tests.support.oci import chain_ids as reference_chain_ids
 
 D1, D2, D3 = ("sha256:" + c * 64 for c in "123")
@@ -121,6 +127,45 @@ def test_index_round_trip():
     decoded = LayerIndex.decode(data, expected_sha256=hashlib.sha256(data).hexdigest())
     assert decoded == index
     assert decoded.entries[5].target == "/etc/\udcffxyz"  # non-UTF-8 bytes survive as surrogates
+
+
+#: ``small_index().encode()`` as the code before the sealed-object helper wrote it (zstd 1.5.7).
+STORED_INDEX = base64.b64decode(
+    "QlNMSURYMDEBAAAAmAEAAAAAAABUs6M0lUh+PRNRaqQCOqGMq7S+hiCTgS+CfmpZJhKI1yi1L/1gPAJ1DADGWUwiQGmsAxiuzwxY"
+    "AX0aiCVk79ywm6oOuFwDt2RFB/rOKIpyIEEAQABDAJQlc4mXZO9AXnLt5ENYc6tm/Bx78Yfk9Af4JzHj4nsgzTFO8FVBeQoSs1nk"
+    "9wkeTUXEc3iqFHQr9Jvgocg4TX8h/Do6qVw7llz0SRm5IRXhg3FyR0UOdt1q0uNQqq3Usrb2WKq8fthEpU1qeXmPMBbVS/E9RZuT"
+    "zbOmqOhMM9GqAkq3oXEBgYF6+BodxEUTwIiLUxGaAFqhJ3KgL8AnfJdivgreIPo6to31GDzzvaPQw0PfH37xhao4kKJ+kyQB7F2T"
+    "s1+NpMGKNd200ot+3WLLEinYiYipaAyuwEjoNkyoGg6/fF9KDZ5hGM+rk0YEHecm55hb9XHi4lHwiIRCWRI+wMvv82VVlyUgYMJx"
+    "mB0MjHSh6kp+FSeFvmtMAMhQSiWOVOCWgTwEswOX2HVEi9jAMOxzoeWI9SYT5lKrvzLxZgzOrfQmNuwuDSbjFINdM2SE5p+hUtES"
+    "WaGMi8WkNyXuBA=="
+)
+STORED_WITH_ZSTD = (1, 5, 7)
+
+
+def test_an_index_stored_before_the_sealed_object_helper_reads_the_same_and_is_written_the_same():
+    assert LayerIndex.decode(STORED_INDEX, expected_sha256=hashlib.sha256(STORED_INDEX).hexdigest()) == small_index()
+    assert same_sealed_object(small_index().encode(), STORED_INDEX, STORED_WITH_ZSTD)
+    assert STORED_INDEX[:8] == b"BSLIDX01" and len(STORED_INDEX) - 52 == struct.unpack_from("<Q", STORED_INDEX, 12)[0]
+
+
+
+def test_sealed_objects_check_magic_version_checksum_and_size_with_the_callers_error():
+    class WidgetError(FormatError):
+        pass
+
+    sealed = encode_sealed(b"WIDGET01", 3, b"payload" * 100)
+    assert decode_sealed(sealed, b"WIDGET01", 3, 700, "widget") == b"payload" * 100
+    for data, magic, version, limit, message in (
+        (sealed[:51], b"WIDGET01", 3, 700, "widget is truncated (51 bytes)"),
+        (sealed, b"GADGET01", 3, 700, "not a BootSeer widget (bad magic)"),
+        (sealed, b"WIDGET01", 2, 700, "widget format version 3 is not supported (this BootSeer reads 2)"),
+        (sealed[:-1], b"WIDGET01", 3, 700, "widget payload fails its checksum"),
+        (sealed, b"WIDGET01", 3, 699, "widget is larger than 699 bytes uncompressed"),
+    ):
+        with pytest.raises(WidgetError, match=re.escape(message)):
+            decode_sealed(data, magic, version, limit, "widget", WidgetError)
+    with pytest.raises(ValueError, match="8 bytes"):
+        encode_sealed(b"SHORT", 1, b"")
 
 
 def test_every_damaged_byte_is_caught():

@@ -12,6 +12,7 @@ Timers run on trio's autojump clock.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import threading
 from pathlib import Path
@@ -40,6 +41,7 @@ from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
 from bootseer.hotlist.service import HotListConfig
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
+from tests.support.sealed import same_sealed_object
 from tests.http_fixtures import nginx_factory  # noqa: F401  (a fixture)
 from tests.s3_fixtures import moto_s3, s3_bucket  # noqa: F401  (fixtures)
 
@@ -74,6 +76,23 @@ def test_round_trip_and_paths() -> None:
     assert back.per_layer() == {LOWER: (1, 50), IMAGE: (1, 50)}
     with pytest.raises(HotListError, match="profile name"):
         hotlist_object(IMAGE, "../x")
+
+
+#: ``STORED_LIST.encode()`` as the code before the sealed-object helper wrote it (zstd 1.5.7).
+STORED_BYTES = base64.b64decode(
+    "QlNIT1RMMDEBAAAAPwEAAAAAAACxHoUmedqr2w/4bwgZ5lHypqOQQcZFsUCgYpdzztiJpyi1L/1grQGtCQDmFUAfYEnrsyAiqsqP"
+    "c9OhZIuBZo8gkOntyfZKx0IiAIBDAzkANAA2AA4d545hmDqYSl3EU9gftE5ITWh6Q6xUwF9oJTWXpGFUEvdgQmqyXiqZNlDkyi9o"
+    "hCSVV8ZGgM8lQ6/4kzJ9Ph0DeSojNLG7SOkm3WVdTYZYMg6DuZv0vA1Bzs6Y7kftbSAjudPJuUd7MOUIfwtLag7srt2FsABvgOEA"
+    "ZdYkgb/D1x6mJoxJh/Xh9q+U6tO+iOPUFDvc2IbwnvXEEHawgSR39j8NuQc+LAD8V8T32K70jwuWwBh7WaSmw1m5vCQ2XHhqxk8W"
+    "CrlygRH4K/2KlivhL0nH5bXU5MVfEgBHBCB5KIgmwuI0sAgRKBgCdUkX4kStEKOYgUIAxOWGrDU2MyheLvE0aF0hOC7JOQE="
+)
+
+
+def test_a_list_stored_before_the_sealed_object_helper_reads_the_same_and_is_written_the_same() -> None:
+    stored = _list(profile="train", sealed_by="quiet", duration=3.5, recorded_at="2026-12-01T19:00:00Z",
+                   recorder="bootseer 0.1.0")  # fmt: skip
+    assert HotList.decode(STORED_BYTES, expected_image=IMAGE, expected_profile="train") == stored
+    assert same_sealed_object(stored.encode(), STORED_BYTES, (1, 5, 7))
 
 
 def test_corrupt_truncated_foreign_and_inconsistent_lists_are_refused() -> None:

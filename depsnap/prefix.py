@@ -343,8 +343,12 @@ def run(
             if record.mode != "prefix" or record.prefix != str(prefix_path):
                 log.warning("deps record is for another prefix; ignoring it", key=key.key, prefix=record.prefix)
             else:
-                restore(node, prefix_path, record, store or "", prior, settings or control.ServerSettings(store=store))
-                return RunOutcome("hit", key.key, detail=f"restored {prefix_path} from {record.chain_id}")
+                try:
+                    restore(node, prefix_path, record, store or "", prior, settings or control.ServerSettings(store=store))
+                    return RunOutcome("hit", key.key, detail=f"restored {prefix_path} from {record.chain_id}")
+                except DepsError as exc:
+                    # Never a failed job for want of a snapshot: install as without one.
+                    log.warning("the dependency snapshot cannot be restored; installing", key=key.key, error=str(exc))
         return _install_and_capture(node, argv, prefix_path, key, env, store, publish_store, publish)
 
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerUnavailable
 from bootseer.blockstore.format import FormatError
 from bootseer.blockstore.store import open_store_writer
 from bootseer.depsnap.capture import diff, publish_capture, scan
@@ -71,20 +70,12 @@ def clean_env(home: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def work(tmp_path: Path):
-    """A node root, a store and a home; teardown unmounts what a test left and stops its layer server."""
-    node = tmp_path / "node"
+def work(tmp_path: Path, layer_server_reaper):
+    """A directory for a node root, a store and a home; teardown unmounts what a test left and stops its layer servers."""
+    layer_server_reaper(tmp_path)
     yield tmp_path
     for mounted in [p for p in tmp_path.glob("*") if mount_entry(p) is not None]:
         force_unmount(mounted)
-    try:
-        LayerServerClient(ServerPaths(node).socket, timeout=5).shutdown()
-        deadline = time.monotonic() + 20
-        while mount_entry(node / "layers" / "mnt") is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
-    except ServerUnavailable:
-        pass
-    force_unmount(node / "layers" / "mnt")
 
 
 def deps(work: Path, *args: str, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -270,6 +261,20 @@ def test_uv_venv_with_prior_contents_upgrade_whiteouts_pip_check(work: Path, whe
     assert check.returncode == 0, check.stdout + check.stderr
     deps(work, "release", str(prefix), "--root", str(work / "node"))
     assert mount_entry(prefix) is None and (prefix / "lib").exists()  # the prior venv is there again, untouched
+
+
+@needs_root
+def test_a_snapshot_that_cannot_be_restored_falls_back_to_installing(work: Path, wheels: Path) -> None:
+    (work / "req.txt").write_text("beta\n")
+    prefix = work / "env"
+    install = [PYTHON, "-m", "pip", "install", "-q", "--no-index", "-f", str(wheels), "--target", str(prefix), "-r", "req.txt"]
+    deps(work, *run_args(work, prefix, *install))
+    for chain in (work / "store" / "v1" / "chains").glob("*.json"):
+        chain.unlink()  # the record names a layer the store no longer has
+    subprocess.run(["rm", "-rf", str(prefix), str(work / "node")], check=True)
+    again = deps(work, *run_args(work, prefix, *install))
+    assert "cannot be restored; installing" in again.stderr and mount_entry(prefix) is None
+    assert subprocess.run([PYTHON, "-c", "import beta"], env={**clean_env(work), "PYTHONPATH": str(prefix)}).returncode == 0
 
 
 def test_failed_install_publishes_nothing(work: Path, wheels: Path) -> None:

@@ -214,6 +214,7 @@ class Expected:
     rdev: tuple[int, int] = (0, 0)
     link_to: str | None = None  #: a hard link's first path
     source: str = ""  #: the file on disk whose blocks the layer holds
+    xattrs: dict[str, bytes] = field(default_factory=dict)  #: as the index keeps them (opaque as the marker says)
 
 
 _KINDS = {stat.S_IFREG: EntryType.FILE, stat.S_IFDIR: EntryType.DIR, stat.S_IFLNK: EntryType.SYMLINK,
@@ -272,7 +273,10 @@ def write_tar(root: str | os.PathLike[str], tree: Tree, change: Change, out: Bin
                 continue
             xattrs = _xattrs(full)
             is_opaque = path in change.opaque or (overlay_upper and xattrs.get(OPAQUE_XATTR) == b"y")
-            common = dict(mode=node.mode, uid=node.uid, gid=node.gid, mtime_ns=mtime)
+            kept = {n: v for n, v in xattrs.items() if not n.startswith(_OVERLAY_XATTR)}
+            if is_opaque and node.kind == stat.S_IFDIR:
+                kept[OPAQUE_XATTR] = b"y"
+            common = dict(mode=node.mode, uid=node.uid, gid=node.gid, mtime_ns=mtime, xattrs=kept)
             kind = _KINDS.get(node.kind)
             if kind is None:
                 raise CaptureError(f"{full}: a socket (or other special file) cannot be stored in a layer")
@@ -310,7 +314,7 @@ def write_tar(root: str | os.PathLike[str], tree: Tree, change: Change, out: Bin
                                       target=node.target, source=full if kind is EntryType.FILE else "",
                                       rdev=(os.major(node.rdev), os.minor(node.rdev)) if kind in (EntryType.CHAR, EntryType.BLOCK) else (0, 0),
                                       **common)  # type: ignore[arg-type]  # fmt: skip
-            if is_opaque:
+            if is_opaque and kind is EntryType.DIR:
                 marker = tarfile.TarInfo(f"{path}/{OPAQUE_MARKER}" if path else OPAQUE_MARKER)
                 marker.mtime = node.mtime_ns // 1_000_000_000
                 tar.addfile(marker)
@@ -349,8 +353,10 @@ def verify_index(index: LayerIndex, expected: dict[str, Expected]) -> None:
         raise CaptureError(f"the layer's entries differ from the tree (extra {extra}, missing {missing})")
     for path, want in expected.items():
         number, entry = entries[path]
-        got = (entry.type, entry.mode, entry.uid, entry.gid, entry.mtime_ns, entry.size, entry.target, entry.rdev)
-        if got != (want.kind, want.mode, want.uid, want.gid, want.mtime_ns, want.size, want.target, want.rdev):
+        got = (entry.type, entry.mode, entry.uid, entry.gid, entry.mtime_ns, entry.size, entry.target, entry.rdev,
+               entry.xattrs)
+        if got != (want.kind, want.mode, want.uid, want.gid, want.mtime_ns, want.size, want.target, want.rdev,
+                   want.xattrs):
             raise CaptureError(f"{path or '/'}: the layer holds {got}, the tree {want}")
         if want.link_to is not None:
             if entry.link is None or index.entries[entry.link].path != want.link_to:

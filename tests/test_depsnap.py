@@ -368,6 +368,55 @@ def test_capture_refuses_a_tree_that_changes_under_it(tmp_path: Path) -> None:
     assert records(tmp_path / "store") == []
 
 
+@needs_root
+def test_an_overlay_upper_directory_is_captured_in_overlay_form(tmp_path: Path) -> None:
+    """A container's writable layer: deletions (0/0 devices) become whiteouts, a directory made again is opaque,
+    hard links, symlinks and xattrs are kept, the overlay's own xattrs are not."""
+    from bootseer.blockstore.format import EntryType, LayerIndex, index_object
+    from bootseer.depsnap.capture import upper_change
+
+    lower, upper, work_dir, merged = (tmp_path / n for n in ("lower", "upper", "work", "merged"))
+    for d in (lower / "swap", lower / "keep", upper, work_dir, merged):
+        d.mkdir(parents=True)
+    (lower / "gone.txt").write_text("old")
+    (lower / "swap" / "a.txt").write_text("a")
+    (lower / "keep" / "k.txt").write_text("k")
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o",
+                    f"lowerdir={lower},upperdir={upper},workdir={work_dir}", str(merged)], check=True)  # fmt: skip
+    try:
+        (merged / "gone.txt").unlink()
+        (merged / "swap" / "a.txt").unlink()
+        (merged / "swap").rmdir()
+        (merged / "swap").mkdir()
+        (merged / "swap" / "b.txt").write_text("b")
+        (merged / "new").mkdir()
+        (merged / "new" / "f").write_text("f" * 5000)
+        os.chmod(merged / "new" / "f", 0o4750)
+        os.link(merged / "new" / "f", merged / "new" / "hard")
+        os.symlink("../keep/k.txt", merged / "new" / "link")
+        os.setxattr(merged / "new" / "f", "user.origin", b"pip")
+        (merged / "keep" / "k.txt").write_text("changed")
+    finally:
+        force_unmount(merged)
+    tree = scan(upper)
+    writer = open_store_writer(str(tmp_path / "store"))
+    result = publish_capture(writer, key="e" * 64, root=upper, tree=tree, change=upper_change(tree), mode="container",
+                             parent="sha256:" + "a" * 64, overlay_upper=True)  # fmt: skip
+    record = writer.get(f"v1/chains/{result.chain_id.removeprefix('sha256:')}.json")
+    index_name = json.loads(record)["index"]
+    index = LayerIndex.decode(writer.get(index_object(index_name)), expected_sha256=index_name)
+    entries = {e.path: e for e in index.entries}
+    assert entries["gone.txt"].type is EntryType.CHAR and entries["gone.txt"].rdev == (0, 0)
+    assert entries["swap"].xattrs.get("trusted.overlay.opaque") == b"y" and "swap/b.txt" in entries
+    assert "swap/a.txt" not in entries
+    f, hard = entries["new/f"], entries["new/hard"]
+    assert f.mode == 0o4750 and f.xattrs == {"user.origin": b"pip"} and hard.link == index.entries.index(f)
+    assert entries["new/link"].target == "../keep/k.txt"
+    assert entries["keep/k.txt"].size == len("changed")
+    assert all(not name.startswith("trusted.overlay.") or name == "trusted.overlay.opaque"
+               for e in index.entries for name in e.xattrs)
+
+
 def test_record_checks_and_housekeeping(work: Path) -> None:
     root = work / "tree"
     (root / "d").mkdir(parents=True)

@@ -34,10 +34,9 @@ import os
 import signal
 import socket as stdlib_socket
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 import prometheus_client
 import pyfuse3
@@ -60,6 +59,7 @@ from bootseer.fetch.engine import Engine, EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, redact_url
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
+from bootseer.locks import TrioKeyedLocks
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks
 
@@ -200,7 +200,9 @@ class LayerServer:
         self._engines: dict[str, Engine] = {}
         self._fetchers: dict[str, Any] = {}
         self._opening: dict[str, trio.Lock] = {}
-        self._chain_locks: dict[str, trio.Lock] = {}
+        # A mount and an unmount of one layer never interleave; requests name any ChainID
+        # they like, so a lock lives only while it is held or waited for.
+        self._chain_locks = TrioKeyedLocks()
         self._table_lock = trio.Lock()
         self.session: FuseSession | None = None
         self.started = time.time()
@@ -337,28 +339,11 @@ class LayerServer:
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.paths.lower_dir(layer.slot)}
 
-    @asynccontextmanager
-    async def _chain_lock(self, chain_id: str) -> AsyncIterator[None]:
-        """Hold ``chain_id``'s lock (a mount and an unmount of one layer never interleave).
-
-        The lock is dropped from the table once nobody holds or waits for it, so the
-        table does not grow with every ChainID ever asked for (requests name any they
-        like).  trio hands a released lock straight to its next waiter, so a lock still
-        wanted is never dropped, and one made afresh later excludes nobody who holds the old.
-        """
-        lock = self._chain_locks.setdefault(chain_id, trio.Lock())
-        try:
-            async with lock:
-                yield
-        finally:
-            if not lock.locked() and lock.statistics().tasks_waiting == 0 and self._chain_locks.get(chain_id) is lock:
-                del self._chain_locks[chain_id]
-
     async def mount(self, chain_id: str, store: str | None = None) -> dict[str, Any]:
         store = store or self.config.store
         if not store:
             raise InvalidRequest("no store: the server has no --store and the request names none")
-        async with self._chain_lock(chain_id):
+        async with self._chain_locks.hold(chain_id):
             layer = self.layers.get(chain_id)
             if layer is not None and layer.tree is not None:
                 return self._answer(layer)
@@ -405,7 +390,7 @@ class LayerServer:
         return self._answer(layer)
 
     async def unmount(self, chain_id: str) -> dict[str, Any]:
-        async with self._chain_lock(chain_id), self._table_lock:
+        async with self._chain_locks.hold(chain_id), self._table_lock:
             layer = self.layers.pop(chain_id, None)
             if layer is None:
                 raise LayerNotMounted(f"{chain_id} is not mounted by this layer server")

@@ -32,16 +32,14 @@ import os
 import shutil
 import stat
 import tempfile
-import threading
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import prometheus_client
 
 from bootseer.depsnap import containerd as deps_hooks
 from bootseer.hotlist import hooks as hotlist_hooks
+from bootseer.locks import KeyedLocks
 from bootseer.profile import hooks as profile_hooks
 from bootseer.log import get_logger
 
@@ -89,8 +87,8 @@ class Snapshotter:
         self.root = Path(root).absolute()
         self.backend = backend
         # One lock per ChainID: a mount and the unmount of the same layer never interleave.
-        self._chain_locks: dict[str, threading.RLock] = {}
-        self._chain_locks_guard = threading.Lock()
+        # Kept only while held or waited for: Prepares name every ChainID of every image.
+        self._chain_locks = KeyedLocks()
         self._mounting: set[str] = set()  # ids of snapshots between the two phases, in this process
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._snapshots_dir = self.root / "snapshots"
@@ -281,7 +279,7 @@ class Snapshotter:
 
     def _forget_interrupted(self, record: Record) -> None:
         """Remove a ``"mounting"`` snapshot no Prepare of this process is finishing (a crash's)."""
-        with self._chain_lock(record.remote_ref):  # a Prepare in progress holds it throughout
+        with self._chain_locks.hold(record.remote_ref):  # a Prepare in progress holds it throughout
             with self._ms.read() as tx:
                 current = next((r for r in tx.records() if r.id == record.id), None)
             if current is None or current.state != STATE_MOUNTING or record.id in self._mounting:
@@ -299,7 +297,7 @@ class Snapshotter:
         if self.backend is None:
             log.error("remote snapshot but no store configured", key=record.key, id=record.id)
             return f"{where}: no store is configured, so its layer cannot be served"
-        with self._chain_lock(record.remote_ref):
+        with self._chain_locks.hold(record.remote_ref):
             try:
                 try:
                     lower = self.backend.check(record.remote_ref)
@@ -421,7 +419,7 @@ class Snapshotter:
             for name, label in (("image_ref", CRI_IMAGE_REF_LABEL), ("layer_digest", CRI_LAYER_DIGEST_LABEL))
             if label in labels
         }
-        with self._chain_lock(chain_id):
+        with self._chain_locks.hold(chain_id):
             layer, reason, detail = self._find_remote(chain_id, parent, labels)
             if layer is None:
                 return self._fall_back(key, parent, labels, chain_id, reason, detail, hints)
@@ -521,7 +519,7 @@ class Snapshotter:
         """Unmount ``chain_id`` from the backend if no snapshot uses it any more (failures logged)."""
         if self.backend is None:
             return
-        with self._chain_lock(chain_id):
+        with self._chain_locks.hold(chain_id):
             with self._ms.read() as tx:
                 users = tx.remote_users(chain_id)
             if users or deps_hooks.in_use(self, chain_id):  # a dependency layer stacked under a snapshot
@@ -532,13 +530,6 @@ class Snapshotter:
                 log.warning("cannot unmount an unused layer; Cleanup retries", chain_id=chain_id, reason=exc.reason, error=str(exc))
                 return
         log.info("unused layer unmounted", chain_id=chain_id)
-
-    @contextmanager
-    def _chain_lock(self, chain_id: str) -> Iterator[None]:
-        with self._chain_locks_guard:
-            lock = self._chain_locks.setdefault(chain_id, threading.RLock())
-        with lock:
-            yield
 
     def _new_directory(self, kind: Kind) -> str:
         path = tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=self._snapshots_dir)

@@ -633,3 +633,41 @@ def test_kill_9_at_random_points_then_cleanup_is_consistent(root: Path):
         finally:
             sn.close()
     assert stored_ids(root)  # the churn did build something
+
+
+def test_chain_locks_do_not_outlive_their_prepares(tmp_path: Path) -> None:
+    """Each ChainID a Prepare names (containerd.io/snapshot.ref) is locked while its layer is
+    looked up, mounted or released; the snapshotter must not keep a lock for every ChainID
+    it was ever asked about (every layer of every image pulled in the daemon's life)."""
+    from bootseer.blockstore.format import chain_id
+    from bootseer.snapshotter.snapshots import REF_LABEL
+    from snapshot_helpers import DirectoryLayers
+
+    converted = chain_id("", "sha256:" + "a" * 64)
+    layers = DirectoryLayers(tmp_path / "store", tmp_path / "mnt")
+    layers.convert(converted, "", {"a": "base"})
+    sn = Snapshotter(tmp_path / "root", layers)
+    try:
+        unknown = [f"sha256:{n:064x}" for n in range(40)]
+        chains = unknown + unknown[:10] + [converted] * 3  # some asked for twice at once
+
+        def prepare(n: int, chain: str) -> None:
+            try:
+                sn.prepare(f"extract-{n}", "", {REF_LABEL: chain})  # not converted: an ordinary snapshot
+            except AlreadyExists:
+                pass  # the converted layer: a remote snapshot committed under its ChainID
+
+        threads = [threading.Thread(target=prepare, args=(n, chain)) for n, chain in enumerate(chains)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sn.stat(converted).kind is Kind.COMMITTED
+        assert len([info for info in sn.list() if info.kind is Kind.ACTIVE]) == len(unknown) + 10
+        assert len(sn._chain_locks) == 0
+        sn.remove(converted)  # releases the layer, under its lock
+        assert not os.path.ismount(layers.lower_dir(converted))
+        assert len(sn._chain_locks) == 0
+    finally:
+        sn.close()
+        layers.close()

@@ -250,8 +250,8 @@ class LayerServer:
     def _index_path(self, record: ChainRecord) -> Path:
         return self.paths.indexes / record.index
 
-    async def _fetch_layer(self, chain_id: str, store: str) -> tuple[ChainRecord, LayerIndex]:
-        """The chain record and index of ``chain_id`` from ``store`` (verified)."""
+    async def _fetch_layer(self, chain_id: str, store: str) -> tuple[ChainRecord, LayerIndex, bytes]:
+        """The chain record and index of ``chain_id`` from ``store`` (verified), and the index's bytes as stored."""
         from bootseer.blockstore.store import StoreReader
 
         engine, _fetcher = await self.fetcher(store)
@@ -260,29 +260,42 @@ class LayerServer:
             record = await reader.chain(chain_id)
             if record is None:
                 raise LayerNotConverted(f"{chain_id} is not converted in {engine.url} (no chain record)")
-            index = await reader.index(record)
+            index, data = await reader.index_and_bytes(record)
         except FormatError as exc:
             raise LayerCorrupt(f"{chain_id} in {engine.url}: {exc}") from None
         except (FetchError, SourceError) as exc:
             raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
-        return record, index
+        return record, index, data
 
     def _local_index(self, record: ChainRecord) -> LayerIndex | None:
-        """The saved copy of ``record``'s index, if there is a good one."""
+        """The saved copy of ``record``'s index, if there is a good one.
+
+        The copy is the store's object byte for byte, so it is verified as the store's
+        is: against the SHA-256 the chain record names it by.
+        """
         try:
             data = self._index_path(record).read_bytes()
         except FileNotFoundError:
             return None
         try:
-            return LayerIndex.decode(data)
+            return LayerIndex.decode(data, expected_sha256=record.index)
         except FormatError as exc:
             log.warning("local index copy is damaged; fetching it again", index=record.index, error=str(exc))
             return None
 
-    def _save_local_index(self, record: ChainRecord, index: LayerIndex) -> None:
+    def _save_local_index(self, record: ChainRecord, data: bytes) -> None:
+        """Keep ``data`` (the index object as fetched and verified) as the local copy of ``record``'s index.
+
+        A copy already there with other bytes (damaged, or re-encoded by an older
+        server) is replaced.
+        """
         path = self._index_path(record)
-        if not path.exists():
-            write_atomically(path, index.encode())
+        try:
+            if path.read_bytes() == data:
+                return
+        except FileNotFoundError:
+            pass
+        write_atomically(path, data)
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
         from bootseer.blockstore.reader import LayerReader
@@ -321,8 +334,8 @@ class LayerServer:
             index = await trio.to_thread.run_sync(self._local_index, layer.record, limiter=self._block_threads)
             try:
                 if index is None:
-                    _record, index = await self._fetch_layer(layer.chain_id, layer.store)
-                    self._save_local_index(layer.record, index)
+                    _record, index, data = await self._fetch_layer(layer.chain_id, layer.store)
+                    await trio.to_thread.run_sync(self._save_local_index, layer.record, data)
                 layer.tree = await self._tree(layer, index)
             except (LayerServerError, OSError, FormatError) as exc:
                 layer.error = str(exc)
@@ -352,7 +365,7 @@ class LayerServer:
             # The engine fails a store that errors within retry_timeout; this bounds one that
             # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
             with trio.move_on_after(self.config.load_timeout) as loading:
-                record, index = await self._fetch_layer(chain_id, store)
+                record, index, data = await self._fetch_layer(chain_id, store)
             if loading.cancelled_caught:
                 raise StoreUnavailable(
                     f"{chain_id}: the store {redact_url(store)} did not give its chain record and index in {self.config.load_timeout:g}s"
@@ -363,7 +376,7 @@ class LayerServer:
                 layer.record = record
                 tree = await self._tree(layer, index)
                 # Disk first (the index copy, then the table), the served tree last.
-                await trio.to_thread.run_sync(self._save_local_index, record, index)
+                await trio.to_thread.run_sync(self._save_local_index, record, data)
                 added = chain_id not in self.layers
                 self.layers[chain_id] = layer
                 try:

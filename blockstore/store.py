@@ -588,6 +588,14 @@ class StoreReader:
 
     async def index(self, record: ChainRecord) -> LayerIndex:
         """The layer index ``record`` names, verified against ``record.index`` and its diff_id."""
+        index, _data = await self.index_and_bytes(record)
+        return index
+
+    async def index_and_bytes(self, record: ChainRecord) -> tuple[LayerIndex, bytes]:
+        """The layer index ``record`` names, verified as :meth:`index` does, and the exact
+        bytes it was decoded from (their SHA-256 is ``record.index``): what a node keeps
+        as its local copy, byte for byte the store's, so the copy is checked against the
+        same name when it is read back."""
         name = index_object(record.index)
         data = await self.read_object(name, MAX_INDEX_OBJECT_BYTES)
         if data is None:
@@ -597,7 +605,7 @@ class StoreReader:
         index = await trio.to_thread.run_sync(decode, limiter=self.threads)
         if index.diff_id != record.diff_id or index.block_size != record.block_size:
             raise FormatError(f"{self.engine.url}: index {record.index} is not the layer of chain record {record.chain_id}")
-        return index
+        return index, data
 
 
 @asynccontextmanager

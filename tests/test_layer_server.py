@@ -617,6 +617,45 @@ def test_a_layer_that_cannot_be_restored_keeps_its_slot(built: Any, node_factory
     assert (Path(second.lower_dir) / "opaque-me/new.txt").read_bytes() == b"new\n"
 
 
+def test_the_local_index_copy_is_the_stores_object_byte_for_byte(built: Any, node_factory: Any, tmp_path: Path) -> None:
+    """The copy under ROOT/layers/indexes is the bytes fetched and verified, not a re-encoding
+    (which another zstd, level or writer would make different), and a restart checks it
+    against the SHA-256 the chain record names: a copy with other bytes is fetched again."""
+    import hashlib
+
+    import zstandard
+
+    from bootseer.blockstore.format import INDEX_MAGIC, LayerIndex, chain_object, index_object
+
+    store = tmp_path / "store"
+    shutil.copytree(built[0], store)
+    layer = built[1][0]
+    # The store's index as another writer encoded it: the same index, other bytes (zstd level 3).
+    original = (store / index_object(layer.record.index)).read_bytes()
+    payload = zstandard.ZstdDecompressor().decompress(original[52:])
+    compressed = zstandard.ZstdCompressor(level=3).compress(payload)
+    other = original[:12] + len(compressed).to_bytes(8, "little") + hashlib.sha256(compressed).digest() + compressed
+    assert other[:8] == INDEX_MAGIC and other != original and LayerIndex.decode(other) == layer.index
+    name = hashlib.sha256(other).hexdigest()
+    (store / index_object(name)).write_bytes(other)
+    (store / chain_object(layer.chain_id)).write_bytes(dataclasses.replace(layer.record, index=name).encode())
+
+    node = node_factory(f"file://{store}")
+    client = node.ensure()
+    client.mount(layer.chain_id)
+    copy = node.paths.indexes / name
+    assert copy.read_bytes() == other  # not layer.index.encode(), which is `original`
+
+    wait_gone(client.shutdown(), 30)
+    copy.write_bytes(original)  # a valid index, but not the object the chain record names
+    client = node.ensure()
+    [row] = client.status()["layers"]
+    assert row["served"], row
+    assert "local index copy is damaged; fetching it again" in node.log()
+    assert copy.read_bytes() == other
+    assert (Path(client.check(layer.chain_id).lower_dir) / "srv/big.bin").read_bytes() == rich_big_bin()
+
+
 def test_the_server_process_returns_freed_stripes_before_it_serves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``bootseer layer-server`` fixes malloc's mmap threshold (bootseer.fetch.malloc) before it
     serves, as ``bootseer ckpt mount`` does, so its RSS follows ``--memory-limit``; and that

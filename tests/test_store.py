@@ -8,6 +8,7 @@ misplaced and missing objects give FormatError or None, a store that fails Fetch
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import socket
@@ -366,6 +367,19 @@ def test_store_reader_over_an_engine_you_made(local_store, image):
             return await reader.chain(chain_ids(image.diff_ids)[0])
 
     assert trio.run(main).diff_id == image.diff_ids[0]
+
+
+def test_index_and_bytes_gives_the_stores_object_as_it_is(local_store, image):
+    """What a node keeps as its local copy: the index object's own bytes, named by their SHA-256."""
+
+    async def main():
+        async with open_store(str(local_store), QUICK) as store:
+            record = await store.chain(chain_ids(image.diff_ids)[0])
+            return record, await store.index_and_bytes(record), await store.index(record)
+
+    record, (index, data), again = trio.run(main)
+    assert data == (local_store / index_object(record.index)).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == record.index and index == again == LayerIndex.decode(data)
 
 
 def test_index_is_decoded_in_a_worker_thread_under_the_given_limiter(local_store, image, monkeypatch):

@@ -543,7 +543,9 @@ def compute_key(
         prefix_path = Path(prefix).absolute()
         c.add("mode", "prefix")
         c.add("prefix", str(prefix_path))
-        c.add("prefix-content", prior_content or tree_digest(prefix_path))
+        content = prior_content or tree_digest(prefix_path)
+        # A missing prefix and an empty one install alike (and a restore leaves an empty mount point).
+        c.add("prefix-content", "empty" if content == "absent" else content)
         interpreter = python or find_interpreter(argv, env, prefix_path)
         facts = probe_interpreter(interpreter)
         python_prefix = facts["prefix"]

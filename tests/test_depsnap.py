@@ -163,7 +163,10 @@ def test_key_follows_nested_files_index_urls_and_relevant_env(tmp_path: Path, wh
         (wheels / "gamma-1.0-py3-none-any.whl").unlink()
     # The prefix's prior contents and path.
     (tmp_path / "env").mkdir()
+    (tmp_path / "env" / "x").write_text("")
     assert key() != first.key
+    (tmp_path / "env" / "x").unlink()
+    assert key() == first.key  # an empty prefix installs as a missing one
     (tmp_path / "env").rmdir()
     assert compute_key(argv, prefix=tmp_path / "env2", env=env, cwd=tmp_path, python=PYTHON).key != first.key
 
@@ -218,6 +221,10 @@ def test_pip_target_miss_captures_and_hit_restores_an_identical_tree(work: Path,
     (prefix / "scratch").write_text("job output")
     again = deps(work, *run_args(work, prefix, *install))
     assert "present" in again.stderr
+    # After a reboot (the mount gone, the empty mount point left) the next run restores it again.
+    force_unmount(prefix)
+    rebooted = deps(work, *run_args(work, prefix, *install))
+    assert "hit" in rebooted.stderr and snapshot_tree(prefix) == installed
     released = deps(work, "release", str(prefix), "--root", str(work / "node"))
     assert "released" in released.stdout
     assert mount_entry(prefix) is None and not any(prefix.iterdir())

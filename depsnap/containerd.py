@@ -121,6 +121,21 @@ def _marker(upper: str, name: str, text: str) -> None:
     os.replace(temp, directory / name)
 
 
+def _marks_dir(upper: str) -> None:
+    marks = Path(upper) / MARKER_DIR
+    marks.mkdir(mode=0o1777, exist_ok=True)  # where the job signals, whatever its uid (as /tmp)
+    os.chmod(marks, 0o1777)
+
+
+def _neither(upper: str, reason: str) -> None:
+    """Neither stacked nor watched: the job installs, and its wait for the capture ends at once."""
+    try:
+        _marks_dir(upper)
+        _marker(upper, CAPTURED_MARKER, f"skipped: {reason}")
+    except OSError as exc:
+        log.warning("cannot write the deps marker", upper=upper, error=str(exc))
+
+
 def publish_store(backend: Any) -> str:
     return os.environ.get("BOOTSEER_PUBLISH_STORE") or backend.store_url
 
@@ -137,6 +152,7 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
     base = base_chain(parent)
     if base is None:
         log.warning("deps label on a snapshot that is not over an image layer; ignored", key=key, parent=parent)
+        _neither(upper, "the snapshot is not over an image layer")
         return False
     try:
         record = lookup(backend.store_url, deps_key, timeout=LOOKUP_TIMEOUT)
@@ -147,6 +163,7 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
         if record.mode != "container" or record.parent != base:
             log.warning("deps record is of another image; not stacked, not captured", key=key, deps=deps_key,
                         parent=parent, record_parent=record.parent)  # fmt: skip
+            _neither(upper, "the key's snapshot was captured on another image")
             return False
         from bootseer.snapshotter.errors import LayerUnavailable
 
@@ -154,6 +171,7 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
             lower = backend.mount(record.chain_id)
         except LayerUnavailable as exc:
             log.warning("deps layer cannot be served; the container installs", key=key, deps=deps_key, error=str(exc))
+            _neither(upper, f"the snapshot cannot be served: {exc}")
             return False
         _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "lower_dir": lower})
         _marker(upper, HIT_MARKER, deps_key)
@@ -161,9 +179,7 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
         profile_hooks.deps_container("hit", key, deps_key, chain_id=record.chain_id)  # start-up profiler
         return True
     _write_state(upper, {"key": deps_key, "state": "watching", "parent": base})
-    marks = Path(upper) / MARKER_DIR
-    marks.mkdir(mode=0o1777, exist_ok=True)  # where the job signals, whatever its uid (as /tmp)
-    os.chmod(marks, 0o1777)
+    _marks_dir(upper)
     WATCHER.watch(snapshotter, key, deps_key, base, upper)
     profile_hooks.deps_container("miss", key, deps_key)  # start-up profiler
     log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key,

@@ -81,6 +81,14 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
     harness.wait_until("the deps layer to be unmounted", lambda: record.chain_id not in [
         layer["chain_id"] for layer in layer_server(first).status()["layers"]], 30)
 
+    # The key on another image (its first two layers only): neither stacked nor captured; the job installs.
+    other, other_ref = first.build_and_push(name="bootseer/other", layers=harness.demo_layers()[:2])
+    first.pull(other_ref)
+    out = run_with_deps(first, other_ref, "deps-other", key)
+    assert out[0] == "skipped:" and "another image" in " ".join(out) and out[-4:] == ["tool-ran", "-rwxr-x---",
+                                                                                      "../bin/tool", "app-gone"]
+    assert DepsRecord.decode(record_path.read_bytes(), expected_key=key) == record
+
     # A fresh node (own registry, containerd, snapshotter root, empty cache) over a copy of the store.
     second = stacks()
     image2, ref2 = second.build_and_push()

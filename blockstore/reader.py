@@ -18,14 +18,27 @@ read of a block being prefetched waits on that fetch instead of making another
 (``joined`` in the metrics).
 
 :class:`LayerReader` serves ``read(entry, offset, size)`` for one layer: the blocks
-the range touches, sliced.
+the range touches, sliced.  When a read has to go to the store it also reads ahead:
+the blocks that follow the last one it needs in the pack (the rest of the file, then
+the files next to it in the layer's tar: the same Python package), up to a window of
+compressed bytes that doubles while reads land on blocks read ahead and halves when
+they do not (:data:`READAHEAD_MIN` .. :data:`READAHEAD_MAX`).  They are queued with
+:meth:`Engine.readahead_extents <bootseer.fetch.engine.Engine.readahead_extents>` right
+before the read's own fetch, so the first of them ride in its range request and the
+rest follow at READAHEAD priority, behind every demand read.  Nothing read ahead is
+served or cached before it is read: it waits as compressed bytes in the engine's
+buffer, and the read that wants it takes it from there and verifies it like any
+fetched block (a tampered one is refetched, then EIO).  Blocks in memory, pending,
+in the node cache or known to the engine are never read ahead.
 
 Metrics (beside the engine's ``bootseer_fetch_*``): ``bootseer_blocks_total`` (blocks
 served, by layer, source and outcome: memory, cached, fetched, joined, zero),
 ``bootseer_block_fetched_bytes_total`` (compressed bytes fetched, by layer and
 source), ``bootseer_block_corrupt_total`` (blocks that failed verification, by what
-followed: refetched, failed) and ``bootseer_layer_read_seconds`` (read latency, by
-source).  A layer is labelled by its short diff ID (``sha256:`` and 12 hex digits),
+followed: refetched, failed), ``bootseer_block_readahead_bytes_total`` (compressed
+bytes read ahead, by layer, source and outcome: queued, read; queued minus read is
+what was read ahead and never read) and ``bootseer_layer_read_seconds`` (read
+latency, by source).  A layer is labelled by its short diff ID (``sha256:`` and 12 hex digits),
 the same for reads and prefetch.
 """
 
@@ -36,7 +49,7 @@ import hashlib
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,6 +69,18 @@ log = get_logger(__name__)
 #: the thread hop (tens of microseconds) costs more than the work.
 OFF_THREAD_BYTES = 256 << 10
 
+#: A layer's read-ahead window (compressed bytes beyond a read that misses) starts at
+#: READAHEAD_INITIAL, doubles up to READAHEAD_MAX while reads land on blocks read
+#: ahead, and halves down to READAHEAD_MIN when a read misses without one.  4 MiB
+#: is 35 ms of a 1 Gbit/s link: more would keep the link busy on guesses.
+READAHEAD_MIN = 128 << 10
+READAHEAD_INITIAL = 512 << 10
+READAHEAD_MAX = 4 << 20
+#: At most this many blocks read ahead per miss (each is an extent: bounded work per read).
+READAHEAD_MAX_BLOCKS = 256
+#: Blocks read ahead and not yet read that the fetcher remembers (to count them when read).
+_AHEAD_REMEMBERED = 1 << 16
+
 BLOCKS = prometheus_client.Counter(
     "bootseer_blocks",
     "Blocks served to layer reads and prefetch, by layer, source and where they came from (memory: "
@@ -68,6 +93,12 @@ FETCHED_BYTES = prometheus_client.Counter(
 CORRUPT = prometheus_client.Counter(
     "bootseer_block_corrupt",
     "Fetched blocks that failed verification, by layer, source and what followed (refetched, failed: EIO)",
+    ["layer", "source", "outcome"],
+)
+READAHEAD_BYTES = prometheus_client.Counter(
+    "bootseer_block_readahead_bytes",
+    "Compressed block bytes read ahead of reads, by layer, source and outcome (queued: asked of the store; "
+    "read: later read; queued minus read is what was read ahead and never read)",
     ["layer", "source", "outcome"],
 )
 READ_SECONDS = prometheus_client.Histogram(
@@ -90,6 +121,10 @@ class FetcherStats:
     zero_blocks: int = 0  #: all-zero blocks served without a fetch
     corrupt: int = 0  #: fetches that failed verification (each refetched once)
     failed: int = 0  #: blocks that failed verification twice (EIO)
+    readahead_blocks: int = 0  #: blocks queued as read-ahead of a read that went to the store
+    readahead_bytes: int = 0  #: their compressed bytes
+    readahead_read: int = 0  #: of those, blocks later read (served from the engine's buffer: no request of their own)
+    readahead_read_bytes: int = 0  #: their compressed bytes (``readahead_bytes - readahead_read_bytes``: never read)
 
 
 class _Place(NamedTuple):
@@ -99,6 +134,29 @@ class _Place(NamedTuple):
     pack: str
     offset: int
     clen: int
+
+
+class _Counters:
+    """The labelled metric children of one layer and source, looked up once rather than per block."""
+
+    __slots__ = ("memory", "cached", "fetched", "joined", "zero", "fetched_bytes", "refetched", "failed",
+                 "ahead_queued", "ahead_read")  # fmt: skip
+
+    def __init__(self, layer: str, source: str) -> None:
+        self.memory, self.cached, self.fetched, self.joined, self.zero = (
+            BLOCKS.labels(layer, source, outcome) for outcome in ("memory", "cached", "fetched", "joined", "zero")
+        )
+        self.fetched_bytes = FETCHED_BYTES.labels(layer, source)
+        self.refetched, self.failed = (CORRUPT.labels(layer, source, outcome) for outcome in ("refetched", "failed"))
+        self.ahead_queued, self.ahead_read = (
+            READAHEAD_BYTES.labels(layer, source, outcome) for outcome in ("queued", "read")
+        )
+
+
+def _extent(index: LayerIndex, block: Block) -> Extent:
+    """The extent of stored ``block`` in its pack, keyed by its digest and place."""
+    pack = pack_object(index.packs[block.pack])
+    return Extent(_Place(block.digest, pack, block.offset, block.clen), pack, block.offset, block.clen)
 
 
 def layer_label(index: LayerIndex) -> str:
@@ -177,12 +235,33 @@ class BlockFetcher:
         self._recent: OrderedDict[str, bytes] = OrderedDict()  # digest -> verified raw bytes, LRU first
         self._recent_bytes = 0
         self._pending: dict[str, _Pending] = {}  # digest -> the call getting it now
+        # Blocks read ahead and not read yet: digest -> (compressed length, whether reading it
+        # reads further ahead: the middle block of each batch, as the kernel's PG_readahead), oldest first.
+        self._ahead: OrderedDict[str, tuple[int, bool]] = OrderedDict()
+        self._counters: dict[str, _Counters] = {}  # layer label -> its metric children
+
+    @property
+    def threads(self) -> trio.CapacityLimiter:
+        """The limiter of the worker threads that cache I/O, decompression and hashing run in."""
+        return self._threads
+
+    def _counters_of(self, index: LayerIndex) -> _Counters:
+        label = layer_label(index)
+        counters = self._counters.get(label)
+        if counters is None:
+            counters = self._counters[label] = _Counters(label, self.source_label)
+        return counters
 
     def __repr__(self) -> str:
         return f"<BlockFetcher {self.source_label} cache={self.cache!r}>"
 
     async def blocks(
-        self, index: LayerIndex, refs: Sequence[int], priority: Priority = Priority.DEMAND
+        self,
+        index: LayerIndex,
+        refs: Sequence[int],
+        priority: Priority = Priority.DEMAND,
+        *,
+        ahead: Callable[[], Sequence[int]] | None = None,
     ) -> list[bytes]:
         """The raw bytes of blocks ``refs`` (indexes into ``index.blocks``), in order, each verified.
 
@@ -193,8 +272,13 @@ class BlockFetcher:
         (prefetch) ask a few MiB at a time.  Raises FetchError (EIO) when the store
         fails (after the engine's ``retry_timeout``) or holds a block that fails
         verification twice, and ValueError for a reference the index does not have.
+
+        ``ahead``, called only when a block must come from the store, names blocks
+        to read ahead of this call (see the module's docstring); they are queued,
+        not waited for, and those already in memory, pending, cached or known to
+        the engine are skipped.
         """
-        labels = (layer_label(index), self.source_label)
+        counters = self._counters_of(index)
         blocks: list[Block] = []
         for ref in refs:
             if not isinstance(ref, int) or not 0 <= ref < len(index.blocks):
@@ -211,7 +295,7 @@ class BlockFetcher:
                 wanted.setdefault(block.digest, []).append(position)
         if zero:
             self.stats.zero_blocks += zero
-            BLOCKS.labels(*labels, "zero").inc(zero)
+            counters.zero.inc(zero)
 
         def serve(digest: str, data: bytes) -> None:
             for position in wanted.pop(digest):
@@ -224,40 +308,61 @@ class BlockFetcher:
                 serve(digest, self._recent[digest])
             if in_memory:
                 self.stats.blocks_from_memory += len(in_memory)
-                BLOCKS.labels(*labels, "memory").inc(len(in_memory))
+                counters.memory.inc(len(in_memory))
             theirs = [(digest, self._pending[digest]) for digest in wanted if digest in self._pending]
             mine = {digest: blocks[positions[0]] for digest, positions in wanted.items() if digest not in self._pending}
             if mine:
-                for digest, data in (await self._get(index, mine, priority, labels)).items():
+                for digest, data in (await self._get(index, mine, priority, counters, ahead)).items():
                     serve(digest, data)
+                ahead = None  # read ahead once per call
             for digest, pending in theirs:
                 await pending.done.wait()
                 if pending.data is not None:
                     self.stats.blocks_joined += 1
-                    BLOCKS.labels(*labels, "joined").inc()
+                    counters.joined.inc()
                     serve(digest, pending.data)
                 # Else the call getting it failed or was cancelled: the next round gets it.
         return out
 
     async def _get(
-        self, index: LayerIndex, mine: dict[str, Block], priority: Priority, labels: tuple[str, str]
+        self,
+        index: LayerIndex,
+        mine: dict[str, Block],
+        priority: Priority,
+        counters: _Counters,
+        ahead: Callable[[], Sequence[int]] | None,
     ) -> dict[str, bytes]:
-        """The blocks ``mine`` (by digest) from the node cache or the store; other calls may wait for them meanwhile."""
+        """The blocks ``mine`` (by digest) from the node cache or the store; other calls may wait for them meanwhile.
+
+        If any comes from the store, the candidates ``ahead`` names (those not in
+        memory, pending, cached or the engine) are read ahead with it.
+        """
         pending = {digest: _Pending() for digest in mine}
         self._pending.update(pending)
         try:
             got: dict[str, bytes] = {}
-            if self.cache is not None:
-                got = await trio.to_thread.run_sync(self._cache_get, list(mine), limiter=self._threads)
+            # A block read ahead was not in the node cache then: it waits in the engine's buffer.
+            probe = [digest for digest in mine if digest not in self._ahead]
+            candidates: list[Block] = []
+            # Read further ahead on a miss, or on reaching the middle of the last batch read ahead.
+            if ahead is not None and (probe or any(self._ahead[digest][1] for digest in mine)):
+                candidates = self._ahead_candidates(index, ahead(), mine)
+            if self.cache is not None and (probe or candidates):
+                got, cached = await trio.to_thread.run_sync(
+                    self._cache_get, probe, [block.digest for block in candidates], limiter=self._threads
+                )
                 if got:
                     self.stats.blocks_cached += len(got)
-                    BLOCKS.labels(*labels, "cached").inc(len(got))
+                    counters.cached.inc(len(got))
                 for digest, data in got.items():
                     self._remember(digest, data)
                     pending[digest].data = data
+                if cached:
+                    candidates = [block for block in candidates if block.digest not in cached]
             rest = [block for digest, block in mine.items() if digest not in got]
             if rest:
-                for block, data in zip(rest, await self._fetch_verified(index, rest, priority)):
+                fetched = await self._fetch_verified(index, rest, priority, counters, candidates)
+                for block, data in zip(rest, fetched):
                     self._remember(block.digest, data)
                     pending[block.digest].data = data
                     got[block.digest] = data
@@ -280,24 +385,73 @@ class BlockFetcher:
             _, dropped = self._recent.popitem(last=False)
             self._recent_bytes -= len(dropped)
 
-    def _cache_get(self, digests: list[str]) -> dict[str, bytes]:
-        """In a worker thread: the blocks of ``digests`` the cache holds (each verified by it)."""
+    def _ahead_candidates(self, index: LayerIndex, refs: Sequence[int], mine: dict[str, Block]) -> list[Block]:
+        """The distinct stored blocks of ``refs`` worth reading ahead: not asked for, in memory, pending or read ahead."""
+        chosen: dict[str, Block] = {}
+        for ref in refs[:READAHEAD_MAX_BLOCKS]:
+            block = index.blocks[ref]
+            digest = block.digest
+            if block.is_zero or digest in mine or digest in chosen or digest in self._recent:
+                continue
+            if digest in self._pending or digest in self._ahead:
+                continue
+            chosen[digest] = block
+        return list(chosen.values())
+
+    def _cache_get(self, digests: list[str], probe: list[str]) -> tuple[dict[str, bytes], set[str]]:
+        """In a worker thread: the blocks of ``digests`` the cache holds (each verified by it), and
+        which of ``probe`` (read-ahead candidates: not worth fetching if cached) it holds."""
         assert self.cache is not None
         found = {}
         for digest in digests:
             data = self.cache.get(digest)
             if data is not None:
                 found[digest] = data
-        return found
+        return found, {digest for digest in probe if self.cache.contains(digest)}
 
-    async def _fetch_verified(self, index: LayerIndex, blocks: list[Block], priority: Priority) -> list[bytes]:
-        """Fetch distinct stored ``blocks`` from the store, verify and cache them; refetch a failure once."""
-        labels = (layer_label(index), self.source_label)
-        extents = []
-        for block in blocks:
-            pack = pack_object(index.packs[block.pack])
-            extents.append(Extent(_Place(block.digest, pack, block.offset, block.clen), pack, block.offset, block.clen))
-        raw = await self._decode_and_cache(blocks, await self.engine.fetch_extents(extents, priority))
+    def _read_ahead(self, index: LayerIndex, candidates: Sequence[Block], counters: _Counters) -> None:
+        """Queue ``candidates`` in the engine at READAHEAD and remember them, to count them when read."""
+        queued = self.engine.readahead_extents([_extent(index, block) for block in candidates])
+        queued_bytes = 0
+        middle = len(queued) // 2
+        for number, extent in enumerate(queued):
+            self._ahead[extent.key.digest] = (extent.length, number == middle)
+            queued_bytes += extent.length
+        while len(self._ahead) > _AHEAD_REMEMBERED:
+            self._ahead.popitem(last=False)  # unread so long it has surely left the engine's buffer
+        self.stats.readahead_blocks += len(queued)
+        self.stats.readahead_bytes += queued_bytes
+        counters.ahead_queued.inc(queued_bytes)
+
+    async def _fetch_verified(
+        self,
+        index: LayerIndex,
+        blocks: list[Block],
+        priority: Priority,
+        counters: _Counters,
+        ahead: Sequence[Block] = (),
+    ) -> list[bytes]:
+        """Fetch distinct stored ``blocks`` from the store, verify and cache them; refetch a failure once.
+
+        ``ahead`` is queued as read-ahead right before (so its first blocks join the
+        same range request).
+        """
+        extents = [_extent(index, block) for block in blocks]
+        if ahead:
+            self._read_ahead(index, ahead, counters)
+        stored = await self.engine.fetch_extents(extents, priority)
+        if self._ahead:
+            used = used_bytes = 0
+            for block in blocks:
+                known = self._ahead.pop(block.digest, None)
+                if known is not None:
+                    used += 1
+                    used_bytes += known[0]
+            if used:
+                self.stats.readahead_read += used
+                self.stats.readahead_read_bytes += used_bytes
+                counters.ahead_read.inc(used_bytes)
+        raw = await self._decode_and_cache(blocks, stored)
         bad = [number for number, data in enumerate(raw) if data is None]
         if bad:
             for number in bad:
@@ -306,14 +460,14 @@ class BlockFetcher:
                             layer=index.diff_id, block=blocks[number].digest, pack=extents[number].path,
                             offset=blocks[number].offset, length=blocks[number].clen)  # fmt: skip
             self.stats.corrupt += len(bad)
-            CORRUPT.labels(*labels, "refetched").inc(len(bad))
+            counters.refetched.inc(len(bad))
             again = await self.engine.fetch_extents([extents[number] for number in bad], priority)
             redone = await self._decode_and_cache([blocks[number] for number in bad], again)
             for number, data in zip(bad, redone):
                 if data is None:
                     self.engine.discard(extents[number].key)  # the next read asks the store again
                     self.stats.failed += 1
-                    CORRUPT.labels(*labels, "failed").inc()
+                    counters.failed.inc()
                     block = blocks[number]
                     log.error("block fails verification twice; the read fails with EIO", store=self.source_label,
                               layer=index.diff_id, block=block.digest, pack=extents[number].path)  # fmt: skip
@@ -326,8 +480,8 @@ class BlockFetcher:
         self.stats.blocks_fetched += len(blocks)
         fetched_bytes = sum(block.clen for block in blocks)
         self.stats.bytes_fetched += fetched_bytes
-        BLOCKS.labels(*labels, "fetched").inc(len(blocks))
-        FETCHED_BYTES.labels(*labels).inc(fetched_bytes)
+        counters.fetched.inc(len(blocks))
+        counters.fetched_bytes.inc(fetched_bytes)
         return raw  # type: ignore[return-value]  # no None is left
 
     async def _decode_and_cache(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
@@ -349,13 +503,26 @@ class BlockFetcher:
 class LayerReader:
     """Reads of one layer's files: the blocks a range touches, fetched through a :class:`BlockFetcher`, sliced.
 
-    ``layer_id`` (the layer's chain ID, say) names the layer in messages.
+    ``layer_id`` (the layer's chain ID, say) names the layer in messages;
+    ``readahead_max`` caps the read-ahead window (compressed bytes; 0: no read-ahead,
+    only the blocks a read touches are fetched).
     """
 
-    def __init__(self, index: LayerIndex, fetcher: BlockFetcher, layer_id: str = "") -> None:
+    def __init__(
+        self, index: LayerIndex, fetcher: BlockFetcher, layer_id: str = "", *, readahead_max: int = READAHEAD_MAX
+    ) -> None:
+        if readahead_max < 0:
+            raise ValueError(f"readahead_max must not be negative, not {readahead_max}")
         self.index = index
         self.fetcher = fetcher
         self.layer_id = layer_id or index.diff_id
+        self.readahead_max = readahead_max
+        self._readahead_min = min(READAHEAD_MIN, readahead_max)
+        #: compressed bytes read ahead of a read that goes to the store (see the module's docstring)
+        self.readahead_window = min(READAHEAD_INITIAL, readahead_max)
+        self._next: list[int] | None = None  # block ref -> the next stored block in its pack (-1: none)
+        self._read_seconds = READ_SECONDS.labels(fetcher.source_label)
+        self._ordering = trio.Lock()
 
     def __repr__(self) -> str:
         return f"<LayerReader {self.layer_id} via {self.fetcher!r}>"
@@ -377,14 +544,86 @@ class LayerReader:
             return b""
         block_size = self.index.block_size
         first, last = offset // block_size, (end - 1) // block_size
+        refs = target.blocks[first : last + 1]
+        if not self.readahead_max:
+            started = time.perf_counter()
+            try:
+                data = await self.fetcher.blocks(self.index, refs, Priority.DEMAND)
+            finally:
+                self._read_seconds.observe(time.perf_counter() - started)
+            return _slice(data, offset - first * block_size, end - first * block_size, block_size)
+        if self._next is None:
+            await self._order_blocks()
+        stats = self.fetcher.stats
+        before = (stats.readahead_read, stats.blocks_fetched)
         started = time.perf_counter()
         try:
-            data = await self.fetcher.blocks(self.index, target.blocks[first : last + 1], Priority.DEMAND)
+            data = await self.fetcher.blocks(
+                self.index, refs, Priority.DEMAND, ahead=lambda: self._ahead_of(target.blocks, last)
+            )
         finally:
-            READ_SECONDS.labels(self.fetcher.source_label).observe(time.perf_counter() - started)
-        lo, hi = offset - first * block_size, end - first * block_size
-        if len(data) == 1:
-            return data[0][lo:hi]
-        # One copy: the first and last blocks through views, the middle ones whole.
-        tail = hi - (len(data) - 1) * block_size
-        return b"".join([memoryview(data[0])[lo:], *data[1:-1], memoryview(data[-1])[:tail]])
+            self._read_seconds.observe(time.perf_counter() - started)
+        landed, fetched = stats.readahead_read - before[0], stats.blocks_fetched - before[1]
+        if landed:  # the last guess was right: guess further
+            self.readahead_window = min(self.readahead_max, self.readahead_window * 2)
+        elif fetched:  # a read the last guess missed
+            self.readahead_window = max(self._readahead_min, self.readahead_window // 2)
+        return _slice(data, offset - first * block_size, end - first * block_size, block_size)
+
+    def _ahead_of(self, file_blocks: Sequence[int], last: int) -> list[int]:
+        """The blocks to read ahead of a read whose last block is ``file_blocks[last]``.
+
+        The stored blocks that follow it in its pack (the rest of the file, then the
+        next files of the tar), up to :attr:`readahead_window` compressed bytes;
+        where a file's next block lies elsewhere (stored earlier by another file or
+        layer), the rest of the file first.
+        """
+        assert self._next is not None
+        blocks, following = self.index.blocks, self._next
+        budget = self.readahead_window
+        out: list[int] = []
+        ref = file_blocks[last]
+        rest = file_blocks[last + 1 :]
+        if rest and following[ref] != rest[0]:  # the file does not go on in the pack: take its blocks first
+            for ref in rest:
+                if budget <= 0 or len(out) >= READAHEAD_MAX_BLOCKS:
+                    return out
+                out.append(ref)
+                budget -= blocks[ref].clen
+        ref = following[ref]
+        while ref >= 0 and budget > 0 and len(out) < READAHEAD_MAX_BLOCKS:
+            out.append(ref)
+            budget -= blocks[ref].clen
+            ref = following[ref]
+        return out
+
+    async def _order_blocks(self) -> None:
+        """Learn the order of the layer's blocks in their packs (once; O(blocks log blocks), in a worker thread)."""
+        async with self._ordering:
+            if self._next is None:
+                self._next = await trio.to_thread.run_sync(_pack_successors, self.index, limiter=self.fetcher.threads)
+
+
+def _slice(data: list[bytes], lo: int, hi: int, block_size: int) -> bytes:
+    """Bytes ``lo`` to ``hi`` of consecutive blocks ``data`` (each ``block_size`` long but the last)."""
+    if len(data) == 1:
+        return data[0][lo:hi]
+    # One copy: the first and last blocks through views, the middle ones whole.
+    tail = hi - (len(data) - 1) * block_size
+    return b"".join([memoryview(data[0])[lo:], *data[1:-1], memoryview(data[-1])[:tail]])
+
+
+def _pack_successors(index: LayerIndex) -> list[int]:
+    """For each block ref of ``index``, the ref of the stored block that follows it in its pack, -1 if none.
+
+    Refs that share a place (one stored block named twice) follow each other.
+    Zero blocks are stored nowhere and follow nothing.
+    """
+    blocks = index.blocks
+    stored = sorted((ref for ref, block in enumerate(blocks) if not block.is_zero),
+                    key=lambda ref: (blocks[ref].pack, blocks[ref].offset, ref))  # fmt: skip
+    following = [-1] * len(blocks)
+    for ref, after in zip(stored, stored[1:]):
+        if blocks[after].pack == blocks[ref].pack:
+            following[ref] = after
+    return following

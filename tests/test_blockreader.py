@@ -181,7 +181,7 @@ def test_only_the_touched_blocks_are_fetched_neighbours_in_one_request(tmp_path,
         try:
             async with open_engine(source, config()) as engine:
                 fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20), source_label="http-store")
-                layer = LayerReader(index, fetcher)
+                layer = LayerReader(index, fetcher, readahead_max=0)
                 # Bytes 10 KiB .. 22 KiB touch blocks 2..5 of big.bin: four blocks, one range request.
                 data = await layer.read(big, 10 * KiB, 12 * KiB)
                 assert data == files["big.bin"][10 * KiB : 22 * KiB]
@@ -250,7 +250,7 @@ def test_a_block_read_in_pieces_is_got_once_and_concurrent_reads_share_it(tmp_pa
         async with open_engine(source, config()) as engine:
             cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
             fetcher = BlockFetcher(engine, cache)
-            layer = LayerReader(index, fetcher)
+            layer = LayerReader(index, fetcher, readahead_max=0)
             # A block read in quarters, as the kernel reads a big block: fetched, decoded
             # and hashed once, then served from memory (the node cache is not asked again).
             for piece in range(4):
@@ -297,6 +297,186 @@ def test_a_block_read_in_pieces_is_got_once_and_concurrent_reads_share_it(tmp_pa
                 BlockFetcher(engine, None, memory_bytes=-1)
 
     run(main)
+
+
+# -- read-ahead ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def package() -> dict[str, bytes]:
+    """Twenty small files, one block each, as a Python package's modules: ten land in each pack, in order."""
+    rng = random.Random(9)
+    return {f"mod{number:02}.pyc": rng.randbytes(3 * KiB + number) for number in range(20)}
+
+
+def pack_files(index: LayerIndex, pack: int) -> list[Entry]:
+    """The files of ``index`` whose (first) block lies in ``pack``, in pack order."""
+    files = [e for e in index.entries if e.type is EntryType.FILE and e.blocks]
+    return sorted((e for e in files if index.blocks[e.blocks[0]].pack == pack), key=lambda e: index.blocks[e.blocks[0]].offset)
+
+
+def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_path, store, package, range_http_factory):
+    index = pack_layer(store, package)
+    server = range_http_factory(store)
+    modules = pack_files(index, 0)
+    blocks = [index.blocks[e.blocks[0]] for e in modules]
+    label = layer_label(index)
+    queued_before = sample("bootseer_block_readahead_bytes_total", layer=label, source="http-store", outcome="queued")
+    read_before = sample("bootseer_block_readahead_bytes_total", layer=label, source="http-store", outcome="read")
+
+    async def main():
+        source = HttpSource(server.url)
+        try:
+            async with open_engine(source, config()) as engine:
+                fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20), source_label="http-store")
+                layer = LayerReader(index, fetcher)
+                window = layer.readahead_window
+                # The first module misses: the nine after it in the pack come in the same request.
+                assert await layer.read(modules[0], 0, 100) == package[modules[0].path][:100]
+                assert engine.stats.extent_requests == 1 and engine.stats.coalesced_requests == 1
+                assert fetcher.stats.blocks_fetched == 1
+                assert (fetcher.stats.readahead_blocks, fetcher.stats.readahead_bytes) == (9, sum(b.clen for b in blocks[1:]))
+                assert fetcher.stats.readahead_read == 0
+                # Nothing read ahead is verified or cached before it is read.
+                assert not any(fetcher.cache.contains(b.digest) for b in blocks[1:])
+                # Six of them are read: no request, each verified and cached as it is read.
+                for module in modules[1:7]:
+                    assert await layer.read(module, 0, module.size) == package[module.path]
+                assert engine.stats.extent_requests == 1
+                assert (fetcher.stats.blocks_fetched, fetcher.stats.readahead_read) == (7, 6)
+                assert fetcher.stats.readahead_read_bytes == sum(b.clen for b in blocks[1:7])
+                assert all(fetcher.cache.contains(b.digest) for b in blocks[:7])
+                assert layer.readahead_window > window  # reads keep landing on blocks read ahead: the window grows
+                # Three were read ahead and never read; they are counted.
+                unread = fetcher.stats.readahead_bytes - fetcher.stats.readahead_read_bytes
+                assert unread == sum(b.clen for b in blocks[7:])
+                # A file of the other pack misses and reads its own pack ahead; nothing is fetched twice.
+                other = pack_files(index, 1)
+                for module in [*other, *modules]:
+                    assert await layer.read(module, 0, module.size) == package[module.path]
+                assert engine.stats.extent_requests == 2
+                assert engine.stats.bytes_fetched == sum((store / pack_object(name)).stat().st_size for name in index.packs)
+                return unread
+        finally:
+            source.close()
+
+    unread = run(main)
+    ranges = [headers.get("Range") for method, _, headers in server.requests if method == "GET"]
+    assert ranges == [f"bytes=0-{blocks[-1].offset + blocks[-1].clen - 1}", f"bytes=0-{(store / pack_object(index.packs[1])).stat().st_size - 1}"]
+    queued = sample("bootseer_block_readahead_bytes_total", layer=label, source="http-store", outcome="queued") - queued_before
+    read = sample("bootseer_block_readahead_bytes_total", layer=label, source="http-store", outcome="read") - read_before
+    assert queued == sum(index.blocks[ref].clen for ref in range(len(index.blocks))) - blocks[0].clen - index.blocks[pack_files(index, 1)[0].blocks[0]].clen
+    assert read == queued and unread > 0  # by the end every block read ahead was read
+
+
+def test_read_ahead_beyond_what_rides_with_a_read_goes_in_a_request_of_its_own(store, source, package):
+    index = pack_layer(store, package)
+    modules = pack_files(index, 0)
+    blocks = [index.blocks[e.blocks[0]] for e in modules]
+
+    async def main():
+        # Two neighbours' worth may ride with the read; the other seven follow in one READAHEAD request.
+        async with open_engine(source, config(readahead_join=blocks[1].clen + blocks[2].clen)) as engine:
+            fetcher = BlockFetcher(engine, None)
+            layer = LayerReader(index, fetcher)
+            assert await layer.read(modules[0], 0, 10) == package[modules[0].path][:10]
+            await trio.testing.wait_all_tasks_blocked()
+            for module in modules:
+                assert await layer.read(module, 0, module.size) == package[module.path]
+            assert fetcher.stats.readahead_read == 9 and fetcher.stats.blocks_fetched == 10
+
+    run(main)
+    assert sorted((r.offset, r.length) for r in source.reads) == [
+        (0, blocks[3].offset),
+        (blocks[3].offset, blocks[-1].offset + blocks[-1].clen - blocks[3].offset),
+    ]
+
+
+def test_a_tampered_read_ahead_block_is_never_served_or_cached(tmp_path, store, package):
+    index = pack_layer(store, package)
+    modules = pack_files(index, 0)
+    victim_file = modules[4]
+    victim = index.blocks[victim_file.blocks[0]]
+    pack = pack_object(index.packs[victim.pack])
+
+    class Tampering(FaultySource):
+        """Flips one byte of the victim block in the first answer that carries it (a bad proxy)."""
+
+        def connect(self):
+            connection = super().connect()
+            read = connection.read_range
+
+            def read_range(path, offset, length, version=""):
+                data = read(path, offset, length, version)
+                at = victim.offset + 7 - offset
+                if path == pack and 0 <= at < len(data) and not tampered:
+                    tampered.append(offset)
+                    data = data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :]
+                return data
+
+            connection.read_range = read_range
+            return connection
+
+    tampered: list[int] = []
+    source = Tampering(LocalSource(str(store)))
+
+    async def main():
+        async with open_engine(source, config()) as engine:
+            cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
+            fetcher = BlockFetcher(engine, cache)
+            layer = LayerReader(index, fetcher)
+            assert await layer.read(modules[0], 0, 10) == package[modules[0].path][:10]
+            assert tampered == [0] and fetcher.stats.readahead_blocks == 9 and fetcher.stats.corrupt == 0
+            assert not cache.contains(victim.digest)
+            # The read of the victim finds the bad copy, drops it and fetches the block alone: right bytes.
+            assert await layer.read(victim_file, 0, victim_file.size) == package[victim_file.path]
+            assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 0 and engine.stats.discards == 1
+            assert cache.get(victim.digest) == package[victim_file.path]
+            assert [(r.offset, r.length) for r in source.reads][-1] == (victim.offset, victim.clen)
+
+    run(main)
+    source.close()
+
+
+def test_a_demand_read_overtakes_read_ahead_and_a_read_of_a_block_read_ahead_waits_for_it(store, source, package):
+    index = pack_layer(store, package)
+    first, other = pack_files(index, 0), pack_files(index, 1)
+
+    async def main():
+        # One stream and nothing riding with reads: read-ahead is a request of its own, queued behind.
+        async with open_engine(source, config(streams=1, readahead_join=0)) as engine:
+            fetcher = BlockFetcher(engine, None)
+            layer = LayerReader(index, fetcher)
+            source.pause()
+            done: list[str] = []
+
+            async def read(module: Entry) -> None:
+                assert await layer.read(module, 0, module.size) == package[module.path]
+                done.append(module.path)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read, first[0])  # in flight; pack 0's read-ahead queued behind it
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(read, other[0])  # a demand read: goes before that read-ahead
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(read, first[5])  # read ahead and queued: raised to DEMAND, not fetched again
+                await trio.testing.wait_all_tasks_blocked()
+                source.resume()
+            assert fetcher.stats.readahead_read == 1
+            assert engine.stats.extents_raised == 1
+
+    run(main)
+    packs = [pack_object(name) for name in index.packs]
+    assert [(r.path, r.offset) for r in source.reads[:3]] == [
+        (packs[0], 0),  # the first read
+        (packs[1], 0),  # the other pack's read, ahead of the first one's read-ahead
+        (packs[0], index.blocks[first[5].blocks[0]].offset),  # the read of a block queued as read-ahead, next
+    ]
+    # Then pack 0's read-ahead, in one request (bridging the block the read took out of it).
+    start, last = index.blocks[first[1].blocks[0]], index.blocks[first[-1].blocks[0]]
+    assert (source.reads[3].path, source.reads[3].offset, source.reads[3].length) == (
+        packs[0], start.offset, last.offset + last.clen - start.offset
+    )
 
 
 # -- corruption ------------------------------------------------------------------------------------
@@ -359,7 +539,7 @@ def test_a_block_corrupt_in_the_store_fails_with_eio_and_is_never_served_or_cach
         async with open_engine(source, config(retry_timeout=10 * TIMEOUT)) as engine:
             cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
             fetcher = BlockFetcher(engine, cache, source_label="s")
-            layer = LayerReader(index, fetcher)
+            layer = LayerReader(index, fetcher, readahead_max=0)
             with pytest.raises(FetchError, match="fails verification twice") as caught:
                 await layer.read(big, 6 * BLOCK, 3 * BLOCK)  # blocks 6, 7, 8
             assert caught.value.errno == errno.EIO
@@ -395,7 +575,7 @@ def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_e
     async def read_all(expect_fetched: int) -> BlockFetcher:
         async with open_engine(source, config()) as engine:
             fetcher = BlockFetcher(engine, BlockCache(cache_dir, 64 << 20))
-            assert await LayerReader(index, fetcher).read(text, 0, text.size) == files["text.txt"]
+            assert await LayerReader(index, fetcher, readahead_max=0).read(text, 0, text.size) == files["text.txt"]
             assert fetcher.stats.blocks_fetched == expect_fetched
             return fetcher
 
@@ -468,7 +648,7 @@ def test_a_store_that_stops_answering_gives_eio_after_retry_timeout_then_recover
     async def main():
         async with open_engine(source, config(retry_timeout=retry_timeout)) as engine:
             fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20))
-            layer = LayerReader(index, fetcher)
+            layer = LayerReader(index, fetcher, readahead_max=0)
             big = entry(index, "big.bin")
             assert await layer.read(big, 0, BLOCK) == files["big.bin"][:BLOCK]  # cached now
             # Each outage reads blocks not fetched before.

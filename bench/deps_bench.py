@@ -27,7 +27,6 @@ import argparse
 import datetime
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys

@@ -59,7 +59,7 @@ __all__ = ["MountEntry", "MountProcess", "force_unmount", "mount_entry", "wait_u
 # -- the filesystem under test (runs in the child process) ---------------------
 
 
-def _serve_test_tree(mountpoint: str, grace: float) -> int:
+def _serve_test_tree(mountpoint: str, grace: float, read_ahead_kb: int | None = None) -> int:
     import trio
 
     from bootseer.fuse import (
@@ -76,6 +76,8 @@ def _serve_test_tree(mountpoint: str, grace: float) -> int:
         mount_options,
         serve,
     )
+    from bootseer.fuse.nodes import BytesOpenFile
+    from bootseer.fuse.operations import REQUESTS
     from bootseer.log import setup_logging
 
     class Exploding(OpenFile):
@@ -113,6 +115,45 @@ def _serve_test_tree(mountpoint: str, grace: float) -> int:
         def xattrs(self):
             return XATTRS
 
+    class RecordedOpenFile(OpenFile):
+        keep_cache = True
+
+        async def read(self, offset: int, size: int) -> bytes:
+            print(f"read {offset} {size}", flush=True)
+            return BIG[offset : offset + size]
+
+    class Recorded(File):
+        """BIG, printing every read the kernel sends (to see their sizes)."""
+
+        key = "recorded.bin"
+
+        def attributes(self):
+            return Attributes(stat.S_IFREG | 0o444, size=len(BIG))
+
+        async def open(self) -> OpenFile:
+            return RecordedOpenFile()
+
+    class CountsOpenFile(BytesOpenFile):
+        keep_cache = False
+        direct_io = True  # the size is not known up front
+
+    class Counts(File):
+        """The requests this mount has answered, by operation: ``op count`` lines."""
+
+        key = "requests"
+
+        def attributes(self):
+            return Attributes(stat.S_IFREG | 0o444)
+
+        async def open(self) -> OpenFile:
+            counts = [
+                f"{sample.labels['op']} {int(sample.value)}\n"
+                for metric in REQUESTS.collect()
+                for sample in metric.samples
+                if sample.name.endswith("_total") and sample.labels["fs"] == "test"
+            ]
+            return CountsOpenFile("".join(counts).encode())
+
     class Frozen(StaticDirectory):
         immutable = True
 
@@ -138,10 +179,14 @@ def _serve_test_tree(mountpoint: str, grace: float) -> int:
             "null": Special("null", Attributes(stat.S_IFCHR | 0o666, rdev=os.makedev(1, 3))),
             "whiteout": Special("whiteout", Attributes(stat.S_IFCHR)),
             "frozen": Frozen("frozen", {"present": BytesFile("frozen/present", HELLO)}),
+            "recorded.bin": Recorded(),
+            "requests": Counts(),
         },
     )
     setup_logging("debug")
-    ops = ReadOnlyOperations(root, name="test", entry_timeout=1, attr_timeout=1, negative_timeout=60)
+    ops = ReadOnlyOperations(
+        root, name="test", entry_timeout=1, attr_timeout=1, negative_timeout=60, read_ahead_kb=read_ahead_kb
+    )
 
     async def run() -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -164,8 +209,9 @@ def _main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("mountpoint")
     parser.add_argument("--grace", type=float, default=10.0)
+    parser.add_argument("--read-ahead-kb", type=int, default=None)
     args = parser.parse_args()
-    return _serve_test_tree(args.mountpoint, args.grace)
+    return _serve_test_tree(args.mountpoint, args.grace, args.read_ahead_kb)
 
 
 # -- tests -------------------------------------------------------------------------
@@ -314,6 +360,58 @@ def test_reads_are_byte_exact(fs: MountProcess) -> None:
         assert os.pread(fd, 10, len(BIG) + 1000) == b""
     finally:
         os.close(fd)
+
+
+def _requests(fs: MountProcess) -> dict[str, int]:
+    """The requests the mount process has answered so far, by operation."""
+    text = (fs.mountpoint / "requests").read_text()
+    return {op: int(count) for op, count in (line.split() for line in text.splitlines())}
+
+
+def test_flush_is_refused_once_and_the_kernel_stops_sending_it(fs: MountProcess) -> None:
+    for _ in range(5):
+        assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO  # close() succeeds
+    first = _requests(fs)
+    assert first["open"] >= 5
+    # The first close() of the mount sent a flush, answered ENOSYS; none since.
+    assert first["flush"] == 1
+    for _ in range(5):
+        assert (fs.mountpoint / "big.bin").read_bytes() == BIG
+    second = _requests(fs)
+    assert second["open"] >= first["open"] + 5
+    assert second["flush"] == 1
+
+
+def _read_sizes(mount: MountProcess) -> list[int]:
+    return [int(line.split()[2]) for line in mount.stdout.splitlines() if line.startswith("read ")]
+
+
+def test_a_raised_read_ahead_sends_fewer_larger_reads(tmp_path: Path) -> None:
+    from bootseer.fuse.mount import read_ahead_path
+
+    sizes: dict[int | None, list[int]] = {}
+    read_ahead_kb: dict[int | None, int] = {}
+    for asked in (None, 1024):
+        mountpoint = tmp_path / f"mnt-{asked}"
+        mountpoint.mkdir()
+        extra = ["--read-ahead-kb", str(asked)] if asked else []
+        mount = start_test_fs(mountpoint, tmp_path, "--grace", "1", *extra)
+        try:
+            mount.wait_ready()
+            read_ahead_kb[asked] = int(Path(read_ahead_path(os.stat(mountpoint).st_dev)).read_text())
+            # A program reading in order, 64 KiB at a time: the read-ahead sets the size
+            # of what reaches the server.
+            with open(mountpoint / "recorded.bin", "rb", buffering=0) as file:
+                data = b"".join(iter(lambda: file.read(65536), b""))
+            assert data == BIG
+            sizes[asked] = _read_sizes(mount)
+        finally:
+            mount.cleanup()
+    assert read_ahead_kb == {None: 128, 1024: 1024}
+    assert max(sizes[None]) <= 128 * 1024 and len(sizes[None]) >= len(BIG) // (128 * 1024)
+    assert max(sizes[1024]) == 1024 * 1024
+    assert len(sizes[1024]) <= len(BIG) // (1024 * 1024) + 3
+    assert sum(sizes[1024]) <= len(BIG) + 1024 * 1024  # nothing read twice
 
 
 def test_large_directory_listing(fs: MountProcess) -> None:

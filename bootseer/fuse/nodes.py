@@ -71,6 +71,10 @@ class Directory(Node):
     #: then the kernel may cache a failed lookup (a negative entry) as long as it keeps
     #: a positive one, and a missing name costs one request, not one per access.
     immutable: bool = False
+    #: For a filesystem's root only: the read-ahead (KiB) its mount should have, for a
+    #: tree of large files that never change (None: the kernel's default, 128 KiB).
+    #: See :func:`bootseer.fuse.mount.set_read_ahead`.
+    read_ahead_kb: int | None = None
 
     @abc.abstractmethod
     async def lookup(self, name: str) -> Node:

@@ -62,7 +62,7 @@ HIT_MARKER = "deps-hit"
 CAPTURED_MARKER = "deps-captured"
 STATE_FILE = "deps.json"
 #: Paths of the writable layer never captured (markers, scratch space, runtime mount points, caches).
-EXCLUDED = (MARKER_DIR, "tmp", "var/tmp", "run", "proc", "sys", "dev", "root/.cache")
+EXCLUDED = (MARKER_DIR, ".bootseer-seal", "tmp", "var/tmp", "run", "proc", "sys", "dev", "root/.cache")
 POLL_INTERVAL = 0.5
 LOOKUP_TIMEOUT = 10.0
 
@@ -203,6 +203,20 @@ def lowers(snapshotter: Any, upper: str) -> list[str]:
     except LayerUnavailable as exc:
         # Without it the container would see /.bootseer/deps-hit and no packages: fail loudly instead.
         raise FailedPrecondition(f"the dependency layer {chain} of this snapshot cannot be served: {exc}") from None
+
+
+def stacked_chain(upper: str) -> str | None:
+    """The ChainID of the deps layer stacked under this snapshot, if any.
+
+    Its chain record's parent is the image's top layer, so for the hot lists the deps
+    layer is simply the top of the image: the first start on it records the reads of
+    the dependencies with the image's (``v1/hotlists/<deps ChainID>/...``), and later
+    starts prefetch them.  That needs the image's layers to be served lazily too.
+    """
+    state = _read_state(Path(upper).parent)
+    if state is None or state.get("state") != "stacked":
+        return None
+    return str(state["chain_id"])
 
 
 def in_use(snapshotter: Any, chain_id: str, *, besides: Path | None = None) -> bool:

@@ -98,3 +98,29 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
     assert run_with_deps(second, ref2, "deps-3", key) == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
     # Only one record, never rewritten by the hit.
     assert json.loads(record_path.read_bytes())["key"] == key
+
+
+def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
+    """With the image served lazily too, the deps layer is the top of the image for hot lists: the first start
+    on it records the reads of the installed files (keyed by the deps layer's ChainID), and it is published."""
+    from integration.test_hotlist import hotlist_status, show, wait_for
+    from integration.test_lazy import convert, rpull
+
+    stack = stacks()
+    image, ref = stack.build_and_push()
+    convert(stack, ref)
+    rpull(stack, ref)  # every layer lazy: the container's parent is a served chain
+    top = chain_ids(image.diff_ids)[-1]
+    key = compute_key(["sh", "-c", INSTALL], base_chain=top).key
+    assert run_with_deps(stack, ref, "deps-lazy-1", key)[0] == "published"
+    record = DepsRecord.decode((stack.store_dir / "v1" / "deps" / f"{key}.json").read_bytes(), expected_key=key)
+    out = stack.containerd.ctr_out("run", "--rm", "--fifo-dir", str(stack.fifo_dir), "--snapshotter",
+                                   stack.snapshotter_name, "--snapshotter-label", f"{DEPS_LABEL}={key}", ref,
+                                   "deps-lazy-2", "sh", "-c", JOB + "; touch /.bootseer-seal; sleep 1", timeout=180)  # fmt: skip
+    assert out.split()[0] == "HIT"
+    wait_for("the deps start's recording", lambda: [
+        f for f in hotlist_status(stack)["finished"] if f["kind"] == "recording" and f["image"] == record.chain_id])
+    [listed] = show(stack, record.chain_id)
+    layers = {layer["chain_id"]: layer for layer in listed["layers"]}
+    assert set(layers) == {*chain_ids(image.diff_ids), record.chain_id}
+    assert layers[record.chain_id]["blocks"] >= 1  # /opt/deps/bin/tool, read from the deps layer

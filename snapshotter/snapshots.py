@@ -135,7 +135,8 @@ class Snapshotter:
         if self.backend is not None:  # a container's rootfs on lazy layers: record or prefetch its hot list
             if deps_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id))):
                 mounts = self._mounts(snapshot)  # a dependency snapshot is stacked under it (depsnap/containerd.py)
-            hotlist_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id)))
+            hot_parent = deps_hooks.stacked_chain(str(self._upper_path(snapshot.id))) or parent  # deps layer on top
+            hotlist_hooks.container_prepared(self, key, hot_parent, labels, str(self._upper_path(snapshot.id)))
         return mounts
 
     def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:

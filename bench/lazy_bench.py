@@ -282,7 +282,11 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float) ->
                           snapshotter=harness.SNAPSHOTTER_NAME if lazy else harness.BUILTIN_OVERLAY,
                           snapshotter_log_level="info")
     if lazy:
-        stack.daemon = harness.Snapshotter(base / "snap", log_level="info", extra_args=["--store", store_url])
+        # The daemon's layer server serves its metrics too, so lazy runs show FUSE requests.
+        metrics = f"127.0.0.1:{harness.free_port()}"
+        stack.daemon = harness.Snapshotter(base / "snap", log_level="info", extra_args=[
+            "--store", store_url, "--layer-server-metrics-address", metrics])
+        stack.layer_server_metrics_url = f"http://{metrics}/metrics"  # type: ignore[attr-defined]
     try:
         stack.start()
         yield stack
@@ -312,6 +316,12 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float) ->
 def control_socket(stack: harness.Stack) -> Path:
     """The layer server's control socket of a node whose daemon has ``--root ROOT``."""
     return stack.daemon.root / "layers" / "control.sock"
+
+
+def lazy_node_figures(stack: harness.Stack) -> dict[str, float]:
+    """The layer server's ``status`` figures and its Prometheus metrics, on a lazy node."""
+    return {**layer_server_figures(control_socket(stack)),
+            **scrape_metrics(getattr(stack, "layer_server_metrics_url", None))}
 
 
 def layer_server_figures(socket_path: Path) -> dict[str, float]:
@@ -462,7 +472,7 @@ def run_argv(stack: harness.Stack, ref: str, name: str) -> list[str]:
 def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
                 timeout: float, log_path: Path, lazy: bool, profile: Path | None = None) -> Run:
     """Drop caches, then (pull and) run the container; time to its marker line."""
-    before = layer_server_figures(control_socket(stack)) if lazy and not pull else {}
+    before = lazy_node_figures(stack) if lazy and not pull else {}
     drop_caches()
     counters = link.counters()
     with profiled(control_socket(stack) if lazy else Path(), profile if lazy else None):
@@ -477,7 +487,7 @@ def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: st
                                          log_path)
     total = pull_seconds + seconds
     fetched = (link.counters() - counters).received
-    server = diff_figures(layer_server_figures(control_socket(stack)), before) if lazy else {}
+    server = diff_figures(lazy_node_figures(stack), before) if lazy else {}
     return Run(seconds=total, pull_seconds=pull_seconds, link_bytes=fetched, output=line, server=server,
                pull_summary=summary)
 

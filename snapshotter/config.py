@@ -6,9 +6,10 @@ then the flags.  The file's top-level keys are the daemon's own (``root``,
 take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
-prefetch_cold_rate`` (the layer server's hot-list options, docs/hotlist.md).  Inside the
+prefetch_cold_rate`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
+metrics_address`` (the layer server's own Prometheus endpoint; empty: off).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
-``--cache-size`` and ``--publish-store`` set four of them.  The daemon passes the
+``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
 ``[fetch]`` and ``[hotlist]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key, so a typo never leaves a setting silently at
 its default.  ``ctr_examples/bootseer-snapshotter.toml`` documents every key.
@@ -58,6 +59,7 @@ class Config:
     publish_store: str = ""  #: writable store hot lists are written to; empty: the layers' store
     hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
     hotlist_prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)  #: how much a prefetch does at once
+    layer_server_metrics_address: str = ""  #: ``HOST:PORT`` of the layer server's Prometheus endpoint; empty: off
 
     @property
     def block_cache_dir(self) -> Path:
@@ -84,6 +86,7 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_concurrency": PrefetchLimits.concurrency,
     "hotlist.prefetch_batch": "4M",
     "hotlist.prefetch_cold_rate": "0",
+    "fuse.metrics_address": "",
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -112,9 +115,10 @@ FLAGS: dict[str, str] = {
     "cache.dir": "cache_dir",
     "cache.size": "cache_size",
     "hotlist.publish_store": "publish_store",
+    "fuse.metrics_address": "layer_server_metrics_address",
 }
 
-SECTIONS = ("store", "cache", "fetch", "hotlist")
+SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -173,6 +177,14 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             parse_address(merged["metrics_address"])
         except ValueError as exc:
             raise invalid("metrics_address", str(exc)) from None
+    layer_server_metrics = merged["fuse.metrics_address"]
+    if layer_server_metrics:
+        try:
+            parse_address(layer_server_metrics)
+        except ValueError as exc:
+            raise invalid("fuse.metrics_address", str(exc)) from None
+        if layer_server_metrics == merged["metrics_address"]:
+            raise invalid("fuse.metrics_address", f"is the daemon's own metrics_address ({layer_server_metrics}); give each its own port")
     store_url = merged["store.url"]
     if store_url:
         try:
@@ -241,6 +253,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         publish_store=publish_store,
         hotlist_recording=recording,
         hotlist_prefetch=prefetch,
+        layer_server_metrics_address=layer_server_metrics,
     )
 
 

@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="writable store the layer server publishes hot lists to, where --store is read-only (an http front); "
              "default: the store of layers",
     )  # fmt: skip
+    lazy.add_argument(
+        "--layer-server-metrics-address", metavar="HOST:PORT",
+        help="serve the layer server's Prometheus /metrics (FUSE requests, fetches, cache) here, "
+             "when this daemon starts it (default off)",
+    )  # fmt: skip
     return parser
 
 
@@ -246,6 +251,7 @@ class Daemon:
             prefetch_concurrency=settings.hotlist_prefetch.concurrency,
             prefetch_batch=settings.hotlist_prefetch.batch_bytes,
             prefetch_cold_rate=settings.hotlist_prefetch.cold_rate,
+            metrics_address=settings.layer_server_metrics_address or None,
             log_level=settings.log_level,
         )
         engine = EngineConfig(streams=settings.fetch_streams, retry_timeout=settings.fetch_retry_timeout)

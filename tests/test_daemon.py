@@ -252,6 +252,37 @@ def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
     assert "--no-hotlist" not in argv
 
 
+def test_layer_server_metrics_address_reaches_the_layer_server_the_daemon_starts(
+    tmp_path: Path, snapshotter_factory: DaemonFactory
+) -> None:
+    """``[fuse] metrics_address`` (``--layer-server-metrics-address``) is the started layer
+    server's ``--metrics-address``, and it answers there with the FUSE metrics."""
+    import urllib.request
+
+    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+
+    assert config.resolve({"fuse.metrics_address": "127.0.0.1:9309"}, {}).layer_server_metrics_address == "127.0.0.1:9309"
+    assert config.resolve({}, {}).layer_server_metrics_address == ""
+    store = tmp_path / "store"
+    store.mkdir()
+    port = _free_port()
+    root = tmp_path / "root"
+    snapshotter_factory("--store", f"file://{store}", "--layer-server-metrics-address", f"127.0.0.1:{port}", root=root)
+    pid = LayerServerClient(ServerPaths(root).socket).status()["pid"]
+    argv = [arg.decode() for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    assert argv[argv.index("--metrics-address") + 1] == f"127.0.0.1:{port}"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        assert 'bootseer_layer_server_up 1.0' in answer.read().decode()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_hotlist_can_be_turned_off_for_the_layer_server() -> None:
     from bootseer.blockstore.control import ServerSettings
 
@@ -269,6 +300,8 @@ def test_hotlist_can_be_turned_off_for_the_layer_server() -> None:
         ("root = 5\n", ["'root'", "string", "integer"]),
         ('log_level = "loud"\n', ["log_level", "loud"]),
         ('metrics_address = "no-port"\n', ["metrics_address", "HOST:PORT"]),
+        ('[fuse]\nmetrics_address = "no-port"\n', ["fuse.metrics_address", "HOST:PORT"]),
+        ('metrics_address = "127.0.0.1:9300"\n[fuse]\nmetrics_address = "127.0.0.1:9300"\n', ["fuse.metrics_address", "own port"]),
         ('root = "/x\n', ["not valid TOML"]),
         ("[root]\npath = '/x'\n", ["'root'", "string", "table"]),
         ('[store]\nurll = "file:///x"\n', ["'store.urll'", "unknown key"]),

@@ -153,9 +153,14 @@ class _Counters:
         )
 
 
+@functools.lru_cache(maxsize=4096)
+def _pack_path(name: str) -> str:
+    return pack_object(name)
+
+
 def _extent(index: LayerIndex, block: Block) -> Extent:
     """The extent of stored ``block`` in its pack, keyed by its digest and place."""
-    pack = pack_object(index.packs[block.pack])
+    pack = _pack_path(index.packs[block.pack])
     return Extent(_Place(block.digest, pack, block.offset, block.clen), pack, block.offset, block.clen)
 
 

@@ -47,8 +47,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -196,6 +197,76 @@ def _decode(block: Block, data: bytes) -> bytes | None:
     return raw
 
 
+class _CacheWriter:
+    """Writes verified blocks into the node cache behind the reads that fetched them.
+
+    A write costs a few hundred microseconds (a temporary file, a rename), more than
+    decoding a small block: a read should not wait for it.  Blocks go into a queue
+    that one thread at a time drains, started when the queue fills from empty; it is
+    not a daemon thread, so a process that exits normally writes what is queued
+    first (a killed one loses it: the next read fetches again).  At most
+    ``limit_bytes`` wait; beyond that :meth:`submit` refuses and the caller writes
+    itself.  Until written, a block is in the fetcher's memory of recent blocks.
+    """
+
+    def __init__(self, cache: BlockCache, limit_bytes: int = 64 << 20) -> None:
+        self.cache = cache
+        self.limit_bytes = limit_bytes
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._queue: deque[tuple[str, bytes]] = deque()
+        #: digest -> raw bytes of the blocks queued or being written: read as if in memory meanwhile
+        self.pending: dict[str, bytes] = {}
+        self._bytes = 0  # queued or being written
+        self._thread: threading.Thread | None = None
+
+    def submit(self, blocks: list[tuple[str, bytes]]) -> bool:
+        """Queue ``(digest, raw bytes)`` pairs to be written; False (nothing queued) when the queue is full."""
+        size = sum(len(data) for _, data in blocks)
+        with self._lock:
+            if self._bytes + size > self.limit_bytes:
+                return False
+            self._queue.extend(blocks)
+            self.pending.update(blocks)
+            self._bytes += size
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="bootseer block cache writer", daemon=False)
+                self._thread.start()
+        return True
+
+    def write(self, blocks: list[tuple[str, bytes]]) -> None:
+        """Blocking: write ``blocks`` now, in the caller's thread."""
+        for digest, data in blocks:
+            self._put(digest, data)
+
+    def wait_idle(self) -> None:
+        """Blocking: return once everything queued is written."""
+        with self._lock:
+            self._idle.wait_for(lambda: self._thread is None)
+
+    def _put(self, digest: str, data: bytes) -> None:
+        try:
+            self.cache.put(digest, data)  # counts and logs its own OSErrors
+        except Exception as exc:  # a bug must not kill the writer and strand the queue
+            log.error("writing a block into the node cache failed", block=digest, error=repr(exc))
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._thread = None
+                    self._idle.notify_all()
+                    return
+                digest, data = self._queue.popleft()
+            try:
+                self._put(digest, data)
+            finally:
+                with self._lock:
+                    self._bytes -= len(data)
+                    if self.pending.get(digest) is data:
+                        del self.pending[digest]
+
+
 class _Pending:
     """A block one call is getting (from the node cache or the store) that others wait for."""
 
@@ -244,6 +315,7 @@ class BlockFetcher:
         # reads further ahead: the middle block of each batch, as the kernel's PG_readahead), oldest first.
         self._ahead: OrderedDict[str, tuple[int, bool]] = OrderedDict()
         self._counters: dict[str, _Counters] = {}  # layer label -> its metric children
+        self._writer = _CacheWriter(cache) if cache is not None else None
 
     @property
     def threads(self) -> trio.CapacityLimiter:
@@ -306,14 +378,22 @@ class BlockFetcher:
             for position in wanted.pop(digest):
                 out[position] = data
 
+        writing = self._writer.pending if self._writer is not None else {}
         while wanted:
-            in_memory = [digest for digest in wanted if digest in self._recent]
-            for digest in in_memory:
-                self._recent.move_to_end(digest)
-                serve(digest, self._recent[digest])
+            in_memory = 0
+            for digest in list(wanted):
+                data = self._recent.get(digest)
+                if data is not None:
+                    self._recent.move_to_end(digest)
+                else:
+                    data = writing.get(digest)  # on its way into the node cache (one lookup: the writer may finish)
+                    if data is None:
+                        continue
+                serve(digest, data)
+                in_memory += 1
             if in_memory:
-                self.stats.blocks_from_memory += len(in_memory)
-                counters.memory.inc(len(in_memory))
+                self.stats.blocks_from_memory += in_memory
+                counters.memory.inc(in_memory)
             theirs = [(digest, self._pending[digest]) for digest in wanted if digest in self._pending]
             mine = {digest: blocks[positions[0]] for digest, positions in wanted.items() if digest not in self._pending}
             if mine:
@@ -490,19 +570,34 @@ class BlockFetcher:
         return raw  # type: ignore[return-value]  # no None is left
 
     async def _decode_and_cache(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
-        """Each block's verified raw bytes (None where ``stored`` is not that block), the good ones cached."""
+        """Each block's verified raw bytes (None where ``stored`` is not that block), the good ones cached.
+
+        Small blocks are decoded on this thread (a thread hop costs more); the node
+        cache is written behind the read (:class:`_CacheWriter`), or in the same
+        worker thread when the writer is full.
+        """
         size = sum(block.clen + block.rlen for block in blocks)
-        if self.cache is None and size <= OFF_THREAD_BYTES:
-            return [_decode(block, data) for block, data in zip(blocks, stored)]
+        if size <= OFF_THREAD_BYTES:
+            raw = [_decode(block, data) for block, data in zip(blocks, stored)]
+            if self._writer is not None:
+                behind = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
+                if behind and not self._writer.submit(behind):
+                    await trio.to_thread.run_sync(self._writer.write, behind, limiter=self._threads)
+            return raw
         return await trio.to_thread.run_sync(self._decode_and_cache_blocking, blocks, stored, limiter=self._threads)
 
     def _decode_and_cache_blocking(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
         raw = [_decode(block, data) for block, data in zip(blocks, stored)]
-        if self.cache is not None:
-            for block, data in zip(blocks, raw):
-                if data is not None:
-                    self.cache.put(block.digest, data)
+        if self._writer is not None:
+            behind = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
+            if behind and not self._writer.submit(behind):
+                self._writer.write(behind)
         return raw
+
+    async def flush(self) -> None:
+        """Return once every block served so far is in the node cache (its writes behind the reads are done)."""
+        if self._writer is not None:
+            await trio.to_thread.run_sync(self._writer.wait_idle, limiter=self._threads)
 
 
 class LayerReader:

@@ -338,6 +338,7 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
                 assert (fetcher.stats.readahead_blocks, fetcher.stats.readahead_bytes) == (9, sum(b.clen for b in blocks[1:]))
                 assert fetcher.stats.readahead_read == 0
                 # Nothing read ahead is verified or cached before it is read.
+                await fetcher.flush()
                 assert not any(fetcher.cache.contains(b.digest) for b in blocks[1:])
                 # Six of them are read: no request, each verified and cached as it is read.
                 for module in modules[1:7]:
@@ -345,6 +346,7 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
                 assert engine.stats.extent_requests == 1
                 assert (fetcher.stats.blocks_fetched, fetcher.stats.readahead_read) == (7, 6)
                 assert fetcher.stats.readahead_read_bytes == sum(b.clen for b in blocks[1:7])
+                await fetcher.flush()  # the node cache is written behind the reads
                 assert all(fetcher.cache.contains(b.digest) for b in blocks[:7])
                 assert layer.readahead_window > window  # reads keep landing on blocks read ahead: the window grows
                 # Three were read ahead and never read; they are counted.
@@ -427,10 +429,12 @@ def test_a_tampered_read_ahead_block_is_never_served_or_cached(tmp_path, store, 
             layer = LayerReader(index, fetcher)
             assert await layer.read(modules[0], 0, 10) == package[modules[0].path][:10]
             assert tampered == [0] and fetcher.stats.readahead_blocks == 9 and fetcher.stats.corrupt == 0
+            await fetcher.flush()
             assert not cache.contains(victim.digest)
             # The read of the victim finds the bad copy, drops it and fetches the block alone: right bytes.
             assert await layer.read(victim_file, 0, victim_file.size) == package[victim_file.path]
             assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 0 and engine.stats.discards == 1
+            await fetcher.flush()
             assert cache.get(victim.digest) == package[victim_file.path]
             assert [(r.offset, r.length) for r in source.reads][-1] == (victim.offset, victim.clen)
 
@@ -548,6 +552,7 @@ def test_a_block_corrupt_in_the_store_fails_with_eio_and_is_never_served_or_cach
             assert ranges[-1] == (victim.offset, victim.clen) and len(ranges) == 2
             assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 1
             # Its good neighbours were cached; the bad block was not.
+            await fetcher.flush()
             assert cache.get(victim.digest) is None
             assert cache.get(index.blocks[big.blocks[6]].digest) is not None
             assert not os.path.exists(cache.path_of(victim.digest))
@@ -577,6 +582,7 @@ def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_e
             fetcher = BlockFetcher(engine, BlockCache(cache_dir, 64 << 20))
             assert await LayerReader(index, fetcher, readahead_max=0).read(text, 0, text.size) == files["text.txt"]
             assert fetcher.stats.blocks_fetched == expect_fetched
+            await fetcher.flush()
             return fetcher
 
     stored = len({index.blocks[ref].digest for ref in text.blocks})
@@ -624,6 +630,7 @@ def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(tmp_p
             layer = LayerReader(index, fetcher)
             for number in range(40):
                 assert await layer.read(big, number * BLOCK, BLOCK) == files["big.bin"][number * BLOCK : (number + 1) * BLOCK]
+                await fetcher.flush()
                 on_disk = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*") if p.is_file())
                 assert on_disk <= limit
             assert cache.stats().evictions > 0

@@ -199,7 +199,8 @@ async def serve(
     with the :class:`FuseSession` to end it by.  Raises :class:`MountError` when the
     mount cannot be made.  Returns normally after an unmount or :meth:`~FuseSession.terminate`;
     the session is always closed when this returns (unmounted unless
-    :attr:`~FuseSession.unmount_on_close` was turned off).
+    :attr:`~FuseSession.unmount_on_close` was turned off).  Where ``ops.read_ahead_kb``
+    is set, the mount's read-ahead is raised to it before ``started`` (:func:`set_read_ahead`).
     """
     session = FuseSession(ops, mountpoint, options)
     session.mount()
@@ -214,7 +215,8 @@ async def serve(
             # (libfuse echoes the kernel's own 128 KiB), so raise it once INIT has been
             # answered: a stat of the root is only answered after it.
             try:
-                device = (await trio.to_thread.run_sync(os.stat, mountpoint)).st_dev
+                # Abandoned on cancel: run() is cancelled too, so nobody would answer the stat.
+                device = (await trio.to_thread.run_sync(os.stat, mountpoint, abandon_on_cancel=True)).st_dev
             except OSError as exc:  # unmounted already: run() returns on its own
                 log.warning("cannot stat the new mount", mountpoint=mountpoint, error=str(exc))
             else:

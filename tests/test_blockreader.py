@@ -602,6 +602,39 @@ def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_e
     assert [(r.offset, r.length) for r in source.reads[reads:]] == [(victim.offset, victim.clen)]
 
 
+def test_the_node_cache_is_written_behind_the_read_and_a_block_on_its_way_is_served(tmp_path, store, source, files):
+    index = pack_layer(store, files)
+    tiny = entry(index, "tiny")
+    digest = index.blocks[tiny.blocks[0]].digest
+    disk = threading.Event()
+
+    class SlowDisk(BlockCache):
+        def put(self, key, payload):
+            assert disk.wait(60), "the disk was never let go"
+            super().put(key, payload)
+
+    async def main():
+        async with open_engine(source, config()) as engine:
+            cache = SlowDisk(str(tmp_path / "cache"), 64 << 20)
+            fetcher = BlockFetcher(engine, cache, memory_bytes=0)  # nothing kept in memory but what is being written
+            layer = LayerReader(index, fetcher, readahead_max=0)
+            # The read returns while its block's write is stuck.
+            assert await layer.read(tiny, 0, 10) == files["tiny"]
+            assert not cache.contains(digest)
+            # Read again meanwhile: served from the write queue, not fetched again nor looked up.
+            assert await layer.read(tiny, 2, 3) == files["tiny"][2:5]
+            assert (fetcher.stats.blocks_fetched, fetcher.stats.blocks_from_memory, fetcher.stats.blocks_cached) == (1, 1, 0)
+            disk.set()
+            await fetcher.flush()
+            assert cache.get(digest) == files["tiny"]
+            assert len(source.reads) == 1
+
+    try:
+        run(main)
+    finally:
+        disk.set()
+
+
 def test_an_entry_that_passes_its_checksum_but_not_its_digest_is_refused(tmp_path):
     cache = BlockCache(str(tmp_path), 1 << 20)
     good, other = b"a" * 100, b"b" * 100

@@ -9,7 +9,10 @@ pack go out as one range request, and priorities, retries, EIO after
 decompressed (never to more than its raw length) and checked against its SHA-256
 before anyone sees it; one that fails is dropped from the engine's buffer and fetched
 once more, and if it fails again the call fails with FetchError (EIO).  A corrupt
-byte is never served and never cached.  All-zero blocks are stored nowhere and cost
+byte is never served and never cached.  Small blocks are decoded on the trio thread
+(a thread hop costs more than the work); verified blocks are written into the node
+cache behind the read by one writer thread (:meth:`BlockFetcher.flush` waits for it),
+so a read never waits for the disk.  All-zero blocks are stored nowhere and cost
 nothing.  The fetcher keeps the blocks it served lately in memory (the kernel reads a
 block in several pieces) and lets a call wait for a block another call is getting
 rather than get it twice.  The hot-block prefetcher calls the same
@@ -72,11 +75,12 @@ OFF_THREAD_BYTES = 256 << 10
 
 #: A layer's read-ahead window (compressed bytes beyond a read that misses) starts at
 #: READAHEAD_INITIAL, doubles up to READAHEAD_MAX while reads land on blocks read
-#: ahead, and halves down to READAHEAD_MIN when a read misses without one.  4 MiB
-#: is 35 ms of a 1 Gbit/s link: more would keep the link busy on guesses.
+#: ahead, and halves down to READAHEAD_MIN when a read misses without one.  2 MiB
+#: is 17 ms of a 1 Gbit/s link; on the torch benchmark 4 MiB fetched 15% more for no
+#: faster start (bench/results/lazy.md).
 READAHEAD_MIN = 128 << 10
 READAHEAD_INITIAL = 512 << 10
-READAHEAD_MAX = 4 << 20
+READAHEAD_MAX = 2 << 20
 #: At most this many blocks read ahead per miss (each is an extent: bounded work per read).
 READAHEAD_MAX_BLOCKS = 256
 #: Blocks read ahead and not yet read that the fetcher remembers (to count them when read).

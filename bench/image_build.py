@@ -8,7 +8,8 @@ made (captured as an overlayfs upper directory, the way an image builder does it
 3. ``torch``: ``pip install torch==TORCH_VERSION`` (the CPU wheel on this machine's disk)
    with pip's default bytecode compilation, as any image built with pip has it;
 4. ``app``: ``/app/train.py``, the container's command: it imports torch, runs one
-   training step of a tiny model and prints :data:`FIRST_OUTPUT_MARKER`.
+   training step of a tiny model, prints :data:`FIRST_OUTPUT_MARKER` and creates
+   ``/.bootseer-seal`` (:data:`SEAL_MARKER`), which ends a hot-list recording of the boot.
 
 Everything lives under one cache directory and is reused by later runs: a step is redone
 only when its recipe (or a step below it) changed.  A step builds into ``NAME.partial``
@@ -49,6 +50,9 @@ IMAGE_TAG = "v1"
 TAR_WRITER_VERSION = "2"
 #: What the job prints when it has done its first useful work; the benchmark's clock stops there.
 FIRST_OUTPUT_MARKER = "BOOTSEER-FIRST-OUTPUT"
+#: The file the job creates at its root after its first output: the hot-list seal marker
+#: (the layer server's default ``--hotlist-marker``).
+SEAL_MARKER = ".bootseer-seal"
 
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -75,6 +79,8 @@ optimizer.zero_grad()
 loss.backward()
 optimizer.step()
 print(f"{FIRST_OUTPUT_MARKER} step=1 loss={{loss.item():.4f}} torch={{torch.__version__}}", flush=True)
+# The start-up is over: a recording of this boot's reads ends here (docs/hotlist.md, sealing).
+open("/{SEAL_MARKER}", "w").close()
 '''
 
 PYTHON_STEP = """\

@@ -68,6 +68,8 @@ from integration import harness  # noqa: E402
 MB = 1_000_000
 REGISTRY_PORT = 5000
 STORE_PORT = 8080
+#: nginx serving the copy of the store that the hot-list scenario records into and reads from.
+HOT_STORE_PORT = 8081
 IMAGE_NAME = "bench/torch-train"
 #: containerd namespace of every node (and with it the runc root /run/containerd/runc/NAMESPACE).
 NAMESPACE = f"bench-{os.getpid()}"
@@ -76,6 +78,9 @@ NAMESPACE = f"bench-{os.getpid()}"
 TARGET_COLD_RATIO = 0.45
 TARGET_FETCH_OVER_READ = 2.0
 TARGET_LOCAL_RATIO = 1.15
+#: Issue 7's targets: a prefetched start within this factor of its floor, and this much faster than overlayfs.
+TARGET_HOT_OVER_FLOOR = 1.25
+TARGET_HOT_SPEEDUP = 4.0
 
 SCENARIOS = {
     "overlay-cold": "overlayfs: `ctr images pull` + `ctr run`, cold",
@@ -85,13 +90,15 @@ SCENARIOS = {
     "fuse-cold": "layer server alone, no containerd: mount the layers, overlay, `chroot … python3 /app/train.py`, cold",
     "fuse-local": "the same, blocks in the node cache",
     "plain-local": "`chroot … python3 /app/train.py` on an overlay of the unpacked layer dirs (no FUSE)",
+    "hot-cold": "bootseer with a hot list, fresh node: `bootseer rpull` (prefetch starts) + `ctr run --snapshotter "
+                "bootseer`, cold",
 }
 #: The scenario each one is compared with in the report's ratio column.
 BASELINES = {"overlay-cold": "overlay-cold", "lazy-cold": "overlay-cold", "overlay-local": "overlay-local",
              "lazy-local": "overlay-local", "fuse-cold": "overlay-cold", "fuse-local": "plain-local",
-             "plain-local": "plain-local"}
+             "plain-local": "plain-local", "hot-cold": "overlay-cold"}
 KINDS = {"overlay": ("overlay-cold", "overlay-local"), "lazy": ("lazy-cold", "lazy-local"),
-         "fuse": ("fuse-cold", "fuse-local", "plain-local")}
+         "fuse": ("fuse-cold", "fuse-local", "plain-local"), "hot": ("hot-cold",)}
 
 
 class BenchError(RuntimeError):
@@ -108,6 +115,7 @@ class Run:
     output: str  #: the marker line
     server: dict[str, float] = dataclasses.field(default_factory=dict)  #: layer server figures (lazy)
     pull_summary: str = ""  #: the pull's last line of output (rpull: how many layers were lazy)
+    prefetch: dict[str, float] = dataclasses.field(default_factory=dict)  #: hot-list prefetch (PrefetchWatch)
 
 
 @dataclasses.dataclass
@@ -274,8 +282,13 @@ def convert_store(image: image_build.Image, store: Path, log_path: Path) -> floa
 
 
 @contextlib.contextmanager
-def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float) -> Iterator[harness.Stack]:
-    """A fresh containerd (and, for ``lazy``, bootseer-snapshotter with ``--store``) under ``base``."""
+def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
+               publish_store: Path | None = None) -> Iterator[harness.Stack]:
+    """A fresh containerd (and, for ``lazy``, bootseer-snapshotter with ``--store``) under ``base``.
+
+    ``publish_store``: the directory behind the read-only ``store_url``, given to the daemon
+    as ``--publish-store`` (its layer server publishes the hot lists it records there).
+    """
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     stack = harness.Stack(base, namespace=NAMESPACE, with_registry=False,
@@ -285,7 +298,8 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float) ->
         # The daemon's layer server serves its metrics too, so lazy runs show FUSE requests.
         metrics = f"127.0.0.1:{harness.free_port()}"
         stack.daemon = harness.Snapshotter(base / "snap", log_level="info", extra_args=[
-            "--store", store_url, "--layer-server-metrics-address", metrics])
+            "--store", store_url, "--layer-server-metrics-address", metrics,
+            *(["--publish-store", str(publish_store)] if publish_store is not None else [])])
         stack.layer_server_metrics_url = f"http://{metrics}/metrics"  # type: ignore[attr-defined]
     try:
         stack.start()
@@ -362,6 +376,12 @@ FUSE_SERIES = {
     "bootseer_fetch_extent_requests_total": ("fetch.range_requests", "kind"),
     "bootseer_fetch_extents_total": ("fetch.extents", "outcome"),
     "bootseer_fetch_gap_bytes_total": ("fetch.gap_bytes",),
+    "bootseer_hotlist_prefetch_blocks_total": ("hotlist.prefetch_blocks", "outcome"),
+    "bootseer_hotlist_prefetch_bytes_total": ("hotlist.prefetch_bytes", "pass"),
+    "bootseer_hotlist_reads_total": ("hotlist.reads", "outcome"),
+    "bootseer_hotlist_prefetch_unread_bytes_total": ("hotlist.prefetch_unread_bytes",),
+    "bootseer_hotlist_recordings_total": ("hotlist.recordings", "outcome"),
+    "bootseer_hotlist_ignored_total": ("hotlist.ignored", "reason"),
 }
 
 
@@ -469,13 +489,91 @@ def run_argv(stack: harness.Stack, ref: str, name: str) -> list[str]:
                     stack.snapshotter_name, ref, name)
 
 
+class PrefetchWatch:
+    """Polls the layer server's ``hotlist.status`` while a start runs, to tell where its time goes.
+
+    Records when a prefetch first shows (``start_s``) and when it has fetched its whole list
+    (``end_s``), both in seconds after the watch began (just before the pull), and the
+    prefetch's own figures (planned and fetched bytes, hits, waited, misses, lead time) as
+    its summary gives them once its container is gone.  Polling at ``period`` bounds the
+    times' resolution; the layer server answers a status in well under a millisecond.
+    """
+
+    def __init__(self, socket_path: Path, period: float = 0.2) -> None:
+        import threading
+
+        from bootseer.blockstore.control import LayerServerClient
+
+        self.client = LayerServerClient(socket_path, timeout=5)
+        self.period = period
+        self.start_s: float | None = None
+        self.end_s: float | None = None
+        self.last: dict[str, Any] = {}
+        self._begun = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="prefetch-watch", daemon=True)
+
+    def __enter__(self) -> "PrefetchWatch":
+        self._begun = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def _look(self) -> bool:
+        """One status; True once the prefetch's summary (its container gone) is there."""
+        try:
+            status = self.client.call({"op": "hotlist.status"})
+        except Exception:  # noqa: BLE001 - the layer server starts with the first mount of the pull
+            return False
+        now = time.perf_counter() - self._begun
+        for prefetch in status.get("prefetches", []):
+            if self.start_s is None:
+                self.start_s = now
+            self.last = prefetch
+            if prefetch.get("finished") and self.end_s is None:
+                self.end_s = now
+        done = [s for s in status.get("finished", []) if s.get("kind") == "prefetch"]
+        if done:
+            self.last = done[-1]
+            if self.start_s is None:
+                self.start_s = now
+            if self.end_s is None and self.last.get("finished"):
+                self.end_s = now
+        return bool(done)
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.period):
+            self._look()
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        deadline = time.monotonic() + 10  # the summary comes when the removed container's notice arrives
+        while not self._look() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    def figures(self) -> dict[str, float]:
+        figures = {key: float(value) for key, value in self.last.items()
+                   if isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self.start_s is not None:
+            figures["start_s"] = self.start_s
+        if self.end_s is not None:
+            figures["end_s"] = self.end_s
+        return figures
+
+
 def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
-                timeout: float, log_path: Path, lazy: bool, profile: Path | None = None) -> Run:
-    """Drop caches, then (pull and) run the container; time to its marker line."""
+                timeout: float, log_path: Path, lazy: bool, profile: Path | None = None,
+                watch_prefetch: bool = False) -> Run:
+    """Drop caches, then (pull and) run the container; time to its marker line.
+
+    ``watch_prefetch``: follow the hot-list prefetch with a :class:`PrefetchWatch`.
+    """
     before = lazy_node_figures(stack) if lazy and not pull else {}
     drop_caches()
     counters = link.counters()
-    with profiled(control_socket(stack) if lazy else Path(), profile if lazy else None):
+    watch = PrefetchWatch(control_socket(stack)) if watch_prefetch else None
+    with profiled(control_socket(stack) if lazy else Path(), profile if lazy else None), \
+            (watch if watch is not None else contextlib.nullcontext()):
         start = time.perf_counter()
         pull_seconds = 0.0
         summary = ""
@@ -489,7 +587,7 @@ def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: st
     fetched = (link.counters() - counters).received
     server = diff_figures(lazy_node_figures(stack), before) if lazy else {}
     return Run(seconds=total, pull_seconds=pull_seconds, link_bytes=fetched, output=line, server=server,
-               pull_summary=summary)
+               pull_summary=summary, prefetch=watch.figures() if watch is not None else {})
 
 
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
@@ -527,6 +625,101 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
         for scenario in (cold, local):
             scenario.errors.append(f"run {rep}: node did not start: {e}")
         log(f"  {kind} node {rep}: FAILED: {e}")
+
+
+# --------------------------------------------------------------------------- hot lists (issue 7)
+
+
+def hot_store_copy(store: Path, hot_store: Path) -> None:
+    """``hot_store``: a fresh copy of the converted ``store`` without hot lists (hard links: instant).
+
+    The hot-list scenario records into and reads from this copy, so the plain lazy runs
+    read a store that never holds a hot list.  Publishing only ever creates new files
+    (temp + link(2)), so no file shared with ``store`` is written to.
+    """
+    shutil.rmtree(hot_store, ignore_errors=True)
+    run_checked(["cp", "-al", str(store), str(hot_store)], "copy of the store", timeout=300)
+    shutil.rmtree(hot_store / "v1" / "hotlists", ignore_errors=True)
+    (hot_store / "v1" / "hotlists").mkdir()
+    hot_store.chmod(0o755)
+    # The layer server publishes as root with a private umask; nginx's worker must read the list.
+    (hot_store / "v1" / "hotlists").chmod(0o777)
+
+
+def read_hot_list(hot_store: Path, image: image_build.Image) -> dict[str, Any] | None:
+    """``bootseer hotlist show``'s summary of the image's default hot list in ``hot_store`` (None: none)."""
+    from bootseer.hotlist.format import HotList, hotlist_object, summary
+
+    top = harness.chain_ids([layer.diff_id for layer in image.layers])[-1]
+    path = hot_store / hotlist_object(top)
+    if not path.is_file():
+        return None
+    return summary(HotList.decode(path.read_bytes(), expected_image=top, expected_profile=""))
+
+
+def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: image_build.Image,
+                    timeout: float) -> dict[str, Any]:
+    """The image's first boot on a fresh node, which records its hot list into ``hot_store``.
+
+    The node reads the store through nginx (``hot_url``, read-only) and publishes to the
+    directory behind it (``--publish-store``); the job seals the recording itself by creating
+    the marker after its first output.  Returns the list's summary, with the recording's
+    ``sealed_by``/``outcome`` from the layer server and the boot's time.
+    """
+    log_path = work / "logs" / "record.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with fresh_node(work / "record", True, hot_url, timeout, publish_store=hot_store) as stack:
+        drop_caches()
+        start = time.perf_counter()
+        run_checked(bootseer_argv("rpull", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
+                                  "--plain-http", ref), "rpull (recording boot)", timeout=timeout, log_path=log_path)
+        seconds, _ = run_until_marker(run_argv(stack, ref, "record-1"), image_build.FIRST_OUTPUT_MARKER, timeout,
+                                      log_path)
+        boot = time.perf_counter() - start
+        found: dict[str, Any] = {}
+
+        def published() -> bool:
+            from bootseer.blockstore.control import LayerServerClient
+
+            status = LayerServerClient(control_socket(stack)).call({"op": "hotlist.status"})
+            done = [s for s in status.get("finished", []) if s.get("kind") == "recording"]
+            if done:
+                found.update(done[-1])
+            return bool(done)
+
+        harness.wait_until("the recording to seal and publish", published, 150)
+    if found.get("outcome") != "published":
+        raise BenchError(f"the recording boot did not publish a hot list: {found}")
+    hot = read_hot_list(hot_store, image)
+    if hot is None:
+        raise BenchError(f"the layer server says it published, but {hot_store} holds no hot list for the image")
+    subprocess.run(["chmod", "-R", "a+rX", str(hot_store / "v1" / "hotlists")], check=True)
+    return {**hot, "outcome": found["outcome"], "boot_seconds": boot}
+
+
+def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot_url: str, hot_store: Path,
+                     scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None) -> None:
+    """A fresh node (new roots, empty cache) whose store holds the hot list: rpull prefetches, then the job."""
+    scenario = scenarios["hot-cold"]
+    log_path = work / "logs" / f"hot{rep}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with fresh_node(work / f"h{rep}", True, hot_url, timeout, publish_store=hot_store) as stack:
+            pull = bootseer_argv("rpull", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
+                                 "--plain-http", ref)
+            profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
+            run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pull, timeout, log_path, True, profile,
+                              watch_prefetch=True)
+    except (BenchError, harness.HarnessError) as e:
+        scenario.errors.append(f"run {rep}: {e}")
+        log(f"  hot-cold       run {rep}: FAILED: {e}")
+        return
+    scenario.runs.append(run)
+    pf = run.prefetch
+    log(f"  hot-cold       run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
+        f"link {run.link_bytes / MB:7.1f} MB; prefetch {_f(pf.get('start_s'))}..{_f(pf.get('end_s'))} s, "
+        f"{pf.get('fetched_bytes', 0) / MB:.1f} MB, hits {pf.get('hits', 0):.0f}, waited {pf.get('waited', 0):.0f}, "
+        f"misses {pf.get('misses', 0):.0f}")
 
 
 # --------------------------------------------------------------------------- the layer server alone
@@ -706,6 +899,65 @@ def _fetched_bytes(run: Run) -> float | None:
     return float(run.link_bytes)
 
 
+def hot_floor(seconds: dict[str, float | None], context: dict[str, Any]) -> float | None:
+    """Issue 7's floor of a prefetched start: the hot list's bytes over the measured link rate,
+    plus the all-local lazy start (lazy-local's median)."""
+    hot, rate = context.get("hot"), context.get("link_rate")
+    if not hot or not rate or not seconds.get("lazy-local"):
+        return None
+    return hot["bytes"] / MB / rate + seconds["lazy-local"]
+
+
+def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any]) -> list[str]:
+    """The report's hot-list section: the list, the floor, the distance, the prefetch per run."""
+    hot = context.get("hot")
+    scenario = scenarios["hot-cold"]
+    if not hot and not scenario.runs:
+        return []
+    lines = ["", "## Hot list: record on a first boot, prefetch on a fresh node (issue 7)", ""]
+    if hot:
+        lines.append(f"Recorded by one first boot on a fresh node (store through nginx, `--publish-store` the "
+                     f"directory behind it; {hot['boot_seconds']:.1f} s to the first output): {hot['blocks']} blocks, "
+                     f"{hot['bytes'] / MB:.1f} MB stored ({hot['raw_bytes'] / MB:.1f} MB raw), first touches over "
+                     f"{hot['span_s']:.1f} s, sealed by `{hot['sealed_by']}`, {hot['outcome']}.")
+    floor = hot_floor(seconds, context)
+    link_s = hot["bytes"] / MB / context["link_rate"] if hot and context.get("link_rate") else None
+    lines += ["", "| figure | s |", "|---|---|",
+              f"| (a) overlay-cold, median | {_f(seconds['overlay-cold'])} |",
+              f"| (b) lazy-cold (no hot list), median | {_f(seconds['lazy-cold'])} |",
+              f"| (c) hot-cold, median | {_f(seconds['hot-cold'])} |",
+              f"| hot bytes over the link rate ({_f(hot and hot['bytes'] / MB, '.1f')} MB at "
+              f"{_f(context.get('link_rate'), '.1f')} MB/s) | {_f(link_s)} |",
+              f"| all-local run (lazy-local, median) | {_f(seconds['lazy-local'])} |",
+              f"| floor of (c) | {_f(floor)} |",
+              f"| (c) − floor | {_f(seconds['hot-cold'] - floor if seconds['hot-cold'] and floor else None)} |",
+              f"| (c) / floor | {_f(seconds['hot-cold'] / floor if seconds['hot-cold'] and floor else None)}× |"]
+    if scenario.runs:
+        rows = [("pull (s, from the start)", "pull", ".2f"), ("prefetch seen (s after the pull started)", "start_s", ".2f"),
+                ("prefetch done (s after the pull started)", "end_s", ".2f"),
+                ("first output (s)", "seconds", ".2f"), ("planned (MB)", "planned_bytes", "mb"),
+                ("prefetched (MB)", "fetched_bytes", "mb"), ("prefetched blocks", "fetched_blocks", ".0f"),
+                ("reads: hits (prefetched before the read)", "hits", ".0f"),
+                ("reads: waited on an in-flight prefetch", "waited", ".0f"),
+                ("reads: misses (fetched on demand)", "misses", ".0f"),
+                ("reads: in the node cache before", "cached_reads", ".0f"),
+                ("hit rate", "hit_rate", ".3f"), ("lead, median (s)", "lead_median_s", ".2f"),
+                ("prefetched, never read (MB)", "unread_bytes", "mb"), ("link bytes (MB)", "link", "mb"),
+                ("fetched from the store (MB)", "store", "mb")]
+        lines += ["", "Prefetch per hot-cold run (the layer server's `hotlist.status`, polled every 0.2 s; its "
+                  "summary when the container was gone):", "",
+                  "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(scenario.runs))) + " |",
+                  "|---|" + "---|" * len(scenario.runs)]
+        for label, key, spec in rows:
+            cells = []
+            for r in scenario.runs:
+                value = {"pull": r.pull_seconds, "seconds": r.seconds, "link": r.link_bytes,
+                         "store": r.server.get("store.bytes_fetched")}.get(key, r.prefetch.get(key))
+                cells.append("—" if value is None else format(value / MB, ".1f") if spec == "mb" else format(value, spec))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[str, Scenario],
            context: dict[str, Any]) -> str:
     seconds = {name: s.median(lambda r: r.seconds) for name, s in scenarios.items()}
@@ -766,7 +1018,8 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
               f"distinct blocks it touched (node cache growth) | {_f(read and read / MB, '.1f')} |",
               f"| whole image, gzip (what overlayfs pulls) | {image.compressed_bytes / MB:.1f} |",
               f"| whole image, unpacked | {image.unpacked_bytes / MB:.1f} |"]
-    for scenario in (scenarios[name] for name in ("lazy-cold", "lazy-local", "fuse-cold", "fuse-local")):
+    lines += hot_section(scenarios, seconds, context)
+    for scenario in (scenarios[name] for name in ("lazy-cold", "lazy-local", "fuse-cold", "fuse-local", "hot-cold")):
         keys = sorted({k for r in scenario.runs for k in r.server})
         if keys:
             lines += ["", f"Layer server figures per {scenario.name} run (counters: what the run added):", "",
@@ -790,6 +1043,12 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
               check("lazy cold start / overlayfs cold start", cold_ratio, TARGET_COLD_RATIO),
               check(f"bytes fetched / bytes read ({lazy.name})", fetch_ratio, TARGET_FETCH_OVER_READ),
               check("lazy local start / overlayfs local start", local_ratio, TARGET_LOCAL_RATIO)]
+    floor = hot_floor(seconds, context)
+    lines.append(check("(issue 7) hot-list start / its floor", seconds["hot-cold"] / floor
+                       if seconds["hot-cold"] and floor else None, TARGET_HOT_OVER_FLOOR))
+    lines.append(check("(issue 7) hot-list start / overlayfs cold start", seconds["hot-cold"] / seconds["overlay-cold"]
+                       if seconds["hot-cold"] and seconds["overlay-cold"] else None, 1 / TARGET_HOT_SPEEDUP)
+                 .replace(f"≤ {1 / TARGET_HOT_SPEEDUP:g}×", f"≤ {1 / TARGET_HOT_SPEEDUP:g}× (≥ {TARGET_HOT_SPEEDUP:g}× faster)"))
     if seconds["fuse-local"] and seconds["plain-local"]:
         lines.append(check("(layer server alone) fuse-local / plain-local", seconds["fuse-local"] / seconds["plain-local"],
                            TARGET_LOCAL_RATIO))
@@ -858,30 +1117,50 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
         ref = registry.push(image)
         context["link_rate"] = measure_link(link, registry, image)
         log(f"pushed {ref}; one GET across the link: {context['link_rate']:.1f} MB/s")
-        store_url = None
-        if "lazy" in kinds or "fuse" in kinds:
+        store_url = hot_url = None
+        hot_store = args.cache_dir / "store-hot"
+        if "lazy" in kinds or "fuse" in kinds or "hot" in kinds:
             try:
                 context["convert_seconds"] = convert_store(image, args.cache_dir / "store", work / "convert.log")
                 nginx = servers.enter_context(Nginx(args.cache_dir / "store", work / "nginx", STORE_PORT,
                                                     host=link.server_ip, launcher=link.launcher()))
                 store_url = nginx.url
                 hotlists = args.cache_dir / "store" / "v1" / "hotlists"
-                listed = sorted(str(path.relative_to(hotlists)) for path in hotlists.rglob("*") if path.is_file()) \
-                    if hotlists.is_dir() else []
+                if hotlists.is_dir():  # (b) is lazy *without* a hot list: one left by other work goes
+                    shutil.rmtree(hotlists)
+                    context["notes"].append(f"Removed the hot lists found in {hotlists} before the runs.")
                 context["notes"].append(
-                    f"The store holds hot lists ({', '.join(listed)}): lazy starts may be prefetched." if listed else
-                    "The store holds no hot list and is read-only over HTTP (nothing is published to it), so no "
-                    "lazy start is prefetched; the layer server records each first boot as it does by default.")
+                    "The store of lazy-cold and fuse-cold holds no hot list and is read-only over HTTP (nothing is "
+                    "published to it), so those starts are not prefetched; the layer server records each first "
+                    "boot as it does by default and fails to publish it.")
+                if "hot" in kinds:
+                    hot_store_copy(args.cache_dir / "store", hot_store)
+                    hot_nginx = servers.enter_context(Nginx(hot_store, work / "nginx-hot", HOT_STORE_PORT,
+                                                            host=link.server_ip, launcher=link.launcher()))
+                    hot_url = hot_nginx.url
             except (BenchError, RuntimeError) as e:
-                for kind in ("lazy", "fuse"):
+                for kind in ("lazy", "fuse", "hot"):
                     if kind in kinds:
                         kinds.remove(kind)
                         for name in KINDS[kind]:
                             scenarios[name].errors.append(f"store not ready: {e}")
                 log(f"lazy path not measured: {e}")
+        if "hot" in kinds:
+            log(f"recording boot: fresh node, store {hot_url}, --publish-store {hot_store}")
+            try:
+                context["hot"] = record_hot_list(work, ref, hot_url, hot_store, image, args.timeout)
+                log(f"  hot list: {context['hot']['blocks']} blocks, {context['hot']['bytes'] / MB:.1f} MB "
+                    f"(sealed by {context['hot']['sealed_by']}; the boot took {context['hot']['boot_seconds']:.1f} s)")
+            except (BenchError, harness.HarnessError) as e:
+                kinds.remove("hot")
+                scenarios["hot-cold"].errors.append(f"no hot list recorded: {e}")
+                log(f"  recording boot FAILED: {e}")
         for rep in range(1, args.reps + 1):
             for kind in kinds:
-                if kind == "fuse":
+                if kind == "hot":
+                    measure_hot_node(rep, work, link, ref, hot_url, hot_store, scenarios, args.timeout,
+                                     context.get("profile_dir"))
+                elif kind == "fuse":
                     measure_fuse_node(rep, work, link, image, store_url, scenarios, args.timeout,
                                       context.get("profile_dir"), args.cache_dir)
                 else:
@@ -899,9 +1178,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate", default="1gbit", help="the link's rate each way, in tc's syntax (1gbit)")
     parser.add_argument("--cache-dir", type=Path, default=image_build.DEFAULT_CACHE_DIR,
                         help=f"image, registry storage and store, kept across runs ({image_build.DEFAULT_CACHE_DIR})")
-    parser.add_argument("--modes", default="overlay,lazy,fuse",
+    parser.add_argument("--modes", default="overlay,lazy,fuse,hot",
                         help="comma-separated: overlay, lazy, fuse (the layer server alone, no containerd, with "
-                             "plain overlayfs chroot runs beside it) (overlay,lazy,fuse)")
+                             "plain overlayfs chroot runs beside it), hot (a recording boot, then fresh nodes that "
+                             "prefetch its hot list) (overlay,lazy,fuse,hot)")
     parser.add_argument("--jobs", type=int, default=2, help="gzip threads when building the image (2)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one pull or run may take (600)")
     parser.add_argument("--profile", action="store_true",

@@ -25,12 +25,17 @@ One command (as root): ``.venv/bin/python bench/lazy_bench.py``.  It
    and, for the lazy runs, the layer server's own figures from its ``status`` (bytes
    fetched from the store, blocks, the node cache's growth: the raw bytes of the blocks
    the start-up touched);
+   ``--modes hot`` (issue 7): one recording boot on a fresh node publishes the image's
+   hot list (``--publish-store``, the directory behind a second nginx serving a copy of
+   the store; the job seals it with the marker), then ``hot cold`` runs the bootseer cold
+   start on fresh nodes that prefetch it at rpull, with the prefetch's timing and figures;
    ``--modes fuse`` adds the layer server alone under a chroot (no containerd), with
    its Prometheus figures (FUSE requests, read latency, range requests), beside the
    same chroot on plain overlayfs; ``--profile`` samples the layer server with py-spy;
 4. writes a Markdown table with medians, ratios to overlayfs in the same run and the
    targets (lazy cold <= 0.45x overlayfs cold; bytes fetched <= 2x bytes read; lazy local
-   <= 1.15x overlayfs local) to ``--output`` (bench/results/lazy.md).
+   <= 1.15x overlayfs local; hot cold <= 1.25x its floor and <= 0.25x overlayfs cold) to
+   ``--output`` (bench/results/lazy.md).
 
 Everything it starts (namespace, veth pair, registry, nginx, containerd, daemons, the
 layer server, mounts) is torn down at the end, on failure and on Ctrl-C / SIGTERM.

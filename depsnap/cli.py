@@ -53,9 +53,15 @@ def _error(text: str) -> int:
     return EXIT_ERROR
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    from bootseer.ckptmount.cli import parse_size
+def parse_size(text: str) -> int:
+    """``16G``-style sizes, as the other commands take them (imported only when an option has one)."""
+    # Importing ckptmount.cli at registration cost a third of a hit's `deps run` (trio, FUSE, fetch).
+    from bootseer.ckptmount.cli import parse_size as parse
 
+    return parse(text)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
     from .prefix import DEFAULT_ROOT
 
     parser = subparsers.add_parser("deps", help="dependency snapshots: install once, restore on every later start",

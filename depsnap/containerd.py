@@ -19,7 +19,8 @@ that talk to the snapshotter directly).  KEY comes from ``bootseer deps key --ba
   layer (but ``/.bootseer``, ``/tmp``, ``/var/tmp``, ``/run``, ``/proc``, ``/sys``,
   ``/dev`` and ``/root/.cache``) is captured as a layer on the image's top ChainID
   and published (:func:`bootseer.depsnap.capture.publish_capture`: verified, record
-  last, first writer wins) to ``$BOOTSEER_PUBLISH_STORE`` or the snapshotter's store.
+  last, first writer wins) to the daemon's publish store (``[hotlist] publish_store`` /
+  ``--publish-store``) or else its store.
   The job must not write under the captured paths until ``/.bootseer/deps-captured``
   exists (it holds ``published``, ``exists`` or ``failed: why``): a tree that changes
   during the capture is never published.  The job reads it with ``ls /.bootseer``
@@ -137,7 +138,14 @@ def _neither(upper: str, reason: str) -> None:
 
 
 def publish_store(backend: Any) -> str:
-    return os.environ.get("BOOTSEER_PUBLISH_STORE") or backend.store_url
+    """Where a capture is written: the daemon's publish store, else its store of layers.
+
+    One publish store for everything the node writes: the daemon's ``[hotlist] publish_store`` /
+    ``--publish-store`` (the setting the layer server it starts publishes hot lists with) serves
+    captures too, so an ``http`` front as ``[store] url`` needs one writable store, not two.
+    """
+    server = getattr(backend, "server", None)  # a LayerServerBackend's control.ServerSettings
+    return getattr(server, "publish_store", None) or backend.store_url
 
 
 # -- hooks -------------------------------------------------------------------------------------

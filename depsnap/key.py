@@ -86,18 +86,30 @@ _ENV_REFERENCE = re.compile(r"\$\{([A-Z0-9_]+)\}")
 _URL = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 _PROBE = r"""
-import json, platform, sys, sysconfig
+import json, os, platform, sys, sysconfig
+# Cheap first, the same values: pip's own __version__ (importlib.metadata scans every
+# distribution on the path) and glibc's confstr (platform.libc_ver() reads the binary).
 try:
-    import importlib.metadata as m
-    pip = m.version("pip")
+    import pip as p
+    pip = p.__version__
 except Exception:
-    pip = ""
+    try:
+        import importlib.metadata as m
+        pip = m.version("pip")
+    except Exception:
+        pip = ""
+try:
+    libc = os.confstr("CS_GNU_LIBC_VERSION").replace(" ", "-", 1)
+except (AttributeError, ValueError, OSError):
+    libc = None
+if not libc:
+    libc = "-".join(platform.libc_ver())
 print(json.dumps({
     "executable": sys.executable, "version": platform.python_version(),
     "implementation": sys.implementation.name, "cache_tag": sys.implementation.cache_tag or "",
     "abi": sysconfig.get_config_var("SOABI") or "", "abiflags": getattr(sys, "abiflags", ""),
     "platform": sysconfig.get_platform(), "machine": platform.machine(),
-    "libc": "-".join(platform.libc_ver()), "prefix": sys.prefix, "pip": pip,
+    "libc": libc, "prefix": sys.prefix, "pip": pip,
 }))
 """
 

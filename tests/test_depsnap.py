@@ -451,3 +451,48 @@ def test_record_checks_and_housekeeping(work: Path) -> None:
     deps(work, "prune", "--store", str(work / "store"), "--older-than", "0s")
     assert records(work / "store") == []
     assert deps(work, "prune", "--store", str(work / "store"), check=False).returncode == 2
+
+
+def test_interpreter_probe_is_cheap_and_says_what_the_slow_calls_say(tmp_path: Path) -> None:
+    """The probe reads pip's ``__version__`` and glibc's confstr; the values (key inputs) are those of
+    ``importlib.metadata`` and ``platform.libc_ver()``, so keys published before stay the same."""
+    import importlib.metadata
+    import platform
+
+    from bootseer.depsnap.key import probe_interpreter
+
+    facts = probe_interpreter(sys.executable)
+    assert facts["pip"] == importlib.metadata.version("pip")
+    assert facts["libc"] == "-".join(platform.libc_ver())
+    key = compute_key([sys.executable, "-m", "pip", "install", "x"], prefix=tmp_path / "env", env={"PATH": "/usr/bin"})
+    assert key.inputs["python.libc"] == facts["libc"] and key.inputs["pip.version"] == facts["pip"]
+
+
+def test_deps_command_line_loads_no_checkpoint_or_fuse_code() -> None:
+    """`bootseer deps` sits in a job's start-up path: registering it imports neither ckptmount nor trio
+    (a third of a hit's time before), and a size option still parses."""
+    code = ("import argparse, sys; from bootseer.depsnap import cli; p = argparse.ArgumentParser(); "
+            "cli.register(p.add_subparsers()); bad = [m for m in ('bootseer.ckptmount.cli', 'pyfuse3') if m in sys.modules]; "
+            "a = p.parse_args(['deps', 'run', '--prefix', '/x', '--cache-size', '2G', '--', 'true']); print(bad, a.cache_size)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["[]", str(2 << 30)]
+
+
+def test_container_captures_go_to_the_daemons_publish_store(tmp_path: Path) -> None:
+    """One publish store for what a node writes: the daemon's [hotlist] publish_store / --publish-store
+    (the layer server's setting) takes captures too; without it, the daemon's store."""
+    from bootseer.blockstore.control import ServerSettings
+    from bootseer.depsnap.containerd import publish_store
+    from snapshotter.layer_server import LayerServerBackend
+
+    front = "http://127.0.0.1:1/"
+    writable = str(tmp_path / "store")
+    with_publish = LayerServerBackend(tmp_path, front, ServerSettings(store=front, publish_store=writable))
+    assert publish_store(with_publish) == writable
+    without = LayerServerBackend(tmp_path, writable, ServerSettings(store=writable))
+    assert publish_store(without) == writable
+    os.environ["BOOTSEER_PUBLISH_STORE"] = "/elsewhere"  # the daemon's setting, not a variable of its environment
+    try:
+        assert publish_store(with_publish) == writable
+    finally:
+        del os.environ["BOOTSEER_PUBLISH_STORE"]

@@ -11,6 +11,12 @@ temporary directory (pytest then cannot delete it and renames it ``garbage-*``).
 * At the end of the session, a layer-server process or a FUSE mount left anywhere
   under this session's temporary directory fails the run, naming what was left (and
   is cleaned up, so the next run starts clean).
+
+The fixtures of tests/support are offered to every test here, so no test module
+imports another one for its fixtures: ``nginx_factory``, ``range_http_factory``
+(:mod:`tests.support.http`), ``moto_s3``, ``s3_bucket`` (:mod:`tests.support.s3`),
+``webhdfs_factory`` (:mod:`tests.support.webhdfs`), ``snapshotter_factory``, ``snapd``
+(:mod:`tests.support.daemon`).
 """
 
 from __future__ import annotations
@@ -20,8 +26,12 @@ from typing import Callable, Iterator
 
 import pytest
 
+from tests.support.daemon import snapd, snapshotter_factory  # noqa: F401  (fixtures)
+from tests.support.http import nginx_factory, range_http_factory  # noqa: F401  (fixtures)
 from tests.support.layer_servers import fuse_mounts, layer_server_processes, stop_layer_servers
 from tests.support.mounts import force_unmount
+from tests.support.s3 import moto_s3, s3_bucket  # noqa: F401  (fixtures)
+from tests.support.webhdfs import webhdfs_factory  # noqa: F401  (a fixture)
 
 
 @pytest.fixture

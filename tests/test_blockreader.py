@@ -3,7 +3,7 @@
 Stores are built here with ``blockstore/format.py`` (a tiny packer: zstd blocks in
 packs, deduplicated, zero blocks stored nowhere) and served from a directory
 (``LocalSource``, wrapped in ``FaultySource`` to count and fail reads) or over HTTP
-(``tests/http_fixtures.py``'s range server, which counts requests).  Trio runs on
+(``tests/support/http.py``'s range server, which counts requests).  Trio runs on
 the autojump clock, so retry timeouts pass at once where a source hangs or fails.
 """
 
@@ -29,22 +29,11 @@ from bootseer.fetch.engine import EngineConfig, FetchError, Priority, open_engin
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.local import LocalSource
-from tests.http_fixtures import range_http_factory  # noqa: F401  (a fixture)
+from tests.support.autojump import FAULT_AUTOJUMP, TIMEOUT, run
 
 KiB = 1024
 BLOCK = 4 * KiB  # the format's smallest block size: many blocks from little data
-TIMEOUT = 600  # virtual seconds any one test may take
-FAULT_AUTOJUMP = 0.3  # real seconds of idleness before the clock jumps, in tests that wait out backoffs
 
-
-def run(async_fn, *args, autojump: float = 1.0):
-    """Run ``async_fn`` on the autojump clock (see tests/test_fetch_extents.py's ``run``)."""
-
-    async def bounded():
-        with trio.fail_after(TIMEOUT):
-            return await async_fn(*args)
-
-    return trio.run(bounded, clock=trio.testing.MockClock(autojump_threshold=autojump))
 
 
 def config(**fields) -> EngineConfig:

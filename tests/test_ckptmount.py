@@ -1,7 +1,7 @@
 """``bootseer ckpt mount`` end to end: the real command, a real FUSE mount, real backends.
 
 Every backend that can run here serves the same tree (local directory, nginx over
-HTTP, moto's S3, WebHDFS when tests/webhdfs_server.py is there) and the mount is
+HTTP, moto's S3, WebHDFS on tests/support/webhdfs.py's server) and the mount is
 checked against the files on disk: listing, stat, byte-exact random and sequential
 reads, many readers at once.  Faults and lifecycle (a source outage, SIGTERM,
 external umount, bad options) run against the local and HTTP backends.
@@ -30,9 +30,10 @@ from typing import Iterator
 
 import pytest
 
-from tests.http_fixtures import NginxServer, RangeHTTPServer, free_port
-from tests.s3_fixtures import REGION, MotoS3, S3Bucket, moto_s3  # noqa: F401  (moto_s3 is a fixture)
-from tests.test_fuse_plumbing import MountProcess, mount_entry, wait_unmounted
+from tests.support.http import NginxServer, RangeHTTPServer, SilentRangeHandler, free_port, range_gets
+from tests.support.mounts import MountProcess, mount_entry, wait_unmounted
+from tests.support.s3 import REGION, MotoS3, S3Bucket
+from tests.support.webhdfs import WebHdfsServer
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -105,14 +106,6 @@ def source_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _webhdfs_server_class():
-    try:
-        from tests import webhdfs_server
-    except ImportError:
-        return None
-    return webhdfs_server
-
-
 @pytest.fixture(scope="module", params=["local", "http", "s3", "webhdfs"])
 def backend(request: pytest.FixtureRequest, source_root: Path) -> Iterator[Backend]:
     kind = request.param
@@ -140,10 +133,7 @@ def backend(request: pytest.FixtureRequest, source_root: Path) -> Iterator[Backe
                     client.delete_object(Bucket=bucket.name, Key=item["Key"])
             client.delete_bucket(Bucket=bucket.name)
     else:
-        module = _webhdfs_server_class()
-        if module is None:
-            pytest.skip("tests/webhdfs_server.py is not there yet")
-        with module.WebHdfsServer(source_root) as server:
+        with WebHdfsServer(source_root) as server:
             yield Backend("webhdfs", server.url, source_root, ["--webhdfs-user", "test"])
 
 
@@ -745,7 +735,7 @@ def test_a_same_date_rewrite_over_http_gives_eio_or_new_bytes_never_a_mix(tmp_pa
     """A server that keeps Last-Modified and the length while the content and its strong ETag
     change (issue 10.1): a 1 MiB read of small stripes is EIO or one content, never a mix,
     and the page cache keeps no bytes of another content; the next open gets the new one."""
-    from tests.http_fixtures import content_etag
+    from tests.support.http import content_etag
 
     root = tmp_path / "source"
     root.mkdir()
@@ -791,8 +781,6 @@ def test_a_same_date_rewrite_over_http_gives_eio_or_new_bytes_never_a_mix(tmp_pa
 
 
 def test_sigterm_ends_the_mount_while_a_read_hangs_on_a_silent_source(source_root: Path, tmp_path: Path) -> None:
-    from tests.test_fetch_api import SilentRangeHandler, range_gets
-
     server = RangeHTTPServer(source_root, SilentRangeHandler)
     server.release = threading.Event()
     server.start()
@@ -831,8 +819,6 @@ def test_a_failing_read_fails_within_one_retry_timeout(source_root: Path, tmp_pa
     """The kernel follows a failed read-ahead read with a one-page read of the same range;
     that one fails at once (the engine remembers the failed stripe), so a read blocks one
     --retry-timeout, not two, and the source sees one request for the stripe, not two."""
-    from tests.test_fetch_api import SilentRangeHandler, range_gets
-
     server = RangeHTTPServer(source_root, SilentRangeHandler)
     server.release = threading.Event()
     server.start()

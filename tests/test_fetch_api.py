@@ -23,7 +23,7 @@ from bootseer.fetch.engine import FetchError
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.source import NotFound
 from bootseer.fetch.sources.local import LocalSource
-from tests.http_fixtures import RangeHTTPServer, RangeRequestHandler, nginx_factory, range_http_factory  # noqa: F401
+from tests.support.http import RangeHTTPServer, SilentRangeHandler, range_gets
 
 STRIPE = 64 * 1024
 SMALL = EngineConfig(stripe_size=STRIPE, streams=4, memory_limit=16 * STRIPE, readahead_max=8 * STRIPE)
@@ -259,16 +259,6 @@ def test_a_file_rewritten_at_the_same_size_is_never_read_mixed(tmp_path):
 # -- a source that accepts and never answers ---------------------------------------------
 
 
-class SilentRangeHandler(RangeRequestHandler):
-    """Answers HEAD and listings; takes a range GET and never answers it."""
-
-    def do_GET(self) -> None:
-        if self.headers.get("Range"):
-            self.server.requests.append((self.command, self.path, dict(self.headers)))
-            self.server.release.wait(120)  # until the test ends
-            return
-        super().do_GET()
-
 
 @pytest.fixture
 def silent_server(tmp_path: Path, data):
@@ -280,8 +270,6 @@ def silent_server(tmp_path: Path, data):
     server.stop()
 
 
-def range_gets(server) -> int:
-    return sum(1 for method, _, headers in list(server.requests) if method == "GET" and "Range" in headers)
 
 
 def test_a_silent_source_fails_a_read_after_the_retry_timeout_not_the_read_timeout(silent_server, data):

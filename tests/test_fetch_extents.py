@@ -2,7 +2,7 @@
 
 Real sources throughout: a local directory (wrapped in the fault-injecting
 ``FaultySource``, which records every range read) and, where requests are counted
-at the server, ``tests/http_fixtures.py``'s range server.  Trio runs on the
+at the server, ``tests/support/http.py``'s range server.  Trio runs on the
 autojump clock: retry timeouts of minutes take a moment, and a hung source is
 given up on as soon as everything else waits for it.
 """
@@ -23,30 +23,12 @@ from bootseer.fetch.engine import EngineConfig, Extent, FetchError, Priority, op
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.local import LocalSource
-from tests.http_fixtures import range_http_factory  # noqa: F401  (a fixture)
+from tests.support.autojump import FAULT_AUTOJUMP, TIMEOUT, run
 
 KiB = 1024
 STRIPE = 64 * KiB
 EXTENT = 4 * KiB
-TIMEOUT = 600  # virtual seconds any one test may take; a hang fails instead of blocking the run
-FAULT_AUTOJUMP = 0.3  # real seconds of idleness before the clock jumps, in tests that wait out backoffs
 
-
-def run(async_fn, *args, autojump: float = 1.0):
-    """Run ``async_fn`` on the autojump clock.
-
-    The clock jumps to the next deadline once every task has waited ``autojump``
-    real seconds.  Where only a hang should move it, the default is long enough
-    that a read in a worker thread of a busy machine is never taken for one; tests
-    of retries and timeouts, which sleep through many backoffs, take
-    :data:`FAULT_AUTOJUMP`.
-    """
-
-    async def bounded():
-        with trio.fail_after(TIMEOUT):
-            return await async_fn(*args)
-
-    return trio.run(bounded, clock=trio.testing.MockClock(autojump_threshold=autojump))
 
 
 def config(**fields) -> EngineConfig:

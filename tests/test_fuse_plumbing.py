@@ -28,9 +28,7 @@ if __name__ == "__main__":  # the mount program: make the repository's tests pac
 
 from tests.support.mounts import (  # noqa: E402
     STOP_TIMEOUT_S,
-    MountEntry,
     MountProcess,
-    force_unmount,
     mount_entry,
     wait_unmounted,
 )
@@ -50,10 +48,6 @@ FSNAME = "plumbing-test-source"
 XATTRS = {"user.comment": b"hello", "trusted.overlay.opaque": b"y", "user.empty": b""}
 OWN_INODE = (7 << 40) | 5
 SUBTYPE = "bootseer-test"
-
-
-# Mount processes: tests.support.mounts (the names stay importable from here for test_ckptmount.py).
-__all__ = ["MountEntry", "MountProcess", "force_unmount", "mount_entry", "wait_unmounted"]
 
 
 # -- the filesystem under test (runs in the child process) ---------------------

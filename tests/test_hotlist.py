@@ -42,8 +42,6 @@ from bootseer.hotlist.service import HotListConfig
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.sealed import same_sealed_object
-from tests.http_fixtures import nginx_factory  # noqa: F401  (a fixture)
-from tests.s3_fixtures import moto_s3, s3_bucket  # noqa: F401  (fixtures)
 
 BLOCK_SIZE = 64 << 10
 IMAGE = "sha256:" + "ab" * 32

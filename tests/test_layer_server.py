@@ -41,7 +41,7 @@ from bootseer.blockstore.control import (
 )
 from bootseer.blockstore.format import pack_object
 from bootseer.blockstore.reader import READAHEAD_INITIAL
-from tests.http_fixtures import RangeHTTPServer, free_port
+from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.trees import Meta, disk_tree, extract_with_tar
@@ -498,7 +498,7 @@ def test_a_second_server_on_one_root_is_refused(node: Node) -> None:
 _STORE_PROGRAM = """
 import sys, time
 sys.path.insert(0, {repo!r})
-from tests.http_fixtures import RangeHTTPServer
+from tests.support.http import RangeHTTPServer
 server = RangeHTTPServer({root!r}).start()
 print(server.port, flush=True)
 while True:

@@ -1,6 +1,6 @@
 """Remote snapshots: the snapshot logic of lazily served layers, on real mounts.
 
-The layers come from :class:`snapshot_helpers.DirectoryLayers`, a real
+The layers come from :class:`tests.support.snapshots.DirectoryLayers`, a real
 :class:`~bootseer.snapshotter.backend.LayerBackend` that serves each "converted" layer
 as a read-only bind mount (the FUSE layer server has its own tests; here what is
 tested is what the snapshotter does with a backend: Prepare with
@@ -34,12 +34,12 @@ from bootseer.snapshotter.layer_server import LayerServerBackend
 from bootseer.snapshotter.snapshots import REF_LABEL, Snapshotter
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.snapshotter.types import Kind, Mount, Usage
-from snapshot_helpers import DirectoryLayers, is_mountpoint, mounted, read_tree, snapshot_dirs
-from tests.http_fixtures import free_port
+from tests.support.daemon import scrape, started_record
+from tests.support.http import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File
+from tests.support.snapshots import DirectoryLayers, is_mountpoint, mounted, read_tree, snapshot_dirs
 from tests.support.layers import Layer as TarLayer
-from tests.test_daemon import scrape, snapshotter_factory, started_record  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
 
@@ -315,7 +315,7 @@ import sys
 sys.path.insert(0, sys.argv[4])
 from pathlib import Path
 from bootseer.snapshotter.snapshots import Snapshotter, REF_LABEL
-from snapshot_helpers import DirectoryLayers
+from tests.support.snapshots import DirectoryLayers
 layers = DirectoryLayers(Path(sys.argv[2]), Path(sys.argv[3]))
 layers.crash_on_mount = True
 Snapshotter(Path(sys.argv[1]), layers).prepare("extract-1", "", {REF_LABEL: sys.argv[5]})
@@ -325,7 +325,7 @@ Snapshotter(Path(sys.argv[1]), layers).prepare("extract-1", "", {REF_LABEL: sys.
 def test_killed_at_the_mount_step_then_restore_forgets_the_half_made_snapshot(root: Path, layers: DirectoryLayers):
     child = subprocess.run(
         [sys.executable, "-c", CRASH_AT_MOUNT, str(root), str(layers.store), str(layers.mnt),
-         str(Path(__file__).parent), CHAIN_A],
+         str(Path(__file__).parent.parent), CHAIN_A],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr

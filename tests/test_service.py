@@ -18,7 +18,7 @@ from google.protobuf import field_mask_pb2, timestamp_pb2
 
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc as api_grpc
-from tests.test_daemon import SnapshotterDaemon, snapd, snapshotter_factory  # noqa: F401  (fixtures)
+from tests.support.daemon import SnapshotterDaemon
 
 Code = grpc.StatusCode
 

@@ -19,7 +19,7 @@ import pytest
 from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from bootseer.snapshotter.snapshots import Snapshotter
 from bootseer.snapshotter.types import Info, Kind, Mount, Usage
-from snapshot_helpers import mounted, read_tree, snapshot_dirs, write_files
+from tests.support.snapshots import mounted, read_tree, snapshot_dirs, write_files
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
 
@@ -641,7 +641,7 @@ def test_chain_locks_do_not_outlive_their_prepares(tmp_path: Path) -> None:
     it was ever asked about (every layer of every image pulled in the daemon's life)."""
     from bootseer.blockstore.format import chain_id
     from bootseer.snapshotter.snapshots import REF_LABEL
-    from snapshot_helpers import DirectoryLayers
+    from tests.support.snapshots import DirectoryLayers
 
     converted = chain_id("", "sha256:" + "a" * 64)
     layers = DirectoryLayers(tmp_path / "store", tmp_path / "mnt")

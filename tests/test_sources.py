@@ -39,9 +39,8 @@ from bootseer.fetch.sources.http import HttpSource, index_links, parse_json_inde
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.fetch.sources.s3 import S3Source
 from bootseer.fetch.sources.webhdfs import WebHdfsSource, remote_error
-from tests.http_fixtures import Faults, content_etag, nginx_factory, range_http_factory  # noqa: F401
-from tests.s3_fixtures import moto_s3, s3_bucket  # noqa: F401
-from tests.webhdfs_server import WebHdfsServer, webhdfs_factory  # noqa: F401
+from tests.support.http import Faults, content_etag
+from tests.support.webhdfs import WebHdfsServer
 
 pytestmark = pytest.mark.timeout(120)
 

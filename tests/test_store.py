@@ -36,8 +36,7 @@ from bootseer.blockstore.store import (
 from bootseer.fetch.engine import EngineConfig, FetchError, open_engine
 from bootseer.fetch.sources import open_source
 from bootseer.images import open_image
-from tests.http_fixtures import nginx_factory  # noqa: F401  (a fixture)
-from tests.s3_fixtures import ACCESS_KEY, REGION, SECRET_KEY, moto_s3, s3_bucket  # noqa: F401  (fixtures)
+from tests.support.s3 import ACCESS_KEY, REGION, SECRET_KEY
 from tests.support import layers as L
 from tests.support.oci import SHARED_BLOCKS, build_oci_layout, chain_ids
 

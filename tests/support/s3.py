@@ -3,10 +3,8 @@
 moto answers the S3 REST API over real HTTP, so boto3 goes through its whole
 stack (signing, ranges, pagination).  It is slow: use it for correctness only.
 
-Fixtures: ``moto_s3`` (one server per test session) and ``s3_bucket`` (a fresh,
-uniquely named bucket on it)::
-
-    from tests.s3_fixtures import moto_s3, s3_bucket  # noqa: F401  (fixtures)
+Fixtures (offered to every test by tests/conftest.py): ``moto_s3`` (one server per
+test session) and ``s3_bucket`` (a fresh, uniquely named bucket on it)::
 
     def test_read(s3_bucket):
         s3_bucket.upload_tree(local_dir, prefix="ckpt")

@@ -4,7 +4,7 @@ Two threaded HTTP servers on 127.0.0.1, as in a real cluster: the *namenode*
 answers ``GETFILESTATUS`` and ``LISTSTATUS`` with WebHDFS JSON and ``OPEN`` with a
 ``307`` redirect to the *datanode*, which streams the bytes of ``offset`` and
 ``length``.  Errors are ``RemoteException`` JSON as Hadoop sends them.  Each
-server has :class:`~tests.http_fixtures.Faults` to inject: drop the connection
+server has :class:`~tests.support.http.Faults` to inject: drop the connection
 mid-body, answer a status (503...) instead, or (datanode) announce a huge
 ``Content-Length``.  The namenode's :attr:`_Server.status_patch` overrides fields
 of every FileStatus it sends (malformed answers); with ``tls=True`` the namenode
@@ -12,9 +12,8 @@ speaks TLS (``swebhdfs://``, a self-signed certificate: ``verify=False``) while
 the datanode stays plain HTTP.  Each server records the targets and headers of
 the requests it saw.
 
-Use it as a context manager or through the ``webhdfs_factory`` fixture::
-
-    from tests.webhdfs_server import webhdfs_factory  # noqa: F401  (a fixture)
+Use it as a context manager or through the ``webhdfs_factory`` fixture (offered to
+every test by tests/conftest.py)::
 
     def test_read(tmp_path, webhdfs_factory):
         server = webhdfs_factory(tmp_path)
@@ -41,7 +40,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pytest
 
-from tests.http_fixtures import Faults, started_servers
+from tests.support.http import Faults, started_servers
 
 PREFIX = "/webhdfs/v1"
 

@@ -12,9 +12,8 @@
   size and date with a new strong ETag each time.
 
 Both listen on 127.0.0.1 only.  Pytest fixtures ``nginx_factory`` and
-``range_http_factory`` start servers on demand and stop them at teardown::
-
-    from tests.http_fixtures import nginx_factory  # noqa: F401  (a fixture)
+``range_http_factory`` (defined here, offered to every test by tests/conftest.py)
+start servers on demand and stop them at teardown::
 
     def test_read(tmp_path, nginx_factory):
         server = nginx_factory(tmp_path, limit_rate="1m")
@@ -503,6 +502,22 @@ class RangeHTTPServer(ThreadingHTTPServer):
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+class SilentRangeHandler(RangeRequestHandler):
+    """Answers HEAD and listings; takes a range GET and never answers it."""
+
+    def do_GET(self) -> None:
+        if self.headers.get("Range"):
+            self.server.requests.append((self.command, self.path, dict(self.headers)))
+            self.server.release.wait(120)  # until the test ends
+            return
+        super().do_GET()
+
+
+def range_gets(server) -> int:
+    """Range GETs ``server`` (a RangeHTTPServer) has been sent."""
+    return sum(1 for method, _, headers in list(server.requests) if method == "GET" and "Range" in headers)
 
 
 # -- pytest fixtures -----------------------------------------------------------------

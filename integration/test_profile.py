@@ -173,7 +173,7 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
         check_chrome_trace(json.loads(chrome.read_text()))
         check_html(html, base)
         check_merge(stack.store_url, trace)
-        check_prefetch_of_a_later_start(stack, ref, spool, env)
+        check_prefetch_of_a_later_start(stack, ref, key, spool, env)
     finally:
         for process in background:
             process.stop()
@@ -182,8 +182,13 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
         assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
 
 
-def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, spool: Path, env: dict[str, str]) -> None:
-    """The first boot's hot list (sealed when its container went) is prefetched at the image's next pull."""
+def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, key: str, spool: Path, env: dict[str, str]) -> None:
+    """The first boot's hot list (sealed when its container went) is prefetched at the job's next start.
+
+    The first boot ran on a stacked deps layer, so its list is keyed by the deps layer's ChainID
+    (docs/depsnap.md, "Hot lists"), not the image's top: the image pulled again alone has no list,
+    and the prefetch starts when the job's next container (same deps label) is prepared.
+    """
     from bootseer.profile.events import read_spool
 
     sealed = [e for e in read_spool(spool)[0] if e.name == "hotlist.sealed"]
@@ -195,11 +200,17 @@ def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, spool: Path,
                              stack.namespace, "--plain-http", "--snapshotter", harness.SNAPSHOTTER_NAME, ref],
                             capture_output=True, text=True, timeout=300, env=env)
     assert pulled.returncode == 0, pulled.stderr
+    # Left running until the prefetch has ended: a container removed earlier would cut it short.
+    stack.containerd.ctr("run", "-d", "--fifo-dir", str(stack.fifo_dir), "--snapshotter", stack.snapshotter_name,
+                         "--snapshotter-label", f"{DEPS_LABEL}={key}", ref, "profiled-2", "sleep", "600", timeout=180)
 
     def prefetch_ended() -> list:
         return [e for e in read_spool(spool)[0] if e.name == "prefetch" and e.start >= again]
 
-    spans = harness.wait_until("the prefetch to end", prefetch_ended, 60)
+    try:
+        spans = harness.wait_until("the prefetch to end", prefetch_ended, 60)
+    finally:
+        stack.remove_container("profiled-2")
     found = [e for e in read_spool(spool)[0] if e.start >= again]
     starts = [e for e in found if e.name == "prefetch.start"]
     assert starts and starts[0].attrs["planned_blocks"] == sealed[0].attrs["blocks"]

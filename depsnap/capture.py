@@ -40,7 +40,6 @@ from bootseer.blockstore.convert import ConversionError, DedupTable, convert_lay
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, EntryType, LayerIndex, chain_id, index_object
 from bootseer.blockstore.store import StoreWriter
 from bootseer.blockstore.tarlayer import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
-from bootseer.hotlist.publish import publish_if_absent
 from bootseer.log import get_logger
 
 from .record import DepsRecord, deps_object
@@ -440,7 +439,7 @@ def publish_capture(
         captured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )  # fmt: skip
     name = deps_object(key)
-    published = publish_if_absent(writer, name, record.encode())  # last: this is what makes the snapshot visible
+    published = writer.put_if_absent(name, record.encode())  # last: this is what makes the snapshot visible
     back = writer.get(name)
     try:
         stored = DepsRecord.decode(back, expected_key=key) if back is not None else None

@@ -247,7 +247,6 @@ def _captured_at(record: Any) -> datetime.datetime:
 
 def prune_command(args: argparse.Namespace) -> int:
     from bootseer.blockstore.store import StoreError, open_store_writer
-    from bootseer.hotlist.publish import remove_object
 
     from .record import deps_object
 
@@ -270,7 +269,7 @@ def prune_command(args: argparse.Namespace) -> int:
         with open_store_writer(args.store) as writer:
             for key in doomed:
                 if not args.dry_run:
-                    remove_object(writer, deps_object(key))
+                    writer.remove(deps_object(key))
                 print(f"{'would remove' if args.dry_run else 'removed'} {key}")
     except (StoreError, ValueError) as exc:
         return _error(f"prune: {exc}")
@@ -280,7 +279,6 @@ def prune_command(args: argparse.Namespace) -> int:
 
 def rm_command(args: argparse.Namespace) -> int:
     from bootseer.blockstore.store import StoreError, open_store_writer
-    from bootseer.hotlist.publish import remove_object
 
     from .key import KeyError_, check_key
     from .record import deps_object
@@ -288,7 +286,7 @@ def rm_command(args: argparse.Namespace) -> int:
     try:
         key = check_key(args.key)
         with open_store_writer(args.store) as writer:
-            removed = remove_object(writer, deps_object(key))
+            removed = writer.remove(deps_object(key))
     except (KeyError_, StoreError, ValueError) as exc:
         return _error(f"rm: {exc}")
     if not removed:

@@ -4,7 +4,7 @@ A record names the layer (a ChainID whose chain record, index and packs are in t
 same store, written by :mod:`blockstore.convert`) holding what an install created,
 changed or deleted, under the key of everything that decided it
 (:mod:`depsnap.key`).  It is written last, after the layer is published and
-verified, and first writer wins (:func:`bootseer.hotlist.publish.publish_if_absent`):
+verified, and first writer wins (:meth:`bootseer.blockstore.store.StoreWriter.put_if_absent`):
 a capture that fails or is killed never leaves one, and two captures of one key
 leave one whole record.  Only ``bootseer deps rm|prune`` remove records; the layers
 they named stay for the store's garbage collector (FORMAT.md).

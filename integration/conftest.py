@@ -56,3 +56,24 @@ def pulled(stack: harness.Stack) -> tuple[harness.BuiltImage, str]:
     image, ref = stack.build_and_push()
     stack.pull(ref)
     return image, ref
+
+
+@pytest.fixture
+def stacks(runnable):
+    """A factory of started stacks with a local store (``stacks()``: one more node), all torn down after the test."""
+    made: list[harness.Stack] = []
+
+    def make() -> harness.Stack:
+        stack = harness.Stack(store=True)
+        made.append(stack)
+        stack.start()
+        return stack
+
+    try:
+        yield make
+    finally:
+        for stack in made:
+            stack.close()
+            print(stack.logs())
+        for stack in made:
+            assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"

@@ -20,18 +20,14 @@ import argparse
 import contextlib
 import hashlib
 import os
-import shutil
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Iterator
 
 from integration import harness
 
-REPO = Path(__file__).resolve().parent.parent
-BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer") if (REPO / ".venv" / "bin" / "bootseer").exists() \
-    else shutil.which("bootseer") or "bootseer"
+BOOTSEER = harness.BOOTSEER
 
 
 @contextlib.contextmanager
@@ -58,9 +54,7 @@ def bootseer(*args: str) -> str:
 
 def fetched(stack: harness.Stack) -> int:
     """Compressed bytes of the blocks the layer server fetched from the store so far."""
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
-
-    status = LayerServerClient(ServerPaths(stack.daemon.root).socket).status()
+    status = harness.layer_server(stack).status()
     return sum(store.get("blocks", {}).get("bytes_fetched", 0) for store in status["stores"].values())
 
 

@@ -238,6 +238,57 @@ def run(argv: Sequence[str], *, timeout: float = 120, check: bool = True) -> sub
     return done
 
 
+# -- the bootseer command line, for the lazy stack's tests ----------------------------
+
+#: The ``bootseer`` command of this checkout's venv (or the one on PATH).
+BOOTSEER = str(REPO_ROOT / ".venv" / "bin" / "bootseer") if (REPO_ROOT / ".venv" / "bin" / "bootseer").exists() \
+    else shutil.which("bootseer") or "bootseer"
+
+
+def bootseer_convert(stack: "Stack", ref: str) -> str:
+    """``bootseer convert`` of ``ref`` (in the stack's registry) into the stack's store; its output."""
+    return run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300).stdout.decode()
+
+
+def bootseer_rpull(stack: "Stack", ref: str) -> str:
+    """``bootseer rpull`` of ``ref`` into the stack's containerd through the bootseer snapshotter; its output."""
+    done = run([BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace", stack.namespace,
+                "--plain-http", "--snapshotter", SNAPSHOTTER_NAME, ref], timeout=300)  # fmt: skip
+    return done.stdout.decode()
+
+
+def layer_server(stack: "Stack"):
+    """A control client of the layer server the stack's daemon started."""
+    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+
+    return LayerServerClient(ServerPaths(stack.daemon.root).socket)
+
+
+def hotlist_status(stack: "Stack") -> dict:
+    """The layer server's recordings and prefetches (``hotlist.status``)."""
+    return layer_server(stack).call({"op": "hotlist.status"})
+
+
+def hotlist_show(stack: "Stack", ref_or_chain: str, *extra: str) -> list[dict]:
+    """``bootseer hotlist show --json`` against the stack's store."""
+    done = run([BOOTSEER, "hotlist", "show", "--json", "--plain-http", "--store", stack.store_url, ref_or_chain, *extra],
+               timeout=120)  # fmt: skip
+    return json.loads(done.stdout)
+
+
+def wait_for(what: str, check, timeout: float = 60):
+    """Poll ``check()`` until it returns something true, and return that (HarnessError after ``timeout``)."""
+    result = None
+
+    def probe() -> bool:
+        nonlocal result
+        result = check()
+        return bool(result)
+
+    wait_until(what, probe, timeout, interval=0.2)
+    return result
+
+
 def _output(stdout: bytes | None, stderr: bytes | None) -> str:
     parts = []
     for label, data in (("stdout", stdout), ("stderr", stderr)):

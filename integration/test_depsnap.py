@@ -22,7 +22,7 @@ from bootseer.depsnap.key import compute_key
 from bootseer.depsnap.record import DepsRecord
 from integration import harness
 from integration.harness import APP_FILE
-from integration.test_lazy import layer_server
+from integration.harness import layer_server
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -40,26 +40,6 @@ def run_with_deps(stack: harness.Stack, ref: str, name: str, key: str) -> list[s
                                    stack.snapshotter_name, "--snapshotter-label", f"{DEPS_LABEL}={key}",
                                    ref, name, "sh", "-c", JOB, timeout=180)  # fmt: skip
     return out.split()
-
-
-@pytest.fixture
-def stacks(runnable):
-    made: list[harness.Stack] = []
-
-    def make() -> harness.Stack:
-        stack = harness.Stack(store=True)
-        made.append(stack)
-        stack.start()
-        return stack
-
-    try:
-        yield make
-    finally:
-        for stack in made:
-            stack.close()
-            print(stack.logs())
-        for stack in made:
-            assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
 
 
 def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
@@ -103,8 +83,10 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
 def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
     """With the image served lazily too, the deps layer is the top of the image for hot lists: the first start
     on it records the reads of the installed files (keyed by the deps layer's ChainID), and it is published."""
-    from integration.test_hotlist import hotlist_status, show, wait_for
-    from integration.test_lazy import convert, rpull
+    from integration.harness import bootseer_convert as convert
+    from integration.harness import bootseer_rpull as rpull
+    from integration.harness import hotlist_show as show
+    from integration.harness import hotlist_status, wait_for
 
     stack = stacks()
     image, ref = stack.build_and_push()

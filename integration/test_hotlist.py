@@ -12,7 +12,6 @@ the same job then finds its blocks already fetched (hits, no misses).  A profile
 
 from __future__ import annotations
 
-import json
 import shutil
 from typing import Any
 
@@ -20,22 +19,15 @@ import pytest
 
 from integration import harness
 from integration.harness import lazy_layers, part_path
-from integration.test_lazy import BOOTSEER, _missing_parts, convert, layer_server, rpull
+from integration.harness import BOOTSEER, hotlist_status, layer_server, wait_for
+from integration.harness import bootseer_convert as convert
+from integration.harness import bootseer_rpull as rpull
+from integration.harness import hotlist_show as show
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 # The job's start-up reads two of the parts, then says it is done starting (the marker) and keeps running.
 JOB = f"cat /bin/busybox {part_path(1)} {part_path(3)} > /dev/null; touch /.bootseer-seal; sleep 2; echo done"
-
-
-def hotlist_status(stack: harness.Stack) -> dict[str, Any]:
-    return layer_server(stack).call({"op": "hotlist.status"})
-
-
-def show(stack: harness.Stack, ref_or_chain: str, *extra: str) -> list[dict[str, Any]]:
-    done = harness.run([BOOTSEER, "hotlist", "show", "--json", "--plain-http", "--store", stack.store_url,
-                        ref_or_chain, *extra], timeout=120)
-    return json.loads(done.stdout)
 
 
 def part_digests(parts: list[int]) -> set[str]:
@@ -45,41 +37,6 @@ def part_digests(parts: list[int]) -> set[str]:
     from integration.harness import part_data
 
     return {hashlib.sha256(part_data(i)).hexdigest() for i in parts}
-
-
-@pytest.fixture
-def stacks(runnable) -> Any:
-    missing = _missing_parts()
-    if missing:
-        pytest.fail(f"lazy layers are not all there: missing {', '.join(missing)}")
-    made: list[harness.Stack] = []
-
-    def make() -> harness.Stack:
-        stack = harness.Stack(store=True)
-        made.append(stack)
-        stack.start()
-        return stack
-
-    try:
-        yield make
-    finally:
-        for stack in made:
-            stack.close()
-            print(stack.logs())
-        for stack in made:
-            assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
-
-
-def wait_for(what: str, check: Any, timeout: float = 60) -> Any:
-    result = None
-
-    def probe() -> bool:
-        nonlocal result
-        result = check()
-        return bool(result)
-
-    harness.wait_until(what, probe, timeout, interval=0.2)
-    return result
 
 
 def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any) -> None:

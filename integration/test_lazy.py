@@ -16,47 +16,25 @@ from __future__ import annotations
 
 import hashlib
 import re
-import shutil
 import signal
-import subprocess
 import time
 import urllib.request
-from pathlib import Path
 from typing import Iterator
 
 import pytest
 
 from integration import harness
 from integration.harness import (
-    APP_FILE, APP_FILE_DATA, BLOB_FILE, OPAQUE_DIR, PART_SIZE, PARTS, PATCH_FILE, PATCH_FILE_DATA, lazy_layers, part_data,
-    part_path,
+    APP_FILE, APP_FILE_DATA, BLOB_FILE, OPAQUE_DIR, PART_SIZE, PARTS, PATCH_FILE, PATCH_FILE_DATA, lazy_layers, layer_server,
+    part_data, part_path,
 )
+from integration.harness import bootseer_convert as convert
+from integration.harness import bootseer_rpull as rpull
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parent.parent
-BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer") if (REPO / ".venv" / "bin" / "bootseer").exists() \
-    else shutil.which("bootseer") or "bootseer"
-
-def _missing_parts() -> list[str]:
-    """The parts of the lazy stack this test needs that this checkout does not have yet."""
-    missing = []
-    help_text = subprocess.run([BOOTSEER, "--help"], capture_output=True, text=True, timeout=60).stdout
-    for command in ("convert", "rpull", "layer-server"):
-        if command not in help_text:
-            missing.append(f"`bootseer {command}`")
-    daemon_help = subprocess.run([harness.snapshotter_binary(), "--help"], capture_output=True, text=True,
-                                 timeout=60).stdout
-    if "--store" not in daemon_help:
-        missing.append("bootseer-snapshotter --store (remote snapshots)")
-    return missing
-
-
 @pytest.fixture
 def lazy(runnable) -> Iterator[harness.Stack]:
-    missing = _missing_parts()
-    if missing:
-        pytest.fail(f"lazy layers are not all there: missing {', '.join(missing)}")
     s = harness.Stack(store=True)
     try:
         with s:
@@ -64,23 +42,6 @@ def lazy(runnable) -> Iterator[harness.Stack]:
     finally:
         print(s.logs())
         assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
-
-
-def convert(stack: harness.Stack, ref: str) -> str:
-    done = harness.run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300)
-    return done.stdout.decode()
-
-
-def rpull(stack: harness.Stack, ref: str) -> str:
-    done = harness.run([BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace",
-                        stack.namespace, "--plain-http", "--snapshotter", harness.SNAPSHOTTER_NAME, ref], timeout=300)
-    return done.stdout.decode()
-
-
-def layer_server(stack: harness.Stack):
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
-
-    return LayerServerClient(ServerPaths(stack.daemon.root).socket)
 
 
 def blocks(stack: harness.Stack) -> tuple[int, int]:

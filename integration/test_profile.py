@@ -37,9 +37,7 @@ from tests.support.chromium import render
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-REPO = Path(__file__).resolve().parent.parent
-BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer") if (REPO / ".venv" / "bin" / "bootseer").exists() \
-    else shutil.which("bootseer") or "bootseer"
+BOOTSEER = harness.BOOTSEER
 JOB = "demo-job-1"
 NODE = "it-node-0"
 CKPT_SIZE = 16 << 20

@@ -519,18 +519,19 @@ def test_daemon_starts_a_killed_layer_server_again(tmp_path: Path, snapshotter_f
     os.kill(first_pid, signal.SIGKILL)
     assert wait_gone(first_pid, 30)
 
-    # The daemon's watch notices and starts a server that restores the same layers.
+    # The daemon's watch notices and starts a server that restores the same layers.  The
+    # new server answers before the daemon's watch logs that it started it: wait for both.
     deadline = time.monotonic() + 60
     while True:
         try:
             status = client.status()
-            if status["pid"] != first_pid and status["layers"]:
+            restarted = any(r["msg"] == "layer server started again" for r in daemon.log_records())
+            if status["pid"] != first_pid and status["layers"] and restarted:
                 break
         except LayerServerError:
             pass
-        assert time.monotonic() < deadline, ServerPaths(root).log.read_text(errors="replace")
+        assert time.monotonic() < deadline, (daemon.log, ServerPaths(root).log.read_text(errors="replace"))
         time.sleep(0.2)
-    assert any(r["msg"] == "layer server started again" for r in daemon.log_records()), daemon.log
     container = daemon.stub.Prepare(api.PrepareSnapshotRequest(key="container", parent=base)).mounts
     with mounted(to_mounts(container), tmp_path / "rootfs") as rootfs:
         assert (rootfs / "a").read_text() == "base layer\n"

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from bootseer.units import parse_size
+
 import netcap
 from nginx import Nginx
 
@@ -423,17 +425,6 @@ def closing_note(args: argparse.Namespace, methods: dict[str, Method], context: 
 
 # ---------------------------------------------------------------------------
 # Command line
-
-
-def parse_size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        if text and text[-1] in units:
-            return int(float(text[:-1]) * units[text[-1]])
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 2G, 512M, 4096)") from None
 
 
 ALL_METHODS = ("http-stream", "mount", "mmap-walk", "api-read-bytes", "api-open-read",

@@ -16,7 +16,7 @@ import sys
 from bootseer.blockstore.convert import ConversionError, Progress, check_block_size, convert_image
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE
 from bootseer.blockstore.store import ReadOnlyStore, StoreError, open_store_writer
-from bootseer.ckptmount.cli import parse_size
+from bootseer.units import parse_size
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
 from bootseer.log import get_logger

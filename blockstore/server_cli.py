@@ -19,7 +19,7 @@ from pathlib import Path
 import trio
 
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
-from bootseer.ckptmount.cli import parse_size
+from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fuse import MountError

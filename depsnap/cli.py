@@ -25,6 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bootseer.units import parse_size
+
 EXIT_MISSING = 1
 EXIT_ERROR = 2
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
@@ -51,14 +53,6 @@ def _command(args: argparse.Namespace) -> list[str]:
 def _error(text: str) -> int:
     print(f"bootseer deps: {text}", file=sys.stderr)
     return EXIT_ERROR
-
-
-def parse_size(text: str) -> int:
-    """``16G``-style sizes, as the other commands take them (imported only when an option has one)."""
-    # Importing ckptmount.cli at registration cost a third of a hit's `deps run` (trio, FUSE, fetch).
-    from bootseer.ckptmount.cli import parse_size as parse
-
-    return parse(text)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -51,7 +51,7 @@ EXIT_ERROR = 2
 
 def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--publish-store`` and the ``--hotlist-*``/``--prefetch-*`` options to ``bootseer layer-server``."""
-    from bootseer.ckptmount.cli import parse_size
+    from bootseer.units import parse_size
 
     group = parser.add_argument_group("hot lists (record first boots, prefetch later ones)")
     group.add_argument("--publish-store", metavar="URL",

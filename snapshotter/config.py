@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from bootseer.ckptmount.cli import parse_size
+from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import redact_url, source_class
 from bootseer.hotlist.prefetch import PrefetchLimits

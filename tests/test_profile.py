@@ -23,8 +23,9 @@ from bootseer.profile import events, hooks
 from bootseer.profile.cluster import fetch_job, job_report, job_table, percentile, publish
 from bootseer.profile.events import Event, EventError, Spool, read_marks, read_spool
 from bootseer.profile.render import chrome_trace, compare_table, html_page, table
+from bootseer.profile.screenshot import png_size
 from bootseer.profile.trace import Trace, TraceError, collect, phases, start_window
-from tests.support.chromium import render
+from tests.support.chromium import render, require_chromium
 
 REPO = Path(__file__).resolve().parent.parent
 BOOTSEER = [sys.executable, "-m", "bootseer.cli"]
@@ -495,6 +496,34 @@ def test_report_compare_and_job_report_commands(tmp_path: Path) -> None:
     assert run_cli("profile", "report").returncode == 2
     empty = run_cli("profile", "collect", "--spool", str(tmp_path / "nothing"))
     assert empty.returncode == 2 and "no such spool" in empty.stderr
+
+
+def test_report_and_compare_write_a_png_of_the_timeline(tmp_path: Path) -> None:
+    """``--png``: headless Chromium's picture of the whole page (the window sized to it), with or without --html."""
+    require_chromium()
+    demo_trace().save(tmp_path / "a.json")
+    demo_trace(checkpoint_s=1.0).save(tmp_path / "b.json")
+    done = run_cli("profile", "report", str(tmp_path / "a.json"), "--png", str(tmp_path / "a.png"))
+    assert done.returncode == 0, done.stderr
+    done = run_cli("profile", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--names", "x,y",
+                   "--html", str(tmp_path / "c.html"), "--png", str(tmp_path / "c.png"))
+    assert done.returncode == 0, done.stderr
+    assert f"picture: {tmp_path / 'c.png'}" in done.stdout and (tmp_path / "c.html").exists()
+    one, two = (png_size((tmp_path / name).read_bytes()) for name in ("a.png", "c.png"))
+    # The SVG timelines are 1100 px wide; two starts (two tables, two timelines) make a taller page than one.
+    assert 1100 <= one[0] <= 1400 and 1100 <= two[0] <= 1400
+    assert 500 <= one[1] < two[1] <= 4000
+    assert (tmp_path / "c.png").stat().st_size > 20_000  # drawn, not blank
+    assert not list(tmp_path.glob(".*partial*"))
+
+
+def test_png_without_chromium_is_a_one_line_error(tmp_path: Path) -> None:
+    demo_trace().save(tmp_path / "a.json")
+    done = run_cli("profile", "report", str(tmp_path / "a.json"), "--png", str(tmp_path / "a.png"),
+                   env={"PATH": str(tmp_path)})  # no chromium on this PATH
+    assert done.returncode == 2 and not (tmp_path / "a.png").exists()
+    assert done.stderr.strip().count("\n") == 0 and "chromium is not installed" in done.stderr
+    assert done.stdout == ""  # refused before any work
 
 
 # --------------------------------------------------------------------------- containerd's envelopes

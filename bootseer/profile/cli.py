@@ -43,16 +43,40 @@ def _fail(message: str, status: int = 2) -> int:
     return status
 
 
+def _png_unavailable(args: argparse.Namespace) -> str | None:
+    """Why ``--png`` cannot be done (no Chromium), before any work; None when it can (or was not asked)."""
+    from bootseer.profile.screenshot import find_chromium
+
+    if getattr(args, "png", None) and find_chromium() is None:
+        return "--png needs headless Chromium: chromium is not installed (apt-get install chromium)"
+    return None
+
+
 def _write_outputs(args: argparse.Namespace, traces: list[Trace], titles: list[str] | None = None,
-                   extra: str = "") -> None:
+                   extra: str = "") -> int:
+    """Write the ``--html``, ``--png`` and ``--chrome`` outputs asked for; 0, or 2 if the PNG failed."""
     from bootseer.profile.render import chrome_trace, html_page
 
+    page = html_page(traces, titles, extra) if getattr(args, "html", None) or getattr(args, "png", None) else ""
     if getattr(args, "html", None):
-        Path(args.html).write_text(html_page(traces, titles, extra))
+        Path(args.html).write_text(page)
         print(f"timeline: {args.html}")
     if getattr(args, "chrome", None):
         Path(args.chrome).write_text(json.dumps(chrome_trace(traces)))
         print(f"chrome trace: {args.chrome} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if getattr(args, "png", None):
+        from bootseer.profile.screenshot import ScreenshotError, screenshot
+
+        with tempfile.TemporaryDirectory(prefix="bootseer-png-") as directory:
+            source = Path(args.html) if args.html else Path(directory) / "timeline.html"
+            if not args.html:
+                source.write_text(page)
+            try:
+                width, height = screenshot(source, Path(args.png))
+            except ScreenshotError as exc:
+                return _fail(str(exc))
+        print(f"picture: {args.png} ({width}x{height})")
+    return 0
 
 
 def collect_command(args: argparse.Namespace) -> int:
@@ -75,14 +99,15 @@ def collect_command(args: argparse.Namespace) -> int:
             return _fail(f"cannot publish to the store: {exc}")
         print(f"published: {name}")
     print(table(trace))
-    _write_outputs(args, [trace])
-    return 0
+    return _write_outputs(args, [trace])
 
 
 def report_command(args: argparse.Namespace) -> int:
     from bootseer.profile.cluster import fetch_job, job_report, job_table
     from bootseer.profile.render import table
 
+    if problem := _png_unavailable(args):
+        return _fail(problem)
     try:
         if args.job_id:
             if not args.store:
@@ -95,8 +120,7 @@ def report_command(args: argparse.Namespace) -> int:
                 print(json.dumps(merged.to_json(), indent=2))
             order = {s["node"]: i for i, s in enumerate(merged.stragglers)}
             traces.sort(key=lambda t: (order.get(t.node, len(order)), t.node))
-            _write_outputs(args, traces, extra=f"<pre>{_escape(text)}</pre>")
-            return 0
+            return _write_outputs(args, traces, extra=f"<pre>{_escape(text)}</pre>")
         if not args.trace:
             return _fail("report needs a TRACE file, or --job ID --store URL")
         traces = [Trace.load(args.trace)]
@@ -110,8 +134,7 @@ def report_command(args: argparse.Namespace) -> int:
 
         rows, total = table_rows(traces[0])
         print(json.dumps({"node": traces[0].node, "job": traces[0].job, "total_s": total, "phases": rows}, indent=2))
-    _write_outputs(args, traces)
-    return 0
+    return _write_outputs(args, traces)
 
 
 def _escape(text: str) -> str:
@@ -123,6 +146,8 @@ def _escape(text: str) -> str:
 def compare_command(args: argparse.Namespace) -> int:
     from bootseer.profile.render import compare_table
 
+    if problem := _png_unavailable(args):
+        return _fail(problem)
     try:
         a, b = Trace.load(args.before), Trace.load(args.after)
     except TraceError as exc:
@@ -132,8 +157,8 @@ def compare_command(args: argparse.Namespace) -> int:
         return _fail("--names takes two names: BEFORE,AFTER")
     text = compare_table(a, b, names)  # type: ignore[arg-type]
     print(text)
-    _write_outputs(args, [a, b], [f"{names[0]}: {a.node}", f"{names[1]}: {b.node}"], f"<pre>{_escape(text)}</pre>")
-    return 0
+    return _write_outputs(args, [a, b], [f"{names[0]}: {a.node}", f"{names[1]}: {b.node}"],
+                          f"<pre>{_escape(text)}</pre>")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -240,6 +265,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--job", dest="job_id", help="merge every node's trace of this job from --store")
     p.add_argument("--store", help="the store the nodes published to")
     p.add_argument("--html", help="write the timeline page here")
+    p.add_argument("--png", help="write a picture of the timeline page here (headless Chromium)")
     p.add_argument("--chrome", help="write a Chrome trace event file here (Perfetto, chrome://tracing)")
     p.add_argument("--json", action="store_true", help="also print the numbers as JSON")
     p.set_defaults(func=report_command)
@@ -249,6 +275,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("after")
     p.add_argument("--names", help="BEFORE,AFTER labels (default before,after)")
     p.add_argument("--html", help="write both timelines, on one time scale, here")
+    p.add_argument("--png", help="write a picture of that page here (headless Chromium)")
     p.add_argument("--chrome", help="write both as one Chrome trace here")
     p.set_defaults(func=compare_command)
 

@@ -7,9 +7,12 @@ made (captured as an overlayfs upper directory, the way an image builder does it
 2. ``python``: ``apt-get install python3 python3-pip`` (no recommends);
 3. ``torch``: ``pip install torch==TORCH_VERSION`` (the CPU wheel on this machine's disk)
    with pip's default bytecode compilation, as any image built with pip has it;
-4. ``app``: ``/app/train.py``, the container's command: it imports torch, runs one
-   training step of a tiny model, prints :data:`FIRST_OUTPUT_MARKER` and creates
+4. ``app``: ``/app/train.py``, the container's command: it imports torch (and marks
+   ``/.bootseer/import.end`` for the start-up profiler), runs one training step of a tiny
+   model, prints :data:`FIRST_OUTPUT_MARKER`, marks ``/.bootseer/first_step`` and creates
    ``/.bootseer-seal`` (:data:`SEAL_MARKER`), which ends a hot-list recording of the boot.
+   The marks are files whose mtime is the moment (docs/profile.md); unprofiled, they are
+   two empty files in the container's writable layer.
 
 Everything lives under one cache directory and is reused by later runs: a step is redone
 only when its recipe (or a step below it) changed.  A step builds into ``NAME.partial``
@@ -53,6 +56,11 @@ FIRST_OUTPUT_MARKER = "BOOTSEER-FIRST-OUTPUT"
 #: The file the job creates at its root after its first output: the hot-list seal marker
 #: (the layer server's default ``--hotlist-marker``).
 SEAL_MARKER = ".bootseer-seal"
+#: The start-up profiler's marks the job leaves (bootseer/profile/trace.py): where its marks go in a
+#: container, the mark that closes the import phase, and the one that ends the start.
+MARKS_DIR = "/.bootseer"
+IMPORT_DONE_MARK = "import.end"
+FIRST_STEP_MARK = "first_step"
 
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
@@ -68,8 +76,18 @@ CHROOT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 TRAIN_PY = f'''\
 """The benchmark's job: import torch, one training step of a tiny model, one line of output."""
+import os
+
 import torch
 
+
+def mark(name):
+    """The start-up profiler's shell form of a mark (docs/profile.md): the file's mtime is the moment."""
+    os.makedirs("{MARKS_DIR}", exist_ok=True)
+    open(f"{MARKS_DIR}/{{name}}", "w").close()
+
+
+mark("{IMPORT_DONE_MARK}")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -79,6 +97,7 @@ optimizer.zero_grad()
 loss.backward()
 optimizer.step()
 print(f"{FIRST_OUTPUT_MARKER} step=1 loss={{loss.item():.4f}} torch={{torch.__version__}}", flush=True)
+mark("{FIRST_STEP_MARK}")
 # The start-up is over: a recording of this boot's reads ends here (docs/hotlist.md, sealing).
 open("/{SEAL_MARKER}", "w").close()
 '''

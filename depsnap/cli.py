@@ -92,6 +92,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--cache-size", type=parse_size, metavar="SIZE", help="block cache size (16G)")
     run.add_argument("--python", metavar="PATH", help="the interpreter the install runs with (default: found from CMD)")
     run.add_argument("--input", action="append", default=[], metavar="FILE", help="another file CMD reads (repeatable)")
+    run.add_argument("--hotlist-profile", default="", metavar="NAME",
+                     help="on a hit, the hot list of the job's reads to prefetch or record (default: the default one)")
+    run.add_argument("--no-hotlist", action="store_true",
+                     help="on a hit, neither prefetch nor record a hot list (when this run starts the layer server)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     run.set_defaults(func=run_command)
 
@@ -149,15 +153,23 @@ def key_command(args: argparse.Namespace) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     from bootseer.blockstore.control import ServerSettings
+    from bootseer.hotlist.format import HotListError, check_profile
 
     from .key import KeyError_
     from .prefix import DepsError, run
 
     argv = _command(args)
-    settings = ServerSettings(store=args.store, cache_dir=args.cache_dir, cache_size=args.cache_size)
+    try:
+        check_profile(args.hotlist_profile)
+    except HotListError as exc:
+        return _error(f"--hotlist-profile: {exc}")
+    # Hot lists of the deps layer go where its captures go.
+    settings = ServerSettings(store=args.store, cache_dir=args.cache_dir, cache_size=args.cache_size,
+                              publish_store=args.publish_store, hotlist=not args.no_hotlist)  # fmt: skip
     try:
         outcome = run(argv, prefix=args.prefix, store=args.store, publish_store=args.publish_store, root=args.root,
-                      python=args.python, extra_files=args.input, settings=settings, publish=not args.no_publish)  # fmt: skip
+                      python=args.python, extra_files=args.input, settings=settings, publish=not args.no_publish,
+                      hotlist_profile=args.hotlist_profile)  # fmt: skip
     except (KeyError_, DepsError) as exc:
         return _error(str(exc))
     except OSError as exc:

@@ -10,6 +10,13 @@ snapshot, and nothing is copied up front.  It lives until ``bootseer deps releas
 serving the layer meanwhile (and after its own restart, from its saved table).
 Mounting needs root (overlayfs and a FUSE mount with ``allow_other``).
 
+**Hot lists** apply to a restored prefix as to an image: the restore tells the layer
+server, which prefetches the deps layer's hot list if the store has one, and else
+records the restore's first reads, by any process (a prefix has no container whose
+cgroup would name its reader), until ``DIR/.bootseer-seal`` appears, 10 s pass
+without a new block, the 120 s window ends or the prefix is released; the list is
+published where captures go (``--publish-store``, else the store).
+
 **A miss**: the command runs as given and must install into DIR (``pip install
 --target DIR``/``--prefix DIR``, ``DIR/bin/pip install`` of a venv at DIR, ``uv pip
 install --python DIR/bin/python``...; ``$BOOTSEER_DEPS_PREFIX`` holds DIR).  If it
@@ -47,6 +54,8 @@ from bootseer.blockstore.format import FormatError
 from bootseer.blockstore.store import StoreError, open_store, open_store_writer
 from bootseer.fetch.engine import EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
+from bootseer.hotlist import hooks as hotlist_hooks
+from bootseer.hotlist.format import PROFILE_LABEL
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
 
@@ -212,8 +221,13 @@ def is_mountpoint(path: Path) -> bool:
 
 
 def restore(node: NodeRoot, prefix: Path, record: DepsRecord, store: str, prior_content: str,
-            settings: control.ServerSettings) -> PrefixState:  # fmt: skip
-    """Mount ``record``'s layer at ``prefix`` (overlay: deps layer, prior contents, writable upper)."""
+            settings: control.ServerSettings, hotlist_profile: str = "") -> PrefixState:  # fmt: skip
+    """Mount ``record``'s layer at ``prefix`` (overlay: deps layer, prior contents, writable upper).
+
+    Then the layer server is told (:func:`bootseer.hotlist.hooks.prefix_restored`): the deps
+    layer's hot list for ``hotlist_profile`` is prefetched if the store has one, else this
+    restore's first reads, by any process, are recorded into one (docs/hotlist.md).
+    """
     if os.geteuid() != 0:
         raise DepsError("restoring a dependency snapshot mounts overlayfs and FUSE: run as root")
     if is_mountpoint(prefix):
@@ -245,6 +259,9 @@ def restore(node: NodeRoot, prefix: Path, record: DepsRecord, store: str, prior_
     except BaseException:
         subprocess.run(["umount", str(prefix)], capture_output=True)
         raise
+    labels = {PROFILE_LABEL: hotlist_profile} if hotlist_profile else {}
+    action = hotlist_hooks.prefix_restored(node.root, node.prefix_id(prefix), record.chain_id, str(upper), labels)
+    log.info("prefix restored", prefix=str(prefix), chain_id=record.chain_id, hotlist=action)
     return state
 
 
@@ -257,6 +274,8 @@ def release(node: NodeRoot, prefix: Path, *, lazy: bool = False) -> str:
         if state.state == "installed":
             node.drop_state(prefix)
             return f"{prefix}: installed here, not restored: its files stay; bootseer forgets it"
+        # Its hot-list recording seals now (and is published), its prefetch stops.
+        hotlist_hooks.prefix_released(node.root, node.prefix_id(prefix))
         if is_mountpoint(prefix):
             argv = ["umount", "-l", str(prefix)] if lazy else ["umount", str(prefix)]
             done = subprocess.run(argv, capture_output=True, text=True)
@@ -305,6 +324,7 @@ def run(
     env: Mapping[str, str] | None = None,
     settings: control.ServerSettings | None = None,
     publish: bool = True,
+    hotlist_profile: str = "",
 ) -> RunOutcome:
     """Restore the dependency snapshot of this install at ``prefix``, or run the install and capture it."""
     prefix_path = Path(prefix).absolute()
@@ -344,7 +364,8 @@ def run(
                 log.warning("deps record is for another prefix; ignoring it", key=key.key, prefix=record.prefix)
             else:
                 try:
-                    restore(node, prefix_path, record, store or "", prior, settings or control.ServerSettings(store=store))
+                    restore(node, prefix_path, record, store or "", prior, settings or control.ServerSettings(store=store),
+                            hotlist_profile)  # fmt: skip
                     return RunOutcome("hit", key.key, detail=f"restored {prefix_path} from {record.chain_id}")
                 except DepsError as exc:
                     # Never a failed job for want of a snapshot: install as without one.

@@ -1,4 +1,4 @@
-"""The snapshotter's side of hot lists: tell the layer server when a container's snapshot comes and goes.
+"""The clients' side of hot lists: tell the layer server when a container's snapshot (or a prefix) comes and goes.
 
 :class:`~bootseer.snapshotter.snapshots.Snapshotter` calls :func:`container_prepared`
 after it prepares an ordinary active snapshot (a container's writable layer: ctr and
@@ -10,6 +10,10 @@ answers at once and does its store look-ups in the background, so a Prepare wait
 at most a socket round trip.  These never fail the snapshot operation: a server that
 is down or too slow is logged at debug level (no hot list is then recorded or
 prefetched for that container, and reads are served as always).
+
+``bootseer deps run`` calls :func:`prefix_restored` after it restores a bare-metal
+prefix from a dependency snapshot, and ``bootseer deps release`` :func:`prefix_released`:
+the same two requests, naming the prefix instead of a container (``readers: any``).
 """
 
 from __future__ import annotations
@@ -25,21 +29,17 @@ log = get_logger(__name__)
 NOTIFY_TIMEOUT = 2.0
 
 
-def _client(snapshotter: Any) -> Any | None:
-    root = getattr(getattr(snapshotter, "backend", None), "root", None)
+def _root(snapshotter: Any) -> Any | None:
+    return getattr(getattr(snapshotter, "backend", None), "root", None)
+
+
+def _send(root: Any, request: dict[str, Any]) -> dict[str, Any] | None:
+    """Send ``request`` to the layer server of ``root`` (None: no lazy layers there); its answer or None."""
     if root is None:
         return None
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.control import InvalidRequest, LayerServerClient, LayerServerError, ServerPaths
 
-    return LayerServerClient(ServerPaths(Path(root)).socket, timeout=NOTIFY_TIMEOUT)
-
-
-def _send(snapshotter: Any, request: dict[str, Any]) -> dict[str, Any] | None:
-    client = _client(snapshotter)
-    if client is None:
-        return None
-    from bootseer.blockstore.control import InvalidRequest, LayerServerError
-
+    client = LayerServerClient(ServerPaths(Path(root)).socket, timeout=NOTIFY_TIMEOUT)
     try:
         return client.call(request)
     except InvalidRequest as exc:  # a bad profile label, say: the user wants to know
@@ -55,12 +55,32 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
     """An active snapshot ``key`` was prepared on ``parent`` (possibly a container's rootfs)."""
     if not parent:
         return
-    answer = _send(snapshotter, {"op": "hotlist.prepared", "key": key, "parent": parent,
-                                 "labels": dict(labels or {}), "upper": upper})  # fmt: skip
+    answer = _send(_root(snapshotter), {"op": "hotlist.prepared", "key": key, "parent": parent,
+                                        "labels": dict(labels or {}), "upper": upper})  # fmt: skip
     if answer is not None and answer.get("action") not in (None, "none", "disabled"):
         log.info("hot list for container", key=key, parent=parent, action=answer.get("action"))
 
 
 def container_removed(snapshotter: Any, key: str) -> None:
     """The active snapshot ``key`` was removed."""
-    _send(snapshotter, {"op": "hotlist.removed", "key": key})
+    _send(_root(snapshotter), {"op": "hotlist.removed", "key": key})
+
+
+def prefix_name(prefix_id: str) -> str:
+    """The name a restored prefix's recording goes by (``bootseer hotlist status``, ``seal``)."""
+    return f"deps-prefix-{prefix_id}"
+
+
+def prefix_restored(root: Any, prefix_id: str, chain_id: str, upper: str, labels: dict[str, str] | None = None) -> str:
+    """A bare-metal prefix was restored from the deps layer ``chain_id``: record or prefetch its first reads.
+
+    What the layer server chose (``record``, ``prefetch``, ``none``...) or ``unknown`` if it did not answer.
+    """
+    answer = _send(root, {"op": "hotlist.prepared", "key": prefix_name(prefix_id), "parent": chain_id,
+                          "labels": dict(labels or {}), "upper": upper, "readers": "any"})  # fmt: skip
+    return str(answer.get("action")) if answer is not None else "unknown"
+
+
+def prefix_released(root: Any, prefix_id: str) -> None:
+    """The restored prefix is released: its recording seals (and publishes), its prefetch ends."""
+    _send(root, {"op": "hotlist.removed", "key": prefix_name(prefix_id)})

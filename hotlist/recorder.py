@@ -1,7 +1,9 @@
 """Recording one container's first boot: the first touch of every block, in order, until it seals.
 
 A :class:`Recording` belongs to one container (its writable snapshot's key) of one
-image (top ChainID) and profile.  The layer server's read hook calls :meth:`touch`
+image (top ChainID) and profile, or to one bare-metal prefix restored from a
+dependency snapshot (``any_reader``: no container to attribute reads to, so every
+reader of its layer is the job's).  The layer server's read hook calls :meth:`touch`
 for every FUSE read the container makes of the image's layers; each block seen for
 the first time is appended with its time since the container's writable snapshot
 was prepared.  :func:`run_recording` waits for the first of:
@@ -66,6 +68,8 @@ class Recording:
         started: float,
         upper: str | None = None,
         marker: str = RecordingLimits.marker,
+        any_reader: bool = False,
+        publish_to: str | None = None,
     ) -> None:
         self.container = container
         self.image = image
@@ -76,6 +80,9 @@ class Recording:
         self.started_wall = time.time()
         self.upper = upper  #: the snapshot's upper directory (where the marker appears)
         self.marker = marker
+        #: every reader of the image's layers is this recording's (a bare-metal prefix: no container's cgroup)
+        self.any_reader = any_reader
+        self.publish_to = publish_to  #: the store the list goes to (fixed at the start: the layer may go first)
         self.blocks: list[HotBlock] = []
         self._seen: set[tuple[str, str]] = set()
         self.last_new: float | None = None

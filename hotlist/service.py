@@ -14,8 +14,13 @@ and is that server's only hot-list code.  It is told three things:
   ``bootseer.io/profile`` label): a valid list turns the recording into a prefetch,
   none lets it run, an invalid one is logged and ignored (nothing is recorded: the
   name is taken until ``bootseer hotlist clear``).
-* control op ``hotlist.removed`` (the container's snapshot is gone): its recording
-  seals; a prefetch whose containers are all gone stops, with a summary line.
+  With ``"readers": "any"`` (``bootseer deps run`` restoring a bare-metal prefix, which
+  has no container), the "container" is the prefix's name and every reader of the
+  layer counts as its (only while no container's recording claims the read), and
+  the marker is looked for in the prefix's upper directory.
+* control op ``hotlist.removed`` (the container's snapshot, or the prefix, is gone):
+  its recording seals; a prefetch whose containers are all gone stops, with a
+  summary line.
 
 And, as the layer tree's read observer, every FUSE open and read of a served layer
 (:meth:`opened`, :meth:`read`).  Attribution is at open, through the opener's pid
@@ -243,11 +248,13 @@ class HotListService:
 
     # -- containers ---------------------------------------------------------------------------
 
-    async def container_prepared(self, key: str, parent: str, labels: dict[str, str], upper: str | None) -> dict[str, Any]:
+    async def container_prepared(self, key: str, parent: str, labels: dict[str, str], upper: str | None,
+                                 any_reader: bool = False) -> dict[str, Any]:  # fmt: skip
         """A container's writable snapshot ``key`` was prepared on ``parent``: prefetch or record.
 
         ``key`` is the snapshot key as the snapshotter got it; the container is named by
-        the ID in it (:func:`~bootseer.hotlist.attribution.container_id`).
+        the ID in it (:func:`~bootseer.hotlist.attribution.container_id`).  ``any_reader``:
+        there is no container (a bare-metal prefix): a recording takes every reader's reads.
         """
         key = container_id(key)
         profile_hooks.armed_first_read(key)  # start-up profiler: this container's first read is an event
@@ -274,7 +281,8 @@ class HotListService:
         if any(r.image == parent and r.profile == profile for r in self.recordings.values()):
             return {"action": "none", "reason": "another container of this image is being recorded"}
         recording = Recording(container=key, image=parent, profile=profile, layers=layers, started=now, upper=upper,
-                              marker=self.config.recording.marker)  # fmt: skip
+                              marker=self.config.recording.marker, any_reader=any_reader,
+                              publish_to=self.config.publish_store or self.server.layers[parent].store)  # fmt: skip
         self.recordings[key] = recording
         self._spawn(self._decide, recording)
         return {"action": "record"}
@@ -319,12 +327,11 @@ class HotListService:
         outcome = "empty"
         error = ""
         if hot.blocks:
-            top = self.server.layers.get(recording.image)
-            url = self.config.publish_store or (top.store if top is not None else None)
+            url = recording.publish_to
             name = hotlist_object(hot.image, hot.profile)
             try:
                 if not url:
-                    raise StoreError("the image's layers are no longer served and no --publish-store is set")
+                    raise StoreError("the image's layers have no store and no --publish-store is set")
                 published = await trio.to_thread.run_sync(functools.partial(_publish_blocking, url, name, hot.encode()))
                 outcome = "published" if published else "lost_race"
             except (StoreError, ValueError, OSError) as exc:
@@ -374,7 +381,8 @@ class HotListService:
         return {
             "enabled": self.config.enabled,
             "recordings": [
-                {"container": r.container, "image": r.image, "profile": r.profile, "blocks": len(r.blocks),
+                {"container": r.container, "readers": "any" if r.any_reader else "container", "image": r.image,
+                 "profile": r.profile, "blocks": len(r.blocks),
                  "running_s": round(now - r.started, 3), "sealed_by": r.sealed_by}
                 for r in self.recordings.values()
             ],
@@ -401,8 +409,12 @@ class HotListService:
                 if not isinstance(labels, dict):
                     raise InvalidRequest(f"{op}: labels must be an object")
                 upper = request.get("upper")
+                readers = request.get("readers", "container")
+                if readers not in ("container", "any"):
+                    raise InvalidRequest(f"{op}: readers must be \"container\" or \"any\"")
                 return await self.container_prepared(text("key"), text("parent", False), labels,
-                                                      upper if isinstance(upper, str) else None)  # fmt: skip
+                                                      upper if isinstance(upper, str) else None,
+                                                      any_reader=readers == "any")  # fmt: skip
             if op == "hotlist.removed":
                 return await self.container_removed(text("key"))
             if op == "hotlist.seal":
@@ -433,10 +445,13 @@ class HotListService:
         pid = OPENER_PID.get()
         if not recording:
             return OpenTag(pid, None, True)  # prefetch accounting only: who opened does not matter
+        # A bare-metal prefix's recording takes what no container's recording claims.
+        any_reader = next((r.container for r in recording if r.any_reader), None)
         paths = cgroup_paths(pid, self.proc)
         if paths is None:
-            return OpenTag(pid, None, False)
-        return OpenTag(pid, container_of(paths, [r.container for r in recording]), True)
+            return OpenTag(pid, any_reader, any_reader is not None)
+        claimed = container_of(paths, [r.container for r in recording if not r.any_reader])
+        return OpenTag(pid, claimed or any_reader, True)
 
     def read(self, tree: Any, entry: Entry, offset: int, size: int, tag: OpenTag | None) -> None:
         """Account for a read of ``size`` bytes at ``offset`` of ``entry`` in ``tree``'s layer."""

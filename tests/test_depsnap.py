@@ -284,6 +284,83 @@ def test_a_snapshot_that_cannot_be_restored_falls_back_to_installing(work: Path,
     assert subprocess.run([PYTHON, "-c", "import beta"], env={**clean_env(work), "PYTHONPATH": str(prefix)}).returncode == 0
 
 
+def _layer_server_status(root: Path) -> dict:
+    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+
+    return LayerServerClient(ServerPaths(root).socket, timeout=10).call({"op": "hotlist.status"})
+
+
+def _wait_for(what: str, check, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@needs_root
+def test_a_restored_prefix_records_its_first_reads_and_later_restores_prefetch_them(work: Path, wheels: Path) -> None:
+    """Bare metal: the first hit's reads (a host process, no container) become the deps layer's hot list; the next prefetches it."""
+    (work / "req.txt").write_text("beta\n")
+    prefix = work / "env"
+    install = [PYTHON, "-m", "pip", "install", "-q", "--no-index", "-f", str(wheels), "--target", str(prefix), "-r", "req.txt"]
+    deps(work, *run_args(work, prefix, *install))
+    record = DepsRecord.decode(records(work / "store")[0].read_bytes())
+    subprocess.run(["rm", "-rf", str(prefix), str(work / "node")], check=True)
+    # Node A, the first hit: the restore starts a recording of any reader (there is no container).
+    hit = deps(work, *run_args(work, prefix, *install))
+    assert "hit" in hit.stderr, hit.stderr
+    status = _layer_server_status(work / "node")
+    [recording] = status["recordings"]
+    assert recording["image"] == record.chain_id and recording["container"].startswith("deps-prefix-")
+    env = {**clean_env(work), "PYTHONPATH": str(prefix)}
+    subprocess.run([PYTHON, "-c", "import beta"], env=env, check=True)
+    assert _layer_server_status(work / "node")["recordings"][0]["blocks"] > 0
+    # Release seals it; the list is published beside the layer, keyed by the deps layer's ChainID.
+    deps(work, "release", str(prefix), "--root", str(work / "node"))
+
+    def published():
+        done = [s for s in _layer_server_status(work / "node")["finished"] if s["kind"] == "recording"]
+        return done[-1] if done else None
+
+    summary = _wait_for("the recording to be published", published)
+    assert summary["outcome"] == "published" and summary["sealed_by"] == "removed", summary
+    shown = subprocess.run([PYTHON, "-m", "bootseer.cli", "hotlist", "show", "--json", "--blocks", "--store",
+                            str(work / "store"), record.chain_id], capture_output=True, text=True, env=clean_env(work))  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    [listed] = json.loads(shown.stdout)
+    assert listed["blocks"] == summary["blocks"] > 0 and listed["container"] == summary["container"]
+    # Node B, a later hit: the prefetch runs as the prefix is restored, before anything reads it.
+    subprocess.run(["rm", "-rf", str(prefix)], check=True)
+    node_b = work / "node-b"
+    again = deps(work, "run", "--prefix", str(prefix), "--store", str(work / "store"), "--root", str(node_b), "--", *install)
+    assert "hit" in again.stderr, again.stderr
+
+    def prefetched():
+        status = _layer_server_status(node_b)
+        return next((p for p in status["prefetches"] if p["image"] == record.chain_id and p.get("finished")), None)
+
+    prefetch = _wait_for("the prefetch to finish", prefetched)
+    assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"] and not _layer_server_status(node_b)["recordings"]
+    subprocess.run([PYTHON, "-c", "import beta"], env=env, check=True)
+    after = next(p for p in _layer_server_status(node_b)["prefetches"] if p["image"] == record.chain_id)
+    assert after["hits"] > 0 and after["misses"] == 0, after
+    deps(work, "release", str(prefix), "--root", str(node_b))
+    ended = [s for s in _layer_server_status(node_b)["finished"] if s["kind"] == "prefetch"]
+    assert ended and ended[-1]["image"] == record.chain_id  # the release ended it
+    # --no-hotlist: a node whose layer server neither prefetches nor records.
+    node_c = work / "node-c"
+    deps(work, "run", "--no-hotlist", "--prefix", str(prefix), "--store", str(work / "store"), "--root", str(node_c),
+         "--", *install)  # fmt: skip
+    status = _layer_server_status(node_c)
+    assert status["enabled"] is False and not status["recordings"] and not status["prefetches"]
+    deps(work, "release", str(prefix), "--root", str(node_c))
+    bad = deps(work, *run_args(work, prefix, *install, options=("--hotlist-profile", "no/slash")), check=False)
+    assert bad.returncode == 2 and "--hotlist-profile" in bad.stderr
+
+
 def test_failed_install_publishes_nothing(work: Path, wheels: Path) -> None:
     (work / "req.txt").write_text("beta\nno-such-package\n")
     prefix = work / "env"

@@ -671,6 +671,41 @@ def test_an_opener_without_a_cgroup_is_recorded_to_the_one_recording_and_counted
     run_nodes(clean_store, tmp_path, test)
 
 
+def test_a_prefix_recording_takes_every_reader_a_container_does_not_claim(clean_store: Any, tmp_path: Path) -> None:
+    """``readers: any`` (a bare-metal prefix): host processes' reads are its, a recorded container's stay the container's."""
+    directory, built = clean_store
+    top = built[-1].chain_id
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        n = node("n")
+        await n.pull(built)
+        answer = await n.hotlist.dispatch("hotlist.prepared", {"key": "deps-prefix-1", "parent": top, "readers": "any"})
+        assert answer == {"action": "record"}
+        with pytest.raises(Exception, match="readers must be"):
+            await n.hotlist.dispatch("hotlist.prepared", {"key": "x", "parent": top, "readers": "some"})
+        await trio.sleep(0.2)
+        prefix = n.hotlist.recordings["deps-prefix-1"]
+        await n.read(built[1], "app/main.py", proc.process("/user.slice/session-3.scope"))  # a host shell
+        await n.read(built[0], "bin/tool", 0, 0, BLOCK_SIZE)  # no cgroup to read: still the prefix's
+        assert len(prefix.blocks) == 5 and prefix.unattributed == 0
+        # A container recorded on another profile of the same layers keeps its own reads.
+        assert (await n.hotlist.container_prepared("ns/4/job-b", top, {PROFILE_LABEL: "b"}, None))["action"] == "record"
+        await trio.sleep(0.2)
+        await n.read(built[1], "app/cold.bin", proc.process("/default/job-b"), 0, BLOCK_SIZE)
+        assert len(prefix.blocks) == 5 and len(n.hotlist.recordings["job-b"].blocks) == 1
+        # Removed, then its layers unmounted at once (deps release): the list is still published to the store.
+        await n.hotlist.dispatch("hotlist.removed", {"key": "deps-prefix-1"})
+        for layer in reversed(built):
+            await n.server.unmount(layer.chain_id)
+        await prefix.done.wait()
+        assert prefix.outcome == "published"
+        hot = HotList.decode(FileStoreWriter(directory).get(hotlist_object(top)), expected_image=top, expected_profile="")
+        assert hot.container == "deps-prefix-1" and len(hot.blocks) == 5 and hot.sealed_by == "removed"
+        await n.hotlist.container_removed("ns/4/job-b")
+
+    run_nodes(clean_store, tmp_path, test)
+
+
 def test_layer_server_hot_list_options(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 

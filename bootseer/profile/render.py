@@ -207,9 +207,10 @@ def _svg_timeline(trace: Trace, origin: float, scale_s: float, title: str) -> st
         parts.append(f'<polyline class="bytes" points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
         parts.append(f'<text x="4" y="{base + 14 + 14 * i}" fill="{colour}">{html.escape(name)} '
                      f'{html.escape(human_bytes(high if high != 1.0 or len(points) > 1 else 0))}</text>')
-    for k in range(6):  # time axis
+    for k in range(6):  # time axis; the last label ends at the axis's end, inside the picture
         t = origin + scale_s * k / 5
-        parts.append(f'<text x="{x(t) - 10:.1f}" y="{base + CHART + 16}">{scale_s * k / 5:.1f}s</text>')
+        anchor = (f'x="{x(t):.1f}" text-anchor="end"' if k == 5 else f'x="{x(t) - 10:.1f}"')
+        parts.append(f'<text {anchor} y="{base + CHART + 16}">{scale_s * k / 5:.1f}s</text>')
     parts.append("</svg>")
     return "\n".join(parts)
 

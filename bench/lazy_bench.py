@@ -489,9 +489,17 @@ def ctr_argv(stack: harness.Stack, *args: str) -> list[str]:
     return ["ctr", "-a", str(stack.containerd.address), "-n", NAMESPACE, *args]
 
 
-def run_argv(stack: harness.Stack, ref: str, name: str) -> list[str]:
+def run_argv(stack: harness.Stack, ref: str, name: str, options: tuple[str, ...] = ()) -> list[str]:
     return ctr_argv(stack, "run", "--rm", "--fifo-dir", str(stack.fifo_dir), "--snapshotter",
-                    stack.snapshotter_name, ref, name)
+                    stack.snapshotter_name, *options, ref, name)
+
+
+def pull_argv(stack: harness.Stack, ref: str, lazy: bool) -> list[str]:
+    """``bootseer rpull`` onto the node's snapshotter (lazy), else ``ctr images pull`` onto overlayfs."""
+    if lazy:
+        return bootseer_argv("rpull", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
+                             "--plain-http", ref)
+    return ctr_argv(stack, "images", "pull", "--plain-http", "--snapshotter", "overlayfs", ref)
 
 
 class PrefetchWatch:
@@ -568,11 +576,17 @@ class PrefetchWatch:
 
 def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
                 timeout: float, log_path: Path, lazy: bool, profile: Path | None = None,
-                watch_prefetch: bool = False) -> Run:
+                watch_prefetch: bool = False, marks: Path | None = None) -> Run:
     """Drop caches, then (pull and) run the container; time to its marker line.
 
     ``watch_prefetch``: follow the hot-list prefetch with a :class:`PrefetchWatch`.
+    ``marks``: a host directory for the start-up profiler's marks of a container the snapshotter
+    does not see (containerd's overlayfs): ``image.start`` / ``image.end`` are marked there around
+    the pull, and it is bind-mounted at the container's ``/.bootseer`` for the job's own marks.
     """
+    options: tuple[str, ...] = ()
+    if marks is not None:
+        options = ("--mount", f"type=bind,src={marks},dst={image_build.MARKS_DIR},options=rbind:rw")
     before = lazy_node_figures(stack) if lazy and not pull else {}
     drop_caches()
     counters = link.counters()
@@ -583,11 +597,15 @@ def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: st
         pull_seconds = 0.0
         summary = ""
         if pull:
+            if marks is not None:
+                (marks / "image.start").touch()
             output = run_checked(pull, "pull", timeout=timeout, log_path=log_path).strip().splitlines()
             pull_seconds = time.perf_counter() - start
+            if marks is not None:
+                (marks / "image.end").touch()
             summary = output[-1].strip() if output else ""
-        seconds, line = run_until_marker(run_argv(stack, ref, name), image_build.FIRST_OUTPUT_MARKER, timeout,
-                                         log_path)
+        seconds, line = run_until_marker(run_argv(stack, ref, name, options), image_build.FIRST_OUTPUT_MARKER,
+                                         timeout, log_path)
     total = pull_seconds + seconds
     fetched = (link.counters() - counters).received
     server = diff_figures(lazy_node_figures(stack), before) if lazy else {}
@@ -604,20 +622,16 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with fresh_node(work / f"{kind[0]}{rep}", lazy, store_url, timeout) as stack:
-            if lazy:
-                pull = bootseer_argv("rpull", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
-                                     "--plain-http", ref)
-            else:
-                pull = ctr_argv(stack, "images", "pull", "--plain-http", "--snapshotter", "overlayfs", ref)
-            for scenario, pull_argv in ((cold, pull), (local, None)):
+            pull = pull_argv(stack, ref, lazy)
+            for scenario, pulling in ((cold, pull), (local, None)):
                 try:
                     profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
-                    run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pull_argv, timeout, log_path, lazy,
+                    run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pulling, timeout, log_path, lazy,
                                       profile)
                 except BenchError as e:
                     scenario.errors.append(f"run {rep}: {e}")
                     log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
-                    if pull_argv is not None:
+                    if pulling is not None:
                         local.errors.append(f"run {rep}: not run (the cold start failed)")
                         break
                     continue
@@ -676,8 +690,7 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
     with fresh_node(work / "record", True, hot_url, timeout, publish_store=hot_store) as stack:
         drop_caches()
         start = time.perf_counter()
-        run_checked(bootseer_argv("rpull", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
-                                  "--plain-http", ref), "rpull (recording boot)", timeout=timeout, log_path=log_path)
+        run_checked(pull_argv(stack, ref, True), "rpull (recording boot)", timeout=timeout, log_path=log_path)
         seconds, _ = run_until_marker(run_argv(stack, ref, "record-1"), image_build.FIRST_OUTPUT_MARKER, timeout,
                                       log_path)
         boot = time.perf_counter() - start
@@ -710,8 +723,7 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with fresh_node(work / f"h{rep}", True, hot_url, timeout, publish_store=hot_store) as stack:
-            pull = bootseer_argv("rpull", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
-                                 "--plain-http", ref)
+            pull = pull_argv(stack, ref, True)
             profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
             run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pull, timeout, log_path, True, profile,
                               watch_prefetch=True)
@@ -725,6 +737,115 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
         f"link {run.link_bytes / MB:7.1f} MB; prefetch {_f(pf.get('start_s'))}..{_f(pf.get('end_s'))} s, "
         f"{pf.get('fetched_bytes', 0) / MB:.1f} MB, hits {pf.get('hits', 0):.0f}, waited {pf.get('waited', 0):.0f}, "
         f"misses {pf.get('misses', 0):.0f}")
+
+
+# --------------------------------------------------------------------------- profiled starts (--timeline)
+
+
+#: The profiled starts of ``--timeline``: (trace name, the scenario it repeats), overlayfs first.
+TIMELINE_NAMES = ("overlayfs", "bootseer")
+
+
+@contextlib.contextmanager
+def profiling_on(spool: Path, node: str) -> Iterator[None]:
+    """Every process started in the body profiles into ``spool`` as node ``node`` (they inherit the
+    environment: containerd's children, the snapshotter daemon and its layer server, rpull)."""
+    from bootseer.profile import events
+
+    saved = {key: os.environ.get(key) for key in (events.ENV_PROFILE, events.ENV_NODE, events.ENV_JOB)}
+    os.environ.update({events.ENV_PROFILE: str(spool), events.ENV_NODE: node})
+    os.environ.pop(events.ENV_JOB, None)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def containerd_watcher(stack: harness.Stack, spool: Path, log_path: Path) -> Iterator[None]:
+    """``bootseer profile containerd`` on the node's containerd, writing its events to ``spool``,
+    for the body (containerd keeps no history: it must be watching before the pull)."""
+    watcher = harness.ManagedProcess("profile containerd", bootseer_argv(
+        "profile", "containerd", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
+        "--spool", str(spool)), log_path, python=True)
+    watcher.start()
+    try:
+        harness.wait_until("the containerd watcher to connect",
+                           lambda: "watching containerd" in log_path.read_text(errors="replace"), 30, alive=watcher)
+        yield
+    finally:
+        with contextlib.suppress(harness.HarnessError):
+            watcher.stop()
+
+
+def profiled_start(name: str, scenario: str, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
+                   hot_store: Path | None, out: Path, timeout: float) -> tuple[Run, Path]:
+    """One cold start of ``scenario`` (overlay-cold, lazy-cold or hot-cold) on a fresh node with the
+    start-up profiler on for every process of the node; its trace, collected, is ``out/NAME.json``."""
+    from bootseer.profile import events, hooks
+
+    lazy = scenario != "overlay-cold"
+    base = work / f"t-{name}"
+    spool, marks = work / f"timeline-{name}" / "spool", work / f"timeline-{name}" / "marks"
+    for path in (spool, marks):
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    marks.chmod(0o1777)  # as the snapshotter makes /.bootseer: a job of any uid may mark
+    log_path = work / "logs" / f"timeline-{name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with profiling_on(spool, scenario):
+        with fresh_node(base, lazy, store_url, timeout, publish_store=hot_store) as stack, \
+                containerd_watcher(stack, spool, work / "logs" / f"timeline-{name}-watch.log"):
+            since = time.time()
+            run = timed_start(stack, link, ref, f"timeline-{name}", pull_argv(stack, ref, lazy), timeout, log_path,
+                              lazy, marks=None if lazy else marks)
+            time.sleep(1.0)  # containerd's task exit and delete reach the watcher
+            until = time.time()
+        if not lazy:  # the snapshotter reads its containers' marks itself; these came through the bind mount
+            events.enable(spool)
+            try:
+                hooks.harvest_marks(marks, container=f"timeline-{name}")
+            finally:
+                events.disable()
+    trace = out / f"{name}.json"
+    collected = run_checked(bootseer_argv("profile", "collect", "--spool", str(spool), "--node", scenario,
+                                          "--since", f"{since - 0.01:.6f}", "--until", f"{until:.6f}",
+                                          "-o", str(trace)), f"profile collect ({name})", timeout=120,
+                            log_path=log_path)
+    log(f"  profiled {scenario} ({name}): {run.seconds:.2f} s; " + collected.splitlines()[0])
+    return run, trace
+
+
+def record_timeline(out: Path, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
+                    hot_url: str | None, hot_store: Path | None, kinds: list[str], timeout: float) -> dict[str, Any]:
+    """``--timeline``: a profiled overlayfs cold start and a profiled BootSeer one (hot-list cold start when
+    the hot mode ran, else lazy cold), each on a fresh node, then ``bootseer profile compare`` of the two
+    into ``out`` (the traces, compare.html, compare.png, compare.trace.json, compare.txt)."""
+    out.mkdir(parents=True, exist_ok=True)
+    bootseer = ("hot-cold", hot_url, hot_store) if "hot" in kinds else ("lazy-cold", store_url, None)
+    if bootseer[1] is None:
+        raise BenchError("--timeline needs the store (modes lazy or hot)")
+    log(f"timeline: profiled starts overlay-cold and {bootseer[0]} into {out}")
+    runs: dict[str, Run] = {}
+    traces: list[Path] = []
+    for name, (scenario, url, publish) in zip(TIMELINE_NAMES, [("overlay-cold", None, None), bootseer]):
+        run, trace = profiled_start(name, scenario, work, link, ref, url, publish, out, timeout)
+        runs[scenario] = run
+        traces.append(trace)
+    text = run_checked(bootseer_argv("profile", "compare", *map(str, traces), "--names", ",".join(TIMELINE_NAMES),
+                                     "--html", str(out / "compare.html"), "--png", str(out / "compare.png"),
+                                     "--chrome", str(out / "compare.trace.json")),
+                       "profile compare", timeout=300, log_path=work / "logs" / "timeline-compare.log")
+    table = "\n".join(line for line in text.splitlines()
+                      if not line.startswith(("timeline:", "picture:", "chrome trace:")))
+    (out / "compare.txt").write_text(table + "\n")
+    log("timeline:\n" + text)
+    return {"dir": out, "table": table, "scenarios": {name: run.seconds for name, run in runs.items()},
+            "files": sorted(p.name for p in out.iterdir())}
 
 
 # --------------------------------------------------------------------------- the layer server alone
@@ -1070,6 +1191,13 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
             rows = summarize_profile(context["profile_dir"] / f"{name}-1.txt")
             if rows:
                 lines += ["", f"## Where the layer server's time goes: {name}, run 1 (py-spy --gil)", "", *rows]
+    timeline = context.get("timeline")
+    if timeline:
+        starts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in timeline["scenarios"].items())
+        lines += ["", "## Where a start goes (`--timeline`, profiled, not in the medians above)", "",
+                  f"One more cold start of each on a fresh node with the start-up profiler on ({starts} to the first "
+                  f"output); `bootseer profile compare` of the two traces (files in `{timeline['dir']}`: "
+                  f"{', '.join(timeline['files'])}):", "", "```", timeline["table"], "```"]
     errors = [f"- {name}: {e}" for name, s in scenarios.items() for e in s.errors]
     if errors:
         lines += ["", "## Failures", "", *errors]
@@ -1171,6 +1299,13 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                 else:
                     measure_node(kind, rep, work, link, ref, store_url, scenarios, args.timeout,
                                  context.get("profile_dir"))
+        if args.timeline is not None:
+            try:
+                context["timeline"] = record_timeline(args.timeline, work, link, ref, store_url, hot_url, hot_store,
+                                                      kinds, args.timeout)
+            except (BenchError, harness.HarnessError) as e:
+                context["notes"].append(f"--timeline: not recorded: {e}")
+                log(f"timeline FAILED: {e}")
         context["tc"] = link.describe()
     context["wall"] = time.monotonic() - started
     context["load"] = (load_before, os.getloadavg()[1])
@@ -1192,6 +1327,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="sample the layer server with py-spy during the lazy runs; summary in the report, "
                              "raw samples under CACHE/runs/PID/profile/")
+    parser.add_argument("--timeline", type=Path, metavar="DIR",
+                        help="after the measured runs, one more overlayfs cold start and one more BootSeer cold start "
+                             "(hot-list if mode hot ran, else lazy) on fresh nodes with the start-up profiler on; "
+                             "their traces and `bootseer profile compare`'s table, HTML page, PNG and Chrome trace "
+                             "go to DIR (off: the measured runs are never profiled)")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "results" / "lazy.md",
                         help="Markdown results (bench/results/lazy.md)")
     args = parser.parse_args(argv)
@@ -1201,6 +1341,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.reps < 1:
         parser.error("--reps must be at least 1")
     args.cache_dir = args.cache_dir.resolve()
+    if args.timeline is not None:
+        if "overlay" not in args.modes or not {"lazy", "hot"} & set(args.modes):
+            parser.error("--timeline compares overlayfs with BootSeer: --modes must hold overlay and lazy or hot")
+        args.timeline = args.timeline.resolve()
     return args
 
 

@@ -294,6 +294,7 @@ class ServerSettings:
     prefetch_concurrency: int | None = None  #: prefetch batches in flight
     prefetch_batch: int | None = None  #: compressed bytes per prefetch batch
     prefetch_cold_rate: int | None = None  #: bytes/s of the cold pass; 0: off
+    prefetch_page_cache: bool = True  #: False: ``--no-prefetch-page-cache``
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()  #: more ``bootseer layer-server`` options, passed as they are
     python: str = field(default_factory=lambda: sys.executable)
@@ -323,6 +324,8 @@ class ServerSettings:
             argv.append(f"--hotlist-marker={self.hotlist_marker}")
         if not self.hotlist:
             argv.append("--no-hotlist")
+        if not self.prefetch_page_cache:
+            argv.append("--no-prefetch-page-cache")
         return argv + list(self.extra_args)
 
 

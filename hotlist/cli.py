@@ -70,6 +70,8 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="compressed bytes per prefetch batch (4M)")  # fmt: skip
     group.add_argument("--prefetch-cold-rate", type=parse_size, default=0, metavar="SIZE",
                        help="after the hot blocks, fetch the rest of the image at this many bytes/s (0: off)")  # fmt: skip
+    group.add_argument("--no-prefetch-page-cache", action="store_true",
+                       help="prefetch hot blocks into the node cache only, not also into the kernel's page cache")  # fmt: skip
 
 
 def layer_server_hotlist_config(args: argparse.Namespace) -> HotListConfig:
@@ -88,7 +90,7 @@ def layer_server_hotlist_config(args: argparse.Namespace) -> HotListConfig:
         publish_store=args.publish_store,
         recording=RecordingLimits(quiet=args.hotlist_quiet, window=args.hotlist_window, marker=args.hotlist_marker),
         prefetch=PrefetchLimits(concurrency=args.prefetch_concurrency, batch_bytes=args.prefetch_batch,
-                                cold_rate=args.prefetch_cold_rate),  # fmt: skip
+                                cold_rate=args.prefetch_cold_rate, page_cache=not args.no_prefetch_page_cache),  # fmt: skip
     )
 
 

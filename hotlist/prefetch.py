@@ -18,6 +18,13 @@ been fetched (and when), so the read hook can classify each read's blocks
 read waited on an in-flight prefetch), ``cached`` (in the node cache before the
 prefetch began), ``miss`` (not prefetched yet: fetched on demand).
 
+With ``warm`` (the layer server's :meth:`PageCacheWarmer.warm
+<bootseer.hotlist.warm.PageCacheWarmer.warm>`), each batch, once fetched (the verified
+bytes the fetch returned; those found in the node cache are read from it), is also
+stored into the kernel's page cache by one worker thread, in the list's order, so the
+job's first reads of it are page-cache hits that never reach the layer server (and so
+are not classified).
+
 An optional cold pass (``cold_rate`` bytes/s, off by default) then fetches every
 other block of the image's layers, rate-limited, in index order.
 """
@@ -65,10 +72,15 @@ class PrefetchLimits:
     concurrency: int = 4  #: batches in flight
     batch_bytes: int = 4 << 20  #: compressed bytes per batch (memory: concurrency x batch_bytes)
     cold_rate: int = 0  #: bytes/s of the cold pass after the hot list; 0: no cold pass
+    page_cache: bool = True  #: also read each fetched batch through the mount into the page cache (hotlist.warm)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.batch_bytes < 1 or self.cold_rate < 0:
             raise ValueError("prefetch concurrency and batch size must be positive, the cold rate not negative")
+
+
+#: A batch for the page-cache warmer: (layer, blocks, their bytes or None: read them from the node cache).
+_Warm = tuple[str, list[ResolvedBlock], "list[bytes] | None"]
 
 
 class Fetcher(Protocol):
@@ -97,6 +109,8 @@ class PrefetchStats:
     misses: int = 0
     lead_times: list[float] = field(default_factory=list)  #: per hit: seconds the block was ready before its read
     finished: bool = False
+    warmed_bytes: int = 0  #: file bytes read into the page cache through the mount
+    warm_finished: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         reads = self.hits + self.waited + self.misses
@@ -118,6 +132,8 @@ class PrefetchStats:
             "lead_median_s": round(statistics.median(lead), 4) if lead else None,
             "lead_min_s": round(lead[0], 4) if lead else None,
             "finished": self.finished,
+            "warmed_bytes": self.warmed_bytes,
+            "warm_finished": self.warm_finished,
         }
 
 
@@ -139,6 +155,7 @@ class Prefetch:
         fetchers: dict[str, Fetcher],
         cached: Callable[[str], bool] | None,
         limits: PrefetchLimits = PrefetchLimits(),
+        warm: Callable[[str, list[ResolvedBlock], list[bytes]], int] | None = None,
     ) -> None:
         self.image = image
         self.profile = profile
@@ -146,6 +163,8 @@ class Prefetch:
         self.indexes = indexes
         self.fetchers = fetchers
         self._cached = cached
+        self._warm = warm  #: blocking: store a fetched batch's bytes in the page cache
+        self._warm_send: trio.MemorySendChannel[_Warm] | None = None
         self.limits = limits
         self.stats = PrefetchStats(planned_blocks=len(self.plan), planned_bytes=sum(b.hot.clen for b in self.plan))
         self.in_flight: set[str] = set()
@@ -214,17 +233,43 @@ class Prefetch:
         """Fetch the plan (then the cold pass, if on) until done or :meth:`stop`."""
         try:
             with self.cancel_scope:
-                limiter = trio.Semaphore(self.limits.concurrency)
-                async with trio.open_nursery() as nursery:
-                    for layer, batch in self.batches():
-                        await limiter.acquire()
-                        nursery.start_soon(self._fetch_batch, layer, batch, limiter)
-                self.stats.finished = True
+                async with trio.open_nursery() as warming:
+                    if self._warm is not None:
+                        # Bounded: a batch's bytes wait here only while the warmer is behind.
+                        self._warm_send, receive = trio.open_memory_channel[_Warm](self.limits.concurrency)
+                        warming.start_soon(self._warm_batches, receive)
+                    limiter = trio.Semaphore(self.limits.concurrency)
+                    async with trio.open_nursery() as nursery:
+                        for layer, batch in self.batches():
+                            await limiter.acquire()
+                            nursery.start_soon(self._fetch_batch, layer, batch, limiter)
+                    self.stats.finished = True
+                    if self._warm_send is not None:
+                        self._warm_send.close()  # the warmer ends after the last batch
                 if self.limits.cold_rate > 0:
                     await self._cold_pass()
         finally:
             self.in_flight.clear()
             self.ended.set()
+
+    async def _warm_batches(self, receive: trio.MemoryReceiveChannel[_Warm]) -> None:
+        """Store each fetched batch in the page cache, one at a time, in the order they arrive."""
+        assert self._warm is not None
+        warm = self._warm
+        async with receive:
+            async for layer, blocks, data in receive:
+                if data is None:  # found in the node cache: read (and verified) from it
+                    try:
+                        data = await self.fetchers[layer].blocks(self.indexes[layer], [b.ref for b in blocks],
+                                                                 Priority.PREFETCH)  # fmt: skip
+                    except (OSError, ValueError):
+                        continue  # a read will say what is wrong
+                self.stats.warmed_bytes += await trio.to_thread.run_sync(warm, layer, blocks, data)
+        self.stats.warm_finished = True
+
+    async def _to_warm(self, layer: str, blocks: list[ResolvedBlock], data: list[bytes] | None) -> None:
+        if self._warm_send is not None and blocks:
+            await self._warm_send.send((layer, blocks, data))
 
     async def _fetch_batch(self, layer: str, batch: list[ResolvedBlock], limiter: trio.Semaphore) -> None:
         try:
@@ -238,13 +283,16 @@ class Prefetch:
                         PREFETCHED_BLOCKS.labels("cached").inc()
                 wanted = [block for block, hit in zip(wanted, present) if not hit]
             # A read may have fetched some meanwhile; those it counted as misses stay so.
+            skipped = [block for block in batch if block.hot.digest in self.skipped]
+            await self._to_warm(layer, skipped, None)
             wanted = [block for block in wanted if block.hot.digest not in self.read]
             if not wanted:
                 return
             digests = [block.hot.digest for block in wanted]
             self.in_flight.update(digests)
             try:
-                await self.fetchers[layer].blocks(self.indexes[layer], [block.ref for block in wanted], Priority.PREFETCH)
+                data = await self.fetchers[layer].blocks(self.indexes[layer], [block.ref for block in wanted],
+                                                         Priority.PREFETCH)  # fmt: skip
             except (OSError, ValueError) as exc:
                 self.stats.failed_blocks += len(wanted)
                 PREFETCHED_BLOCKS.labels("failed").inc(len(wanted))
@@ -261,6 +309,7 @@ class Prefetch:
             self.stats.fetched_bytes += size
             PREFETCHED_BLOCKS.labels("fetched").inc(len(wanted))
             PREFETCHED_BYTES.labels("hot").inc(size)
+            await self._to_warm(layer, wanted, data)
         finally:
             limiter.release()
 

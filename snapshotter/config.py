@@ -6,7 +6,7 @@ then the flags.  The file's top-level keys are the daemon's own (``root``,
 take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
-prefetch_cold_rate`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
+prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
 metrics_address`` (the layer server's own Prometheus endpoint; empty: off).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
@@ -86,6 +86,7 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_concurrency": PrefetchLimits.concurrency,
     "hotlist.prefetch_batch": "4M",
     "hotlist.prefetch_cold_rate": "0",
+    "hotlist.prefetch_page_cache": True,
     "fuse.metrics_address": "",
 }
 
@@ -102,6 +103,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "hotlist.prefetch_concurrency": (int,),
     "hotlist.prefetch_batch": (str, int),
     "hotlist.prefetch_cold_rate": (str, int),
+    "hotlist.prefetch_page_cache": (bool,),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -236,6 +238,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             prefetch = dataclasses.replace(prefetch, **{field_name: number})
         except ValueError as exc:
             raise invalid(key, f"{exc}, not {value!r}") from None
+    prefetch = dataclasses.replace(prefetch, page_cache=merged["hotlist.prefetch_page_cache"])
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,

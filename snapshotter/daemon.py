@@ -251,6 +251,7 @@ class Daemon:
             prefetch_concurrency=settings.hotlist_prefetch.concurrency,
             prefetch_batch=settings.hotlist_prefetch.batch_bytes,
             prefetch_cold_rate=settings.hotlist_prefetch.cold_rate,
+            prefetch_page_cache=settings.hotlist_prefetch.page_cache,
             metrics_address=settings.layer_server_metrics_address or None,
             log_level=settings.log_level,
         )

@@ -150,6 +150,11 @@ def test_hotlist_can_be_turned_off_for_the_layer_server() -> None:
     assert "--no-hotlist" in ServerSettings(hotlist=settings.hotlist_enabled).argv("/root")
     default = ServerSettings().argv("/root")
     assert "--no-hotlist" not in default and "--publish-store" not in default
+    assert "--no-prefetch-page-cache" not in default
+    assert config.resolve({}, {}).hotlist_prefetch.page_cache is True
+    off = config.resolve({"hotlist.prefetch_page_cache": False, "store.url": "file:///store"}, {}).hotlist_prefetch
+    assert off.page_cache is False
+    assert "--no-prefetch-page-cache" in ServerSettings(prefetch_page_cache=off.page_cache).argv("/root")
 
 
 @pytest.mark.parametrize(

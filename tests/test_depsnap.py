@@ -318,6 +318,7 @@ def test_a_restored_prefix_records_its_first_reads_and_later_restores_prefetch_t
     env = {**clean_env(work), "PYTHONPATH": str(prefix)}
     subprocess.run([PYTHON, "-c", "import beta"], env=env, check=True)
     assert _layer_server_status(work / "node")["recordings"][0]["blocks"] > 0
+    restored = snapshot_tree(prefix)  # reads every file: the list holds every block
     # Release seals it; the list is published beside the layer, keyed by the deps layer's ChainID.
     deps(work, "release", str(prefix), "--root", str(work / "node"))
 
@@ -344,9 +345,15 @@ def test_a_restored_prefix_records_its_first_reads_and_later_restores_prefetch_t
 
     prefetch = _wait_for("the prefetch to finish", prefetched)
     assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"] and not _layer_server_status(node_b)["recordings"]
+    # The prefetch also put the files' bytes into the page cache (hotlist.warm): the tree reads back
+    # identical, and no read reaches the layer server (no hit, no miss: FUSE never sees them).
+    prefetch = _wait_for("the page cache warmed", lambda: next(p for p in _layer_server_status(node_b)["prefetches"]
+                                                                if p["image"] == record.chain_id and p["warm_finished"]))  # fmt: skip
+    assert prefetch["warmed_bytes"] > 0
+    assert snapshot_tree(prefix) == restored
     subprocess.run([PYTHON, "-c", "import beta"], env=env, check=True)
     after = next(p for p in _layer_server_status(node_b)["prefetches"] if p["image"] == record.chain_id)
-    assert after["hits"] > 0 and after["misses"] == 0, after
+    assert (after["hits"], after["waited"], after["misses"]) == (0, 0, 0), after
     deps(work, "release", str(prefix), "--root", str(node_b))
     ended = [s for s in _layer_server_status(node_b)["finished"] if s["kind"] == "prefetch"]
     assert ended and ended[-1]["image"] == record.chain_id  # the release ended it

@@ -706,6 +706,65 @@ def test_a_prefix_recording_takes_every_reader_a_container_does_not_claim(clean_
     run_nodes(clean_store, tmp_path, test)
 
 
+def test_the_page_cache_warmer_places_each_block_in_every_file_that_holds_it(tmp_path: Path) -> None:
+    """Blocks go to (inode, offset) of each file backing them (dedup: all of them), a file's last block cut short;
+    files are looked up once; a kernel without store notifications turns warming off."""
+    import errno
+    import os
+    import random
+
+    from bootseer.blockstore.layerfs import inode_number
+    from bootseer.hotlist.format import HotBlock, ResolvedBlock
+    from bootseer.hotlist.warm import PageCacheWarmer
+
+    rng = random.Random(7)
+    shared, tail = rng.randbytes(BLOCK_SIZE), rng.randbytes(BLOCK_SIZE + 100)
+    layers = [Layer((File("a/one.bin", shared), File("b/two.bin", shared), File("c/tail.bin", tail)))]
+    [built] = build_store(tmp_path / "store", layers, block_size=BLOCK_SIZE, layout=tmp_path / "layout")
+    index, layer = built.index, built.chain_id
+    mount = tmp_path / "mnt"
+    for entry in index.entries:  # what the mount shows, for the warmer's lookups
+        (mount / entry.path).parent.mkdir(parents=True, exist_ok=True)
+        if entry.blocks:
+            (mount / entry.path).write_bytes(b"")
+    numbers = {e.path: n for n, e in enumerate(index.entries)}
+
+    def resolved(path: str, position: int) -> tuple[ResolvedBlock, bytes]:
+        ref = index.entries[numbers[path]].blocks[position]
+        block = index.blocks[ref]
+        data = (shared if path != "c/tail.bin" else tail)[position * BLOCK_SIZE : (position + 1) * BLOCK_SIZE]
+        hot = HotBlock(layer, block.digest, index.packs[block.pack], block.offset, block.clen, block.rlen, 0.0)
+        return ResolvedBlock(layer=layer, ref=ref, hot=hot), data
+
+    stored: list[tuple[int, int, bytes]] = []
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: Any, *args: Any, **kwargs: Any) -> Any:
+        stats.append(str(path))
+        return real_stat(path, *args, **kwargs)
+
+    plan = [resolved("a/one.bin", 0), resolved("c/tail.bin", 0), resolved("c/tail.bin", 1)]
+    warmer = PageCacheWarmer({layer: index}, {layer: 3}, {layer: str(mount)}, {b.hot.digest for b, _ in plan},
+                             store=lambda inode, offset, data: stored.append((inode, offset, data)))  # fmt: skip
+    os.stat = counting_stat  # type: ignore[assignment]
+    try:
+        done = warmer.warm(layer, [b for b, _ in plan], [d for _, d in plan])
+    finally:
+        os.stat = real_stat  # type: ignore[assignment]
+    inode = {path: inode_number(3, n) for path, n in numbers.items()}
+    assert stored == [(inode["a/one.bin"], 0, shared), (inode["b/two.bin"], 0, shared),
+                      (inode["c/tail.bin"], 0, tail[:BLOCK_SIZE]), (inode["c/tail.bin"], BLOCK_SIZE, tail[BLOCK_SIZE:])]  # fmt: skip
+    assert done == warmer.stored_bytes == 2 * BLOCK_SIZE + len(tail)
+    assert sorted(stats) == sorted(str(mount / p) for p in ("a/one.bin", "b/two.bin", "c/tail.bin"))  # once each
+
+    def no_store(inode: int, offset: int, data: bytes) -> None:
+        raise OSError(errno.ENOSYS, "no store notifications")
+
+    off = PageCacheWarmer({layer: index}, {layer: 3}, {layer: str(mount)}, {b.hot.digest for b, _ in plan}, store=no_store)
+    assert off.warm(layer, [b for b, _ in plan], [d for _, d in plan]) == 0 and not off.enabled and off.skipped == 1
+
+
 def test_layer_server_hot_list_options(monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
@@ -717,7 +776,8 @@ def test_layer_server_hot_list_options(monkeypatch: pytest.MonkeyPatch) -> None:
     add_layer_server_arguments(parser)
     config = layer_server_hotlist_config(parser.parse_args(["--hotlist-quiet", "3", "--prefetch-batch", "1M"]))
     assert config.recording.quiet == 3 and config.prefetch.batch_bytes == 1 << 20 and config.enabled
-    assert config.publish_store is None
+    assert config.publish_store is None and config.prefetch.page_cache
+    assert not layer_server_hotlist_config(parser.parse_args(["--no-prefetch-page-cache"])).prefetch.page_cache
     with pytest.raises(ValueError, match="read-only"):
         layer_server_hotlist_config(parser.parse_args(["--publish-store", "http://127.0.0.1:9/"]))
     with pytest.raises(ValueError, match="positive"):

@@ -324,6 +324,20 @@ def demo_trace(node: str = "node-a", *, t0: float = 1000.0, checkpoint_s: float 
     return Trace(node=node, job=job, events=sorted(ev, key=lambda e: e.start))
 
 
+def test_prefetch_bytes_are_not_counted_twice_in_the_image_phase() -> None:
+    """The prefetch's bytes are fetched by the layer server's engines: ``layers.bytes`` already holds them."""
+    trace = demo_trace()
+    t0 = 1000.0
+    extra = [Event("prefetch.bytes", "counter", t0 + 1.0, phase="image", value=0),
+             Event("prefetch.bytes", "counter", t0 + 2.0, phase="image", value=3000)]
+    both = Trace(node=trace.node, job=trace.job, events=sorted(trace.events + extra, key=lambda e: e.start))
+    image = next(p for p in phases(both) if p.name == "image")
+    assert image.bytes == 2048 + 2048 + 4000  # spans and layers.bytes; the prefetch's 3000 are inside the 4000
+    alone = Trace(node=trace.node, job=trace.job,
+                  events=[e for e in both.events if e.name != "layers.bytes"])  # without the layer server's series
+    assert next(p for p in phases(alone) if p.name == "image").bytes == 2048 + 2048 + 3000
+
+
 def test_phases_in_order_with_their_durations_and_bytes() -> None:
     trace = demo_trace()
     found = phases(trace)

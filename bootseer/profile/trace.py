@@ -38,6 +38,9 @@ TRACE_VERSION = 1
 FIRST_STEP = "first_step"
 #: Marks other parts define that close a phase: depsnap's ``/.bootseer/deps-done`` (the job's install succeeded).
 MARK_ALIASES = {"deps-done": "dependencies.end"}
+#: Counters whose bytes another series of the trace already holds: drawn, never added to a phase twice
+#: (the hot-list prefetch's bytes are fetched by the layer server's engines, so ``layers.bytes`` has them).
+COUNTED_IN = {"prefetch.bytes": "layers.bytes"}
 
 
 class TraceError(ValueError):
@@ -247,9 +250,10 @@ def phases(trace: Trace) -> list[Phase]:
             continue
         widen(e.phase, e.start, e.end if e.end is not None else e.start)
 
+    series = {name for name, _ in counters}
     for (name, phase), samples in counters.items():
         window = _counter_window(samples)
-        if window is None:
+        if window is None or COUNTED_IN.get(name) in series:
             continue
         start, seen, end, grown = window
         moved[phase] += grown

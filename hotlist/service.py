@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,10 +97,6 @@ class OpenTag:
     identified: bool  #: whether the caller's cgroup could be read at all
 
 
-#: The tag of the layer server's own opens (the page-cache warmer): their reads are not accounted.
-OWN_READS = OpenTag(pid=-1, container=None, identified=True)
-
-
 @dataclass
 class _Container:
     key: str
@@ -122,7 +117,6 @@ class HotListService:
         self.containers: dict[str, _Container] = {}  #: container ID -> what it was prepared on
         self.finished: list[dict[str, Any]] = []  #: summaries of ended recordings and prefetches (last 32)
         self.proc = "/proc"  #: where callers' cgroups are read (tests point it elsewhere)
-        self._own_pid = os.getpid()
 
     # -- the layers the server serves ------------------------------------------------------
 
@@ -219,7 +213,10 @@ class HotListService:
         if limits.page_cache and getattr(self.server, "session", None) is not None:  # no FUSE session: no page cache
             slots = {layer: self.server.layers[layer].slot for layer in layers}
             directories = {layer: str(self.server.paths.lower_dir(slot)) for layer, slot in slots.items()}
-            warm = PageCacheWarmer(indexes, slots, directories, {block.hot.digest for block in plan}).warm
+            digests = {block.hot.digest for block in plan}
+            # One pass over every entry of the image's layers: not in the FUSE session's thread.
+            warmer = await trio.to_thread.run_sync(PageCacheWarmer, indexes, slots, directories, digests)
+            warm = warmer.warm
         prefetch = Prefetch(
             image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
             cached=cache_checker(self.server.cache), limits=limits, warm=warm,
@@ -448,14 +445,12 @@ class HotListService:
             return None
 
     def _opened(self, tree: Any) -> OpenTag | None:
-        from bootseer.fuse.operations import OPENER_PID
-
-        if OPENER_PID.get() == self._own_pid:
-            return OWN_READS  # the page-cache warmer's (hotlist.warm): nobody's first touch, nobody's hit
         layer = tree.name
         recording = [r for r in self.recordings.values() if r.covers(layer) and not r.sealed.is_set()]
         if not recording and not any(layer in p.layers for p in self.prefetches.values()):
             return None
+        from bootseer.fuse.operations import OPENER_PID
+
         pid = OPENER_PID.get()
         if not recording:
             return OpenTag(pid, None, True)  # prefetch accounting only: who opened does not matter
@@ -469,8 +464,6 @@ class HotListService:
 
     def read(self, tree: Any, entry: Entry, offset: int, size: int, tag: OpenTag | None) -> None:
         """Account for a read of ``size`` bytes at ``offset`` of ``entry`` in ``tree``'s layer."""
-        if tag is OWN_READS:
-            return
         profile_hooks.layer_read(tag.container if tag is not None else None, tree.name)  # profiler: first read
         if tag is None:
             return

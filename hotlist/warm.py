@@ -17,8 +17,8 @@ each file up through the server's own mount (``os.stat`` from the worker thread;
 lookup is answered by the server's trio loop meanwhile), which also leaves the file's
 dentry cached for the job.  A block shared by several files (dedup: the same small
 ``INSTALLER``, ``__init__.py`` or licence in many packages) is stored into each of them,
-up to :data:`MAX_PLACEMENTS` files (the page cache is per file).  The lookups are the layer server's own, so the hot-list accounting leaves
-them out (:data:`bootseer.hotlist.service.OWN_READS`).
+up to :data:`MAX_PLACEMENTS` files (the page cache is per file).  Nothing is opened or
+read through the mount, so the hot-list accounting (of opens and reads) sees none of it.
 
 The page cache stays the kernel's to manage: under memory pressure it drops the pages and
 the job's read reaches FUSE and the node cache as without warming.  What is stored is

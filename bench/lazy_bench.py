@@ -1063,15 +1063,17 @@ def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None]
                 ("prefetch done (s after the pull started)", "end_s", ".2f"),
                 ("first output (s)", "seconds", ".2f"), ("planned (MB)", "planned_bytes", "mb"),
                 ("prefetched (MB)", "fetched_bytes", "mb"), ("prefetched blocks", "fetched_blocks", ".0f"),
-                ("reads: hits (prefetched before the read)", "hits", ".0f"),
+                ("put into the page cache (MB, raw)", "warmed_bytes", "mb"),
+                ("reads reaching FUSE: hits (prefetched before the read)", "hits", ".0f"),
                 ("reads: waited on an in-flight prefetch", "waited", ".0f"),
                 ("reads: misses (fetched on demand)", "misses", ".0f"),
                 ("reads: in the node cache before", "cached_reads", ".0f"),
                 ("hit rate", "hit_rate", ".3f"), ("lead, median (s)", "lead_median_s", ".2f"),
-                ("prefetched, never read (MB)", "unread_bytes", "mb"), ("link bytes (MB)", "link", "mb"),
+                ("prefetched, never read through FUSE (MB)", "unread_bytes", "mb"), ("link bytes (MB)", "link", "mb"),
                 ("fetched from the store (MB)", "store", "mb")]
         lines += ["", "Prefetch per hot-cold run (the layer server's `hotlist.status`, polled every 0.2 s; its "
-                  "summary when the container was gone):", "",
+                  "summary when the container was gone). The prefetch also puts the blocks into the kernel's page "
+                  "cache, so reads it served never reach FUSE and are not counted as hits (docs/hotlist.md):", "",
                   "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(scenario.runs))) + " |",
                   "|---|" + "---|" * len(scenario.runs)]
         for label, key, spec in rows:

@@ -277,6 +277,26 @@ class Faults:
             self.huge_sent = sent
             self.huge_done.set()
 
+    def send_file_range(self, wfile, connection: socket.socket, path: Path, offset: int, length: int) -> bool:
+        """Send ``length`` bytes of ``path`` from ``offset``, or, if a drop is armed, hang up after
+        ``drop_after_bytes`` of them; True if the connection was dropped (the handler closes it)."""
+        drop = self.take("drop")
+        with open(path, "rb") as file:
+            file.seek(offset)
+            sent = 0
+            while sent < length:
+                chunk = file.read(min(length - sent, 1 << 16))
+                if not chunk:
+                    break
+                if drop and sent + len(chunk) >= self.drop_after_bytes:
+                    wfile.write(chunk[: max(self.drop_after_bytes - sent, 0)])
+                    wfile.flush()
+                    connection.shutdown(socket.SHUT_RDWR)
+                    return True
+                wfile.write(chunk)
+                sent += len(chunk)
+        return False
+
     def take(self, kind: str) -> int | bool:
         with self._lock:
             if kind == "status":
@@ -411,27 +431,13 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
             return
         if not body:
             return
-        drop = faults.take("drop")
         if rewritten is not None:
+            faults.take("drop")  # an armed drop is spent on this answer, as before
             self.wfile.write(content[first : last + 1])
             return
-        with open(target, "rb") as file:
-            file.seek(first)
-            remaining = last - first + 1
-            sent = 0
-            while remaining > 0:
-                chunk = file.read(min(remaining, 1 << 16))
-                if not chunk:
-                    break
-                if drop and sent + len(chunk) >= faults.drop_after_bytes:
-                    self.wfile.write(chunk[: max(faults.drop_after_bytes - sent, 0)])
-                    self.wfile.flush()
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    self.close_connection = True
-                    return
-                self.wfile.write(chunk)
-                sent += len(chunk)
-                remaining -= len(chunk)
+        if faults.send_file_range(self.wfile, self.connection, target, first, last - first + 1):
+            self.close_connection = True
+            return
         if faults.take("hang_up"):
             self.wfile.flush()
             self.close_connection = True

@@ -27,7 +27,6 @@ import json
 import os
 import posixpath
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -170,22 +169,8 @@ class _DatanodeHandler(_Handler):
             self.close_connection = True
             faults.send_huge(self.wfile, self.connection)
             return
-        drop = faults.take("drop")
-        with open(local, "rb") as file:
-            file.seek(offset)
-            sent = 0
-            while sent < length:
-                chunk = file.read(min(length - sent, 1 << 16))
-                if not chunk:
-                    break
-                if drop and sent + len(chunk) >= faults.drop_after_bytes:
-                    self.wfile.write(chunk[: max(faults.drop_after_bytes - sent, 0)])
-                    self.wfile.flush()
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    self.close_connection = True
-                    return
-                self.wfile.write(chunk)
-                sent += len(chunk)
+        if faults.send_file_range(self.wfile, self.connection, local, offset, length):
+            self.close_connection = True
 
 
 class _Server(ThreadingHTTPServer):

@@ -72,7 +72,7 @@ class PrefetchLimits:
     concurrency: int = 4  #: batches in flight
     batch_bytes: int = 4 << 20  #: compressed bytes per batch (memory: concurrency x batch_bytes)
     cold_rate: int = 0  #: bytes/s of the cold pass after the hot list; 0: no cold pass
-    page_cache: bool = True  #: also read each fetched batch through the mount into the page cache (hotlist.warm)
+    page_cache: bool = True  #: also store each fetched batch in the kernel's page cache (hotlist.warm)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.batch_bytes < 1 or self.cold_rate < 0:
@@ -109,7 +109,7 @@ class PrefetchStats:
     misses: int = 0
     lead_times: list[float] = field(default_factory=list)  #: per hit: seconds the block was ready before its read
     finished: bool = False
-    warmed_bytes: int = 0  #: file bytes read into the page cache through the mount
+    warmed_bytes: int = 0  #: file bytes stored in the kernel's page cache (store notifications)
     warm_finished: bool = False
 
     def as_dict(self) -> dict[str, Any]:

@@ -210,7 +210,7 @@ class HotListService:
         limits = self.config.prefetch
         limits = dataclasses.replace(limits, concurrency=max(1, min(limits.concurrency, streams // 2)))
         warm = None
-        if limits.page_cache and getattr(self.server, "session", None) is not None:  # no FUSE session: no page cache
+        if limits.page_cache and self.server.session is not None:  # no FUSE session (tests): no page cache to fill
             slots = {layer: self.server.layers[layer].slot for layer in layers}
             directories = {layer: str(self.server.paths.lower_dir(slot)) for layer, slot in slots.items()}
             digests = {block.hot.digest for block in plan}

@@ -102,9 +102,6 @@ class PageCacheWarmer:
         self.stored_bytes = 0
         self.skipped = 0
 
-    def placements(self, layer: str, digest: str) -> list[Placement]:
-        return self._where.get((layer, digest), [])
-
     def warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes]) -> int:
         """Blocking (a worker thread): store ``data`` (the raw bytes of ``blocks``, of ``layer``); bytes stored."""
         done = 0

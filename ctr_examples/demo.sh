@@ -12,8 +12,9 @@
 # downloaded), runs it with `ctr run --snapshotter bootseer` and shows how few bytes the
 # run fetched, kills the daemon under a running container that then reads a file it never
 # read before, brings the daemon back, and lets containerd's GC remove the lazy snapshots;
-# each step is printed with its timing.
-# Everything is cleaned up on exit, Ctrl-C or failure.  `--keep` keeps the temp dir.
+# each step is printed with its timing, and the start's profile is kept in
+# ./bootseer-demo-profile/ (`--profile-dir DIR`).
+# Everything else is cleaned up on exit, Ctrl-C or failure.  `--keep` keeps the temp dir.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)

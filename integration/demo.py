@@ -11,7 +11,11 @@ remove everything and let containerd's GC collect the lazy snapshots.  Everythin
 down on exit, Ctrl-C or failure (the logs of every process are printed on failure).
 Needs root.
 
-    python -m integration.demo [--keep]
+    python -m integration.demo [--keep] [--profile-dir DIR]
+
+The start's profile (``profile.json``, the HTML timeline ``profile.html``) is written to
+``--profile-dir`` (default ``bootseer-demo-profile`` in the current directory), outside the
+temp dir, so it is still there to open after the tear-down.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 from integration import harness
@@ -66,7 +71,7 @@ def _sigterm_to_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def demo(keep: bool) -> None:
+def demo(keep: bool, profile_dir: Path) -> None:
     if keep:
         os.environ["BOOTSEER_KEEP_TMP"] = "1"
     os.environ["BOOTSEER_PROFILE"] = "1"  # the start-up profiler: the daemon's spool is ROOT/profile (docs/profile.md)
@@ -132,7 +137,7 @@ def demo(keep: bool) -> None:
 
         with step("bootseer profile collect: where the start (rpull to the container's first step) went"):
             show(bootseer("profile", "collect", "--spool", os.environ["BOOTSEER_PROFILE"], "--until", str(profiled_until),
-                          "-o", str(stack.base / "profile.json"), "--html", str(stack.base / "profile.html")))
+                          "-o", str(profile_dir / "profile.json"), "--html", str(profile_dir / "profile.html")))
     except BaseException:
         with step("tear down"):
             stack.close()
@@ -142,12 +147,15 @@ def demo(keep: bool) -> None:
         stack.close()
     if stack.teardown_errors:
         raise harness.HarnessError(f"teardown: {stack.teardown_errors}")
+    print(f"==> the start's profile: {profile_dir / 'profile.html'} (timeline), {profile_dir / 'profile.json'} (trace)")
     print("==> demo finished" + (f"; files kept in {stack.base}" if keep else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m integration.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--keep", action="store_true", help="keep the temp dir (logs, configs, store) for a look")
+    parser.add_argument("--profile-dir", type=Path, default=Path("bootseer-demo-profile"),
+                        help="where the start's profile (trace and HTML timeline) is kept (default: %(default)s)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         print("demo: needs root (containerd, runc, overlay and FUSE mounts)", file=sys.stderr)
@@ -158,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     try:
-        demo(args.keep)
+        profile_dir = args.profile_dir.absolute()
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        demo(args.keep, profile_dir)
     except KeyboardInterrupt:
         print("demo: interrupted; everything was cleaned up", file=sys.stderr)
         return 130

@@ -57,11 +57,13 @@ def test_systemd_unit_starts_before_containerd_and_waits_for_the_socket():
 
 
 @pytest.mark.timeout(300)
-def test_demo_runs_and_cleans_up(runnable):
+def test_demo_runs_and_cleans_up(runnable, tmp_path):
     if harness.snapshotter_available():
         pytest.skip(harness.snapshotter_available())
     before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("bootseer-it-*"))
-    done = subprocess.run([str(EXAMPLES / "demo.sh")], env=dict(os.environ, BOOTSEER_SKIP_INSTALL="1"),
+    profile_dir = tmp_path / "profile"
+    done = subprocess.run([str(EXAMPLES / "demo.sh"), "--profile-dir", str(profile_dir)],
+                          env=dict(os.environ, BOOTSEER_SKIP_INSTALL="1"),
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, f"demo failed:\n{done.stdout}\n{done.stderr}"
     out = done.stdout
@@ -70,3 +72,7 @@ def test_demo_runs_and_cleans_up(runnable):
     assert re.search(r"snapshots left: 0, directories under \S+: 0$", out, re.M)
     assert out.rstrip().endswith("demo finished")
     assert set(Path(os.environ.get("TMPDIR", "/tmp")).glob("bootseer-it-*")) == before
+    # The profile outlives the temp dir, and the demo says where it is.
+    assert f"{profile_dir / 'profile.html'} (timeline)" in out
+    assert "first_step" in (profile_dir / "profile.json").read_text()
+    assert "<svg" in (profile_dir / "profile.html").read_text()

@@ -121,8 +121,14 @@ def scan(root: str | os.PathLike[str], *, exclude: Iterable[str] = ()) -> Tree:
             if st.st_dev != top.st_dev and stat.S_ISDIR(st.st_mode):
                 log.warning("not capturing another filesystem mounted in the tree", path=os.path.join(root, path))
                 return
-            name = path.rpartition("/")[2]
-            tree[path] = _node(st, os.readlink(name, dir_fd=parent_fd) if stat.S_ISLNK(st.st_mode) else "")
+            target = ""
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    target = os.readlink(path.rpartition("/")[2], dir_fd=parent_fd)
+                except OSError as exc:  # EINVAL, ENOENT: no longer the link just seen
+                    raise CaptureError(f"{os.path.join(root, path)}: {exc.strerror}: the tree changed while it "
+                                       "was scanned") from None  # fmt: skip
+            tree[path] = _node(st, target)
 
         confined.walk(fd, exclude=exclude, on_entry=add)
     except confined.NotAsScanned as exc:

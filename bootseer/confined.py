@@ -9,7 +9,8 @@ descriptor** held on it and
 * opens a relative path beneath it with Linux ``openat2(2)`` and ``RESOLVE_BENEATH |
   RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV`` (no symlink followed
   anywhere, no ``..`` out, no other filesystem); where the kernel has no ``openat2``
-  (ENOSYS, before 5.6) it walks component by component with ``O_NOFOLLOW|O_DIRECTORY``;
+  (ENOSYS, before 5.6; or EPERM from a seccomp filter older than it) it walks component
+  by component with ``O_NOFOLLOW|O_DIRECTORY``, each on the same filesystem;
 * scans a tree by directory descriptors (:func:`walk`: ``fstatat`` without following,
   each directory entered checked to be the one the scan saw);
 * opens a file for reading only after ``fstat`` of an ``O_PATH`` descriptor says it is
@@ -103,6 +104,15 @@ def _walk_open(dir_fd: int, parts: list[str], flags: int, mode: int) -> int:
             os.close(current)
 
 
+def _filtered(dir_fd: int) -> bool:
+    """Whether openat2 itself is refused (EPERM for the directory itself: a seccomp filter that predates it)."""
+    try:
+        os.close(_openat2(dir_fd, ".", os.O_PATH | os.O_DIRECTORY, 0))
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    return False
+
+
 def open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> int:
     """Open ``relpath`` beneath ``dir_fd`` following no symlink (ELOOP), leaving neither it nor its filesystem.
 
@@ -117,7 +127,7 @@ def open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> in
         try:
             return _openat2(dir_fd, relpath, flags, mode)
         except OSError as exc:
-            if exc.errno != errno.ENOSYS:
+            if exc.errno != errno.ENOSYS and not (exc.errno == errno.EPERM and _filtered(dir_fd)):
                 raise
             use_openat2 = False
             log.info("the kernel has no openat2: confined opens walk the path component by component")

@@ -25,6 +25,7 @@ module; a capture killed at any point leaves at most unreferenced objects.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import os
 import socket
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
-from bootseer import __version__
+from bootseer import __version__, confined
 from bootseer.blockstore.convert import ConversionError, DedupTable, convert_layer, verify_layer
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, EntryType, LayerIndex, chain_id, index_object
 from bootseer.blockstore.store import StoreWriter
@@ -81,43 +82,59 @@ class Node:
 Tree = dict[str, Node]  # relative path ("" is the root) -> node
 
 
-def _node(path: str, st: os.stat_result) -> Node:
+def _node(st: os.stat_result, target: str = "") -> Node:
     kind = stat.S_IFMT(st.st_mode)
     return Node(kind=kind, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
                 size=st.st_size if kind in (stat.S_IFREG, stat.S_IFLNK) else 0, mtime_ns=st.st_mtime_ns,
                 ctime_ns=st.st_ctime_ns, ino=st.st_ino, dev=st.st_dev, nlink=st.st_nlink, rdev=st.st_rdev,
-                target=os.readlink(path) if kind == stat.S_IFLNK else "")  # fmt: skip
+                target=target)  # fmt: skip
+
+
+def _open_root(root: str) -> int | None:
+    """A descriptor of the directory ``root`` (None if it does not exist); CaptureError if it is not a directory."""
+    try:
+        return confined.open_dir(root)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise CaptureError(f"{root} is not a directory") from None
+        raise
 
 
 def scan(root: str | os.PathLike[str], *, exclude: Iterable[str] = ()) -> Tree:
     """Every entry under ``root`` (``{}`` if it does not exist); other filesystems' mount points are left out.
 
-    ``exclude``: relative paths not scanned (nor anything under them).
+    ``exclude``: relative paths not scanned (nor anything under them).  The tree is read
+    through directory descriptors (:func:`bootseer.confined.walk`): whoever writes in it
+    cannot make the scan leave it.
     """
     root = os.fspath(root)
-    excluded = set(exclude)
-    try:
-        top = os.lstat(root)
-    except FileNotFoundError:
+    fd = _open_root(root)
+    if fd is None:
         return {}
-    if not stat.S_ISDIR(top.st_mode):
-        raise CaptureError(f"{root} is not a directory")
-    tree: Tree = {"": _node(root, top)}
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        with os.scandir(os.path.join(root, rel) if rel else root) as it:
-            for child in it:
-                name = f"{rel}/{child.name}" if rel else child.name
-                if name in excluded:
-                    continue
-                st = child.stat(follow_symlinks=False)
-                if st.st_dev != top.st_dev and stat.S_ISDIR(st.st_mode):
-                    log.warning("not capturing another filesystem mounted in the tree", path=child.path)
-                    continue
-                tree[name] = _node(child.path, st)
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append(name)
+    try:
+        top = os.fstat(fd)
+        tree: Tree = {"": _node(top)}
+
+        def add(path: str, st: os.stat_result, parent_fd: int) -> None:
+            if st.st_dev != top.st_dev and stat.S_ISDIR(st.st_mode):
+                log.warning("not capturing another filesystem mounted in the tree", path=os.path.join(root, path))
+                return
+            target = ""
+            if stat.S_ISLNK(st.st_mode):
+                try:
+                    target = os.readlink(path.rpartition("/")[2], dir_fd=parent_fd)
+                except OSError as exc:  # EINVAL, ENOENT: no longer the link just seen
+                    raise CaptureError(f"{os.path.join(root, path)}: {exc.strerror}: the tree changed while it "
+                                       "was scanned") from None  # fmt: skip
+            tree[path] = _node(st, target)
+
+        confined.walk(fd, exclude=exclude, on_entry=add)
+    except confined.NotAsScanned as exc:
+        raise CaptureError(f"{os.path.join(root, exc.filename or '')}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     return tree
 
 
@@ -212,26 +229,13 @@ class Expected:
     target: str = ""
     rdev: tuple[int, int] = (0, 0)
     link_to: str | None = None  #: a hard link's first path
-    source: str = ""  #: the file on disk whose blocks the layer holds
+    source: str = ""  #: the file (relative to the captured root) whose blocks the layer holds
+    seen: confined.Seen | None = None  #: what the scan saw of that file: it is read again only if it still is
     xattrs: dict[str, bytes] = field(default_factory=dict)  #: as the index keeps them (opaque as the marker says)
 
 
 _KINDS = {stat.S_IFREG: EntryType.FILE, stat.S_IFDIR: EntryType.DIR, stat.S_IFLNK: EntryType.SYMLINK,
           stat.S_IFCHR: EntryType.CHAR, stat.S_IFBLK: EntryType.BLOCK, stat.S_IFIFO: EntryType.FIFO}  # fmt: skip
-
-
-def _xattrs(path: str) -> dict[str, bytes]:
-    try:
-        names = os.listxattr(path, follow_symlinks=False)
-    except OSError:
-        return {}
-    out = {}
-    for name in names:
-        try:
-            out[name] = os.getxattr(path, name, follow_symlinks=False)
-        except OSError:
-            continue
-    return out
 
 
 def _info(name: str, node: Node, kind: bytes) -> tarfile.TarInfo:
@@ -255,6 +259,28 @@ def write_tar(root: str | os.PathLike[str], tree: Tree, change: Change, out: Bin
     ``trusted.overlay.opaque=y`` marks opaque directories.
     """
     root = os.fspath(root)
+    root_fd = _open_root(root)
+    if root_fd is None:
+        raise CaptureError(f"{root} is gone")
+    try:
+        if (os.fstat(root_fd).st_dev, os.fstat(root_fd).st_ino) != (tree[""].dev, tree[""].ino):
+            raise CaptureError(f"{root} is not the directory that was scanned")
+        return _write_tar(root, root_fd, tree, change, out, overlay_upper)
+    finally:
+        os.close(root_fd)
+
+
+def _read_entry(root: str, root_fd: int, path: str, seen: confined.Seen) -> BinaryIO:
+    """The regular file ``path`` open for reading, if it is still the one the scan saw; CaptureError if not."""
+    try:
+        return os.fdopen(confined.open_as_scanned(root_fd, path, seen), "rb")
+    except OSError as exc:  # NotAsScanned, a symlink now in a parent (ELOOP), gone...
+        raise CaptureError(f"{os.path.join(root, path)}: {exc.strerror}: the tree changed while it was captured, "
+                           "capture refused (nothing read from it, nothing uploaded)") from None  # fmt: skip
+
+
+def _write_tar(root: str, root_fd: int, tree: Tree, change: Change, out: BinaryIO,
+               overlay_upper: bool) -> tuple[str, int, dict[str, Expected]]:  # fmt: skip
     hashed = _HashingWriter(out)
     expected: dict[str, Expected] = {}
     first_path: dict[tuple[int, int], str] = {}
@@ -270,7 +296,10 @@ def write_tar(root: str | os.PathLike[str], tree: Tree, change: Change, out: Bin
             if overlay_upper and node.kind == stat.S_IFCHR and node.rdev == 0:
                 whiteout(tar, expected, path, node.uid, node.gid, mtime)
                 continue
-            xattrs = _xattrs(full)
+            try:
+                xattrs = confined.xattrs_beneath(root_fd, path)
+            except OSError as exc:  # a parent is no longer a directory of the tree
+                raise CaptureError(f"{full}: {exc.strerror}: the tree changed while it was captured") from None
             is_opaque = path in change.opaque or (overlay_upper and xattrs.get(OPAQUE_XATTR) == b"y")
             kept = {n: v for n, v in xattrs.items() if not n.startswith(_OVERLAY_XATTR)}
             if is_opaque and node.kind == stat.S_IFDIR:
@@ -303,14 +332,16 @@ def write_tar(root: str | os.PathLike[str], tree: Tree, change: Change, out: Bin
                 info.devmajor, info.devminor = os.major(node.rdev), os.minor(node.rdev)
             _add_xattrs(info, xattrs)
             if kind is EntryType.FILE:
-                with open(full, "rb") as f:
-                    if os.fstat(f.fileno()).st_size != node.size:
-                        raise CaptureError(f"{full} changed while it was captured")
-                    tar.addfile(info, f)
+                with _read_entry(root, root_fd, path, confined.Seen(node.dev, node.ino, node.size)) as f:
+                    try:
+                        tar.addfile(info, f)
+                    except OSError as exc:  # shorter than scanned: tarfile's "unexpected end of data"
+                        raise CaptureError(f"{full} changed while it was captured ({exc})") from None
             else:
                 tar.addfile(info)
             expected[path] = Expected(kind, size=node.size if kind in (EntryType.FILE, EntryType.SYMLINK) else 0,
-                                      target=node.target, source=full if kind is EntryType.FILE else "",
+                                      target=node.target, source=path if kind is EntryType.FILE else "",
+                                      seen=confined.Seen(node.dev, node.ino, node.size) if kind is EntryType.FILE else None,
                                       rdev=(os.major(node.rdev), os.minor(node.rdev)) if kind in (EntryType.CHAR, EntryType.BLOCK) else (0, 0),
                                       **common)  # type: ignore[arg-type]  # fmt: skip
             if is_opaque and kind is EntryType.DIR:
@@ -343,8 +374,20 @@ def _add_xattrs(info: tarfile.TarInfo, xattrs: dict[str, bytes]) -> None:
 # -- verification ----------------------------------------------------------------------------
 
 
-def verify_index(index: LayerIndex, expected: dict[str, Expected]) -> None:
-    """Check the layer's index against the tree: every entry, every block read again from disk; CaptureError if not."""
+def verify_index(index: LayerIndex, expected: dict[str, Expected], root: str | os.PathLike[str]) -> None:
+    """Check the layer's index against the tree at ``root``: every entry, every block read again from disk (each
+    file only if it is still the one the scan saw); CaptureError if not."""
+    root = os.fspath(root)
+    root_fd = _open_root(root)
+    if root_fd is None:
+        raise CaptureError(f"{root} is gone")
+    try:
+        _verify_index(index, expected, root, root_fd)
+    finally:
+        os.close(root_fd)
+
+
+def _verify_index(index: LayerIndex, expected: dict[str, Expected], root: str, root_fd: int) -> None:
     entries = {e.path: (n, e) for n, e in enumerate(index.entries)}
     if set(entries) != set(expected):
         extra = sorted(set(entries) - set(expected))[:3]
@@ -363,13 +406,14 @@ def verify_index(index: LayerIndex, expected: dict[str, Expected]) -> None:
             continue
         if want.kind is EntryType.FILE:
             blocks = index.file_blocks(entry)
-            with open(want.source, "rb") as f:
+            assert want.seen is not None
+            with _read_entry(root, root_fd, want.source, want.seen) as f:
                 for block in blocks:
                     data = f.read(block.rlen)
                     if hashlib.sha256(data).hexdigest() != block.digest:
-                        raise CaptureError(f"{want.source}: a block differs from the file on disk")
+                        raise CaptureError(f"{os.path.join(root, want.source)}: a block differs from the file on disk")
                 if f.read(1):
-                    raise CaptureError(f"{want.source}: the file is longer than the layer holds")
+                    raise CaptureError(f"{os.path.join(root, want.source)}: the file is longer than the layer holds")
 
 
 # -- publishing -------------------------------------------------------------------------------
@@ -427,7 +471,7 @@ def publish_capture(
     data = writer.get(index_object(chain_record.index))
     assert data is not None  # verify_layer read it
     index = LayerIndex.decode(data, expected_sha256=chain_record.index)
-    verify_index(index, expected)
+    verify_index(index, expected, root)
     again = scan(root, exclude=exclude)
     changed = [p for p in set(tree) | set(again) if p not in tree or p not in again or not tree[p].same(again[p])]
     if changed:

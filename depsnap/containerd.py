@@ -39,12 +39,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bootseer import confined
 from bootseer.blockstore.store import StoreError, open_store_writer
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
@@ -113,19 +115,33 @@ def _write_state(upper: str, state: dict[str, Any]) -> None:
 
 
 def _marker(upper: str, name: str, text: str) -> None:
-    """Write ``/.bootseer/NAME`` into the container's writable layer (temp name + rename: whole or absent)."""
-    directory = Path(upper) / MARKER_DIR
-    directory.mkdir(mode=0o755, exist_ok=True)
-    temp = directory / f".{name}.tmp"
-    temp.write_text(text + "\n")
-    os.chmod(temp, 0o644)
-    os.replace(temp, directory / name)
+    """Write ``/.bootseer/NAME`` into the container's writable layer (temp name + rename: whole or absent).
+
+    The layer is the container's: written beneath a descriptor of it, following no link
+    (a symlink as ``/.bootseer`` is an error, one as ``NAME`` is replaced).
+    """
+    with confined.opened_dir(upper) as fd:
+        confined.write_file(fd, f"{MARKER_DIR}/{name}", (text + "\n").encode(), mode=0o644)
 
 
 def _marks_dir(upper: str) -> None:
-    marks = Path(upper) / MARKER_DIR
-    marks.mkdir(mode=0o1777, exist_ok=True)  # where the job signals, whatever its uid (as /tmp)
-    os.chmod(marks, 0o1777)
+    """Make ``/.bootseer`` where the job signals, whatever its uid (sticky and world-writable, as /tmp)."""
+    with confined.opened_dir(upper) as fd:
+        marks = confined.make_dirs(fd, MARKER_DIR, 0o1777)
+        try:
+            os.fchmod(marks, 0o1777)
+        finally:
+            os.close(marks)
+
+
+def _done_marker_present(upper: str) -> bool:
+    """Whether the job left ``/.bootseer/deps-done``: a regular file, looked up confined (a symlink as it, or
+    as ``/.bootseer``, is no marker)."""
+    try:
+        with confined.opened_dir(upper) as fd:
+            return confined.exists_beneath(fd, f"{MARKER_DIR}/{DONE_MARKER}", stat.S_IFREG)
+    except OSError:
+        return False
 
 
 def _neither(upper: str, reason: str) -> None:
@@ -306,7 +322,7 @@ class Watcher:
                     with self._lock:
                         self._watches.pop(watch.upper, None)
                     continue
-                if os.path.exists(os.path.join(watch.upper, MARKER_DIR, DONE_MARKER)):
+                if _done_marker_present(watch.upper):
                     with self._lock:
                         self._watches.pop(watch.upper, None)
                     thread = threading.Thread(target=capture_container, args=(watch,), name=f"deps capture {watch.key}")

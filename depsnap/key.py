@@ -38,8 +38,9 @@ import subprocess
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import BinaryIO, Iterable, Mapping, Sequence
 
+from bootseer import confined
 from bootseer.profile import hooks as profile_hooks, traced
 
 #: Bumped when the meaning of an input changes, so old keys are never matched by new code.
@@ -163,9 +164,10 @@ def strip_credentials(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
-def file_digest(path: Path) -> str:
+def file_digest(path: Path | BinaryIO) -> str:
+    """The SHA-256 of a file (a path, or a file already open, which this closes)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else path as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return "sha256:" + h.hexdigest()
@@ -177,7 +179,10 @@ def tree_digest(root: Path, *, skip: Iterable[str] = ()) -> str:
     Mtimes, owners and inode numbers are left out on purpose: the same tree on two
     nodes (a fresh venv, a checkout) has the same digest.  ``skip``: names of
     directories not descended into (``.git``).  ``"absent"`` for a missing root,
-    ``"empty"`` for an empty directory.
+    ``"empty"`` for an empty directory.  The tree may be another user's to write (a
+    prefix): it is read beneath a descriptor of ``root`` (:mod:`bootseer.confined`),
+    each file only once ``fstat`` says it is the regular file listed; a tree that
+    changes under the walk is a KeyError_.
     """
     skip = set(skip)
     try:
@@ -186,31 +191,47 @@ def tree_digest(root: Path, *, skip: Iterable[str] = ()) -> str:
         return "absent"
     if stat.S_ISREG(top.st_mode):
         return file_digest(root)
+    try:
+        with confined.opened_dir(root) as root_fd:
+            return _confined_tree_digest(root_fd, skip)
+    except OSError as exc:
+        raise KeyError_(f"{root}: {exc.filename or ''}: {exc.strerror}: it changed while it was hashed") from None
+
+
+def _confined_tree_digest(root_fd: int, skip: set[str]) -> str:
     h = hashlib.sha256()
     count = 0
     stack = [""]
     while stack:
         rel = stack.pop()
-        path = root / rel if rel else root
-        with os.scandir(path) as it:
-            children = sorted(it, key=lambda e: e.name, reverse=True)
-        for child in children:
-            name = f"{rel}/{child.name}" if rel else child.name
-            st = child.stat(follow_symlinks=False)
-            count += 1
-            kind = stat.S_IFMT(st.st_mode)
-            record: list[object] = [name, kind, stat.S_IMODE(st.st_mode)]
-            if stat.S_ISREG(st.st_mode):
-                record += [st.st_size, file_digest(Path(child.path))]
-            elif stat.S_ISLNK(st.st_mode):
-                record.append(os.readlink(child.path))
-            elif stat.S_ISDIR(st.st_mode):
-                if child.name not in skip:
+        fd = confined.open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY) if rel else os.dup(root_fd)
+        try:
+            with os.scandir(fd) as it:
+                names = sorted((e.name for e in it), reverse=True)
+            for child in names:
+                name = f"{rel}/{child}" if rel else child
+                st = os.stat(child, dir_fd=fd, follow_symlinks=False)
+                count += 1
+                record = _digest_record(fd, child, name, st)
+                if stat.S_ISDIR(st.st_mode) and child not in skip:
                     stack.append(name)
-            elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-                record.append([os.major(st.st_rdev), os.minor(st.st_rdev)])
-            h.update(json.dumps(record, ensure_ascii=True).encode() + b"\n")
+                h.update(json.dumps(record, ensure_ascii=True).encode() + b"\n")
+        finally:
+            os.close(fd)
     return "sha256:" + h.hexdigest() if count else "empty"
+
+
+def _digest_record(dir_fd: int, child: str, name: str, st: os.stat_result) -> list[object]:
+    """One entry's line of :func:`tree_digest` (``child`` is its name in ``dir_fd``, ``name`` its path)."""
+    record: list[object] = [name, stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode)]
+    if stat.S_ISREG(st.st_mode):
+        seen = confined.Seen(st.st_dev, st.st_ino, st.st_size)
+        record += [st.st_size, file_digest(os.fdopen(confined.open_as_scanned(dir_fd, child, seen), "rb"))]
+    elif stat.S_ISLNK(st.st_mode):
+        record.append(os.readlink(child, dir_fd=dir_fd))
+    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        record.append([os.major(st.st_rdev), os.minor(st.st_rdev)])
+    return record
 
 
 def find_links_digest(path: Path) -> str:

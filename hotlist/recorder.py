@@ -10,8 +10,9 @@ was prepared.  :func:`run_recording` waits for the first of:
 
 * ``seal``: an explicit :meth:`Recording.seal` (``bootseer hotlist seal CONTAINER``);
 * ``removed``: the container's snapshot was removed (the snapshotter says so);
-* ``marker``: the job created the marker file (default ``/.bootseer-seal``) inside
-  the container, which the layer server sees in the snapshot's upper directory;
+* ``marker``: the job created the marker file (default ``/.bootseer-seal``, a regular
+  file) inside the container, which the layer server sees in the snapshot's upper
+  directory (looked up beneath a descriptor of it: a symlink is no marker);
 * ``quiet``: no new block for ``quiet`` seconds since the last new one (the clock
   starts at the first block: a container prepared long before it starts is not
   sealed empty by it);
@@ -23,15 +24,15 @@ Times are trio's clock, so tests run the timers on trio's autojump clock.
 from __future__ import annotations
 
 import math
-import os
 import socket
+import stat
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import trio
 
-from bootseer import __version__
+from bootseer import __version__, confined
 from bootseer.blockstore.format import LayerIndex
 from bootseer.hotlist.format import HotBlock, HotList
 
@@ -131,7 +132,15 @@ class Recording:
         return True
 
     def marker_present(self) -> bool:
-        return self.upper is not None and os.path.lexists(os.path.join(self.upper, self.marker))
+        """Whether the job made the seal marker: a regular file named :attr:`RecordingLimits.marker` in the upper
+        directory, looked up beneath a descriptor of it (a symlink there is no marker, and is never followed)."""
+        if self.upper is None:
+            return False
+        try:
+            with confined.opened_dir(self.upper) as fd:
+                return confined.exists_beneath(fd, self.marker, stat.S_IFREG)
+        except OSError:
+            return False
 
     def hot_list(self) -> HotList:
         """The recorded list (call once sealed)."""

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import prometheus_client
 
+from bootseer import confined
 from bootseer.depsnap import containerd as deps_hooks
 from bootseer.hotlist import hooks as hotlist_hooks
 from bootseer.locks import KeyedLocks
@@ -588,19 +589,28 @@ def disk_usage(root: str | os.PathLike) -> Usage:
 
     As containerd's ``fs.DiskUsage``: symlinks are not followed, hard links count once,
     and overlayfs whiteouts (0/0 character devices) count as inodes taking no blocks.
+    The tree is a container's: it is walked by directory descriptors (:func:`bootseer.confined.walk`),
+    so a directory swapped for a symlink mid-walk never takes it out of ``root``.
     """
     seen: set[tuple[int, int]] = set()
     size = 0
-    pending = [os.fspath(root)]
-    while pending:
-        path = pending.pop()
-        st = os.lstat(path)
+
+    def count(_path: str, st: os.stat_result, _parent_fd: int = -1) -> None:
+        nonlocal size
         if (st.st_dev, st.st_ino) not in seen:
             seen.add((st.st_dev, st.st_ino))
             size += st.st_blocks * 512
-        if stat.S_ISDIR(st.st_mode):
-            with os.scandir(path) as entries:
-                pending.extend(entry.path for entry in entries)
+
+    try:
+        fd = confined.open_dir(root)
+    except NotADirectoryError:
+        count("", os.lstat(root))
+        return Usage(size=size, inodes=len(seen))
+    try:
+        count("", os.fstat(fd))
+        confined.walk(fd, on_entry=count)
+    finally:
+        os.close(fd)
     return Usage(size=size, inodes=len(seen))
 
 

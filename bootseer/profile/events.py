@@ -34,11 +34,14 @@ import json
 import os
 import re
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
+
+from bootseer import confined
 
 #: Version of the event record; readers refuse other versions.
 EVENT_VERSION = 1
@@ -380,46 +383,54 @@ def read_marks(directory: str | os.PathLike[str]) -> list[tuple[str, float, int,
 
     A file's lines are the Python API's (one per call, each with its time); an empty file or
     one written by the shell form counts once, at its modification time. Names that are not
-    mark names (anything else the job put there) are skipped; so are symlinks (the directory
-    is the container's to write: never follow a link out of it). At most :data:`MAX_MARKS` marks
+    mark names (anything else the job put there) are skipped; so is anything but a regular
+    file. The directory is the container's to write: it is opened ``O_NOFOLLOW`` (a symlink
+    as ``/.bootseer`` reads as no marks) and each file beneath its descriptor, only once
+    ``fstat`` says it is a regular file (:mod:`bootseer.confined`): never a link out of it. At most :data:`MAX_MARKS` marks
     are read, each file's first 64 KiB.
     """
     marks: list[tuple[str, float, int, dict[str, Any]]] = []
     try:
-        entries = sorted(os.scandir(directory), key=lambda e: e.name)[:MAX_MARKS]
+        fd = confined.open_dir(directory)
     except OSError:
         return marks
-    for entry in entries:
-        if len(marks) >= MAX_MARKS:
-            break
-        if not MARK_NAME.match(entry.name) or not entry.is_file(follow_symlinks=False):
-            continue
-        try:
-            fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-            try:
-                st = os.fstat(fd)
-                data = os.read(fd, 1 << 16)
-            finally:
-                os.close(fd)
-        except OSError:
-            continue
-        found = False
-        for line in data.decode(errors="replace").splitlines():
-            try:
-                record = json.loads(line)
-                when = float(record["t"])
-            except (ValueError, KeyError, TypeError):
-                continue
-            pid = record.get("pid") if isinstance(record.get("pid"), int) else 0
-            attrs = record.get("attrs") if isinstance(record.get("attrs"), dict) else {}
-            marks.append((entry.name, when, pid, attrs))
-            found = True
+    try:
+        with os.scandir(fd) as entries:
+            names = sorted(entry.name for entry in entries if MARK_NAME.match(entry.name))[:MAX_MARKS]
+        for name in names:
             if len(marks) >= MAX_MARKS:
                 break
-        if not found:
-            marks.append((entry.name, st.st_mtime, 0, {}))
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                data = confined.read_small(fd, name, 1 << 16) if stat.S_ISREG(st.st_mode) else None
+            except OSError:
+                continue
+            if data is not None:
+                _parse_mark(marks, name, st, data)
+    finally:
+        os.close(fd)
     marks.sort(key=lambda m: m[1])
     return marks
+
+
+def _parse_mark(marks: list[tuple[str, float, int, dict[str, Any]]], name: str, st: os.stat_result,
+                data: bytes) -> None:  # fmt: skip
+    """Append the marks of one file's ``data`` (its lines, or once at its mtime) to ``marks``, up to MAX_MARKS."""
+    found = False
+    for line in data.decode(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            when = float(record["t"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        pid = record.get("pid") if isinstance(record.get("pid"), int) else 0
+        attrs = record.get("attrs") if isinstance(record.get("attrs"), dict) else {}
+        marks.append((name, when, pid, attrs))
+        found = True
+        if len(marks) >= MAX_MARKS:
+            return
+    if not found:
+        marks.append((name, st.st_mtime, 0, {}))
 
 
 _from_environment()

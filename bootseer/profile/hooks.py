@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from bootseer import confined
 from bootseer.profile import events
 from bootseer.profile.events import use_root  # noqa: F401 - daemons call hooks.use_root(ROOT)
 
@@ -52,11 +53,15 @@ def container_prepared(key: str, parent: str, labels: dict[str, str] | None, upp
     """
     if events._spool is None or not parent or REF_LABEL in (labels or {}):
         return
-    marks = Path(upper) / events.CONTAINER_MARKS_DIR.lstrip("/")
     try:
-        # Sticky and world-writable, as /tmp: a job running as any uid can leave marks.
-        marks.mkdir(mode=0o1777, exist_ok=True)
-        os.chmod(marks, 0o1777)
+        # Sticky and world-writable, as /tmp: a job running as any uid can leave marks. Made beneath a
+        # descriptor of the upper directory, set through its own: a symlink in its place is never followed.
+        with confined.opened_dir(upper) as upper_fd:
+            marks = confined.make_dirs(upper_fd, events.CONTAINER_MARKS_DIR.lstrip("/"), 0o1777)
+            try:
+                os.fchmod(marks, 0o1777)
+            finally:
+                os.close(marks)
     except OSError:
         pass
     events.emit("container.prepare", phase="container", container=container_name(key), parent=parent,

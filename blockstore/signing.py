@@ -282,7 +282,8 @@ class TrustPolicy:
         signer = signed.signer(keys)
         if signer is None:
             found = ", ".join(signed.key_ids()) or "none"
-            raise Untrusted(f"{what} is not signed by a trusted {'converter' if kind == 'chain' else 'writer'} key (signatures by: {found})")
+            role = "converter" if kind == "chain" else "writer"
+            raise Untrusted(f"{what} is not signed by a trusted {role} key (signatures by: {found})")
         return signer
 
     def describe(self) -> dict[str, Any]:

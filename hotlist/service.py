@@ -184,7 +184,8 @@ class HotListService:
             return await self._read_hot_list(image, profile)
         except HotListUntrusted as exc:
             IGNORED.labels("untrusted").inc()
-            log.warning("hot list ignored: not signed by a trusted writer key; no prefetch", image=image, profile=profile, error=str(exc))
+            log.warning("hot list ignored: not signed by a trusted writer key; no prefetch", image=image,
+                        profile=profile, error=str(exc))  # fmt: skip
             raise
         except HotListError as exc:
             IGNORED.labels("invalid").inc()

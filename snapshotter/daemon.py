@@ -266,7 +266,8 @@ class Daemon:
         )
         engine = EngineConfig(streams=settings.fetch_streams, retry_timeout=settings.fetch_retry_timeout)
         if not settings.trust.enforced("chain"):
-            log.warning("no [trust] converter_keys: layers are served as the store holds them, forged ones included (docs/trust.md)")
+            log.warning("no [trust] converter_keys: layers are served as the store holds them, "
+                        "forged ones included (docs/trust.md)")  # fmt: skip
         else:
             log.info("trust policy", **settings.trust.describe())
         return LayerServerBackend(settings.root, settings.store_url, server, engine, trust=settings.trust)

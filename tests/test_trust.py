@@ -14,7 +14,6 @@ valid signature moved to another layer, an unsigned hot list, a forged deps reco
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import stat
@@ -30,7 +29,7 @@ import trio
 
 from bootseer.blockstore.control import LayerUntrusted, ServerSettings
 from bootseer.blockstore.convert import convert_image
-from bootseer.blockstore.format import ChainRecord, LayerIndex, chain_id, chain_object, decode_sealed, encode_sealed, index_object
+from bootseer.blockstore.format import ChainRecord, chain_id, chain_object, decode_sealed, encode_sealed
 from bootseer.blockstore.server import LayerServer, LayerServerConfig
 from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted, generate_key
 from bootseer.blockstore.store import FileStoreWriter
@@ -43,6 +42,7 @@ from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.snapshotter import config
 from bootseer.snapshotter.types import Mount
 from tests.support.daemon import scrape, started_record
+from tests.support.forgery import forge_file
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.oci import build_oci_layout
@@ -106,31 +106,8 @@ def store(tmp_path: Path, keys: Keys) -> Store:
 
 
 def forge(store: Store, layer: BuiltLayer, *, sign: SigningKey | None = None) -> ChainRecord:
-    """Replace ``layer`` in the store as a writer with no converter key can: an index with the
-    layer's diff_id whose ``bin/tool`` is the attacker's blocks, and a new chain record naming it."""
-    index, evil = layer.index, store.evil.index
-    payload = next(e for e in evil.entries if e.path == "payload")
-    packs = list(index.packs) + [p for p in evil.packs if p not in index.packs]
-    blocks = list(index.blocks)
-    new_numbers = []
-    for number in payload.blocks:
-        block = evil.blocks[number]
-        blocks.append(dataclasses.replace(block, pack=packs.index(evil.packs[block.pack])))
-        new_numbers.append(len(blocks) - 1)
-    entries = [
-        dataclasses.replace(e, blocks=tuple(new_numbers), size=payload.size) if e.path == "bin/tool" else e
-        for e in index.entries
-    ]
-    forged = LayerIndex(diff_id=index.diff_id, block_size=index.block_size, entries=entries, blocks=blocks, packs=packs)
-    forged.validate()  # a well-formed index: only a signature tells it from the genuine one
-    data = forged.encode()
-    name = hashlib.sha256(data).hexdigest()
-    store.writer.put(index_object(name), data)
-    record = dataclasses.replace(layer.record, index=name, signatures=(), signed=None)
-    if sign is not None:
-        record = record.sign(sign)
-    store.writer.put(chain_object(layer.chain_id), record.encode())
-    return record
+    """``layer``'s ``bin/tool`` pointed at the attacker's blocks (:func:`tests.support.forgery.forge_file`)."""
+    return forge_file(store.path, layer.chain_id, "bin/tool", store.evil.chain_id, "payload", sign=sign)
 
 
 def put_record(store: Store, record: ChainRecord) -> None:

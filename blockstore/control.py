@@ -333,9 +333,10 @@ class ServerSettings:
             ("--prefetch-concurrency", self.prefetch_concurrency),
             ("--prefetch-batch", self.prefetch_batch),
             ("--prefetch-cold-rate", self.prefetch_cold_rate),
-            ("--sign-key", self.sign_key),
-            *(("--converter-key", path) for path in self.converter_keys),
-            *(("--writer-key", path) for path in self.writer_keys),
+            # Absolute: the server runs in / (a key path relative to the caller's directory would miss).
+            ("--sign-key", self.sign_key and os.path.abspath(self.sign_key)),
+            *(("--converter-key", os.path.abspath(path)) for path in self.converter_keys),
+            *(("--writer-key", os.path.abspath(path)) for path in self.writer_keys),
         ):
             if value is not None:
                 argv += [flag, str(value)]

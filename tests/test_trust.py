@@ -46,6 +46,7 @@ from tests.support.forgery import forge_file
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.oci import build_oci_layout
+from tests.support.mounts import force_unmount, mount_entry
 from tests.support.snapshots import mounted
 
 BLOCK_SIZE = 64 << 10
@@ -321,6 +322,49 @@ def test_a_deps_record_no_trusted_writer_signed_is_a_miss(store: Store, keys: Ke
     moved = dataclasses.replace(_deps_record(other), signatures=signed.signatures)
     store.writer.put(deps_object(other), moved.encode())
     assert deps_lookup(store.url, other, trust=trust) is None
+
+
+@root_only
+@pytest.mark.timeout(300)
+def test_deps_run_signs_its_capture_and_a_trusting_node_restores_only_a_signed_record(
+    tmp_path: Path, keys: Keys, layer_server_reaper: Any
+) -> None:
+    """Bare metal, real layer servers: node 1 captures and signs; node 2, trusting only that node
+    key (and only the converter's for image layers), restores it (the deps layer is served on the
+    record's word); with the signature stripped, node 3 installs instead."""
+    layer_server_reaper(tmp_path)
+    prefix = tmp_path / "env"
+    install = ["sh", "-c", f"mkdir -p {prefix}/lib && echo installed > {prefix}/lib/x"]
+
+    def run(node: str, *options: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "bootseer.cli", "deps", "run", "--prefix", str(prefix), "--store", str(tmp_path / "store"),
+                "--root", node, *options, "--", *install]  # fmt: skip
+        return subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240)  # key paths relative to it
+
+    trusting = ("--writer-key", "keys/node.pub", "--converter-key", "keys/converter.pub")
+    try:
+        first = run("n1", "--sign-key", "keys/node")
+        assert "captured" in first.stderr, first.stderr
+        (record_path,) = (tmp_path / "store" / "v1" / "deps").glob("*.json")
+        record = json.loads(record_path.read_text())
+        assert [s["key"] for s in record["signatures"]] == [keys.writer.public.id]
+
+        prefix.rename(tmp_path / "installed")
+        hit = run("n2", *trusting)
+        assert "hit" in hit.stderr, hit.stderr
+        assert (prefix / "lib" / "x").read_text() == "installed\n"
+        subprocess.run([sys.executable, "-m", "bootseer.cli", "deps", "release", str(prefix), "--root", "n2"],
+                       cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+
+        del record["signatures"]  # what a store writer without the node key can publish
+        record_path.write_text(json.dumps(record))
+        miss = run("n3", *trusting)
+        assert "hit" not in miss.stderr and "installed" in miss.stderr, miss.stderr
+        assert "ignoring a deps record no trusted writer signed" in miss.stderr
+        assert mount_entry(prefix) is None and (prefix / "lib" / "x").read_text() == "installed\n"
+    finally:
+        if mount_entry(prefix) is not None:
+            force_unmount(prefix)
 
 
 # -- converting, keys and configuration ------------------------------------------------------------------

@@ -35,6 +35,7 @@ from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted, gene
 from bootseer.blockstore.store import FileStoreWriter
 from bootseer.depsnap.prefix import lookup as deps_lookup
 from bootseer.depsnap.record import DepsRecord, deps_object
+from bootseer.hotlist.recorder import Recording
 from bootseer.hotlist.service import HotListConfig
 from bootseer.hotlist.format import HOTLIST_MAGIC, HOTLIST_VERSION, HotBlock, HotList, HotListUntrusted, hotlist_object
 from bootseer.images import open_image
@@ -180,7 +181,7 @@ def _layer_server_pid(root: Path) -> int:
 # -- the layer server's checks, in-process -------------------------------------------------------------
 
 
-def run_server(tmp_path: Path, store: Store, trust: TrustPolicy, body: Any) -> Any:
+def run_server(tmp_path: Path, store: Store, trust: TrustPolicy, body: Any, sign_key: SigningKey | None = None) -> Any:
     """``await body(server)`` with a real LayerServer on ``store`` (no FUSE session: mounts build the trees).
 
     Its hot lists are looked up only when the test asks (no prefetch started by a mount), so
@@ -189,7 +190,7 @@ def run_server(tmp_path: Path, store: Store, trust: TrustPolicy, body: Any) -> A
     async def main() -> Any:
         async with trio.open_nursery() as nursery:
             settings = LayerServerConfig(root=tmp_path / "node", store=store.url, cache_dir=tmp_path / "cache", trust=trust,
-                                         hotlist=HotListConfig(enabled=False))  # fmt: skip
+                                         sign_key=sign_key, hotlist=HotListConfig(enabled=False))  # fmt: skip
             settings.paths.indexes.mkdir(parents=True, exist_ok=True)
             server = LayerServer(settings, nursery)
             try:
@@ -274,6 +275,22 @@ def test_a_hot_list_no_trusted_writer_signed_is_ignored(tmp_path: Path, store: S
         return outcomes
 
     assert run_server(tmp_path, store, trust, body) == ["ignored 1", "ignored 1", "used 1"]
+
+
+def test_the_layer_server_signs_the_hot_lists_it_publishes_with_the_node_key(tmp_path: Path, store: Store, keys: Keys) -> None:
+    layers = [layer.chain_id for layer in store.victim]
+    recorded = _hot_list(store.victim)
+
+    async def body(server: LayerServer) -> str:
+        recording = Recording(container="job", image=layers[-1], profile="", layers=layers, started=trio.current_time(),
+                              publish_to=store.url)  # fmt: skip
+        recording.blocks = list(recorded.blocks)
+        await server.hotlist._publish(recording)
+        return recording.outcome
+
+    assert run_server(tmp_path, store, TrustPolicy(), body, sign_key=keys.writer) == "published"
+    published = HotList.decode(store.writer.get(hotlist_object(layers[-1])), expected_image=layers[-1])
+    assert TrustPolicy(writer_keys=(keys.writer.public,)).check("hotlist", published.signed, "it") == keys.writer.public
 
 
 def test_a_hot_list_signature_does_not_carry_over_to_another_image(store: Store, keys: Keys) -> None:

@@ -15,6 +15,7 @@ import sys
 
 from bootseer.blockstore.convert import ConversionError, Progress, check_block_size, convert_image
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE
+from bootseer.blockstore.signing import KeyFileError, load_signing_key
 from bootseer.blockstore.store import ReadOnlyStore, StoreError, open_store_writer
 from bootseer.units import parse_size
 from bootseer.fetch.source import SourceError
@@ -68,6 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
                          help="bytes of file contents per block, a power of two (default 1M)")  # fmt: skip
     convert.add_argument("--spool-dir", metavar="DIR", help="where packs are spooled before upload (default: TMPDIR)")
+    convert.add_argument("--sign-key", metavar="FILE",
+                         help="sign the chain records with this converter key (bootseer keys generate; docs/trust.md)")  # fmt: skip
     convert.set_defaults(func=run_convert)
 
 
@@ -77,6 +80,13 @@ def run_convert(args: argparse.Namespace) -> int:
     if args.spool_dir is not None and not os.path.isdir(args.spool_dir):
         print(f"bootseer convert: --spool-dir {args.spool_dir}: not a directory", file=sys.stderr)
         return EXIT_USAGE
+    sign_key = None
+    if args.sign_key is not None:
+        try:
+            sign_key = load_signing_key(args.sign_key)
+        except KeyFileError as exc:
+            print(f"bootseer convert: --sign-key: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         writer = open_store_writer(args.store)
     except ReadOnlyStore as exc:
@@ -97,7 +107,7 @@ def run_convert(args: argparse.Namespace) -> int:
                 return EXIT_USAGE
             with image:
                 result = convert_image(image, writer, block_size=args.block_size, spool_dir=args.spool_dir,
-                                       progress=Progress())  # fmt: skip
+                                       progress=Progress(), sign_key=sign_key)  # fmt: skip
     except (ConversionError, ImageError, StoreError, SourceError, OSError) as exc:  # OSError: the spool (disk full)
         message = str(exc)
         if not message.startswith(args.ref):

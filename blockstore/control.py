@@ -141,6 +141,12 @@ class LayerCorrupt(LayerServerError):
     kind = "corrupt"
 
 
+class LayerUntrusted(LayerServerError):
+    """The layer's chain record is not signed by a converter key the server trusts (docs/trust.md)."""
+
+    kind = "untrusted"
+
+
 class InvalidRequest(LayerServerError):
     """The request was malformed (a bad ChainID, an unknown operation)."""
 
@@ -157,6 +163,7 @@ ERROR_KINDS: dict[str, type[LayerServerError]] = {
         LayerNotMounted,
         StoreUnavailable,
         LayerCorrupt,
+        LayerUntrusted,
         InvalidRequest,
     )
 }
@@ -189,16 +196,22 @@ class LayerServerClient:
     def __repr__(self) -> str:
         return f"<LayerServerClient {self.socket_path}>"
 
-    def mount(self, chain_id: str, *, store: str | None = None, timeout: float = MOUNT_TIMEOUT) -> MountedLayer:
+    def mount(
+        self, chain_id: str, *, store: str | None = None, deps_index: str | None = None, timeout: float = MOUNT_TIMEOUT
+    ) -> MountedLayer:
         """Serve the layer ``chain_id`` (idempotent); where it is (``.lower_dir``, ``.slot``).
 
-        ``store`` overrides the server's ``--store`` for this layer.  Raises
+        ``store`` overrides the server's ``--store`` for this layer.  ``deps_index``
+        (a dependency layer's): the index a deps record the caller verified names, which
+        stands for a converter's signature (docs/trust.md).  Raises
         :class:`LayerNotConverted`, :class:`StoreUnavailable`, :class:`LayerCorrupt`,
-        :class:`InvalidRequest` or :class:`ServerUnavailable`.
+        :class:`LayerUntrusted`, :class:`InvalidRequest` or :class:`ServerUnavailable`.
         """
         request: dict[str, Any] = {"op": "mount", "chain_id": chain_id}
         if store is not None:
             request["store"] = store
+        if deps_index is not None:
+            request["deps_index"] = deps_index
         return _mounted(self.call(request, timeout=timeout))
 
     def check(self, chain_id: str) -> MountedLayer:
@@ -295,6 +308,9 @@ class ServerSettings:
     prefetch_batch: int | None = None  #: compressed bytes per prefetch batch
     prefetch_cold_rate: int | None = None  #: bytes/s of the cold pass; 0: off
     prefetch_page_cache: bool = True  #: False: ``--no-prefetch-page-cache``
+    converter_keys: tuple[str, ...] = ()  #: public key files: layers served only if one signed their chain record
+    writer_keys: tuple[str, ...] = ()  #: public key files: hot lists used only if one signed them
+    sign_key: str | None = None  #: the node's private key file (a path: the key itself never goes in argv)
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()  #: more ``bootseer layer-server`` options, passed as they are
     python: str = field(default_factory=lambda: sys.executable)
@@ -317,6 +333,10 @@ class ServerSettings:
             ("--prefetch-concurrency", self.prefetch_concurrency),
             ("--prefetch-batch", self.prefetch_batch),
             ("--prefetch-cold-rate", self.prefetch_cold_rate),
+            # Absolute: the server runs in / (a key path relative to the caller's directory would miss).
+            ("--sign-key", self.sign_key and os.path.abspath(self.sign_key)),
+            *(("--converter-key", os.path.abspath(path)) for path in self.converter_keys),
+            *(("--writer-key", os.path.abspath(path)) for path in self.writer_keys),
         ):
             if value is not None:
                 argv += [flag, str(value)]
@@ -421,6 +441,7 @@ __all__ = [
     "LayerNotMounted",
     "LayerServerClient",
     "LayerServerError",
+    "LayerUntrusted",
     "MountedLayer",
     "ServerPaths",
     "ServerSettings",

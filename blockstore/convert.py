@@ -59,6 +59,7 @@ from bootseer.blockstore.format import (
     index_object,
     pack_object,
 )
+from bootseer.blockstore.signing import SigningKey
 from bootseer.blockstore.store import StoreWriter
 from bootseer.blockstore.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
 from bootseer import __version__
@@ -472,8 +473,13 @@ def convert_layer(
     limits: TarLimits = TarLimits(),
     progress: Progress | None = None,
     label: str = "layer",
+    sign_key: SigningKey | None = None,
 ) -> LayerResult:
-    """Convert one layer blob and publish it (packs, dedup segment, index, chain record last)."""
+    """Convert one layer blob and publish it (packs, dedup segment, index, chain record last).
+
+    With ``sign_key`` the chain record carries its signature: it names the index by
+    SHA-256, which names every block, so the one signature vouches for the whole layer.
+    """
     puts_before = writer.put_bytes
     with contextlib.ExitStack() as stack:
         spool = stack.enter_context(tempfile.TemporaryDirectory(prefix="bootseer-convert-", dir=spool_dir))
@@ -524,10 +530,13 @@ def convert_layer(
                 converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 converter=f"bootseer {__version__}",
             )
+            if sign_key is not None:
+                record = record.sign(sign_key)
             writer.put(chain_object(chain), record.encode())  # last: this is what makes the layer visible
             back = writer.get(chain_object(chain))
             try:
-                same = back is not None and ChainRecord.decode(back, expected_chain_id=chain) == record
+                stored = ChainRecord.decode(back, expected_chain_id=chain) if back is not None else None
+                same = stored == record and stored is not None and stored.signatures == record.signatures
             except FormatError:
                 same = False
             if not same:
@@ -552,6 +561,7 @@ def convert_image(
     spool_dir: str | None = None,
     limits: TarLimits = TarLimits(),
     progress: Progress | None = None,
+    sign_key: SigningKey | None = None,
 ) -> ImageResult:
     """Convert every layer of ``image`` into ``writer``'s store, bottom up; idempotent.
 
@@ -559,6 +569,10 @@ def convert_image(
     StoreError when the store fails, and :mod:`bootseer.images` errors when the image
     cannot be read.  Layers converted before the failure stay published (each one
     is complete and verified); the failed one is not.
+
+    With ``sign_key``, a layer already in the store is skipped only if ``sign_key``
+    signed its record: any other is converted again from its blob, since a signature
+    vouches for what this converter made from the tar, never for an index it only found.
     """
     check_block_size(block_size)
     started = time.monotonic()
@@ -574,7 +588,8 @@ def convert_image(
     for number, (descriptor, diff_id, chain) in enumerate(zip(layers, diff_ids, chains)):
         label = f"layer {number + 1}/{len(layers)} {descriptor.digest[:19]}"
         existing = verify_layer(writer, chain)
-        if existing is not None and existing.block_size == block_size:
+        signed = sign_key is None or (existing is not None and existing.signature_check().signer([sign_key.public]))
+        if existing is not None and existing.block_size == block_size and signed:
             if progress is not None:
                 progress.line(f"{label}: already in the store")
             results.append(LayerResult(chain_id=chain, digest=descriptor.digest, skipped=True, files=existing.files))
@@ -588,7 +603,7 @@ def convert_image(
                 chain=chain, parent=chains[number - 1] if number else "", diff_id=diff_id,
                 digest=descriptor.digest, media_type=descriptor.media_type, size=descriptor.size,
                 block_size=block_size, compression=compression, spool_dir=spool_dir, limits=limits,
-                progress=progress, label=label,
+                progress=progress, label=label, sign_key=sign_key,
             )  # fmt: skip
         if progress is not None:
             s = result.stats

@@ -18,6 +18,7 @@ block (a sparse region) is stored nowhere.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import enum
 import hashlib
 import json
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import zstandard
+
+from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
 
 FORMAT_VERSION = 1
 DEFAULT_BLOCK_SIZE = 1 << 20
@@ -445,10 +448,31 @@ class ChainRecord:
     bytes: int = 0  #: raw bytes of the layer's regular files
     converted_at: str = ""  #: ISO 8601 time of conversion
     converter: str = ""  #: ``bootseer <version>``
+    #: the converters' signatures (docs/trust.md): ``{"key": id, "sig": base64}`` entries
+    signatures: tuple[dict[str, str], ...] = field(default=(), compare=False)
+    #: what a trust policy checks: the stored document's signed message (set by :meth:`decode`)
+    signed: Signed | None = field(default=None, compare=False, repr=False)
+
+    def _document(self) -> dict[str, Any]:
+        document = {"format": FORMAT_VERSION, **self.__dict__}
+        del document["signed"]
+        if not self.signatures:
+            del document["signatures"]
+        else:
+            document["signatures"] = list(self.signatures)
+        return document
 
     def encode(self) -> bytes:
-        document = {"format": FORMAT_VERSION, **self.__dict__}
-        return (json.dumps(document, indent=1, sort_keys=True) + "\n").encode()
+        return (json.dumps(self._document(), indent=1, sort_keys=True) + "\n").encode()
+
+    def sign(self, key: SigningKey) -> ChainRecord:
+        """This record with ``key``'s signature added (one signature covers the layer: docs/trust.md)."""
+        document = sign_document(self._document(), "chain", key)
+        return dataclasses.replace(self, signatures=tuple(document["signatures"]), signed=None)
+
+    def signature_check(self) -> Signed:
+        """The signed message and signatures a :class:`~blockstore.signing.TrustPolicy` checks."""
+        return self.signed if self.signed is not None else Signed.of("chain", self._document())
 
     @classmethod
     def decode(cls, data: bytes, *, expected_chain_id: str | None = None) -> ChainRecord:
@@ -471,6 +495,8 @@ class ChainRecord:
                 bytes=int(document.get("bytes", 0)),
                 converted_at=str(document.get("converted_at", "")),
                 converter=str(document.get("converter", "")),
+                signatures=tuple(signatures_of(document)),
+                signed=Signed.of("chain", document),
             )
         except FormatError:
             raise

@@ -31,6 +31,7 @@ import fcntl
 import functools
 import json
 import os
+import re
 import signal
 import socket as stdlib_socket
 import time
@@ -50,10 +51,12 @@ from bootseer.blockstore.control import (
     LayerNotConverted,
     LayerNotMounted,
     LayerServerError,
+    LayerUntrusted,
     ServerPaths,
     StoreUnavailable,
 )
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
+from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree, inode_number
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
@@ -100,6 +103,8 @@ class LayerServerConfig:
     #: answered before the client's own MOUNT_TIMEOUT, so it gets the reason, not a timeout
     load_timeout: float = MOUNT_TIMEOUT - 30
     hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
+    trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
+    sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
 
     @property
     def paths(self) -> ServerPaths:
@@ -116,14 +121,19 @@ class Layer:
     record: ChainRecord
     tree: LayerTree | None = None
     error: str = ""  #: why the layer is not being served (restore failed)
+    #: mounted as a dependency layer on the word of a deps record naming this index (no converter signature)
+    deps_index: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        row = {
             "chain_id": self.chain_id,
             "slot": self.slot,
             "store": self.store,
             "record": json.loads(self.record.encode()),
         }
+        if self.deps_index:
+            row["deps_index"] = self.deps_index
+        return row
 
 
 # -- the saved table -----------------------------------------------------------------------
@@ -158,7 +168,8 @@ def load_table(path: Path) -> list[Layer]:
         layers = []
         for row in document["layers"]:
             record = ChainRecord.decode(json.dumps(row["record"]).encode(), expected_chain_id=row["chain_id"])
-            layers.append(Layer(record.chain_id, int(row["slot"]), str(row["store"]), record))
+            layer = Layer(record.chain_id, int(row["slot"]), str(row["store"]), record, deps_index=str(row.get("deps_index", "")))
+            layers.append(layer)
     except (KeyError, TypeError, FormatError) as exc:
         raise ValueError(f"{path} is malformed ({exc!r}); move it away to start with no layers") from None
     slots = [layer.slot for layer in layers]
@@ -250,8 +261,21 @@ class LayerServer:
     def _index_path(self, record: ChainRecord) -> Path:
         return self.paths.indexes / record.index
 
-    async def _fetch_layer(self, chain_id: str, store: str) -> tuple[ChainRecord, LayerIndex, bytes]:
-        """The chain record and index of ``chain_id`` from ``store`` (verified), and the index's bytes as stored."""
+    def _check_trust(self, record: ChainRecord, deps_index: str | None) -> None:
+        """LayerUntrusted unless a trusted converter signed ``record``, or it is the dependency layer
+        whose index ``deps_index`` the caller took from a deps record a trusted writer signed."""
+        if deps_index is not None and deps_index == record.index:
+            return  # the index's SHA-256 pins the layer as a signed chain record would
+        try:
+            self.config.trust.check("chain", record.signature_check(), f"the chain record of {record.chain_id}")
+        except Untrusted as exc:
+            raise LayerUntrusted(str(exc)) from None
+
+    async def _fetch_layer(
+        self, chain_id: str, store: str, deps_index: str | None = None
+    ) -> tuple[ChainRecord, LayerIndex, bytes]:
+        """The chain record and index of ``chain_id`` from ``store`` (verified, and trusted: see
+        :meth:`_check_trust`), and the index's bytes as stored."""
         from bootseer.blockstore.store import StoreReader
 
         engine, _fetcher = await self.fetcher(store)
@@ -260,6 +284,7 @@ class LayerServer:
             record = await reader.chain(chain_id)
             if record is None:
                 raise LayerNotConverted(f"{chain_id} is not converted in {engine.url} (no chain record)")
+            self._check_trust(record, deps_index)  # before the index is even fetched
             index, data = await reader.index_and_bytes(record)
         except FormatError as exc:
             raise LayerCorrupt(f"{chain_id} in {engine.url}: {exc}") from None
@@ -352,20 +377,24 @@ class LayerServer:
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.paths.lower_dir(layer.slot)}
 
-    async def mount(self, chain_id: str, store: str | None = None) -> dict[str, Any]:
+    async def mount(self, chain_id: str, store: str | None = None, deps_index: str | None = None) -> dict[str, Any]:
         store = store or self.config.store
         if not store:
             raise InvalidRequest("no store: the server has no --store and the request names none")
         async with self._chain_locks.hold(chain_id):
             layer = self.layers.get(chain_id)
             if layer is not None and layer.tree is not None:
+                if layer.deps_index and deps_index != layer.deps_index:
+                    # Served as a dependency layer on a deps record's word: as anything else it
+                    # needs what any layer needs (else a writer key could stand in for a converter's).
+                    self._check_trust(layer.record, deps_index)
                 return self._answer(layer)
             # A row whose restore failed keeps its slot and store; this is its retry.
             store = layer.store if layer is not None else store
             # The engine fails a store that errors within retry_timeout; this bounds one that
             # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
             with trio.move_on_after(self.config.load_timeout) as loading:
-                record, index, data = await self._fetch_layer(chain_id, store)
+                record, index, data = await self._fetch_layer(chain_id, store, deps_index)
             if loading.cancelled_caught:
                 raise StoreUnavailable(
                     f"{chain_id}: the store {redact_url(store)} did not give its chain record and index in {self.config.load_timeout:g}s"
@@ -374,6 +403,8 @@ class LayerServer:
                 if layer is None:
                     layer = Layer(chain_id, self._free_slot(), store, record)
                 layer.record = record
+                trusted_by_signature = deps_index is None or not self.config.trust.enforced("chain")
+                layer.deps_index = "" if trusted_by_signature else deps_index
                 tree = await self._tree(layer, index)
                 # Disk first (the index copy, then the table), the served tree last.
                 await trio.to_thread.run_sync(self._save_local_index, record, data)
@@ -500,7 +531,10 @@ async def _dispatch(server: LayerServer, request: Any) -> dict[str, Any]:
         store = request.get("store")
         if store is not None and not isinstance(store, str):
             raise InvalidRequest("store must be a URL string")
-        return await server.mount(_checked_chain_id(request), store)
+        deps_index = request.get("deps_index")
+        if deps_index is not None and not (isinstance(deps_index, str) and re.fullmatch(r"[0-9a-f]{64}", deps_index)):
+            raise InvalidRequest("deps_index must be 64 hex digits")
+        return await server.mount(_checked_chain_id(request), store, deps_index)
     if op == "check":
         return await server.check(_checked_chain_id(request))
     if op == "unmount":
@@ -615,6 +649,10 @@ async def run_server(
         prepare_root(paths)
         profile_hooks.use_root(config.root)  # BOOTSEER_PROFILE=1: the start-up profiler's spool is ROOT/profile
         saved = load_table(paths.table)
+        if config.trust.enforced("chain") or config.trust.enforced("hotlist"):
+            log.info("trust policy: serving only what these keys signed", **config.trust.describe())
+        if not config.trust.enforced("chain"):
+            log.warning("no converter keys: layers are served as the store holds them, forged ones included (docs/trust.md)")
         options = mount_options(fsname="bootseer-layers", subtype=SUBTYPE, allow_other=True)
         # Opened before mounting, so a signal at any moment after the mount unmounts cleanly.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

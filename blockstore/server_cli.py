@@ -18,6 +18,7 @@ from pathlib import Path
 
 import trio
 
+from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
@@ -84,6 +85,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--shutdown-grace", type=_seconds, default=10.0, metavar="SECONDS",
         help="on SIGTERM, how long requests in flight may take to finish (10)",
     )  # fmt: skip
+    parser.add_argument("--converter-key", action="append", default=[], metavar="FILE",
+                        help="serve only layers whose chain record this converter key (a .pub file) signed; repeatable")  # fmt: skip
+    parser.add_argument("--writer-key", action="append", default=[], metavar="FILE",
+                        help="prefetch only hot lists this node key (a .pub file) signed; repeatable")  # fmt: skip
+    parser.add_argument("--sign-key", metavar="FILE", help="the node's private key: signs the hot lists it publishes")
     add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
     parser.set_defaults(func=layer_server_command)
 
@@ -126,6 +132,14 @@ def layer_server_command(args: argparse.Namespace) -> int:
     try:
         config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args))
     except ValueError as exc:
+        return _usage_error(str(exc))
+    try:
+        config = dataclasses.replace(
+            config,
+            trust=TrustPolicy.load(args.converter_key, args.writer_key),
+            sign_key=load_signing_key(args.sign_key) if args.sign_key else None,
+        )
+    except KeyFileError as exc:
         return _usage_error(str(exc))
     # Resident memory follows --memory-limit only if freed stripes leave the process
     # (glibc keeps them in its arenas otherwise: see bootseer.fetch.malloc).

@@ -20,6 +20,7 @@ from bootseer.log import FORMATS, LEVELS, setup_logging
 SUBCOMMANDS: dict[str, str] = {
     "ckpt": "bootseer.ckptmount.cli",
     "convert": "bootseer.blockstore.cli",
+    "keys": "bootseer.blockstore.keys_cli",
     "rpull": "bootseer.rpull_cli",
     "layer-server": "bootseer.blockstore.server_cli",
     "hotlist": "bootseer.hotlist.cli",

@@ -39,6 +39,7 @@ from typing import BinaryIO, Iterable
 from bootseer import __version__, confined
 from bootseer.blockstore.convert import ConversionError, DedupTable, convert_layer, verify_layer
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, EntryType, LayerIndex, chain_id, index_object
+from bootseer.blockstore.signing import SigningKey
 from bootseer.blockstore.store import StoreWriter
 from bootseer.blockstore.tarlayer import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
 from bootseer.log import get_logger
@@ -445,8 +446,10 @@ def publish_capture(
     exclude: Iterable[str] = (),
     spool_dir: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    sign_key: SigningKey | None = None,
 ) -> CaptureResult:
-    """Make ``change`` a layer in ``writer``'s store, verify it against ``root``, then publish the deps record.
+    """Make ``change`` a layer in ``writer``'s store, verify it against ``root``, then publish the deps record
+    (signed by ``sign_key``, the node's key, if given: it names the layer's index, so it vouches for the layer).
 
     Raises CaptureError (nothing published: the tree changed, an entry cannot be
     stored, the layer does not match) or StoreError (the store failed).  Returns a
@@ -482,6 +485,8 @@ def publish_capture(
         inputs=dict(inputs or {}), node=socket.gethostname(), capturer=f"bootseer {__version__}",
         captured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )  # fmt: skip
+    if sign_key is not None:
+        record = record.sign(sign_key)
     name = deps_object(key)
     published = writer.put_if_absent(name, record.encode())  # last: this is what makes the snapshot visible
     back = writer.get(name)

@@ -96,6 +96,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="on a hit, the hot list of the job's reads to prefetch or record (default: the default one)")
     run.add_argument("--no-hotlist", action="store_true",
                      help="on a hit, neither prefetch nor record a hot list (when this run starts the layer server)")
+    run.add_argument("--writer-key", action="append", default=[], metavar="FILE",
+                     help="restore only a snapshot this node key (a .pub file) signed; repeatable (docs/trust.md)")  # fmt: skip
+    run.add_argument("--converter-key", action="append", default=[], metavar="FILE",
+                     help="for the layer server this starts: serve only conversions this key signed; repeatable")  # fmt: skip
+    run.add_argument("--sign-key", metavar="FILE", help="this node's private key: signs the capture it publishes")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     run.set_defaults(func=run_command)
 
@@ -153,6 +158,7 @@ def key_command(args: argparse.Namespace) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     from bootseer.blockstore.control import ServerSettings
+    from bootseer.blockstore.signing import KeyFileError
     from bootseer.hotlist.format import HotListError, check_profile
 
     from .key import KeyError_
@@ -165,12 +171,14 @@ def run_command(args: argparse.Namespace) -> int:
         return _error(f"--hotlist-profile: {exc}")
     # Hot lists of the deps layer go where its captures go.
     settings = ServerSettings(store=args.store, cache_dir=args.cache_dir, cache_size=args.cache_size,
-                              publish_store=args.publish_store, hotlist=not args.no_hotlist)  # fmt: skip
+                              publish_store=args.publish_store, hotlist=not args.no_hotlist,
+                              converter_keys=tuple(args.converter_key), writer_keys=tuple(args.writer_key),
+                              sign_key=args.sign_key)  # fmt: skip
     try:
         outcome = run(argv, prefix=args.prefix, store=args.store, publish_store=args.publish_store, root=args.root,
                       python=args.python, extra_files=args.input, settings=settings, publish=not args.no_publish,
                       hotlist_profile=args.hotlist_profile)  # fmt: skip
-    except (KeyError_, DepsError) as exc:
+    except (KeyError_, DepsError, KeyFileError) as exc:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"{exc.filename or ''}: {exc.strerror or exc}")

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bootseer import confined
+from bootseer.blockstore.signing import SigningKey, TrustPolicy, load_signing_key
 from bootseer.blockstore.store import StoreError, open_store_writer
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
@@ -153,6 +154,12 @@ def _neither(upper: str, reason: str) -> None:
         log.warning("cannot write the deps marker", upper=upper, error=str(exc))
 
 
+def node_sign_key(backend: Any) -> SigningKey | None:
+    """The node's key (``[trust] sign_key``, which the layer server signs hot lists with) or None."""
+    path = getattr(getattr(backend, "server", None), "sign_key", None)
+    return load_signing_key(path) if path else None
+
+
 def publish_store(backend: Any) -> str:
     """Where a capture is written: the daemon's publish store, else its store of layers.
 
@@ -179,7 +186,7 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
         _neither(upper, "the snapshot is not over an image layer")
         return False
     try:
-        record = lookup(backend.store_url, deps_key, timeout=LOOKUP_TIMEOUT)
+        record = lookup(backend.store_url, deps_key, timeout=LOOKUP_TIMEOUT, trust=getattr(backend, "trust", TrustPolicy()))
     except StoreUnreachable as exc:
         log.warning("deps lookup failed; the container installs as on a miss", key=key, deps=deps_key, error=str(exc))
         record = None
@@ -192,12 +199,13 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
         from bootseer.snapshotter.errors import LayerUnavailable
 
         try:
-            lower = backend.mount(record.chain_id)
+            lower = backend.mount(record.chain_id, deps_index=record.index)  # the record is trusted: its index stands
         except LayerUnavailable as exc:
             log.warning("deps layer cannot be served; the container installs", key=key, deps=deps_key, error=str(exc))
             _neither(upper, f"the snapshot cannot be served: {exc}")
             return False
-        _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "lower_dir": lower})
+        _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "index": record.index,
+                             "lower_dir": lower})  # fmt: skip
         _marker(upper, HIT_MARKER, deps_key)
         log.info("dependency snapshot stacked", key=key, deps=deps_key, chain_id=record.chain_id)
         profile_hooks.deps_container("hit", key, deps_key, chain_id=record.chain_id)  # start-up profiler
@@ -223,7 +231,7 @@ def lowers(snapshotter: Any, upper: str) -> list[str]:
         try:
             return [snapshotter.backend.check(chain)]
         except LayerUnavailable:
-            return [snapshotter.backend.mount(chain)]
+            return [snapshotter.backend.mount(chain, deps_index=state.get("index"))]
     except LayerUnavailable as exc:
         # Without it the container would see /.bootseer/deps-hit and no packages: fail loudly instead.
         raise FailedPrecondition(f"the dependency layer {chain} of this snapshot cannot be served: {exc}") from None
@@ -344,7 +352,8 @@ def capture_container(watch: _Watch) -> str:
         with open_store_writer(publish_store(watch.snapshotter.backend)) as writer:
             result = publish_capture(writer, key=watch.deps_key, root=watch.upper, tree=tree, change=upper_change(tree),
                                      mode="container", parent=watch.parent, overlay_upper=True, exclude=EXCLUDED,
-                                     command=[], inputs={"container": watch.key})  # fmt: skip
+                                     command=[], inputs={"container": watch.key},
+                                     sign_key=node_sign_key(watch.snapshotter.backend))  # fmt: skip
         outcome = "published" if result.published else "exists"
         _write_state(watch.upper, {"key": watch.deps_key, "state": "captured", "chain_id": result.chain_id})
         log.info("dependency snapshot captured", key=watch.key, deps=watch.deps_key, chain_id=result.chain_id,

@@ -47,10 +47,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
+import prometheus_client
 import trio
 
 from bootseer.blockstore import control
 from bootseer.blockstore.format import FormatError
+from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted, load_signing_key
 from bootseer.blockstore.store import StoreError, open_store, open_store_writer
 from bootseer.fetch.engine import EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
@@ -69,6 +71,11 @@ DEFAULT_ROOT = "/var/lib/bootseer/deps"
 PREFIX_ENV = "BOOTSEER_DEPS_PREFIX"
 #: Seconds a store look-up may take (retries included) before the run installs as on a miss.
 LOOKUP_TIMEOUT = 20.0
+
+UNTRUSTED = prometheus_client.Counter(
+    "bootseer_deps_untrusted_total",
+    "Deps records ignored because no trusted writer key signed them (the install ran as on a miss)",
+)
 
 
 class DepsError(Exception):
@@ -180,8 +187,9 @@ class NodeRoot:
 # -- the store -------------------------------------------------------------------------------
 
 
-def lookup(store: str, key: str, *, timeout: float = LOOKUP_TIMEOUT) -> DepsRecord | None:
-    """The deps record of ``key`` in ``store`` (any readable URL); None if there is none or it is malformed.
+def lookup(store: str, key: str, *, timeout: float = LOOKUP_TIMEOUT, trust: TrustPolicy = TrustPolicy()) -> DepsRecord | None:
+    """The deps record of ``key`` in ``store`` (any readable URL); None if there is none, it is malformed
+    or ``trust`` has writer keys and none of them signed it (a miss: the install runs; logged and counted).
 
     StoreUnreachable when the store fails.
     """
@@ -201,10 +209,17 @@ def lookup(store: str, key: str, *, timeout: float = LOOKUP_TIMEOUT) -> DepsReco
     if data is None:
         return None
     try:
-        return DepsRecord.decode(data, expected_key=key)
+        record = DepsRecord.decode(data, expected_key=key)
     except FormatError as exc:
         log.warning("ignoring a malformed deps record", key=key, error=str(exc))
         return None
+    try:
+        trust.check("deps", record.signature_check(), f"the deps record {key}")
+    except Untrusted as exc:
+        UNTRUSTED.inc()
+        log.warning("ignoring a deps record no trusted writer signed; installing as on a miss", key=key, error=str(exc))
+        return None
+    return record
 
 
 # -- mounting ---------------------------------------------------------------------------------
@@ -234,7 +249,7 @@ def restore(node: NodeRoot, prefix: Path, record: DepsRecord, store: str, prior_
         raise DepsError(f"{prefix} is a mount point already; release or unmount it first")
     try:
         client = control.ensure_server(node.root, settings)
-        mounted = client.mount(record.chain_id, store=store)
+        mounted = client.mount(record.chain_id, store=store, deps_index=record.index)  # the record was trusted
     except control.LayerServerError as exc:
         raise DepsError(f"cannot serve the deps layer {record.chain_id}: {exc}") from None
     work_root = node.mount_dir(prefix)
@@ -326,7 +341,15 @@ def run(
     publish: bool = True,
     hotlist_profile: str = "",
 ) -> RunOutcome:
-    """Restore the dependency snapshot of this install at ``prefix``, or run the install and capture it."""
+    """Restore the dependency snapshot of this install at ``prefix``, or run the install and capture it.
+
+    ``settings`` (the layer server's) also give the trust policy (docs/trust.md): with
+    writer keys, only a record one of them signed is restored; with a sign key, the
+    capture is signed.  KeyFileError if a key file is bad.
+    """
+    settings = settings or control.ServerSettings(store=store)
+    trust = TrustPolicy.load(settings.converter_keys, settings.writer_keys)
+    sign_key = load_signing_key(settings.sign_key) if settings.sign_key else None
     prefix_path = Path(prefix).absolute()
     node = NodeRoot(root)
     env = dict(os.environ if env is None else env)
@@ -343,7 +366,8 @@ def run(
                         and state.prior_content in ("absent", "empty"):
                     # Installed here, its capture interrupted (killed, store down): the change is all
                     # of the prefix, so it can be captured now.
-                    return _capture(node, argv, prefix_path, key, {}, scan(prefix_path), state, store, publish_store)
+                    return _capture(node, argv, prefix_path, key, {}, scan(prefix_path), state, store, publish_store,
+                                    sign_key)  # fmt: skip
                 return RunOutcome("present", key.key, detail=f"{prefix_path} holds this install already ({state.state})")
             if state.state == "restored" and is_mountpoint(prefix_path):
                 raise DepsError(f"{prefix_path} holds the restored snapshot {state.key[:12]} of another install; "
@@ -356,7 +380,7 @@ def run(
         record = None
         if store:
             try:
-                record = lookup(store, key.key)
+                record = lookup(store, key.key, trust=trust)
             except StoreUnreachable as exc:
                 log.warning("the store failed; installing as on a miss", error=str(exc))
         if record is not None:
@@ -364,17 +388,17 @@ def run(
                 log.warning("deps record is for another prefix; ignoring it", key=key.key, prefix=record.prefix)
             else:
                 try:
-                    restore(node, prefix_path, record, store or "", prior, settings or control.ServerSettings(store=store),
-                            hotlist_profile)  # fmt: skip
+                    restore(node, prefix_path, record, store or "", prior, settings, hotlist_profile)
                     return RunOutcome("hit", key.key, detail=f"restored {prefix_path} from {record.chain_id}")
                 except DepsError as exc:
                     # Never a failed job for want of a snapshot: install as without one.
                     log.warning("the dependency snapshot cannot be restored; installing", key=key.key, error=str(exc))
-        return _install_and_capture(node, argv, prefix_path, key, env, store, publish_store, publish)
+        return _install_and_capture(node, argv, prefix_path, key, env, store, publish_store, publish, sign_key)
 
 
 def _install_and_capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, env: dict[str, str],
-                         store: str | None, publish_store: str | None, publish: bool) -> RunOutcome:  # fmt: skip
+                         store: str | None, publish_store: str | None, publish: bool,
+                         sign_key: SigningKey | None) -> RunOutcome:  # fmt: skip
     before = scan(prefix)
     child_env = {**env, PREFIX_ENV: str(prefix)}
     try:
@@ -390,11 +414,12 @@ def _install_and_capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key:
     node.save_state(state)
     if not publish or not (publish_store or store):
         return RunOutcome("installed", key.key, detail="installed; not published (no store given)")
-    return _capture(node, argv, prefix, key, before, after, state, store, publish_store)
+    return _capture(node, argv, prefix, key, before, after, state, store, publish_store, sign_key)
 
 
 def _capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, before: Tree, after: Tree,
-             state: PrefixState, store: str | None, publish_store: str | None) -> RunOutcome:  # fmt: skip
+             state: PrefixState, store: str | None, publish_store: str | None,
+             sign_key: SigningKey | None) -> RunOutcome:  # fmt: skip
     """Publish the change from ``before`` to ``after`` under ``key``; the state remembers that it is published."""
     target = publish_store or store
     assert target
@@ -410,7 +435,7 @@ def _capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, be
         with writer:
             result = publish_capture(writer, key=key.key, root=prefix, tree=after, change=change, mode="prefix",
                                      prefix=str(prefix), command=list(argv), inputs=key.inputs,
-                                     spool_dir=str(node.spool))  # fmt: skip
+                                     spool_dir=str(node.spool), sign_key=sign_key)  # fmt: skip
     except (CaptureError, StoreError) as exc:
         log.error("the install worked but its capture was not published", key=key.key, error=str(exc))
         return RunOutcome("installed", key.key, detail=f"installed; not published: {exc}")

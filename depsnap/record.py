@@ -12,12 +12,14 @@ they named stay for the store's garbage collector (FORMAT.md).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from bootseer.blockstore.format import FORMAT_VERSION, FormatError, check_digest, chain_id
+from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
 
 #: Where deps records live.
 DEPS_PREFIX = f"v{FORMAT_VERSION}/deps"
@@ -55,9 +57,26 @@ class DepsRecord:
     node: str = ""
     capturer: str = ""
     format: int = FORMAT_VERSION
+    #: the capturing node's signatures (docs/trust.md); what a trust policy checks is ``signed``
+    signatures: list[dict[str, str]] = field(default_factory=list, compare=False)
+    signed: Signed | None = field(default=None, compare=False, repr=False)
+
+    def _document(self) -> dict[str, Any]:
+        document = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "signed"}
+        if not self.signatures:
+            del document["signatures"]
+        return json.loads(json.dumps(document))  # plain JSON types, as a reader sees them
 
     def encode(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, indent=1).encode() + b"\n"
+        return json.dumps(self._document(), sort_keys=True, indent=1).encode() + b"\n"
+
+    def sign(self, key: SigningKey) -> DepsRecord:
+        """This record with ``key``'s signature (it names its key, so it cannot stand under another)."""
+        signatures = sign_document(self._document(), "deps", key)["signatures"]
+        return dataclasses.replace(self, signatures=signatures, signed=None)
+
+    def signature_check(self) -> Signed:
+        return self.signed if self.signed is not None else Signed.of("deps", self._document())
 
     @classmethod
     def decode(cls, data: bytes, *, expected_key: str | None = None) -> DepsRecord:
@@ -70,9 +89,10 @@ class DepsRecord:
             raise FormatError("deps record is not a JSON object")
         if doc.get("format") != FORMAT_VERSION:
             raise FormatError(f"deps record of format {doc.get('format')!r}, not {FORMAT_VERSION}")
-        known = {f for f in cls.__dataclass_fields__}
+        known = {f for f in cls.__dataclass_fields__} - {"signatures", "signed"}
         try:
-            record = cls(**{k: v for k, v in doc.items() if k in known})
+            record = cls(**{k: v for k, v in doc.items() if k in known}, signatures=signatures_of(doc),
+                         signed=Signed.of("deps", doc))  # fmt: skip
         except TypeError as exc:
             raise FormatError(f"deps record lacks a field: {exc}") from None
         deps_object(record.key)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from bootseer.blockstore.format import FORMAT_VERSION as STORE_FORMAT_VERSION
 from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, decode_sealed, encode_sealed
+from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
 
 HOTLIST_VERSION = 1
 HOTLIST_MAGIC = b"BSHOTL01"
@@ -58,6 +59,10 @@ HOTLIST_PREFIX = f"v{STORE_FORMAT_VERSION}/hotlists"
 
 class HotListError(FormatError):
     """A hot list is malformed, truncated, tampered with, foreign, or does not match the image."""
+
+
+class HotListUntrusted(HotListError):
+    """A hot list not signed by a writer key the node trusts (docs/trust.md): ignored, never prefetched."""
 
 
 def check_profile(profile: str) -> str:
@@ -119,6 +124,9 @@ class HotList:
     duration: float = 0.0  #: seconds recording ran
     unattributed: int = 0  #: reads whose opener could not be identified, left out (several recordings were possible)
     recorder: str = ""  #: ``bootseer <version>``
+    #: the writing node's signatures (docs/trust.md); what a trust policy checks is ``signed``
+    signatures: list[dict[str, str]] = field(default_factory=list, compare=False)
+    signed: Signed | None = field(default=None, compare=False, repr=False)
 
     @property
     def total_bytes(self) -> int:
@@ -144,7 +152,9 @@ class HotList:
 
     # -- encoding ---------------------------------------------------------------------
 
-    def encode(self) -> bytes:
+    def encode(self, sign_key: SigningKey | None = None) -> bytes:
+        """The sealed object; with ``sign_key``, signed by it (the list names its image and profile, so the
+        signature binds it to its store name)."""
         self.validate()
         layer_numbers = {layer: number for number, layer in enumerate(self.layers)}
         packs: dict[str, int] = {}
@@ -169,6 +179,10 @@ class HotList:
             "unattributed": self.unattributed,
             "recorder": self.recorder,
         }
+        if self.signatures:
+            document["signatures"] = self.signatures
+        if sign_key is not None:
+            document = sign_document(document, "hotlist", sign_key)
         payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
         return encode_sealed(HOTLIST_MAGIC, HOTLIST_VERSION, payload)
 
@@ -207,6 +221,8 @@ class HotList:
                 duration=float(document.get("duration", 0.0)),
                 unattributed=int(document.get("unattributed", 0)),
                 recorder=str(document.get("recorder", "")),
+                signatures=signatures_of(document),
+                signed=Signed.of("hotlist", document),
             )
         except HotListError:
             raise

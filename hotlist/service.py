@@ -43,6 +43,7 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.format import Entry, FormatError
+from bootseer.blockstore.signing import Untrusted
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.hotlist.attribution import cgroup_paths, container_id, container_of
@@ -50,6 +51,7 @@ from bootseer.hotlist.format import (
     MAX_OBJECT_BYTES,
     HotList,
     HotListError,
+    HotListUntrusted,
     hotlist_object,
     profile_of_labels,
     resolve,
@@ -73,7 +75,7 @@ UNATTRIBUTED = prometheus_client.Counter(
     "Reads of a recorded layer whose opener could not be identified while several recordings cover it (left out)",
 )
 IGNORED = prometheus_client.Counter(
-    "bootseer_hotlist_ignored", "Hot lists found but not used, by reason (invalid, mismatch, store_error)", ["reason"]
+    "bootseer_hotlist_ignored", "Hot lists found but not used, by reason (invalid, untrusted, mismatch, store_error)", ["reason"]
 )
 PREFETCHES = prometheus_client.Gauge("bootseer_hotlist_prefetches", "Hot-list prefetches running")
 
@@ -141,7 +143,12 @@ class HotListService:
         data = await StoreReader(engine).read_object(hotlist_object(image, profile), MAX_OBJECT_BYTES)
         if data is None:
             return None
-        return HotList.decode(data, expected_image=image, expected_profile=profile)
+        hot = HotList.decode(data, expected_image=image, expected_profile=profile)
+        try:
+            self.server.config.trust.check("hotlist", hot.signed, f"the hot list of {image} (profile {profile!r})")
+        except Untrusted as exc:
+            raise HotListUntrusted(str(exc)) from None
+        return hot
 
     def _spawn(self, function: Any, *args: Any) -> None:
         """Run ``function(*args)`` in the server's nursery; an error is logged, never the server's end."""
@@ -175,6 +182,11 @@ class HotListService:
         """The hot list; None if absent or the store fails (logged); HotListError (logged) if it is invalid."""
         try:
             return await self._read_hot_list(image, profile)
+        except HotListUntrusted as exc:
+            IGNORED.labels("untrusted").inc()
+            log.warning("hot list ignored: not signed by a trusted writer key; no prefetch", image=image,
+                        profile=profile, error=str(exc))  # fmt: skip
+            raise
         except HotListError as exc:
             IGNORED.labels("invalid").inc()
             log.warning("hot list ignored: invalid (bootseer hotlist clear removes it)", image=image, profile=profile, error=str(exc))
@@ -341,7 +353,7 @@ class HotListService:
             try:
                 if not url:
                     raise StoreError("the image's layers have no store and no --publish-store is set")
-                published = await trio.to_thread.run_sync(functools.partial(_publish_blocking, url, name, hot.encode()))
+                published = await trio.to_thread.run_sync(functools.partial(_publish_blocking, url, name, hot.encode(self.server.config.sign_key)))
                 outcome = "published" if published else "lost_race"
             except (StoreError, ValueError, OSError) as exc:
                 outcome, error = "failed", str(exc)

@@ -609,11 +609,12 @@ class Stack:
 
     def __init__(self, base: Path | None = None, *, namespace: str | None = None,
                  snapshotter: str = SNAPSHOTTER_NAME, with_registry: bool = True,
-                 snapshotter_log_level: str = "debug", store: bool = False):
+                 snapshotter_log_level: str = "debug", store: bool = False, daemon_args: Sequence[str] = ()):
         """``snapshotter`` is ``"bootseer"`` (start the daemon) or :data:`BUILTIN_OVERLAY`.
 
         ``store``: the daemon serves lazy layers from a local store at :attr:`store_url`
-        (``--store``), with its metrics at :attr:`metrics_address`.
+        (``--store``), with its metrics at :attr:`metrics_address`.  ``daemon_args``: more
+        ``bootseer-snapshotter`` flags.
         """
         if snapshotter not in (SNAPSHOTTER_NAME, BUILTIN_OVERLAY):
             raise ValueError(f"snapshotter must be {SNAPSHOTTER_NAME!r} or {BUILTIN_OVERLAY!r}, not {snapshotter!r}")
@@ -624,7 +625,7 @@ class Stack:
         self.registry = Registry(self.base / "registry") if with_registry else None
         self.store_dir: Path | None = self.base / "store" if store else None
         self.metrics_address: str | None = f"127.0.0.1:{free_port()}" if store else None
-        daemon_args = ["--store", self.store_url, "--metrics-address", self.metrics_address] if store else []
+        daemon_args = (["--store", self.store_url, "--metrics-address", self.metrics_address] if store else []) + list(daemon_args)
         self.daemon = (Snapshotter(self.base / "snap", log_level=snapshotter_log_level, extra_args=daemon_args)
                        if snapshotter == SNAPSHOTTER_NAME else None)
         self.containerd = Containerd(self.base / "ctrd", self.base / "snap" / "snapshotter.sock",

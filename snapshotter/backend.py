@@ -39,8 +39,12 @@ class LayerBackend(Protocol):
         """
         ...
 
-    def mount(self, chain_id: str) -> str:
-        """Serve ``chain_id`` (idempotent) and return the lower directory overlayfs takes."""
+    def mount(self, chain_id: str, deps_index: str | None = None) -> str:
+        """Serve ``chain_id`` (idempotent) and return the lower directory overlayfs takes.
+
+        ``deps_index``: ``chain_id`` is a dependency layer and a deps record the caller
+        trusts names this index, which then stands for a converter's signature (docs/trust.md).
+        """
         ...
 
     def check(self, chain_id: str) -> str:

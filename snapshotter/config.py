@@ -7,7 +7,8 @@ take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
 prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
-metrics_address`` (the layer server's own Prometheus endpoint; empty: off).  Inside the
+metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and ``[trust]
+converter_keys, writer_keys, sign_key`` (docs/trust.md).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
 ``[fetch]`` and ``[hotlist]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
+from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import redact_url, source_class
@@ -60,6 +62,10 @@ class Config:
     hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
     hotlist_prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)  #: how much a prefetch does at once
     layer_server_metrics_address: str = ""  #: ``HOST:PORT`` of the layer server's Prometheus endpoint; empty: off
+    converter_keys: tuple[Path, ...] = ()  #: ``[trust] converter_keys``: .pub files whose conversions are served
+    writer_keys: tuple[Path, ...] = ()  #: ``[trust] writer_keys``: .pub files whose hot lists and deps records are used
+    sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)
+    trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the loaded ``converter_keys`` and ``writer_keys``
 
     @property
     def block_cache_dir(self) -> Path:
@@ -88,6 +94,9 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_cold_rate": "0",
     "hotlist.prefetch_page_cache": True,
     "fuse.metrics_address": "",
+    "trust.converter_keys": [],
+    "trust.writer_keys": [],
+    "trust.sign_key": "",
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -104,6 +113,8 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "hotlist.prefetch_batch": (str, int),
     "hotlist.prefetch_cold_rate": (str, int),
     "hotlist.prefetch_page_cache": (bool,),
+    "trust.converter_keys": (list,),
+    "trust.writer_keys": (list,),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -118,9 +129,12 @@ FLAGS: dict[str, str] = {
     "cache.size": "cache_size",
     "hotlist.publish_store": "publish_store",
     "fuse.metrics_address": "layer_server_metrics_address",
+    "trust.converter_keys": "converter_key",
+    "trust.writer_keys": "writer_key",
+    "trust.sign_key": "sign_key",
 }
 
-SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse")
+SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "trust")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -239,6 +253,25 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         except ValueError as exc:
             raise invalid(key, f"{exc}, not {value!r}") from None
     prefetch = dataclasses.replace(prefetch, page_cache=merged["hotlist.prefetch_page_cache"])
+    key_files: dict[str, tuple[Path, ...]] = {}
+    for key in ("trust.converter_keys", "trust.writer_keys"):
+        if not all(isinstance(item, str) and item for item in merged[key]):
+            raise invalid(key, "must be a list of public key file paths")
+        key_files[key] = tuple(Path(item).absolute() for item in merged[key])
+    try:
+        trust = TrustPolicy.load(key_files["trust.converter_keys"], ())
+    except KeyFileError as exc:
+        raise invalid("trust.converter_keys", str(exc)) from None
+    try:
+        trust = dataclasses.replace(trust, writer_keys=TrustPolicy.load((), key_files["trust.writer_keys"]).writer_keys)
+    except KeyFileError as exc:
+        raise invalid("trust.writer_keys", str(exc)) from None
+    sign_key = Path(merged["trust.sign_key"]).absolute() if merged["trust.sign_key"] else None
+    if sign_key is not None:
+        try:
+            load_signing_key(sign_key)  # refused now, not at the first publish
+        except KeyFileError as exc:
+            raise invalid("trust.sign_key", str(exc)) from None
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -257,6 +290,10 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         hotlist_recording=recording,
         hotlist_prefetch=prefetch,
         layer_server_metrics_address=layer_server_metrics,
+        converter_keys=key_files["trust.converter_keys"],
+        writer_keys=key_files["trust.writer_keys"],
+        sign_key=sign_key,
+        trust=trust,
     )
 
 

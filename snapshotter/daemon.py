@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the layer server's Prometheus /metrics (FUSE requests, fetches, cache) here, "
              "when this daemon starts it (default off)",
     )  # fmt: skip
+    trust = parser.add_argument_group("trust (docs/trust.md; no keys: the store is trusted as it is)")
+    trust.add_argument("--converter-key", action="append", metavar="FILE",
+                       help="serve only layers whose chain record this converter key (.pub) signed; repeatable")  # fmt: skip
+    trust.add_argument("--writer-key", action="append", metavar="FILE",
+                       help="use only hot lists and deps records this node key (.pub) signed; repeatable")  # fmt: skip
+    trust.add_argument("--sign-key", metavar="FILE", help="this node's private key: signs its hot lists and deps captures")
     return parser
 
 
@@ -253,10 +259,18 @@ class Daemon:
             prefetch_cold_rate=settings.hotlist_prefetch.cold_rate,
             prefetch_page_cache=settings.hotlist_prefetch.page_cache,
             metrics_address=settings.layer_server_metrics_address or None,
+            converter_keys=tuple(map(str, settings.converter_keys)),
+            writer_keys=tuple(map(str, settings.writer_keys)),
+            sign_key=str(settings.sign_key) if settings.sign_key else None,
             log_level=settings.log_level,
         )
         engine = EngineConfig(streams=settings.fetch_streams, retry_timeout=settings.fetch_retry_timeout)
-        return LayerServerBackend(settings.root, settings.store_url, server, engine)
+        if not settings.trust.enforced("chain"):
+            log.warning("no [trust] converter_keys: layers are served as the store holds them, "
+                        "forged ones included (docs/trust.md)")  # fmt: skip
+        else:
+            log.info("trust policy", **settings.trust.describe())
+        return LayerServerBackend(settings.root, settings.store_url, server, engine, trust=settings.trust)
 
     @staticmethod
     def _start_layer_server(backend: LayerServerBackend) -> None:

@@ -47,7 +47,7 @@ class LayerUnavailable(SnapshotError):
     """A remote layer cannot be looked up, mounted or checked now.
 
     ``reason`` is a short word for logs and the fallback metric (``store_error``,
-    ``server_unavailable``, ``corrupt``, ``mount_failed``, ``not_mounted``).  Prepare
+    ``server_unavailable``, ``corrupt``, ``untrusted``, ``mount_failed``, ``not_mounted``).  Prepare
     never lets it out: it falls back to the ordinary download-and-unpack path.
     """
 

@@ -23,6 +23,7 @@ import trio
 
 from bootseer.blockstore import control
 from bootseer.blockstore.format import FormatError
+from bootseer.blockstore.signing import TrustPolicy, Untrusted
 from bootseer.blockstore.store import open_store
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.source import SourceError
@@ -42,6 +43,7 @@ _REASONS: dict[type[control.LayerServerError], str] = {
     control.LayerNotConverted: "not_converted",
     control.StoreUnavailable: "store_error",
     control.LayerCorrupt: "corrupt",
+    control.LayerUntrusted: "untrusted",
     control.LayerNotMounted: "not_mounted",
     control.ServerUnavailable: "server_unavailable",
     control.ServerStartError: "server_unavailable",
@@ -61,8 +63,10 @@ class LayerServerBackend:
         engine: EngineConfig = EngineConfig(),
         lookup_timeout: float = LOOKUP_TIMEOUT,
         call_timeout: float = control.DEFAULT_TIMEOUT,
+        trust: TrustPolicy = TrustPolicy(),
     ) -> None:
         self.root = root
+        self.trust = trust  #: checked here at lookup (a clear reason early) and by the layer server at mount
         self.store_url = store_url
         self.server = server
         self.lookup_timeout = lookup_timeout
@@ -107,6 +111,10 @@ class LayerServerBackend:
             raise LayerUnavailable("store_error", f"the store failed looking up {chain_id}: {exc}") from None
         if record is None:
             return None
+        try:
+            self.trust.check("chain", record.signature_check(), f"the store's chain record of {chain_id}")
+        except Untrusted as exc:
+            raise LayerUnavailable("untrusted", str(exc)) from None
         return RemoteLayer(
             chain_id=record.chain_id,
             parent=record.parent,
@@ -116,8 +124,9 @@ class LayerServerBackend:
             files=record.files,
         )
 
-    def mount(self, chain_id: str) -> str:
-        return self._call(lambda client: client.mount(chain_id).lower_dir)
+    def mount(self, chain_id: str, deps_index: str | None = None) -> str:
+        """See :meth:`LayerBackend.mount`; ``deps_index``: a dependency layer's index, from a trusted deps record."""
+        return self._call(lambda client: client.mount(chain_id, deps_index=deps_index).lower_dir)
 
     def check(self, chain_id: str) -> str:
         return self._call(lambda client: client.check(chain_id).lower_dir)

@@ -67,7 +67,7 @@ CRI_IMAGE_LAYERS_LABEL = "containerd.io/snapshot/cri.image-layers"
 REMOTE_FALLBACKS = prometheus_client.Counter(
     "bootseer_snapshotter_remote_fallbacks_total",
     "Prepares with containerd.io/snapshot.ref that fell back to download-and-unpack, by reason "
-    "(not_converted, parent_mismatch, store_error, server_unavailable, corrupt, mount_failed).",
+    "(not_converted, parent_mismatch, store_error, server_unavailable, corrupt, untrusted, mount_failed).",
     ["reason"],
 )
 REMOTE_PREPARES = prometheus_client.Counter(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from bootseer.blockstore.convert import convert_image, verify_layer
 from bootseer.blockstore.format import ChainRecord, LayerIndex, index_object
+from bootseer.blockstore.signing import SigningKey
 from bootseer.blockstore.store import FileStoreWriter
 from bootseer.images import open_image
 from tests.support.layers import Layer
@@ -27,12 +28,15 @@ class BuiltLayer:
     record: ChainRecord
 
 
-def build_store(store: Path, layers: list[Layer], *, block_size: int, layout: Path) -> list[BuiltLayer]:
-    """Convert ``layers`` (bottom first) into the store directory ``store`` through an OCI layout at ``layout``."""
+def build_store(
+    store: Path, layers: list[Layer], *, block_size: int, layout: Path, sign_key: SigningKey | None = None
+) -> list[BuiltLayer]:
+    """Convert ``layers`` (bottom first) into the store directory ``store`` through an OCI layout at ``layout``
+    (the chain records signed by ``sign_key``, a converter key, if given)."""
     image = build_oci_layout(layout, layers, compression="none")
     writer = FileStoreWriter(store)
     with open_image(image.ref) as source:
-        result = convert_image(source, writer, block_size=block_size)
+        result = convert_image(source, writer, block_size=block_size, sign_key=sign_key)
     built = []
     for number, layer in enumerate(result.layers):
         record = verify_layer(writer, layer.chain_id)

@@ -125,7 +125,7 @@ class DirectoryLayers:
             return None
         return RemoteLayer(**json.loads(record.read_text()))
 
-    def mount(self, chain_id: str) -> str:
+    def mount(self, chain_id: str, deps_index: str | None = None) -> str:
         self.calls.append(("mount", chain_id))
         self.mounting.set()
         if self.mount_gate is not None:

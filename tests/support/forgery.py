@@ -1,0 +1,56 @@
+"""The forged-index attack of issue 14 item 9, done to a ``file://`` store as a writer with no key can.
+
+:func:`forge_file` replaces a converted layer: a new index with the layer's own
+``diff_id`` (so every check a node can make without the tar passes) whose file at
+``path`` is the blocks of another layer's file (the attacker's, already in the store),
+and a new chain record naming it, unsigned or signed by whatever key is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+from bootseer.blockstore.format import ChainRecord, LayerIndex, chain_object, index_object
+from bootseer.blockstore.signing import SigningKey
+from bootseer.blockstore.store import FileStoreWriter
+
+
+def _layer(writer: FileStoreWriter, chain: str) -> tuple[ChainRecord, LayerIndex]:
+    data = writer.get(chain_object(chain))
+    assert data is not None, f"{chain} is not converted"
+    record = ChainRecord.decode(data, expected_chain_id=chain)
+    index_data = writer.get(index_object(record.index))
+    assert index_data is not None
+    return record, LayerIndex.decode(index_data, expected_sha256=record.index)
+
+
+def forge_file(store: Path, chain: str, path: str, donor_chain: str, donor_path: str,
+               *, sign: SigningKey | None = None) -> ChainRecord:  # fmt: skip
+    """Point ``path`` of layer ``chain`` at the blocks of ``donor_path`` of layer ``donor_chain``; the new record."""
+    writer = FileStoreWriter(store)
+    record, index = _layer(writer, chain)
+    _, donor = _layer(writer, donor_chain)
+    payload = next(e for e in donor.entries if e.path == donor_path)
+    packs = list(index.packs) + [p for p in donor.packs if p not in index.packs]
+    blocks = list(index.blocks)
+    numbers = []
+    for number in payload.blocks:
+        block = donor.blocks[number]
+        pack = block.pack if block.is_zero else packs.index(donor.packs[block.pack])
+        blocks.append(dataclasses.replace(block, pack=pack))
+        numbers.append(len(blocks) - 1)
+    entries = [dataclasses.replace(e, blocks=tuple(numbers), size=payload.size) if e.path == path else e
+               for e in index.entries]  # fmt: skip
+    assert any(e.path == path for e in entries), f"{chain} has no {path}"
+    forged = LayerIndex(diff_id=index.diff_id, block_size=index.block_size, entries=entries, blocks=blocks, packs=packs)
+    forged.validate()  # well formed: only a signature tells it from the genuine one
+    data = forged.encode()
+    name = hashlib.sha256(data).hexdigest()
+    writer.put(index_object(name), data)
+    new = dataclasses.replace(record, index=name, signatures=(), signed=None)
+    if sign is not None:
+        new = new.sign(sign)
+    writer.put(chain_object(chain), new.encode())
+    return new

@@ -325,8 +325,12 @@ def run(
     settings: control.ServerSettings | None = None,
     publish: bool = True,
     hotlist_profile: str = "",
+    scope: str = "",
 ) -> RunOutcome:
-    """Restore the dependency snapshot of this install at ``prefix``, or run the install and capture it."""
+    """Restore the dependency snapshot of this install at ``prefix``, or run the install and capture it.
+
+    ``scope``: an input of the key (:func:`bootseer.depsnap.key.compute_key`): snapshots of
+    other scopes are neither restored nor replaced."""
     prefix_path = Path(prefix).absolute()
     node = NodeRoot(root)
     env = dict(os.environ if env is None else env)
@@ -335,7 +339,7 @@ def run(
         key: DepsKey | None = None
         if state is not None:
             key = compute_key(argv, prefix=prefix_path, env=env, python=python, prior_content=state.prior_content,
-                              extra_files=extra_files)  # fmt: skip
+                              extra_files=extra_files, scope=scope)  # fmt: skip
             in_place = (is_mountpoint(prefix_path) if state.state == "restored"
                         else state.installed_tree == tree_signature(prefix_path))  # fmt: skip
             if key.key == state.key and in_place:
@@ -351,7 +355,7 @@ def run(
             node.drop_state(prefix_path)  # stale (a reboot unmounted it; files changed since): start afresh
             key = None
         if key is None:
-            key = compute_key(argv, prefix=prefix_path, env=env, python=python, extra_files=extra_files)
+            key = compute_key(argv, prefix=prefix_path, env=env, python=python, extra_files=extra_files, scope=scope)
         prior = key.inputs["prefix-content"]
         record = None
         if store:

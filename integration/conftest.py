@@ -60,11 +60,12 @@ def pulled(stack: harness.Stack) -> tuple[harness.BuiltImage, str]:
 
 @pytest.fixture
 def stacks(runnable):
-    """A factory of started stacks with a local store (``stacks()``: one more node), all torn down after the test."""
+    """A factory of started stacks with a local store (``stacks()``: one more node; ``stacks(namespace=NS)``: its
+    containerd namespace, else a new one), all torn down after the test."""
     made: list[harness.Stack] = []
 
-    def make() -> harness.Stack:
-        stack = harness.Stack(store=True)
+    def make(namespace: str | None = None) -> harness.Stack:
+        stack = harness.Stack(store=True, namespace=namespace)
         made.append(stack)
         stack.start()
         return stack

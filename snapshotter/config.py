@@ -6,8 +6,9 @@ then the flags.  The file's top-level keys are the daemon's own (``root``,
 take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
-prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
-metrics_address`` (the layer server's own Prometheus endpoint; empty: off).  Inside the
+prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md), ``[fuse]
+metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and ``[depsnap] scope`` (the
+scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
 ``[fetch]`` and ``[hotlist]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
@@ -60,6 +61,7 @@ class Config:
     hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
     hotlist_prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)  #: how much a prefetch does at once
     layer_server_metrics_address: str = ""  #: ``HOST:PORT`` of the layer server's Prometheus endpoint; empty: off
+    deps_scope: str = ""  #: dependency snapshots are found and published only within this scope (and namespace)
 
     @property
     def block_cache_dir(self) -> Path:
@@ -88,6 +90,7 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_cold_rate": "0",
     "hotlist.prefetch_page_cache": True,
     "fuse.metrics_address": "",
+    "depsnap.scope": "",
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -118,9 +121,10 @@ FLAGS: dict[str, str] = {
     "cache.size": "cache_size",
     "hotlist.publish_store": "publish_store",
     "fuse.metrics_address": "layer_server_metrics_address",
+    "depsnap.scope": "deps_scope",
 }
 
-SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse")
+SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "depsnap")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -239,6 +243,14 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         except ValueError as exc:
             raise invalid(key, f"{exc}, not {value!r}") from None
     prefetch = dataclasses.replace(prefetch, page_cache=merged["hotlist.prefetch_page_cache"])
+    deps_scope = merged["depsnap.scope"]
+    if deps_scope:
+        from bootseer.depsnap.key import KeyError_, check_scope
+
+        try:
+            check_scope(deps_scope)
+        except KeyError_ as exc:
+            raise invalid("depsnap.scope", str(exc)) from None
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -257,6 +269,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         hotlist_recording=recording,
         hotlist_prefetch=prefetch,
         layer_server_metrics_address=layer_server_metrics,
+        deps_scope=deps_scope,
     )
 
 

@@ -11,9 +11,9 @@ that talk to the snapshotter directly).  KEY comes from ``bootseer deps key --ba
 **Scoping**: KEY is what the container asks for, not the record's name.  The record
 is ``v1/deps/<container_store_key(KEY, namespace, scope)>.json``
 (:func:`bootseer.depsnap.key.container_store_key`): the containerd namespace the
-snapshot is prepared in (containerd's ``containerd-namespace`` request header,
-passed on by the service) and the daemon's ``[depsnap] scope``, neither of which the
-container chooses.  A container of namespace B with the label of a snapshot
+snapshot is prepared in (:func:`snapshot_namespace`: the first component of the
+snapshot's key, which containerd's metadata store makes ``NS/N/name``) and the
+daemon's ``[depsnap] scope``, neither of which the container chooses.  A container of namespace B with the label of a snapshot
 captured in namespace A misses, installs, and its capture is B's own record.
 
 * **Hit** (:func:`container_prepared`): the store has a record of KEY made on this
@@ -77,6 +77,22 @@ LOOKUP_TIMEOUT = 10.0
 
 
 _CHAIN_AT_END = re.compile(r"(sha256:[0-9a-f]{64})$")
+#: containerd's metadata store names a snapshot ``<namespace>/<id>/<name>`` (``createKey`` in
+#: ``metadata/snapshot.go``); a namespace is an identifier (``namespaces.Validate``: no ``/``).
+_NAMESPACED_KEY = re.compile(r"^([A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*)/[0-9]+/.")
+
+
+def snapshot_namespace(key: str, header: str = "") -> str:
+    """The containerd namespace a snapshot ``key`` was made in: its ``NS/N/`` prefix.
+
+    containerd 1.6 does not pass its ``containerd-namespace`` header on to a proxy
+    snapshotter (checked: the Prepare arrives without it), but its metadata store names
+    every snapshot it asks for ``NS/N/name``, and the caller chooses only ``name``.
+    ``header``: the header, for a key not of that form (a client that calls the
+    snapshotter directly); else "".
+    """
+    match = _NAMESPACED_KEY.match(key)
+    return match.group(1) if match else header
 
 
 def base_chain(parent: str) -> str | None:
@@ -163,13 +179,15 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
                        namespace: str = "") -> bool:  # fmt: skip
     """An active snapshot was prepared; True if a deps layer is now stacked under it (its mounts changed).
 
-    ``namespace``: the containerd namespace of the Prepare; with the snapshotter's
-    ``deps_scope`` it scopes the label's key (:func:`store_key`).
+    ``namespace``: the request's ``containerd-namespace`` header, if it had one.  The
+    snapshot's namespace (:func:`snapshot_namespace`) and the snapshotter's
+    ``deps_scope`` scope the label's key (:func:`store_key`).
     """
     requested = key_of(labels)
     backend = snapshotter.backend
     if requested is None or backend is None:
         return False
+    namespace = snapshot_namespace(key, namespace)
     deps_key = store_key(snapshotter, requested, namespace)
     base = base_chain(parent)
     if base is None:

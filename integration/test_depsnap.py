@@ -83,6 +83,26 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
     assert json.loads(record_path.read_bytes())["key"] == name
 
 
+def test_a_capture_of_one_namespace_is_not_stacked_in_another(stacks) -> None:
+    """The same label in another containerd namespace, over a copy of the store: a miss, which installs and
+    publishes that namespace's own record (issue 14, item 2: it used to be stacked)."""
+    first = stacks()
+    image, ref = first.build_and_push()
+    first.pull(ref)
+    key = compute_key(["sh", "-c", INSTALL], base_chain=chain_ids(image.diff_ids)[-1]).key
+    assert run_with_deps(first, ref, "deps-a", key)[0] == "published"
+
+    other = stacks()  # another namespace
+    assert other.namespace != first.namespace
+    _, other_ref = other.build_and_push()
+    shutil.copytree(first.store_dir, other.store_dir, dirs_exist_ok=True)
+    other.pull(other_ref)
+    assert run_with_deps(other, other_ref, "deps-b", key) == ["published", "tool-ran", "-rwxr-x---", "../bin/tool",
+                                                              "app-gone"]  # fmt: skip
+    names = {p.stem for p in (other.store_dir / "v1" / "deps").glob("*.json")}
+    assert names == {container_store_key(key, namespace=ns) for ns in (first.namespace, other.namespace)}
+
+
 def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
     """With the image served lazily too, the deps layer is the top of the image for hot lists: the first start
     on it records the reads of the installed files (keyed by the deps layer's ChainID), and it is published."""

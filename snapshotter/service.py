@@ -16,11 +16,11 @@ as is and containerd appends the kind (``snapshot "x" not found: not found``), s
 messages here name the object and never repeat the kind.
 
 The ``snapshotter`` field every request carries names the proxy plugin in
-containerd's config; this daemon serves one snapshotter and ignores it.  containerd
-sends the namespace a request is made in as the gRPC metadata ``containerd-namespace``
-(``namespaces.WithNamespace`` sets it on every outgoing call; the metadata store then
-calls the proxy with that context): Prepare passes it on, since dependency snapshots
-are scoped to it (docs/depsnap.md).
+containerd's config; this daemon serves one snapshotter and ignores it.  A client's
+gRPC metadata ``containerd-namespace``, if the request has it, is passed on by
+Prepare (dependency snapshots are scoped to the namespace, docs/depsnap.md);
+containerd 1.6 itself sends none to a proxy snapshotter, whose keys it names
+``NS/N/name`` instead (:func:`bootseer.depsnap.containerd.snapshot_namespace`).
 """
 
 from __future__ import annotations

@@ -122,8 +122,9 @@ class Snapshotter:
                 namespace: str = "") -> list[Mount]:  # fmt: skip
         """Create the active (writable) snapshot ``key`` on top of the committed ``parent``.
 
-        ``namespace``: the containerd namespace the request came from (its
-        ``containerd-namespace`` header); dependency snapshots are scoped to it.
+        ``namespace``: the request's ``containerd-namespace`` header, if it had one
+        (containerd 1.6 sends none to a proxy; the key's ``NS/N/`` prefix names the
+        namespace then); dependency snapshots are scoped to the namespace.
 
         With a backend and the label ``containerd.io/snapshot.ref=<chainID>`` of a layer
         the store has converted on top of ``parent``, the layer is committed as the

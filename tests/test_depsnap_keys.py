@@ -222,16 +222,16 @@ TOP = "sha256:" + "ab" * 32  #: the image's top ChainID (a committed snapshot; n
 
 
 def _prepare(daemon, namespace: str, name: str, *, parent: str = "", labels: dict[str, str] | None = None):
+    """A Prepare as containerd 1.6 sends it to a proxy snapshotter: the key ``NS/N/name``, no namespace header."""
     request = api.PrepareSnapshotRequest(key=f"{namespace}/{name}", parent=parent, labels=labels or {})
-    return daemon.stub.Prepare(request, metadata=(("containerd-namespace", namespace),)).mounts
+    return daemon.stub.Prepare(request).mounts
 
 
 def _image(daemon, namespace: str) -> str:
     """The image's top layer committed in ``namespace``, named as containerd's metadata store names it."""
     _prepare(daemon, namespace, "1/extract")
     name = f"{namespace}/2/{TOP}"
-    daemon.stub.Commit(api.CommitSnapshotRequest(key=f"{namespace}/1/extract", name=name),
-                       metadata=(("containerd-namespace", namespace),))  # fmt: skip
+    daemon.stub.Commit(api.CommitSnapshotRequest(key=f"{namespace}/1/extract", name=name))
     return name
 
 
@@ -282,8 +282,18 @@ def test_a_capture_of_namespace_a_is_never_stacked_for_namespace_b(tmp_path: Pat
     record = DepsRecord.decode(record_path.read_bytes(), expected_key=name)
     assert record.parent == TOP and record.inputs["namespace"] == "team-a" and record.inputs["label"] == label
     for namespace, key in (("team-a", "5/job-3"), ("team-b", "4/job-2"), ("team-a", "3/job-1")):
-        daemon.stub.Remove(api.RemoveSnapshotRequest(key=f"{namespace}/{key}"),
-                           metadata=(("containerd-namespace", namespace),))  # fmt: skip
+        daemon.stub.Remove(api.RemoveSnapshotRequest(key=f"{namespace}/{key}"))
+
+
+def test_the_namespace_is_the_first_component_of_containerds_key() -> None:
+    """containerd names a proxy's snapshots ``NS/N/name`` and chooses NS; a name with slashes cannot change it. The
+    ``containerd-namespace`` header counts only for a key not of that form (a client calling directly)."""
+    from bootseer.depsnap.containerd import snapshot_namespace
+
+    assert snapshot_namespace("team-a/12/job") == "team-a"
+    assert snapshot_namespace("team-b/3/team-a/7/job", "team-a") == "team-b"
+    assert snapshot_namespace("job", "team-c") == "team-c" and snapshot_namespace("job") == ""
+    assert snapshot_namespace("../1/x", "h") == "h"
 
 
 def test_the_daemon_takes_a_scope_and_refuses_a_bad_one(tmp_path: Path) -> None:

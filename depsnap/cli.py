@@ -64,6 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="deps_command", metavar="ACTION", required=True)
     store_default = os.environ.get("BOOTSEER_STORE") or None
     publish_default = os.environ.get("BOOTSEER_PUBLISH_STORE") or None
+    scope_default = os.environ.get("BOOTSEER_DEPS_SCOPE") or ""
 
     key = commands.add_parser("key", help="print an install's key and its inputs")
     where = key.add_mutually_exclusive_group(required=True)
@@ -74,6 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     key.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                      help="with --base: a variable of the container's environment (repeatable; this process's "
                           "environment does not count for a container)")  # fmt: skip
+    key.add_argument("--scope", default=scope_default, metavar="NAME",
+                     help="keep these snapshots apart from other scopes' (with --prefix: as `deps run --scope`; with "
+                          "--base: the snapshotter's [depsnap] scope, to print the record's name); default "
+                          "$BOOTSEER_DEPS_SCOPE")  # fmt: skip
+    key.add_argument("--namespace", metavar="NS",
+                     help="with --base: the containerd namespace the container runs in (prints the name of its record)")
     key.add_argument("--json", action="store_true", help="print JSON")
     key.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     key.set_defaults(func=key_command)
@@ -92,6 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--cache-size", type=parse_size, metavar="SIZE", help="block cache size (16G)")
     run.add_argument("--python", metavar="PATH", help="the interpreter the install runs with (default: found from CMD)")
     run.add_argument("--input", action="append", default=[], metavar="FILE", help="another file CMD reads (repeatable)")
+    run.add_argument("--scope", default=scope_default, metavar="NAME",
+                     help="restore and publish only snapshots of this scope (a team, a project); default "
+                          "$BOOTSEER_DEPS_SCOPE, else none")  # fmt: skip
     run.add_argument("--hotlist-profile", default="", metavar="NAME",
                      help="on a hit, the hot list of the job's reads to prefetch or record (default: the default one)")
     run.add_argument("--no-hotlist", action="store_true",
@@ -133,9 +143,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def key_command(args: argparse.Namespace) -> int:
-    from .key import KeyError_, compute_key
+    from .key import KeyError_, check_scope, compute_key, container_store_key
 
     argv = _command(args)
+    if args.namespace is not None and not args.base:
+        return _error("--namespace is for --base (a container's containerd namespace)")
     env = None
     if args.env:
         if args.prefix:
@@ -146,13 +158,19 @@ def key_command(args: argparse.Namespace) -> int:
         env = dict(e.split("=", 1) for e in args.env)
     try:
         key = compute_key(argv, prefix=args.prefix, base_chain=args.base, python=args.python, extra_files=args.input,
-                          env=env)  # fmt: skip
+                          env=env, scope=args.scope if args.prefix else "")  # fmt: skip
+        record_name = None
+        if args.base and args.namespace is not None:
+            scope = check_scope(args.scope) if args.scope else ""
+            record_name = container_store_key(key.key, namespace=args.namespace, scope=scope)
     except KeyError_ as exc:
         return _error(str(exc))
     if args.json:
-        print(json.dumps({"key": key.key, "inputs": key.inputs}, indent=1))
+        print(json.dumps({"key": key.key, "inputs": key.inputs, "record": record_name}, indent=1))
     else:
         print(key.describe())
+        if record_name is not None:
+            print(f"record {record_name} (namespace {args.namespace!r}, scope {args.scope!r}: the store's name for it)")
     return 0
 
 
@@ -177,7 +195,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         outcome = run(argv, prefix=args.prefix, store=args.store, publish_store=args.publish_store, root=args.root,
                       python=args.python, extra_files=args.input, settings=settings, publish=not args.no_publish,
-                      hotlist_profile=args.hotlist_profile)  # fmt: skip
+                      hotlist_profile=args.hotlist_profile, scope=args.scope)  # fmt: skip
     except (KeyError_, DepsError, KeyFileError) as exc:
         return _error(str(exc))
     except OSError as exc:

@@ -8,6 +8,14 @@ logic is here.  A container asks for a snapshot with the label
 that talk to the snapshotter directly).  KEY comes from ``bootseer deps key --base
 <image top ChainID> -- CMD...``.
 
+**Scoping**: KEY is what the container asks for, not the record's name.  The record
+is ``v1/deps/<container_store_key(KEY, namespace, scope)>.json``
+(:func:`bootseer.depsnap.key.container_store_key`): the containerd namespace the
+snapshot is prepared in (:func:`snapshot_namespace`: the first component of the
+snapshot's key, which containerd's metadata store makes ``NS/N/name``) and the
+daemon's ``[depsnap] scope``, neither of which the container chooses.  A container of namespace B with the label of a snapshot
+captured in namespace A misses, installs, and its capture is B's own record.
+
 * **Hit** (:func:`container_prepared`): the store has a record of KEY made on this
   very image (its ``parent`` is the Prepare's parent, the image's top ChainID): the
   layer server mounts the deps layer and it goes into the overlay's ``lowerdir`` just
@@ -53,7 +61,7 @@ from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
 
 from .capture import CaptureError, publish_capture, scan, upper_change
-from .key import KeyError_, check_key
+from .key import KeyError_, check_key, container_store_key
 from .prefix import StoreUnreachable, lookup
 
 log = get_logger(__name__)
@@ -72,6 +80,22 @@ LOOKUP_TIMEOUT = 10.0
 
 
 _CHAIN_AT_END = re.compile(r"(sha256:[0-9a-f]{64})$")
+#: containerd's metadata store names a snapshot ``<namespace>/<id>/<name>`` (``createKey`` in
+#: ``metadata/snapshot.go``); a namespace is an identifier (``namespaces.Validate``: no ``/``).
+_NAMESPACED_KEY = re.compile(r"^([A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*)/[0-9]+/.")
+
+
+def snapshot_namespace(key: str, header: str = "") -> str:
+    """The containerd namespace a snapshot ``key`` was made in: its ``NS/N/`` prefix.
+
+    containerd 1.6 does not pass its ``containerd-namespace`` header on to a proxy
+    snapshotter (checked: the Prepare arrives without it), but its metadata store names
+    every snapshot it asks for ``NS/N/name``, and the caller chooses only ``name``.
+    ``header``: the header, for a key not of that form (a client that calls the
+    snapshotter directly); else "".
+    """
+    match = _NAMESPACED_KEY.match(key)
+    return match.group(1) if match else header
 
 
 def base_chain(parent: str) -> str | None:
@@ -174,12 +198,20 @@ def publish_store(backend: Any) -> str:
 # -- hooks -------------------------------------------------------------------------------------
 
 
-def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str, str] | None, upper: str) -> bool:
-    """An active snapshot was prepared; True if a deps layer is now stacked under it (its mounts changed)."""
-    deps_key = key_of(labels)
+def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str, str] | None, upper: str, *,
+                       namespace: str = "") -> bool:  # fmt: skip
+    """An active snapshot was prepared; True if a deps layer is now stacked under it (its mounts changed).
+
+    ``namespace``: the request's ``containerd-namespace`` header, if it had one.  The
+    snapshot's namespace (:func:`snapshot_namespace`) and the snapshotter's
+    ``deps_scope`` scope the label's key (:func:`store_key`).
+    """
+    requested = key_of(labels)
     backend = snapshotter.backend
-    if deps_key is None or backend is None:
+    if requested is None or backend is None:
         return False
+    namespace = snapshot_namespace(key, namespace)
+    deps_key = store_key(snapshotter, requested, namespace)
     base = base_chain(parent)
     if base is None:
         log.warning("deps label on a snapshot that is not over an image layer; ignored", key=key, parent=parent)
@@ -206,17 +238,25 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
             return False
         _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "index": record.index,
                              "lower_dir": lower})  # fmt: skip
-        _marker(upper, HIT_MARKER, deps_key)
-        log.info("dependency snapshot stacked", key=key, deps=deps_key, chain_id=record.chain_id)
-        profile_hooks.deps_container("hit", key, deps_key, chain_id=record.chain_id)  # start-up profiler
+        _marker(upper, HIT_MARKER, requested)
+        log.info("dependency snapshot stacked", key=key, deps=deps_key, label=requested, namespace=namespace,
+                 chain_id=record.chain_id)  # fmt: skip
+        profile_hooks.deps_container("hit", key, requested, chain_id=record.chain_id)  # start-up profiler
         return True
     _write_state(upper, {"key": deps_key, "state": "watching", "parent": base})
     _marks_dir(upper)
-    WATCHER.watch(snapshotter, key, deps_key, base, upper)
-    profile_hooks.deps_container("miss", key, deps_key)  # start-up profiler
-    log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key,
+    WATCHER.watch(snapshotter, key, deps_key, base, upper, {"container": key, "label": requested,
+                                                            "namespace": namespace, "scope": snapshotter.deps_scope})
+    profile_hooks.deps_container("miss", key, requested)  # start-up profiler
+    log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key, label=requested,
+             namespace=namespace, scope=snapshotter.deps_scope,
              marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
     return False
+
+
+def store_key(snapshotter: Any, requested: str, namespace: str) -> str:
+    """The record name of the label's key ``requested`` for a Prepare in ``namespace`` on this snapshotter."""
+    return container_store_key(requested, namespace=namespace, scope=getattr(snapshotter, "deps_scope", ""))
 
 
 def lowers(snapshotter: Any, upper: str) -> list[str]:
@@ -295,6 +335,7 @@ class _Watch:
     deps_key: str
     parent: str  #: the image's top ChainID
     upper: str
+    inputs: dict[str, str]  #: what scoped the key (shown by ``bootseer deps ls --json``)
 
 
 class Watcher:
@@ -306,9 +347,9 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self.captures: list[threading.Thread] = []
 
-    def watch(self, snapshotter: Any, key: str, deps_key: str, parent: str, upper: str) -> None:
+    def watch(self, snapshotter: Any, key: str, deps_key: str, parent: str, upper: str, inputs: dict[str, str]) -> None:
         with self._lock:
-            self._watches[upper] = _Watch(snapshotter, key, deps_key, parent, upper)
+            self._watches[upper] = _Watch(snapshotter, key, deps_key, parent, upper, inputs)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="deps marker watch", daemon=True)
                 self._thread.start()
@@ -352,7 +393,7 @@ def capture_container(watch: _Watch) -> str:
         with open_store_writer(publish_store(watch.snapshotter.backend)) as writer:
             result = publish_capture(writer, key=watch.deps_key, root=watch.upper, tree=tree, change=upper_change(tree),
                                      mode="container", parent=watch.parent, overlay_upper=True, exclude=EXCLUDED,
-                                     command=[], inputs={"container": watch.key},
+                                     command=[], inputs=watch.inputs,
                                      sign_key=node_sign_key(watch.snapshotter.backend))  # fmt: skip
         outcome = "published" if result.published else "exists"
         _write_state(watch.upper, {"key": watch.deps_key, "state": "captured", "chain_id": result.chain_id})

@@ -6,9 +6,13 @@ inputs named by ``extra_files``) and collects its inputs as named, printable val
 
 * the **base** it installs onto: on bare metal the interpreter (path, version,
   implementation, ABI, platform, libc) and a digest of the prefix's prior contents
-  (paths, types, modes, sizes, file contents and link targets: never mtimes or
-  owners, so two nodes with the same prior tree agree); in a container the ChainID
-  of the image layers below, which fixes the interpreter too;
+  (:mod:`depsnap.content`: paths, types, modes, sizes, file contents and link
+  targets, never mtimes or owners, and no derived bytecode, so a venv made at another
+  time or on another node agrees); in a container the ChainID of the image layers
+  below, which fixes the interpreter too;
+* the **scope** (bare metal ``--scope``); a container's key is scoped by the
+  snapshotter to the containerd namespace and its configured scope
+  (:func:`container_store_key`);
 * the **command** (argv, verbatim) and the installer's version;
 * the full **contents** of every requirement, constraint, override and lock file it
   reads, nested ``-r``/``-c`` followed (paths relative to the including file),
@@ -33,18 +37,21 @@ import os
 import re
 import shlex
 import shutil
-import stat
 import subprocess
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
-from bootseer import confined
 from bootseer.profile import hooks as profile_hooks, traced
 
+from .content import TreeError, file_digest, tree_digest
+
 #: Bumped when the meaning of an input changes, so old keys are never matched by new code.
-KEY_VERSION = 1
+#: 2: the prior content leaves derived bytecode out (depsnap/content.py); scopes; containers' store keys.
+KEY_VERSION = 2
+#: A scope (``--scope``, the daemon's ``[depsnap] scope``): a short name, printable without quoting.
+_SCOPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}")
 
 #: ``PYTHON*`` variables that change what an install writes, and why:
 PYTHON_VARS = {
@@ -164,74 +171,12 @@ def strip_credentials(url: str) -> str:
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))
 
 
-def file_digest(path: Path | BinaryIO) -> str:
-    """The SHA-256 of a file (a path, or a file already open, which this closes)."""
-    h = hashlib.sha256()
-    with open(path, "rb") if isinstance(path, (str, os.PathLike)) else path as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
-
-
-def tree_digest(root: Path, *, skip: Iterable[str] = ()) -> str:
-    """A digest of the tree under ``root`` from paths, types, permission bits, sizes, contents and link targets.
-
-    Mtimes, owners and inode numbers are left out on purpose: the same tree on two
-    nodes (a fresh venv, a checkout) has the same digest.  ``skip``: names of
-    directories not descended into (``.git``).  ``"absent"`` for a missing root,
-    ``"empty"`` for an empty directory.  The tree may be another user's to write (a
-    prefix): it is read beneath a descriptor of ``root`` (:mod:`bootseer.confined`),
-    each file only once ``fstat`` says it is the regular file listed; a tree that
-    changes under the walk is a KeyError_.
-    """
-    skip = set(skip)
+def _tree(path: Path, *, skip: Iterable[str] = ()) -> str:
+    """:func:`tree_digest` with its errors as KeyError_ (what the key's callers report)."""
     try:
-        top = os.lstat(root)
-    except FileNotFoundError:
-        return "absent"
-    if stat.S_ISREG(top.st_mode):
-        return file_digest(root)
-    try:
-        with confined.opened_dir(root) as root_fd:
-            return _confined_tree_digest(root_fd, skip)
-    except OSError as exc:
-        raise KeyError_(f"{root}: {exc.filename or ''}: {exc.strerror}: it changed while it was hashed") from None
-
-
-def _confined_tree_digest(root_fd: int, skip: set[str]) -> str:
-    h = hashlib.sha256()
-    count = 0
-    stack = [""]
-    while stack:
-        rel = stack.pop()
-        fd = confined.open_beneath(root_fd, rel, os.O_RDONLY | os.O_DIRECTORY) if rel else os.dup(root_fd)
-        try:
-            with os.scandir(fd) as it:
-                names = sorted((e.name for e in it), reverse=True)
-            for child in names:
-                name = f"{rel}/{child}" if rel else child
-                st = os.stat(child, dir_fd=fd, follow_symlinks=False)
-                count += 1
-                record = _digest_record(fd, child, name, st)
-                if stat.S_ISDIR(st.st_mode) and child not in skip:
-                    stack.append(name)
-                h.update(json.dumps(record, ensure_ascii=True).encode() + b"\n")
-        finally:
-            os.close(fd)
-    return "sha256:" + h.hexdigest() if count else "empty"
-
-
-def _digest_record(dir_fd: int, child: str, name: str, st: os.stat_result) -> list[object]:
-    """One entry's line of :func:`tree_digest` (``child`` is its name in ``dir_fd``, ``name`` its path)."""
-    record: list[object] = [name, stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode)]
-    if stat.S_ISREG(st.st_mode):
-        seen = confined.Seen(st.st_dev, st.st_ino, st.st_size)
-        record += [st.st_size, file_digest(os.fdopen(confined.open_as_scanned(dir_fd, child, seen), "rb"))]
-    elif stat.S_ISLNK(st.st_mode):
-        record.append(os.readlink(child, dir_fd=dir_fd))
-    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
-        record.append([os.major(st.st_rdev), os.minor(st.st_rdev)])
-    return record
+        return tree_digest(path, skip=skip)
+    except TreeError as exc:
+        raise KeyError_(str(exc)) from None
 
 
 def find_links_digest(path: Path) -> str:
@@ -441,7 +386,7 @@ def _local_requirement(c: _Collector, text: str, base: Path) -> None:
         return
     for candidate in (c.resolve(text), c.resolve(text, base)):
         if os.path.lexists(candidate):
-            c.add(f"local:{candidate}", tree_digest(candidate, skip=(".git", "__pycache__", "build", ".venv")))
+            c.add(f"local:{candidate}", _tree(candidate, skip=(".git", "build", ".venv")))
             return
 
 
@@ -550,13 +495,17 @@ def compute_key(
     python: str | None = None,
     prior_content: str | None = None,
     extra_files: Sequence[str] = (),
+    scope: str = "",
 ) -> DepsKey:
     """The key of installing with ``argv`` into ``prefix`` (bare metal) or onto ``base_chain`` (a container).
 
     Exactly one of ``prefix`` and ``base_chain``.  ``prior_content``: the prefix's
     content digest to use instead of hashing it now (a prefix bootseer already
     installed into remembers what it held before).  ``extra_files``: more files the
-    command reads (for commands other than pip and uv).
+    command reads (for commands other than pip and uv).  ``scope`` (bare metal:
+    ``--scope``): a name that keeps this install's snapshots apart from others' (a
+    team, a project); in a container the snapshotter scopes the key itself
+    (:func:`container_store_key`), so a scope here is refused.
     """
     if not argv:
         raise KeyError_("no install command given")
@@ -567,8 +516,13 @@ def compute_key(
         # this process's: there only what the caller passes counts (``bootseer deps key --env``).
         env = dict(os.environ) if prefix is not None else {}
     env = dict(env)
+    if scope and base_chain is not None:
+        raise KeyError_("a container's key is scoped by the snapshotter (its [depsnap] scope and the containerd "
+                        "namespace), not here")  # fmt: skip
     c = _Collector(cwd=Path(cwd or os.getcwd()).absolute(), env=env)
     c.add("format", str(KEY_VERSION))
+    if scope:
+        c.add("scope", check_scope(scope))
     kind, args, _ = _tool(argv, env)
     interpreter = ""
     python_prefix = ""
@@ -576,7 +530,7 @@ def compute_key(
         prefix_path = Path(prefix).absolute()
         c.add("mode", "prefix")
         c.add("prefix", str(prefix_path))
-        content = prior_content or tree_digest(prefix_path)
+        content = prior_content or _tree(prefix_path)
         # A missing prefix and an empty one install alike (and a restore leaves an empty mount point).
         c.add("prefix-content", "empty" if content == "absent" else content)
         interpreter = python or find_interpreter(argv, env, prefix_path)
@@ -619,7 +573,7 @@ def compute_key(
         path = c.resolve(extra)
         if not path.exists():
             raise KeyError_(f"input file {path} does not exist")
-        c.add(f"input:{path}", tree_digest(path))
+        c.add(f"input:{path}", _tree(path))
     if kind != "other" and prefix is not None:  # a container's configuration files are in its image (the base)
         for path in _config_files("pip" if kind == "pip" else "uv", env, c.cwd, python_prefix):
             if path.is_file():
@@ -629,6 +583,27 @@ def compute_key(
     _environment(c, kind)
     canonical = json.dumps(sorted(c.inputs.items()), separators=(",", ":"), ensure_ascii=True)
     return DepsKey(key=hashlib.sha256(canonical.encode()).hexdigest(), inputs=c.inputs, python=interpreter)
+
+
+def check_scope(text: str) -> str:
+    """``text`` as a scope (1-128 of letters, digits and ``._:/@+-``, starting with a letter or digit), else KeyError_."""
+    if not _SCOPE.fullmatch(text):
+        raise KeyError_(f"not a scope (1-128 letters, digits and ._:/@+-, starting with a letter or digit): {text!r}")
+    return text
+
+
+def container_store_key(request_key: str, *, namespace: str, scope: str = "") -> str:
+    """The name (``v1/deps/<name>.json``) of a container's snapshot: its label's key scoped to where it was prepared.
+
+    The label's key (``bootseer deps key --base``) is chosen by whoever starts the
+    container; the containerd namespace the snapshot is prepared in (sent by containerd
+    with every request) and the snapshotter's configured scope are not.  So a snapshot
+    captured in namespace A (or under scope S) is found only by containers of namespace
+    A (under S): the same label in namespace B names another record, a miss.
+    """
+    canonical = json.dumps([["format", str(KEY_VERSION)], ["key", check_key(request_key)], ["mode", "container"],
+                            ["namespace", namespace], ["scope", scope]], separators=(",", ":"), ensure_ascii=True)  # fmt: skip
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def check_key(text: str) -> str:

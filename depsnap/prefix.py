@@ -340,12 +340,16 @@ def run(
     settings: control.ServerSettings | None = None,
     publish: bool = True,
     hotlist_profile: str = "",
+    scope: str = "",
 ) -> RunOutcome:
     """Restore the dependency snapshot of this install at ``prefix``, or run the install and capture it.
 
     ``settings`` (the layer server's) also give the trust policy (docs/trust.md): with
     writer keys, only a record one of them signed is restored; with a sign key, the
     capture is signed.  KeyFileError if a key file is bad.
+
+    ``scope``: an input of the key (:func:`bootseer.depsnap.key.compute_key`): snapshots of
+    other scopes are neither restored nor replaced.
     """
     settings = settings or control.ServerSettings(store=store)
     trust = TrustPolicy.load(settings.converter_keys, settings.writer_keys)
@@ -358,7 +362,7 @@ def run(
         key: DepsKey | None = None
         if state is not None:
             key = compute_key(argv, prefix=prefix_path, env=env, python=python, prior_content=state.prior_content,
-                              extra_files=extra_files)  # fmt: skip
+                              extra_files=extra_files, scope=scope)  # fmt: skip
             in_place = (is_mountpoint(prefix_path) if state.state == "restored"
                         else state.installed_tree == tree_signature(prefix_path))  # fmt: skip
             if key.key == state.key and in_place:
@@ -375,7 +379,7 @@ def run(
             node.drop_state(prefix_path)  # stale (a reboot unmounted it; files changed since): start afresh
             key = None
         if key is None:
-            key = compute_key(argv, prefix=prefix_path, env=env, python=python, extra_files=extra_files)
+            key = compute_key(argv, prefix=prefix_path, env=env, python=python, extra_files=extra_files, scope=scope)
         prior = key.inputs["prefix-content"]
         record = None
         if store:

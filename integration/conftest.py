@@ -60,8 +60,8 @@ def pulled(stack: harness.Stack) -> tuple[harness.BuiltImage, str]:
 
 @pytest.fixture
 def stacks(runnable):
-    """A factory of started stacks with a local store (``stacks(**Stack options)``: one more node), all torn
-    down after the test."""
+    """A factory of started stacks with a local store (``stacks(**Stack options)``: one more node; the option
+    ``namespace=NS`` is its containerd namespace, else a new one), all torn down after the test."""
     made: list[harness.Stack] = []
 
     def make(**options) -> harness.Stack:

@@ -18,7 +18,7 @@ import pytest
 
 from bootseer.blockstore.format import chain_ids
 from bootseer.depsnap.containerd import DEPS_LABEL
-from bootseer.depsnap.key import compute_key
+from bootseer.depsnap.key import compute_key, container_store_key
 from bootseer.depsnap.record import DepsRecord
 from integration import harness
 from integration.harness import APP_FILE
@@ -50,8 +50,10 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
     key = compute_key(["sh", "-c", INSTALL], base_chain=top).key
 
     assert run_with_deps(first, ref, "deps-1", key) == ["published", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
-    record_path = first.store_dir / "v1" / "deps" / f"{key}.json"
-    record = DepsRecord.decode(record_path.read_bytes(), expected_key=key)
+    # The record is named by the key scoped to the containerd namespace the container ran in.
+    name = container_store_key(key, namespace=first.namespace)
+    record_path = first.store_dir / "v1" / "deps" / f"{name}.json"
+    record = DepsRecord.decode(record_path.read_bytes(), expected_key=name)
     assert record.mode == "container" and record.parent == top
 
     # A second container on the node: the deps layer is stacked, the install skipped.
@@ -67,17 +69,38 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
     out = run_with_deps(first, other_ref, "deps-other", key)
     assert out[0] == "skipped:" and "another image" in " ".join(out) and out[-4:] == ["tool-ran", "-rwxr-x---",
                                                                                       "../bin/tool", "app-gone"]
-    assert DepsRecord.decode(record_path.read_bytes(), expected_key=key) == record
+    assert DepsRecord.decode(record_path.read_bytes(), expected_key=name) == record
 
-    # A fresh node (own registry, containerd, snapshotter root, empty cache) over a copy of the store.
-    second = stacks()
+    # A fresh node (own registry, containerd, snapshotter root, empty cache) over a copy of the store, in the
+    # same containerd namespace (another namespace's record has another name).
+    second = stacks(namespace=first.namespace)
     image2, ref2 = second.build_and_push()
     assert image2.diff_ids == image.diff_ids
     shutil.copytree(first.store_dir, second.store_dir, dirs_exist_ok=True)
     second.pull(ref2)
     assert run_with_deps(second, ref2, "deps-3", key) == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
     # Only one record, never rewritten by the hit.
-    assert json.loads(record_path.read_bytes())["key"] == key
+    assert json.loads(record_path.read_bytes())["key"] == name
+
+
+def test_a_capture_of_one_namespace_is_not_stacked_in_another(stacks) -> None:
+    """The same label in another containerd namespace, over a copy of the store: a miss, which installs and
+    publishes that namespace's own record (issue 14, item 2: it used to be stacked)."""
+    first = stacks()
+    image, ref = first.build_and_push()
+    first.pull(ref)
+    key = compute_key(["sh", "-c", INSTALL], base_chain=chain_ids(image.diff_ids)[-1]).key
+    assert run_with_deps(first, ref, "deps-a", key)[0] == "published"
+
+    other = stacks()  # another namespace
+    assert other.namespace != first.namespace
+    _, other_ref = other.build_and_push()
+    shutil.copytree(first.store_dir, other.store_dir, dirs_exist_ok=True)
+    other.pull(other_ref)
+    assert run_with_deps(other, other_ref, "deps-b", key) == ["published", "tool-ran", "-rwxr-x---", "../bin/tool",
+                                                              "app-gone"]  # fmt: skip
+    names = {p.stem for p in (other.store_dir / "v1" / "deps").glob("*.json")}
+    assert names == {container_store_key(key, namespace=ns) for ns in (first.namespace, other.namespace)}
 
 
 def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
@@ -95,7 +118,8 @@ def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
     top = chain_ids(image.diff_ids)[-1]
     key = compute_key(["sh", "-c", INSTALL], base_chain=top).key
     assert run_with_deps(stack, ref, "deps-lazy-1", key)[0] == "published"
-    record = DepsRecord.decode((stack.store_dir / "v1" / "deps" / f"{key}.json").read_bytes(), expected_key=key)
+    name = container_store_key(key, namespace=stack.namespace)
+    record = DepsRecord.decode((stack.store_dir / "v1" / "deps" / f"{name}.json").read_bytes(), expected_key=name)
     out = stack.containerd.ctr_out("run", "--rm", "--fifo-dir", str(stack.fifo_dir), "--snapshotter",
                                    stack.snapshotter_name, "--snapshotter-label", f"{DEPS_LABEL}={key}", ref,
                                    "deps-lazy-2", "sh", "-c", JOB + "; touch /.bootseer-seal; sleep 1", timeout=180)  # fmt: skip

@@ -28,7 +28,7 @@ from bootseer.blockstore.format import chain_ids
 from bootseer.blockstore.store import open_store_writer
 from bootseer.depsnap.capture import publish_capture, scan, upper_change
 from bootseer.depsnap.containerd import DEPS_LABEL, EXCLUDED
-from bootseer.depsnap.key import compute_key
+from bootseer.depsnap.key import compute_key, container_store_key
 from bootseer.profile.cluster import fetch_job, job_report, publish
 from bootseer.profile.trace import Trace, phases
 from integration import harness
@@ -105,7 +105,8 @@ def publish_deps(stack: harness.Stack, source: Path, key: str, top: str) -> None
         (source / "opt" / "deps" / "lib" / f"lib{i}.so").write_bytes(bytes([i]) * (1 << 20))
     tree = scan(source, exclude=EXCLUDED)
     with open_store_writer(stack.store_url) as writer:
-        result = publish_capture(writer, key=key, root=source, tree=tree, change=upper_change(tree), mode="container",
+        # Under the name the snapshotter looks up for a container of the stack's namespace.
+        result = publish_capture(writer, key=container_store_key(key, namespace=stack.namespace), root=source, tree=tree, change=upper_change(tree), mode="container",
                                  parent=top, overlay_upper=True, exclude=EXCLUDED, command=INSTALL,
                                  inputs={"test": "profile"})
     assert result.published

@@ -7,8 +7,9 @@ take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
 prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
-metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and ``[trust]
-converter_keys, writer_keys, sign_key`` (docs/trust.md).  Inside the
+metrics_address`` (the layer server's own Prometheus endpoint; empty: off), ``[trust]
+converter_keys, writer_keys, sign_key`` (docs/trust.md) and ``[depsnap] scope`` (the
+scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
 ``[fetch]`` and ``[hotlist]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
@@ -66,6 +67,7 @@ class Config:
     writer_keys: tuple[Path, ...] = ()  #: ``[trust] writer_keys``: .pub files whose hot lists and deps records are used
     sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the loaded ``converter_keys`` and ``writer_keys``
+    deps_scope: str = ""  #: dependency snapshots are found and published only within this scope (and namespace)
 
     @property
     def block_cache_dir(self) -> Path:
@@ -97,6 +99,7 @@ DEFAULTS: dict[str, Any] = {
     "trust.converter_keys": [],
     "trust.writer_keys": [],
     "trust.sign_key": "",
+    "depsnap.scope": "",
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -132,9 +135,10 @@ FLAGS: dict[str, str] = {
     "trust.converter_keys": "converter_key",
     "trust.writer_keys": "writer_key",
     "trust.sign_key": "sign_key",
+    "depsnap.scope": "deps_scope",
 }
 
-SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "trust")
+SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "trust", "depsnap")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -272,6 +276,14 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             load_signing_key(sign_key)  # refused now, not at the first publish
         except KeyFileError as exc:
             raise invalid("trust.sign_key", str(exc)) from None
+    deps_scope = merged["depsnap.scope"]
+    if deps_scope:
+        from bootseer.depsnap.key import KeyError_, check_scope
+
+        try:
+            check_scope(deps_scope)
+        except KeyError_ as exc:
+            raise invalid("depsnap.scope", str(exc)) from None
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -294,6 +306,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         writer_keys=key_files["trust.writer_keys"],
         sign_key=sign_key,
         trust=trust,
+        deps_scope=deps_scope,
     )
 
 

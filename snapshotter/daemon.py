@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
     trust.add_argument("--writer-key", action="append", metavar="FILE",
                        help="use only hot lists and deps records this node key (.pub) signed; repeatable")  # fmt: skip
     trust.add_argument("--sign-key", metavar="FILE", help="this node's private key: signs its hot lists and deps captures")
+    lazy.add_argument(
+        "--deps-scope", metavar="NAME",
+        help="[depsnap] scope: dependency snapshots are restored and published only within this scope "
+             "(and the container's containerd namespace); default none",
+    )  # fmt: skip
     return parser
 
 
@@ -165,7 +170,7 @@ class Daemon:
             check_socket_free(address)
 
             backend = self._layer_backend()
-            snapshotter = open_snapshotter(root, backend)
+            snapshotter = open_snapshotter(root, backend, deps_scope=self.settings.deps_scope)
             cleanup.callback(self._close_snapshotter, snapshotter)
             if backend is not None:  # after the root's lock: one daemon per root starts its server
                 self._start_layer_server(backend)
@@ -332,10 +337,10 @@ def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     (exit at once) from running."""
 
 
-def open_snapshotter(root: Path, backend: LayerBackend | None = None) -> Snapshotter:
+def open_snapshotter(root: Path, backend: LayerBackend | None = None, *, deps_scope: str = "") -> Snapshotter:
     """The Snapshotter of ``root``; it locks the root (``ROOT/lock``), one daemon per root."""
     try:
-        return Snapshotter(root, backend)
+        return Snapshotter(root, backend, deps_scope=deps_scope)
     except RootLocked as exc:
         raise StartupError(
             f"{exc}; two daemons must never share a root: stop the other one or choose another --root"

@@ -16,7 +16,11 @@ as is and containerd appends the kind (``snapshot "x" not found: not found``), s
 messages here name the object and never repeat the kind.
 
 The ``snapshotter`` field every request carries names the proxy plugin in
-containerd's config; this daemon serves one snapshotter and ignores it.
+containerd's config; this daemon serves one snapshotter and ignores it.  A client's
+gRPC metadata ``containerd-namespace``, if the request has it, is passed on by
+Prepare (dependency snapshots are scoped to the namespace, docs/depsnap.md);
+containerd 1.6 itself sends none to a proxy snapshotter, whose keys it names
+``NS/N/name`` instead (:func:`bootseer.depsnap.containerd.snapshot_namespace`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ from .snapshots import Snapshotter
 from .types import Info, Kind, Mount, Usage
 
 log = get_logger(__name__)
+
+#: The gRPC metadata containerd puts the request's namespace in (``namespaces.GRPCHeader``).
+NAMESPACE_HEADER = "containerd-namespace"
 
 # containerd's own service sends List in blocks of 100; Go's gRPC client refuses
 # messages over 4 MiB, and labels can make an Info several KiB, so blocks are also
@@ -171,6 +178,17 @@ def list_blocks(infos: Iterable[Info]) -> Iterator[api.ListSnapshotsResponse]:
         yield api.ListSnapshotsResponse(info=block)
 
 
+def request_namespace(context: grpc.ServicerContext) -> str:
+    """The containerd namespace of a request ("" from a client that sends none: one that talks to us directly).
+
+    The first value, as containerd's own ``namespaces.fromGRPCHeader`` reads it.
+    """
+    for name, value in context.invocation_metadata() or ():
+        if name == NAMESPACE_HEADER:
+            return value if isinstance(value, str) else value.decode(errors="replace")
+    return ""
+
+
 # --- the service ----------------------------------------------------------------------
 
 
@@ -181,7 +199,8 @@ class SnapshotService(api_grpc.SnapshotsServicer):
         self.snapshotter = snapshotter
 
     def Prepare(self, request: api.PrepareSnapshotRequest, context: grpc.ServicerContext) -> api.PrepareSnapshotResponse:
-        mounts = self.snapshotter.prepare(request.key, request.parent, labels_from_proto(request.labels))
+        mounts = self.snapshotter.prepare(request.key, request.parent, labels_from_proto(request.labels),
+                                          namespace=request_namespace(context))  # fmt: skip
         return api.PrepareSnapshotResponse(mounts=mounts_to_proto(mounts))
 
     def View(self, request: api.ViewSnapshotRequest, context: grpc.ServicerContext) -> api.ViewSnapshotResponse:

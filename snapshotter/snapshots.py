@@ -84,9 +84,10 @@ class Snapshotter:
     one every snapshot is a plain directory, exactly as before.
     """
 
-    def __init__(self, root: str | os.PathLike, backend: LayerBackend | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, backend: LayerBackend | None = None, *, deps_scope: str = "") -> None:
         self.root = Path(root).absolute()
         self.backend = backend
+        self.deps_scope = deps_scope  #: ``[depsnap] scope``: dependency snapshots are scoped to it (depsnap/containerd.py)
         # One lock per ChainID: a mount and the unmount of the same layer never interleave.
         # Kept only while held or waited for: Prepares name every ChainID of every image.
         self._chain_locks = KeyedLocks()
@@ -118,8 +119,13 @@ class Snapshotter:
 
     # -- containerd's Snapshotter interface -------------------------------------
 
-    def prepare(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
+    def prepare(self, key: str, parent: str = "", labels: dict[str, str] | None = None, *,
+                namespace: str = "") -> list[Mount]:  # fmt: skip
         """Create the active (writable) snapshot ``key`` on top of the committed ``parent``.
+
+        ``namespace``: the request's ``containerd-namespace`` header, if it had one
+        (containerd 1.6 sends none to a proxy; the key's ``NS/N/`` prefix names the
+        namespace then); dependency snapshots are scoped to the namespace.
 
         With a backend and the label ``containerd.io/snapshot.ref=<chainID>`` of a layer
         the store has converted on top of ``parent``, the layer is committed as the
@@ -134,7 +140,8 @@ class Snapshotter:
         snapshot, mounts = self._create(Kind.ACTIVE, key, parent, labels)
         profile_hooks.container_prepared(key, parent, labels, self._upper_path(snapshot.id))  # profiler: marks dir, event
         if self.backend is not None:  # a container's rootfs on lazy layers: record or prefetch its hot list
-            if deps_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id))):
+            if deps_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id)),
+                                             namespace=namespace):  # fmt: skip
                 mounts = self._mounts(snapshot)  # a dependency snapshot is stacked under it (depsnap/containerd.py)
             hot_parent = deps_hooks.stacked_chain(str(self._upper_path(snapshot.id))) or parent  # deps layer on top
             hotlist_hooks.container_prepared(self, key, hot_parent, labels, str(self._upper_path(snapshot.id)))

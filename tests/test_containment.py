@@ -196,7 +196,7 @@ def test_the_capture_marker_is_not_written_through_a_symlinked_marks_dir(tmp_pat
     host = marks_dir_to_host(upper, tmp_path)
     before = sorted(os.listdir(host))
     snapshotter = SimpleNamespace(backend=SimpleNamespace(store_url=str(tmp_path / "store")))
-    watch = containerd._Watch(snapshotter, "ns/1/job", "e" * 64, "sha256:" + "a" * 64, str(upper))
+    watch = containerd._Watch(snapshotter, "ns/1/job", "e" * 64, "sha256:" + "a" * 64, str(upper), {})
     assert containerd.capture_container(watch) == "published"
     assert sorted(os.listdir(host)) == before
     assert (upper / ".bootseer").is_symlink()

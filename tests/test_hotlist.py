@@ -557,7 +557,10 @@ def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
     async def main() -> None:
         proc = Proc(tmp_path / "proc")
         async with trio.open_nursery() as nursery:
-            n = NodeUnderTest(tmp_path / "n", front.url, nursery, proc)
+            # One block per batch and as many batches as it may have in flight: the server's cap
+            # (half the engine's streams) is what leaves the read a stream.
+            n = NodeUnderTest(tmp_path / "n", front.url, nursery, proc,
+                              prefetch=PrefetchLimits(concurrency=64, batch_bytes=BLOCK_SIZE))
             await n.pull(built)
             await until("the prefetch to start", lambda: (top, "") in n.hotlist.prefetches)
             prefetch = n.hotlist.prefetches[(top, "")]

@@ -45,6 +45,12 @@ class KeyedLocks:
         """Keys with a lock now (held or waited for)."""
         return len(self._entries)
 
+    def users(self, key: Hashable) -> int:
+        """Callers holding or waiting for ``key``'s lock now (0: it has none)."""
+        with self._guard:
+            entry = self._entries.get(key)
+            return entry.users if entry is not None else 0
+
     @contextmanager
     def hold(self, key: Hashable) -> Iterator[None]:
         """Hold ``key``'s lock for the block (waiting for it if another thread holds it)."""
@@ -72,6 +78,11 @@ class TrioKeyedLocks:
     def __len__(self) -> int:
         """Keys with a lock now (held or waited for)."""
         return len(self._entries)
+
+    def users(self, key: Hashable) -> int:
+        """Tasks holding or waiting for ``key``'s lock now (0: it has none)."""
+        entry = self._entries.get(key)
+        return entry.users if entry is not None else 0
 
     @asynccontextmanager
     async def hold(self, key: Hashable) -> AsyncIterator[None]:

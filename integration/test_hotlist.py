@@ -28,8 +28,8 @@ from integration.harness import hotlist_show as show
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
-# The job's start-up reads two of the parts, then says it is done starting (the marker) and keeps running.
-JOB = f"cat /bin/busybox {part_path(1)} {part_path(3)} > /dev/null; touch /.bootseer-seal; sleep 2; echo done"
+# The job's start-up reads two of the parts, then says it is done starting (the marker).
+JOB = f"cat /bin/busybox {part_path(1)} {part_path(3)} > /dev/null; touch /.bootseer-seal"
 
 
 def part_digests(parts: list[int]) -> set[str]:
@@ -44,9 +44,11 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any) -> None
     chain = harness.chain_ids(image.diff_ids)
     top = chain[-1]
     rpull(first, ref)
-    assert first.run_container(ref, "rec-1", "sh", "-c", JOB).strip() == "done"
+    # It keeps running until its recording is published: sealed by the marker, not by its removal.
+    first.start_container(ref, "rec-1", "sh", "-c", JOB + "; exec sleep 100000")
     finished = wait_for("the recording to be published", lambda: [
         f for f in hotlist_status(first)["finished"] if f["kind"] == "recording"])
+    first.remove_container("rec-1")
     assert finished[0]["outcome"] == "published" and finished[0]["sealed_by"] == "marker", finished
     [listed] = show(first, ref)
     assert listed["image"] == top and listed["container"] == "rec-1"
@@ -91,7 +93,7 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any) -> None
     assert prefetch["warmed_bytes"] >= 2 * harness.PART_SIZE  # parts 1 and 3 (and busybox) are in the page cache
     fetched_before = sum(s["bytes_fetched"] for s in layer_server(second).status()["stores"].values())
     # The bytes the kernel got from the store notifications are the files' bytes.
-    sums = second.run_container(ref2, "job-2", "sh", "-c", f"sha256sum {part_path(1)} {part_path(3)}; {JOB}")
+    sums = second.run_container(ref2, "job-2", "sh", "-c", f"sha256sum {part_path(1)} {part_path(3)}; {JOB}; echo done")
     assert [line.split()[0] for line in sums.splitlines()[:2]] == [hashlib.sha256(part_data(i)).hexdigest() for i in (1, 3)]
     assert sums.strip().endswith("done")
     summary = wait_for("the prefetched container's summary", lambda: [

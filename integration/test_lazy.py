@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import re
 import signal
-import time
 import urllib.request
 from typing import Iterator
 
@@ -60,13 +59,13 @@ METADATA_SLACK = 4096
 
 def readahead(stack: harness.Stack) -> tuple[int, int, int]:
     """(blocks read ahead, their compressed bytes, bytes everything fetched from the store: blocks, read-ahead, gaps),
-    once no fetch is in flight (read-ahead may still be on its way when a container exits)."""
-    deadline = time.monotonic() + 30
-    while True:
-        stores = layer_server(stack).status()["stores"].values()
-        if not any(s.get("in_flight", 0) for s in stores) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    once no fetch is in flight (read-ahead may still be on its way when a container exits); a fetch
+    still in flight after 30 s fails the test (the counts would not be final)."""
+    def settled():
+        stores = list(layer_server(stack).status()["stores"].values())
+        return (stores,) if not any(s.get("in_flight", 0) for s in stores) else None
+
+    [stores] = harness.wait_until("the layer server's fetches in flight to end", settled, 30, interval=0.05)
     return (sum(s.get("blocks", {}).get("readahead_blocks", 0) for s in stores),
             sum(s.get("blocks", {}).get("readahead_bytes", 0) for s in stores),
             sum(s.get("bytes_fetched", 0) for s in stores))  # fmt: skip

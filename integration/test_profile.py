@@ -30,6 +30,7 @@ from bootseer.depsnap.capture import publish_capture, scan, upper_change
 from bootseer.depsnap.containerd import DEPS_LABEL, EXCLUDED
 from bootseer.depsnap.key import compute_key, container_store_key
 from bootseer.profile.cluster import fetch_job, job_report, publish
+from bootseer.profile.events import read_spool
 from bootseer.profile.trace import Trace, phases
 from integration import harness
 from integration.harness import PARTS, lazy_layers, part_path
@@ -137,8 +138,9 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
                                       "--namespace", stack.namespace], "watching containerd", base / "watch.log", env))
         background.append(Background([BOOTSEER, "ckpt", "mount", str(ckpt_src), str(ckpt_mnt), "--allow-other"],
                                      "mounted", base / "ckpt.log", env))
-        time.sleep(0.5)  # the checkpoint mount's first sample is written before the start
-        started = time.time()
+        harness.wait_until("the checkpoint mount's first sample in the spool",
+                           lambda: any(e.name == "checkpoint.bytes" for e in read_spool(spool)[0]), 60)
+        started = time.time()  # after that first sample: the checkpoint's bytes are all counted after it
 
         # The start: pull (lazy), run the job.
         pulled = subprocess.run([BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace",
@@ -151,7 +153,10 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
             "--mount", f"type=bind,src={ckpt_mnt},dst=/ckpt,options=rbind:ro", ref, "profiled-1", "sh", "-c", SCRIPT,
             timeout=180)
         assert out.split() == ["tool-ran", str(CKPT_SIZE), "STEP-1"], out
-        time.sleep(1.0)  # containerd's last events and the final samples reach the spool
+        # containerd's last event of the job and the layer server's bytes reach the spool; the
+        # checkpoint mount and the watcher write their final samples as they stop, below.
+        harness.wait_until("the job's task.exit and the layer server's bytes in the spool",
+                           lambda: job_settled(read_spool(spool)[0], "profiled-1", started), 60)
         for process in reversed(background):
             assert process.stop() == 0, process.log.read_text()
         background.clear()
@@ -181,6 +186,12 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
         assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
 
 
+def job_settled(events: list, container: str, since: float) -> bool:
+    """Whether containerd's exit of ``container``'s task and a non-zero ``layers.bytes`` sample are in ``events``."""
+    exited = any(e.name == "task.exit" and e.start >= since and container in e.attrs.values() for e in events)
+    return exited and any(e.name == "layers.bytes" and e.value > 0 for e in events)
+
+
 def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, key: str, spool: Path, env: dict[str, str]) -> None:
     """The first boot's hot list (sealed when its container went) is prefetched at the job's next start.
 
@@ -188,8 +199,6 @@ def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, key: str, sp
     (docs/depsnap.md, "Hot lists"), not the image's top: the image pulled again alone has no list,
     and the prefetch starts when the job's next container (same deps label) is prepared.
     """
-    from bootseer.profile.events import read_spool
-
     sealed = [e for e in read_spool(spool)[0] if e.name == "hotlist.sealed"]
     assert sealed and sealed[0].attrs["outcome"] == "published", sealed
     stack.containerd.ctr("images", "rm", "--sync", ref)
@@ -356,8 +365,7 @@ def test_compare_a_start_on_overlayfs_with_one_on_bootseer(base: Path, monkeypat
             done = subprocess.run([BOOTSEER, "profile", "run", "--job", f"cmp-{name}", "-o", str(base / f"{name}.json"),
                                    "--", "sh", "-c", script], capture_output=True, text=True, timeout=300, env=env)
             assert done.returncode == 0, done.stderr
-        time.sleep(0.5)
-        assert watcher.stop() == 0
+        assert watcher.stop() == 0  # the traces are written: what the watcher still writes is not in them
         watcher = None
         before, after = Trace.load(base / "overlayfs.json"), Trace.load(base / "bootseer.json")
         for trace in (before, after):

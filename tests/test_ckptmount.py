@@ -31,6 +31,7 @@ from typing import Iterator
 import pytest
 
 from tests.support.http import NginxServer, RangeHTTPServer, SilentRangeHandler, free_port, range_gets
+from tests.support.memory import peak_rss_under_readers, rss_bound
 from tests.support.mounts import MountProcess, mount_entry, wait_unmounted
 from tests.support.s3 import REGION, MotoS3, S3Bucket
 from tests.support.webhdfs import WebHdfsServer
@@ -845,24 +846,6 @@ def test_a_failing_read_fails_within_one_retry_timeout(source_root: Path, tmp_pa
         server.stop()
 
 
-def _rss(pid: int) -> int:
-    """Resident bytes of process ``pid`` (VmRSS)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
-
-
-#: What RSS may rise above idle beyond --memory-limit's stripes: up to half the limit
-#: again for a second copy of stripes in flight (an HTTP body read into a buffer, then
-#: into bytes; the copy of a stripe a reader is cut from), plus a fixed 32 MiB for the
-#: FUSE side (pyfuse3's request buffers and each reply, up to 1 MiB per read in flight),
-#: thread stacks touched by 16+ workers and Python's own heap growth.
-RSS_LIMIT_FACTOR = 1.5
-RSS_ALLOWANCE = 32 * MiB
-
-
 @pytest.mark.parametrize("kind", ["local", "http"])
 def test_resident_memory_follows_the_memory_limit_under_concurrent_readers(tmp_path: Path, kind: str) -> None:
     """8 concurrent readers of large files with --memory-limit 64M: the mount's RSS stays
@@ -882,31 +865,10 @@ def test_resident_memory_follows_the_memory_limit_under_concurrent_readers(tmp_p
     try:
         mount.wait_ready()
         assert len(os.listdir(mountpoint)) == readers
-        idle = _rss(mount.process.pid)
-        errors: list[BaseException] = []
-
-        def read_all(index: int) -> None:
-            try:
-                with open(mountpoint / f"shard-{index}", "rb", buffering=0) as file:
-                    total = 0
-                    while piece := file.read(MiB):
-                        total += len(piece)
-                    assert total == size
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=read_all, args=(index,)) for index in range(readers)]
-        for thread in threads:
-            thread.start()
-        peak = idle
-        while any(thread.is_alive() for thread in threads):
-            peak = max(peak, _rss(mount.process.pid))
-            time.sleep(0.01)
-        for thread in threads:
-            thread.join()
-        assert not errors, errors
+        paths = [mountpoint / f"shard-{index}" for index in range(readers)]
+        idle, peak = peak_rss_under_readers(mount.process.pid, paths, size)
         above = peak - idle
-        assert above <= limit * RSS_LIMIT_FACTOR + RSS_ALLOWANCE, (
+        assert above <= rss_bound(limit), (
             f"RSS rose {above / MiB:.0f} MiB above idle ({idle / MiB:.0f} MiB) with --memory-limit 64M"
         )
     finally:

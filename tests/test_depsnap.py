@@ -17,7 +17,6 @@ import stat
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +27,7 @@ from bootseer.depsnap.capture import diff, publish_capture, scan
 from bootseer.depsnap.key import KeyError_, compute_key, strip_credentials
 from bootseer.depsnap.record import DepsRecord, deps_object
 from tests.support.mounts import force_unmount, mount_entry
+from tests.support.waiting import wait_until
 
 PYTHON = sys.executable
 VENV_BIN = Path(PYTHON).parent
@@ -290,16 +290,6 @@ def _layer_server_status(root: Path) -> dict:
     return LayerServerClient(ServerPaths(root).socket, timeout=10).call({"op": "hotlist.status"})
 
 
-def _wait_for(what: str, check, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @needs_root
 def test_a_restored_prefix_records_its_first_reads_and_later_restores_prefetch_them(work: Path, wheels: Path) -> None:
     """Bare metal: the first hit's reads (a host process, no container) become the deps layer's hot list; the next prefetches it."""
@@ -326,7 +316,7 @@ def test_a_restored_prefix_records_its_first_reads_and_later_restores_prefetch_t
         done = [s for s in _layer_server_status(work / "node")["finished"] if s["kind"] == "recording"]
         return done[-1] if done else None
 
-    summary = _wait_for("the recording to be published", published)
+    summary = wait_until("the recording to be published", published)
     assert summary["outcome"] == "published" and summary["sealed_by"] == "removed", summary
     shown = subprocess.run([PYTHON, "-m", "bootseer.cli", "hotlist", "show", "--json", "--blocks", "--store",
                             str(work / "store"), record.chain_id], capture_output=True, text=True, env=clean_env(work))  # fmt: skip
@@ -343,12 +333,12 @@ def test_a_restored_prefix_records_its_first_reads_and_later_restores_prefetch_t
         status = _layer_server_status(node_b)
         return next((p for p in status["prefetches"] if p["image"] == record.chain_id and p.get("finished")), None)
 
-    prefetch = _wait_for("the prefetch to finish", prefetched)
+    prefetch = wait_until("the prefetch to finish", prefetched)
     assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"] and not _layer_server_status(node_b)["recordings"]
     # The prefetch also put the files' bytes into the page cache (hotlist.warm): the tree reads back
     # identical, and no read reaches the layer server (no hit, no miss: FUSE never sees them).
-    prefetch = _wait_for("the page cache warmed", lambda: next(p for p in _layer_server_status(node_b)["prefetches"]
-                                                                if p["image"] == record.chain_id and p["warm_finished"]))  # fmt: skip
+    prefetch = wait_until("the page cache warmed", lambda: next((p for p in _layer_server_status(node_b)["prefetches"]
+                                                                 if p["image"] == record.chain_id and p["warm_finished"]), None))  # fmt: skip
     assert prefetch["warmed_bytes"] > 0
     assert snapshot_tree(prefix) == restored
     subprocess.run([PYTHON, "-c", "import beta"], env=env, check=True)
@@ -387,14 +377,17 @@ def test_capture_killed_half_way_publishes_nothing_and_a_rerun_publishes(work: P
     args = run_args(work, prefix, "sh", "-c", script, options=("--input", "req.txt"))
     argv = [PYTHON, "-m", "bootseer.cli", "deps", *args]
     process = subprocess.Popen(argv, env=clean_env(work), cwd=work, stderr=subprocess.PIPE, text=True)
-    spool = work / "node" / "spool"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and process.poll() is None:
-        if spool.exists() and any(spool.iterdir()):  # capturing: the tar is being written
-            break
-        time.sleep(0.005)
-    assert process.poll() is None, process.stderr.read() if process.stderr else ""
-    time.sleep(0.2)
+    packs = work / "store" / "v1" / "packs"
+
+    def a_pack_stored() -> bool:
+        assert process.poll() is None, f"the run ended before it stored a pack: {process.stderr.read() if process.stderr else ''}"
+        return packs.is_dir() and any(not name.startswith(".") for name in os.listdir(packs))
+
+    # Half-way by construction: the capture has put at least one pack (a whole object, not a
+    # temp name); stopped there, it is seen to have published no deps record, then killed.
+    wait_until("the capture to store its first pack", a_pack_stored, 120, interval=0.001)
+    process.send_signal(signal.SIGSTOP)
+    assert records(work / "store") == [], "the capture had already published: not half-way"
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert records(work / "store") == []

@@ -450,7 +450,7 @@ def test_a_source_that_stays_down_gives_eio_and_other_files_are_served(source, f
             async with trio.open_nursery() as nursery:
                 for reader in broken:
                     nursery.start_soon(read_broken, reader)
-                await trio.sleep(0.2)  # the broken reads are retrying now
+                await wait_until(lambda: engine.stats.retries >= 2)  # both broken reads are retrying now
                 assert await good.read(0, len(files["c.bin"])) == files["c.bin"]
             assert len(errors) == 2
             assert all(error.errno == errno.EIO and "still failing" in str(error) for error in errors)

@@ -18,11 +18,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import prometheus_client
 import pytest
 import trio
-import trio.testing
 
-from bootseer.blockstore.format import LayerIndex
+from bootseer.blockstore.format import LayerIndex, pack_object
 from bootseer.blockstore.layerfs import LayerFile
 from bootseer.blockstore.server import LayerServer, LayerServerConfig
 from bootseer.blockstore.store import FileStoreWriter
@@ -39,6 +39,7 @@ from bootseer.hotlist.format import (
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
 from bootseer.hotlist.service import HotListConfig
+from tests.support import autojump
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.sealed import same_sealed_object
@@ -181,7 +182,7 @@ def _recording(upper: str | None = None) -> Recording:
 
 
 def _autojump(fn: Any) -> Any:
-    return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
+    return autojump.run(fn, autojump=0, hold_for_threads=True)
 
 
 def test_recording_seals_after_the_quiet_period_counted_from_the_first_block() -> None:
@@ -368,7 +369,9 @@ def run_nodes(store: tuple[Path, list[BuiltLayer]], tmp_path: Path, test: Any, *
             await test(node, built, proc)
             nursery.cancel_scope.cancel()
 
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.05))
+    # The store is a local directory read in worker threads: the clock holds still while one
+    # runs, so a virtual sleep lets every store read started before it finish first.
+    autojump.run(main, autojump=0.05, hold_for_threads=True)
 
 
 @pytest.fixture
@@ -499,14 +502,23 @@ def test_a_bad_hot_list_is_ignored(clean_store: Any, tmp_path: Path, damage: str
                                                   block.clen, block.rlen, 0.1)]).encode()  # fmt: skip
     FileStoreWriter(directory).put(hotlist_object(top), data)
 
+    reason = "mismatch" if damage == "mismatch" else "invalid"
+
+    def ignored() -> float:
+        return prometheus_client.REGISTRY.get_sample_value("bootseer_hotlist_ignored_total", {"reason": reason}) or 0.0
+
+    before = ignored()
+
     async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
         n = node("n")
         await n.pull(built)
-        await trio.sleep(0.5)
+        await trio.sleep(0.5)  # the clock holds while the store is read: the pull's lookup is done
+        assert ignored() == before + 1  # it found the list and refused it
         assert not n.hotlist.prefetches
         pid = proc.process("/default/j")
         await n.hotlist.container_prepared("j", top, {}, None)
         await trio.sleep(0.5)
+        assert ignored() == before + 2  # the prepare's lookup refused it too
         assert not n.hotlist.prefetches and not n.hotlist.recordings  # neither used nor overwritten
         assert _expected(built, 1, "app/main.py") == await n.read(built[1], "app/main.py", pid)
         assert FileStoreWriter(directory).get(hotlist_object(top)) == data
@@ -515,11 +527,13 @@ def test_a_bad_hot_list_is_ignored(clean_store: Any, tmp_path: Path, damage: str
 
 
 def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
-    clean_store: Any, tmp_path: Path, nginx_factory: Any
+    clean_store: Any, tmp_path: Path, range_http_factory: Any
 ) -> None:
-    """The store behind a rate-limited nginx (read-only): the whole base layer is hot, prefetched in the
-    default batches; a read of a cold block is served long before the prefetch ends, a read of a hot
-    block being fetched waits on that fetch (fetched once), and a recording publishes to --publish-store."""
+    """The store behind a read-only HTTP front: the whole base layer is hot, prefetched in the
+    default batches.  While the front holds every prefetch request of the base layer's packs
+    (a prefetch as long as the test wants), a read of a cold block is served: it overtook the
+    prefetch, by construction, not by a time it took.  A read of a hot block whose batch is in
+    flight waits on that fetch: once the front answers, that block has been fetched once."""
     directory, built = clean_store
     top = built[-1].chain_id
     layers = [b.chain_id for b in built]
@@ -527,40 +541,64 @@ def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
     hot_blocks = [HotBlock(layers[0], b.digest, index.packs[b.pack], b.offset, b.clen, b.rlen, 0.0)
                   for b in index.blocks if not b.is_zero]  # fmt: skip
     FileStoreWriter(directory).put(hotlist_object(top), HotList(top, "", layers, hot_blocks).encode())
-    front = nginx_factory(directory, limit_rate="1m")  # the base layer's ~1.1 MB takes about a second
+    base_packs = {"/" + pack_object(name) for name in index.packs}
+    assert not base_packs & {"/" + pack_object(name) for name in built[1].index.packs}  # cold.bin is elsewhere
+    front = range_http_factory(directory)
+    release = front.faults.hold(base_packs)
+
+    async def until(what: str, check: Any) -> None:
+        """Poll ``check()`` until true; a hang detector (60 s), never a speed assertion."""
+        with trio.move_on_after(60):
+            while not check():
+                await trio.sleep(0.01)
+            return
+        raise AssertionError(f"timed out waiting for {what}")
 
     async def main() -> None:
         proc = Proc(tmp_path / "proc")
         async with trio.open_nursery() as nursery:
-            n = NodeUnderTest(tmp_path / "n", front.url, nursery, proc, publish_store=str(directory))
+            # One block per batch and as many batches as it may have in flight: the server's cap
+            # (half the engine's streams) is what leaves the read a stream.
+            n = NodeUnderTest(tmp_path / "n", front.url, nursery, proc,
+                              prefetch=PrefetchLimits(concurrency=64, batch_bytes=BLOCK_SIZE))
             await n.pull(built)
-            with trio.fail_after(30):
-                while (top, "") not in n.hotlist.prefetches:
-                    await trio.sleep(0.01)
+            await until("the prefetch to start", lambda: (top, "") in n.hotlist.prefetches)
             prefetch = n.hotlist.prefetches[(top, "")]
-            while not prefetch.in_flight:
-                await trio.sleep(0.005)
+            await until("a prefetch request held by the front", lambda: front.faults.waiting > 0)
             pid = proc.process("/default/j")
             assert (await n.hotlist.container_prepared("j", top, {}, None)) == {"action": "prefetch"}
-            started = trio.current_time()
-            data = await n.read(built[1], "app/cold.bin", pid, 0, BLOCK_SIZE)
-            cold_latency = trio.current_time() - started
+            with trio.fail_after(60):
+                data = await n.read(built[1], "app/cold.bin", pid, 0, BLOCK_SIZE)
             assert data == _expected(built, 1, "app/cold.bin")[:BLOCK_SIZE]
-            assert not prefetch.ended.is_set(), "the read waited for the whole prefetch"
-            # The last hot block is in flight now: a read of it waits on that fetch.
-            last = next(e for e in built[0].index.entries if e.path == "lib/libbig.so")
-            await n.read(built[0], "lib/libbig.so", pid, (len(last.blocks) - 1) * BLOCK_SIZE, BLOCK_SIZE)
-            await prefetch.ended.wait()
-            prefetch_time = trio.current_time() - started
+            # Served while no prefetch batch has come back: the read went ahead of all of them.
+            assert prefetch.stats.fetched_blocks == 0 and not prefetch.ended.is_set()
+            assert (prefetch.stats.misses, prefetch.stats.waited) == (1, 0)
+
+            # A hot block whose batch is in flight (held at the front): the read waits on that fetch.
+            digest = next(iter(prefetch.in_flight))
+            entry, number = next((e, k) for e in index.entries for k, ref in enumerate(e.blocks)
+                                 if index.blocks[ref].digest == digest)  # fmt: skip
+            read: list[bytes] = []
+
+            async def read_in_flight() -> None:
+                read.append(await n.read(built[0], entry.path, pid, number * BLOCK_SIZE, BLOCK_SIZE))
+
+            nursery.start_soon(read_in_flight)
+            await until("the read to wait on the in-flight block", lambda: prefetch.stats.waited == 1)
+            assert not read
+            release.set()
+            with trio.fail_after(60):
+                await prefetch.ended.wait()
+            await until("the waiting read to be served", lambda: read)
+            assert read == [_expected(built, 0, entry.path)[number * BLOCK_SIZE:(number + 1) * BLOCK_SIZE]]
             assert (prefetch.stats.misses, prefetch.stats.waited) == (1, 1)
             assert prefetch.stats.fetched_blocks == len(hot_blocks)
-            assert cold_latency < prefetch_time / 3
             fetcher = n.server._fetchers[front.url]
             assert fetcher.stats.blocks_fetched == len(hot_blocks) + 1  # the waited-on block was fetched once
             await n.hotlist.container_removed("j")
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    trio.run(main)  # the real clock: the front is a real server in threads
 
 
 # -- the command line -----------------------------------------------------------------------------
@@ -802,8 +840,7 @@ def test_a_node_behind_a_read_only_front_publishes_to_the_publish_store(
             await first.pull(built)
             pid = proc.process("/default/j1")
             assert (await first.hotlist.container_prepared("j1", top, {}, None)) == {"action": "record"}
-            await trio.sleep(0.3)
-            recording = first.hotlist.recordings["j1"]
+            recording = first.hotlist.recordings["j1"]  # recording from the prepare on, while the store is asked
             await first.read(built[1], "app/main.py", pid)
             await first.hotlist.container_removed("j1")
             await recording.done.wait()
@@ -817,11 +854,10 @@ def test_a_node_behind_a_read_only_front_publishes_to_the_publish_store(
             await prefetch.ended.wait()
             assert prefetch.stats.fetched_blocks == 4
             # Without --publish-store, a node behind the front cannot publish: a clear error, nothing written.
+            FileStoreWriter(directory).remove(hotlist_object(top))  # before the pull, whose lookup would find it
             third = NodeUnderTest(tmp_path / "c", front.url, nursery, proc)
             await third.pull(built)
-            FileStoreWriter(directory).remove(hotlist_object(top))
-            await third.hotlist.container_prepared("j3", top, {}, None)
-            await trio.sleep(0.3)
+            assert (await third.hotlist.container_prepared("j3", top, {}, None)) == {"action": "record"}
             recording = third.hotlist.recordings["j3"]
             await third.read(built[1], "app/main.py", proc.process("/default/j3"))
             await third.hotlist.container_removed("j3")

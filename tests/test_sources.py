@@ -590,7 +590,17 @@ def test_http_close_from_another_thread_ends_a_read_stuck_on_a_silent_server(tre
     # not after the read timeout.
     listener = socket.create_server(("127.0.0.1", 0))
     accepted: list[socket.socket] = []
-    acceptor = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+    requested = threading.Event()
+
+    def take_the_request() -> None:
+        conn = listener.accept()[0]
+        accepted.append(conn)
+        received = b""
+        while b"\r\n\r\n" not in received and (chunk := conn.recv(4096)):
+            received += chunk
+        requested.set()  # the whole request is here: the reader now waits for an answer that never comes
+
+    acceptor = threading.Thread(target=take_the_request, daemon=True)
     acceptor.start()
     port = listener.getsockname()[1]
     source = open_source(f"http://127.0.0.1:{port}/ckpt/", read_timeout=120)
@@ -606,9 +616,7 @@ def test_http_close_from_another_thread_ends_a_read_stuck_on_a_silent_server(tre
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        acceptor.join(10)
-        assert accepted, "the read never connected"
-        time.sleep(0.5)  # let the request go out; the reader now waits for an answer
+        assert requested.wait(30), "the read never sent its request"
         assert reader.is_alive()
         connection.close()
         reader.join(10)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import socket
+import subprocess
 import threading
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from bootseer.blockstore.store import (
 from bootseer.fetch.engine import EngineConfig, FetchError, open_engine
 from bootseer.fetch.sources import open_source
 from bootseer.images import open_image
+from tests.support.mounts import force_unmount
 from tests.support.s3 import ACCESS_KEY, REGION, SECRET_KEY
 from tests.support import layers as L
 from tests.support.oci import SHARED_BLOCKS, build_oci_layout, chain_ids
@@ -123,11 +125,70 @@ def test_file_put_if_absent_first_writer_wins_a_race(tmp_path):
         writer.put_if_absent("v1/file/x", b"data")
 
 
-def test_file_writer_failure_leaves_nothing(tmp_path):
-    writer = FileStoreWriter(tmp_path / "store")
-    (tmp_path / "store" / "v1").write_bytes(b"a file where a directory must be")
-    with pytest.raises(StoreError, match="write v1/packs/p"):
-        writer.put("v1/packs/p", b"data")
+def store_tree(root: Path) -> dict[str, str]:
+    """Every entry under ``root``, dot-named temp files included: path -> "dir", or the file's sha256."""
+    tree = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        tree[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+    return tree
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 256 KiB tmpfs: a put of more than that fails half-way with ENOSPC, as a full store disk does."""
+    mountpoint = tmp_path / "tiny"
+    mountpoint.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mountpoint)], check=True, capture_output=True)
+    try:
+        yield mountpoint
+    finally:
+        force_unmount(mountpoint)
+
+
+#: Each way a file-store put fails: (what is broken, the put that fails, the error it names).
+FILE_WRITER_FAILURES = {
+    # The object's directory cannot be made: no temp file was ever created.
+    "parent is a file": ("v1/packs/p", "bytes", "put", "write v1/packs/p"),
+    # The temp file is written whole, then the rename onto the name fails (a directory is there).
+    "target is a directory": ("v1/chains/dir.json", "bytes", "put", "write v1/chains/dir.json"),
+    # The source of a file put cannot be read: the temp file was opened first.
+    "source unreadable": ("v1/packs/q", "directory", "put", "write v1/packs/q"),
+    # The disk fills half-way through the temp file (bytes, a file copied, first-writer-wins).
+    "disk full, bytes": ("v1/packs/big", "bytes", "put", "write v1/packs/big: No space left"),
+    "disk full, file": ("v1/packs/big", "file", "put", "write v1/packs/big: No space left"),
+    "disk full, put_if_absent": ("v1/hotlists/big", "bytes", "put_if_absent", "write v1/hotlists/big: No space left"),
+}
+
+
+@pytest.mark.parametrize("failure", FILE_WRITER_FAILURES)
+def test_file_writer_failure_leaves_nothing(tmp_path, tiny_filesystem, failure):
+    """A put that fails raises a StoreError naming the object and leaves the store's tree as
+    it was: no object, no temp file, the objects already there unchanged."""
+    name, data_kind, method, message = FILE_WRITER_FAILURES[failure]
+    root = tiny_filesystem / "store" if failure.startswith("disk full") else tmp_path / "store"
+    writer = FileStoreWriter(root)
+    writer.put("v1/chains/old.json", b"an object already there")
+    if failure == "parent is a file":
+        (root / "v1" / "packs").write_bytes(b"a file where a directory must be")
+    else:  # the object's directory is there already: what a failure must not leave is a file
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+    if failure == "target is a directory":
+        (root / "v1" / "chains" / "dir.json" / "inside").mkdir(parents=True)
+    if data_kind == "bytes":
+        data = os.urandom(1 << 20)
+    elif data_kind == "file":  # on another filesystem than the store: copied, not linked
+        data = tmp_path / "spooled-pack"
+        data.write_bytes(os.urandom(1 << 20))
+    else:
+        data = tmp_path / "a-directory"
+        data.mkdir()
+    before = store_tree(root)
+    with pytest.raises(StoreError, match=message):
+        getattr(writer, method)(name, data)
+    assert store_tree(root) == before
+    assert writer.get("v1/chains/old.json") == b"an object already there"
+    assert (writer.puts, writer.put_bytes) == (1, 23)  # the failed put counts nothing
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@
   can inject faults: drop a connection mid-body, answer a status such as 503,
   ignore the Range header and send the whole file with ``200``, announce a huge
   ``Content-Length`` (and count what the client let it send), serve a given
-  directory index, refuse a path, or rewrite a file between requests at the same
-  size and date with a new strong ETag each time.
+  directory index, refuse a path, hold GETs of given paths until the test releases
+  them, or rewrite a file between requests at the same size and date with a new
+  strong ETag each time.
 
 Both listen on 127.0.0.1 only.  Pytest fixtures ``nginx_factory`` and
 ``range_http_factory`` (defined here, offered to every test by tests/conftest.py)
@@ -199,6 +200,10 @@ class Faults:
     index: tuple[str, bytes] | None = None
     #: request path -> status answered to every HEAD and GET of it (say 403), until removed
     refused: dict[str, int] = field(default_factory=dict)
+    #: request paths whose GETs wait for this event (see :meth:`hold`); waiting: how many wait now
+    held: set[str] = field(default_factory=set)
+    release: threading.Event = field(default_factory=threading.Event)
+    waiting: int = 0
     _rewrites: dict[str, tuple[list[bytes], bool]] = field(default_factory=dict)
     _rewrite_count: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -236,6 +241,27 @@ class Faults:
         with self._lock:
             self._huge_lengths += times
             self.huge_done.clear()
+
+    def hold(self, paths: set[str]) -> threading.Event:
+        """Make every GET of a request path in ``paths`` (``/v1/packs/...``) wait, once it is
+        received, until the returned event is set (a store that is slow for those objects,
+        as long as the test wants); :attr:`waiting` counts the GETs held now."""
+        with self._lock:
+            self.held = set(paths)
+            self.release.clear()
+        return self.release
+
+    def wait_if_held(self, path: str) -> None:
+        """Block a GET of ``path`` while it is held (see :meth:`hold`)."""
+        with self._lock:
+            if path not in self.held or self.release.is_set():
+                return
+            self.waiting += 1
+        try:
+            self.release.wait(120)  # a test that forgets to release still ends
+        finally:
+            with self._lock:
+                self.waiting -= 1
 
     def rewrite_between_requests(self, path: str, contents: list[bytes], *, honour_if_range: bool = True) -> None:
         """Serve request path ``path`` (``/f``) as ``contents[0]``, then ``contents[1]``, ...
@@ -379,6 +405,8 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
         if body and (code := faults.take("status")):
             self.send_empty(code)
             return
+        if body:
+            faults.wait_if_held(urllib.parse.urlsplit(self.path).path)
         target = self.resolve()
         if target is None or not target.exists():
             self.send_empty(404)

@@ -166,10 +166,12 @@ class HttpChannel:
             if self._conn is None:
                 self._conn = self.endpoint.open()
                 self._reused = False
-            reused = self._reused
+            # Our own reference: close() from another thread drops ``self._conn`` at any moment,
+            # and the call on it must then fail as a network error, not on None.
+            conn, reused = self._conn, self._reused
             try:
-                self._conn.request(method, target, headers=all_headers)
-                response = self._conn.getresponse()
+                conn.request(method, target, headers=all_headers)
+                response = conn.getresponse()
             except _STALE_KEEPALIVE as exc:
                 self.close()
                 if reused:

@@ -16,6 +16,7 @@ import sys
 from bootseer.blockstore.convert import ConversionError, Progress, check_block_size, convert_image
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE
 from bootseer.blockstore.store import ReadOnlyStore, StoreError, open_store_writer
+from bootseer.blockstore.tarlayer import DEFAULT_MAX_LAYER_BYTES, TarLimits
 from bootseer.units import parse_size
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
@@ -34,6 +35,13 @@ def _block_size(text: str) -> int:
         return check_block_size(size)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _layer_size(text: str) -> int:
+    size = parse_size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"the layer size limit must be positive, not {text!r}")
+    return size
 
 
 def _platform(text: str) -> str:
@@ -68,6 +76,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--block-size", type=_block_size, default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
                          help="bytes of file contents per block, a power of two (default 1M)")  # fmt: skip
     convert.add_argument("--spool-dir", metavar="DIR", help="where packs are spooled before upload (default: TMPDIR)")
+    convert.add_argument("--max-layer-size", type=_layer_size, default=DEFAULT_MAX_LAYER_BYTES, metavar="SIZE",
+                         help="refuse a layer whose uncompressed tar, or whose files' sizes together (holes of "
+                              "sparse files included), exceed SIZE (default 64G)")  # fmt: skip
+    convert.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
+                         help="skip a layer already converted once its record, index and packs exist (default: "
+                              "also read back every block it references, and convert it again if one is wrong)")  # fmt: skip
     convert.set_defaults(func=run_convert)
 
 
@@ -97,7 +111,8 @@ def run_convert(args: argparse.Namespace) -> int:
                 return EXIT_USAGE
             with image:
                 result = convert_image(image, writer, block_size=args.block_size, spool_dir=args.spool_dir,
-                                       progress=Progress())  # fmt: skip
+                                       limits=TarLimits(max_layer_bytes=args.max_layer_size),
+                                       verify_existing=args.verify_existing, progress=Progress())  # fmt: skip
     except (ConversionError, ImageError, StoreError, SourceError, OSError) as exc:  # OSError: the spool (disk full)
         message = str(exc)
         if not message.startswith(args.ref):

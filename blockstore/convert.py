@@ -112,9 +112,18 @@ def _zero_digest(length: int) -> str:
 # -- the dedup table ----------------------------------------------------------------------
 
 
+#: A range of blocks to check at least this large is decompressed and hashed on threads.
+_PARALLEL_CHECK_BYTES = 4 << 20
+
+
 def max_stored_length(rlen: int) -> int:
     """The most compressed bytes a block of ``rlen`` raw bytes can take (zstd's worst case, with room to spare)."""
     return rlen + (rlen >> 7) + 4096
+
+
+def _holds(block: StoredBlock, stored: memoryview) -> bool:
+    """Whether ``stored`` (the bytes at ``block``'s place) is that block (the raw bytes are dropped at once)."""
+    return decode_block(block, stored) is not None  # type: ignore[arg-type]
 
 
 class BlockVerifier:
@@ -168,16 +177,25 @@ class BlockVerifier:
         return [block for block in dict.fromkeys(blocks) if not self._verdicts[block]]
 
     def _check(self, pack: str, run: list[StoredBlock]) -> None:
-        """Read the range of ``pack`` that ``run`` (sorted by offset) lies in and judge each block."""
+        """Read the range of ``pack`` that ``run`` (sorted by offset) lies in and judge each block.
+
+        Decompressing and hashing run on threads (zstd and hashlib release the GIL)
+        when the range is large enough to be worth it.
+        """
         start = run[0].offset
         end = max(block.offset + block.clen for block in run)
-        data = self.writer.get_range(pack_object(pack), start, end - start) or b""
+        data = memoryview(self.writer.get_range(pack_object(pack), start, end - start) or b"")
         self.reads += 1
         self.read_bytes += len(data)
-        for block in run:
-            piece = data[block.offset - start : block.offset - start + block.clen]
-            self._verdicts[block] = decode_block(block, piece) is not None
-            self.checked += 1
+        pieces = [data[block.offset - start : block.offset - start + block.clen] for block in run]
+        workers = default_workers()
+        if workers > 1 and len(run) > 1 and len(data) >= _PARALLEL_CHECK_BYTES:
+            with ThreadPoolExecutor(workers, thread_name_prefix="bootseer-verify") as pool:
+                verdicts = list(pool.map(_holds, run, pieces))
+        else:
+            verdicts = [_holds(block, piece) for block, piece in zip(run, pieces)]
+        self._verdicts.update(zip(run, verdicts))
+        self.checked += len(run)
 
 
 class DedupTable:

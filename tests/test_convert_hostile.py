@@ -379,3 +379,28 @@ def test_a_dedup_row_claiming_an_impossible_length_is_not_read(tmp_path):
     block = table.lookup("e" * 64)
     assert block is not None and table.verify([block]) == {block}
     assert table.writer.ranges == [] and table.lookup("e" * 64) is None
+
+
+def test_when_a_blocks_first_place_fails_the_next_place_a_segment_gives_is_used(tmp_path, caplog):
+    """Two segments name X: the first (poison) at P's place, the second at X's true place; X is referenced there."""
+    a, b = _poisoned_images(tmp_path)
+    store = tmp_path / "store"
+    convert(a.ref, store)
+    convert(b.ref, store)
+    p = _place_of(store, chain_ids(a.diff_ids)[0], P_DATA)
+    x = _place_of(store, chain_ids(b.diff_ids)[0], X_DATA)
+    sizes = {name: (store / pack_object(name)).stat().st_size for name in (p.pack, x.pack)}
+    table = DedupTable(CountingStore(store))
+    table.add(DedupSegment(packs=sizes, blocks=[StoredBlock(x.digest, p.pack, p.offset, p.clen, x.rlen)]), "v1/dedup/poison")
+    table.add(DedupSegment(packs=sizes, blocks=[x]), "v1/dedup/honest")
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.convert"):
+        with PackWriter(BLOCK, table, spool, workers=1) as packs:
+            number = packs.add(X_DATA)
+            packs.finish()
+    placed = packs.blocks[number]
+    assert (packs.packs[placed.pack], placed.offset, placed.clen) == (x.pack, x.offset, x.clen)
+    assert (packs.stats.in_store, packs.stats.stored) == (1, 0) and not packs.spooled
+    assert [r.fields["segment"] for r in caplog.records if "does not hold its block" in r.getMessage()] == ["v1/dedup/poison"]
+    assert len(table.writer.ranges) == 2  # one read per place tried

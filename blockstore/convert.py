@@ -23,8 +23,8 @@ For each layer of the image, bottom up, :func:`convert_image`:
 Memory is bounded by the block size, one record per entry and per block reference,
 the dedup table (one row per block in the store), the verdicts of the places checked
 and :data:`VERIFY_BATCH_BYTES` of blocks waiting to be checked, never by a layer's
-size; a layer's size itself is bounded (:class:`~blockstore.tarlayer.TarLimits`).  Progress goes to stderr
-(a live line on a terminal, plain lines otherwise).
+size; a layer's size itself is bounded (:class:`~blockstore.tarlayer.TarLimits`).
+Progress goes to stderr (a live line on a terminal, plain lines otherwise).
 """
 
 from __future__ import annotations

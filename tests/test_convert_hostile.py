@@ -330,8 +330,10 @@ def test_an_existing_layer_is_trusted_without_reading_its_blocks_only_when_asked
     _poison_layer(store, chain, _place_of(store, chain_ids(a.diff_ids)[0], P_DATA), hashlib.sha256(X_DATA).hexdigest())
     quick = convert(b.ref, store, verify_existing=False)
     assert quick.layers[0].skipped and quick.checked_blocks == 0
+    flagged = convert_cli(b.ref, store, "--no-verify-existing")
+    assert flagged.returncode == 0 and "(0 converted, 1 already in the store)" in flagged.stdout
     done = convert_cli(b.ref, store)
-    assert done.returncode == 0 and "0 already in the store" in done.stdout
+    assert done.returncode == 0 and "(1 converted, 0 already in the store)" in done.stdout
 
 
 class CountingStore(FileStoreWriter):

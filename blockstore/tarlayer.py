@@ -97,8 +97,9 @@ class TarLimits:
     max_xattrs: int = 1 << 20  #: bytes of all xattrs of one entry
     max_sparse: int = 1 << 16  #: runs in one sparse file's map
     max_entries: int = 10_000_000  #: entries in the layer
-    #: bytes of the layer: of its uncompressed tar, and of its regular files' claimed sizes
-    #: (holes of sparse files included), each checked before the bytes are read
+    #: bytes of the layer: of its uncompressed tar (counted as it is read), and of its regular
+    #: files' claimed sizes (holes of sparse files included; each checked from its header,
+    #: before its bytes are read)
     max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES
     max_block_refs: int = 1 << 22  #: block references in the layer's index (one per block of each file)
 

@@ -17,6 +17,7 @@ from bootseer.blockstore.convert import ConversionError, Progress, check_block_s
 from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE
 from bootseer.blockstore.signing import KeyFileError, load_signing_key
 from bootseer.blockstore.store import ReadOnlyStore, StoreError, open_store_writer
+from bootseer.blockstore.tarlayer import DEFAULT_MAX_LAYER_BYTES, TarLimits
 from bootseer.units import parse_size
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
@@ -35,6 +36,13 @@ def _block_size(text: str) -> int:
         return check_block_size(size)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _layer_size(text: str) -> int:
+    size = parse_size(text)
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"the layer size limit must be positive, not {text!r}")
+    return size
 
 
 def _platform(text: str) -> str:
@@ -71,6 +79,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--spool-dir", metavar="DIR", help="where packs are spooled before upload (default: TMPDIR)")
     convert.add_argument("--sign-key", metavar="FILE",
                          help="sign the chain records with this converter key (bootseer keys generate; docs/trust.md)")  # fmt: skip
+    convert.add_argument("--max-layer-size", type=_layer_size, default=DEFAULT_MAX_LAYER_BYTES, metavar="SIZE",
+                         help="refuse a layer whose uncompressed tar, or whose files' sizes together (holes of "
+                              "sparse files included), exceed SIZE (default 64G)")  # fmt: skip
+    convert.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
+                         help="skip a layer already converted once its record, index and packs exist (default: "
+                              "also read back every block it references, and convert it again if one is wrong)")  # fmt: skip
     convert.set_defaults(func=run_convert)
 
 
@@ -107,7 +121,9 @@ def run_convert(args: argparse.Namespace) -> int:
                 return EXIT_USAGE
             with image:
                 result = convert_image(image, writer, block_size=args.block_size, spool_dir=args.spool_dir,
-                                       progress=Progress(), sign_key=sign_key)  # fmt: skip
+                                       limits=TarLimits(max_layer_bytes=args.max_layer_size),
+                                       verify_existing=args.verify_existing, progress=Progress(),
+                                       sign_key=sign_key)  # fmt: skip
     except (ConversionError, ImageError, StoreError, SourceError, OSError) as exc:  # OSError: the spool (disk full)
         message = str(exc)
         if not message.startswith(args.ref):

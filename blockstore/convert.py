@@ -3,12 +3,15 @@
 For each layer of the image, bottom up, :func:`convert_image`:
 
 1. skips the layer if its chain record is in the store and verifies (record, index,
-   packs present): a second run uploads nothing;
+   packs present, and every block the index references read back and checked, unless
+   ``verify_existing`` is off): a second run uploads nothing, and a layer that cannot
+   serve one of its blocks is converted again (repaired) rather than skipped;
 2. streams the layer blob (verified against its digest by :mod:`bootseer.images`)
    through :func:`blockstore.tarlayer.read_layer`, which refuses hostile tars, and
    checks the diffID it computed against the config's;
 3. cuts file contents into blocks; a block already in the store (the store-wide
-   dedup table) or earlier in this layer is referenced where it is, an all-zero block
+   dedup table, whose place is read and checked first: :class:`BlockVerifier`) or
+   earlier in this layer is referenced where it is, an all-zero block (a sparse hole)
    is stored nowhere, and every other block is zstd-compressed into this layer's pack,
    spooled to a local temp file (files in tar order, a file's blocks adjacent, so a
    run of neighbours is one range request) and named by its SHA-256 when complete;
@@ -17,15 +20,18 @@ For each layer of the image, bottom up, :func:`convert_image`:
    used), reading each back to check it: sizes of packs, hashes of the index and
    the chain record.
 
-Memory is bounded by the block size, one record per entry and the dedup table (one
-row per block in the store), never by a layer's size.  Progress goes to stderr
-(a live line on a terminal, plain lines otherwise).
+Memory is bounded by the block size, one record per entry and per block reference,
+the dedup table (one row per block in the store), the verdicts of the places checked
+and :data:`VERIFY_BATCH_BYTES` of blocks waiting to be checked, never by a layer's
+size; a layer's size itself is bounded (:class:`~blockstore.tarlayer.TarLimits`).
+Progress goes to stderr (a live line on a terminal, plain lines otherwise).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import os
 import sys
@@ -36,7 +42,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, TextIO
+from typing import BinaryIO, Callable, Sequence, TextIO
 
 import zstandard
 
@@ -55,6 +61,7 @@ from bootseer.blockstore.format import (
     StoredBlock,
     chain_ids,
     chain_object,
+    decode_block,
     dedup_object,
     index_object,
     pack_object,
@@ -72,6 +79,8 @@ log = get_logger(__name__)
 MAX_PACK_BYTES = 512 << 20
 #: zstd level of blocks: fast enough to keep up with a registry, most of level 19's ratio on code and text.
 BLOCK_ZSTD_LEVEL = 3
+#: Raw bytes of blocks found in the dedup table that wait (in memory) to have their places read and checked in one batch.
+VERIFY_BATCH_BYTES = 64 << 20
 
 
 class ConversionError(Exception):
@@ -91,7 +100,103 @@ def _hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+@functools.lru_cache(maxsize=4)
+def _zeros(length: int) -> bytes:
+    return bytes(length)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_digest(length: int) -> str:
+    return _hex(_zeros(length))
+
+
 # -- the dedup table ----------------------------------------------------------------------
+
+
+#: A range of blocks to check at least this large is decompressed and hashed on threads.
+_PARALLEL_CHECK_BYTES = 4 << 20
+
+
+def max_stored_length(rlen: int) -> int:
+    """The most compressed bytes a block of ``rlen`` raw bytes can take (zstd's worst case, with room to spare)."""
+    return rlen + (rlen >> 7) + 4096
+
+
+def _holds(block: StoredBlock, stored: memoryview) -> bool:
+    """Whether ``stored`` (the bytes at ``block``'s place) is that block (the raw bytes are dropped at once)."""
+    return decode_block(block, stored) is not None  # type: ignore[arg-type]
+
+
+class BlockVerifier:
+    """Whether blocks in the store are what they claim: the bytes at each place are that block.
+
+    A dedup segment is anyone's word (whoever can write to the store can add one), and
+    so is a layer index once its packs may have been changed, so the converter reads
+    what it references: the ``clen`` bytes at ``offset`` of the pack must decompress to
+    ``rlen`` bytes (never more are decompressed) with the block's SHA-256
+    (:func:`blockstore.format.decode_block`, the readers' own check).  Reads are
+    batched: the places asked about at once are grouped by pack and neighbours closer
+    than ``max_gap`` bytes are one range read of at most ``max_read`` bytes.  Each
+    place is read once; its verdict is kept for the rest of the run (measured: about 230 bytes
+    per block).
+    """
+
+    def __init__(self, writer: StoreWriter, *, max_gap: int = 1 << 20, max_read: int = 64 << 20) -> None:
+        self.writer = writer
+        self.max_gap = max_gap
+        self.max_read = max_read
+        self.reads = 0  #: range reads made
+        self.read_bytes = 0  #: bytes they returned
+        self.checked = 0  #: places checked
+        self._verdicts: dict[StoredBlock, bool] = {}
+
+    def verdict(self, block: StoredBlock) -> bool | None:
+        """True if ``block``'s place was read and holds it, False if it does not, None if not checked yet."""
+        return self._verdicts.get(block)
+
+    def bad(self, blocks: Sequence[StoredBlock]) -> list[StoredBlock]:
+        """Those of ``blocks`` whose places do not hold them (each once), reading the places not checked yet."""
+        by_pack: dict[str, list[StoredBlock]] = {}
+        for block in dict.fromkeys(blocks):
+            if block in self._verdicts:
+                continue
+            if block.clen > max_stored_length(block.rlen):
+                self._verdicts[block] = False  # no block compresses that badly: not worth reading
+                continue
+            by_pack.setdefault(block.pack, []).append(block)
+        for pack, group in by_pack.items():
+            group.sort(key=lambda block: block.offset)
+            run: list[StoredBlock] = []
+            for block in group:
+                if run and (block.offset - (run[-1].offset + run[-1].clen) > self.max_gap
+                            or block.offset + block.clen - run[0].offset > self.max_read):  # fmt: skip
+                    self._check(pack, run)
+                    run = []
+                run.append(block)
+            if run:
+                self._check(pack, run)
+        return [block for block in dict.fromkeys(blocks) if not self._verdicts[block]]
+
+    def _check(self, pack: str, run: list[StoredBlock]) -> None:
+        """Read the range of ``pack`` that ``run`` (sorted by offset) lies in and judge each block.
+
+        Decompressing and hashing run on threads (zstd and hashlib release the GIL)
+        when the range is large enough to be worth it.
+        """
+        start = run[0].offset
+        end = max(block.offset + block.clen for block in run)
+        data = memoryview(self.writer.get_range(pack_object(pack), start, end - start) or b"")
+        self.reads += 1
+        self.read_bytes += len(data)
+        pieces = [data[block.offset - start : block.offset - start + block.clen] for block in run]
+        workers = default_workers()
+        if workers > 1 and len(run) > 1 and len(data) >= _PARALLEL_CHECK_BYTES:
+            with ThreadPoolExecutor(workers, thread_name_prefix="bootseer-verify") as pool:
+                verdicts = list(pool.map(_holds, run, pieces))
+        else:
+            verdicts = [_holds(block, piece) for block, piece in zip(run, pieces)]
+        self._verdicts.update(zip(run, verdicts))
+        self.checked += len(run)
 
 
 class DedupTable:
@@ -99,18 +204,27 @@ class DedupTable:
 
     Segments are verified against their names; one that is not is skipped with a
     warning (its blocks are then stored again, never trusted).  Before a block is
-    referenced, its pack is checked once to exist with the size the segment gives.
+    referenced, its pack is checked once to exist with the size the segment gives,
+    and the block's place is read and checked (:meth:`verify`): a segment that names
+    a place not holding its block (a mistake, or a store writer's poison) is logged
+    with its name and that place forgotten; the next place another segment gives for
+    the block (up to :data:`MAX_PLACES` in all) is tried, else the block is stored anew.
     """
 
-    def __init__(self, writer: StoreWriter) -> None:
+    #: Places kept per block: the first, and a few others in case it fails (more only cost reads).
+    MAX_PLACES = 4
+
+    def __init__(self, writer: StoreWriter, verifier: BlockVerifier | None = None) -> None:
         self.writer = writer
-        self.blocks: dict[str, StoredBlock] = {}
+        self.verifier = verifier if verifier is not None else BlockVerifier(writer)
+        self.blocks: dict[str, tuple[StoredBlock, str]] = {}  #: digest -> (its place, the segment naming it)
+        self._others: dict[str, list[tuple[StoredBlock, str]]] = {}  # digest -> further places, for blocks with several
         self.pack_sizes: dict[str, int] = {}
         self._pack_ok: dict[str, bool] = {}
 
     @classmethod
-    def load(cls, writer: StoreWriter) -> DedupTable:
-        table = cls(writer)
+    def load(cls, writer: StoreWriter, verifier: BlockVerifier | None = None) -> DedupTable:
+        table = cls(writer, verifier)
         for name in writer.list(DEDUP_PREFIX):
             expected = name.rpartition("/")[2]
             data = writer.get(name)
@@ -122,26 +236,66 @@ class DedupTable:
                 log.warning("skipping a dedup segment that fails verification", store=writer.display_url,
                             segment=name, error=str(exc))  # fmt: skip
                 continue
-            table.add(segment)
+            table.add(segment, name)
         return table
 
-    def add(self, segment: DedupSegment) -> None:
+    def add(self, segment: DedupSegment, name: str = "") -> None:
+        """Take the places ``segment`` (named ``name``) gives; a block's first place stays first."""
         self.pack_sizes.update(segment.packs)
         for block in segment.blocks:
-            self.blocks.setdefault(block.digest, block)
+            if self.verifier.verdict(block) is False:
+                continue  # a place already found not to hold this block
+            known = self.blocks.get(block.digest)
+            if known is None:
+                self.blocks[block.digest] = (block, name)
+            elif known[0] != block:
+                others = self._others.setdefault(block.digest, [])
+                if len(others) < self.MAX_PLACES - 1 and all(other != block for other, _ in others):
+                    others.append((block, name))
 
     def lookup(self, digest: str) -> StoredBlock | None:
-        block = self.blocks.get(digest)
-        if block is None:
-            return None
-        ok = self._pack_ok.get(block.pack)
-        if ok is None:
-            ok = self.writer.size(pack_object(block.pack)) == self.pack_sizes.get(block.pack)
-            if not ok:
-                log.warning("dedup table names a pack that is missing or of the wrong size; storing its blocks again",
-                            store=self.writer.display_url, pack=block.pack)  # fmt: skip
-            self._pack_ok[block.pack] = ok
-        return block if ok else None
+        """Where the block ``digest`` is said to be (its pack present, whole); not yet read: see :meth:`verify`."""
+        while True:
+            known = self.blocks.get(digest)
+            if known is None:
+                return None
+            block = known[0]
+            ok = self._pack_ok.get(block.pack)
+            if ok is None:
+                ok = self.writer.size(pack_object(block.pack)) == self.pack_sizes.get(block.pack)
+                if not ok:
+                    log.warning("dedup table names a pack that is missing or of the wrong size; storing its blocks again",
+                                store=self.writer.display_url, pack=block.pack)  # fmt: skip
+                self._pack_ok[block.pack] = ok
+            if ok and self.verifier.verdict(block) is not False:
+                return block
+            self._forget(digest)
+
+    def verify(self, blocks: Sequence[StoredBlock]) -> set[StoredBlock]:
+        """Those of ``blocks`` (found by :meth:`lookup`) whose places do not hold them, logged and forgotten.
+
+        :meth:`lookup` then gives the block's next place, if a segment gave another.
+        """
+        bad = self.verifier.bad(blocks)
+        for block in bad:
+            known = self.blocks.get(block.digest)
+            mine = known is not None and known[0] == block
+            log.warning("dedup segment names a place that does not hold its block; not referencing it",
+                        store=self.writer.display_url, segment=known[1] if mine else "", block=block.digest,
+                        pack=block.pack, offset=block.offset, clen=block.clen)  # fmt: skip
+            if mine:
+                self._forget(block.digest)
+        return set(bad)
+
+    def _forget(self, digest: str) -> None:
+        """Drop the first place of ``digest``; the next one, if any, takes its turn."""
+        others = self._others.get(digest)
+        if others:
+            self.blocks[digest] = others.pop(0)
+            if not others:
+                del self._others[digest]
+        else:
+            self.blocks.pop(digest, None)
 
 
 # -- packs ------------------------------------------------------------------------------------
@@ -182,14 +336,22 @@ class PackWriter:
     Digests and dedup decisions are made in the caller's thread, in order; only
     compression runs on ``workers`` threads (zstd releases the GIL), and compressed
     blocks are written to the pack in the order they were added, so a file's blocks
-    stay adjacent.  At most ``2 * workers`` blocks are in flight.  Use it as a context
+    stay adjacent.  At most ``2 * workers`` blocks are in flight.  A block the dedup
+    table has is referenced where it is only once its place has been read and checked
+    (:meth:`DedupTable.verify`); such blocks wait, raw bytes kept, until
+    ``verify_batch_bytes`` of them (or :meth:`finish`) make one batch of reads, and
+    those that fail are stored in this layer's pack like new ones.  Use it as a context
     manager (or call :meth:`close`) so the threads end even when the layer fails.
     """
 
     def __init__(self, block_size: int, table: DedupTable, spool_dir: Path, *, max_pack_bytes: int = MAX_PACK_BYTES,
-                 on_block: Callable[[], None] | None = None, workers: int | None = None) -> None:  # fmt: skip
+                 on_block: Callable[[], None] | None = None, workers: int | None = None,
+                 verify_batch_bytes: int = VERIFY_BATCH_BYTES) -> None:  # fmt: skip
         self.block_size = block_size
         self.table = table
+        self.verify_batch_bytes = verify_batch_bytes
+        self._unverified: list[tuple[int, StoredBlock, bytes]] = []  # (block number, its place, raw bytes)
+        self._unverified_bytes = 0
         self.spool_dir = spool_dir
         self.max_pack_bytes = max_pack_bytes
         self.on_block = on_block
@@ -232,6 +394,8 @@ class PackWriter:
         return compressor.compress(data)
 
     def add(self, data: bytes) -> int:
+        if data == _zeros(len(data)):  # a memcmp, much cheaper than hashing: zero blocks are stored nowhere
+            return self.add_zeros(len(data), 1)
         stats = self.stats
         stats.blocks += 1
         stats.raw_bytes += len(data)
@@ -242,20 +406,67 @@ class PackWriter:
         if number is not None:
             stats.in_layer += 1
             return number
-        if data.count(0) == len(data):
-            stats.zero += 1
-            return self._append(digest, Block(digest, ZERO_PACK, 0, 0, len(data)))
+        # A placeholder until the block is placed: referenced where it is, or written to
+        # this layer's pack (nothing reads blocks before finish()).
+        number = self._append(digest, Block(digest, ZERO_PACK, 0, 0, len(data)))
         found = self.table.lookup(digest)
         if found is not None and found.rlen == len(data):
-            stats.in_store += 1
-            return self._append(digest, Block(digest, self._pack_slot(found.pack), found.offset, found.clen, found.rlen))
-        # A placeholder until the compressed bytes are written (nothing reads blocks before finish()).
-        number = self._append(digest, Block(digest, ZERO_PACK, 0, 0, len(data)))
-        stats.stored += 1
-        stats.stored_raw += len(data)
+            if self.table.verifier.verdict(found):
+                self._reference(number, found)
+            else:  # read and checked in a batch (see _settle), the raw bytes kept until then
+                self._unverified.append((number, found, data))
+                self._unverified_bytes += len(data)
+                if self._unverified_bytes >= self.verify_batch_bytes:
+                    self._settle()
+            return number
+        self._store(number, data)
+        return number
+
+    def _reference(self, number: int, found: StoredBlock) -> None:
+        """Make block ``number`` the verified block ``found`` of another pack."""
+        self.stats.in_store += 1
+        self.blocks[number] = Block(found.digest, self._pack_slot(found.pack), found.offset, found.clen, found.rlen)
+
+    def _store(self, number: int, data: bytes) -> None:
+        """Compress block ``number`` (``data``) into this layer's pack."""
+        self.stats.stored += 1
+        self.stats.stored_raw += len(data)
         self._inflight.append((number, self._pool.submit(self._compress, data) if self._pool else self._compress(data)))
         self._drain(keep=2 * self._workers)
-        return number
+
+    def _settle(self) -> None:
+        """Check the places of the blocks waiting to be referenced (a batch of reads); a block whose place
+        fails is tried at the next place the table has for it, else stored anew."""
+        pending, self._unverified, self._unverified_bytes = self._unverified, [], 0
+        while pending:
+            bad = self.table.verify([found for _, found, _ in pending])
+            retry = []
+            for number, found, data in pending:
+                if found not in bad:
+                    self._reference(number, found)
+                    continue
+                other = self.table.lookup(found.digest)
+                if other is not None and other.rlen == len(data):
+                    retry.append((number, other, data))
+                else:
+                    self._store(number, data)
+            pending = retry
+
+    def add_zeros(self, length: int, count: int) -> int:
+        """``count`` all-zero blocks of ``length`` bytes (a hole, or a block of zeros): one block, stored nowhere."""
+        stats = self.stats
+        stats.blocks += count
+        stats.raw_bytes += length * count
+        if self.on_block is not None:
+            self.on_block()
+        digest = _zero_digest(length)
+        number = self._numbers.get(digest)
+        if number is not None:
+            stats.in_layer += count
+            return number
+        stats.zero += 1
+        stats.in_layer += count - 1
+        return self._append(digest, Block(digest, ZERO_PACK, 0, 0, length))
 
     def _drain(self, keep: int) -> None:
         """Write finished blocks in order; wait for the oldest while more than ``keep`` are in flight."""
@@ -321,7 +532,8 @@ class PackWriter:
         self._pending = []
 
     def finish(self) -> None:
-        """Write what is in flight and close the pack being written (after the last block)."""
+        """Place the blocks waiting for verification, write what is in flight and close the pack (after the last block)."""
+        self._settle()
         self._drain(keep=0)
         if self._file is not None:
             self._close_pack()
@@ -397,6 +609,8 @@ class ImageResult:
     seconds: float
     puts: int
     uploaded_bytes: int
+    checked_blocks: int = 0  #: blocks already in the store read back and checked (dedup references, existing layers)
+    checked_bytes: int = 0  #: bytes read to check them
 
     @property
     def stats(self) -> BlockStats:
@@ -412,11 +626,21 @@ class ImageResult:
                 f"{len(self.layers) - converted} already in the store); {s.blocks} blocks "
                 f"({_mib(s.raw_bytes)}), {s.stored} stored ({_mib(s.stored_compressed)} compressed), "
                 f"{s.zero} zero, {s.in_store + s.in_layer} deduplicated, dedup ratio {s.dedup_ratio:.0%}; "
+                f"{self.checked_blocks} blocks in the store checked ({_mib(self.checked_bytes)} read); "
                 f"{self.puts} objects uploaded ({_mib(self.uploaded_bytes)}) in {self.seconds:.1f}s")  # fmt: skip
 
 
-def verify_layer(writer: StoreWriter, chain: str) -> ChainRecord | None:
-    """The chain record of ``chain`` if it, its index and every pack it names are in the store, else None."""
+#: Blocks of an existing layer's index checked per batch (bounds what one batch holds in memory).
+_VERIFY_INDEX_BATCH = 16384
+
+
+def verify_layer(writer: StoreWriter, chain: str, *, blocks: BlockVerifier | None = None) -> ChainRecord | None:
+    """The chain record of ``chain`` if it, its index and every pack it names are in the store, else None.
+
+    With ``blocks``, also every block the index references must be at its place
+    (read and checked, :class:`BlockVerifier`): a layer that references a block it
+    cannot serve (a poisoned dedup segment, a damaged pack) is not converted.
+    """
     data = writer.get(chain_object(chain))
     if data is None:
         return None
@@ -431,6 +655,15 @@ def verify_layer(writer: StoreWriter, chain: str) -> ChainRecord | None:
         for pack in index.packs:
             if not writer.exists(pack_object(pack)):
                 raise FormatError(f"pack {pack} is missing")
+        if blocks is not None:
+            stored = [block for block in index.blocks if not block.is_zero]
+            for start in range(0, len(stored), _VERIFY_INDEX_BATCH):
+                places = [StoredBlock(b.digest, index.packs[b.pack], b.offset, b.clen, b.rlen)
+                          for b in stored[start : start + _VERIFY_INDEX_BATCH]]  # fmt: skip
+                bad = blocks.bad(places)
+                if bad:
+                    raise FormatError(f"block sha256:{bad[0].digest} is not at offset {bad[0].offset} of pack "
+                                      f"{bad[0].pack} ({len(bad)} such blocks in the first {start + len(places)})")  # fmt: skip
     except FormatError as exc:
         log.warning("converted layer fails verification; converting it again", store=writer.display_url,
                     chain_id=chain, error=str(exc))  # fmt: skip
@@ -561,9 +794,15 @@ def convert_image(
     spool_dir: str | None = None,
     limits: TarLimits = TarLimits(),
     progress: Progress | None = None,
+    verify_existing: bool = True,
     sign_key: SigningKey | None = None,
 ) -> ImageResult:
     """Convert every layer of ``image`` into ``writer``'s store, bottom up; idempotent.
+
+    A layer already converted is skipped if its record, index and packs are there
+    and (``verify_existing``, the default) every block its index references reads
+    back as that block; else it is converted again and its record rewritten (a
+    repair: blocks that do not verify are stored anew).
 
     Raises ConversionError naming the layer for a refused or inconsistent layer,
     StoreError when the store fails, and :mod:`bootseer.images` errors when the image
@@ -575,6 +814,7 @@ def convert_image(
     vouches for what this converter made from the tar, never for an index it only found.
     """
     check_block_size(block_size)
+    verifier = BlockVerifier(writer)
     started = time.monotonic()
     puts_before, bytes_before = writer.puts, writer.put_bytes
     resolved = image.resolve()
@@ -587,7 +827,7 @@ def convert_image(
     results = []
     for number, (descriptor, diff_id, chain) in enumerate(zip(layers, diff_ids, chains)):
         label = f"layer {number + 1}/{len(layers)} {descriptor.digest[:19]}"
-        existing = verify_layer(writer, chain)
+        existing = verify_layer(writer, chain, blocks=verifier if verify_existing else None)
         signed = sign_key is None or (existing is not None and existing.signature_check().signer([sign_key.public]))
         if existing is not None and existing.block_size == block_size and signed:
             if progress is not None:
@@ -595,7 +835,7 @@ def convert_image(
             results.append(LayerResult(chain_id=chain, digest=descriptor.digest, skipped=True, files=existing.files))
             continue
         if table is None:
-            table = DedupTable.load(writer)
+            table = DedupTable.load(writer, verifier)
         compression = layer_compression(descriptor.media_type) or "none"
         with image.open_blob(descriptor) as blob:
             result = convert_layer(
@@ -611,7 +851,8 @@ def convert_image(
                           f"{s.stored} stored, dedup {s.dedup_ratio:.0%}, uploaded {_mib(result.uploaded_bytes)}")  # fmt: skip
         results.append(result)
     return ImageResult(reference=resolved.reference, layers=results, seconds=time.monotonic() - started,
-                       puts=writer.puts - puts_before, uploaded_bytes=writer.put_bytes - bytes_before)  # fmt: skip
+                       puts=writer.puts - puts_before, uploaded_bytes=writer.put_bytes - bytes_before,
+                       checked_blocks=verifier.checked, checked_bytes=verifier.read_bytes)  # fmt: skip
 
 
 __all__ = [

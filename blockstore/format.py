@@ -26,7 +26,7 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 import zstandard
 
@@ -153,6 +153,43 @@ class Block:
     @property
     def is_zero(self) -> bool:
         return self.pack == ZERO_PACK
+
+
+class StoredBytes(Protocol):
+    """What checking a stored block needs: :class:`Block` and :class:`StoredBlock` both have it."""
+
+    @property
+    def digest(self) -> str: ...
+    @property
+    def clen(self) -> int: ...
+    @property
+    def rlen(self) -> int: ...
+
+
+def decode_block(block: StoredBytes, data: bytes) -> bytes | None:
+    """The raw bytes of ``block`` from its stored (compressed) bytes ``data``, or None if they are not that block.
+
+    The one check of a block's bytes, for every reader and the converter: ``data`` is
+    ``clen`` bytes, decompresses to exactly ``rlen`` (never more is decompressed: a
+    frame header may claim any size) and hashes to ``digest``.
+    """
+    if len(data) != block.clen:
+        return None
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(data)
+        pieces, total = [], 0
+        while total <= block.rlen:
+            piece = reader.read(block.rlen + 1 - total)
+            if not piece:
+                break
+            pieces.append(piece)
+            total += len(piece)
+    except zstandard.ZstdError:
+        return None
+    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    if len(raw) != block.rlen or hashlib.sha256(raw).hexdigest() != block.digest:
+        return None
+    return raw
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,6 @@ the same for reads and prefetch.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import threading
 import time
@@ -59,10 +58,9 @@ from typing import NamedTuple
 
 import prometheus_client
 import trio
-import zstandard
 
 from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, pack_object
+from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, decode_block, pack_object
 from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
 from bootseer.log import get_logger
 
@@ -177,28 +175,6 @@ def layer_label(index: LayerIndex) -> str:
 @functools.lru_cache(maxsize=8)
 def _zeros(length: int) -> bytes:
     return bytes(length)
-
-
-def _decode(block: Block, data: bytes) -> bytes | None:
-    """The raw bytes of ``block`` from its stored bytes ``data``, or None if they are not that block."""
-    if len(data) != block.clen:
-        return None
-    try:
-        # A frame header may claim any size: never decompress more than the block holds.
-        reader = zstandard.ZstdDecompressor().stream_reader(data)
-        pieces, total = [], 0
-        while total <= block.rlen:
-            piece = reader.read(block.rlen + 1 - total)
-            if not piece:
-                break
-            pieces.append(piece)
-            total += len(piece)
-    except zstandard.ZstdError:
-        return None
-    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    if len(raw) != block.rlen or hashlib.sha256(raw).hexdigest() != block.digest:
-        return None
-    return raw
 
 
 class _CacheWriter:
@@ -582,7 +558,7 @@ class BlockFetcher:
         """
         size = sum(block.clen + block.rlen for block in blocks)
         if size <= OFF_THREAD_BYTES:
-            raw = [_decode(block, data) for block, data in zip(blocks, stored)]
+            raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
             if self._writer is not None:
                 behind = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
                 if behind and not self._writer.submit(behind):
@@ -591,7 +567,7 @@ class BlockFetcher:
         return await trio.to_thread.run_sync(self._decode_and_cache_blocking, blocks, stored, limiter=self._threads)
 
     def _decode_and_cache_blocking(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
-        raw = [_decode(block, data) for block, data in zip(blocks, stored)]
+        raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
         if self._writer is not None:
             behind = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
             if behind and not self._writer.submit(behind):

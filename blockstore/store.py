@@ -42,7 +42,7 @@ import trio
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
 from bootseer.fetch.source import NotFound, SourceError
-from bootseer.fetch.sources import open_source, redact_url, split_path
+from bootseer.fetch.sources import check_range, open_source, redact_url, split_path
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -99,6 +99,15 @@ class StoreWriter(abc.ABC):
     @abc.abstractmethod
     def get(self, name: str) -> bytes | None:
         """The object's bytes, None if it does not exist; StoreError if the store fails."""
+
+    @abc.abstractmethod
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        """Bytes ``[offset, offset + length)`` of the object, fewer only where it ends; None if it does not exist.
+
+        What the converter checks blocks of other layers' packs with, before it
+        references them (a range of a pack, never the whole pack).  StoreError if the
+        store fails.
+        """
 
     def put(self, name: str, data: bytes | Path) -> None:
         """Store ``data`` (bytes, or a local file's contents) as ``name``, atomically."""
@@ -214,6 +223,28 @@ class FileStoreWriter(StoreWriter):
             return None
         except OSError as exc:
             raise StoreError(f"{self.root}: read {name}: {exc.strerror}") from None
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        check_range(offset, length)
+        try:
+            fd = os.open(self.path(name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"{self.root}: read {name}: {exc.strerror}") from None
+        try:
+            pieces, done = [], 0
+            while done < length:
+                piece = os.pread(fd, length - done, offset + done)
+                if not piece:
+                    break  # the object ends here
+                pieces.append(piece)
+                done += len(piece)
+            return b"".join(pieces)
+        except OSError as exc:
+            raise StoreError(f"{self.root}: read {name}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
 
     def _put(self, name: str, data: bytes | Path) -> None:
         with self._temp_file(name, data) as (temp, target):
@@ -339,6 +370,22 @@ class S3StoreWriter(StoreWriter):
                 return None
             raise self._error("read", name, exc) from None
 
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        _check_name(name)
+        check_range(offset, length)
+        if length == 0:
+            return b"" if self.exists(name) else None
+        try:
+            response = self.client.get_object(Bucket=self.bucket, Key=self.source.key(name),
+                                              Range=f"bytes={offset}-{offset + length - 1}")  # fmt: skip
+            return response["Body"].read()
+        except Exception as exc:
+            if self._missing(exc):
+                return None
+            if getattr(exc, "response", {}).get("Error", {}).get("Code") == "InvalidRange":
+                return b""  # the range starts past the object's end
+            raise self._error("read", name, exc) from None
+
     def _put(self, name: str, data: bytes | Path) -> None:
         key = self.source.key(name)
         try:
@@ -432,6 +479,21 @@ class HdfsStoreWriter(StoreWriter):
         _check_name(name)
         try:
             return bytes(self.client.read(self.source.hdfs_path(name)).read())
+        except Exception as exc:
+            if isinstance(self._hdfs_error("", exc), NotFound):
+                return None
+            raise self._error("read", name, exc) from None
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes | None:
+        _check_name(name)
+        check_range(offset, length)
+        try:
+            reader = self.client.read(self.source.hdfs_path(name))
+            try:
+                length = max(0, min(length, int(reader.size()) - offset))
+                return bytes(reader.read_range(offset, length)) if length else b""
+            finally:
+                reader.close()
         except Exception as exc:
             if isinstance(self._hdfs_error("", exc), NotFound):
                 return None

@@ -31,14 +31,19 @@ Tar semantics, as containerd's applier (``archive/tar.go``) and GNU tar extract:
   ``opaque=y`` on a directory is kept (it means what the marker means); the others
   (``redirect``, ``origin``, ``metacopy``...) are dropped: overlayfs metadata that points
   elsewhere must not come from an image.
-* Sparse files (GNU old format and PAX 0.0/0.1/1.0, as :mod:`tarfile` reads them) and
-  runs of zeros in any file become zero blocks, stored nowhere.  PAX ``mtime`` keeps
+* Sparse files (GNU old format and PAX 0.0/0.1/1.0, as :mod:`tarfile` parses their
+  maps) and runs of zeros in any file become zero blocks, stored nowhere.  Only the
+  blocks that hold data are read: a hole's whole blocks cost O(1) together, so a
+  file costs O(runs + data), never O(its claimed size).  PAX ``mtime`` keeps
   nanoseconds; names that are not UTF-8 are kept as surrogate escapes.
 
 Every refusal names the entry and the reason; tarfile's own errors (bad checksums,
 truncation, garbage) are turned into the same :class:`LayerError`.  Header sizes,
 names, link targets, xattrs, sparse maps and the entry count are bounded by
-:class:`TarLimits`, checked before anything that large is read into memory.
+:class:`TarLimits`, checked before anything that large is read into memory; so are
+the layer's size (its uncompressed tar, and its files' claimed sizes, holes
+included: ``--max-layer-size``, 64 GiB by default) and its block references (one per
+block of each file, what the index stores).
 """
 
 from __future__ import annotations
@@ -65,6 +70,9 @@ _GZIP_MAGIC = b"\x1f\x8b"
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 _READ_CHUNK = 1 << 20
 
+#: Default of :attr:`TarLimits.max_layer_bytes` (``bootseer convert --max-layer-size``).
+DEFAULT_MAX_LAYER_BYTES = 64 << 30
+
 
 class LayerError(ValueError):
     """A layer tar that BootSeer refuses to convert: ``entry`` (may be None) and ``reason`` say why."""
@@ -89,12 +97,23 @@ class TarLimits:
     max_xattrs: int = 1 << 20  #: bytes of all xattrs of one entry
     max_sparse: int = 1 << 16  #: runs in one sparse file's map
     max_entries: int = 10_000_000  #: entries in the layer
+    #: bytes of the layer: of its uncompressed tar (counted as it is read), and of its regular
+    #: files' claimed sizes (holes of sparse files included; each checked from its header,
+    #: before its bytes are read)
+    max_layer_bytes: int = DEFAULT_MAX_LAYER_BYTES
+    max_block_refs: int = 1 << 22  #: block references in the layer's index (one per block of each file)
 
 
 class BlockSink(Protocol):
-    """Where file contents go: ``add`` stores one block (raw bytes) and returns its block number."""
+    """Where file contents go, one block at a time; each call returns the block's number."""
 
-    def add(self, data: bytes) -> int: ...
+    def add(self, data: bytes) -> int:
+        """Store one block of raw bytes (which may all be zero)."""
+        ...
+
+    def add_zeros(self, length: int, count: int) -> int:
+        """Record ``count`` all-zero blocks of ``length`` bytes (a hole: no bytes are read or passed)."""
+        ...
 
 
 @dataclass
@@ -112,10 +131,16 @@ class ParsedLayer:
 
 
 class HashingReader:
-    """A read-only file that hashes and counts every byte read through it."""
+    """A read-only file that hashes and counts every byte read through it, at most ``limit`` of them.
 
-    def __init__(self, raw: BinaryIO) -> None:
+    Past ``limit`` it raises :class:`LayerError`: a few KB of zstd can stand for a
+    terabyte of tar (padding after the end-of-archive marker, say), all of which the
+    diffID would otherwise hash.
+    """
+
+    def __init__(self, raw: BinaryIO, limit: int | None = None) -> None:
         self.raw = raw
+        self.limit = limit
         self.hash = hashlib.sha256()
         self.count = 0
 
@@ -123,6 +148,8 @@ class HashingReader:
         data = self.raw.read(size)
         self.hash.update(data)
         self.count += len(data)
+        if self.limit is not None and self.count > self.limit:
+            raise LayerError(None, f"uncompressed tar is larger than the layer limit of {self.limit} bytes (--max-layer-size)")
         return data
 
     def drain(self) -> None:
@@ -459,36 +486,115 @@ def _xattrs(info: tarfile.TarInfo, limits: TarLimits, entry: str) -> dict[str, b
     return out
 
 
-def _check_sparse(info: tarfile.TarInfo, limits: TarLimits, entry: str) -> None:
-    runs = info.sparse or []
-    if len(runs) > limits.max_sparse:
-        raise LayerError(entry, f"sparse map of {len(runs)} runs (limit {limits.max_sparse})")
-    end = 0
-    for offset, length in runs:
+def _data_runs(info: tarfile.TarInfo, limits: TarLimits, space: int, entry: str) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` runs of a regular file that hold data, checked; everything else is a hole.
+
+    A file that is not sparse is one run (or none when empty).  A sparse map must be
+    in order, within the file's size, and hold no more bytes than the member stores
+    (``space``: the tar bytes between its data and the next header), so that reading
+    the runs never reads into the next header.
+    """
+    if not info.sparse:
+        return [(0, info.size)] if info.size else []
+    if len(info.sparse) > limits.max_sparse:
+        raise LayerError(entry, f"sparse map of {len(info.sparse)} runs (limit {limits.max_sparse})")
+    runs = []
+    end = stored = 0
+    for offset, length in info.sparse:
         if length == 0:
             continue  # unused header slots and GNU tar's (size, 0) end marker
         if offset < end or length < 0 or offset + length > info.size:
             raise LayerError(entry, f"sparse map run ({offset}, {length}) overlaps, goes backwards or ends past the size {info.size}")
+        runs.append((offset, length))
         end = offset + length
+        stored += length
+    if stored > space:
+        raise LayerError(entry, f"sparse map holds {stored} bytes of data, but the tar stores only {space} for this file")
+    return runs
 
 
-def _read_contents(tar: tarfile.TarFile, info: tarfile.TarInfo, sink: BlockSink, block_size: int,
-                   entry: str) -> tuple[int, ...]:  # fmt: skip
+@dataclass
+class _Claims:
+    """What the layer's regular files claim so far, against :class:`TarLimits`' layer bounds."""
+
+    limits: TarLimits
+    block_size: int
+    bytes: int = 0
+    block_refs: int = 0
+
+    def claim(self, size: int, entry: str) -> None:
+        """Count a file of ``size`` bytes; LayerError (before any of it is read) past a limit."""
+        self.bytes += size
+        self.block_refs += -(-size // self.block_size)
+        if self.bytes > self.limits.max_layer_bytes:
+            raise LayerError(entry, f"claims {size} bytes (holes included), which takes the layer's files to {self.bytes}, "
+                                    f"over the layer limit of {self.limits.max_layer_bytes} bytes (--max-layer-size)")  # fmt: skip
+        if self.block_refs > self.limits.max_block_refs:
+            raise LayerError(entry, f"claims {size} bytes, which takes the layer to {self.block_refs} blocks of {self.block_size} "
+                                    f"bytes, over the limit of {self.limits.max_block_refs} block references per layer")  # fmt: skip
+
+
+def _read_contents(tar: tarfile.TarFile, info: tarfile.TarInfo, runs: list[tuple[int, int]], sink: BlockSink,
+                   block_size: int, entry: str) -> tuple[int, ...]:  # fmt: skip
+    """The block numbers of a regular file's contents, its data ``runs`` read from the tar stream in one pass.
+
+    A hole costs O(1) however long it is (its whole blocks go to the sink as one
+    :meth:`BlockSink.add_zeros`); only blocks that hold data are read, so the work is
+    O(runs + data), never O(size) (a 10 KB tar can claim a 1 TiB sparse file).
+    The runs' bytes lie back to back from ``info.offset_data``.
+    """
+    fileobj = tar.fileobj
+    assert fileobj is not None
+    size = info.size
     blocks: list[int] = []
-    stream = tar.extractfile(info)
-    assert stream is not None
-    left = info.size
+    ends = [offset + length for offset, length in runs]
+    stored_at = []  # where each run's bytes start in the tar stream
+    place = info.offset_data
+    for _, length in runs:
+        stored_at.append(place)
+        place += length
+
+    def stored(run: int, offset: int, length: int) -> bytes:
+        """``length`` bytes of the file from ``offset``, which lie in run number ``run``."""
+        target = stored_at[run] + offset - runs[run][0]
+        if fileobj.tell() != target:
+            fileobj.seek(target)  # forward only: runs are in order (skips what lies between, hashing it)
+        data = fileobj.read(length)
+        if len(data) != length:
+            raise LayerError(entry, f"file data ends {length - len(data)} bytes early (truncated tar)")
+        return data
+
+    position = run = 0
     try:
-        while left:
-            want = min(block_size, left)
-            chunk = stream.read(want)
-            while len(chunk) < want:
-                more = stream.read(want - len(chunk))
-                if not more:
-                    raise LayerError(entry, f"file data ends {left - len(chunk)} bytes early (truncated tar)")
-                chunk += more
+        while position < size:
+            while run < len(runs) and ends[run] <= position:
+                run += 1
+            hole_end = runs[run][0] if run < len(runs) else size
+            whole = max(0, hole_end - position) // block_size  # (hole_end < position: a run goes on)
+            if whole:  # whole blocks of a hole, in one call
+                blocks.extend([sink.add_zeros(block_size, whole)] * whole)
+                position += whole * block_size
+                continue
+            length = min(block_size, size - position)
+            if hole_end == size:  # a hole to the end, shorter than a block
+                blocks.append(sink.add_zeros(length, 1))
+                position = size
+                continue
+            end = position + length
+            if runs[run][0] <= position and end <= ends[run]:  # one run holds the whole block
+                chunk = stored(run, position, length)
+            else:  # data and holes: the runs' pieces over zeros
+                buffer = bytearray(length)
+                piece = run
+                while piece < len(runs) and runs[piece][0] < end:
+                    lo, hi = max(runs[piece][0], position), min(ends[piece], end)
+                    buffer[lo - position : hi - position] = stored(piece, lo, hi - lo)
+                    if ends[piece] > end:
+                        break  # the run goes on into the next block
+                    piece += 1
+                chunk = bytes(buffer)
             blocks.append(sink.add(chunk))
-            left -= want
+            position = end
     except tarfile.ReadError as exc:
         raise LayerError(entry, f"file data unreadable: {exc} (truncated tar?)") from None
     return tuple(blocks)
@@ -501,8 +607,9 @@ def read_layer(blob: BinaryIO, sink: BlockSink, *, block_size: int, limits: TarL
     hold blocks of the entries before, which nothing references.
     """
     decompressed = _Decompressed(blob)
-    hashed = HashingReader(decompressed)  # type: ignore[arg-type]
+    hashed = HashingReader(decompressed, limits.max_layer_bytes)  # type: ignore[arg-type]
     tree = _Tree(limits)
+    claims = _Claims(limits, block_size)
     file_bytes = 0
     last = None
     try:
@@ -529,7 +636,7 @@ def read_layer(blob: BinaryIO, sink: BlockSink, *, block_size: int, limits: TarL
             if tree.count() >= limits.max_entries:
                 raise LayerError(info.name, f"more than {limits.max_entries} entries in the layer")
             try:
-                file_bytes += _member(tar, info, tree, sink, block_size, limits)
+                file_bytes += _member(tar, info, tree, sink, claims)
             except LayerError:
                 raise
             except _TARFILE_ERRORS as exc:
@@ -544,9 +651,9 @@ def read_layer(blob: BinaryIO, sink: BlockSink, *, block_size: int, limits: TarL
     )
 
 
-def _member(tar: tarfile.TarFile, info: tarfile.TarInfo, tree: _Tree, sink: BlockSink, block_size: int,
-            limits: TarLimits) -> int:  # fmt: skip
+def _member(tar: tarfile.TarFile, info: tarfile.TarInfo, tree: _Tree, sink: BlockSink, claims: _Claims) -> int:
     """Add one tar member to ``tree``; returns the file bytes it added."""
+    limits = claims.limits
     entry = info.name
     path = tree.clean(info.name, "name", entry)
     base = path.rpartition("/")[2]
@@ -573,12 +680,13 @@ def _member(tar: tarfile.TarFile, info: tarfile.TarInfo, tree: _Tree, sink: Bloc
     if info.isreg():  # REGTYPE, AREGTYPE, CONTTYPE and GNU sparse
         if info.size < 0:
             raise LayerError(entry, f"negative size {info.size}")
-        _check_sparse(info, limits, entry)
-        # Check the place first, so that a refused entry reads no data into the sink.
+        runs = _data_runs(info, limits, tar.offset - info.offset_data, entry)
+        # Check the place and the claim first, so that a refused entry reads no data into the sink.
         if path == "":
             raise LayerError(entry, "the layer root is not a directory")
         tree.ensure_parent(path, entry)
-        blocks = _read_contents(tar, info, sink, block_size, entry)
+        claims.claim(info.size, entry)
+        blocks = _read_contents(tar, info, runs, sink, claims.block_size, entry)
         inode = _Inode(size=info.size, blocks=blocks, **common)  # type: ignore[arg-type]
         tree.put(path, _Node(EntryType.FILE, inode=inode), entry)
         return info.size

@@ -61,6 +61,9 @@ class Sink:
         self.data.append(data)
         return len(self.data) - 1
 
+    def add_zeros(self, length: int, count: int) -> int:
+        return self.add(bytes(length))
+
 
 def parse(layer: L.Layer, compress=lambda b: b):
     sink = Sink()

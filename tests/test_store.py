@@ -527,7 +527,9 @@ class LocalHdfsClient:
 
     def read(self, path: str):
         data = self._local(path).read_bytes()
-        return type("FileReader", (), {"read": lambda self: data})()
+        return type("FileReader", (), {"read": lambda self: data, "size": lambda self: len(data),
+                                       "read_range": lambda self, offset, length: data[offset : offset + length],
+                                       "close": lambda self: None})()  # fmt: skip
 
     def list_status(self, path: str, recursive: bool = False):
         for child in sorted(self._local(path).iterdir()):
@@ -566,3 +568,20 @@ def test_hdfs_put_if_absent_renames_without_overwrite(tmp_path):
         writer.put_if_absent("v1/hotlists/other", b"data")
     assert os.listdir(directory) == ["default"]
     assert writer.remove("v1/hotlists/default") and not writer.remove("v1/hotlists/default")
+
+
+def test_writers_read_byte_ranges(tmp_path, s3_bucket):
+    """``get_range`` (what the converter checks blocks of other packs with) on the file, S3 and HDFS writers."""
+    data = bytes(range(256)) * 40
+    hdfs = open_store_writer("hdfs://namenode:8020/stores/main", max_failovers=0)
+    hdfs.client = LocalHdfsClient(tmp_path / "hdfs")
+    for writer in (FileStoreWriter(tmp_path / "store"), open_store_writer(s3_bucket.url("ranges"), **s3_bucket.options), hdfs):
+        writer.put("v1/packs/p", data)
+        assert writer.get_range("v1/packs/p", 1000, 300) == data[1000:1300]
+        assert writer.get_range("v1/packs/p", len(data) - 10, 300) == data[-10:]  # fewer where the object ends
+        assert writer.get_range("v1/packs/p", len(data) + 5, 10) == b""
+        assert writer.get_range("v1/packs/p", 0, 0) == b""
+        assert writer.get_range("v1/packs/none", 0, 10) is None
+        with pytest.raises(ValueError):
+            writer.get_range("v1/packs/p", -1, 10)
+        writer.close()

@@ -14,6 +14,8 @@ says ``add_parents=False``.
 Hostile tars: :class:`Raw` writes a ``tarfile.TarInfo`` exactly as given (``../x``,
 ``/etc/x``, a hardlink out of the layer...) and :class:`RawBytes` appends bytes as
 they are (a malformed header); neither gets parents added or its name cleaned.
+:func:`pax_sparse` writes a sparse file in GNU tar's PAX formats (0.0, 0.1, 1.0), with
+any map, as :class:`RawBytes`; :class:`Sparse` is the old GNU format.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import io
 import random
 import tarfile
 from dataclasses import dataclass, field
-from typing import BinaryIO, Iterator, Mapping, Union
+from typing import BinaryIO, Iterator, Mapping, Sequence, Union
 
 #: Fixed mtime (seconds) of every entry unless a spec says otherwise; also the gzip header's.
 EPOCH = 1_700_000_000
@@ -285,6 +287,59 @@ def sparse_header(entry: Sparse) -> tuple[bytes, bytes]:
     header[main + 148 : main + 156] = b"%06o\0 " % checksum
     padding = -len(stored) % BLOCK
     return bytes(header), stored + b"\0" * padding
+
+
+def pax_records(records: Sequence[tuple[str, str]]) -> bytes:
+    """PAX extended-header records (``"<len> key=value\\n"``), repeated keys allowed (PAX 0.0 sparse maps)."""
+    out = b""
+    for key, value in records:
+        body = f" {key}={value}\n".encode("utf-8", "surrogateescape")
+        length = len(body) + 1
+        while len(str(length).encode()) + len(body) != length:
+            length += 1
+        out += str(length).encode() + body
+    return out
+
+
+def _ustar(name: str, kind: bytes, size: int, mode: int = 0o644) -> bytes:
+    info = _info(name)
+    info.type, info.size, info.mode = kind, size, mode
+    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+
+
+def pax_sparse(path: str, size: int, runs: Sequence[tuple[int, bytes]], *, version: str = "1.0") -> RawBytes:
+    """One sparse file as GNU tar writes it in PAX format ``version`` (``0.0``, ``0.1`` or ``1.0``).
+
+    ``size`` is the file's (claimed) size and ``runs`` its ``(offset, bytes)`` of data,
+    ascending; everything else is a hole.  Nothing checks that the runs fit the size,
+    so hostile maps can be written too.  The member is returned as :class:`RawBytes`
+    (a PAX header, then the file header and its stored data), written as it is.
+    """
+    name = clean(path)
+    stored = b"".join(chunk for _, chunk in runs)
+    if version == "1.0":
+        records = [("GNU.sparse.major", "1"), ("GNU.sparse.minor", "0"), ("GNU.sparse.name", name),
+                   ("GNU.sparse.realsize", str(size))]  # fmt: skip
+        sparse_map = f"{len(runs)}\n" + "".join(f"{offset}\n{len(chunk)}\n" for offset, chunk in runs)
+        prefix = sparse_map.encode() + b"\0" * (-len(sparse_map) % BLOCK)
+        data = prefix + stored
+    elif version == "0.1":
+        records = [("GNU.sparse.size", str(size)), ("GNU.sparse.numblocks", str(len(runs))), ("GNU.sparse.name", name),
+                   ("GNU.sparse.map", ",".join(f"{offset},{len(chunk)}" for offset, chunk in runs))]  # fmt: skip
+        data = stored
+    elif version == "0.0":
+        records = [("GNU.sparse.size", str(size)), ("GNU.sparse.numblocks", str(len(runs))), ("GNU.sparse.name", name)]
+        for offset, chunk in runs:
+            records += [("GNU.sparse.offset", str(offset)), ("GNU.sparse.numbytes", str(len(chunk)))]
+        data = stored
+    else:
+        raise ValueError(f"PAX sparse format {version!r} is not 0.0, 0.1 or 1.0")
+    pax = pax_records(records)
+    parent, _, base = name.rpartition("/")
+    stand_in = f"{parent}/GNUSparseFile.0/{base}" if parent else f"GNUSparseFile.0/{base}"
+    out = _ustar(f"PaxHeaders.0/{base}"[:99], tarfile.XHDTYPE, len(pax)) + pax + b"\0" * (-len(pax) % BLOCK)
+    out += _ustar(stand_in[:99], tarfile.REGTYPE, len(data)) + data + b"\0" * (-len(data) % BLOCK)
+    return RawBytes(out, path=name)
 
 
 def _entries_with_parents(layer: Layer) -> Iterator[Entry]:

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import trio
 
+from bootseer.blockstore.cache import check_cache_dir
+from bootseer.blockstore.control import read_secret_file
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.malloc import return_large_blocks
+from bootseer.fetch.sources import carries_secret, check_local_root, check_url, redact_url
 from bootseer.fuse import MountError
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
 from bootseer.log import get_logger
@@ -67,6 +70,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--root", default=DEFAULT_ROOT, metavar="DIR", help=f"the node's BootSeer root ({DEFAULT_ROOT})")
     parser.add_argument("--store", metavar="URL", help="default store of layers (file://, s3://, http(s)://, hdfs://)")
+    parser.add_argument(
+        "--store-file", metavar="FILE",
+        help="read --store from the first line of FILE: a URL with a credential (user:password@, ?token=) "
+             "must not be on the command line, which every local user can read",
+    )  # fmt: skip
     parser.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (ROOT/cache)")
     parser.add_argument("--cache-size", type=parse_size, default=16 << 30, metavar="SIZE", help="block cache size (16G)")
     parser.add_argument("--streams", type=_positive_int, metavar="N", help="parallel range requests per store (16)")
@@ -100,6 +108,38 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
+def _read_store_files(args: argparse.Namespace) -> None:
+    """Set ``args.store``/``args.publish_store`` from their ``--*-file`` flags; warn of a credential in argv."""
+    for name in ("store", "publish_store"):
+        flag, path = "--" + name.replace("_", "-"), getattr(args, f"{name}_file")
+        if path is not None:
+            if getattr(args, name) is not None:
+                raise ValueError(f"give {flag} or {flag}-file, not both")
+            try:
+                setattr(args, name, read_secret_file(path))
+            except ValueError as exc:
+                raise ValueError(f"{flag}-file: {exc}") from None
+        elif getattr(args, name) and carries_secret(getattr(args, name)):
+            log.warning(
+                f"{flag} carries a credential on the command line, which every local user can read; "
+                f"give it with {flag}-file instead", store=redact_url(getattr(args, name)),
+            )  # fmt: skip
+
+
+def _check_start_up(args: argparse.Namespace) -> None:
+    """ValueError, one line naming the flag, for a store URL or a cache directory that cannot work."""
+    for flag, url, check in (("--store", args.store, check_local_root), ("--publish-store", args.publish_store, check_url)):
+        if url is not None:  # a publish store is made by its first write: only its URL is checked
+            try:
+                check(url)  # check_local_root makes check_url's checks first: scheme, bucket, host
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+    try:
+        check_cache_dir(args.cache_dir or os.path.join(args.root, "cache"))
+    except ValueError as exc:
+        raise ValueError(f"--cache-dir: {exc}") from None
+
+
 def layer_server_command(args: argparse.Namespace) -> int:
     """Run ``bootseer layer-server``; returns the exit status."""
     if os.geteuid() != 0:
@@ -114,6 +154,11 @@ def layer_server_command(args: argparse.Namespace) -> int:
         if "stripe_size" in given and "memory_limit" not in given:
             engine = dataclasses.replace(engine, memory_limit=max(engine.memory_limit, engine.stripe_size))
     except (ValueError, TypeError) as exc:
+        return _usage_error(str(exc))
+    try:
+        _read_store_files(args)
+        _check_start_up(args)
+    except ValueError as exc:
         return _usage_error(str(exc))
     config = LayerServerConfig(
         root=Path(args.root).resolve(),

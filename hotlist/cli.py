@@ -57,6 +57,9 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--publish-store", metavar="URL",
                        help="writable store hot lists are written to, where the read store is read-only (an http "
                             "front); default: the layers' store")  # fmt: skip
+    group.add_argument("--publish-store-file", metavar="FILE",
+                       help="read --publish-store from the first line of FILE (keeps a credential out of the "
+                            "command line)")  # fmt: skip
     group.add_argument("--no-hotlist", action="store_true", help="neither record nor prefetch hot lists")
     group.add_argument("--hotlist-quiet", type=float, default=RecordingLimits.quiet, metavar="SECONDS",
                        help="end a recording after this long without a new block (10)")  # fmt: skip

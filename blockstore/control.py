@@ -448,7 +448,8 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
 
     Race-safe: starters take ``ROOT/layers/start.lock`` in turn and check again under
     it, so two callers at once start one server.  The server runs in a session of
-    its own (it outlives the caller), with stdio appended to ``ROOT/layers/server.log``.
+    its own (it outlives the caller), with stdio appended to ``ROOT/layers/server.log``;
+    the store URLs (which may carry credentials) reach it on inherited pipes, not argv.
     Returns once the server answers ``status``.  Raises :class:`ServerStartError`
     (with the server's own last log lines) if it exits or does not answer within
     ``settings.start_timeout``.

@@ -30,7 +30,9 @@ Lifecycle:
   it outlives the daemon; the ``[cache]``, ``[fetch]`` and ``[hotlist]`` settings are its
   flags), restore re-mounts every remote snapshot through it, and a
   watch thread starts it again if it dies.  A server that cannot start is logged and
-  every Prepare falls back to downloading; the daemon still serves.
+  every Prepare falls back to downloading; the daemon still serves.  One that refuses
+  its settings (exit status 2) would refuse them every time: the daemon then refuses
+  to start, with that line.  Store URLs reach the server on pipes, never its argv.
 * Restart: every snapshot under ROOT survives.  The mounts handed to containerd are
   plain kernel overlay and bind mounts, which the kernel keeps on its own, so running
   containers keep working while the daemon is down or restarting; only new

@@ -19,7 +19,7 @@ from pathlib import Path
 import trio
 
 from bootseer.blockstore.cache import check_cache_dir
-from bootseer.blockstore.control import read_secret_file
+from bootseer.blockstore.control import ServerPaths, read_secret_file
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
@@ -128,12 +128,20 @@ def _read_store_files(args: argparse.Namespace) -> None:
 
 def _check_start_up(args: argparse.Namespace) -> None:
     """ValueError, one line naming the flag, for a store URL or a cache directory that cannot work."""
-    for flag, url, check in (("--store", args.store, check_local_root), ("--publish-store", args.publish_store, check_url)):
-        if url is not None:  # a publish store is made by its first write: only its URL is checked
+    for flag, url in (("--store", args.store), ("--publish-store", args.publish_store)):
+        if url is not None:
             try:
-                check(url)  # check_local_root makes check_url's checks first: scheme, bucket, host
+                check_url(url)
             except ValueError as exc:
                 raise ValueError(f"{flag}: {exc}") from None
+    if args.store is not None:
+        try:
+            check_local_root(args.store)  # a publish store is made by its first write: it may be missing
+        except ValueError as exc:
+            if not ServerPaths(Path(args.root)).table.exists():
+                raise ValueError(f"--store: {exc}") from None
+            # A restart must serve its saved layers from their local index copies, store or not.
+            log.warning("the store is not there; restoring the saved layers without it", error=str(exc))
     try:
         check_cache_dir(args.cache_dir or os.path.join(args.root, "cache"))
     except ValueError as exc:

@@ -129,11 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         file_settings = config.read_file(args.config) if args.config else {}
         settings = config.resolve(file_settings, {key: getattr(args, dest) for key, dest in config.FLAGS.items()})
-        config.check_local_stores(settings)
     except config.ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)  # one line, naming the key
         return 2
+    try:
+        config.check_local_stores(settings)
+        missing_store = ""
+    except config.ConfigError as exc:
+        # A node that has served layers (its layer server's table exists) must start again
+        # while its store is away: running containers' layers come back from local copies.
+        if not ServerPaths(settings.root).table.exists():
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 2
+        missing_store = str(exc)
     setup_logging(settings.log_level, settings.log_format)
+    if missing_store:
+        log.warning("the store is not there; starting anyway to restore this node's layers", error=missing_store)
     for flag, url in (("--store", args.store), ("--publish-store", args.publish_store)):
         if url and carries_secret(url):
             log.warning(f"{flag} carries a credential on the command line, which every local user can read; "

@@ -20,10 +20,30 @@ hashing): call them from a worker thread.
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 
 from bootseer.fetch.cache import CacheStats, VerifiedFileCache
 
-__all__ = ["BlockCache", "CacheStats"]
+__all__ = ["BlockCache", "CacheStats", "check_cache_dir"]
+
+
+def check_cache_dir(directory: str | os.PathLike[str]) -> None:
+    """ValueError, one line naming the cause, unless ``directory`` is (or can be made) a writable directory.
+
+    Checked at start-up, by writing a temporary file in it, so that a cache that
+    cannot be written is refused at once instead of failing every block write.
+    """
+    path = os.fspath(directory)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except FileExistsError:
+        raise ValueError(f"cache directory {path!r} is not a directory") from None
+    except OSError as exc:
+        what = "is not a directory" if isinstance(exc, (NotADirectoryError, FileExistsError)) else "cannot be written"
+        raise ValueError(f"cache directory {path!r} {what}: {exc.strerror or exc}") from None
 
 
 class BlockCache(VerifiedFileCache):

@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 #: Longest request or answer line; a peer sending more is cut off.
 MAX_MESSAGE = 1 << 20
@@ -112,9 +112,18 @@ class ServerTimedOut(ServerUnavailable):
 
 
 class ServerStartError(LayerServerError):
-    """:func:`ensure_server` could not start a layer server; the message says why."""
+    """:func:`ensure_server` could not start a layer server; the message says why.
+
+    ``exit_status`` is the server's, if it exited (2: it refused its settings, see
+    :mod:`blockstore.server_cli`), and ``reason`` the last line it logged.
+    """
 
     kind = "start_failed"
+
+    def __init__(self, message: str, *, exit_status: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+        self.reason = reason
 
 
 class LayerNotConverted(LayerServerError):
@@ -316,18 +325,32 @@ class ServerSettings:
     python: str = field(default_factory=lambda: sys.executable)
     start_timeout: float = 60.0  #: seconds to wait for a started server to answer
 
-    def argv(self, root: str | os.PathLike[str]) -> list[str]:
-        """The command line that starts the server for ``root``."""
+    def secrets(self) -> dict[str, str]:
+        """The settings that may carry a credential (store URLs), by the file flag that passes each.
+
+        They never go on the command line, which every local user can read in
+        ``/proc/PID/cmdline``: :func:`ensure_server` writes each to a pipe the server
+        inherits and names it ``--store-file /dev/fd/N``.
+        """
+        given = {"--store-file": self.store, "--publish-store-file": self.publish_store}
+        return {flag: value for flag, value in given.items() if value}
+
+    def argv(self, root: str | os.PathLike[str], secret_files: Mapping[str, str] | None = None) -> list[str]:
+        """The command line that starts the server for ``root``: no store URL in it.
+
+        ``secret_files`` maps the flags of :meth:`secrets` to the files (``/dev/fd/N``)
+        their values are read from.
+        """
         argv = [self.python, "-m", "bootseer.cli", "--log-level", self.log_level, "layer-server", "--root", os.fspath(root)]
+        for flag, path in (secret_files or {}).items():
+            argv += [flag, path]
         for flag, value in (
-            ("--store", self.store),
             ("--cache-dir", self.cache_dir),
             ("--cache-size", self.cache_size),
             ("--streams", self.streams),
             ("--retry-timeout", self.retry_timeout),
             ("--memory-limit", self.memory_limit),
             ("--metrics-address", self.metrics_address),
-            ("--publish-store", self.publish_store),
             ("--hotlist-quiet", self.hotlist_quiet),
             ("--hotlist-window", self.hotlist_window),
             ("--prefetch-concurrency", self.prefetch_concurrency),
@@ -386,12 +409,67 @@ def _log_tail(path: Path, start: int, limit: int = 4000) -> str:
     return text[-limit:].strip()
 
 
+#: Longest secret setting passed on a pipe: written whole before the server starts, it must fit the pipe.
+MAX_SECRET = 60 * 1024
+
+
+@contextmanager
+def _secret_pipes(secrets: Mapping[str, str]) -> Iterator[tuple[dict[str, str], tuple[int, ...]]]:
+    """One pipe per secret, its value written and the write end closed: ({flag: "/dev/fd/N"}, read ends).
+
+    The read ends are closed here once the server has inherited them (it reads each once).
+    """
+    files: dict[str, str] = {}
+    fds: list[int] = []
+    try:
+        for flag, value in secrets.items():
+            data = value.encode() + b"\n"
+            if len(data) > MAX_SECRET:
+                raise ServerStartError(f"{flag.removesuffix('-file')} is longer than {MAX_SECRET} bytes")
+            read_end, write_end = os.pipe2(os.O_CLOEXEC)
+            fds.append(read_end)
+            try:
+                os.write(write_end, data)  # fits the pipe's buffer: never blocks
+            finally:
+                os.close(write_end)
+            files[flag] = f"/dev/fd/{read_end}"
+        yield files, tuple(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def read_secret_file(path: str) -> str:
+    """The setting in ``path`` (its first line, stripped), as ``--store-file`` gives it.
+
+    ``/dev/fd/N`` (a pipe from :func:`ensure_server`) is read from descriptor N, which
+    is then closed.  ValueError, naming the file, if it cannot be read or is empty.
+    """
+    inherited = path.removeprefix("/dev/fd/")
+    try:
+        if inherited.isdigit():
+            with os.fdopen(int(inherited), "rb") as pipe:
+                data = pipe.read(MAX_SECRET + 1)
+        else:
+            with open(path, "rb") as file:
+                data = file.read(MAX_SECRET + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_SECRET:
+        raise ValueError(f"{path} is longer than {MAX_SECRET} bytes")
+    lines = data.decode(errors="replace").strip().splitlines()
+    if not lines or not lines[0].strip():
+        raise ValueError(f"{path} is empty")
+    return lines[0].strip()
+
+
 def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = ServerSettings()) -> LayerServerClient:
     """A client of the layer server for ``root``, starting the server if none answers.
 
     Race-safe: starters take ``ROOT/layers/start.lock`` in turn and check again under
     it, so two callers at once start one server.  The server runs in a session of
-    its own (it outlives the caller), with stdio appended to ``ROOT/layers/server.log``.
+    its own (it outlives the caller), with stdio appended to ``ROOT/layers/server.log``;
+    the store URLs (which may carry credentials) reach it on inherited pipes, not argv.
     Returns once the server answers ``status``.  Raises :class:`ServerStartError`
     (with the server's own last log lines) if it exits or does not answer within
     ``settings.start_timeout``.
@@ -405,13 +483,13 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
     with _locked(paths.start_lock, settings.start_timeout):
         if _answers(client):  # someone else started it while we waited
             return client
-        argv = settings.argv(root)
-        with open(paths.log, "ab") as log:
+        with open(paths.log, "ab") as log, _secret_pipes(settings.secrets()) as (secret_files, secret_fds):
+            argv = settings.argv(root, secret_files)
             log_start = log.tell()
             try:
                 process = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
-                    cwd="/",  # pins no directory of the caller's
+                    pass_fds=secret_fds, cwd="/",  # pins no directory of the caller's
                 )
             except OSError as exc:
                 raise ServerStartError(f"cannot start the layer server ({argv[0]}): {exc}") from None
@@ -422,9 +500,11 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
             if _answers(client):
                 return client
             if process.poll() is not None:
+                tail = _log_tail(paths.log, log_start)
                 raise ServerStartError(
                     f"the layer server exited with status {process.returncode} before answering; "
-                    f"its log ({paths.log}):\n{_log_tail(paths.log, log_start)}"
+                    f"its log ({paths.log}):\n{tail}",
+                    exit_status=process.returncode, reason=tail.splitlines()[-1] if tail else "",
                 )
             time.sleep(0.05)
         raise ServerStartError(
@@ -450,4 +530,5 @@ __all__ = [
     "ServerUnavailable",
     "StoreUnavailable",
     "ensure_server",
+    "read_secret_file",
 ]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import re
@@ -37,7 +38,7 @@ import socket as stdlib_socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Iterable
 
 import prometheus_client
 import pyfuse3
@@ -111,9 +112,23 @@ class LayerServerConfig:
         return ServerPaths(self.root)
 
 
+def store_id(url: str) -> str:
+    """What the table names a store by: the SHA-256 of its whole URL, credentials included.
+
+    The table shows only :func:`redact_url` of a URL; a restarted server finds the
+    real one again among the URLs it was given whose id matches.
+    """
+    return "sha256:" + hashlib.sha256(url.encode()).hexdigest()
+
+
 @dataclass
 class Layer:
-    """One row of the table: a layer the server serves (or is to serve: ``tree`` None)."""
+    """One row of the table: a layer the server serves (or is to serve: ``tree`` None).
+
+    ``store`` is the whole URL (with any credential: never shown, never saved); it is
+    "" for a saved row whose store this server was not given, which then only
+    ``store_id`` and ``shown_store`` (redacted) name.
+    """
 
     chain_id: str
     slot: int
@@ -123,12 +138,20 @@ class Layer:
     error: str = ""  #: why the layer is not being served (restore failed)
     #: mounted as a dependency layer on the word of a deps record naming this index (no converter signature)
     deps_index: str = ""
+    store_id: str = ""
+    shown_store: str = ""
+
+    def __post_init__(self) -> None:
+        if self.store:
+            self.store_id = store_id(self.store)
+            self.shown_store = redact_url(self.store)
 
     def to_json(self) -> dict[str, Any]:
         row = {
             "chain_id": self.chain_id,
             "slot": self.slot,
-            "store": self.store,
+            "store": self.shown_store,
+            "store_id": self.store_id,
             "record": json.loads(self.record.encode()),
         }
         if self.deps_index:
@@ -154,8 +177,15 @@ def write_atomically(path: Path, data: bytes) -> None:
         os.close(directory)
 
 
-def load_table(path: Path) -> list[Layer]:
-    """The layers of a saved table (none if there is no table); ValueError if it is malformed."""
+def load_table(path: Path, stores: Iterable[str] = ()) -> list[Layer]:
+    """The layers of a saved table (none if there is no table); ValueError if it is malformed.
+
+    Each row's store is found again among ``stores`` (the URLs this server was given)
+    by its ``store_id``; a row's shown URL is its store itself when it has nothing to
+    redact (or the row is from a table older than store ids).  A row whose store is
+    none of these comes back with ``store`` "" and ``error`` saying so.
+    """
+    known = {store_id(url): url for url in stores if url}
     try:
         document = json.loads(path.read_bytes())
     except FileNotFoundError:
@@ -168,7 +198,16 @@ def load_table(path: Path) -> list[Layer]:
         layers = []
         for row in document["layers"]:
             record = ChainRecord.decode(json.dumps(row["record"]).encode(), expected_chain_id=row["chain_id"])
-            layer = Layer(record.chain_id, int(row["slot"]), str(row["store"]), record, deps_index=str(row.get("deps_index", "")))
+            shown, saved_id = str(row["store"]), row.get("store_id")
+            if saved_id is None or (saved_id == store_id(shown) and redact_url(shown) == shown):
+                known.setdefault(store_id(shown), shown)
+                saved_id = store_id(shown)
+            layer = Layer(record.chain_id, int(row["slot"]), known.get(str(saved_id), ""), record,
+                          deps_index=str(row.get("deps_index", "")))
+            if not layer.store:
+                layer.store_id, layer.shown_store = str(saved_id), shown
+                layer.error = (f"its store {shown} is not one this layer server was given "
+                               f"(--store, or a mount's store): start it with that store to serve it again")
             layers.append(layer)
     except (KeyError, TypeError, FormatError) as exc:
         raise ValueError(f"{path} is malformed ({exc!r}); move it away to start with no layers") from None
@@ -242,7 +281,7 @@ class LayerServer:
                 try:
                     source = open_source(store, **self.config.source_options)
                 except (ValueError, TypeError, SourceError) as exc:
-                    raise InvalidRequest(f"store {store!r}: {exc}") from None
+                    raise InvalidRequest(f"store {redact_url(store)!r}: {exc}") from None
                 engine = Engine(source, self.config.engine)
                 await self.nursery.start(self._run_engine, engine)
                 self._engines[store] = engine
@@ -356,6 +395,10 @@ class LayerServer:
         """
         for layer in saved:
             self.layers[layer.chain_id] = layer
+            if not layer.store:  # load_table said why
+                RESTORED.labels("failed").inc()
+                log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=layer.error)
+                continue
             index = await trio.to_thread.run_sync(self._local_index, layer.record, limiter=self._block_threads)
             try:
                 if index is None:
@@ -390,7 +433,12 @@ class LayerServer:
                     self._check_trust(layer.record, deps_index)
                 return self._answer(layer)
             # A row whose restore failed keeps its slot and store; this is its retry.
-            store = layer.store if layer is not None else store
+            if layer is not None:
+                if not layer.store and store_id(store) == layer.store_id:
+                    layer.store, layer.shown_store = store, redact_url(store)  # the row's store, given again
+                if not layer.store:
+                    raise StoreUnavailable(f"{chain_id} (slot {layer.slot}) cannot be served: {layer.error}")
+                store = layer.store
             # The engine fails a store that errors within retry_timeout; this bounds one that
             # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
             with trio.move_on_after(self.config.load_timeout) as loading:
@@ -419,7 +467,7 @@ class LayerServer:
                 layer.tree, layer.error = tree, ""
                 self.root.layers[layer.slot] = tree
             LAYERS.set(len(self.root.layers))
-            log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=store)
+            log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=redact_url(store))
             self.hotlist.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
 
@@ -488,9 +536,12 @@ class LayerServer:
             "root": str(self.config.root),
             "mountpoint": str(self.paths.mountpoint),
             "uptime_s": round(time.time() - self.started, 3),
+            # Redacted: the whole URLs came on pipes, not argv (blockstore.control.ensure_server).
+            "store": redact_url(self.config.store) if self.config.store else "",
+            "publish_store": redact_url(self.hotlist.config.publish_store or ""),
             "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},
             "layers": [
-                {**self._answer(layer), "store": layer.store, "index": layer.record.index,
+                {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,
                  "entries": len(layer.tree.index.entries) if layer.tree else 0,
                  "served": layer.tree is not None, "error": layer.error}
                 for layer in sorted(self.layers.values(), key=lambda x: x.slot)
@@ -648,7 +699,7 @@ async def run_server(
     try:
         prepare_root(paths)
         profile_hooks.use_root(config.root)  # BOOTSEER_PROFILE=1: the start-up profiler's spool is ROOT/profile
-        saved = load_table(paths.table)
+        saved = load_table(paths.table, [config.store or ""])
         if config.trust.enforced("chain") or config.trust.enforced("hotlist"):
             log.info("trust policy: serving only what these keys signed", **config.trust.describe())
         if not config.trust.enforced("chain"):
@@ -688,4 +739,5 @@ __all__ = [
     "prepare_root",
     "run_server",
     "save_table",
+    "store_id",
 ]

@@ -18,11 +18,14 @@ from pathlib import Path
 
 import trio
 
+from bootseer.blockstore.cache import check_cache_dir
+from bootseer.blockstore.control import ServerPaths, read_secret_file
 from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.malloc import return_large_blocks
+from bootseer.fetch.sources import carries_secret, check_local_root, check_url, redact_url
 from bootseer.fuse import MountError
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
 from bootseer.log import get_logger
@@ -68,6 +71,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--root", default=DEFAULT_ROOT, metavar="DIR", help=f"the node's BootSeer root ({DEFAULT_ROOT})")
     parser.add_argument("--store", metavar="URL", help="default store of layers (file://, s3://, http(s)://, hdfs://)")
+    parser.add_argument(
+        "--store-file", metavar="FILE",
+        help="read --store from the first line of FILE: a URL with a credential (user:password@, ?token=) "
+             "must not be on the command line, which every local user can read",
+    )  # fmt: skip
     parser.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (ROOT/cache)")
     parser.add_argument("--cache-size", type=parse_size, default=16 << 30, metavar="SIZE", help="block cache size (16G)")
     parser.add_argument("--streams", type=_positive_int, metavar="N", help="parallel range requests per store (16)")
@@ -106,6 +114,46 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
+def _read_store_files(args: argparse.Namespace) -> None:
+    """Set ``args.store``/``args.publish_store`` from their ``--*-file`` flags; warn of a credential in argv."""
+    for name in ("store", "publish_store"):
+        flag, path = "--" + name.replace("_", "-"), getattr(args, f"{name}_file")
+        if path is not None:
+            if getattr(args, name) is not None:
+                raise ValueError(f"give {flag} or {flag}-file, not both")
+            try:
+                setattr(args, name, read_secret_file(path))
+            except ValueError as exc:
+                raise ValueError(f"{flag}-file: {exc}") from None
+        elif getattr(args, name) and carries_secret(getattr(args, name)):
+            log.warning(
+                f"{flag} carries a credential on the command line, which every local user can read; "
+                f"give it with {flag}-file instead", store=redact_url(getattr(args, name)),
+            )  # fmt: skip
+
+
+def _check_start_up(args: argparse.Namespace) -> None:
+    """ValueError, one line naming the flag, for a store URL or a cache directory that cannot work."""
+    for flag, url in (("--store", args.store), ("--publish-store", args.publish_store)):
+        if url is not None:
+            try:
+                check_url(url)
+            except ValueError as exc:
+                raise ValueError(f"{flag}: {exc}") from None
+    if args.store is not None:
+        try:
+            check_local_root(args.store)  # a publish store is made by its first write: it may be missing
+        except ValueError as exc:
+            if not ServerPaths(Path(args.root)).table.exists():
+                raise ValueError(f"--store: {exc}") from None
+            # A restart must serve its saved layers from their local index copies, store or not.
+            log.warning("the store is not there; restoring the saved layers without it", error=str(exc))
+    try:
+        check_cache_dir(args.cache_dir or os.path.join(args.root, "cache"))
+    except ValueError as exc:
+        raise ValueError(f"--cache-dir: {exc}") from None
+
+
 def layer_server_command(args: argparse.Namespace) -> int:
     """Run ``bootseer layer-server``; returns the exit status."""
     if os.geteuid() != 0:
@@ -120,6 +168,11 @@ def layer_server_command(args: argparse.Namespace) -> int:
         if "stripe_size" in given and "memory_limit" not in given:
             engine = dataclasses.replace(engine, memory_limit=max(engine.memory_limit, engine.stripe_size))
     except (ValueError, TypeError) as exc:
+        return _usage_error(str(exc))
+    try:
+        _read_store_files(args)
+        _check_start_up(args)
+    except ValueError as exc:
         return _usage_error(str(exc))
     config = LayerServerConfig(
         root=Path(args.root).resolve(),

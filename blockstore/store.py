@@ -41,7 +41,7 @@ import trio
 
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
-from bootseer.fetch.source import NotFound, SourceError
+from bootseer.fetch.source import NotADirectory, NotFound, SourceError
 from bootseer.fetch.sources import check_range, open_source, redact_url, split_path
 from bootseer.log import get_logger
 
@@ -642,11 +642,30 @@ class StoreReader:
         """The chain record of ``chain_id``; None if the layer is not converted in this store.
 
         FetchError when the store fails, FormatError when the record is tampered with.
+        A missing record is "not converted" only in a store that exists: when the
+        store's root is missing too (a typo in ``--store``, a bucket or prefix that is
+        not there, an unmounted NFS export) or is not a directory, that is a FetchError.
         """
         data = await self.read_object(chain_object(chain_id), MAX_CHAIN_RECORD_BYTES)
         if data is None:
+            await self._check_root()
             return None
         return ChainRecord.decode(data, expected_chain_id=chain_id)
+
+    async def _check_root(self) -> None:
+        """FetchError if the store's root does not exist or is not a directory.
+
+        Only those two answers count: a root that cannot be listed (an http front
+        without directory listings answers 403) may still serve its objects.
+        """
+        try:
+            entry = await self.engine.stat("")
+        except (NotFound, NotADirectory) as exc:
+            raise FetchError(f"{self.engine.url}: the store does not exist ({exc})") from None
+        except (FetchError, SourceError):
+            return
+        if not entry.is_dir:
+            raise FetchError(f"{self.engine.url}: the store is a file, not a directory of objects")
 
     async def index(self, record: ChainRecord) -> LayerIndex:
         """The layer index ``record`` names, verified against ``record.index`` and its diff_id."""

@@ -37,6 +37,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping, Sequence
 
+from bootseer.fetch.sources import redact_url
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -742,9 +743,17 @@ class RegistrySource(ImageSource):
         return conn, target
 
     def _send(self, method: str, url: str, headers: Mapping[str, str]) -> _Response:
-        """One request (redirects followed, Authorization dropped when the host changes), retried on
-        connection failures, 429 and 5xx; the response is open."""
-        origin = urllib.parse.urlsplit(url).netloc
+        """One request, retried on connection failures, 429 and 5xx; the response is open.
+
+        Redirects are followed, up to :data:`MAX_REDIRECTS`, with two rules for every
+        request (manifests, blobs, token services): a redirect from ``https`` to
+        ``http`` is refused unless ``plain_http`` was asked for (it would send the
+        request, and what it names, in clear text), and the ``Authorization`` header
+        is dropped as soon as a hop leaves the origin (scheme, host or port), as blob
+        redirects to object storage or a CDN normally do: their URLs carry their own
+        signature.
+        """
+        origin = _origin(url)
         for attempt in range(HTTP_ATTEMPTS):
             current, hdrs = url, dict(headers)
             try:
@@ -759,16 +768,17 @@ class RegistrySource(ImageSource):
                     response = _Response(conn, resp, current)
                     if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
                         response.close()
-                        current = urllib.parse.urljoin(current, resp.getheader("Location"))
-                        if urllib.parse.urlsplit(current).netloc != origin:
+                        previous, current = current, urllib.parse.urljoin(current, resp.getheader("Location"))
+                        self._check_redirect(previous, current)
+                        if _origin(current) != origin:
                             hdrs.pop("Authorization", None)
                         continue
                     break
                 else:
-                    raise RegistryError(f"{self.reference}: more than {MAX_REDIRECTS} redirects for {url}")
+                    raise RegistryError(f"{self.reference}: more than {MAX_REDIRECTS} redirects for {redact_url(url)}")
             except (OSError, http.client.HTTPException) as e:
                 if attempt + 1 == HTTP_ATTEMPTS:
-                    raise RegistryError(f"{self.reference}: {method} {_redact(url)} failed: {e}") from e
+                    raise RegistryError(f"{self.reference}: {method} {redact_url(url)} failed: {e}") from e
                 time.sleep(0.2 * 2**attempt)
                 continue
             if (response.status == 429 or response.status >= 500) and attempt + 1 < HTTP_ATTEMPTS:
@@ -777,6 +787,15 @@ class RegistrySource(ImageSource):
                 continue
             return response
         raise AssertionError("unreachable")
+
+    def _check_redirect(self, previous: str, target: str) -> None:
+        """RegistryError for a redirect from ``previous`` to ``target`` that must not be followed."""
+        before, after = urllib.parse.urlsplit(previous).scheme, urllib.parse.urlsplit(target).scheme
+        if before == "https" and after == "http" and not self.plain_http:
+            raise RegistryError(
+                f"{self.reference}: refusing a redirect from {redact_url(previous)} to {redact_url(target)} "
+                f"(https to plain http; pass --plain-http to allow it)"
+            )
 
     def _request(self, method: str, url: str, headers: Mapping[str, str], what: str) -> _Response:
         """A request to the registry, answering its auth challenge once; raises on any non-2xx status."""
@@ -799,7 +818,7 @@ class RegistrySource(ImageSource):
         if status in (401, 403):
             hint = "" if self._credentials else " (no credentials for this registry in the docker config)"
             raise AuthError(f"{what}: the registry refused access ({status} {reason}{body}){hint}")
-        raise RegistryError(f"{what}: {method} {_redact(url)} answered {status} {reason}{body}")
+        raise RegistryError(f"{what}: {method} {redact_url(url)} answered {status} {reason}{body}")
 
     def _answer(self, challenge: str, what: str) -> str:
         """The Authorization header a 401's challenge asks for."""
@@ -818,7 +837,7 @@ class RegistrySource(ImageSource):
         realm = params["realm"]
         scheme = urllib.parse.urlsplit(realm).scheme
         if scheme not in ("https", "http") or (scheme == "http" and not self.plain_http):
-            raise AuthError(f"{what}: refusing token realm {_redact(realm)} (not HTTPS)")
+            raise AuthError(f"{what}: refusing token realm {redact_url(realm)} (not HTTPS)")
         query = {k: v for k, v in (("service", params.get("service")),
                                    ("scope", params.get("scope") or f"repository:{self.ref.repository}:pull")) if v}
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
@@ -829,14 +848,14 @@ class RegistrySource(ImageSource):
         response = self._send("GET", url, headers)
         try:
             if response.status != 200:
-                raise AuthError(f"{what}: token service {_redact(realm)} answered {response.status}"
+                raise AuthError(f"{what}: token service {redact_url(realm)} answered {response.status}"
                                 f"{'' if self._credentials else ' (no credentials in the docker config)'}")
             body = _parse_json(response.read_bounded(1024 * 1024, "token response"), "token response")
         finally:
             response.close()
         token = body.get("token") or body.get("access_token")
         if not isinstance(token, str) or not token:
-            raise AuthError(f"{what}: token service {_redact(realm)} sent no token")
+            raise AuthError(f"{what}: token service {redact_url(realm)} sent no token")
         log.debug("registry token obtained", registry=self.ref.api_host, scope=query.get("scope", ""))
         return token
 
@@ -891,13 +910,11 @@ class RegistrySource(ImageSource):
         return VerifiedBlob(response, descriptor, what)
 
 
-def _redact(url: str) -> str:
-    """A URL without userinfo or query (token services and signed blob URLs carry secrets there)."""
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """The (scheme, host, port) a request to ``url`` goes to, the port made explicit."""
     parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host += f":{parts.port}"
-    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or {"https": 443, "http": 80}.get(scheme)
 
 
 def _error_summary(response: _Response) -> str:

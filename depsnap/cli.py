@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bootseer.fetch.sources import redact_url
 from bootseer.units import parse_size
 
 EXIT_MISSING = 1
@@ -254,7 +255,7 @@ def ls_command(args: argparse.Namespace) -> int:
                                  "chain_id": record.chain_id, "files": record.files, "bytes": record.bytes,
                                  "captured_at": record.captured_at, "node": record.node, "command": record.command})  # fmt: skip
         except (StoreError, ValueError) as exc:
-            return _error(f"--store {args.store}: {exc} (ls needs a listable store: a directory, s3://, hdfs://)")
+            return _error(f"--store {redact_url(args.store)}: {exc} (ls needs a listable store: a directory, s3://, hdfs://)")
     local = [vars(s) for s in NodeRoot(args.root).states()] if os.path.isdir(args.root) else []
     if args.json:
         print(json.dumps({"snapshots": rows, "prefixes": local}, indent=1))
@@ -322,7 +323,7 @@ def rm_command(args: argparse.Namespace) -> int:
     except (KeyError_, StoreError, ValueError) as exc:
         return _error(f"rm: {exc}")
     if not removed:
-        print(f"bootseer deps: no snapshot {key} in {args.store}", file=sys.stderr)
+        print(f"bootseer deps: no snapshot {key} in {redact_url(args.store)}", file=sys.stderr)
         return EXIT_MISSING
     print(f"removed {key}")
     return 0

@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from bootseer.blockstore.format import FormatError, chain_ids, check_digest
+from bootseer.fetch.sources import redact_url
 from bootseer.hotlist.format import (
     MAX_OBJECT_BYTES,
     HotList,
@@ -57,6 +58,9 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--publish-store", metavar="URL",
                        help="writable store hot lists are written to, where the read store is read-only (an http "
                             "front); default: the layers' store")  # fmt: skip
+    group.add_argument("--publish-store-file", metavar="FILE",
+                       help="read --publish-store from the first line of FILE (keeps a credential out of the "
+                            "command line)")  # fmt: skip
     group.add_argument("--no-hotlist", action="store_true", help="neither record nor prefetch hot lists")
     group.add_argument("--hotlist-quiet", type=float, default=RecordingLimits.quiet, metavar="SECONDS",
                        help="end a recording after this long without a new block (10)")  # fmt: skip
@@ -84,7 +88,7 @@ def layer_server_hotlist_config(args: argparse.Namespace) -> HotListConfig:
         except ReadOnlyStore as exc:
             raise ValueError(f"--publish-store: {exc}") from None
         except OSError as exc:
-            raise ValueError(f"--publish-store {args.publish_store}: {exc}") from None
+            raise ValueError(f"--publish-store {redact_url(args.publish_store)}: {exc}") from None
     return HotListConfig(
         enabled=not args.no_hotlist,
         publish_store=args.publish_store,
@@ -185,7 +189,7 @@ def show_command(args: argparse.Namespace) -> int:
     documents = []
     for profile, hot in lists.items():
         if hot is None:
-            print(f"no hot list for {top} profile {profile or '(default)'} in {args.store}", file=sys.stderr)
+            print(f"no hot list for {top} profile {profile or '(default)'} in {redact_url(args.store)}", file=sys.stderr)
             status = max(status, EXIT_MISSING)
         elif isinstance(hot, Exception):
             print(f"hot list for {top} profile {profile or '(default)'} is unusable (ignored by nodes): {hot}", file=sys.stderr)
@@ -237,7 +241,7 @@ def clear_command(args: argparse.Namespace) -> int:
     for name in removed:
         print(f"removed {name}")
     if not removed:
-        print(f"no hot list for {top} in {args.store}", file=sys.stderr)
+        print(f"no hot list for {top} in {redact_url(args.store)}", file=sys.stderr)
         return EXIT_MISSING
     return 0
 

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
-from bootseer.fetch.sources import redact_url, source_class
+from bootseer.fetch.sources import check_local_root, check_url, redact_url
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.log import FORMATS, LEVELS
@@ -208,7 +208,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
     store_url = merged["store.url"]
     if store_url:
         try:
-            source_class(store_url)
+            check_url(store_url)
         except ValueError as exc:
             raise invalid("store.url", str(exc)) from None
     size = merged["cache.size"]
@@ -310,6 +310,20 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
     )
 
 
+def check_local_stores(settings: Config) -> None:
+    """ConfigError unless a local store of layers (a path, ``file://``) is an existing directory.
+
+    The start-up check that looks at the disk (:func:`resolve` does not): a typo in a
+    store path is refused, not read as a store in which nothing is converted.  (A
+    publish store is written, and made, by the layer server: it need not exist yet.)
+    """
+    if settings.store_url:
+        try:
+            check_local_root(settings.store_url)
+        except ValueError as exc:
+            raise ConfigError(f"--store / [store] url: {exc}") from None
+
+
 def _check_writable(url: str, invalid: Callable[[str], ConfigError]) -> None:
     """Refuse a publish store that cannot be written (http(s)://, a bad URL), naming why.
 
@@ -321,6 +335,10 @@ def _check_writable(url: str, invalid: Callable[[str], ConfigError]) -> None:
         raise invalid("an http(s) store is read-only; give the directory or bucket behind it")
     if scheme not in ("", "file", "s3", "hdfs"):
         raise invalid(f"unsupported store URL {redact_url(url)!r}: expected a path, file://, s3:// or hdfs://")
+    try:
+        check_url(url)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
 
 
 def _type_name(kind: type) -> str:

@@ -30,7 +30,9 @@ Lifecycle:
   it outlives the daemon; the ``[cache]``, ``[fetch]`` and ``[hotlist]`` settings are its
   flags), restore re-mounts every remote snapshot through it, and a
   watch thread starts it again if it dies.  A server that cannot start is logged and
-  every Prepare falls back to downloading; the daemon still serves.
+  every Prepare falls back to downloading; the daemon still serves.  One that refuses
+  its settings (exit status 2) would refuse them every time: the daemon then refuses
+  to start, with that line.  Store URLs reach the server on pipes, never its argv.
 * Restart: every snapshot under ROOT survives.  The mounts handed to containerd are
   plain kernel overlay and bind mounts, which the kernel keeps on its own, so running
   containers keep working while the daemon is down or restarting; only new
@@ -64,9 +66,10 @@ from bootseer import __version__
 from bootseer.log import FORMATS, LEVELS, get_logger, setup_logging
 from bootseer.metrics import serve_metrics
 
-from bootseer.blockstore.control import LayerServerError, ServerPaths, ServerSettings
+from bootseer.blockstore.cache import check_cache_dir
+from bootseer.blockstore.control import LayerServerError, ServerPaths, ServerSettings, ServerStartError
 from bootseer.fetch.engine import EngineConfig
-from bootseer.fetch.sources import redact_url
+from bootseer.fetch.sources import carries_secret, redact_url
 
 from . import config, service
 from .backend import LayerBackend
@@ -138,8 +141,25 @@ def main(argv: list[str] | None = None) -> int:
         file_settings = config.read_file(args.config) if args.config else {}
         settings = config.resolve(file_settings, {key: getattr(args, dest) for key, dest in config.FLAGS.items()})
     except config.ConfigError as exc:
-        parser.error(str(exc))  # exits 2
+        print(f"{PROG}: error: {exc}", file=sys.stderr)  # one line, naming the key
+        return 2
+    try:
+        config.check_local_stores(settings)
+        missing_store = ""
+    except config.ConfigError as exc:
+        # A node that has served layers (its layer server's table exists) must start again
+        # while its store is away: running containers' layers come back from local copies.
+        if not ServerPaths(settings.root).table.exists():
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 2
+        missing_store = str(exc)
     setup_logging(settings.log_level, settings.log_format)
+    if missing_store:
+        log.warning("the store is not there; starting anyway to restore this node's layers", error=missing_store)
+    for flag, url in (("--store", args.store), ("--publish-store", args.publish_store)):
+        if url and carries_secret(url):
+            log.warning(f"{flag} carries a credential on the command line, which every local user can read; "
+                        f"put it in the config file ([store] url, [hotlist] publish_store) instead", store=redact_url(url))  # fmt: skip
     try:
         return Daemon(settings).run()
     except StartupError as exc:
@@ -173,6 +193,10 @@ class Daemon:
             snapshotter = open_snapshotter(root, backend, deps_scope=self.settings.deps_scope)
             cleanup.callback(self._close_snapshotter, snapshotter)
             if backend is not None:  # after the root's lock: one daemon per root starts its server
+                try:
+                    check_cache_dir(self.settings.block_cache_dir)
+                except ValueError as exc:
+                    raise StartupError(f"--cache-dir: {exc}") from None
                 self._start_layer_server(backend)
                 self._watch_layer_server(backend, cleanup)
             snapshotter.restore()  # logs what it restored and any damage it found
@@ -283,9 +307,15 @@ class Daemon:
 
         A pull must never fail because of the lazy path: each Prepare then tries to
         start the server again and, failing, downloads the layer as without a store.
+        A server that refuses its settings (exit status 2) would refuse them every
+        time: that is a :class:`StartupError`, not a loop of restarts.
         """
         try:
             backend.start()
+        except ServerStartError as exc:
+            if exc.exit_status == 2:
+                raise StartupError(f"the layer server refused its settings: {exc.reason or exc}") from None
+            log.error("the layer server cannot start; layers are downloaded until it can", error=str(exc))
         except LayerServerError as exc:
             log.error("the layer server cannot start; layers are downloaded until it can", error=str(exc))
         else:

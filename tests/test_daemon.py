@@ -110,7 +110,9 @@ def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
     def option(flag: str) -> str:
         return argv[argv.index(flag) + 1]
 
-    assert option("--publish-store") == str(publish)  # the flag wins over the file
+    # The flag wins over the file; store URLs reach the server on pipes, never in its argv.
+    assert LayerServerClient(ServerPaths(root).socket).status()["publish_store"] == str(publish)
+    assert option("--publish-store-file").startswith("/dev/fd/") and str(publish) not in argv
     assert (option("--hotlist-quiet"), option("--hotlist-window")) == ("3.0", "30.5")
     assert "--hotlist-marker=-done" in argv  # one word: a marker starting with "-" is still a value
     assert (option("--prefetch-concurrency"), option("--prefetch-batch"), option("--prefetch-cold-rate")) == (

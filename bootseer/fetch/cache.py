@@ -51,6 +51,9 @@ _KEY = re.compile(r"[0-9a-f]{16,128}")
 _TEMP_PREFIX = ".tmp-"
 _STALE_TEMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
 _LOW_WATER = 0.9  # eviction frees down to this fraction of max_bytes
+#: While writes keep failing (a full or read-only disk), one warning line at the first
+#: failure, then one line with the count at most this often: not one per block.
+WRITE_FAILURE_SUMMARY_SECONDS = 60.0
 
 # One family per event for every cache; the ``cache`` label says which (stripes, blocks).
 HITS = prometheus_client.Counter("bootseer_fetch_cache_hits", "Entries served from an on-disk cache", ["cache"])
@@ -109,6 +112,9 @@ class VerifiedFileCache:
         # rescan every eighth of max_bytes written keeps other processes' writes in view.
         self._estimate = 0
         self._written_since_scan = 0
+        self._failing = False  # the last write failed (and was reported)
+        self._failed_writes = 0  # failed writes since the last line about them
+        self._failed_writes_reported = 0.0  # time.monotonic() of that line
         self._evict()
 
     def __repr__(self) -> str:
@@ -221,9 +227,11 @@ class VerifiedFileCache:
             os.replace(temp, path)
         except OSError as exc:
             self._count("errors")
-            log.warning("cache write failed; not cached", cache=self.kind, path=path, error=str(exc))
+            self._write_failed(path, exc)
             self._remove(temp)
             return
+        if self._failing:
+            self._write_worked()
         with self._lock:
             self._estimate += size
             self._written_since_scan += size
@@ -231,6 +239,32 @@ class VerifiedFileCache:
         self._bytes.set(self._estimate)
         if due:
             self._evict()
+
+    def _write_failed(self, path: str, exc: OSError) -> None:
+        """Count a failed write; say so on the first, then once per :data:`WRITE_FAILURE_SUMMARY_SECONDS`."""
+        now = time.monotonic()
+        with self._lock:
+            first = not self._failing
+            due = not first and now - self._failed_writes_reported >= WRITE_FAILURE_SUMMARY_SECONDS
+            failed = self._failed_writes + 1
+            if first or due:
+                self._failing, self._failed_writes, self._failed_writes_reported = True, 0, now
+            else:
+                self._failed_writes = failed
+        if first:
+            log.warning("cache write failed; not cached (further failures are counted, not logged one by one)",
+                        cache=self.kind, path=path, error=str(exc))  # fmt: skip
+        elif due:
+            log.warning("cache writes are still failing; not cached", cache=self.kind, failed=failed,
+                        seconds=WRITE_FAILURE_SUMMARY_SECONDS, error=str(exc))  # fmt: skip
+
+    def _write_worked(self) -> None:
+        """A write succeeded after failures: one line with how many failed since the last line."""
+        with self._lock:
+            was_failing, failed = self._failing, self._failed_writes
+            self._failing, self._failed_writes = False, 0
+        if was_failing:
+            log.info("cache writes work again", cache=self.kind, failed_since_last_report=failed)
 
     def _evict(self) -> None:
         """Scan the cache; delete least recently used entries while over the bound, and dead temp files."""
@@ -274,8 +308,8 @@ class VerifiedFileCache:
     def _remove(self, path: str) -> None:
         try:
             os.unlink(path)
-        except FileNotFoundError:
-            pass
+        except (FileNotFoundError, NotADirectoryError):
+            pass  # not there: nothing to delete (a write that failed may never have made it)
         except OSError as exc:
             self._errors.inc()
             log.warning("could not delete a cache file", cache=self.kind, path=path, error=str(exc))

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from bootseer.fetch.source import PermanentError, RangeSource
 
@@ -37,13 +38,56 @@ BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
-def source_class(url: str) -> type:
-    """Return the backend class that serves ``url``; ValueError for an unknown scheme."""
+#: What the part after ``scheme://`` names, for the schemes that need one.
+HOST_PARTS: dict[str, str] = {
+    "http": "host", "https": "host", "s3": "bucket", "hdfs": "namenode", "webhdfs": "host", "swebhdfs": "host",
+}
+
+
+def check_url(url: str) -> str:
+    """``url``'s scheme ("" for a plain path) if the URL can name a store, else ValueError.
+
+    The one check of a URL's shape, made by :func:`open_source` and at start-up by
+    every command that takes a store: an empty URL, an unknown scheme (``htp://``), a
+    scheme without what it must name (``s3://`` without a bucket, ``http://`` without
+    a host) or a bad port.  No I/O.  Messages show the URL redacted.
+    """
+    if not url:
+        raise ValueError("empty source URL")
     scheme = urlsplit(url).scheme.lower() if "://" in url else ""
     if scheme not in BACKENDS:
         supported = ", ".join(f"{s}://" for s in BACKENDS if s) + " or a plain /path"
-        raise ValueError(f"unsupported source URL {url!r}: scheme {scheme!r} is not one of {supported}")
-    module_name, class_name = BACKENDS[scheme]
+        raise ValueError(f"unsupported source URL {redact_url(url)!r}: scheme {scheme!r} is not one of {supported}")
+    parts = urlsplit(url)
+    needed = HOST_PARTS.get(scheme)
+    if needed and not parts.hostname:
+        raise ValueError(f"source URL {redact_url(url)!r} names no {needed} ({scheme}://{needed.upper()}/...)")
+    try:
+        parts.port
+    except ValueError as exc:
+        raise ValueError(f"source URL {redact_url(url)!r} has a bad port: {exc}") from None
+    return scheme
+
+
+def check_local_root(url: str) -> None:
+    """For a local store (``/path``, ``file://``): ValueError unless its root is an existing directory.
+
+    A start-up check: a typo in a local store path must be refused, not read as a
+    store in which nothing is converted.  Other schemes are not contacted.
+    """
+    if check_url(url) not in ("", "file"):
+        return
+    from .local import _path_from_url
+
+    path = _path_from_url(url)
+    if not os.path.isdir(path):
+        what = "does not exist" if not os.path.lexists(path) else "is not a directory"
+        raise ValueError(f"store {redact_url(url)!r}: {path} {what}")
+
+
+def source_class(url: str) -> type:
+    """Return the backend class that serves ``url``; ValueError for a URL :func:`check_url` refuses."""
+    module_name, class_name = BACKENDS[check_url(url)]
     module = importlib.import_module(f"{__name__}.{module_name}")
     return getattr(module, class_name)
 
@@ -60,14 +104,12 @@ def open_source(url: str, **options: Any) -> RangeSource:
     Raises ValueError for an unknown scheme, an unknown option or a malformed URL.
     Opening does no I/O on remote backends; the first :meth:`stat` does.
     """
-    if not url:
-        raise ValueError("empty source URL")
     cls = source_class(url)
     accepted = source_options(cls)
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(
-            f"unknown option(s) {', '.join(unknown)} for {cls.__name__} ({url!r}); "
+            f"unknown option(s) {', '.join(unknown)} for {cls.__name__} ({redact_url(url)!r}); "
             f"accepted: {', '.join(accepted) or 'none'}"
         )
     return cls(url, **options)
@@ -106,7 +148,15 @@ def redact_url(url: str) -> str:
     if "://" not in url:
         return url
     parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}{parts.path}"
+
+
+def carries_secret(url: str) -> bool:
+    """Whether :func:`redact_url` would hide part of ``url`` (a ``user:password@``, a query, a fragment)."""
+    if "://" not in url:
+        return False
+    parts = urlsplit(url)
+    return "@" in parts.netloc or bool(parts.query) or bool(parts.fragment)
 
 
 def valid_name(name: object) -> bool:
@@ -133,6 +183,6 @@ def check_range(offset: int, length: int) -> None:
 
 
 __all__ = [
-    "BACKENDS", "open_source", "source_class", "source_options", "split_path", "redact_url", "valid_name",
+    "BACKENDS", "carries_secret", "check_local_root", "check_url", "open_source", "source_class", "source_options", "split_path", "redact_url", "valid_name",
     "check_range",
 ]  # fmt: skip

@@ -107,13 +107,13 @@ class HdfsSource:
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme.lower() != "hdfs" or not parts.hostname:
-            raise ValueError(f"{url!r}: expected hdfs://namenode[:port]/path")
+            raise ValueError(f"{redact_url(url)!r}: expected hdfs://namenode[:port]/path")
         if parts.query or parts.fragment:
-            raise ValueError(f"{url!r}: an HDFS URL takes no query or fragment")
+            raise ValueError(f"{redact_url(url)!r}: an HDFS URL takes no query or fragment")
         try:
             parts.port
         except ValueError as exc:
-            raise ValueError(f"{url!r}: bad port: {exc}") from None
+            raise ValueError(f"{redact_url(url)!r}: bad port: {exc}") from None
         if max_failovers < 0:
             raise ValueError(f"max_failovers must be >= 0, not {max_failovers}")
         self.url = url

@@ -491,15 +491,15 @@ def parse_endpoint_url(
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme not in schemes:
-        raise ValueError(f"{url!r}: scheme must be one of {', '.join(schemes)}")
+        raise ValueError(f"{redact_url(url)!r}: scheme must be one of {', '.join(schemes)}")
     if not parts.hostname:
-        raise ValueError(f"{url!r}: no host")
+        raise ValueError(f"{redact_url(url)!r}: no host")
     if parts.fragment:
-        raise ValueError(f"{url!r}: a fragment has no meaning for a source URL")
+        raise ValueError(f"{redact_url(url)!r}: a fragment has no meaning for a source URL")
     try:
         port = parts.port or default_ports[scheme]
     except ValueError as exc:
-        raise ValueError(f"{url!r}: bad port: {exc}") from None
+        raise ValueError(f"{redact_url(url)!r}: bad port: {exc}") from None
     if connect_timeout <= 0 or read_timeout <= 0:
         raise ValueError("connect_timeout and read_timeout must be positive")
     all_headers = dict(headers or {})

@@ -66,12 +66,12 @@ def _path_from_url(url: str) -> str:
         return os.path.abspath(url)
     parts = urlsplit(url)
     if parts.netloc not in ("", "localhost"):
-        raise ValueError(f"file URL {url!r} names host {parts.netloc!r}; only local paths are supported")
+        raise ValueError(f"file URL {redact_url(url)!r} names host {parts.netloc!r}; only local paths are supported")
     if parts.query or parts.fragment:
-        raise ValueError(f"file URL {url!r} must not have a query or fragment")
+        raise ValueError(f"file URL {redact_url(url)!r} must not have a query or fragment")
     path = unquote(parts.path)
     if not path.startswith("/"):
-        raise ValueError(f"file URL {url!r} must carry an absolute path")
+        raise ValueError(f"file URL {redact_url(url)!r} must carry an absolute path")
     return path
 
 

@@ -108,9 +108,9 @@ class S3Source:
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme.lower() != "s3" or not parts.netloc:
-            raise ValueError(f"{url!r}: expected s3://bucket[/prefix]")
+            raise ValueError(f"{redact_url(url)!r}: expected s3://bucket[/prefix]")
         if parts.query or parts.fragment:
-            raise ValueError(f"{url!r}: an S3 URL takes no query or fragment")
+            raise ValueError(f"{redact_url(url)!r}: an S3 URL takes no query or fragment")
         if (access_key_id is None) != (secret_access_key is None):
             raise ValueError("access_key_id and secret_access_key must be given together")
         if addressing_style not in (None, "path", "virtual", "auto"):

@@ -135,7 +135,7 @@ class WebHdfsSource:
             transport={"webhdfs": "http", "swebhdfs": "https"},
         )
         if query:
-            raise ValueError(f"{url!r}: give the user and token as options, not in a query")
+            raise ValueError(f"{redact_url(url)!r}: give the user and token as options, not in a query")
         root = unquote(path).rstrip("/")
         if root:
             split_path(root.lstrip("/"))

@@ -1,0 +1,182 @@
+"""Registry redirects (issue 14, item 8): no downgrade to plain http, no credentials to another origin.
+
+Real local servers: a "registry" that answers TLS and plain HTTP on one port (it looks
+at the first byte of each connection), so a redirect can change only the scheme, and a
+second server on another port standing for object storage.  Both record the requests
+they get, with their headers, so the tests check what was actually sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import socket
+import ssl
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from bootseer import images
+from bootseer.images import Descriptor, Platform, RegistryReference, RegistrySource
+
+pytest.importorskip("cryptography", reason="makes the servers' certificate")
+
+from tests.support.tls import self_signed  # noqa: E402  (needs cryptography)
+
+BLOB = b"layer bytes " * 1000
+DIGEST = "sha256:" + hashlib.sha256(BLOB).hexdigest()
+USER, PASSWORD = "puller", "PASSWORD-s3cr3t"
+BASIC = "Basic " + base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
+TOKEN = "TOKEN-s3cr3t"
+
+
+class Recorded:
+    """One request a test server got: the scheme it came over, its path and headers."""
+
+    def __init__(self, scheme: str, path: str, headers: dict[str, str]) -> None:
+        self.scheme, self.path, self.headers = scheme, path, headers
+
+    def __repr__(self) -> str:
+        return f"<{self.scheme} {self.path} auth={'Authorization' in self.headers}>"
+
+
+class RecordingServer(ThreadingHTTPServer):
+    """Answers ``routes`` (path prefix -> handler) over TLS or plain HTTP on one port."""
+
+    daemon_threads = True
+
+    def __init__(self, context: ssl.SSLContext) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.context = context
+        self.requests: list[Recorded] = []
+        self.redirects: dict[str, str] = {}  #: path -> Location (a 307)
+        self.require_auth: str | None = None  #: an Authorization value /v2/ paths want, else 401
+        self.challenge = 'Basic realm="test"'
+
+    def get_request(self):
+        conn, address = self.socket.accept()
+        first = conn.recv(1, socket.MSG_PEEK)
+        if first == b"\x16":  # a TLS ClientHello
+            conn = self.context.wrap_socket(conn, server_side=True)
+            conn.scheme = "https"  # type: ignore[attr-defined]
+        return conn, address
+
+    def url(self, scheme: str, path: str) -> str:
+        return f"{scheme}://127.0.0.1:{self.server_address[1]}{path}"
+
+    def sent_authorization(self, scheme: str | None = None) -> list[Recorded]:
+        return [r for r in self.requests if "Authorization" in r.headers and scheme in (None, r.scheme)]
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: RecordingServer
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        pass
+
+    def do_GET(self) -> None:
+        scheme = getattr(self.connection, "scheme", "http")
+        self.server.requests.append(Recorded(scheme, self.path, dict(self.headers)))
+        path = self.path.split("?", 1)[0]
+        if path.startswith("/token"):
+            return self._send(200, b'{"token": "%s"}' % TOKEN.encode(), {"Content-Type": "application/json"})
+        if self.server.require_auth and path.startswith("/v2/") and self.headers.get("Authorization") != self.server.require_auth:
+            return self._send(401, b"", {"WWW-Authenticate": self.server.challenge})
+        if path in self.server.redirects:
+            return self._send(307, b"", {"Location": self.server.redirects[path]})
+        self._send(200, BLOB, {"Content-Type": "application/octet-stream"})
+
+    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def servers(tmp_path: Path, monkeypatch) -> Iterator[tuple[RecordingServer, RecordingServer]]:
+    """(registry, elsewhere): two servers on 127.0.0.1, trusted through SSL_CERT_FILE."""
+    cert, key = self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    started = [RecordingServer(context), RecordingServer(context)]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in started]
+    for thread in threads:
+        thread.start()
+    try:
+        yield started[0], started[1]
+    finally:
+        for server in started:
+            server.shutdown()
+            server.server_close()
+
+
+def _source(registry: RecordingServer, *, plain_http: bool) -> RegistrySource:
+    ref = RegistryReference.parse(f"127.0.0.1:{registry.server_address[1]}/team/app:v1")
+    return RegistrySource(ref, plain_http=plain_http, platform=Platform.host(), credentials=(USER, PASSWORD))
+
+
+BLOB_PATH = f"/v2/team/app/blobs/{DIGEST}"
+DESCRIPTOR = Descriptor("application/vnd.oci.image.layer.v1.tar+gzip", DIGEST, len(BLOB))
+
+
+def _read_blob(source: RegistrySource) -> bytes:
+    with source.open_blob(DESCRIPTOR) as blob:
+        return blob.read()
+
+
+def test_https_to_http_redirect_is_refused_and_carries_no_credentials(servers):
+    registry, elsewhere = servers
+    registry.require_auth = BASIC
+    source = _source(registry, plain_http=False)
+
+    # A redirect within the origin keeps the credentials; one to object storage (another
+    # port, https) drops them and still works: its URL carries its own signature.
+    registry.redirects[BLOB_PATH] = registry.url("https", "/v2/team/app/data/1")
+    registry.redirects["/v2/team/app/data/1"] = elsewhere.url("https", "/bucket/blob?X-Signature=abc")
+    assert _read_blob(source) == BLOB
+    assert [r.path for r in registry.sent_authorization("https")][-2:] == [BLOB_PATH, "/v2/team/app/data/1"]
+    assert [r.path for r in elsewhere.requests] == ["/bucket/blob?X-Signature=abc"]
+    assert elsewhere.sent_authorization() == []
+
+    # The same host and port, the scheme downgraded to http: refused, nothing sent in clear.
+    registry.redirects["/v2/team/app/data/1"] = registry.url("http", "/v2/team/app/data/2")
+    with pytest.raises(images.RegistryError, match="refusing a redirect .*https to plain http") as refused:
+        _read_blob(source)
+    assert PASSWORD not in str(refused.value)
+    assert [r for r in registry.requests if r.scheme == "http"] == []
+
+
+def test_token_service_redirect_downgrade_is_refused(servers):
+    registry, _elsewhere = servers
+    registry.require_auth = f"Bearer {TOKEN}"
+    registry.challenge = f'Bearer realm="{registry.url("https", "/auth")}",service="test"'
+    # The token service (the realm) would send the client, with its Basic credentials, to plain http.
+    registry.redirects["/auth"] = registry.url("http", "/token")
+    with pytest.raises(images.RegistryError, match="https to plain http"):
+        _read_blob(_source(registry, plain_http=False))
+    assert [r for r in registry.requests if r.scheme == "http"] == []
+
+
+def test_plain_http_allows_a_scheme_change_but_never_with_credentials(servers):
+    registry, elsewhere = servers
+    registry.require_auth = BASIC
+    source = _source(registry, plain_http=True)
+    # --plain-http registry: a redirect to https on the same host and port is followed,
+    # without the Authorization header (the scheme changed, so the origin did).
+    registry.redirects[BLOB_PATH] = elsewhere.url("https", "/blob")
+    elsewhere.redirects["/blob"] = elsewhere.url("http", "/blob-plain")  # and back down: allowed, asked for
+    assert _read_blob(source) == BLOB
+    assert [r.scheme for r in registry.sent_authorization()] == ["http"]
+    assert elsewhere.sent_authorization() == []
+
+    registry.redirects[BLOB_PATH] = registry.url("https", "/v2/team/app/elsewhere")
+    registry.require_auth = None  # the https side answers anyone: what matters is what it was sent
+    assert _read_blob(source) == BLOB
+    assert registry.sent_authorization("https") == []

@@ -189,14 +189,15 @@ class Daemon:
             cleanup.callback(claim.release)
             check_socket_free(address)
 
-            backend = self._layer_backend()
-            snapshotter = open_snapshotter(root, backend, deps_scope=self.settings.deps_scope)
-            cleanup.callback(self._close_snapshotter, snapshotter)
-            if backend is not None:  # after the root's lock: one daemon per root starts its server
+            if self.settings.store_url:  # a refusal is the one line it prints: before any other warning
                 try:
                     check_cache_dir(self.settings.block_cache_dir)
                 except ValueError as exc:
                     raise StartupError(f"--cache-dir: {exc}") from None
+            backend = self._layer_backend()
+            snapshotter = open_snapshotter(root, backend, deps_scope=self.settings.deps_scope)
+            cleanup.callback(self._close_snapshotter, snapshotter)
+            if backend is not None:  # after the root's lock: one daemon per root starts its server
                 self._start_layer_server(backend)
                 self._watch_layer_server(backend, cleanup)
             snapshotter.restore()  # logs what it restored and any damage it found

@@ -600,8 +600,9 @@ class StoreReader:
         data = await self.read_object(name, MAX_INDEX_OBJECT_BYTES)
         if data is None:
             raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names index {record.index}, which is missing")
-        # Hashing and parsing a large index takes seconds of CPU: never on the trio thread.
-        decode = functools.partial(LayerIndex.decode, data, expected_sha256=record.index)
+        # Hashing and parsing a large index takes seconds of CPU: never on the trio thread;
+        # the record bounds what the index may hold (its files and bytes).
+        decode = functools.partial(LayerIndex.decode, data, record=record)
         index = await trio.to_thread.run_sync(decode, limiter=self.threads)
         if index.diff_id != record.diff_id or index.block_size != record.block_size:
             raise FormatError(f"{self.engine.url}: index {record.index} is not the layer of chain record {record.chain_id}")

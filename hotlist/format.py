@@ -28,12 +28,23 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from bootseer.blockstore.format import FORMAT_VERSION as STORE_FORMAT_VERSION
-from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, decode_sealed, encode_sealed
+from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed
+from bootseer.blockstore.jsonstream import ArrayRule, read_document
 
 HOTLIST_VERSION = 1
 HOTLIST_MAGIC = b"BSHOTL01"
-#: A decompressed hot list larger than this is refused (a zstd bomb); 1M blocks are ~120 MB.
-MAX_PAYLOAD_BYTES = 256 << 20
+#: The most rows any hot list may have, whatever image it is for (a reader that knows the
+#: image bounds it by the image's blocks: :meth:`HotList.decode`'s ``max_blocks``).
+MAX_BLOCKS = 1 << 21
+#: The most layers an image may have (overlayfs takes about 500 lower directories).
+MAX_LAYERS = 1024
+#: What one row may take in the payload: ``[layer, "<64 hex>", pack, offset, clen, rlen, at]``
+#: with every number at its widest, the comma, and its pack's name (at most one new pack a row).
+HOTLIST_ROW_BYTES = 256
+#: The payload beside the rows: the layers' ChainIDs and the recording's strings.
+HOTLIST_FIXED_BYTES = 64 << 10
+#: The longest single value (a row, a layer, node or container name) a hot list holds.
+MAX_VALUE_BYTES = 16 << 10
 #: An encoded hot list larger than this is refused before it is read.
 MAX_OBJECT_BYTES = 64 << 20
 
@@ -173,28 +184,62 @@ class HotList:
         return encode_sealed(HOTLIST_MAGIC, HOTLIST_VERSION, payload)
 
     @classmethod
-    def decode(cls, data: bytes, *, expected_image: str | None = None, expected_profile: str | None = None) -> HotList:
+    def decode(
+        cls,
+        data: bytes,
+        *,
+        expected_image: str | None = None,
+        expected_profile: str | None = None,
+        max_blocks: int | None = None,
+    ) -> HotList:
         """Parse and check an encoded hot list; HotListError for anything wrong.
 
         ``expected_image``/``expected_profile`` (what the object's store path names)
         must be what the list says it is: a list copied under another image's name
-        is foreign and refused.
+        is foreign and refused.  ``max_blocks`` is the most rows the list may have:
+        the blocks of the image's layers (a first boot cannot touch more); None:
+        :data:`MAX_BLOCKS`.  The payload may be at most :data:`HOTLIST_ROW_BYTES` a
+        row plus :data:`HOTLIST_FIXED_BYTES`; both bounds are enforced while the list
+        is decompressed and parsed, row by row, so a bomb is refused in bounded memory.
+        CPU work proportional to the list: the layer server runs it in a worker thread.
         """
         if len(data) > MAX_OBJECT_BYTES:
             raise HotListError(f"hot list is {len(data)} bytes, more than {MAX_OBJECT_BYTES}")
-        payload = decode_sealed(data, HOTLIST_MAGIC, HOTLIST_VERSION, MAX_PAYLOAD_BYTES, "hot list", HotListError)
+        rows = MAX_BLOCKS if max_blocks is None else max(0, min(max_blocks, MAX_BLOCKS))
+        because = "the format's limit" if max_blocks is None else "the blocks of the image's layers"
+        payload_limit = HOTLIST_FIXED_BYTES + rows * HOTLIST_ROW_BYTES
+        pieces = open_sealed(data, HOTLIST_MAGIC, HOTLIST_VERSION, payload_limit, "hot list", HotListError,
+                             because=f"{rows} rows at most: {because}")  # fmt: skip
+        layers: list[str] = []
+        packs: list[str] = []
+
+        def layer_of(value: Any) -> str:
+            layers.append(check_digest(value, "hot list layer"))
+            return layers[-1]
+
+        def pack_of(value: Any) -> str:
+            packs.append(str(value))
+            return packs[-1]
+
+        def block_of(row: Any) -> HotBlock:
+            # Rows name their layer and pack by number: both arrays come first, as encode writes them.
+            layer, digest, pack, offset, clen, rlen, at = row
+            if not (isinstance(layer, int) and 0 <= layer < len(layers) and isinstance(pack, int) and 0 <= pack < len(packs)):
+                raise HotListError(f"hot list block {str(digest)[:64]!r}: layer or pack number out of range (layers and packs come first)")
+            return HotBlock(layers[layer], str(digest), packs[pack], int(offset), int(clen), int(rlen), int(at) / 1e6)
+
+        rules = {
+            "layers": ArrayRule(MAX_LAYERS, layer_of, "the format's limit"),
+            "packs": ArrayRule(rows, pack_of, because),
+            "blocks": ArrayRule(rows, block_of, because),
+        }
         try:
-            document = json.loads(payload)
-            if not isinstance(document, dict) or document.get("format") != HOTLIST_VERSION:
+            document = read_document(pieces, "hot list", rules, max_value_chars=MAX_VALUE_BYTES, error_type=HotListError)
+            if document.get("format") != HOTLIST_VERSION:
                 raise HotListError(f"hot list document format is not {HOTLIST_VERSION}")
-            layers = [check_digest(layer, "hot list layer") for layer in document["layers"]]
-            packs = [str(pack) for pack in document["packs"]]
-            blocks = []
-            for row in document["blocks"]:
-                layer, digest, pack, offset, clen, rlen, at = row
-                if not (isinstance(layer, int) and 0 <= layer < len(layers) and isinstance(pack, int) and 0 <= pack < len(packs)):
-                    raise HotListError(f"hot list block {digest!r}: layer or pack number out of range")
-                blocks.append(HotBlock(layers[layer], str(digest), packs[pack], int(offset), int(clen), int(rlen), int(at) / 1e6))
+            if not all(isinstance(document[key], list) for key in rules):
+                raise HotListError("hot list: layers, packs and blocks must be arrays")
+            blocks = document["blocks"]
             hot = cls(
                 image=check_digest(document["image"], "hot list image"),
                 profile=str(document["profile"]),

@@ -141,7 +141,13 @@ class HotListService:
         data = await StoreReader(engine).read_object(hotlist_object(image, profile), MAX_OBJECT_BYTES)
         if data is None:
             return None
-        return HotList.decode(data, expected_image=image, expected_profile=profile)
+        # A first boot touches each block at most once: no more rows than the image's layers
+        # hold blocks (all served, so their indexes are here; else the format's own bound).
+        layers = self.image_layers(image)
+        max_blocks = None if layers is None else sum(len(self.server.layers[layer].tree.index.blocks) for layer in layers)
+        decode = functools.partial(HotList.decode, data, expected_image=image, expected_profile=profile, max_blocks=max_blocks)
+        # Decompressing and parsing is CPU work proportional to the list: never on the FUSE loop.
+        return await trio.to_thread.run_sync(decode, limiter=self.server.decode_threads)
 
     def _spawn(self, function: Any, *args: Any) -> None:
         """Run ``function(*args)`` in the server's nursery; an error is logged, never the server's end."""

@@ -237,11 +237,10 @@ class LayerIndex:
             raise FormatError(f"layer index does not match its digest {expected_sha256}: tampered with or truncated")
         limits = index_limits(record)
         pieces = open_sealed(data, INDEX_MAGIC, FORMAT_VERSION, limits.payload_bytes, "layer index", because=limits.because)
-        count = f"{limits.because}'s" if record is not None else "the format's"
         rules = {
-            "packs": ArrayRule(limits.blocks, str, f"{count} blocks"),
-            "blocks": ArrayRule(limits.blocks, _block_from_json, f"{count} blocks"),
-            "entries": ArrayRule(limits.entries, _entry_from_json, f"{count} files" if record is not None else ""),
+            "packs": ArrayRule(limits.blocks, str, limits.because),
+            "blocks": ArrayRule(limits.blocks, _block_from_json, limits.because),
+            "entries": ArrayRule(limits.entries, _entry_from_json, limits.because),
         }
         try:
             document = read_document(pieces, "layer index", rules, max_value_chars=MAX_ENTRY_JSON_BYTES, error_type=FormatError)

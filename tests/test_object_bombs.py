@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import shutil
 import threading
 import time
@@ -126,8 +127,8 @@ def test_the_hot_list_bomb_is_refused_in_bounded_memory(server: LayerServerClien
     data = hotlist_bomb(built[1][-1].chain_id, [layer.chain_id for layer in built[1]])
     assert len(data) < 8 << 10  # about 5.8 KB stored, 64 MiB decompressed
     line, grown = _refuse_hot_list(server, store, tmp_path / "root", built, data)
-    assert "invalid" in line and "the blocks of the image's layers" in line, line
     assert grown < RSS_GROWTH_BOUND, f"the layer server's peak RSS grew by {grown >> 20} MiB"
+    assert "invalid" in line and "the blocks of the image's layers" in line, line
 
 
 def test_a_valid_million_row_hot_list_for_a_small_image_is_refused_in_bounded_memory(
@@ -137,8 +138,8 @@ def test_a_valid_million_row_hot_list_for_a_small_image_is_refused_in_bounded_me
     data = valid_hotlist(image[-1].chain_id, [layer.chain_id for layer in image], 10**6)
     assert HotList.decode(data, expected_image=image[-1].chain_id).blocks[-1].at == pytest.approx(1.0 - 1e-6)  # well-formed
     line, grown = _refuse_hot_list(server, store, tmp_path / "root", built, data)
-    assert "invalid" in line and "the blocks of the image's layers" in line, line
     assert grown < RSS_GROWTH_BOUND, f"the layer server's peak RSS grew by {grown >> 20} MiB"
+    assert "invalid" in line and "the blocks of the image's layers" in line, line
 
 
 def test_the_index_bomb_is_refused_in_bounded_memory(server: LayerServerClient, store: Path, built: Any) -> None:
@@ -147,10 +148,11 @@ def test_the_index_bomb_is_refused_in_bounded_memory(server: LayerServerClient, 
     assert (store / "v1" / "indexes" / record.index).stat().st_size < 4 << 10  # about 3 KB stored, 32 MiB decompressed
     assert _read_unrelated(server, built[2]) == UNRELATED_BYTES
     before = _peak_rss(server)
-    with pytest.raises(LayerCorrupt, match=r"larger than \d+ bytes uncompressed \(chain record .*: 3 files, 4096 bytes\)"):
+    with pytest.raises(LayerCorrupt) as refused:
         server.mount(chain)
     grown = _peak_rss(server) - before
     assert grown < RSS_GROWTH_BOUND, f"the layer server's peak RSS grew by {grown >> 20} MiB"
+    assert re.search(r"larger than \d+ bytes uncompressed \(chain record .*: 3 files, 4096 bytes\)", str(refused.value)), refused.value
     assert _read_unrelated(server, built[2]) == UNRELATED_BYTES
 
 
@@ -229,3 +231,16 @@ def test_a_hot_list_over_the_images_blocks_is_refused_while_it_is_parsed() -> No
     assert len(HotList.decode(data, max_blocks=1000).blocks) == 1000
     with pytest.raises(HotListError, match=r"more than 999 blocks|larger than \d+ bytes uncompressed \(999 rows"):
         HotList.decode(data, max_blocks=999)
+
+
+def test_hotlist_show_bounds_a_list_by_the_images_chain_records(store: Path, built: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bootseer hotlist show`` decodes what nodes decode, within the same bound: the blocks
+    the image's chain records allow."""
+    from bootseer.cli import main
+
+    image = built[1]
+    top = image[-1].chain_id
+    FileStoreWriter(store).put(hotlist_object(top), valid_hotlist(top, [layer.chain_id for layer in image], 10_000))
+    status = main(["hotlist", "show", top, "--store", str(store)])
+    err = capsys.readouterr().err
+    assert status != 0 and "the blocks of the image's layers" in err, err

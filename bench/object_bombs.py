@@ -105,6 +105,7 @@ def run_case(name: str, store: Path, work: Path, image: list[Any], unrelated: An
     try:
         pid = int(client.status()["pid"])
         lower = Path(client.mount(unrelated.chain_id).lower_dir)
+        (lower / UNRELATED_PATH).read_bytes()  # its blocks in the node cache: later reads wait on nothing but the server
         target, object_bytes = prepare(FileStoreWriter(store))
         if name.startswith("hotlist"):
             for layer in image[:-1]:

@@ -233,9 +233,11 @@ class LayerIndex:
         """
         if record is not None and expected_sha256 is None:
             expected_sha256 = record.index
+        limits = index_limits(record)
+        if len(data) > sealed_size_bound(limits.payload_bytes):
+            raise FormatError(f"layer index is {len(data)} bytes, more than {limits.because} can take")
         if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
             raise FormatError(f"layer index does not match its digest {expected_sha256}: tampered with or truncated")
-        limits = index_limits(record)
         pieces = open_sealed(data, INDEX_MAGIC, FORMAT_VERSION, limits.payload_bytes, "layer index", because=limits.because)
         rules = {
             "packs": ArrayRule(limits.blocks, str, limits.because),
@@ -418,6 +420,13 @@ def _decompress_bounded(
             yield piece
     except zstandard.ZstdError as exc:
         raise error_type(f"{what} payload is not valid zstd: {exc}") from None
+
+
+def sealed_size_bound(max_payload: int) -> int:
+    """The most bytes a sealed object of at most ``max_payload`` payload bytes can take in a
+    store: its header and zstd's worst case (incompressible data grows by under 1/128),
+    so a reader can refuse a larger object from its size alone, before reading it."""
+    return _SEALED_HEADER.size + max_payload + max_payload // 128 + (4 << 10)
 
 
 @dataclass(frozen=True)

@@ -30,12 +30,12 @@ from bootseer.blockstore.format import FormatError, chain_ids, check_digest
 from bootseer.blockstore.format import max_blocks as record_max_blocks
 from bootseer.hotlist.format import (
     MAX_LAYERS,
-    MAX_OBJECT_BYTES,
     HotList,
     HotListError,
     check_profile,
     hotlist_dir,
     hotlist_object,
+    read_hot_list_object,
     profile_of_object,
     summary,
 )
@@ -188,7 +188,7 @@ async def _read_lists(url: str, top: str, profiles: list[str] | None) -> dict[st
             blocks = None  # the format's own bound, then
         for profile in profiles:
             try:
-                data = await store.read_object(hotlist_object(top, profile), MAX_OBJECT_BYTES)
+                data = await read_hot_list_object(store, top, profile, blocks)
                 out[profile] = None if data is None else HotList.decode(
                     data, expected_image=top, expected_profile=profile, max_blocks=blocks
                 )

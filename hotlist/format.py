@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from bootseer.blockstore.format import FORMAT_VERSION as STORE_FORMAT_VERSION
-from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed
+from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed, sealed_size_bound
 from bootseer.blockstore.jsonstream import ArrayRule, read_document
 
 HOTLIST_VERSION = 1
@@ -55,6 +55,31 @@ MAX_OBJECT_BYTES = 64 << 20
 PROFILE_LABEL = "containerd.io/snapshot/bootseer.profile"
 #: The short form, honoured where labels reach the snapshotter unfiltered (a direct gRPC Prepare).
 PROFILE_LABEL_SHORT = "bootseer.io/profile"
+
+
+def max_object_bytes(max_blocks: int | None = None) -> int:
+    """The most bytes a stored hot list of at most ``max_blocks`` rows can take (None: the
+    format's :data:`MAX_BLOCKS`), never more than :data:`MAX_OBJECT_BYTES`: a reader refuses
+    a larger object from its size, before reading it."""
+    rows = MAX_BLOCKS if max_blocks is None else max(0, min(max_blocks, MAX_BLOCKS))
+    return min(MAX_OBJECT_BYTES, sealed_size_bound(HOTLIST_FIXED_BYTES + rows * HOTLIST_ROW_BYTES))
+
+
+async def read_hot_list_object(store: Any, image: str, profile: str, max_blocks: int | None) -> bytes | None:
+    """The stored bytes of ``image``'s hot list for ``profile`` from ``store`` (a
+    :class:`~bootseer.blockstore.store.StoreReader`), None if there is none.
+
+    An object larger than ``max_blocks`` rows can take (:func:`max_object_bytes`) is
+    refused from its size, unread, with a HotListError naming the bound; the store's
+    own failures pass through.
+    """
+    try:
+        return await store.read_object(hotlist_object(image, profile), max_object_bytes(max_blocks))
+    except HotListError:
+        raise
+    except FormatError as exc:  # too large, or a directory: the object's fault, not the store's
+        bound = "the format's limit" if max_blocks is None else f"{max_blocks} rows at most: the blocks of the image's layers"
+        raise HotListError(f"{exc} ({bound})") from None
 
 
 def profile_of_labels(labels: Mapping[str, str]) -> str:
@@ -203,11 +228,11 @@ class HotList:
         is decompressed and parsed, row by row, so a bomb is refused in bounded memory.
         CPU work proportional to the list: the layer server runs it in a worker thread.
         """
-        if len(data) > MAX_OBJECT_BYTES:
-            raise HotListError(f"hot list is {len(data)} bytes, more than {MAX_OBJECT_BYTES}")
         rows = MAX_BLOCKS if max_blocks is None else max(0, min(max_blocks, MAX_BLOCKS))
         because = "the format's limit" if max_blocks is None else "the blocks of the image's layers"
         payload_limit = HOTLIST_FIXED_BYTES + rows * HOTLIST_ROW_BYTES
+        if len(data) > max_object_bytes(max_blocks):
+            raise HotListError(f"hot list is {len(data)} bytes, more than {max_object_bytes(max_blocks)} ({rows} rows at most: {because})")
         pieces = open_sealed(data, HOTLIST_MAGIC, HOTLIST_VERSION, payload_limit, "hot list", HotListError,
                              because=f"{rows} rows at most: {because}")  # fmt: skip
         layers: list[str] = []

@@ -74,6 +74,10 @@ class _Pieces:
                 return ""
 
     def expect(self, characters: str) -> str:
+        # Compact JSON (as every writer writes it) has the separator right here: no regex.
+        if self.position < len(self.text) and (found := self.text[self.position]) in characters:
+            self.position += 1
+            return found
         found = self.peek()
         if not found or found not in characters:
             raise self.error_type(
@@ -89,7 +93,8 @@ class _Pieces:
 
     def value(self, max_chars: int) -> Any:
         """The next JSON value, parsed on its own; error_type past ``max_chars`` characters."""
-        self.peek()
+        if self.position >= len(self.text) or self.text[self.position] in " \t\n\r":
+            self.peek()
         while True:
             try:
                 value, end = _DECODER.raw_decode(self.text, self.position)

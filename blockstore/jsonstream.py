@@ -25,6 +25,9 @@ from typing import Any, Callable, Iterator
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
+#: How far before the buffer's end a parsed value must end to be sure it is whole (what of a
+#: number a cut can hide past where it parsed short: ".", "e", "e+" and the like).
+_NUMBER_TAIL = 16
 
 
 @dataclass(frozen=True)
@@ -100,8 +103,9 @@ class _Pieces:
                 value, end = _DECODER.raw_decode(self.text, self.position)
             except ValueError:
                 end = -1
-            # A value that ends where the buffer does may go on (a number) in the next piece.
-            if end != -1 and (end < len(self.text) or self.ended):
+            # A number cut by the piece's end parses short ("1." as 1, "2e" as 2): one that ends
+            # near the buffer's end is parsed again with the next piece.
+            if end != -1 and (len(self.text) - end > _NUMBER_TAIL or self.ended):
                 self.position = end
                 return value
             if len(self.text) - self.position > max_chars:

@@ -224,8 +224,9 @@ class HotList:
         is foreign and refused.  ``max_blocks`` is the most rows the list may have:
         the blocks of the image's layers (a first boot cannot touch more); None:
         :data:`MAX_BLOCKS`.  The payload may be at most :data:`HOTLIST_ROW_BYTES` a
-        row plus :data:`HOTLIST_FIXED_BYTES`; both bounds are enforced while the list
-        is decompressed and parsed, row by row, so a bomb is refused in bounded memory.
+        row plus :data:`HOTLIST_FIXED_BYTES`, the stored object what that payload can
+        take (:func:`max_object_bytes`); the bounds are enforced before and while the
+        list is decompressed and parsed, row by row, so a bomb is refused in bounded memory.
         CPU work proportional to the list: the layer server runs it in a worker thread.
         """
         rows = MAX_BLOCKS if max_blocks is None else max(0, min(max_blocks, MAX_BLOCKS))

@@ -244,3 +244,20 @@ def test_hotlist_show_bounds_a_list_by_the_images_chain_records(store: Path, bui
     status = main(["hotlist", "show", top, "--store", str(store)])
     err = capsys.readouterr().err
     assert status != 0 and "the blocks of the image's layers" in err, err
+
+
+def test_a_document_cut_into_pieces_anywhere_reads_as_json_loads_reads_it() -> None:
+    """Numbers, strings and literals cut by a piece's end ("1.|5", "2e|+3", "tr|ue") are read whole."""
+    import json
+
+    from bootseer.blockstore.jsonstream import ArrayRule, read_document
+
+    document = {"rows": [[1.5, -2e3, 12345678901234567890, "a\u00e9\"b", True, None, {"k": [0.25]}]] * 5,
+                "duration": 0.125, "n": -7, "s": "x" * 40}  # fmt: skip
+    text = json.dumps(document, separators=(",", ":")).encode()
+    for size in range(1, 48):
+        pieces = iter([text[i : i + size] for i in range(0, len(text), size)])
+        got = read_document(pieces, "doc", {"rows": ArrayRule(5, tuple)}, max_value_chars=1 << 10)
+        assert got == {**document, "rows": [tuple(row) for row in document["rows"]]}, size
+    with pytest.raises(ValueError, match="more than 4 rows"):
+        read_document(iter([text]), "doc", {"rows": ArrayRule(4, tuple)}, max_value_chars=1 << 10)

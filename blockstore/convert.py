@@ -649,7 +649,7 @@ def verify_layer(writer: StoreWriter, chain: str, *, blocks: BlockVerifier | Non
         index_data = writer.get(index_object(record.index))
         if index_data is None:
             raise FormatError(f"index {record.index} is missing")
-        index = LayerIndex.decode(index_data, expected_sha256=record.index)
+        index = LayerIndex.decode(index_data, record=record)
         if index.diff_id != record.diff_id:
             raise FormatError(f"index {record.index} is of another layer")
         for pack in index.packs:

@@ -26,10 +26,11 @@ import re
 import stat
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import zstandard
 
+from bootseer.blockstore.jsonstream import ArrayRule, read_document
 from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
 
 FORMAT_VERSION = 1
@@ -40,7 +41,17 @@ MAX_BLOCK_SIZE = 64 << 20
 INDEX_MAGIC = b"BSLIDX01"
 DEDUP_MAGIC = b"BSDEDUP1"
 _SEALED_HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256
-MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused (a zstd bomb)
+MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused, whatever its record says
+
+#: What an index may hold beyond what its chain record says the layer has (:func:`index_limits`):
+#: a fixed allowance for the document's own fields, an average per entry (a path, a link target,
+#: numbers, xattrs) and one per block (its row, its pack's name, the file's reference to it).
+INDEX_FIXED_BYTES = 64 << 10
+INDEX_ENTRY_BYTES = 16 << 10
+INDEX_BLOCK_BYTES = 256
+#: The longest one entry of an index may be in JSON: a PATH_MAX path and link target in
+#: ``\uXXXX`` escapes and xattrs at their caps (a few 64 KiB values, base64).
+MAX_ENTRY_JSON_BYTES = 1 << 20
 
 #: Bounds an index entry must keep (Linux's NAME_MAX, XATTR_NAME_MAX, XATTR_SIZE_MAX, PATH_MAX).
 MAX_NAME_BYTES = 255
@@ -248,23 +259,38 @@ class LayerIndex:
         return encode_sealed(INDEX_MAGIC, FORMAT_VERSION, payload)
 
     @classmethod
-    def decode(cls, data: bytes, *, expected_sha256: str | None = None) -> LayerIndex:
+    def decode(cls, data: bytes, *, expected_sha256: str | None = None, record: ChainRecord | None = None) -> LayerIndex:
         """Parse and check an encoded index; FormatError for anything wrong.
 
         ``expected_sha256`` (the name it was stored under, from a :class:`ChainRecord`)
-        is checked against the whole object first.
+        is checked against the whole object first.  ``record``, the chain record that
+        names the index, bounds it (:func:`index_limits`): its decompressed size and how
+        many entries, blocks and packs it has, refused while it is being decompressed
+        and parsed, never after building it.  Without a record only
+        :data:`MAX_INDEX_BYTES` bounds it.  The whole decode is CPU work proportional to
+        the index: callers that serve FUSE run it in a worker thread.
         """
+        if record is not None and expected_sha256 is None:
+            expected_sha256 = record.index
+        limits = index_limits(record)
+        if len(data) > sealed_size_bound(limits.payload_bytes):
+            raise FormatError(f"layer index is {len(data)} bytes, more than {limits.because} can take")
         if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
             raise FormatError(f"layer index does not match its digest {expected_sha256}: tampered with or truncated")
-        payload = decode_sealed(data, INDEX_MAGIC, FORMAT_VERSION, MAX_INDEX_BYTES, "layer index")
+        pieces = open_sealed(data, INDEX_MAGIC, FORMAT_VERSION, limits.payload_bytes, "layer index", because=limits.because)
+        rules = {
+            "packs": ArrayRule(limits.blocks, str, limits.because),
+            "blocks": ArrayRule(limits.blocks, _block_from_json, limits.because),
+            "entries": ArrayRule(limits.entries, _entry_from_json, limits.because),
+        }
         try:
-            document = json.loads(payload)
+            document = read_document(pieces, "layer index", rules, max_value_chars=MAX_ENTRY_JSON_BYTES, error_type=FormatError)
             index = cls(
                 diff_id=check_digest(document["diff_id"], "diff_id"),
                 block_size=int(document["block_size"]),
-                packs=[str(p) for p in document["packs"]],
-                blocks=[Block(str(d), int(p), int(o), int(c), int(r)) for d, p, o, c, r in document["blocks"]],
-                entries=[_entry_from_json(e) for e in document["entries"]],
+                packs=_list_of(document["packs"]),
+                blocks=_list_of(document["blocks"]),
+                entries=_list_of(document["entries"]),
             )
         except FormatError:
             raise
@@ -377,6 +403,27 @@ def decode_sealed(
     it is decompressed), then decompression within ``max_payload`` bytes (a zstd bomb
     is refused in bounded memory).
     """
+    return b"".join(open_sealed(data, magic, version, max_payload, what, error_type))
+
+
+def open_sealed(
+    data: bytes,
+    magic: bytes,
+    version: int,
+    max_payload: int,
+    what: str,
+    error_type: type[FormatError] = FormatError,
+    *,
+    because: str = "",
+) -> Iterator[bytes]:
+    """The payload of a sealed object as it is decompressed, piece by piece: what
+    :func:`decode_sealed` joins, for a reader that parses as it goes
+    (:func:`bootseer.blockstore.jsonstream.read_document`).
+
+    The header, length and checksum are checked before this returns; the size bound
+    while the pieces are read (``because`` says where ``max_payload`` comes from, for
+    the error).
+    """
     if len(data) < _SEALED_HEADER.size:
         raise error_type(f"{what} is truncated ({len(data)} bytes)")
     found_magic, found_version, length, checksum = _SEALED_HEADER.unpack_from(data)
@@ -387,26 +434,68 @@ def decode_sealed(
     compressed = data[_SEALED_HEADER.size :]
     if len(compressed) != length or hashlib.sha256(compressed).digest() != checksum:
         raise error_type(f"{what} payload fails its checksum: tampered with or truncated")
-    return _decompress_bounded(compressed, max_payload, what, error_type)
+    return _decompress_bounded(compressed, max_payload, what, error_type, because=because)
 
 
-def _decompress_bounded(compressed: bytes, limit: int, what: str, error_type: type[FormatError] = FormatError) -> bytes:
-    """The zstd ``compressed`` bytes decompressed, ``error_type`` past ``limit`` bytes (a zstd bomb).
+#: How much a bounded decompression yields at a time.
+DECOMPRESS_PIECE_BYTES = 256 << 10
+
+
+def _decompress_bounded(
+    compressed: bytes, limit: int, what: str, error_type: type[FormatError] = FormatError, *, because: str = ""
+) -> Iterator[bytes]:
+    """The zstd ``compressed`` bytes decompressed, piece by piece; ``error_type`` as soon
+    as more than ``limit`` bytes come out (a zstd bomb), before the piece past it is kept.
 
     Read in pieces: asking a stream reader for ``limit`` bytes at once would allocate them.
     """
-    pieces: list[bytes] = []
     total = 0
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(compressed, read_across_frames=True)
-        while piece := reader.read(1 << 20):
+        while piece := reader.read(DECOMPRESS_PIECE_BYTES):
             total += len(piece)
             if total > limit:
-                raise error_type(f"{what} is larger than {limit} bytes uncompressed")
-            pieces.append(piece)
+                raise error_type(f"{what} is larger than {limit} bytes uncompressed{f' ({because})' if because else ''}")
+            yield piece
     except zstandard.ZstdError as exc:
         raise error_type(f"{what} payload is not valid zstd: {exc}") from None
-    return b"".join(pieces)
+
+
+def sealed_size_bound(max_payload: int) -> int:
+    """The most bytes a sealed object of at most ``max_payload`` payload bytes can take in a
+    store: its header and zstd's worst case (incompressible data grows by under 1/128),
+    so a reader can refuse a larger object from its size alone, before reading it."""
+    return _SEALED_HEADER.size + max_payload + max_payload // 128 + (4 << 10)
+
+
+@dataclass(frozen=True)
+class IndexLimits:
+    """What a layer index may hold, from the chain record that names it (:func:`index_limits`)."""
+
+    payload_bytes: int  #: decompressed JSON
+    entries: int
+    blocks: int  #: rows of ``blocks`` (and, at most as many, ``packs``)
+    because: str  #: where the limits come from, for errors
+
+
+def max_blocks(record: ChainRecord) -> int:
+    """The most blocks a layer's index can list, from its record: every regular file's
+    bytes at ``block_size``, plus one partial last block per entry."""
+    return -(-max(record.bytes, 0) // max(record.block_size, MIN_BLOCK_SIZE)) + max(record.files, 0)
+
+
+def index_limits(record: ChainRecord | None) -> IndexLimits:
+    """The bounds of the index ``record`` names: its ``files`` entries, :func:`max_blocks`
+    blocks, and a payload of :data:`INDEX_FIXED_BYTES` plus :data:`INDEX_ENTRY_BYTES` an
+    entry and :data:`INDEX_BLOCK_BYTES` a block, never more than :data:`MAX_INDEX_BYTES`.
+    Without a record: :data:`MAX_INDEX_BYTES` alone."""
+    if record is None:
+        return IndexLimits(MAX_INDEX_BYTES, MAX_INDEX_BYTES, MAX_INDEX_BYTES, "")
+    blocks = max_blocks(record)
+    files = max(record.files, 0)
+    payload = min(MAX_INDEX_BYTES, INDEX_FIXED_BYTES + files * INDEX_ENTRY_BYTES + blocks * INDEX_BLOCK_BYTES)
+    because = f"chain record {record.chain_id[:19]}: {files} files, {record.bytes} bytes"
+    return IndexLimits(payload, files, blocks, because)
 
 
 def check_relative_path(path: str, what: str) -> None:
@@ -439,6 +528,18 @@ def _entry_to_json(entry: Entry) -> dict[str, Any]:
     if entry.link is not None:
         out["h"] = entry.link
     return out
+
+
+def _list_of(value: Any) -> list[Any]:
+    """An array :func:`read_document` read (a list); FormatError for another value in its place."""
+    if not isinstance(value, list):
+        raise FormatError(f"layer index: an array is a {type(value).__name__}")
+    return value
+
+
+def _block_from_json(row: Any) -> Block:
+    digest, pack, offset, clen, rlen = row
+    return Block(str(digest), int(pack), int(offset), int(clen), int(rlen))
 
 
 def _entry_from_json(item: dict[str, Any]) -> Entry:
@@ -592,7 +693,7 @@ class DedupSegment:
             raise FormatError(f"dedup segment does not match its name {expected_sha256}: tampered with or truncated")
         if not data.startswith(DEDUP_MAGIC):
             raise FormatError("not a BootSeer dedup segment (bad magic)")
-        payload = _decompress_bounded(data[len(DEDUP_MAGIC) :], MAX_INDEX_BYTES, "dedup segment")
+        payload = b"".join(_decompress_bounded(data[len(DEDUP_MAGIC) :], MAX_INDEX_BYTES, "dedup segment"))
         try:
             document = json.loads(payload)
             if document.get("format") != FORMAT_VERSION:

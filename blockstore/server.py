@@ -247,6 +247,10 @@ class LayerServer:
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
         # Cache I/O, decompression and hashing, for every store's fetcher together.
         self._block_threads = trio.CapacityLimiter(os.cpu_count() or 2)
+        #: Decoding store objects (layer indexes, hot lists): in worker threads, never the
+        #: trio thread that answers FUSE requests, and at most half the cores at once, so a
+        #: large or hostile object leaves the block fetchers their threads.
+        self.decode_threads = trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2))
         self._engines: dict[str, Engine] = {}
         self._fetchers: dict[str, Any] = {}
         self._opening: dict[str, trio.Lock] = {}
@@ -318,7 +322,7 @@ class LayerServer:
         from bootseer.blockstore.store import StoreReader
 
         engine, _fetcher = await self.fetcher(store)
-        reader = StoreReader(engine, threads=self._block_threads)  # the index decodes off the trio thread
+        reader = StoreReader(engine, threads=self.decode_threads)  # the index decodes off the trio thread
         try:
             record = await reader.chain(chain_id)
             if record is None:
@@ -342,7 +346,7 @@ class LayerServer:
         except FileNotFoundError:
             return None
         try:
-            return LayerIndex.decode(data, expected_sha256=record.index)
+            return LayerIndex.decode(data, record=record)
         except FormatError as exc:
             log.warning("local index copy is damaged; fetching it again", index=record.index, error=str(exc))
             return None
@@ -399,7 +403,7 @@ class LayerServer:
                 RESTORED.labels("failed").inc()
                 log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=layer.error)
                 continue
-            index = await trio.to_thread.run_sync(self._local_index, layer.record, limiter=self._block_threads)
+            index = await trio.to_thread.run_sync(self._local_index, layer.record, limiter=self.decode_threads)
             try:
                 if index is None:
                     _record, index, data = await self._fetch_layer(layer.chain_id, layer.store)

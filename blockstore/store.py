@@ -39,7 +39,15 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
+from bootseer.blockstore.format import (
+    ChainRecord,
+    FormatError,
+    LayerIndex,
+    chain_object,
+    index_limits,
+    index_object,
+    sealed_size_bound,
+)
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
 from bootseer.fetch.source import NotADirectory, NotFound, SourceError
 from bootseer.fetch.sources import check_range, open_source, redact_url, split_path
@@ -678,11 +686,13 @@ class StoreReader:
         as its local copy, byte for byte the store's, so the copy is checked against the
         same name when it is read back."""
         name = index_object(record.index)
-        data = await self.read_object(name, MAX_INDEX_OBJECT_BYTES)
+        # An object larger than the record's layer can take is refused from its size, unread.
+        data = await self.read_object(name, min(MAX_INDEX_OBJECT_BYTES, sealed_size_bound(index_limits(record).payload_bytes)))
         if data is None:
             raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names index {record.index}, which is missing")
-        # Hashing and parsing a large index takes seconds of CPU: never on the trio thread.
-        decode = functools.partial(LayerIndex.decode, data, expected_sha256=record.index)
+        # Hashing and parsing a large index takes seconds of CPU: never on the trio thread;
+        # the record bounds what the index may hold (its files and bytes).
+        decode = functools.partial(LayerIndex.decode, data, record=record)
         index = await trio.to_thread.run_sync(decode, limiter=self.threads)
         if index.diff_id != record.diff_id or index.block_size != record.block_size:
             raise FormatError(f"{self.engine.url}: index {record.index} is not the layer of chain record {record.chain_id}")

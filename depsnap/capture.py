@@ -473,7 +473,7 @@ def publish_capture(
         raise CaptureError(f"the captured layer {chain} does not verify in {writer.display_url}")
     data = writer.get(index_object(chain_record.index))
     assert data is not None  # verify_layer read it
-    index = LayerIndex.decode(data, expected_sha256=chain_record.index)
+    index = LayerIndex.decode(data, record=chain_record)
     verify_index(index, expected, root)
     again = scan(root, exclude=exclude)
     changed = [p for p in set(tree) | set(again) if p not in tree or p not in again or not tree[p].same(again[p])]

@@ -27,14 +27,16 @@ from typing import Any
 import trio
 
 from bootseer.blockstore.format import FormatError, chain_ids, check_digest
+from bootseer.blockstore.format import max_blocks as record_max_blocks
 from bootseer.fetch.sources import redact_url
 from bootseer.hotlist.format import (
-    MAX_OBJECT_BYTES,
+    MAX_LAYERS,
     HotList,
     HotListError,
     check_profile,
     hotlist_dir,
     hotlist_object,
+    read_hot_list_object,
     profile_of_object,
     summary,
 )
@@ -155,6 +157,22 @@ def _profiles(args: argparse.Namespace) -> list[str] | None:
     return None if args.profile is None else [check_profile(args.profile)]
 
 
+async def _image_blocks(store: Any, top: str) -> int | None:
+    """The most blocks the image ``top`` can have, from its layers' chain records (what
+    bounds its hot lists' rows, as the layer server bounds them by the indexes it serves);
+    None if a record is missing or the chain is longer than a hot list may name."""
+    total, current = 0, top
+    for _ in range(MAX_LAYERS):
+        record = await store.chain(current)
+        if record is None:
+            return None
+        total += record_max_blocks(record)
+        current = record.parent
+        if not current:
+            return total
+    return None
+
+
 async def _read_lists(url: str, top: str, profiles: list[str] | None) -> dict[str, HotList | Exception | None]:
     from bootseer.blockstore.store import open_store
     from bootseer.fetch.source import NotFound
@@ -168,10 +186,16 @@ async def _read_lists(url: str, top: str, profiles: list[str] | None) -> dict[st
                 profiles = sorted(p for p in found if p is not None) or [""]
             except (NotFound, OSError):
                 profiles = [""]
+        try:
+            blocks = await _image_blocks(store, top)
+        except (FormatError, OSError):
+            blocks = None  # the format's own bound, then
         for profile in profiles:
             try:
-                data = await store.read_object(hotlist_object(top, profile), MAX_OBJECT_BYTES)
-                out[profile] = None if data is None else HotList.decode(data, expected_image=top, expected_profile=profile)
+                data = await read_hot_list_object(store, top, profile, blocks)
+                out[profile] = None if data is None else HotList.decode(
+                    data, expected_image=top, expected_profile=profile, max_blocks=blocks
+                )
             except (HotListError, FormatError, OSError) as exc:
                 out[profile] = exc
     return out

@@ -28,13 +28,24 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from bootseer.blockstore.format import FORMAT_VERSION as STORE_FORMAT_VERSION
-from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, decode_sealed, encode_sealed
+from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed, sealed_size_bound
+from bootseer.blockstore.jsonstream import ArrayRule, read_document
 from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
 
 HOTLIST_VERSION = 1
 HOTLIST_MAGIC = b"BSHOTL01"
-#: A decompressed hot list larger than this is refused (a zstd bomb); 1M blocks are ~120 MB.
-MAX_PAYLOAD_BYTES = 256 << 20
+#: The most rows any hot list may have, whatever image it is for (a reader that knows the
+#: image bounds it by the image's blocks: :meth:`HotList.decode`'s ``max_blocks``).
+MAX_BLOCKS = 1 << 21
+#: The most layers an image may have (overlayfs takes about 500 lower directories).
+MAX_LAYERS = 1024
+#: What one row may take in the payload: ``[layer, "<64 hex>", pack, offset, clen, rlen, at]``
+#: with every number at its widest, the comma, and its pack's name (at most one new pack a row).
+HOTLIST_ROW_BYTES = 256
+#: The payload beside the rows: the layers' ChainIDs and the recording's strings.
+HOTLIST_FIXED_BYTES = 64 << 10
+#: The longest single value (a row, a layer, node or container name) a hot list holds.
+MAX_VALUE_BYTES = 16 << 10
 #: An encoded hot list larger than this is refused before it is read.
 MAX_OBJECT_BYTES = 64 << 20
 
@@ -45,6 +56,31 @@ MAX_OBJECT_BYTES = 64 << 20
 PROFILE_LABEL = "containerd.io/snapshot/bootseer.profile"
 #: The short form, honoured where labels reach the snapshotter unfiltered (a direct gRPC Prepare).
 PROFILE_LABEL_SHORT = "bootseer.io/profile"
+
+
+def max_object_bytes(max_blocks: int | None = None) -> int:
+    """The most bytes a stored hot list of at most ``max_blocks`` rows can take (None: the
+    format's :data:`MAX_BLOCKS`), never more than :data:`MAX_OBJECT_BYTES`: a reader refuses
+    a larger object from its size, before reading it."""
+    rows = MAX_BLOCKS if max_blocks is None else max(0, min(max_blocks, MAX_BLOCKS))
+    return min(MAX_OBJECT_BYTES, sealed_size_bound(HOTLIST_FIXED_BYTES + rows * HOTLIST_ROW_BYTES))
+
+
+async def read_hot_list_object(store: Any, image: str, profile: str, max_blocks: int | None) -> bytes | None:
+    """The stored bytes of ``image``'s hot list for ``profile`` from ``store`` (a
+    :class:`~bootseer.blockstore.store.StoreReader`), None if there is none.
+
+    An object larger than ``max_blocks`` rows can take (:func:`max_object_bytes`) is
+    refused from its size, unread, with a HotListError naming the bound; the store's
+    own failures pass through.
+    """
+    try:
+        return await store.read_object(hotlist_object(image, profile), max_object_bytes(max_blocks))
+    except HotListError:
+        raise
+    except FormatError as exc:  # too large, or a directory: the object's fault, not the store's
+        bound = "the format's limit" if max_blocks is None else f"{max_blocks} rows at most: the blocks of the image's layers"
+        raise HotListError(f"{exc} ({bound})") from None
 
 
 def profile_of_labels(labels: Mapping[str, str]) -> str:
@@ -109,6 +145,13 @@ class HotBlock:
     at: float  #: seconds after the container's writable snapshot was prepared
 
 
+#: The keys :meth:`HotList._document` writes (and ``signatures``, beside them).
+_DOCUMENT_KEYS = frozenset({
+    "format", "image", "profile", "layers", "packs", "blocks", "recorded_at", "node", "container",
+    "sealed_by", "duration", "unattributed", "recorder", "signatures",
+})
+
+
 @dataclass
 class HotList:
     """An image's first-touch trace (see the module docstring)."""
@@ -156,6 +199,21 @@ class HotList:
         """The sealed object; with ``sign_key``, signed by it (the list names its image and profile, so the
         signature binds it to its store name)."""
         self.validate()
+        document = self._document()
+        if self.signatures:
+            document["signatures"] = self.signatures
+        if sign_key is not None:
+            document = sign_document(document, "hotlist", sign_key)
+        payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        return encode_sealed(HOTLIST_MAGIC, HOTLIST_VERSION, payload)
+
+    def _document(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """The JSON document of this list, without signatures: what :meth:`encode` writes and a signature signs.
+
+        Rows name their layer and pack by number (each pack numbered at its first use);
+        times are in microseconds. ``extra``: keys of a decoded document this version does
+        not know, kept so its signature still checks.
+        """
         layer_numbers = {layer: number for number, layer in enumerate(self.layers)}
         packs: dict[str, int] = {}
         rows = []
@@ -164,7 +222,8 @@ class HotList:
             # Times in microseconds: compact integers, enough for ordering and spans.
             rows.append([layer_numbers[block.layer], block.digest, pack, block.offset, block.clen, block.rlen,
                          round(block.at * 1e6)])  # fmt: skip
-        document = {
+        return {
+            **(extra or {}),
             "format": HOTLIST_VERSION,
             "image": self.image,
             "profile": self.profile,
@@ -179,36 +238,65 @@ class HotList:
             "unattributed": self.unattributed,
             "recorder": self.recorder,
         }
-        if self.signatures:
-            document["signatures"] = self.signatures
-        if sign_key is not None:
-            document = sign_document(document, "hotlist", sign_key)
-        payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
-        return encode_sealed(HOTLIST_MAGIC, HOTLIST_VERSION, payload)
 
     @classmethod
-    def decode(cls, data: bytes, *, expected_image: str | None = None, expected_profile: str | None = None) -> HotList:
+    def decode(
+        cls,
+        data: bytes,
+        *,
+        expected_image: str | None = None,
+        expected_profile: str | None = None,
+        max_blocks: int | None = None,
+    ) -> HotList:
         """Parse and check an encoded hot list; HotListError for anything wrong.
 
         ``expected_image``/``expected_profile`` (what the object's store path names)
         must be what the list says it is: a list copied under another image's name
-        is foreign and refused.
+        is foreign and refused.  ``max_blocks`` is the most rows the list may have:
+        the blocks of the image's layers (a first boot cannot touch more); None:
+        :data:`MAX_BLOCKS`.  The payload may be at most :data:`HOTLIST_ROW_BYTES` a
+        row plus :data:`HOTLIST_FIXED_BYTES`, the stored object what that payload can
+        take (:func:`max_object_bytes`); the bounds are enforced before and while the
+        list is decompressed and parsed, row by row, so a bomb is refused in bounded memory.
+        CPU work proportional to the list: the layer server runs it in a worker thread.
         """
-        if len(data) > MAX_OBJECT_BYTES:
-            raise HotListError(f"hot list is {len(data)} bytes, more than {MAX_OBJECT_BYTES}")
-        payload = decode_sealed(data, HOTLIST_MAGIC, HOTLIST_VERSION, MAX_PAYLOAD_BYTES, "hot list", HotListError)
+        rows = MAX_BLOCKS if max_blocks is None else max(0, min(max_blocks, MAX_BLOCKS))
+        because = "the format's limit" if max_blocks is None else "the blocks of the image's layers"
+        payload_limit = HOTLIST_FIXED_BYTES + rows * HOTLIST_ROW_BYTES
+        if len(data) > max_object_bytes(max_blocks):
+            raise HotListError(f"hot list is {len(data)} bytes, more than {max_object_bytes(max_blocks)} ({rows} rows at most: {because})")
+        pieces = open_sealed(data, HOTLIST_MAGIC, HOTLIST_VERSION, payload_limit, "hot list", HotListError,
+                             because=f"{rows} rows at most: {because}")  # fmt: skip
+        layers: list[str] = []
+        packs: list[str] = []
+
+        def layer_of(value: Any) -> str:
+            layers.append(check_digest(value, "hot list layer"))
+            return layers[-1]
+
+        def pack_of(value: Any) -> str:
+            packs.append(str(value))
+            return packs[-1]
+
+        def block_of(row: Any) -> HotBlock:
+            # Rows name their layer and pack by number: both arrays come first, as encode writes them.
+            layer, digest, pack, offset, clen, rlen, at = row
+            if not (isinstance(layer, int) and 0 <= layer < len(layers) and isinstance(pack, int) and 0 <= pack < len(packs)):
+                raise HotListError(f"hot list block {str(digest)[:64]!r}: layer or pack number out of range (layers and packs come first)")
+            return HotBlock(layers[layer], str(digest), packs[pack], int(offset), int(clen), int(rlen), int(at) / 1e6)
+
+        rules = {
+            "layers": ArrayRule(MAX_LAYERS, layer_of, "the format's limit"),
+            "packs": ArrayRule(rows, pack_of, because),
+            "blocks": ArrayRule(rows, block_of, because),
+        }
         try:
-            document = json.loads(payload)
-            if not isinstance(document, dict) or document.get("format") != HOTLIST_VERSION:
+            document = read_document(pieces, "hot list", rules, max_value_chars=MAX_VALUE_BYTES, error_type=HotListError)
+            if document.get("format") != HOTLIST_VERSION:
                 raise HotListError(f"hot list document format is not {HOTLIST_VERSION}")
-            layers = [check_digest(layer, "hot list layer") for layer in document["layers"]]
-            packs = [str(pack) for pack in document["packs"]]
-            blocks = []
-            for row in document["blocks"]:
-                layer, digest, pack, offset, clen, rlen, at = row
-                if not (isinstance(layer, int) and 0 <= layer < len(layers) and isinstance(pack, int) and 0 <= pack < len(packs)):
-                    raise HotListError(f"hot list block {digest!r}: layer or pack number out of range")
-                blocks.append(HotBlock(layers[layer], str(digest), packs[pack], int(offset), int(clen), int(rlen), int(at) / 1e6))
+            if not all(isinstance(document[key], list) for key in rules):
+                raise HotListError("hot list: layers, packs and blocks must be arrays")
+            blocks = document["blocks"]
             hot = cls(
                 image=check_digest(document["image"], "hot list image"),
                 profile=str(document["profile"]),
@@ -222,7 +310,6 @@ class HotList:
                 unattributed=int(document.get("unattributed", 0)),
                 recorder=str(document.get("recorder", "")),
                 signatures=signatures_of(document),
-                signed=Signed.of("hotlist", document),
             )
         except HotListError:
             raise
@@ -231,6 +318,11 @@ class HotList:
         except (ValueError, KeyError, TypeError) as exc:
             raise HotListError(f"hot list is malformed: {exc!r}") from None
         hot.validate()
+        if hot.signatures:
+            # The rows were turned into blocks as they were parsed: what was signed is the document
+            # they encode again to (a genuine writer's list does so exactly; anything else fails the check).
+            extra = {key: value for key, value in document.items() if key not in _DOCUMENT_KEYS}
+            hot.signed = Signed.of("hotlist", {**hot._document(extra), "signatures": hot.signatures})
         if expected_image is not None and hot.image != expected_image:
             raise HotListError(f"hot list of image {hot.image} stored under image {expected_image}: foreign, ignored")
         if expected_profile is not None and hot.profile != expected_profile:

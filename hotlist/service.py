@@ -48,11 +48,11 @@ from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.hotlist.attribution import cgroup_paths, container_id, container_of
 from bootseer.hotlist.format import (
-    MAX_OBJECT_BYTES,
     HotList,
     HotListError,
     HotListUntrusted,
     hotlist_object,
+    read_hot_list_object,
     profile_of_labels,
     resolve,
 )
@@ -140,15 +140,27 @@ class HotListService:
 
         store = self.server.layers[image].store
         engine, _fetcher = await self.server.fetcher(store)
-        data = await StoreReader(engine).read_object(hotlist_object(image, profile), MAX_OBJECT_BYTES)
+        # A first boot touches each block at most once: no more rows than the image's layers
+        # hold blocks (all served, so their indexes are here; else the format's own bound).
+        # A larger object than those rows can take is refused from its size, unread.
+        layers = self.image_layers(image)
+        max_blocks = None if layers is None else sum(len(self.server.layers[layer].tree.index.blocks) for layer in layers)
+        data = await read_hot_list_object(StoreReader(engine), image, profile, max_blocks)
         if data is None:
             return None
-        hot = HotList.decode(data, expected_image=image, expected_profile=profile)
-        try:
-            self.server.config.trust.check("hotlist", hot.signed, f"the hot list of {image} (profile {profile!r})")
-        except Untrusted as exc:
-            raise HotListUntrusted(str(exc)) from None
-        return hot
+        trust = self.server.config.trust
+
+        def decode_and_check() -> HotList:
+            hot = HotList.decode(data, expected_image=image, expected_profile=profile, max_blocks=max_blocks)
+            try:
+                trust.check("hotlist", hot.signed, f"the hot list of {image} (profile {profile!r})")
+            except Untrusted as exc:
+                raise HotListUntrusted(str(exc)) from None
+            return hot
+
+        # Decompressing, parsing and checking a signature is CPU work proportional to the list:
+        # never on the FUSE loop.
+        return await trio.to_thread.run_sync(decode_and_check, limiter=self.server.decode_threads)
 
     def _spawn(self, function: Any, *args: Any) -> None:
         """Run ``function(*args)`` in the server's nursery; an error is logged, never the server's end."""

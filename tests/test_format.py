@@ -191,7 +191,7 @@ def test_a_zstd_bomb_is_refused_in_bounded_memory(monkeypatch):
     from bootseer.blockstore import format as fmt
 
     monkeypatch.setattr(fmt, "MAX_INDEX_BYTES", 1 << 20)
-    compressed = zstandard.ZstdCompressor().compress(b"[" + b" " * (32 << 20) + b"]")
+    compressed = zstandard.ZstdCompressor().compress(b"{" + b" " * (32 << 20) + b"}")
     data = struct.pack("<8sIQ32s", b"BSLIDX01", 1, len(compressed), hashlib.sha256(compressed).digest()) + compressed
     tracemalloc.start()
     try:

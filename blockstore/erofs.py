@@ -354,27 +354,39 @@ def _uuid(index: LayerIndex) -> bytes:
 
 
 class _Writer:
+    """Sequential output in 1 MiB writes (an image is many small pieces)."""
+
+    FLUSH_BYTES = 1 << 20
+
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
         self.position = 0
+        self.buffer = bytearray()
 
     def write(self, data: bytes) -> None:
-        self.out.write(data)
+        self.buffer += data
         self.position += len(data)
+        if len(self.buffer) >= self.FLUSH_BYTES:
+            self.flush()
 
     def pad_to(self, position: int) -> None:
-        while self.position < position:
-            self.write(bytes(min(1 << 16, position - self.position)))
+        if position > self.position:
+            self.write(bytes(position - self.position))
+
+    def flush(self) -> None:
+        self.out.write(self.buffer)
+        self.buffer = bytearray()
 
 
 def write_image(index: LayerIndex, out: BinaryIO) -> int:
     """Write the EROFS image of ``index`` to ``out`` (sequentially, no seeks) and return its size in bytes.
 
-    The index is checked first (FormatError); anything EROFS cannot hold raises
-    ErofsError before a byte is written.  Memory is a few small records per entry
-    besides the index itself, whatever the layer's data size.
+    ``index`` is one :meth:`LayerIndex.validate` accepted -- every index is: decoding
+    and the converter check it -- so it is not checked again here (that would double
+    the cost).  Anything EROFS cannot hold raises ErofsError before a byte is written.
+    Memory is a few small records per entry besides the index itself, whatever the
+    layer's data size.
     """
-    index.validate()
     layout = _Layout(index)
     entries = index.entries
     writer = _Writer(out)
@@ -401,6 +413,7 @@ def write_image(index: LayerIndex, out: BinaryIO) -> int:
             writer.pad_to(inode.raw_blkaddr * BLOCK_SIZE)
             writer.write(_data(layout, number)[: inode.data_blocks * BLOCK_SIZE])
     writer.pad_to(layout.blocks * BLOCK_SIZE)
+    writer.flush()
     return writer.position
 
 

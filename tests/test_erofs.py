@@ -39,7 +39,21 @@ from bootseer.blockstore.erofs_mount import ErofsMount, ErofsMountError, mount_e
 from bootseer.blockstore.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.mounts import force_unmount, mount_entry
-from tests.support.oci import LONG_NAME, NON_UTF8_NAME, rich_layers
+from tests.support.oci import (
+    APP_FILE,
+    APP_FILE_DATA,
+    BLOB_FILE,
+    DELETED_FILE,
+    LONG_NAME,
+    NON_UTF8_NAME,
+    OPAQUE_DIR,
+    OPAQUE_NEW,
+    PATCH_FILE,
+    PATCH_FILE_DATA,
+    blob_data,
+    demo_layers,
+    rich_layers,
+)
 from tests.support.trees import Meta, apply_layers, as_whiteouts, disk_tree, extract_with_tar, read_block
 
 LAYER_BLOCK_SIZE = 64 << 10
@@ -376,6 +390,33 @@ def test_an_overlay_over_erofs_lowers_equals_the_applied_layers(images: list[tup
     with pytest.raises(OSError) as excinfo:
         (Path(lowers[0]) / "etc/new").write_bytes(b"x")
     assert excinfo.value.errno == errno.EROFS
+
+
+def test_a_container_root_over_erofs_lowers_runs_the_demo_image(disk_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                                tmp_path: Path, mounts: list[Path]) -> None:  # fmt: skip
+    """The demo image (busybox, app files, a whiteout, an opaque dir): its busybox runs from the blob through EROFS."""
+    if not Path("/bin/busybox").is_file():
+        pytest.skip("busybox-static is not installed")
+    store = tmp_path_factory.mktemp("demo-store")
+    layers = build_store(store, demo_layers(), block_size=LAYER_BLOCK_SIZE, layout=tmp_path_factory.mktemp("demo-layout"))
+    lowers = []
+    for number, layer in enumerate(layers):
+        image, blob = disk_dir / f"demo{number}.erofs", disk_dir / f"demo{number}.blob"
+        image.write_bytes(build_image(layer.index))
+        write_blob(store, layer.index, blob)
+        checked = fsck(image, blob)
+        assert checked.returncode == 0, checked.stderr
+        lowers.append(str(mount(image, blob, tmp_path / f"demo{number}", mounts).mountpoint))
+    merged = tmp_path / "root"
+    merged.mkdir()
+    mounts.append(merged)
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={':'.join(reversed(lowers))}", str(merged)],
+                   check=True, capture_output=True, timeout=30)  # fmt: skip
+    script = f"cat {APP_FILE} {PATCH_FILE}; ls {OPAQUE_DIR}; test -e {DELETED_FILE} || echo deleted; sha256sum {BLOB_FILE}"
+    done = subprocess.run(["chroot", str(merged), "/bin/sh", "-c", script], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    expected = APP_FILE_DATA + PATCH_FILE_DATA + b"".join(f"{name}\n".encode() for name in OPAQUE_NEW) + b"deleted\n"
+    assert done.stdout == expected + f"{hashlib.sha256(blob_data()).hexdigest()}  {BLOB_FILE}\n".encode()
 
 
 def test_the_kernel_reads_every_entry_kind(disk_dir: Path, tmp_path: Path, mounts: list[Path]) -> None:

@@ -154,7 +154,11 @@ def encode_xattrs(xattrs: dict[str, bytes], what: str) -> tuple[bytes, int]:
     if not xattrs:
         return b"", 0
     body = bytearray(_XATTR_HEADER.pack(0, 0))  # no name filter (the feature bit is off), no shared xattrs
-    for name in sorted(xattrs, key=os.fsencode):
+    names = sorted(xattrs, key=os.fsencode)
+    for name, same in zip(names, names[1:]):
+        if os.fsencode(name) == os.fsencode(same):
+            raise ErofsError(f"{what}: xattrs {name[:60]!r} and {same[:60]!r} are one name in bytes")
+    for name in names:
         value = xattrs[name]
         for prefix, name_index, exact in _XATTR_PREFIXES:
             if (name == prefix) if exact else name.startswith(prefix):
@@ -216,7 +220,7 @@ def _directory_size(names: list[bytes]) -> int:
 # -- layout ---------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Inode:
     """Where one inode goes and what it holds (pass one); its bytes are made in pass two."""
 
@@ -266,8 +270,11 @@ class _Layout:
                 self.children[parent].append((os.fsencode(entry.name), number))
                 if entry.type is EntryType.DIR:
                     subdirs[parent] += 1
-        for names in self.children.values():
+        for directory, names in self.children.items():
             names.sort()
+            for (name, _), (same, child) in zip(names, names[1:]):
+                if name == same:  # e.g. "\udcc3\udca9" and "\xe9": two index paths, one name on disk
+                    raise ErofsError(f"{_what(child, entries[child])}: its name's bytes are another entry's in the same directory")
         self.inodes: dict[int, _Inode] = {}
         position = FIRST_INODE
         for number, entry in enumerate(entries):

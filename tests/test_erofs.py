@@ -526,6 +526,9 @@ def _one_entry(entry: Entry, block_size: int = BLOCK_SIZE) -> LayerIndex:
         (_one_entry(Entry("d", EntryType.CHAR, 0o644, rdev=(4096, 0))), "device number 4096:0"),
         (_one_entry(Entry("f", EntryType.FILE, 0o644, uid=1 << 32)), "does not fit in 32 bits"),
         (_one_entry(Entry("l", EntryType.SYMLINK, 0o777, size=4096, target="t" * 4096)), "4096-byte symlink target"),
+        (_one_entry(Entry("f", EntryType.FILE, 0o644, xattrs={"user.\udcc3\udca9": b"1", "user.\xe9": b"2"})), "are one name in bytes"),
+        (LayerIndex(DIFF_ID, BLOCK_SIZE, [Entry("", EntryType.DIR, 0o755), Entry("\udcc3\udca9", EntryType.FILE, 0o644),
+                                          Entry("\xe9", EntryType.FILE, 0o644)], [], []), "another entry's in the same directory"),
     ],
 )
 def test_what_erofs_cannot_hold_is_a_clear_error(index: LayerIndex, message: str) -> None:

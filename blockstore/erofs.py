@@ -408,7 +408,7 @@ def write_image(index: LayerIndex, out: BinaryIO) -> int:
     for number, inode in layout.inodes.items():
         writer.pad_to(inode.nid * SLOT_SIZE)
         entry = entries[number]
-        writer.write(_inode_bytes(index, layout, entry, inode))
+        writer.write(_inode_bytes(layout, entry, inode))
         writer.write(inode.xattrs)
         if inode.layout == LAYOUT_CHUNK_BASED:
             writer.pad_to(-(-writer.position // CHUNK_INDEX_SIZE) * CHUNK_INDEX_SIZE)
@@ -431,7 +431,7 @@ def build_image(index: LayerIndex) -> bytes:
     return out.getvalue()
 
 
-def _inode_bytes(index: LayerIndex, layout: _Layout, entry: Entry, inode: _Inode) -> bytes:
+def _inode_bytes(layout: _Layout, entry: Entry, inode: _Inode) -> bytes:
     if inode.layout == LAYOUT_CHUNK_BASED:
         union = CHUNK_FORMAT_INDEXES | (layout.bits - BLOCK_BITS)
     elif entry.type in (EntryType.CHAR, EntryType.BLOCK):

@@ -562,10 +562,14 @@ def test_an_image_on_tmpfs_is_mounted_over_loop_devices(images: list[tuple[Path,
     entry = mount_entry(point)
     assert entry is not None and entry.fstype == "erofs" and entry.source == mounted.loop_devices[0]
     assert as_whiteouts(erofs_tree(point)) == as_whiteouts(disk_tree(extracted[0], overlay=True, xattr_prefixes=XATTR_PREFIXES))
+    for device, backing in zip(mounted.loop_devices, (image, blob)):
+        sysfs = Path("/sys/block", Path(device).name)
+        assert (sysfs / "loop/backing_file").read_text().strip() == str(backing)
+        # Read-only, and autoclear: the kernel detaches it when the mount lets go (our descriptors are closed).
+        assert (sysfs / "ro").read_text().strip() == "1" and (sysfs / "loop/autoclear").read_text().strip() == "1"
     unmount_erofs(point)
     mounts.remove(point)
-    for device in mounted.loop_devices:  # autoclear: unmounting detached them
-        assert not Path(f"/sys/block/{Path(device).name}/loop/backing_file").exists(), device
+    assert mount_entry(point) is None
 
 
 def test_a_mount_the_kernel_refuses_is_a_clear_error(disk_dir: Path, tmp_path: Path, mounts: list[Path]) -> None:

@@ -90,7 +90,10 @@ def mount_erofs(image: str | os.PathLike[str], mountpoint: str | os.PathLike[str
 
 def _attach_loop(path: str, held: list[int]) -> str:
     """A read-only, autoclear loop device over ``path``; its open descriptor is appended to ``held``."""
-    backing = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        backing = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ErofsMountError(exc.errno, f"cannot open {path} for a loop device: {exc.strerror}") from None
     try:
         # (The name is what losetup -l shows; LOOP_CONFIGURE exists since 5.8, before every EROFS with chunks.)
         name_field = os.fsencode(path)[-63:]

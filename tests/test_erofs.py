@@ -570,6 +570,10 @@ def test_an_image_on_tmpfs_is_mounted_over_loop_devices(images: list[tuple[Path,
     unmount_erofs(point)
     mounts.remove(point)
     assert mount_entry(point) is None
+    # A blob that is not there is a clear error on this path too, and leaves nothing attached.
+    with pytest.raises(ErofsMountError) as excinfo:
+        mount_erofs(image, point, device=ram / "missing.blob")
+    assert "missing.blob" in str(excinfo.value) and mount_entry(point) is None
 
 
 def test_a_mount_the_kernel_refuses_is_a_clear_error(disk_dir: Path, tmp_path: Path, mounts: list[Path]) -> None:

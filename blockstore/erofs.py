@@ -74,6 +74,7 @@ MAX_ROOT_NID = 0xFFFF  #: ``root_nid`` is 16 bits wide
 #: EROFS's short xattr name prefixes (``EROFS_XATTR_INDEX_*``); an exact name has an empty suffix.
 _XATTR_PREFIXES = (("user.", 1, False), ("system.posix_acl_access", 2, True), ("system.posix_acl_default", 3, True),
                    ("trusted.", 4, False), ("security.", 6, False))  # fmt: skip
+MAX_ID = (1 << 32) - 1  #: uid/gid: 32 bits, less (uid_t)-1, which the kernel shows as the overflow id
 MAX_SYMLINK_BYTES = 4095  #: PATH_MAX less its NUL: the kernel cuts a longer target (the index allows 4096)
 MAX_XATTR_VALUE = 0xFFFF  #: ``e_value_size`` is 16 bits wide
 MAX_XATTR_ICOUNT = 0xFFFF
@@ -317,8 +318,8 @@ class _Layout:
 
     @staticmethod
     def _check_fields(entry: Entry, what: str, nlink: int) -> None:
-        if entry.uid >= 1 << 32 or entry.gid >= 1 << 32:
-            raise ErofsError(f"{what}: owner {entry.uid}:{entry.gid} does not fit in 32 bits")
+        if entry.uid >= MAX_ID or entry.gid >= MAX_ID:
+            raise ErofsError(f"{what}: owner {entry.uid}:{entry.gid} is not below {MAX_ID} (32 bits, and -1 is no owner to Linux)")
         if not -(1 << 63) <= entry.mtime_ns // 1_000_000_000 < 1 << 63:
             raise ErofsError(f"{what}: mtime {entry.mtime_ns} ns does not fit in 64 bits of seconds")
         if nlink >= 1 << 32:

@@ -14,6 +14,7 @@ import errno
 import hashlib
 import io
 import os
+import random
 import re
 import shutil
 import stat
@@ -474,6 +475,93 @@ def test_the_kernel_walks_a_wide_directory_a_deep_tree_and_many_chunks(disk_dir:
     assert hashlib.sha256((point / "large.bin").read_bytes()).digest() == hashlib.sha256(contents).digest()
 
 
+def random_index(seed: int, entries: int = 600) -> LayerIndex:
+    """A seeded, valid index that exercises the layout: names of 1..255 bytes (some not UTF-8), xattrs of
+    0..6000 bytes, symlink targets of 1..4095 bytes, files of 0..5 chunks with holes, devices, fifos, links."""
+    rng = random.Random(seed)
+    blocks = [_zero_block(BLOCK_SIZE), _zero_block(1)] + [_block(bytes([n]) * BLOCK_SIZE) for n in range(1, 6)]
+    by_parent: dict[str, list[Entry]] = {}
+    directories, used = [""], {""}
+    while len(used) < entries:
+        parent = rng.choice(directories)
+        name = "".join(rng.choice("abcXYZ-_.\xe9") for _ in range(rng.choice((1, 2, 8, 40, 200, 255))))
+        if rng.random() < 0.1:
+            name = name[:-1] + rng.choice("\udcff\udc80\udce9")
+        while len(os.fsencode(name)) > 255:
+            name = name[:-1]
+        path = f"{parent}/{name}" if parent else name
+        if name in (".", "..") or path in used:
+            continue
+        used.add(path)
+        kind = rng.choice([EntryType.DIR, EntryType.FILE, EntryType.FILE, EntryType.SYMLINK, EntryType.CHAR, EntryType.FIFO,
+                           EntryType.BLOCK])  # fmt: skip
+        namespaces = ("trusted.", "security.") + (("user.",) if kind in (EntryType.DIR, EntryType.FILE) else ())
+        xattrs = {f"{rng.choice(namespaces)}x{n}": rng.randbytes(rng.choice((0, 1, 33, 700, 3000, 6000))) for n in range(rng.choice((0, 0, 1, 3)))}
+        common = dict(mode=rng.randrange(0o10000), uid=rng.randrange((1 << 32) - 1), gid=rng.randrange(70000),
+                      mtime_ns=rng.randrange(-(10**18), 4 * 10**18), xattrs=xattrs)  # fmt: skip
+        if kind is EntryType.FILE:
+            chunks = rng.randrange(6)
+            short = rng.random() < 0.5  # a last block of 1 byte, else a full one
+            size = 0 if not chunks else (chunks - 1) * BLOCK_SIZE + (1 if short else BLOCK_SIZE)
+            numbers = tuple(rng.choice((0, 2, 3, 4, 5, 6)) for _ in range(chunks))
+            if chunks and short:
+                numbers = numbers[:-1] + (1,)
+            entry = Entry(path, kind, size=size, blocks=numbers, **common)  # type: ignore[arg-type]
+        elif kind is EntryType.SYMLINK:
+            target = "t" * rng.choice((1, 60, 3900, 4000, 4031, 4032, 4095))
+            entry = Entry(path, kind, size=len(target), target=target, **common)  # type: ignore[arg-type]
+        elif kind in (EntryType.CHAR, EntryType.BLOCK):
+            entry = Entry(path, kind, rdev=(rng.randrange(4096), rng.randrange(1 << 20)), **common)  # type: ignore[arg-type]
+        else:
+            entry = Entry(path, kind, **common)  # type: ignore[arg-type]
+            if kind is EntryType.DIR:
+                directories.append(path)
+        by_parent.setdefault(parent, []).append(entry)
+    ordered: list[Entry] = [Entry("", EntryType.DIR, 0o755)]
+
+    def visit(directory: str) -> None:  # parents before children, children sorted: as an index lists them
+        for entry in sorted(by_parent.get(directory, ()), key=lambda e: e.name):
+            ordered.append(entry)
+            if entry.type is EntryType.DIR:
+                visit(entry.path)
+
+    visit("")
+    for number, entry in enumerate(ordered):  # some later files become hard links to earlier ones
+        earlier = [n for n in range(number) if ordered[n].type is EntryType.FILE and ordered[n].link is None]
+        if entry.type is EntryType.FILE and earlier and rng.random() < 0.15:
+            ordered[number] = Entry(entry.path, EntryType.FILE, 0o644, link=rng.choice(earlier))
+    index = LayerIndex(DIFF_ID, BLOCK_SIZE, ordered, blocks, [PACK])
+    index.validate()
+    return index
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_valid_indexes_pass_fsck_and_mount_as_they_say(seed: int, disk_dir: Path, tmp_path: Path, mounts: list[Path]) -> None:
+    index = random_index(seed)
+    image = disk_dir / f"random{seed}.erofs"
+    image.write_bytes(build_image(index))
+    blob = sparse_blob(index, disk_dir / f"random{seed}.blob")
+    checked = fsck(image, blob)
+    assert checked.returncode == 0, checked.stderr
+    point = tmp_path / "r"
+    mount(image, blob, point, mounts)
+    inodes: dict[int, int] = {}
+    for number, entry in enumerate(index.entries[1:], 1):
+        owner = index.entries[entry.link] if entry.link is not None else entry
+        st = os.lstat(point / entry.path)
+        assert (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns) == (owner.st_mode, owner.uid, owner.gid, owner.mtime_ns), entry.path
+        if entry.type is EntryType.FILE:
+            assert st.st_size == owner.size and inodes.setdefault(entry.link or number, st.st_ino) == st.st_ino, entry.path
+        elif entry.type is EntryType.SYMLINK:
+            assert os.readlink(point / entry.path) == entry.target, entry.path
+        elif entry.type in (EntryType.CHAR, EntryType.BLOCK):
+            assert st.st_rdev == os.makedev(*entry.rdev), entry.path
+        found = {name: os.getxattr(point / entry.path, name, follow_symlinks=False)
+                 for name in os.listxattr(point / entry.path, follow_symlinks=False)}  # fmt: skip
+        assert found == owner.xattrs, entry.path
+    assert len(inodes) == sum(e.type is EntryType.FILE and e.link is None for e in index.entries)
+
+
 # -- determinism, geometry and refusals ---------------------------------------------------------
 
 
@@ -524,7 +612,8 @@ def _one_entry(entry: Entry, block_size: int = BLOCK_SIZE) -> LayerIndex:
         (_one_entry(Entry("f", EntryType.FILE, 0o644, xattrs={"user.big": bytes(65536)})), "65536-byte value"),
         (_one_entry(Entry("f", EntryType.FILE, 0o644, xattrs={"user.": b"x"})), "empty name"),
         (_one_entry(Entry("d", EntryType.CHAR, 0o644, rdev=(4096, 0))), "device number 4096:0"),
-        (_one_entry(Entry("f", EntryType.FILE, 0o644, uid=1 << 32)), "does not fit in 32 bits"),
+        (_one_entry(Entry("f", EntryType.FILE, 0o644, uid=1 << 32)), "owner 4294967296:0 is not below 4294967295"),
+        (_one_entry(Entry("f", EntryType.FILE, 0o644, gid=(1 << 32) - 1)), "owner 0:4294967295 is not below"),
         (_one_entry(Entry("l", EntryType.SYMLINK, 0o777, size=4096, target="t" * 4096)), "4096-byte symlink target"),
         (_one_entry(Entry("f", EntryType.FILE, 0o644, xattrs={"user.\udcc3\udca9": b"1", "user.\xe9": b"2"})), "are one name in bytes"),
         (LayerIndex(DIFF_ID, BLOCK_SIZE, [Entry("", EntryType.DIR, 0o755), Entry("\udcc3\udca9", EntryType.FILE, 0o644),

@@ -126,7 +126,8 @@ def main() -> int:
             for entry in index.entries[1:]:
                 st = os.lstat(point / entry.path)
                 seen += 1
-                if (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns) != (entry.st_mode, entry.uid, entry.gid, entry.mtime_ns) and entry.link is None:
+                owner = index.entries[entry.link] if entry.link is not None else entry
+                if (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns) != (owner.st_mode, owner.uid, owner.gid, owner.mtime_ns):
                     mismatched += 1
             print(f"kernel mount ({mounted.mode}): {seen} entries stat'ed, {mismatched} with other metadata than the tree's")
         finally:

@@ -496,7 +496,8 @@ def random_index(seed: int, entries: int = 600) -> LayerIndex:
         kind = rng.choice([EntryType.DIR, EntryType.FILE, EntryType.FILE, EntryType.SYMLINK, EntryType.CHAR, EntryType.FIFO,
                            EntryType.BLOCK])  # fmt: skip
         namespaces = ("trusted.", "security.") + (("user.",) if kind in (EntryType.DIR, EntryType.FILE) else ())
-        xattrs = {f"{rng.choice(namespaces)}x{n}": rng.randbytes(rng.choice((0, 1, 33, 700, 3000, 6000))) for n in range(rng.choice((0, 0, 1, 3)))}
+        sizes = (0, 1, 33, 700, 3000, 6000)
+        xattrs = {f"{rng.choice(namespaces)}x{n}": rng.randbytes(rng.choice(sizes)) for n in range(rng.choice((0, 0, 1, 3)))}
         common = dict(mode=rng.randrange(0o10000), uid=rng.randrange((1 << 32) - 1), gid=rng.randrange(70000),
                       mtime_ns=rng.randrange(-(10**18), 4 * 10**18), xattrs=xattrs)  # fmt: skip
         if kind is EntryType.FILE:
@@ -581,7 +582,8 @@ KINDS_IMAGE_SHA256 = "f5a867e93be293fa557ee36b80f8d0ba621289b4b939e9639b2e0a4281
 
 def test_images_change_only_with_the_writer_version() -> None:
     digest = hashlib.sha256(build_image(every_kind_index())).hexdigest()
-    assert (erofs.WRITER_VERSION, digest) == (1, KINDS_IMAGE_SHA256), "the writer's bytes changed: bump WRITER_VERSION (cached images are keyed by it)"
+    message = "the writer's bytes changed: bump WRITER_VERSION (cached images are keyed by it)"
+    assert (erofs.WRITER_VERSION, digest) == (1, KINDS_IMAGE_SHA256), message
 
 
 def test_blob_geometry_maps_offsets_to_blocks(built: tuple[Path, list[BuiltLayer]]) -> None:

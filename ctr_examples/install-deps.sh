@@ -15,7 +15,7 @@ packages=(
     containerd runc docker-registry skopeo fuse3 libfuse3-dev pkg-config
     golang-go golang-github-containerd-containerd-dev busybox-static nginx-light
     curl ca-certificates openssl gcc python3 python3-dev python3-venv
-    debootstrap pigz chromium
+    debootstrap pigz chromium erofs-utils
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -46,7 +46,7 @@ from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
 from tests.support.memory import MiB, peak_rss_under_readers, rss_bound
-from tests.support.trees import Meta, disk_tree, extract_with_tar
+from tests.support.trees import Meta, apply_layers, as_whiteouts, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
 from tests.support.mounts import force_unmount, mount_entry
 
@@ -161,43 +161,6 @@ def mount_overlay(node: Node, lowers: list[str], target: Path) -> None:
         ["mount", "-t", "overlay", "overlay", "-o", "lowerdir=" + ":".join(lowers), str(target)],
         check=True, capture_output=True, timeout=30,
     )  # fmt: skip
-
-
-# -- comparing trees (tests.support.trees: {path: Meta}, hard links as groups of paths) -------------
-
-
-def is_whiteout(meta: Meta) -> bool:
-    return meta.type == "char" and meta.rdev == (0, 0)
-
-
-def as_whiteouts(tree: dict[str, Meta]) -> dict[str, Meta]:
-    """Whiteouts compared by what overlayfs looks at: a character device 0/0."""
-    return {path: Meta("char", 0, 0, 0, 0, 0) if is_whiteout(meta) else meta for path, meta in tree.items()}
-
-
-def apply_layers(layers: list[dict[str, Meta]]) -> dict[str, Meta]:
-    """The merged view of layers in lower-dir form (bottom first), as overlayfs shows it."""
-    merged: dict[str, Meta] = {}
-
-    def remove(path: str, *, keep_self: bool) -> None:
-        for rel in [r for r in merged if r.startswith(path + "/") or (r == path and not keep_self)]:
-            del merged[rel]
-
-    for layer in layers:
-        for path, meta in sorted(layer.items()):
-            if is_whiteout(meta):
-                remove(path, keep_self=False)
-                continue
-            if meta.type == "dir" and (OPAQUE, b"y") in meta.xattrs:
-                remove(path, keep_self=True)
-            elif meta.type != "dir":
-                remove(path, keep_self=False)
-            merged[path] = dataclasses.replace(meta, xattrs=tuple(x for x in meta.xattrs if x[0] != OPAQUE))
-    # Hard-link groups as the merged view has them: only the names still there.
-    return {
-        path: dataclasses.replace(meta, links=tuple(p for p in meta.links if p in merged)) if meta.links else meta
-        for path, meta in merged.items()
-    }
 
 
 # -- the FUSE view against tar -x ------------------------------------------------------------------

@@ -7,6 +7,8 @@
   file contents from the packs of a store directory with :func:`read_file` (a FUSE-free
   consumer: blocks verified against their digests, symlinks never resolved).
 * :func:`extract_with_tar` -- GNU tar as root with xattrs, the reference extraction.
+* :func:`apply_layers` -- what overlayfs shows of lower-dir trees stacked (bottom first);
+  :func:`as_whiteouts` compares whiteouts by what overlayfs looks at.
 
 Each tree is ``{path: Meta}``; hard links are compared as groups of paths sharing an inode.
 """
@@ -109,6 +111,22 @@ def _replace(meta: Meta, **changes: object) -> Meta:
     return dataclasses.replace(meta, **changes)  # type: ignore[arg-type]
 
 
+def read_block(store: Path, index: LayerIndex, number: int) -> bytes:
+    """The raw bytes of block ``number`` of ``index``, from the packs of store directory ``store``.
+
+    Decompressed and checked against its SHA-256 (AssertionError if it does not match).
+    """
+    block = index.blocks[number]
+    if block.is_zero:
+        data = bytes(block.rlen)
+    else:
+        with open(store / pack_object(index.packs[block.pack]), "rb") as pack:
+            pack.seek(block.offset)
+            data = zstandard.ZstdDecompressor().decompress(pack.read(block.clen), max_output_size=block.rlen)
+    assert len(data) == block.rlen and hashlib.sha256(data).hexdigest() == block.digest, f"block {block.digest} is corrupt"
+    return data
+
+
 def read_file(store: Path, index: LayerIndex, entry_number: int) -> bytes:
     """The contents of FILE entry ``entry_number``, from the packs of store directory ``store``.
 
@@ -116,18 +134,11 @@ def read_file(store: Path, index: LayerIndex, entry_number: int) -> bytes:
     """
     entry = index.entries[entry_number]
     assert entry.type is EntryType.FILE, entry
-    out = bytearray()
-    for block in index.file_blocks(entry):
-        if block.is_zero:
-            data = bytes(block.rlen)
-        else:
-            with open(store / pack_object(index.packs[block.pack]), "rb") as pack:
-                pack.seek(block.offset)
-                data = zstandard.ZstdDecompressor().decompress(pack.read(block.clen), max_output_size=block.rlen)
-        assert len(data) == block.rlen and hashlib.sha256(data).hexdigest() == block.digest, f"block {block.digest} is corrupt"
-        out += data
+    if entry.link is not None:
+        entry = index.entries[entry.link]
+    out = b"".join(read_block(store, index, number) for number in entry.blocks)
     assert len(out) == entry.size
-    return bytes(out)
+    return out
 
 
 def index_tree(store: Path, index: LayerIndex) -> dict[str, Meta]:
@@ -161,6 +172,43 @@ def index_tree(store: Path, index: LayerIndex) -> dict[str, Meta]:
             for path in paths:
                 found[path] = _replace(found[path], links=group)
     return found
+
+
+OPAQUE_XATTR = "trusted.overlay.opaque"
+
+
+def is_whiteout(meta: Meta) -> bool:
+    return meta.type == "char" and meta.rdev == (0, 0)
+
+
+def as_whiteouts(tree: dict[str, Meta]) -> dict[str, Meta]:
+    """Whiteouts compared by what overlayfs looks at: a character device 0/0."""
+    return {path: Meta("char", 0, 0, 0, 0, 0) if is_whiteout(meta) else meta for path, meta in tree.items()}
+
+
+def apply_layers(layers: list[dict[str, Meta]]) -> dict[str, Meta]:
+    """The merged view of layers in lower-dir form (bottom first), as overlayfs shows it."""
+    merged: dict[str, Meta] = {}
+
+    def remove(path: str, *, keep_self: bool) -> None:
+        for rel in [r for r in merged if r.startswith(path + "/") or (r == path and not keep_self)]:
+            del merged[rel]
+
+    for layer in layers:
+        for path, meta in sorted(layer.items()):
+            if is_whiteout(meta):
+                remove(path, keep_self=False)
+                continue
+            if meta.type == "dir" and (OPAQUE_XATTR, b"y") in meta.xattrs:
+                remove(path, keep_self=True)
+            elif meta.type != "dir":
+                remove(path, keep_self=False)
+            merged[path] = _replace(meta, xattrs=tuple(x for x in meta.xattrs if x[0] != OPAQUE_XATTR))
+    # Hard-link groups as the merged view has them: only the names still there.
+    return {
+        path: _replace(meta, links=tuple(p for p in meta.links if p in merged)) if meta.links else meta
+        for path, meta in merged.items()
+    }
 
 
 def extract_with_tar(blob: Path, dest: Path) -> None:

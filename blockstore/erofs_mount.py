@@ -1,0 +1,133 @@
+"""Mount an EROFS image with its blob: file-backed by mount(2), or over loop devices where the kernel refuses that.
+
+A file-backed EROFS mount (Linux 6.12+, ``CONFIG_EROFS_FS_BACKED_BY_FILE``) takes the
+image file itself as the source and the blob file as ``-o device=``; mount(8) would set
+up a loop device behind our back, so :func:`mount_erofs` calls mount(2) itself.  When
+the backing filesystem cannot serve it (tmpfs, overlayfs: no ``read_folio``) or the
+kernel predates file-backed mounts, the kernel answers ENOTBLK; then the image and the
+blob each get a read-only loop device (``LOOP_CTL_GET_FREE`` + ``LOOP_CONFIGURE``, with
+autoclear, so unmounting frees them) and the mount is made from those.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+#: What a layer's lower directory is mounted with (as the FUSE layer mount is).
+DEFAULT_FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV
+
+LOOP_CONTROL = "/dev/loop-control"
+LOOP_CTL_GET_FREE = 0x4C82
+LOOP_CONFIGURE = 0x4C0A
+LO_FLAGS_READ_ONLY = 1
+LO_FLAGS_AUTOCLEAR = 4
+#: struct loop_config: fd, block_size, struct loop_info64 (232 bytes), 8 reserved u64s.
+_LOOP_INFO64 = struct.Struct("<QQQQQIIII64s64s32sQQ")
+_LOOP_CONFIG = struct.Struct(f"<II{_LOOP_INFO64.size}s64x")
+_LOOP_ATTEMPTS = 8  #: a free device another process takes first (EBUSY) is retried this often
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+
+
+class ErofsMountError(OSError):
+    """The image could not be mounted (the message names the image and the kernel's reason)."""
+
+
+@dataclass(frozen=True)
+class ErofsMount:
+    mountpoint: Path
+    mode: str  #: ``file`` (file-backed) or ``loop``
+    loop_devices: tuple[str, ...] = ()  #: image's, then blob's (``loop`` mode); freed on unmount
+
+
+def _mount(source: str, target: str, data: str, flags: int) -> None:
+    if _libc.mount(os.fsencode(source), os.fsencode(target), b"erofs", flags, os.fsencode(data) if data else None) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), source)
+
+
+def mount_erofs(image: str | os.PathLike[str], mountpoint: str | os.PathLike[str], *, device: str | os.PathLike[str] | None = None,
+                flags: int = DEFAULT_FLAGS) -> ErofsMount:  # fmt: skip
+    """Mount ``image`` (with blob ``device``, if the image has one) read-only on ``mountpoint``.
+
+    File-backed first; on ENOTBLK, over loop devices.  ErofsMountError otherwise, or
+    when the loop fallback fails too (nothing is left mounted or attached then).
+    """
+    image, target = os.fspath(image), os.fspath(mountpoint)
+    blob = os.fspath(device) if device is not None else None
+    if "," in (blob or "") or "\0" in (blob or ""):
+        raise ErofsMountError(errno.EINVAL, f"blob path {blob!r} cannot be passed as a mount option")
+    try:
+        _mount(image, target, f"device={blob}" if blob else "", flags)
+        return ErofsMount(Path(target), "file")
+    except OSError as exc:
+        if exc.errno != errno.ENOTBLK:
+            raise ErofsMountError(exc.errno, f"cannot mount EROFS image {image} on {target}: {exc.strerror}") from None
+    held: list[int] = []  # the loop devices' descriptors: their last close detaches them (autoclear)
+    try:
+        image_loop = _attach_loop(image, held)
+        blob_loop = _attach_loop(blob, held) if blob else None
+        try:
+            _mount(image_loop, target, f"device={blob_loop}" if blob_loop else "", flags)
+        except OSError as exc:
+            raise ErofsMountError(exc.errno, f"cannot mount EROFS image {image} over {image_loop} on {target}: {exc.strerror}") from None
+        return ErofsMount(Path(target), "loop", (image_loop,) + ((blob_loop,) if blob_loop else ()))
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def _attach_loop(path: str, held: list[int]) -> str:
+    """A read-only, autoclear loop device over ``path``; its open descriptor is appended to ``held``."""
+    try:
+        backing = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ErofsMountError(exc.errno, f"cannot open {path} for a loop device: {exc.strerror}") from None
+    try:
+        # (The name is what losetup -l shows; LOOP_CONFIGURE exists since 5.8, before every EROFS with chunks.)
+        name_field = os.fsencode(path)[-63:]
+        info = _LOOP_INFO64.pack(0, 0, 0, 0, 0, 0, 0, 0, LO_FLAGS_READ_ONLY | LO_FLAGS_AUTOCLEAR, name_field, b"", b"", 0, 0)
+        config = _LOOP_CONFIG.pack(backing, 0, info)
+        for _ in range(_LOOP_ATTEMPTS):
+            try:
+                control = os.open(LOOP_CONTROL, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                raise ErofsMountError(exc.errno, f"no loop devices for EROFS image {path}: {LOOP_CONTROL}: {exc.strerror}") from None
+            try:
+                number = fcntl.ioctl(control, LOOP_CTL_GET_FREE)
+            except OSError as exc:
+                raise ErofsMountError(exc.errno, f"no free loop device for {path}: {exc.strerror}") from None
+            finally:
+                os.close(control)
+            name = f"/dev/loop{number}"
+            loop = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fcntl.ioctl(loop, LOOP_CONFIGURE, config)
+            except OSError as exc:
+                os.close(loop)
+                if exc.errno == errno.EBUSY:  # taken between GET_FREE and CONFIGURE: ask again
+                    continue
+                raise ErofsMountError(exc.errno, f"cannot attach {path} to {name}: {exc.strerror}") from None
+            held.append(loop)
+            return name
+        raise ErofsMountError(errno.EBUSY, f"no loop device stayed free for {path} in {_LOOP_ATTEMPTS} attempts")
+    finally:
+        os.close(backing)
+
+
+def unmount_erofs(mountpoint: str | os.PathLike[str], *, lazy: bool = False) -> None:
+    """Unmount an EROFS mount (its loop devices, if any, detach themselves)."""
+    if _libc.umount2(os.fsencode(os.fspath(mountpoint)), 2 if lazy else 0) != 0:  # MNT_DETACH
+        code = ctypes.get_errno()
+        raise OSError(code, f"cannot unmount {os.fspath(mountpoint)}: {os.strerror(code)}")

@@ -17,9 +17,11 @@ import hashlib
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -81,23 +83,50 @@ def blobs(built: tuple[Path, list[BuiltLayer]]) -> list[bytes]:
     return [expected_blob(layer.blob, BLOCK_SIZE) for layer in built[1]]
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[Any]:
-    """Start a real layer server on a fresh node root for a store URL; stopped (and its mount gone) after."""
-    roots: list[Path] = []
+class _Servers:
+    """Real layer servers, each on a fresh node root, for a store URL; stopped (and their mounts gone) after."""
 
-    def start(store_url: str, **settings: Any) -> LayerServerClient:
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.started: list[tuple[Path, ServerSettings]] = []
+
+    def __call__(self, store_url: str, **settings: Any) -> LayerServerClient:
         settings.setdefault("retry_timeout", 5)
         settings.setdefault("log_level", "debug")
-        root = tmp_path / f"root{len(roots)}"
-        roots.append(root)
-        return ensure_server(root, ServerSettings(store=store_url, **settings))
+        root = self.base / f"root{len(self.started)}"
+        self.started.append((root, ServerSettings(store=store_url, **settings)))
+        return ensure_server(*self.started[-1])
 
-    try:
-        yield start
-    finally:
-        for root in roots:
+    def restart(self) -> LayerServerClient:
+        """Start the last server's root again, as the snapshotter does after a crash (the table restores the slots)."""
+        return ensure_server(*self.started[-1])
+
+    def stop_all(self) -> None:
+        for root, _settings in self.started:
             stop_layer_servers(root)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[_Servers]:
+    servers = _Servers(tmp_path)
+    try:
+        yield servers
+    finally:
+        servers.stop_all()
+
+
+def _wait_gone(pid: int, timeout: float = 30.0) -> None:
+    """Until process ``pid`` has exited (a zombie counts: PID 1 reaps it late)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state == "Z":
+            return
+        assert time.monotonic() < deadline, f"process {pid} still running after {timeout}s"
+        time.sleep(0.05)
 
 
 def blob_path(client: LayerServerClient, chain_id: str) -> Path:
@@ -139,6 +168,25 @@ def test_the_blob_file_is_the_layers_blocks_end_to_end_padded(built: Any, blobs:
         os.open(paths[0], os.O_RDWR)
     assert excinfo.value.errno in (errno.EROFS, errno.EACCES)
     assert not os.path.exists(mountpoint / BLOBS / "99")
+
+
+@needs_fuse
+def test_a_blob_keeps_its_inode_number_and_bytes_across_a_server_restart(built: Any, blobs: list[bytes], server: Any) -> None:
+    store, layers = built
+    client = server(f"file://{store}")
+    path = blob_path(client, layers[1].chain_id)
+    before = os.stat(path)
+    assert path.read_bytes() == blobs[1]
+    pid = int(client.status()["pid"])
+    os.kill(pid, signal.SIGKILL)
+    _wait_gone(pid)
+    with pytest.raises(OSError):  # the dead mount answers nothing until a server takes it over
+        path.read_bytes()
+    client = server.restart()
+    assert blob_path(client, layers[1].chain_id) == path  # the restored table keeps the slot
+    after = os.stat(path)
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    assert path.read_bytes() == blobs[1]
 
 
 @needs_fuse

@@ -216,6 +216,30 @@ def test_a_tampered_pack_block_is_eio_from_the_blob_never_wrong_bytes(
     assert client.status()["health"]["fuse"] == "serving"
 
 
+@needs_fuse
+def test_an_erofs_image_with_the_blob_file_as_its_device_serves_the_layer(built: Any, server: Any, tmp_path: Path) -> None:
+    """The kernel reads files' chunks from ``blobs/<slot>``: the EROFS view equals the per-file FUSE view."""
+    erofs = pytest.importorskip("bootseer.blockstore.erofs", reason="the EROFS writer (branch h/erofs) is not merged here")
+    erofs_mount = pytest.importorskip("bootseer.blockstore.erofs_mount", reason="EROFS mounting (branch h/erofs) is not merged here")
+    from tests.support.trees import disk_tree
+
+    store, layers = built
+    client = server(f"file://{store}")
+    for layer in layers:
+        path = blob_path(client, layer.chain_id)
+        image = tmp_path / f"{path.name}.erofs"
+        image.write_bytes(erofs.build_image(layer.index))
+        target = tmp_path / f"erofs-{path.name}"
+        target.mkdir()
+        erofs_mount.mount_erofs(image, target, device=path)
+        try:
+            served = disk_tree(target, overlay=False)
+            assert served == disk_tree(Path(client.check(layer.chain_id).lower_dir), overlay=False), layer.chain_id
+            assert any(meta.type == "file" and meta.size for meta in served.values())
+        finally:
+            erofs_mount.unmount_erofs(target)
+
+
 # -- attribution at read time -----------------------------------------------------------------
 
 _READER = """

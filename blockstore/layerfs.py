@@ -137,8 +137,6 @@ class LayerTree:
         self.name = name or str(slot)  #: what logs call the layer (its ChainID)
         #: sees every open and read (hot lists: bootseer.hotlist.service); the tag type is the observer's own
         self.observer: ReadObserver[Any] | None = None
-        #: the size of the layer's blob file (:class:`LayerBlobFile`)
-        self.blob_size = len(index.blocks) * index.block_size
         #: raw bytes of the layer's regular files (each inode once), for statfs
         self.index_bytes = sum(e.size for e in index.entries if e.type is EntryType.FILE and e.link is None)
         number_of_path: dict[str, int] = {}
@@ -273,7 +271,7 @@ class LayerBlobOpenFile(OpenFile):
 
     async def read(self, offset: int, size: int) -> bytes:
         tree = self.tree
-        size = max(0, min(size, tree.blob_size - offset))
+        size = max(0, min(size, tree.index.blob_size - offset))
         if size == 0:
             return b""
         if tree.observer is not None:
@@ -296,7 +294,7 @@ class LayerBlobFile(File):
         self.inode = blob_inode_number(tree.slot)
 
     def attributes(self) -> Attributes:
-        return Attributes(_BLOB_MODE, size=self.tree.blob_size, uid=0, gid=0)
+        return Attributes(_BLOB_MODE, size=self.tree.index.blob_size, uid=0, gid=0)
 
     async def open(self) -> OpenFile:
         return LayerBlobOpenFile(self.tree)

@@ -637,11 +637,6 @@ class LayerReader:
     def __repr__(self) -> str:
         return f"<LayerReader {self.layer_id} via {self.fetcher!r}>"
 
-    @property
-    def blob_size(self) -> int:
-        """The size of the layer's blob: every block of the index at ``number * block_size``, padded."""
-        return len(self.index.blocks) * self.index.block_size
-
     async def read(self, entry: Entry, offset: int, size: int) -> bytes:
         """Exactly ``size`` bytes of regular file ``entry`` from ``offset``; fewer only at its end, ``b""`` past it.
 
@@ -667,14 +662,14 @@ class LayerReader:
 
         The blob is the layer's blocks laid end to end in index order, block
         ``number`` at ``number * block_size`` and padded with zeros to ``block_size``
-        (see :attr:`blob_size`): the extra device an EROFS image of the layer names
+        (:attr:`LayerIndex.blob_size` in all): the extra device an EROFS image of the layer names
         its files' chunks in.  Blocks come through :meth:`BlockFetcher.blocks` and
         are read ahead as :meth:`read`'s are, the blob being the "file".  Raises
         FetchError (EIO) as :meth:`BlockFetcher.blocks` does, ValueError for a bad range.
         """
         if offset < 0 or size < 0:
             raise ValueError(f"invalid read of layer {self.layer_id}'s blob: offset={offset} size={size}")
-        end = min(offset + size, self.blob_size)
+        end = min(offset + size, self.index.blob_size)
         if end <= offset:
             return b""
         block_size = self.index.block_size

@@ -412,8 +412,8 @@ def test_the_observer_gets_the_blocks_a_blob_read_covers_and_the_reader(built: A
             OPENER_PID.set(opener)  # as the FUSE open handler sets it
             opened = LayerBlobOpenFile(tree)
             assert await opened.read(BLOCK_SIZE - 1, 2) == b"\0\0"  # straddles blocks 0 and 1
-            assert await opened.read(tree.blob_size - 5, 100) == bytes(5)  # clipped at the end
-            assert await opened.read(tree.blob_size, 100) == b""  # past it: nothing read, nothing shown
+            assert await opened.read(tree.index.blob_size - 5, 100) == bytes(5)  # clipped at the end
+            assert await opened.read(tree.index.blob_size, 100) == b""  # past it: nothing read, nothing shown
             last = len(index.blocks) - 1
             assert observer.blob_reads == [("sha256:layer", [0, 1], expected), ("sha256:layer", [last], expected)]
             observer.blob_reads.clear()
@@ -443,7 +443,7 @@ def test_random_blob_ranges_across_block_boundaries_are_byte_exact(built: Any, b
                 fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / f"cache{readahead_max}"), 64 << 20))
                 for layer, expected in zip(layers, blobs):
                     reader = LayerReader(layer.index, fetcher, layer.chain_id, readahead_max=readahead_max)
-                    assert reader.blob_size == len(expected)
+                    assert layer.index.blob_size == len(expected)
                     for _ in range(80):
                         offset = rng.choice([0, rng.randrange(len(expected) + BLOCK_SIZE),
                                              rng.randrange(1, len(expected) // BLOCK_SIZE + 1) * BLOCK_SIZE - 1])  # fmt: skip

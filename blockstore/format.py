@@ -243,6 +243,11 @@ class LayerIndex:
     blocks: list[Block]
     packs: list[str]  #: pack object SHA-256s (see :func:`pack_object`)
 
+    @property
+    def blob_size(self) -> int:
+        """The size of the layer's blob: block ``n`` of :attr:`blocks` at ``n * block_size``, each padded to it."""
+        return len(self.blocks) * self.block_size
+
     def encode(self) -> bytes:
         """The index as a store object: header + zstd-compressed JSON."""
         document = {

@@ -1,10 +1,24 @@
-"""Converted layers as FUSE nodes: one directory per layer, over its :class:`LayerIndex`.
+"""Converted layers as FUSE nodes: one directory per layer over its :class:`LayerIndex`, and one blob file.
 
 The layer server (:mod:`blockstore.server`) mounts one FUSE filesystem whose root,
 :class:`LayersRoot`, lists one directory per mounted layer, named by its slot number;
 each of those is a :class:`LayerTree`'s root and is an overlayfs lower directory as
 it stands (whiteouts are character devices 0/0, opaque directories carry
 ``trusted.overlay.opaque``, exactly as the index records them).
+
+Beside them the root holds ``blobs/``, one file per mounted layer named by its slot
+(:class:`LayerBlobFile`): the layer's blob, every block of the index end to end,
+block ``i`` at offset ``i * block_size`` padded with zeros, zero blocks as holes
+(``blockstore.reader.LayerReader.read_blob``).  It is the extra device an EROFS
+image of the layer names its files' chunks in (``mount -t erofs -o device=...``), so
+the kernel answers the tree and this filesystem only block data.  Root-only
+(0400 in a 0500 directory), read-only, cached across opens; its inode number is
+:func:`blob_inode_number` of the slot, stable across restarts.
+
+Every read of either view is shown to the tree's :class:`ReadObserver` (the hot
+lists) before it is served: a file read with what its open was tagged with, a blob
+read with the reader's pid, looked up at read time (a blob is opened once, by
+whoever mounts EROFS on it, for every reader).
 
 Everything but file contents comes from the index, which is in memory: ``stat``,
 ``readdir``, ``readlink``, ``getxattr`` and ``listxattr`` never fetch a block.  A
@@ -27,10 +41,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence, TypeVar
 
 from bootseer.blockstore.format import Entry, EntryType, FormatError, LayerIndex
 from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, Special, Symlink
+from bootseer.fuse.inodes import ROOT_INODE
+from bootseer.fuse.operations import OPENER_PID
 
 #: Entries of one layer are numbered below this; a slot's inode numbers are
 #: ``slot << SLOT_SHIFT | (entry number + 1)``, so slot 1's root is ``2**32 + 1`` and
@@ -40,6 +56,14 @@ MAX_ENTRIES = (1 << SLOT_SHIFT) - 1
 MAX_SLOT = (1 << (63 - SLOT_SHIFT)) - 1
 
 _LAYERS_ROOT_MODE = stat.S_IFDIR | 0o555
+_BLOBS_MODE = stat.S_IFDIR | 0o500
+_BLOB_MODE = stat.S_IFREG | 0o400
+
+#: The name of the root's directory of blobs (never a slot's: those are digits).
+BLOBS = "blobs"
+#: The inode number of ``blobs/``: slot 0's last number, which no layer has (slots
+#: start at 1) and the key-numbered nodes counting up from the root's never reach.
+BLOBS_INODE = (1 << SLOT_SHIFT) - 1
 
 
 def inode_number(slot: int, entry_number: int) -> int:
@@ -51,12 +75,48 @@ def inode_number(slot: int, entry_number: int) -> int:
     return (slot << SLOT_SHIFT) | (entry_number + 1)
 
 
+def blob_inode_number(slot: int) -> int:
+    """The inode number of the blob of the layer in ``slot``: the slot's number no entry has (low bits 0)."""
+    inode_number(slot, 0)  # checks the slot
+    return slot << SLOT_SHIFT
+
+
 class BlockReader(Protocol):
-    """What reads a layer's file contents (``blockstore.reader.LayerReader``)."""
+    """What reads a layer's file contents and blob (``blockstore.reader.LayerReader``)."""
 
     async def read(self, entry: Entry, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of ``entry`` from ``offset``; fewer only at its end.
         Raises OSError (EIO) when the blocks cannot be fetched or fail verification."""
+        ...
+
+    async def read_blob(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of the layer's blob from ``offset``; fewer only at its end.
+        Raises OSError (EIO) as :meth:`read` does."""
+        ...
+
+
+Tag = TypeVar("Tag")
+
+
+class ReadObserver(Protocol[Tag]):
+    """What sees every read of a served layer before it is served (``bootseer.hotlist.service.HotListService``).
+
+    ``Tag`` is whatever :meth:`opened` says about a file's opener, handed back with
+    each read through that open.  No method may raise or wait: a read is answered
+    right after.
+    """
+
+    def opened(self, tree: LayerTree) -> Tag:
+        """A file of ``tree`` is being opened (the opener's pid is ``OPENER_PID``)."""
+        ...
+
+    def read(self, tree: LayerTree, entry: Entry, offset: int, size: int, tag: Tag) -> None:
+        """``size`` bytes at ``offset`` of regular file ``entry`` (within its size) are being read."""
+        ...
+
+    def blob_read(self, layer: str, index: LayerIndex, refs: Sequence[int], pid: int) -> None:
+        """Blocks ``refs`` (numbers in ``index.blocks``, ascending) of ``layer``'s blob are being read
+        by process ``pid`` (0: unknown)."""
         ...
 
 
@@ -75,7 +135,8 @@ class LayerTree:
         self.index = index
         self.reader = reader
         self.name = name or str(slot)  #: what logs call the layer (its ChainID)
-        self.observer: Any = None  #: sees every open and read (hot lists: bootseer.hotlist.service)
+        #: sees every open and read (hot lists: bootseer.hotlist.service); the tag type is the observer's own
+        self.observer: ReadObserver[Any] | None = None
         #: raw bytes of the layer's regular files (each inode once), for statfs
         self.index_bytes = sum(e.size for e in index.entries if e.type is EntryType.FILE and e.link is None)
         number_of_path: dict[str, int] = {}
@@ -192,8 +253,83 @@ class LayerSpecial(_LayerNode, Special):
     """A device node, FIFO or whiteout (a character device 0/0)."""
 
 
+class LayerBlobOpenFile(OpenFile):
+    """The layer's blob, open: reads map to block numbers, each shown to the observer, then read."""
+
+    # The layer is immutable and the inode number is the slot's blob's: cached pages stay right.
+    keep_cache = True
+
+    def __init__(self, tree: LayerTree) -> None:
+        self.tree = tree
+        # pyfuse3 (3.5) gives a read no request context, so the pid of the process a
+        # read is for is not known here.  A process that opens the blob and reads it
+        # reads through its own open, so its pid stands for every read of it; the
+        # handle the layer server opens itself (mounting EROFS on the blob) serves
+        # every reader of the image: unknown (0).
+        opener = OPENER_PID.get()
+        self.reader_pid = opener if opener != os.getpid() else 0
+
+    async def read(self, offset: int, size: int) -> bytes:
+        tree = self.tree
+        size = max(0, min(size, tree.index.blob_size - offset))
+        if size == 0:
+            return b""
+        if tree.observer is not None:
+            block_size = tree.index.block_size
+            refs = range(offset // block_size, (offset + size - 1) // block_size + 1)
+            tree.observer.blob_read(tree.name, tree.index, refs, self.reader_pid)
+        data = await tree.reader.read_blob(offset, size)
+        if len(data) != size:
+            # The reader pads and verifies every block, so this is a bug, not bad data; refuse it.
+            raise OSError(errno.EIO, f"layer {tree.name}: short read of its blob: {len(data)} of {size} at {offset}")
+        return data
+
+
+class LayerBlobFile(File):
+    """``blobs/<slot>``: the blob of the layer in a slot, the extra device of its EROFS image."""
+
+    def __init__(self, tree: LayerTree) -> None:
+        self.tree = tree
+        self.key = ("layer-blob", tree.slot)
+        self.inode = blob_inode_number(tree.slot)
+
+    def attributes(self) -> Attributes:
+        return Attributes(_BLOB_MODE, size=self.tree.index.blob_size, uid=0, gid=0)
+
+    async def open(self) -> OpenFile:
+        return LayerBlobOpenFile(self.tree)
+
+
+class LayerBlobs(Directory):
+    """``blobs/``: a file per mounted layer, named by its slot, as the root lists the slots' directories."""
+
+    key = ("layer-blobs",)
+    inode = BLOBS_INODE
+
+    def __init__(self, root: LayersRoot) -> None:
+        self.root = root
+
+    def attributes(self) -> Attributes:
+        return Attributes(_BLOBS_MODE, nlink=2, uid=0, gid=0)
+
+    async def lookup(self, name: str) -> Node:
+        return LayerBlobFile(_layer_in(self.root.layers, name))
+
+    async def entries(self) -> Sequence[tuple[str, Node]]:
+        layers = self.root.layers
+        return [(str(slot), LayerBlobFile(layers[slot])) for slot in sorted(layers)]
+
+
+def _layer_in(layers: Mapping[int, LayerTree], name: str) -> LayerTree:
+    """The layer in the slot ``name`` names (decimal, no leading zero); FileNotFoundError if none."""
+    tree = layers.get(int(name)) if name.isdigit() and name == str(int(name)) else None
+    if tree is None:
+        raise FileNotFoundError(errno.ENOENT, "no layer in this slot", name)
+    return tree
+
+
 class LayersRoot(Directory):
-    """The mount's root: a directory per mounted layer, named by its slot.
+    """The mount's root: a directory per mounted layer, named by its slot, and ``blobs/``.
 
     Its listing changes as layers are mounted and unmounted; everything under a
     slot does not.  Only root may enter (0555 here, and ``ROOT/layers`` is 0700).
@@ -207,22 +343,38 @@ class LayersRoot(Directory):
 
     def __init__(self) -> None:
         self.layers: dict[int, LayerTree] = {}
+        self.blobs = LayerBlobs(self)
 
     def attributes(self) -> Attributes:
-        return Attributes(_LAYERS_ROOT_MODE, nlink=2 + len(self.layers))
+        return Attributes(_LAYERS_ROOT_MODE, nlink=3 + len(self.layers))
 
     async def lookup(self, name: str) -> Node:
-        tree = self.layers.get(int(name)) if name.isdigit() and name == str(int(name)) else None
-        if tree is None:
-            raise FileNotFoundError(errno.ENOENT, "no layer in this slot", name)
-        return tree.root()
+        if name == BLOBS:
+            return self.blobs
+        return _layer_in(self.layers, name).root()
 
     async def entries(self) -> Sequence[tuple[str, Node]]:
-        return [(str(slot), self.layers[slot].root()) for slot in sorted(self.layers)]
+        return [(BLOBS, self.blobs), *((str(slot), self.layers[slot].root()) for slot in sorted(self.layers))]
+
+    @staticmethod
+    def slot_inodes(slot: int) -> tuple[int, ...]:
+        """The inode numbers through which the kernel can hold on to a slot's layer: a slot whose
+        numbers are still referenced must not serve another layer (its cached pages would show)."""
+        return inode_number(slot, 0), blob_inode_number(slot)
+
+    @staticmethod
+    def slot_names(slot: int) -> tuple[tuple[int, bytes], ...]:
+        """(parent inode, name) of every directory entry that names a slot's layer, to invalidate."""
+        return (ROOT_INODE, str(slot).encode()), (BLOBS_INODE, str(slot).encode())
 
 
 __all__ = [
+    "BLOBS",
+    "BLOBS_INODE",
     "BlockReader",
+    "LayerBlobFile",
+    "LayerBlobOpenFile",
+    "LayerBlobs",
     "LayerDirectory",
     "LayerFile",
     "LayerSpecial",
@@ -230,6 +382,8 @@ __all__ = [
     "LayerTree",
     "LayersRoot",
     "MAX_SLOT",
+    "ReadObserver",
     "SLOT_SHIFT",
+    "blob_inode_number",
     "inode_number",
 ]

@@ -34,6 +34,12 @@ buffer, and the read that wants it takes it from there and verifies it like any
 fetched block (a tampered one is refetched, then EIO).  Blocks in memory, pending,
 in the node cache or known to the engine are never read ahead.
 
+:meth:`LayerReader.read_blob` reads the other view of a layer, its blob: every block
+of the index end to end, block ``i`` at offset ``i * block_size`` padded with zeros
+(the extra device an EROFS image of the layer names its chunks in).  A range maps to
+block numbers by one division; the blocks, the read-ahead (the blob being the
+"file": its next block is usually its pack's next) and the window are :meth:`read`'s.
+
 Metrics (beside the engine's ``bootseer_fetch_*``): ``bootseer_blocks_total`` (blocks
 served, by layer, source and outcome: memory, cached, fetched, joined, zero),
 ``bootseer_block_fetched_bytes_total`` (compressed bytes fetched, by layer and
@@ -624,14 +630,43 @@ class LayerReader:
             return b""
         block_size = self.index.block_size
         first, last = offset // block_size, (end - 1) // block_size
-        refs = target.blocks[first : last + 1]
+        data = await self._read_blocks(target.blocks, first, last)
+        return _slice(data, offset - first * block_size, end - first * block_size, block_size)
+
+    async def read_blob(self, offset: int, size: int) -> bytes:
+        """Exactly ``size`` bytes of the layer's blob from ``offset``; fewer only at its end, ``b""`` past it.
+
+        The blob is the layer's blocks laid end to end in index order, block
+        ``number`` at ``number * block_size`` and padded with zeros to ``block_size``
+        (:attr:`LayerIndex.blob_size` in all): the extra device an EROFS image of the layer names
+        its files' chunks in.  Blocks come through :meth:`BlockFetcher.blocks` and
+        are read ahead as :meth:`read`'s are, the blob being the "file".  Raises
+        FetchError (EIO) as :meth:`BlockFetcher.blocks` does, ValueError for a bad range.
+        """
+        if offset < 0 or size < 0:
+            raise ValueError(f"invalid read of layer {self.layer_id}'s blob: offset={offset} size={size}")
+        end = min(offset + size, self.index.blob_size)
+        if end <= offset:
+            return b""
+        block_size = self.index.block_size
+        first, last = offset // block_size, (end - 1) // block_size
+        data = await self._read_blocks(range(len(self.index.blocks)), first, last)
+        return _padded_slice(data, offset - first * block_size, end - first * block_size, block_size)
+
+    async def _read_blocks(self, sequence: Sequence[int], first: int, last: int) -> list[bytes]:
+        """Blocks ``sequence[first : last + 1]`` at DEMAND, reading ahead of ``sequence[last]`` on a miss.
+
+        ``sequence`` is what is being read, a file's blocks or the whole blob's, so
+        that read-ahead follows it (:meth:`_ahead_of`) and the window adapts to
+        whether the last guess landed; this is the one place both views read by.
+        """
+        refs = sequence[first : last + 1]
         if not self.readahead_max:
             started = time.perf_counter()
             try:
-                data = await self.fetcher.blocks(self.index, refs, Priority.DEMAND)
+                return await self.fetcher.blocks(self.index, refs, Priority.DEMAND)
             finally:
                 self._read_seconds.observe(time.perf_counter() - started)
-            return _slice(data, offset - first * block_size, end - first * block_size, block_size)
         if self._next is None:
             await self._order_blocks()
         stats = self.fetcher.stats
@@ -639,7 +674,7 @@ class LayerReader:
         started = time.perf_counter()
         try:
             data = await self.fetcher.blocks(
-                self.index, refs, Priority.DEMAND, ahead=lambda: self._ahead_of(target.blocks, last)
+                self.index, refs, Priority.DEMAND, ahead=lambda: self._ahead_of(sequence, last)
             )
         finally:
             self._read_seconds.observe(time.perf_counter() - started)
@@ -648,7 +683,7 @@ class LayerReader:
             self.readahead_window = min(self.readahead_max, self.readahead_window * 2)
         elif fetched:  # a read the last guess missed
             self.readahead_window = max(self._readahead_min, self.readahead_window // 2)
-        return _slice(data, offset - first * block_size, end - first * block_size, block_size)
+        return data
 
     def _ahead_of(self, file_blocks: Sequence[int], last: int) -> list[int]:
         """The blocks to read ahead of a read whose last block is ``file_blocks[last]``.
@@ -656,7 +691,8 @@ class LayerReader:
         The stored blocks that follow it in its pack (the rest of the file, then the
         next files of the tar), up to :attr:`readahead_window` compressed bytes;
         where a file's next block lies elsewhere (stored earlier by another file or
-        layer), the rest of the file first.
+        layer), the rest of the file first.  ``file_blocks`` is a file's blocks or,
+        for the blob, ``range(len(index.blocks))`` (sliced without a copy).
         """
         assert self._next is not None
         blocks, following = self.index.blocks, self._next
@@ -691,6 +727,20 @@ def _slice(data: list[bytes], lo: int, hi: int, block_size: int) -> bytes:
     # One copy: the first and last blocks through views, the middle ones whole.
     tail = hi - (len(data) - 1) * block_size
     return b"".join([memoryview(data[0])[lo:], *data[1:-1], memoryview(data[-1])[:tail]])
+
+
+def _padded_slice(data: list[bytes], lo: int, hi: int, block_size: int) -> bytes:
+    """Bytes ``lo`` to ``hi`` of consecutive blocks ``data``, each padded with zeros to ``block_size``."""
+    pieces: list[bytes | memoryview] = []
+    zeros = memoryview(_zeros(block_size))
+    for number, raw in enumerate(data):
+        start = lo if number == 0 else 0
+        stop = hi - number * block_size if number == len(data) - 1 else block_size
+        piece = memoryview(raw)[start:stop]
+        pieces.append(piece)
+        if len(piece) < stop - start:  # past the block's raw bytes (a file's short last block)
+            pieces.append(zeros[: stop - start - len(piece)])
+    return b"".join(pieces)
 
 
 def _pack_successors(index: LayerIndex) -> list[int]:

@@ -57,8 +57,8 @@ from bootseer.blockstore.control import (
     StoreUnavailable,
 )
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
+from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree
 from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
-from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree, inode_number
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, redact_url
@@ -380,7 +380,7 @@ class LayerServer:
         """The lowest slot no layer holds and the kernel no longer references."""
         taken = {layer.slot for layer in self.layers.values()}
         slot = 1
-        while slot in taken or self.ops.inodes.referenced(inode_number(slot, 0)):
+        while slot in taken or any(self.ops.inodes.referenced(number) for number in LayersRoot.slot_inodes(slot)):
             slot += 1
         if slot > MAX_SLOT:
             raise LayerServerError("no free slot")
@@ -499,9 +499,10 @@ class LayerServer:
             if not any(other.record.index == layer.record.index for other in self.layers.values()):
                 self._index_path(layer.record).unlink(missing_ok=True)
         LAYERS.set(len(self.root.layers))
-        # The slot's name must go from the kernel's dentry cache now (entries are
-        # trusted for CACHE_TIMEOUT); asynchronous, as a handler may hold the root.
-        pyfuse3.invalidate_entry_async(pyfuse3.ROOT_INODE, str(layer.slot).encode())
+        # The slot's names (its directory, its blob) must go from the kernel's dentry cache
+        # now (entries are trusted for CACHE_TIMEOUT); asynchronous, as a handler may hold the root.
+        for parent, name in LayersRoot.slot_names(layer.slot):
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
         log.info("unmounted layer", chain_id=chain_id, slot=layer.slot)
         return {"chain_id": chain_id, "slot": layer.slot}
 

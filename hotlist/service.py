@@ -22,9 +22,14 @@ and is that server's only hot-list code.  It is told three things:
   its recording seals; a prefetch whose containers are all gone stops, with a
   summary line.
 
-And, as the layer tree's read observer, every FUSE open and read of a served layer
-(:meth:`opened`, :meth:`read`).  Attribution is at open, through the opener's pid
-and cgroup (:mod:`bootseer.hotlist.attribution`).  A read of a recording image's
+And, as the layers' read observer (:class:`~bootseer.blockstore.layerfs.ReadObserver`),
+every FUSE open and read of a served layer's files (:meth:`opened`, :meth:`read`)
+and every read of its blob (:meth:`blob_read`).  A file read is attributed at its
+open, through the opener's pid and cgroup (:mod:`bootseer.hotlist.attribution`); a
+blob read, which has no open of its own, at the read, through the reader's pid and
+cgroup (0 when unknown: see :class:`~bootseer.blockstore.layerfs.LayerBlobOpenFile`).
+Both record first touches in the order reads arrive and classify them for prefetches
+alike.  A read of a recording image's
 layer whose opener is not any recording container (another container sharing the
 layer, a host process) is left out of the trace.  One whose opener cannot be
 identified (pid 0, process gone: rare, as the opener is blocked in ``open`` while
@@ -37,15 +42,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import prometheus_client
 import trio
 
-from bootseer.blockstore.format import Entry, FormatError
+from bootseer.blockstore.format import Entry, FormatError, LayerIndex
+from bootseer.blockstore.layerfs import LayerTree
 from bootseer.blockstore.signing import Untrusted
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
+from bootseer.fuse.operations import OPENER_PID
 from bootseer.hotlist.attribution import cgroup_paths, container_id, container_of
 from bootseer.hotlist.format import (
     HotList,
@@ -458,26 +465,53 @@ class HotListService:
             raise InvalidRequest(str(exc)) from None
         raise InvalidRequest(f"unknown operation {op!r} (hotlist.prepared, hotlist.removed, hotlist.seal, hotlist.status)")
 
-    # -- the read observer (called by blockstore.layerfs for every open and read) -------------
+    # -- the read observer (blockstore.layerfs.ReadObserver: every open and read of a served layer) --
 
-    def opened(self, tree: Any) -> OpenTag | None:
+    def opened(self, tree: LayerTree) -> OpenTag | None:
         """Who opened a file of ``tree``'s layer; None when nothing records or prefetches that layer."""
         try:
-            return self._opened(tree)
+            return self._reader(tree.name, OPENER_PID.get())
         except Exception:  # accounting must never fail an open
             log.error("hot-list open hook failed", layer=tree.name, exc_info=True)
             return None
 
-    def _opened(self, tree: Any) -> OpenTag | None:
-        layer = tree.name
+    def read(self, tree: LayerTree, entry: Entry, offset: int, size: int, tag: OpenTag | None) -> None:
+        """Account for a read of ``size`` bytes at ``offset`` of ``entry`` in ``tree``'s layer."""
+        profile_hooks.layer_read(tag.container if tag is not None else None, tree.name)  # profiler: first read
+        if tag is None:
+            return
+        try:
+            index = tree.index
+            target = index.entries[entry.link] if entry.link is not None else entry
+            end = min(offset + size, target.size)
+            if end <= offset:
+                return
+            first, last = offset // index.block_size, (end - 1) // index.block_size
+            self._account(tree.name, index, target.blocks[first : last + 1], tag)
+        except Exception:  # accounting must never fail a read
+            log.error("hot-list read hook failed", layer=tree.name, exc_info=True)
+
+    def blob_read(self, layer: str, index: LayerIndex, refs: Sequence[int], pid: int) -> None:
+        """Account for a read of blocks ``refs`` of ``layer``'s blob by process ``pid`` (0: unknown).
+
+        A blob has no open per reader, so the reader is looked up now, as
+        :meth:`opened` does for a file: its cgroup names the recording it belongs to.
+        """
+        try:
+            tag = self._reader(layer, pid)
+            profile_hooks.layer_read(tag.container if tag is not None else None, layer)  # profiler: first read
+            if tag is not None:
+                self._account(layer, index, refs, tag)
+        except Exception:  # accounting must never fail a read
+            log.error("hot-list blob read hook failed", layer=layer, exc_info=True)
+
+    def _reader(self, layer: str, pid: int) -> OpenTag | None:
+        """Who process ``pid`` reads ``layer`` for; None when nothing records or prefetches that layer."""
         recording = [r for r in self.recordings.values() if r.covers(layer) and not r.sealed.is_set()]
         if not recording and not any(layer in p.layers for p in self.prefetches.values()):
             return None
-        from bootseer.fuse.operations import OPENER_PID
-
-        pid = OPENER_PID.get()
         if not recording:
-            return OpenTag(pid, None, True)  # prefetch accounting only: who opened does not matter
+            return OpenTag(pid, None, True)  # prefetch accounting only: who reads does not matter
         # A bare-metal prefix's recording takes what no container's recording claims.
         any_reader = next((r.container for r in recording if r.any_reader), None)
         paths = cgroup_paths(pid, self.proc)
@@ -486,25 +520,9 @@ class HotListService:
         claimed = container_of(paths, [r.container for r in recording if not r.any_reader])
         return OpenTag(pid, claimed or any_reader, True)
 
-    def read(self, tree: Any, entry: Entry, offset: int, size: int, tag: OpenTag | None) -> None:
-        """Account for a read of ``size`` bytes at ``offset`` of ``entry`` in ``tree``'s layer."""
-        profile_hooks.layer_read(tag.container if tag is not None else None, tree.name)  # profiler: first read
-        if tag is None:
-            return
-        try:
-            self._read(tree, entry, offset, size, tag)
-        except Exception:  # accounting must never fail a read
-            log.error("hot-list read hook failed", layer=tree.name, exc_info=True)
-
-    def _read(self, tree: Any, entry: Entry, offset: int, size: int, tag: OpenTag) -> None:
-        index = tree.index
-        target = index.entries[entry.link] if entry.link is not None else entry
-        end = min(offset + size, target.size)
-        if end <= offset:
-            return
-        first, last = offset // index.block_size, (end - 1) // index.block_size
-        refs = target.blocks[first : last + 1]
-        layer = tree.name
+    def _account(self, layer: str, index: LayerIndex, refs: Sequence[int], tag: OpenTag) -> None:
+        """Record blocks ``refs`` of ``layer`` to the reader's recording (first touches, in order), classify them
+        for the prefetches of the layer."""
         now = trio.current_time()
         if self.recordings:
             recording = self.recordings.get(tag.container) if tag.container else None

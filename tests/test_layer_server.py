@@ -46,7 +46,7 @@ from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
 from tests.support.memory import MiB, peak_rss_under_readers, rss_bound
-from tests.support.trees import Meta, apply_layers, as_whiteouts, disk_tree, extract_with_tar
+from tests.support.trees import apply_layers, as_whiteouts, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
 from tests.support.mounts import force_unmount, mount_entry
 
@@ -334,7 +334,7 @@ def test_control_api(node: Node, built: Any) -> None:
     assert client.mount(layers[0].chain_id) == first == client.check(layers[0].chain_id)  # idempotent
     second = client.mount(layers[1].chain_id)
     assert second.slot == 2 and second.lower_dir == str(node.paths.mountpoint / "2")
-    assert sorted(os.listdir(node.paths.mountpoint)) == ["1", "2"]
+    assert sorted(os.listdir(node.paths.mountpoint)) == ["1", "2", "blobs"]  # and the blob of each layer in blobs/
     vfs = os.statvfs(node.paths.mountpoint)
     assert vfs.f_flag & os.ST_RDONLY and vfs.f_bfree == 0
     assert vfs.f_files == len(layers[0].index.entries) + len(layers[1].index.entries)
@@ -356,9 +356,11 @@ def test_control_api(node: Node, built: Any) -> None:
     client.unmount(layers[0].chain_id)
     with pytest.raises(LayerNotMounted):
         client.unmount(layers[0].chain_id)
-    assert os.listdir(node.paths.mountpoint) == ["2"]
+    assert sorted(os.listdir(node.paths.mountpoint)) == ["2", "blobs"] and os.listdir(node.paths.mountpoint / "blobs") == ["2"]
     with pytest.raises(FileNotFoundError):
         os.stat(node.paths.mountpoint / "1")
+    with pytest.raises(FileNotFoundError):
+        os.stat(node.paths.mountpoint / "blobs" / "1")
     third = client.mount(layers[2].chain_id)
     assert third.slot == 1  # the lowest free slot
     assert (Path(third.lower_dir) / "replace-me").read_bytes() == b"fourth and last\n"

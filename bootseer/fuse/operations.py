@@ -59,8 +59,11 @@ OPEN_FILES = prometheus_client.Gauge("bootseer_fuse_open_files", "Files open thr
 # Errors that are part of normal use and not worth more than a debug line.
 _EXPECTED_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errno.EINVAL, errno.ENODATA}
 
-#: The pid of the process whose ``open`` is being answered, set before ``File.open()`` runs
-#: (pyfuse3 gives a read no caller; hot-list recording attributes reads to their opener).
+#: The pid of the process whose ``open`` is being answered, set before ``File.open()`` runs.
+#: pyfuse3 (3.5) gives ``read`` no request context (its ``fuse_read`` never asks libfuse for
+#: it), so no read can learn its own caller: hot-list recording attributes a layer file's reads
+#: to its opener, and a layer blob's to the opener unless that is the layer server itself
+#: (``blockstore.layerfs.LayerBlobOpenFile``).
 OPENER_PID: contextvars.ContextVar[int] = contextvars.ContextVar("bootseer_fuse_opener_pid", default=0)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT

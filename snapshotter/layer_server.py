@@ -19,6 +19,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
+import prometheus_client
 import trio
 
 from bootseer.blockstore import control
@@ -27,6 +28,7 @@ from bootseer.blockstore.signing import TrustPolicy, Untrusted
 from bootseer.blockstore.store import open_store
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.source import SourceError
+from bootseer.fetch.sources import redact_url
 from bootseer.log import get_logger
 
 from .backend import RemoteLayer
@@ -38,6 +40,13 @@ log = get_logger(__name__)
 #: store that does not answer makes Prepare fall back to downloading soon, not after
 #: the mount's full retry timeout.
 LOOKUP_TIMEOUT = 10.0
+
+#: The store's health as the snapshotter sees it: each lookup that gets an answer (a chain
+#: record or its absence) sets 1, each one the store fails sets 0, so a store that cannot be
+#: read shows here (and in the store_error fallbacks), never as "not converted".
+STORE_UP = prometheus_client.Gauge(
+    "bootseer_snapshotter_store_up", "1 while the store of layers answers look-ups, 0 after one it failed"
+)
 
 _REASONS: dict[type[control.LayerServerError], str] = {
     control.LayerNotConverted: "not_converted",
@@ -68,6 +77,8 @@ class LayerServerBackend:
         self.root = root
         self.trust = trust  #: checked here at lookup (a clear reason early) and by the layer server at mount
         self.store_url = store_url
+        #: did the store answer the last look-up (None: none yet); what ``bootseer_snapshotter_store_up`` shows
+        self.store_up: bool | None = None
         self.server = server
         self.lookup_timeout = lookup_timeout
         self._engine = dataclasses.replace(engine, retry_timeout=min(engine.retry_timeout, lookup_timeout))
@@ -102,13 +113,21 @@ class LayerServerBackend:
         try:
             record = trio.run(self._read_chain, chain_id)
         except FormatError as exc:
+            self.store_up = True  # the store answered: with a bad object
+            STORE_UP.set(1)
             raise LayerUnavailable("corrupt", f"the store's chain record of {chain_id} is invalid: {exc}") from None
         except trio.TooSlowError:
+            self._store_failed()
             raise LayerUnavailable(
                 "store_error", f"the store did not answer for {chain_id} in {self.lookup_timeout:g}s"
             ) from None
         except (OSError, SourceError) as exc:  # FetchError is an OSError
+            self._store_failed()
             raise LayerUnavailable("store_error", f"the store failed looking up {chain_id}: {exc}") from None
+        if self.store_up is False:  # back after a failure: say so once
+            log.info("the store answers look-ups again", store=redact_url(self.store_url))
+        self.store_up = True
+        STORE_UP.set(1)
         if record is None:
             return None
         try:
@@ -143,6 +162,10 @@ class LayerServerBackend:
         return [str(layer["chain_id"]) for layer in status.get("layers", [])]
 
     # -- helpers ------------------------------------------------------------------------------
+
+    def _store_failed(self) -> None:
+        self.store_up = False
+        STORE_UP.set(0)
 
     async def _read_chain(self, chain_id: str):  # -> ChainRecord | None
         with trio.fail_after(self.lookup_timeout + 5):  # the engine's own bound, plus its shutdown

@@ -123,11 +123,23 @@ def test_a_store_whose_root_is_gone_is_a_store_error_not_not_converted(tmp_path:
     """Its root removed at run time (an unmounted export): the lookup is a store error, never 'not converted'."""
     backend = LayerServerBackend(tmp_path / "root", str(store), ServerSettings(), EngineConfig(retry_timeout=1))
     assert backend.lookup(CHAIN_ID) is None  # an existing store without the layer: not converted
+    assert backend.store_up is True and _store_up() == 1.0
     store.rmdir()
     with pytest.raises(LayerUnavailable) as failed:
         backend.lookup(CHAIN_ID)
     assert failed.value.reason == "store_error"
     assert "does not exist" in str(failed.value)
+    # The snapshotter's health says so: the store is down, not the layer unconverted.
+    assert backend.store_up is False and _store_up() == 0.0
+    store.mkdir()
+    assert backend.lookup(CHAIN_ID) is None
+    assert backend.store_up is True and _store_up() == 1.0
+
+
+def _store_up() -> float | None:
+    import prometheus_client
+
+    return prometheus_client.REGISTRY.get_sample_value("bootseer_snapshotter_store_up")
 
 
 def test_cache_write_failures_are_one_line_and_a_count(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

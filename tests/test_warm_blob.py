@@ -147,6 +147,16 @@ def serve_erofs(tmp_path: Path, store: Path, body: Callable[[Any, dict[str, Path
 hotlist_layers: dict[Path, list[BuiltLayer]] = {}
 
 
+def evict_blocks(server: Any, chain_id: str, refs: list[int]) -> None:
+    """Drop blocks ``refs`` of a layer's blob from the page cache (clean, unmapped pages: they go)."""
+    fd = os.open(server.paths.mountpoint / BLOBS / str(server.layers[chain_id].slot), os.O_RDONLY)
+    try:
+        for ref in refs:
+            os.posix_fadvise(fd, ref * BLOCK_SIZE, BLOCK_SIZE, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def _hot_block(layer: BuiltLayer, ref: int, at: float) -> HotBlock:
     block = layer.index.blocks[ref]
     return HotBlock(layer.chain_id, block.digest, layer.index.packs[block.pack], block.offset, block.clen, block.rlen, at)
@@ -234,17 +244,7 @@ def test_a_warmed_blob_serves_every_file_through_erofs_right_without_fuse_reads(
         assert len(reads.seen) <= 4 and len(read_blocks) <= 8, reads.seen  # (almost) none: the page cache served them
         # Evict two warmed blocks of the top layer's blob that were read: they count as unread at the end.
         evicted = hot_refs[top][:2]
-        blob = server.paths.mountpoint / BLOBS / str(server.layers[top].slot)
-
-        def evict() -> None:
-            fd = os.open(blob, os.O_RDONLY)
-            try:
-                for ref in evicted:
-                    os.posix_fadvise(fd, ref * BLOCK_SIZE, BLOCK_SIZE, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-        await trio.to_thread.run_sync(evict)
+        await trio.to_thread.run_sync(evict_blocks, server, top, evicted)
         await server.hotlist.container_removed("default/1/job")
         summary = server.hotlist.finished[-1]
         assert summary["kind"] == "prefetch"
@@ -262,3 +262,63 @@ def test_a_warmed_blob_serves_every_file_through_erofs_right_without_fuse_reads(
         assert summary["hits"] + summary["waited"] + summary["misses"] <= len(read_blocks)
 
     serve_erofs(tmp_path, store, body)
+
+
+# -- recording through EROFS ----------------------------------------------------------------------
+
+
+@needs_fuse
+def test_reads_through_an_erofs_mount_over_the_blob_are_recorded_in_first_touch_order(built: Any, tmp_path: Path) -> None:
+    """The layer server's own open of the blob (its EROFS mount, made from a worker thread) names no reader,
+    so the blob reads a container's process makes through EROFS go to the one recording covering the layer,
+    in the order they arrive.  Files are read in descending blob order within each layer, so the blob's
+    read-ahead (forward) never touches a block before the read that first needs it; blocks it brings in
+    beside them (read ahead, of files not read) may be listed too.  A second recording of the layer makes
+    such reads unattributed (left out, counted)."""
+    store = _store_copy(built, tmp_path)
+    layers = built[1]
+    bottom, top = layers
+    reading = [(top, "app/data.bin"), (bottom, "lib/tail.bin"), (top, "app/main.py"), (bottom, "lib/big.so")]
+
+    def blocks_of(layer: BuiltLayer, path: str) -> list[tuple[str, str]]:
+        entry = next(e for e in layer.index.entries if e.path == path)
+        return [(layer.chain_id, layer.index.blocks[ref].digest) for ref in entry.blocks]
+
+    expected: list[tuple[str, str]] = []
+    for layer, path in reading:
+        expected += [block for block in blocks_of(layer, path) if block not in expected]
+
+    async def body(server: Any, targets: dict[str, Path]) -> None:
+        reads = BlobReads(server)
+        hotlist = server.hotlist
+        assert (await hotlist.container_prepared("default/2/job", top.chain_id, {}, None)) == {"action": "record"}
+        recording = hotlist.recordings["job"]
+        await trio.sleep(1)  # the store says there is no list: recording runs on
+        paths = [targets[layer.chain_id] / path for layer, path in reading]
+        got = await trio.to_thread.run_sync(read_in_a_process, paths)
+        assert got == {str(targets[layer.chain_id] / path): tar_digests(layer)[path] for layer, path in reading}
+        assert reads.seen and {pid for _layer, _refs, pid in reads.seen} == {0}  # the server's open: no reader
+        assert recording.unattributed == 0
+        # A second recording of the same layers (another profile): a blob read could be either's.
+        answer = await hotlist.container_prepared("default/3/other", top.chain_id, {"bootseer.io/profile": "b"}, None)
+        assert answer == {"action": "record"}
+        await trio.sleep(1)
+        # The blob's read-ahead has the whole small layer cached by now: drop the block to be read.
+        small = next(e for e in bottom.index.entries if e.path == "lib/small.txt").blocks
+        await trio.to_thread.run_sync(evict_blocks, server, bottom.chain_id, list(small))
+        before = len(recording.blocks)
+        await trio.to_thread.run_sync(read_in_a_process, [targets[bottom.chain_id] / "lib/small.txt"])
+        assert len(recording.blocks) == before and recording.unattributed >= 1
+        assert hotlist.recordings["other"].unattributed >= 1 and not hotlist.recordings["other"].blocks
+        assert (await hotlist.seal("job"))["sealed"]
+        await recording.done.wait()
+        assert recording.outcome == "published"
+        await hotlist.container_removed("default/3/other")
+
+    serve_erofs(tmp_path, store, body)
+    hot = HotList.decode(FileStoreWriter(store).get(hotlist_object(top.chain_id)), expected_image=top.chain_id,
+                         expected_profile="")  # fmt: skip
+    listed = [(block.layer, block.digest) for block in hot.blocks]
+    assert [block for block in listed if block in expected] == expected
+    assert listed[0] == expected[0] and len(set(listed)) == len(listed)
+    assert hot.container == "job" and hot.unattributed >= 1

@@ -322,3 +322,33 @@ def test_reads_through_an_erofs_mount_over_the_blob_are_recorded_in_first_touch_
     assert [block for block in listed if block in expected] == expected
     assert listed[0] == expected[0] and len(set(listed)) == len(listed)
     assert hot.container == "job" and hot.unattributed >= 1
+
+
+def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path: Path) -> None:
+    """A layer row's own ``data_path`` decides (the layer server's table, once it carries one); a row
+    without one follows the node's (``HotListConfig.data_path``); an unknown path is refused, by name."""
+    from bootseer.blockstore.layerfs import blob_inode_number
+    from bootseer.blockstore.server import LayerServer
+    from bootseer.hotlist.warm import TreeTarget
+
+    store, layers = built
+    bottom, top = layers
+    with pytest.raises(ValueError, match="'fuse' is not one of erofs, loop, tree"):
+        HotListConfig(data_path="fuse")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            config = LayerServerConfig(root=tmp_path / "root", store=str(store), hotlist=HotListConfig(data_path="loop"))
+            config.paths.indexes.mkdir(parents=True)
+            server = LayerServer(config, nursery)
+            for layer in layers:
+                await server.mount(layer.chain_id)
+            server.layers[bottom.chain_id].data_path = "tree"  # as the table's row will say
+            slots = {layer.chain_id: server.layers[layer.chain_id].slot for layer in layers}
+            assert server.hotlist.warm_target(bottom.chain_id) == TreeTarget(
+                slots[bottom.chain_id], server.paths.lower_dir(slots[bottom.chain_id]))  # fmt: skip
+            assert server.hotlist.warm_target(top.chain_id) == BlobTarget(
+                str(server.paths.mountpoint / BLOBS / str(slots[top.chain_id])), blob_inode_number(slots[top.chain_id]))  # fmt: skip
+            nursery.cancel_scope.cancel()
+
+    autojump.run(main, autojump=0.05, hold_for_threads=True)

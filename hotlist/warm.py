@@ -227,15 +227,18 @@ def cached_ranges(path: str, ranges: Iterable[tuple[int, int]]) -> list[bool]:
     ranges = list(ranges)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+        pages = -(-os.fstat(fd).st_size // PAGE_SIZE)
+        # Only the pages the ranges span are mapped and asked about (a blob may be many GiB).
+        low = min((offset // PAGE_SIZE for offset, length in ranges if length > 0), default=pages)
+        high = min(pages, max((-(-(offset + length) // PAGE_SIZE) for offset, length in ranges), default=0))
+        if low >= high:
             return [False] * len(ranges)
-        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        size = (high - low) * PAGE_SIZE
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, low * PAGE_SIZE)
         if address in (None, _MAP_FAILED):
             raise OSError(ctypes.get_errno(), f"cannot map {path}: {os.strerror(ctypes.get_errno())}")
         try:
-            pages = -(-size // PAGE_SIZE)
-            vector = (ctypes.c_ubyte * pages)()
+            vector = (ctypes.c_ubyte * (high - low))()
             if _libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
                 raise OSError(ctypes.get_errno(), f"mincore of {path}: {os.strerror(ctypes.get_errno())}")
         finally:
@@ -244,8 +247,8 @@ def cached_ranges(path: str, ranges: Iterable[tuple[int, int]]) -> list[bool]:
         os.close(fd)
     answers = []
     for offset, length in ranges:
-        first, end = offset // PAGE_SIZE, min(pages, -(-(offset + length) // PAGE_SIZE))
-        answers.append(length > 0 and first < end and all(vector[page] & 1 for page in range(first, end)))
+        first, end = offset // PAGE_SIZE, min(high, -(-(offset + length) // PAGE_SIZE))
+        answers.append(length > 0 and first < end and all(vector[page - low] & 1 for page in range(first, end)))
     return answers
 
 

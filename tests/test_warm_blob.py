@@ -352,3 +352,22 @@ def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path:
             nursery.cancel_scope.cancel()
 
     autojump.run(main, autojump=0.05, hold_for_threads=True)
+
+
+def test_cached_ranges_says_which_ranges_of_a_file_are_wholly_in_the_page_cache(tmp_path: Path) -> None:
+    """mincore of the pages the ranges span: a range is cached only if every page of it is."""
+    from bootseer.hotlist.warm import PAGE_SIZE, cached_ranges
+
+    path = tmp_path / "file"
+    path.write_bytes(os.urandom(16 * PAGE_SIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages: fadvise drops them
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: just the pages read
+        assert os.pread(fd, 3 * PAGE_SIZE, 4 * PAGE_SIZE)  # pages 4..6 cached now
+    finally:
+        os.close(fd)
+    ranges = [(4 * PAGE_SIZE, 3 * PAGE_SIZE), (5 * PAGE_SIZE + 10, 100), (3 * PAGE_SIZE, 2 * PAGE_SIZE),
+              (12 * PAGE_SIZE, PAGE_SIZE), (6 * PAGE_SIZE, 0), (20 * PAGE_SIZE, PAGE_SIZE)]  # fmt: skip
+    assert cached_ranges(str(path), ranges) == [True, True, False, False, False, False]

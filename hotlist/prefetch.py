@@ -247,7 +247,9 @@ class Prefetch:
         if self._resident is None or self._settled:
             return
         self._settled = True
-        resident = await trio.to_thread.run_sync(self._resident)
+        # Abandoned on cancel (the caller's timeout): it opens files of the server's own mount,
+        # which a server shutting down may no longer answer.
+        resident = await trio.to_thread.run_sync(self._resident, abandon_on_cancel=True)
         sizes = {b.hot.digest: b.hot.clen for b in self.plan}
         self.from_page_cache = {digest for layer, digest in resident if digest in sizes and digest not in self.read}
         self.stats.served_from_page_cache_blocks = len(self.from_page_cache)

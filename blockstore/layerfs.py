@@ -265,9 +265,11 @@ class LayerBlobOpenFile(OpenFile):
         # read is for is not known here.  A process that opens the blob and reads it
         # reads through its own open, so its pid stands for every read of it; the
         # handle the layer server opens itself (mounting EROFS on the blob) serves
-        # every reader of the image: unknown (0).
+        # every reader of the image: unknown (0).  FUSE names the opening *thread*
+        # (a mount made from a worker thread shows that thread's id, not the
+        # server's pid), so any thread of this process is the server.
         opener = OPENER_PID.get()
-        self.reader_pid = opener if opener != os.getpid() else 0
+        self.reader_pid = 0 if _is_this_process(opener) else opener
 
     async def read(self, offset: int, size: int) -> bytes:
         tree = self.tree
@@ -283,6 +285,11 @@ class LayerBlobOpenFile(OpenFile):
             # The reader pads and verifies every block, so this is a bug, not bad data; refuse it.
             raise OSError(errno.EIO, f"layer {tree.name}: short read of its blob: {len(data)} of {size} at {offset}")
         return data
+
+
+def _is_this_process(pid: int) -> bool:
+    """Whether ``pid`` (a task id, as FUSE gives it) is this process or one of its threads."""
+    return pid == os.getpid() or (pid > 0 and os.path.exists(f"/proc/self/task/{pid}"))
 
 
 class LayerBlobFile(File):

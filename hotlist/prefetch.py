@@ -23,7 +23,14 @@ With ``warm`` (the layer server's :meth:`PageCacheWarmer.warm
 bytes the fetch returned; those found in the node cache are read from it), is also
 stored into the kernel's page cache by one worker thread, in the list's order, so the
 job's first reads of it are page-cache hits that never reach the layer server (and so
-are not classified).
+are not classified).  What they served is counted at the prefetch's end instead
+(:meth:`Prefetch.settle_page_cache`, with ``resident``: the warmer's
+:meth:`PageCacheWarmer.resident <bootseer.hotlist.warm.PageCacheWarmer.resident>`): a
+block warmed, never read through FUSE and still in the page cache then is
+``served_from_page_cache``, not ``unread``.  ``mincore`` says which pages are cached, not
+which were read, so a warmed block the job never read counts there too: it is an upper
+bound on the page cache's hits, exact for every block the job did read (see
+docs/hotlist.md).
 
 An optional cold pass (``cold_rate`` bytes/s, off by default) then fetches every
 other block of the image's layers, rate-limited, in index order.
@@ -61,7 +68,14 @@ READS = prometheus_client.Counter(
     ["outcome"],
 )
 UNREAD_BYTES = prometheus_client.Counter(
-    "bootseer_hotlist_prefetch_unread_bytes", "Compressed bytes prefetched that no read used before the prefetch ended"
+    "bootseer_hotlist_prefetch_unread_bytes",
+    "Compressed bytes prefetched that no read used before the prefetch ended (neither through FUSE nor from the "
+    "page cache the prefetch warmed)",
+)
+PAGE_CACHE_BYTES = prometheus_client.Counter(
+    "bootseer_hotlist_prefetch_served_from_page_cache_bytes",
+    "Compressed bytes of hot blocks the prefetch warmed into the page cache that no read fetched through FUSE and "
+    "that were still cached when the prefetch ended",
 )
 
 
@@ -111,6 +125,9 @@ class PrefetchStats:
     finished: bool = False
     warmed_bytes: int = 0  #: file bytes stored in the kernel's page cache (store notifications)
     warm_finished: bool = False
+    #: at the end: blocks warmed, never read through FUSE, still in the page cache (and their compressed bytes)
+    served_from_page_cache_blocks: int = 0
+    served_from_page_cache_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         reads = self.hits + self.waited + self.misses
@@ -134,6 +151,8 @@ class PrefetchStats:
             "finished": self.finished,
             "warmed_bytes": self.warmed_bytes,
             "warm_finished": self.warm_finished,
+            "served_from_page_cache_blocks": self.served_from_page_cache_blocks,
+            "served_from_page_cache_bytes": self.served_from_page_cache_bytes,
         }
 
 
@@ -156,6 +175,7 @@ class Prefetch:
         cached: Callable[[str], bool] | None,
         limits: PrefetchLimits = PrefetchLimits(),
         warm: Callable[[str, list[ResolvedBlock], list[bytes]], int] | None = None,
+        resident: Callable[[], set[tuple[str, str]]] | None = None,
     ) -> None:
         self.image = image
         self.profile = profile
@@ -165,6 +185,9 @@ class Prefetch:
         self._cached = cached
         self._warm = warm  #: blocking: store a fetched batch's bytes in the page cache
         self._warm_send: trio.MemorySendChannel[_Warm] | None = None
+        self._resident = resident  #: blocking: (layer, digest) of the warmed blocks still in the page cache
+        self.from_page_cache: set[str] = set()  #: digests counted as served by the page cache (settle_page_cache)
+        self._settled = False
         self.limits = limits
         self.stats = PrefetchStats(planned_blocks=len(self.plan), planned_bytes=sum(b.hot.clen for b in self.plan))
         self.in_flight: set[str] = set()
@@ -209,8 +232,29 @@ class Prefetch:
         return outcome
 
     def unread_bytes(self) -> int:
+        """Compressed bytes prefetched that no read used: not through FUSE, not from the warmed page cache."""
         sizes = {b.hot.digest: b.hot.clen for b in self.plan}
-        return sum(sizes.get(digest, 0) for digest in self.done if digest not in self.read)
+        return sum(sizes.get(digest, 0) for digest in self.done
+                   if digest not in self.read and digest not in self.from_page_cache)  # fmt: skip
+
+    async def settle_page_cache(self) -> None:
+        """At the end: count the warmed blocks no read fetched through FUSE that the page cache still holds.
+
+        Those are what the job's reads of them were served from (a read that found them
+        evicted reached FUSE and was classified); one the job never read is counted too
+        (residency is all the kernel tells).  Once; nothing without ``resident``.
+        """
+        if self._resident is None or self._settled:
+            return
+        self._settled = True
+        # Abandoned on cancel (the caller's timeout): it opens files of the server's own mount,
+        # which a server shutting down may no longer answer.
+        resident = await trio.to_thread.run_sync(self._resident, abandon_on_cancel=True)
+        sizes = {b.hot.digest: b.hot.clen for b in self.plan}
+        self.from_page_cache = {digest for layer, digest in resident if digest in sizes and digest not in self.read}
+        self.stats.served_from_page_cache_blocks = len(self.from_page_cache)
+        self.stats.served_from_page_cache_bytes = sum(sizes[d] for d in self.from_page_cache)
+        PAGE_CACHE_BYTES.inc(self.stats.served_from_page_cache_bytes)
 
     def stop(self) -> None:
         self.cancel_scope.cancel()

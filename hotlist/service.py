@@ -48,7 +48,7 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.format import Entry, FormatError, LayerIndex
-from bootseer.blockstore.layerfs import LayerTree
+from bootseer.blockstore.layerfs import BLOBS, LayerTree, blob_inode_number
 from bootseer.blockstore.signing import Untrusted
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
@@ -65,7 +65,7 @@ from bootseer.hotlist.format import (
 )
 from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
-from bootseer.hotlist.warm import PageCacheWarmer
+from bootseer.hotlist.warm import BlobTarget, PageCacheWarmer, TreeTarget, WarmTarget
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks
 
@@ -86,6 +86,14 @@ IGNORED = prometheus_client.Counter(
 )
 PREFETCHES = prometheus_client.Gauge("bootseer_hotlist_prefetches", "Hot-list prefetches running")
 
+#: Seconds a prefetch's end waits for the page-cache residency check (one mincore per warmed file).
+SETTLE_TIMEOUT = 30.0
+
+
+#: The node data paths (``[fuse] data_path``, resolved: never ``auto``).  EROFS reads a layer's
+#: blocks from its blob, file-backed or through a loop device over it (buffered either way).
+DATA_PATHS = ("erofs", "loop", "tree")
+
 
 @dataclass(frozen=True)
 class HotListConfig:
@@ -95,6 +103,13 @@ class HotListConfig:
     publish_store: str | None = None  #: where hot lists are written; None: the layers' store
     recording: RecordingLimits = field(default_factory=RecordingLimits)
     prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)
+    #: how the kernel reads a layer's blocks, for a layer whose row does not say (``Layer.data_path``):
+    #: ``tree`` (per-file FUSE: warm the files), ``erofs`` or ``loop`` (EROFS over the blob: warm the blob)
+    data_path: str = "tree"
+
+    def __post_init__(self) -> None:
+        if self.data_path not in DATA_PATHS:
+            raise ValueError(f"hot-list data path {self.data_path!r} is not one of {', '.join(DATA_PATHS)}")
 
 
 @dataclass(frozen=True)
@@ -241,16 +256,16 @@ class HotListService:
         limits = self.config.prefetch
         limits = dataclasses.replace(limits, concurrency=max(1, min(limits.concurrency, streams // 2)))
         warm = None
+        resident = None
         if limits.page_cache and self.server.session is not None:  # no FUSE session (tests): no page cache to fill
-            slots = {layer: self.server.layers[layer].slot for layer in layers}
-            directories = {layer: str(self.server.paths.lower_dir(slot)) for layer, slot in slots.items()}
+            targets = {layer: self.warm_target(layer) for layer in layers}
             digests = {block.hot.digest for block in plan}
-            # One pass over every entry of the image's layers: not in the FUSE session's thread.
-            warmer = await trio.to_thread.run_sync(PageCacheWarmer, indexes, slots, directories, digests)
-            warm = warmer.warm
+            # One pass over every entry of the image's tree-served layers: not in the FUSE session's thread.
+            warmer = await trio.to_thread.run_sync(PageCacheWarmer, indexes, targets, digests)
+            warm, resident = warmer.warm, warmer.resident
         prefetch = Prefetch(
             image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
-            cached=cache_checker(self.server.cache), limits=limits, warm=warm,
+            cached=cache_checker(self.server.cache), limits=limits, warm=warm, resident=resident,
         )  # fmt: skip
         self.prefetches[(hot.image, hot.profile)] = prefetch
         PREFETCHES.set(len(self.prefetches))
@@ -259,6 +274,18 @@ class HotListService:
         self._spawn(self._run_prefetch, prefetch)
         self._spawn(profile_hooks.sample_prefetch, prefetch)  # start-up profiler: start, progress, end
         return prefetch
+
+    def warm_target(self, chain_id: str) -> WarmTarget:
+        """Where the kernel caches ``chain_id``'s blocks: its blob if EROFS answers its tree, else its files.
+
+        The layer's own ``data_path`` (its row in the server's table) decides; a row
+        without one is served by the node's (``HotListConfig.data_path``).
+        """
+        slot = self.server.layers[chain_id].slot
+        data_path = getattr(self.server.layers[chain_id], "data_path", None) or self.config.data_path
+        if data_path == "tree":
+            return TreeTarget(slot, str(self.server.paths.lower_dir(slot)))
+        return BlobTarget(str(self.server.paths.mountpoint / BLOBS / str(slot)), blob_inode_number(slot))
 
     async def _run_prefetch(self, prefetch: Prefetch) -> None:
         try:
@@ -272,12 +299,20 @@ class HotListService:
                 with trio.move_on_after(self.config.recording.window):
                     await prefetch.attached.wait()
             if not prefetch.containers:
-                self._end_prefetch(prefetch)
+                await self._end_prefetch(prefetch)
 
-    def _end_prefetch(self, prefetch: Prefetch) -> None:
+    async def _end_prefetch(self, prefetch: Prefetch) -> None:
+        """Stop ``prefetch``, count what its warmed page cache served, and keep its summary."""
         prefetch.stop()
         if self.prefetches.get((prefetch.image, prefetch.profile)) is prefetch:
             del self.prefetches[(prefetch.image, prefetch.profile)]
+            PREFETCHES.set(len(self.prefetches))
+            # Asking the kernel is quick (mincore, nothing read); a shutdown does not lose the summary.
+            with trio.CancelScope(shield=True), trio.move_on_after(SETTLE_TIMEOUT):
+                try:
+                    await prefetch.settle_page_cache()
+                except OSError as exc:
+                    log.warning("cannot tell what the page cache served", image=prefetch.image, error=str(exc))
             UNREAD_BYTES.inc(prefetch.unread_bytes())
             self._remember({"kind": "prefetch", "image": prefetch.image, "profile": prefetch.profile, **prefetch.stats.as_dict(),
                             "unread_bytes": prefetch.unread_bytes()})  # fmt: skip
@@ -317,7 +352,7 @@ class HotListService:
             if image == parent and other != profile and not running.containers:
                 # The early default-profile guess is not this workload: it would only compete with its reads.
                 log.info("stopping the default hot-list prefetch: the container runs another profile", image=image, profile=profile)
-                self._end_prefetch(running)
+                await self._end_prefetch(running)
         if any(r.image == parent and r.profile == profile for r in self.recordings.values()):
             return {"action": "none", "reason": "another container of this image is being recorded"}
         recording = Recording(container=key, image=parent, profile=profile, layers=layers, started=now, upper=upper,
@@ -401,10 +436,10 @@ class HotListService:
         for prefetch in list(self.prefetches.values()):
             if key in prefetch.containers:
                 prefetch.containers.discard(key)
+                if not prefetch.containers:
+                    await self._end_prefetch(prefetch)  # first: the line then says what the page cache served
                 log.info("prefetched container gone", container=key, image=prefetch.image, profile=prefetch.profile,
                          **_log_stats(prefetch))  # fmt: skip
-                if not prefetch.containers:
-                    self._end_prefetch(prefetch)
         return {"known": container is not None}
 
     async def seal(self, key: str, wait: float = 8.0) -> dict[str, Any]:
@@ -557,7 +592,7 @@ def _log_stats(prefetch: Prefetch) -> dict[str, Any]:
         "prefetched_blocks": stats["fetched_blocks"], "prefetched_bytes": stats["fetched_bytes"],
         "cached_blocks": stats["cached_blocks"], "hits": stats["hits"], "waited": stats["waited"],
         "misses": stats["misses"], "hit_rate": stats["hit_rate"], "lead_median_s": stats["lead_median_s"],
-        "unread_bytes": prefetch.unread_bytes(),
+        "served_from_page_cache_blocks": stats["served_from_page_cache_blocks"], "unread_bytes": prefetch.unread_bytes(),
     }  # fmt: skip
 
 

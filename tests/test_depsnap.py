@@ -347,6 +347,9 @@ def test_a_restored_prefix_records_its_first_reads_and_later_restores_prefetch_t
     deps(work, "release", str(prefix), "--root", str(node_b))
     ended = [s for s in _layer_server_status(node_b)["finished"] if s["kind"] == "prefetch"]
     assert ended and ended[-1]["image"] == record.chain_id  # the release ended it
+    # What the warmed page cache served is counted, not "unread" (issue 17: every byte showed as unread).
+    assert ended[-1]["unread_bytes"] == 0, ended[-1]
+    assert ended[-1]["served_from_page_cache_blocks"] == listed["blocks"], ended[-1]
     # --no-hotlist: a node whose layer server neither prefetches nor records.
     node_c = work / "node-c"
     deps(work, "run", "--no-hotlist", "--prefix", str(prefix), "--store", str(work / "store"), "--root", str(node_c),

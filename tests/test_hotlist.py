@@ -753,7 +753,7 @@ def test_the_page_cache_warmer_places_each_block_in_every_file_that_holds_it(tmp
 
     from bootseer.blockstore.layerfs import inode_number
     from bootseer.hotlist.format import HotBlock, ResolvedBlock
-    from bootseer.hotlist.warm import PageCacheWarmer
+    from bootseer.hotlist.warm import PageCacheWarmer, TreeTarget
 
     rng = random.Random(7)
     shared, tail = rng.randbytes(BLOCK_SIZE), rng.randbytes(BLOCK_SIZE + 100)
@@ -783,7 +783,7 @@ def test_the_page_cache_warmer_places_each_block_in_every_file_that_holds_it(tmp
         return real_stat(path, *args, **kwargs)
 
     plan = [resolved("a/one.bin", 0), resolved("c/tail.bin", 0), resolved("c/tail.bin", 1)]
-    warmer = PageCacheWarmer({layer: index}, {layer: 3}, {layer: str(mount)}, {b.hot.digest for b, _ in plan},
+    warmer = PageCacheWarmer({layer: index}, {layer: TreeTarget(3, str(mount))}, {b.hot.digest for b, _ in plan},
                              store=lambda inode, offset, data: stored.append((inode, offset, data)))  # fmt: skip
     os.stat = counting_stat  # type: ignore[assignment]
     try:
@@ -799,7 +799,7 @@ def test_the_page_cache_warmer_places_each_block_in_every_file_that_holds_it(tmp
     def no_store(inode: int, offset: int, data: bytes) -> None:
         raise OSError(errno.ENOSYS, "no store notifications")
 
-    off = PageCacheWarmer({layer: index}, {layer: 3}, {layer: str(mount)}, {b.hot.digest for b, _ in plan}, store=no_store)
+    off = PageCacheWarmer({layer: index}, {layer: TreeTarget(3, str(mount))}, {b.hot.digest for b, _ in plan}, store=no_store)
     assert off.warm(layer, [b for b, _ in plan], [d for _, d in plan]) == 0 and not off.enabled and off.skipped == 1
 
 

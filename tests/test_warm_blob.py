@@ -1,0 +1,373 @@
+"""Hot lists on the EROFS data path: page-cache warming into the layers' blobs, what that cache served, and
+first-touch recording through an EROFS mount over a blob.
+
+Everything here is the real kernel: a layer server (:func:`bootseer.blockstore.server.run_server`)
+runs in this process with its FUSE mount, over layers converted by the real converter into a
+``file://`` store; each layer's EROFS image (``blockstore.erofs.build_image`` of its index) is
+mounted with ``device=`` the layer's blob file in that mount (``blobs/<slot>``), from this
+process, as the layer server mounts it itself (the blob's opener is the server: its reads
+name no reader).  Reads go through those EROFS mounts from other processes; what they must
+return is computed from the layer tars alone.  The blob reads that reach FUSE are seen by
+wrapping the server's read observer (``blob_read``), which sees every one before it is served.
+Timers run on the autojump clock, held still while a worker thread (a reader, a mount) runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import pytest
+import trio
+
+from bootseer.blockstore import erofs, erofs_mount
+from bootseer.blockstore.layerfs import BLOBS
+from bootseer.blockstore.server import LayerServerConfig, run_server
+from bootseer.blockstore.store import FileStoreWriter
+from bootseer.hotlist.format import HotBlock, HotList, hotlist_object
+from bootseer.hotlist.recorder import RecordingLimits
+from bootseer.hotlist.service import HotListConfig
+from bootseer.hotlist.warm import BlobTarget, PageCacheWarmer
+from tests.support import autojump
+from tests.support.layer_servers import stop_layer_servers
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+
+BLOCK_SIZE = 16 << 10
+needs_fuse = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+pytestmark = [pytest.mark.timeout(300)]
+
+
+def _layers() -> list[Layer]:
+    rng = random.Random(15)
+    shared = rng.randbytes(BLOCK_SIZE)
+    bottom = Layer((
+        File("lib/big.so", rng.randbytes(9 * BLOCK_SIZE)),
+        File("lib/tail.bin", rng.randbytes(2 * BLOCK_SIZE + 1000)),  # a short last block: a partial page
+        File("lib/one.txt", shared), File("lib/same.txt", shared),  # one block in two files
+        File("lib/small.txt", b"small file\n" * 30),
+    ))  # fmt: skip
+    top = Layer((
+        File("app/main.py", rng.randbytes(3 * BLOCK_SIZE + 7)),
+        File("app/data.bin", rng.randbytes(6 * BLOCK_SIZE)),
+        File("app/cold.bin", rng.randbytes(4 * BLOCK_SIZE)),
+    ))  # fmt: skip
+    return [bottom, top]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
+    store = tmp_path_factory.mktemp("store")
+    return store, build_store(store, _layers(), block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+
+
+def tar_digests(layer: BuiltLayer) -> dict[str, str]:
+    """SHA-256 of every regular file of the layer, from its tar alone."""
+    digests = {}
+    with tarfile.open(layer.blob) as tar:
+        for member in tar:
+            if member.isreg():
+                stream = tar.extractfile(member)
+                assert stream is not None
+                digests[member.name.lstrip("./")] = hashlib.sha256(stream.read()).hexdigest()
+    return digests
+
+
+#: A reader process: reads each file given whole, prints {path: sha256}.
+_READER = """
+import hashlib, json, sys
+print(json.dumps({path: hashlib.sha256(open(path, "rb").read()).hexdigest() for path in sys.argv[1:]}))
+"""
+
+
+def read_in_a_process(paths: list[Path]) -> dict[str, str]:
+    done = subprocess.run([sys.executable, "-c", _READER, *map(str, paths)], check=True, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    return json.loads(done.stdout)
+
+
+class BlobReads:
+    """Wraps the server's read observer: every blob read that reaches FUSE, as (layer, block numbers, pid)."""
+
+    def __init__(self, server: Any) -> None:
+        self.seen: list[tuple[str, list[int], int]] = []
+        observer = server.hotlist
+        real = observer.blob_read
+
+        def blob_read(layer: str, index: Any, refs: Any, pid: int) -> None:
+            self.seen.append((layer, list(refs), pid))
+            real(layer, index, refs, pid)
+
+        observer.blob_read = blob_read
+
+
+def serve_erofs(tmp_path: Path, store: Path, body: Callable[[Any, dict[str, Path]], Awaitable[None]],
+                **hotlist: Any) -> None:  # fmt: skip
+    """Run a layer server (data path ``erofs``) in this process; mount every layer of the store's image
+    (``built``) and its EROFS image over its blob, then ``await body(server, {chain_id: erofs mountpoint})``."""
+    root = tmp_path / "root"
+    recording = hotlist.pop("recording", RecordingLimits(quiet=300, window=300))
+    config = LayerServerConfig(root=root, store=f"file://{store}",
+                               hotlist=HotListConfig(data_path="erofs", recording=recording, **hotlist))  # fmt: skip
+    layers: list[BuiltLayer] = hotlist_layers[store]
+
+    async def drive(server: Any) -> None:
+        mounted: list[Path] = []
+        try:
+            targets = {}
+            for layer in layers:
+                slot = (await server.mount(layer.chain_id))["slot"]
+                image = tmp_path / f"{slot}.erofs"
+                image.write_bytes(await trio.to_thread.run_sync(erofs.build_image, layer.index))
+                target = tmp_path / f"erofs-{slot}"
+                target.mkdir()
+                blob = server.paths.mountpoint / BLOBS / str(slot)
+                await trio.to_thread.run_sync(lambda: erofs_mount.mount_erofs(image, target, device=blob))
+                mounted.append(target)
+                targets[layer.chain_id] = target
+            await body(server, targets)
+        finally:
+            for target in mounted:
+                await trio.to_thread.run_sync(erofs_mount.unmount_erofs, target)
+            server.session.terminate()
+
+    try:
+        autojump.run(lambda: run_server(config, on_ready=drive), hold_for_threads=True)
+    finally:
+        stop_layer_servers(root)
+
+
+hotlist_layers: dict[Path, list[BuiltLayer]] = {}
+
+
+def evict_blocks(server: Any, chain_id: str, refs: list[int]) -> None:
+    """Drop blocks ``refs`` of a layer's blob from the page cache (clean, unmapped pages: they go)."""
+    fd = os.open(server.paths.mountpoint / BLOBS / str(server.layers[chain_id].slot), os.O_RDONLY)
+    try:
+        for ref in refs:
+            os.posix_fadvise(fd, ref * BLOCK_SIZE, BLOCK_SIZE, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _hot_block(layer: BuiltLayer, ref: int, at: float) -> HotBlock:
+    block = layer.index.blocks[ref]
+    return HotBlock(layer.chain_id, block.digest, layer.index.packs[block.pack], block.offset, block.clen, block.rlen, at)
+
+
+def _store_copy(built: tuple[Path, list[BuiltLayer]], tmp_path: Path) -> Path:
+    import shutil
+
+    store = tmp_path / "store"
+    shutil.copytree(built[0], store)
+    hotlist_layers[store] = built[1]
+    return store
+
+
+# -- warming into the blob ----------------------------------------------------------------------
+
+
+def test_the_warmer_stores_each_block_once_at_its_blob_offset_padded_to_the_page_and_looks_nothing_else_up(
+    built: Any, tmp_path: Path
+) -> None:
+    """A blob target: block ``ref`` at ``ref * block_size``, its own bytes plus zeros to the page's end, once
+    however many files hold it; the only lookup is the blob's own."""
+    from bootseer.hotlist.format import ResolvedBlock
+
+    _store, layers = built
+    layer = layers[0]
+    index = layer.index
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"")
+    by_path = {e.path: e for e in index.entries}
+    shared_ref = by_path["lib/one.txt"].blocks[0]
+    assert tuple(by_path["lib/same.txt"].blocks) == (shared_ref,)
+    tail_ref = by_path["lib/tail.bin"].blocks[-1]
+    refs = [tail_ref, shared_ref, by_path["lib/big.so"].blocks[4]]
+    plan = [ResolvedBlock(layer=layer.chain_id, ref=ref, hot=_hot_block(layer, ref, 0.0)) for ref in refs]
+    data = [bytes([n + 1]) * index.blocks[ref].rlen for n, ref in enumerate(refs)]
+    stored: list[tuple[int, int, bytes]] = []
+    warmer = PageCacheWarmer({layer.chain_id: index}, {layer.chain_id: BlobTarget(str(blob), 77)},
+                             {b.hot.digest for b in plan}, store=lambda *args: stored.append(args))  # fmt: skip
+    assert warmer.warm(layer.chain_id, plan, data) == sum(len(d) for d in data)
+    assert index.blocks[tail_ref].rlen == 1000
+    assert stored == [
+        (77, tail_ref * BLOCK_SIZE, data[0] + bytes(4096 - 1000)),  # to the page's end, not the block's
+        (77, shared_ref * BLOCK_SIZE, data[1]),
+        (77, refs[2] * BLOCK_SIZE, data[2]),
+    ]
+    assert warmer._looked_up == {str(blob)}
+
+
+@needs_fuse
+def test_a_warmed_blob_serves_every_file_through_erofs_right_without_fuse_reads(built: Any, tmp_path: Path) -> None:
+    """Prefetch warms the blobs; then every file read through the EROFS mounts equals the tar's, and
+    the warmed blocks' reads never reached the layer server.  At the end, the prefetch counts those
+    blocks as served from the page cache, not unread; blocks evicted meanwhile count as unread."""
+    store = _store_copy(built, tmp_path)
+    layers = built[1]
+    top = layers[-1].chain_id
+    rng = random.Random(4)
+    hot_refs = {layer.chain_id: [n for n, b in enumerate(layer.index.blocks) if not b.is_zero] for layer in layers}
+    order = [(layer, ref) for layer in layers for ref in hot_refs[layer.chain_id]]
+    rng.shuffle(order)
+    hot = HotList(image=top, profile="", layers=[layer.chain_id for layer in layers],
+                  blocks=[_hot_block(layer, ref, n * 0.01) for n, (layer, ref) in enumerate(order)],
+                  node="n1", container="first")  # fmt: skip
+    FileStoreWriter(store).put(hotlist_object(top), hot.encode())
+
+    async def body(server: Any, targets: dict[str, Path]) -> None:
+        reads = BlobReads(server)
+        answer = await server.hotlist.container_prepared("default/1/job", top, {}, None)
+        assert answer == {"action": "record"}  # until the store answers: then the list turns it into a prefetch
+        with trio.fail_after(120):
+            while (top, "") not in server.hotlist.prefetches:
+                await trio.sleep(0.1)
+        prefetch = server.hotlist.prefetches[(top, "")]
+        await prefetch.ended.wait()
+        assert prefetch.stats.warm_finished and prefetch.stats.fetched_blocks == len(order)
+        assert prefetch.stats.warmed_bytes == sum(layer.index.blocks[ref].rlen for layer, ref in order)
+        assert reads.seen == []  # warming read nothing through the mount
+        for layer in layers:
+            expected = tar_digests(layer)
+            paths = [targets[layer.chain_id] / path for path in sorted(expected)]
+            got = await trio.to_thread.run_sync(read_in_a_process, paths)
+            assert got == {str(targets[layer.chain_id] / path): digest for path, digest in expected.items()}
+        read_blocks = [ref for _layer, refs, _pid in reads.seen for ref in refs]
+        assert len(reads.seen) <= 4 and len(read_blocks) <= 8, reads.seen  # (almost) none: the page cache served them
+        # Evict two warmed blocks of the top layer's blob that were read: they count as unread at the end.
+        evicted = hot_refs[top][:2]
+        await trio.to_thread.run_sync(evict_blocks, server, top, evicted)
+        await server.hotlist.container_removed("default/1/job")
+        summary = server.hotlist.finished[-1]
+        assert summary["kind"] == "prefetch"
+        served = {layer.index.blocks[ref].digest for layer, ref in order} - {
+            layers[-1].index.blocks[ref].digest for ref in evicted}  # fmt: skip
+        touched = {layer: {layer_refs for _l, refs, _p in reads.seen if _l == layer for layer_refs in refs}
+                   for layer in hot_refs}  # fmt: skip
+        fused = {server.layers[l].tree.index.blocks[r].digest for l, refs in touched.items() for r in refs}
+        assert summary["served_from_page_cache_blocks"] == len(served - fused)
+        evicted_bytes = sum(layers[-1].index.blocks[ref].clen for ref in evicted
+                            if layers[-1].index.blocks[ref].digest not in fused)  # fmt: skip
+        assert summary["unread_bytes"] == evicted_bytes > 0
+        assert summary["served_from_page_cache_bytes"] == sum(layer.index.blocks[ref].clen for layer, ref in order) \
+            - evicted_bytes - sum(b.hot.clen for b in prefetch.plan if b.hot.digest in fused)  # fmt: skip
+        assert summary["hits"] + summary["waited"] + summary["misses"] <= len(read_blocks)
+
+    serve_erofs(tmp_path, store, body)
+
+
+# -- recording through EROFS ----------------------------------------------------------------------
+
+
+@needs_fuse
+def test_reads_through_an_erofs_mount_over_the_blob_are_recorded_in_first_touch_order(built: Any, tmp_path: Path) -> None:
+    """The layer server's own open of the blob (its EROFS mount, made from a worker thread) names no reader,
+    so the blob reads a container's process makes through EROFS go to the one recording covering the layer,
+    in the order they arrive.  Files are read in descending blob order within each layer, so the blob's
+    read-ahead (forward) never touches a block before the read that first needs it; blocks it brings in
+    beside them (read ahead, of files not read) may be listed too.  A second recording of the layer makes
+    such reads unattributed (left out, counted)."""
+    store = _store_copy(built, tmp_path)
+    layers = built[1]
+    bottom, top = layers
+    reading = [(top, "app/data.bin"), (bottom, "lib/tail.bin"), (top, "app/main.py"), (bottom, "lib/big.so")]
+
+    def blocks_of(layer: BuiltLayer, path: str) -> list[tuple[str, str]]:
+        entry = next(e for e in layer.index.entries if e.path == path)
+        return [(layer.chain_id, layer.index.blocks[ref].digest) for ref in entry.blocks]
+
+    expected: list[tuple[str, str]] = []
+    for layer, path in reading:
+        expected += [block for block in blocks_of(layer, path) if block not in expected]
+
+    async def body(server: Any, targets: dict[str, Path]) -> None:
+        reads = BlobReads(server)
+        hotlist = server.hotlist
+        assert (await hotlist.container_prepared("default/2/job", top.chain_id, {}, None)) == {"action": "record"}
+        recording = hotlist.recordings["job"]
+        await trio.sleep(1)  # the store says there is no list: recording runs on
+        paths = [targets[layer.chain_id] / path for layer, path in reading]
+        got = await trio.to_thread.run_sync(read_in_a_process, paths)
+        assert got == {str(targets[layer.chain_id] / path): tar_digests(layer)[path] for layer, path in reading}
+        assert reads.seen and {pid for _layer, _refs, pid in reads.seen} == {0}  # the server's open: no reader
+        assert recording.unattributed == 0
+        # A second recording of the same layers (another profile): a blob read could be either's.
+        answer = await hotlist.container_prepared("default/3/other", top.chain_id, {"bootseer.io/profile": "b"}, None)
+        assert answer == {"action": "record"}
+        await trio.sleep(1)
+        # The blob's read-ahead has the whole small layer cached by now: drop the block to be read.
+        small = next(e for e in bottom.index.entries if e.path == "lib/small.txt").blocks
+        await trio.to_thread.run_sync(evict_blocks, server, bottom.chain_id, list(small))
+        before = len(recording.blocks)
+        await trio.to_thread.run_sync(read_in_a_process, [targets[bottom.chain_id] / "lib/small.txt"])
+        assert len(recording.blocks) == before and recording.unattributed >= 1
+        assert hotlist.recordings["other"].unattributed >= 1 and not hotlist.recordings["other"].blocks
+        assert (await hotlist.seal("job"))["sealed"]
+        await recording.done.wait()
+        assert recording.outcome == "published"
+        await hotlist.container_removed("default/3/other")
+
+    serve_erofs(tmp_path, store, body)
+    hot = HotList.decode(FileStoreWriter(store).get(hotlist_object(top.chain_id)), expected_image=top.chain_id,
+                         expected_profile="")  # fmt: skip
+    listed = [(block.layer, block.digest) for block in hot.blocks]
+    assert [block for block in listed if block in expected] == expected
+    assert listed[0] == expected[0] and len(set(listed)) == len(listed)
+    assert hot.container == "job" and hot.unattributed >= 1
+
+
+def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path: Path) -> None:
+    """A layer row's own ``data_path`` decides (the layer server's table, once it carries one); a row
+    without one follows the node's (``HotListConfig.data_path``); an unknown path is refused, by name."""
+    from bootseer.blockstore.layerfs import blob_inode_number
+    from bootseer.blockstore.server import LayerServer
+    from bootseer.hotlist.warm import TreeTarget
+
+    store, layers = built
+    bottom, top = layers
+    with pytest.raises(ValueError, match="'fuse' is not one of erofs, loop, tree"):
+        HotListConfig(data_path="fuse")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            config = LayerServerConfig(root=tmp_path / "root", store=str(store), hotlist=HotListConfig(data_path="loop"))
+            config.paths.indexes.mkdir(parents=True)
+            server = LayerServer(config, nursery)
+            for layer in layers:
+                await server.mount(layer.chain_id)
+            server.layers[bottom.chain_id].data_path = "tree"  # as the table's row will say
+            slots = {layer.chain_id: server.layers[layer.chain_id].slot for layer in layers}
+            assert server.hotlist.warm_target(bottom.chain_id) == TreeTarget(
+                slots[bottom.chain_id], server.paths.lower_dir(slots[bottom.chain_id]))  # fmt: skip
+            assert server.hotlist.warm_target(top.chain_id) == BlobTarget(
+                str(server.paths.mountpoint / BLOBS / str(slots[top.chain_id])), blob_inode_number(slots[top.chain_id]))  # fmt: skip
+            nursery.cancel_scope.cancel()
+
+    autojump.run(main, autojump=0.05, hold_for_threads=True)
+
+
+def test_cached_ranges_says_which_ranges_of_a_file_are_wholly_in_the_page_cache(tmp_path: Path) -> None:
+    """mincore of the pages the ranges span: a range is cached only if every page of it is."""
+    from bootseer.hotlist.warm import PAGE_SIZE, cached_ranges
+
+    path = tmp_path / "file"
+    path.write_bytes(os.urandom(16 * PAGE_SIZE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # clean pages: fadvise drops them
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: just the pages read
+        assert os.pread(fd, 3 * PAGE_SIZE, 4 * PAGE_SIZE)  # pages 4..6 cached now
+    finally:
+        os.close(fd)
+    ranges = [(4 * PAGE_SIZE, 3 * PAGE_SIZE), (5 * PAGE_SIZE + 10, 100), (3 * PAGE_SIZE, 2 * PAGE_SIZE),
+              (12 * PAGE_SIZE, PAGE_SIZE), (6 * PAGE_SIZE, 0), (20 * PAGE_SIZE, PAGE_SIZE)]  # fmt: skip
+    assert cached_ranges(str(path), ranges) == [True, True, False, False, False, False]

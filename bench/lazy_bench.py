@@ -77,6 +77,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import image_build  # noqa: E402
 import netns  # noqa: E402
+from nodestats import file_pages, fuse_requests  # noqa: E402
+from nodestats import scrape_metrics as _scrape  # noqa: E402
 from nginx import Nginx  # noqa: E402
 
 from integration import harness  # noqa: E402
@@ -192,25 +194,6 @@ def drop_caches() -> None:
     """Write dirty pages back, then drop the page cache, dentries and inodes (a cold node)."""
     subprocess.run(["sync"], check=True)
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def file_pages() -> int:
-    """Bytes of file pages in the page cache, machine-wide: ``Active(file) + Inactive(file)`` of /proc/meminfo.
-
-    Unlike ``Cached`` this leaves out tmpfs and shared memory (they sit on the anonymous
-    lists), so a start's growth is what it read or wrote through files: the FUSE files
-    and EROFS mounts, the node cache, containerd's content and snapshots.  Machine-wide:
-    other work on the machine adds its own pages (hence the load average in the report).
-    A memory cgroup of the node's processes (cgroup v2 ``memory.stat`` ``file``) would
-    leave those out; this machine mounts cgroup v1 and its memory hierarchy is the session
-    runner's, so the bench does not move processes into one.
-    """
-    figures = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("Active(file)", "Inactive(file)"):
-            figures[name] = int(value.split()[0]) * 1024
-    return sum(figures.values())
 
 
 def bootseer_argv(*args: str) -> list[str]:
@@ -439,49 +422,9 @@ def layer_server_figures(socket_path: Path) -> dict[str, float]:
     return figures
 
 
-#: Prometheus series of the layer server worth a line in the report, by the figure's name.
-FUSE_SERIES = {
-    "bootseer_fuse_requests_total": ("fuse.requests", "op"),
-    "bootseer_fuse_errors_total": ("fuse.errors", "op", "errno"),
-    "bootseer_fuse_read_bytes_total": ("fuse.read_bytes",),
-    "bootseer_fuse_read_seconds_sum": ("fuse.read_seconds",),
-    "bootseer_layer_read_seconds_sum": ("layer.read_seconds",),
-    "bootseer_layer_read_seconds_count": ("layer.reads",),
-    "bootseer_fetch_extent_requests_total": ("fetch.range_requests", "kind"),
-    "bootseer_fetch_extents_total": ("fetch.extents", "outcome"),
-    "bootseer_fetch_gap_bytes_total": ("fetch.gap_bytes",),
-    "bootseer_hotlist_prefetch_blocks_total": ("hotlist.prefetch_blocks", "outcome"),
-    "bootseer_hotlist_prefetch_bytes_total": ("hotlist.prefetch_bytes", "pass"),
-    "bootseer_hotlist_reads_total": ("hotlist.reads", "outcome"),
-    "bootseer_hotlist_prefetch_unread_bytes_total": ("hotlist.prefetch_unread_bytes",),
-    "bootseer_hotlist_recordings_total": ("hotlist.recordings", "outcome"),
-    "bootseer_hotlist_ignored_total": ("hotlist.ignored", "reason"),
-}
-
-
 def scrape_metrics(url: str | None) -> dict[str, float]:
-    """The :data:`FUSE_SERIES` figures from a Prometheus ``/metrics`` page (empty when ``url`` is None)."""
-    import re
-    import urllib.request
-
-    if url is None:
-        return {}
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError as e:
-        log(f"  metrics {url}: {e}")
-        return {}
-    figures: dict[str, float] = {}
-    for match in re.finditer(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", text, re.MULTILINE):
-        name, labels, value = match.groups()
-        if name not in FUSE_SERIES:
-            continue
-        label_map = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
-        figure, *keys = FUSE_SERIES[name]
-        key = ".".join([figure, *(label_map.get(k, "") for k in keys)])
-        figures[key] = figures.get(key, 0.0) + float(value)
-    return figures
+    """The layer server's figures from its Prometheus page (:func:`nodestats.scrape_metrics`)."""
+    return _scrape(url, log=log)
 
 
 #: Figures that are levels, not counters: reported as they are after the run, not as a difference.
@@ -687,10 +630,9 @@ def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: st
                page_cache_bytes=page_cache)
 
 
-def fuse_requests(run: Run) -> dict[str, float]:
+def run_fuse_requests(run: Run) -> dict[str, float]:
     """The FUSE requests of a run by operation (every filesystem of the layer server summed)."""
-    prefix = "fuse.requests."
-    return {key[len(prefix):]: value for key, value in run.server.items() if key.startswith(prefix) and value}
+    return fuse_requests(run.server)
 
 
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
@@ -723,7 +665,7 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
                 scenario.runs.append(run)
                 extra = "".join(f", {k}={v / MB:.1f} MB" for k, v in run.server.items()
                                 if k.endswith("bytes") or k.endswith("bytes_fetched"))
-                requests = fuse_requests(run)
+                requests = run_fuse_requests(run)
                 log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
                     f"link {run.link_bytes / MB:7.1f} MB, page cache +{run.page_cache_bytes / MB:.0f} MB"
                     + (f", FUSE requests {sum(requests.values()):.0f}" if lazy else "") + extra)
@@ -825,7 +767,7 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
     scenario.runs.append(run)
     pf = run.prefetch
     log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
-        f"page cache +{run.page_cache_bytes / MB:.0f} MB, FUSE requests {sum(fuse_requests(run).values()):.0f}, "
+        f"page cache +{run.page_cache_bytes / MB:.0f} MB, FUSE requests {sum(run_fuse_requests(run).values()):.0f}, "
         f"link {run.link_bytes / MB:7.1f} MB; prefetch {_f(pf.get('start_s'))}..{_f(pf.get('end_s'))} s, "
         f"{pf.get('fetched_bytes', 0) / MB:.1f} MB, hits {pf.get('hits', 0):.0f}, waited {pf.get('waited', 0):.0f}, "
         f"misses {pf.get('misses', 0):.0f}")
@@ -1200,7 +1142,7 @@ def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None]
 
 def _median_requests(scenario: Scenario) -> dict[str, float]:
     """Median FUSE requests per start of ``scenario``, by operation, and in all (``total``)."""
-    per_run = [fuse_requests(r) for r in scenario.runs if any(k.startswith("fuse.requests.") for k in r.server)]
+    per_run = [run_fuse_requests(r) for r in scenario.runs if any(k.startswith("fuse.requests.") for k in r.server)]
     if not per_run:
         return {}
     ops = sorted({op for requests in per_run for op in requests})

@@ -646,7 +646,8 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
     log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with fresh_node(work / f"{label}{rep}", lazy, store_url, timeout,
+        # Short directory names: containerd's and the layer server's sockets live below it (108-byte limit).
+        with fresh_node(work / f"{kind[0]}{data_path or ''}{rep}", lazy, store_url, timeout,
                         data_path=data_path if lazy and pass_data_path else None) as stack:
             pull = pull_argv(stack, ref, lazy)
             for scenario, pulling, drop in ((cold, pull, True), (local, None, True), (warm, None, False)):
@@ -754,7 +755,7 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
     log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with fresh_node(work / f"{label}{rep}", True, hot_url, timeout, publish_store=hot_store,
+        with fresh_node(work / f"h{data_path or ''}{rep}", True, hot_url, timeout, publish_store=hot_store,
                         data_path=data_path if pass_data_path else None) as stack:
             pull = pull_argv(stack, ref, True)
             profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
@@ -969,7 +970,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
     log_path.parent.mkdir(parents=True, exist_ok=True)
     chains = harness.chain_ids([layer.diff_id for layer in image.layers])
     cold, local, plain = (scenarios[named(name, data_path)] for name in KINDS["fuse"])
-    base = work / f"{label}{rep}"
+    base = work / f"f{data_path or ''}{rep}"
     try:
         with layer_server_node(base, store_url, data_path if pass_data_path else None) as (socket_path, metrics_url):
             client = LayerServerClient(socket_path)

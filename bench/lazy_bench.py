@@ -19,6 +19,15 @@ One command (as root): ``.venv/bin/python bench/lazy_bench.py``.  It
    * ``overlayfs local`` / ``bootseer local``: ``ctr run`` again on the same roots, the
      image pulled and the blocks the first run read in the node cache, the page cache
      dropped: the cost of FUSE when nothing crosses the link;
+   * ``overlayfs warm`` / ``bootseer warm``: a third start on the same node, the page
+     cache not dropped (a job restarted on its node);
+
+   each BootSeer scenario once per node data path of ``--data-paths`` (``erofs,tree``:
+   the layer server's EROFS mounts over FUSE blob files, or its per-file FUSE tree;
+   ``--data-path`` is passed to the daemon and the layer server when they take it),
+   against the same overlayfs baselines; per start, the FUSE requests by operation
+   (the layer server's Prometheus counters, before and after) and the page cache's
+   growth (file pages in ``/proc/meminfo``, after minus before);
 
    each from the start of the pull (or run) to the marker line on the container's
    stdout, with the bytes that crossed the link (the host end's interface counters)
@@ -33,9 +42,11 @@ One command (as root): ``.venv/bin/python bench/lazy_bench.py``.  It
    its Prometheus figures (FUSE requests, read latency, range requests), beside the
    same chroot on plain overlayfs; ``--profile`` samples the layer server with py-spy;
 4. writes a Markdown table with medians, ratios to overlayfs in the same run and the
-   targets (lazy cold <= 0.45x overlayfs cold; bytes fetched <= 2x bytes read; lazy local
-   <= 1.15x overlayfs local; hot cold <= 1.25x its floor and <= 0.25x overlayfs cold) to
-   ``--output`` (bench/results/lazy.md).
+   targets, one check line each per data path (lazy warm <= 1.15x overlayfs warm; lazy
+   cold <= 0.45x overlayfs cold; bytes fetched <= 2x bytes read; lazy local <= 1.15x
+   overlayfs local; hot cold <= 1.25x its floor and <= 0.25x overlayfs cold; FUSE
+   requests per start <= 1/10 of the tree path's; page-cache growth <= 2x overlayfs's for
+   the same start) to ``--output`` (bench/results/lazy.md).
 
 Everything it starts (namespace, veth pair, registry, nginx, containerd, daemons, the
 layer server, mounts) is torn down at the end, on failure and on Ctrl-C / SIGTERM.
@@ -66,6 +77,8 @@ sys.path.insert(0, str(REPO_ROOT))
 
 import image_build  # noqa: E402
 import netns  # noqa: E402
+from nodestats import file_pages, fuse_requests  # noqa: E402
+from nodestats import scrape_metrics as _scrape  # noqa: E402
 from nginx import Nginx  # noqa: E402
 
 from integration import harness  # noqa: E402
@@ -86,12 +99,24 @@ TARGET_LOCAL_RATIO = 1.15
 #: Issue 7's targets: a prefetched start within this factor of its floor, and this much faster than overlayfs.
 TARGET_HOT_OVER_FLOOR = 1.25
 TARGET_HOT_SPEEDUP = 4.0
+#: Issue 15's: FUSE requests of a start on a kernel data path against the tree path's; page-cache growth
+#: of a start against overlayfs's for the same start.
+TARGET_FUSE_REQUESTS_RATIO = 0.1
+TARGET_PAGE_CACHE_RATIO = 2.0
+#: The node data paths a run can ask for (``bootseer-snapshotter --data-path``); the tree path is the
+#: per-file FUSE tree, the only one a snapshotter without that flag has.
+DATA_PATHS = ("erofs", "loop", "tree")
+TREE_PATH = "tree"
+#: Between a BootSeer scenario's name and its data path: ``lazy-cold@erofs``.
+PATH_SEP = "@"
 
 SCENARIOS = {
     "overlay-cold": "overlayfs: `ctr images pull` + `ctr run`, cold",
     "lazy-cold": "bootseer: `bootseer rpull` + `ctr run --snapshotter bootseer`, cold",
     "overlay-local": "overlayfs: `ctr run`, image already pulled",
     "lazy-local": "bootseer: `ctr run`, blocks in the node cache",
+    "overlay-warm": "overlayfs: `ctr run` once more, page cache not dropped",
+    "lazy-warm": "bootseer: `ctr run` once more, blocks local, page cache not dropped",
     "fuse-cold": "layer server alone, no containerd: mount the layers, overlay, `chroot … python3 /app/train.py`, cold",
     "fuse-local": "the same, blocks in the node cache",
     "plain-local": "`chroot … python3 /app/train.py` on an overlay of the unpacked layer dirs (no FUSE)",
@@ -101,9 +126,33 @@ SCENARIOS = {
 #: The scenario each one is compared with in the report's ratio column.
 BASELINES = {"overlay-cold": "overlay-cold", "lazy-cold": "overlay-cold", "overlay-local": "overlay-local",
              "lazy-local": "overlay-local", "fuse-cold": "overlay-cold", "fuse-local": "plain-local",
-             "plain-local": "plain-local", "hot-cold": "overlay-cold"}
-KINDS = {"overlay": ("overlay-cold", "overlay-local"), "lazy": ("lazy-cold", "lazy-local"),
+             "plain-local": "plain-local", "hot-cold": "overlay-cold", "overlay-warm": "overlay-warm",
+             "lazy-warm": "overlay-warm"}
+KINDS = {"overlay": ("overlay-cold", "overlay-local", "overlay-warm"), "lazy": ("lazy-cold", "lazy-local", "lazy-warm"),
          "fuse": ("fuse-cold", "fuse-local", "plain-local"), "hot": ("hot-cold",)}
+#: The scenarios that run once per data path (the BootSeer ones).
+PER_DATA_PATH = {"lazy-cold", "lazy-local", "lazy-warm", "fuse-cold", "fuse-local", "hot-cold"}
+
+
+def named(base: str, data_path: str | None) -> str:
+    """A scenario's name: ``base`` for the baselines, ``base@PATH`` for a BootSeer one."""
+    return base if data_path is None or base not in PER_DATA_PATH else f"{base}{PATH_SEP}{data_path}"
+
+
+def base_name(name: str) -> str:
+    """The scenario ``name`` is a run of, without its data path."""
+    return name.partition(PATH_SEP)[0]
+
+
+def data_path_support() -> dict[str, bool]:
+    """Whether the installed ``bootseer-snapshotter`` and ``bootseer layer-server`` take ``--data-path``
+    (asked once, from their ``--help``)."""
+    found = {}
+    for what, argv in (("snapshotter", [harness.snapshotter_binary(), "--help"]),
+                       ("layer-server", bootseer_argv("layer-server", "--help"))):
+        done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        found[what] = "--data-path" in done.stdout
+    return found
 
 
 class BenchError(RuntimeError):
@@ -121,6 +170,7 @@ class Run:
     server: dict[str, float] = dataclasses.field(default_factory=dict)  #: layer server figures (lazy)
     pull_summary: str = ""  #: the pull's last line of output (rpull: how many layers were lazy)
     prefetch: dict[str, float] = dataclasses.field(default_factory=dict)  #: hot-list prefetch (PrefetchWatch)
+    page_cache_bytes: int = 0  #: growth of the page cache's file pages over the start (:func:`file_pages`)
 
 
 @dataclasses.dataclass
@@ -288,11 +338,12 @@ def convert_store(image: image_build.Image, store: Path, log_path: Path) -> floa
 
 @contextlib.contextmanager
 def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
-               publish_store: Path | None = None) -> Iterator[harness.Stack]:
+               publish_store: Path | None = None, data_path: str | None = None) -> Iterator[harness.Stack]:
     """A fresh containerd (and, for ``lazy``, bootseer-snapshotter with ``--store``) under ``base``.
 
     ``publish_store``: the directory behind the read-only ``store_url``, given to the daemon
     as ``--publish-store`` (its layer server publishes the hot lists it records there).
+    ``data_path``: given to the daemon as ``--data-path`` (None: not passed).
     """
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -304,7 +355,8 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
         metrics = f"127.0.0.1:{harness.free_port()}"
         stack.daemon = harness.Snapshotter(base / "snap", log_level="info", extra_args=[
             "--store", store_url, "--layer-server-metrics-address", metrics,
-            *(["--publish-store", str(publish_store)] if publish_store is not None else [])])
+            *(["--publish-store", str(publish_store)] if publish_store is not None else []),
+            *(["--data-path", data_path] if data_path is not None else [])])
         stack.layer_server_metrics_url = f"http://{metrics}/metrics"  # type: ignore[attr-defined]
     try:
         stack.start()
@@ -370,49 +422,9 @@ def layer_server_figures(socket_path: Path) -> dict[str, float]:
     return figures
 
 
-#: Prometheus series of the layer server worth a line in the report, by the figure's name.
-FUSE_SERIES = {
-    "bootseer_fuse_requests_total": ("fuse.requests", "op"),
-    "bootseer_fuse_errors_total": ("fuse.errors", "op", "errno"),
-    "bootseer_fuse_read_bytes_total": ("fuse.read_bytes",),
-    "bootseer_fuse_read_seconds_sum": ("fuse.read_seconds",),
-    "bootseer_layer_read_seconds_sum": ("layer.read_seconds",),
-    "bootseer_layer_read_seconds_count": ("layer.reads",),
-    "bootseer_fetch_extent_requests_total": ("fetch.range_requests", "kind"),
-    "bootseer_fetch_extents_total": ("fetch.extents", "outcome"),
-    "bootseer_fetch_gap_bytes_total": ("fetch.gap_bytes",),
-    "bootseer_hotlist_prefetch_blocks_total": ("hotlist.prefetch_blocks", "outcome"),
-    "bootseer_hotlist_prefetch_bytes_total": ("hotlist.prefetch_bytes", "pass"),
-    "bootseer_hotlist_reads_total": ("hotlist.reads", "outcome"),
-    "bootseer_hotlist_prefetch_unread_bytes_total": ("hotlist.prefetch_unread_bytes",),
-    "bootseer_hotlist_recordings_total": ("hotlist.recordings", "outcome"),
-    "bootseer_hotlist_ignored_total": ("hotlist.ignored", "reason"),
-}
-
-
 def scrape_metrics(url: str | None) -> dict[str, float]:
-    """The :data:`FUSE_SERIES` figures from a Prometheus ``/metrics`` page (empty when ``url`` is None)."""
-    import re
-    import urllib.request
-
-    if url is None:
-        return {}
-    try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError as e:
-        log(f"  metrics {url}: {e}")
-        return {}
-    figures: dict[str, float] = {}
-    for match in re.finditer(r"^(\w+)(?:\{([^}]*)\})? (\S+)$", text, re.MULTILINE):
-        name, labels, value = match.groups()
-        if name not in FUSE_SERIES:
-            continue
-        label_map = dict(re.findall(r'(\w+)="([^"]*)"', labels or ""))
-        figure, *keys = FUSE_SERIES[name]
-        key = ".".join([figure, *(label_map.get(k, "") for k in keys)])
-        figures[key] = figures.get(key, 0.0) + float(value)
-    return figures
+    """The layer server's figures from its Prometheus page (:func:`nodestats.scrape_metrics`)."""
+    return _scrape(url, log=log)
 
 
 #: Figures that are levels, not counters: reported as they are after the run, not as a difference.
@@ -576,8 +588,9 @@ class PrefetchWatch:
 
 def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
                 timeout: float, log_path: Path, lazy: bool, profile: Path | None = None,
-                watch_prefetch: bool = False, marks: Path | None = None) -> Run:
-    """Drop caches, then (pull and) run the container; time to its marker line.
+                watch_prefetch: bool = False, marks: Path | None = None, drop: bool = True) -> Run:
+    """Drop caches (unless not ``drop``), then (pull and) run the container; time to its marker line,
+    and the page cache's growth from just before the start to the container's exit.
 
     ``watch_prefetch``: follow the hot-list prefetch with a :class:`PrefetchWatch`.
     ``marks``: a host directory for the start-up profiler's marks of a container the snapshotter
@@ -588,7 +601,9 @@ def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: st
     if marks is not None:
         options = ("--mount", f"type=bind,src={marks},dst={image_build.MARKS_DIR},options=rbind:rw")
     before = lazy_node_figures(stack) if lazy and not pull else {}
-    drop_caches()
+    if drop:
+        drop_caches()
+    pages = file_pages()
     counters = link.counters()
     watch = PrefetchWatch(control_socket(stack)) if watch_prefetch else None
     with profiled(control_socket(stack) if lazy else Path(), profile if lazy else None), \
@@ -607,43 +622,58 @@ def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: st
         seconds, line = run_until_marker(run_argv(stack, ref, name, options), image_build.FIRST_OUTPUT_MARKER,
                                          timeout, log_path)
     total = pull_seconds + seconds
+    page_cache = file_pages() - pages
     fetched = (link.counters() - counters).received
     server = diff_figures(lazy_node_figures(stack), before) if lazy else {}
     return Run(seconds=total, pull_seconds=pull_seconds, link_bytes=fetched, output=line, server=server,
-               pull_summary=summary, prefetch=watch.figures() if watch is not None else {})
+               pull_summary=summary, prefetch=watch.figures() if watch is not None else {},
+               page_cache_bytes=page_cache)
+
+
+def run_fuse_requests(run: Run) -> dict[str, float]:
+    """The FUSE requests of a run by operation (every filesystem of the layer server summed)."""
+    return fuse_requests(run.server)
 
 
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
-                 scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None) -> None:
-    """One fresh node: a cold start, then a local start, of ``kind`` (overlay or lazy)."""
+                 scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
+                 data_path: str | None = None, pass_data_path: bool = False) -> None:
+    """One fresh node: a cold start, a local start (page cache dropped), then a warm one (not dropped), of
+    ``kind`` (overlay or lazy); a lazy node on ``data_path`` (passed as ``--data-path`` if ``pass_data_path``)."""
     lazy = kind == "lazy"
-    cold, local = scenarios[f"{kind}-cold"], scenarios[f"{kind}-local"]
-    log_path = work / "logs" / f"{kind}{rep}.log"
+    cold, local, warm = (scenarios[named(name, data_path)] for name in KINDS[kind])
+    label = kind + (f"-{data_path}" if lazy and data_path else "")
+    log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with fresh_node(work / f"{kind[0]}{rep}", lazy, store_url, timeout) as stack:
+        # Short directory names: containerd's and the layer server's sockets live below it (108-byte limit).
+        with fresh_node(work / f"{kind[0]}{data_path or ''}{rep}", lazy, store_url, timeout,
+                        data_path=data_path if lazy and pass_data_path else None) as stack:
             pull = pull_argv(stack, ref, lazy)
-            for scenario, pulling in ((cold, pull), (local, None)):
+            for scenario, pulling, drop in ((cold, pull, True), (local, None, True), (warm, None, False)):
                 try:
                     profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
-                    run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pulling, timeout, log_path, lazy,
-                                      profile)
+                    run = timed_start(stack, link, ref, f"{base_name(scenario.name)}-{rep}", pulling, timeout,
+                                      log_path, lazy, profile, drop=drop)
                 except BenchError as e:
                     scenario.errors.append(f"run {rep}: {e}")
                     log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
                     if pulling is not None:
-                        local.errors.append(f"run {rep}: not run (the cold start failed)")
+                        for later in (local, warm):
+                            later.errors.append(f"run {rep}: not run (the cold start failed)")
                         break
                     continue
                 scenario.runs.append(run)
                 extra = "".join(f", {k}={v / MB:.1f} MB" for k, v in run.server.items()
                                 if k.endswith("bytes") or k.endswith("bytes_fetched"))
+                requests = run_fuse_requests(run)
                 log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
-                    f"link {run.link_bytes / MB:7.1f} MB{extra}")
+                    f"link {run.link_bytes / MB:7.1f} MB, page cache +{run.page_cache_bytes / MB:.0f} MB"
+                    + (f", FUSE requests {sum(requests.values()):.0f}" if lazy else "") + extra)
     except (BenchError, harness.HarnessError) as e:
-        for scenario in (cold, local):
+        for scenario in (cold, local, warm):
             scenario.errors.append(f"run {rep}: node did not start: {e}")
-        log(f"  {kind} node {rep}: FAILED: {e}")
+        log(f"  {label} node {rep}: FAILED: {e}")
 
 
 # --------------------------------------------------------------------------- hot lists (issue 7)
@@ -677,17 +707,18 @@ def read_hot_list(hot_store: Path, image: image_build.Image) -> dict[str, Any] |
 
 
 def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: image_build.Image,
-                    timeout: float) -> dict[str, Any]:
+                    timeout: float, data_path: str | None = None) -> dict[str, Any]:
     """The image's first boot on a fresh node, which records its hot list into ``hot_store``.
 
     The node reads the store through nginx (``hot_url``, read-only) and publishes to the
     directory behind it (``--publish-store``); the job seals the recording itself by creating
     the marker after its first output.  Returns the list's summary, with the recording's
-    ``sealed_by``/``outcome`` from the layer server and the boot's time.
+    ``sealed_by``/``outcome`` from the layer server and the boot's time.  ``data_path``: the
+    daemon's ``--data-path`` (None: not passed).
     """
     log_path = work / "logs" / "record.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with fresh_node(work / "record", True, hot_url, timeout, publish_store=hot_store) as stack:
+    with fresh_node(work / "record", True, hot_url, timeout, publish_store=hot_store, data_path=data_path) as stack:
         drop_caches()
         start = time.perf_counter()
         run_checked(pull_argv(stack, ref, True), "rpull (recording boot)", timeout=timeout, log_path=log_path)
@@ -716,24 +747,28 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
 
 
 def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot_url: str, hot_store: Path,
-                     scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None) -> None:
+                     scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
+                     data_path: str | None = None, pass_data_path: bool = False) -> None:
     """A fresh node (new roots, empty cache) whose store holds the hot list: rpull prefetches, then the job."""
-    scenario = scenarios["hot-cold"]
-    log_path = work / "logs" / f"hot{rep}.log"
+    scenario = scenarios[named("hot-cold", data_path)]
+    label = "hot" + (f"-{data_path}" if data_path else "")
+    log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with fresh_node(work / f"h{rep}", True, hot_url, timeout, publish_store=hot_store) as stack:
+        with fresh_node(work / f"h{data_path or ''}{rep}", True, hot_url, timeout, publish_store=hot_store,
+                        data_path=data_path if pass_data_path else None) as stack:
             pull = pull_argv(stack, ref, True)
             profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
-            run = timed_start(stack, link, ref, f"{scenario.name}-{rep}", pull, timeout, log_path, True, profile,
+            run = timed_start(stack, link, ref, f"hot-cold-{rep}", pull, timeout, log_path, True, profile,
                               watch_prefetch=True)
     except (BenchError, harness.HarnessError) as e:
         scenario.errors.append(f"run {rep}: {e}")
-        log(f"  hot-cold       run {rep}: FAILED: {e}")
+        log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
         return
     scenario.runs.append(run)
     pf = run.prefetch
-    log(f"  hot-cold       run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
+    log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
+        f"page cache +{run.page_cache_bytes / MB:.0f} MB, FUSE requests {sum(run_fuse_requests(run).values()):.0f}, "
         f"link {run.link_bytes / MB:7.1f} MB; prefetch {_f(pf.get('start_s'))}..{_f(pf.get('end_s'))} s, "
         f"{pf.get('fetched_bytes', 0) / MB:.1f} MB, hits {pf.get('hits', 0):.0f}, waited {pf.get('waited', 0):.0f}, "
         f"misses {pf.get('misses', 0):.0f}")
@@ -879,9 +914,9 @@ def chroot_start(root: Path, timeout: float, log_path: Path) -> tuple[float, str
 
 
 @contextlib.contextmanager
-def layer_server_node(base: Path, store_url: str) -> Iterator[tuple[Path, str]]:
-    """``bootseer layer-server --root BASE/root --store URL`` on a fresh root; yields its control socket
-    and its metrics URL."""
+def layer_server_node(base: Path, store_url: str, data_path: str | None = None) -> Iterator[tuple[Path, str]]:
+    """``bootseer layer-server --root BASE/root --store URL`` on a fresh root (``--data-path`` if given);
+    yields its control socket and its metrics URL."""
     from bootseer.blockstore.control import LayerServerClient
 
     shutil.rmtree(base, ignore_errors=True)
@@ -889,7 +924,8 @@ def layer_server_node(base: Path, store_url: str) -> Iterator[tuple[Path, str]]:
     root = base / "root"
     metrics = f"127.0.0.1:{harness.free_port()}"
     server = harness.ManagedProcess("layer-server", bootseer_argv("layer-server", "--root", str(root), "--store",
-                                                                  store_url, "--metrics-address", metrics),
+                                                                  store_url, "--metrics-address", metrics,
+                                                                  *(["--data-path", data_path] if data_path else [])),
                                     base / "layer-server.log", python=True)
     socket_path = root / "layers" / "control.sock"
 
@@ -923,23 +959,27 @@ def _lower_dir(mounted: Any) -> str:
 
 def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image_build.Image, store_url: str,
                       scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
-                      cache_dir: Path) -> None:
-    """The layer server alone (no containerd, no snapshotter): cold, local, and plain overlayfs beside it."""
+                      cache_dir: Path, data_path: str | None = None, pass_data_path: bool = False,
+                      plain_too: bool = True) -> None:
+    """The layer server alone (no containerd, no snapshotter) on ``data_path``: cold, local, and (``plain_too``)
+    plain overlayfs beside it."""
     from bootseer.blockstore.control import LayerServerClient
 
-    log_path = work / "logs" / f"fuse{rep}.log"
+    label = "fuse" + (f"-{data_path}" if data_path else "")
+    log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     chains = harness.chain_ids([layer.diff_id for layer in image.layers])
-    cold, local, plain = (scenarios[name] for name in KINDS["fuse"])
-    base = work / f"f{rep}"
+    cold, local, plain = (scenarios[named(name, data_path)] for name in KINDS["fuse"])
+    base = work / f"f{data_path or ''}{rep}"
     try:
-        with layer_server_node(base, store_url) as (socket_path, metrics_url):
+        with layer_server_node(base, store_url, data_path if pass_data_path else None) as (socket_path, metrics_url):
             client = LayerServerClient(socket_path)
             lowers: list[str] = []
             for scenario in (cold, local):
                 before = {**layer_server_figures(socket_path), **scrape_metrics(metrics_url)} if lowers else {}
                 profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
                 drop_caches()
+                pages = file_pages()
                 counters = link.counters()
                 try:
                     with profiled(socket_path, profile):
@@ -954,22 +994,27 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
                     scenario.errors.append(f"run {rep}: {e}")
                     log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
                     break
+                page_cache = file_pages() - pages
                 fetched = (link.counters() - counters).received
                 server = diff_figures({**layer_server_figures(socket_path), **scrape_metrics(metrics_url)}, before)
                 scenario.runs.append(Run(seconds=total, pull_seconds=mounted, link_bytes=fetched, output=line,
-                                         server=server))
+                                         server=server, page_cache_bytes=page_cache))
                 log(f"  {scenario.name:14} run {rep}: {total:6.2f} s (mounts {mounted:5.2f} s), "
                     f"link {fetched / MB:7.1f} MB")
     except (BenchError, harness.HarnessError) as e:
         cold.errors.append(f"run {rep}: layer server did not start: {e}")
-        log(f"  fuse node {rep}: FAILED: {e}")
+        log(f"  {label} node {rep}: FAILED: {e}")
+    if not plain_too:
+        return
     plain_lowers = [str(cache_dir / "layers" / layer.name) for layer in image.layers][::-1]
     drop_caches()
+    pages = file_pages()
     try:
         start = time.perf_counter()
         with overlay_root(plain_lowers, work, f"plain{rep}") as root:
             seconds, line = chroot_start(root, timeout, log_path)
         total = time.perf_counter() - start
+        page_cache = file_pages() - pages
     except BenchError as e:
         plain.errors.append(f"run {rep}: {e}")
         log(f"  plain-local    run {rep}: FAILED: {e}")
@@ -977,7 +1022,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
     finally:
         for suffix in ("up", "work", "root"):
             shutil.rmtree(work / f"plain{rep}.{suffix}", ignore_errors=True)
-    plain.runs.append(Run(seconds=total, pull_seconds=0.0, link_bytes=0, output=line))
+    plain.runs.append(Run(seconds=total, pull_seconds=0.0, link_bytes=0, output=line, page_cache_bytes=page_cache))
     log(f"  plain-local    run {rep}: {total:6.2f} s")
 
 
@@ -1025,39 +1070,49 @@ def _fetched_bytes(run: Run) -> float | None:
     return float(run.link_bytes)
 
 
-def hot_floor(seconds: dict[str, float | None], context: dict[str, Any]) -> float | None:
-    """Issue 7's floor of a prefetched start: the hot list's bytes over the measured link rate,
-    plus the all-local lazy start (lazy-local's median)."""
+def hot_floor(seconds: dict[str, float | None], context: dict[str, Any], data_path: str) -> float | None:
+    """The floor of a prefetched start (issue 15's): the hot list's bytes over the measured link rate, plus
+    overlayfs's warm start (overlay-warm's median: a start that reads nothing from disk or the link); where
+    that did not run, the all-local lazy start on ``data_path`` (lazy-local's median, issue 7's floor)."""
     hot, rate = context.get("hot"), context.get("link_rate")
-    if not hot or not rate or not seconds.get("lazy-local"):
+    warm = seconds.get("overlay-warm") or seconds.get(named("lazy-local", data_path))
+    if not hot or not rate or not warm:
         return None
-    return hot["bytes"] / MB / rate + seconds["lazy-local"]
+    return hot["bytes"] / MB / rate + warm
 
 
-def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any]) -> list[str]:
-    """The report's hot-list section: the list, the floor, the distance, the prefetch per run."""
+def _floor_base(seconds: dict[str, float | None], data_path: str) -> str:
+    return "overlay-warm" if seconds.get("overlay-warm") else named("lazy-local", data_path)
+
+
+def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any],
+                data_path: str) -> list[str]:
+    """The report's hot-list section of one data path: the list, the floor, the distance, the prefetch per run."""
     hot = context.get("hot")
-    scenario = scenarios["hot-cold"]
-    if not hot and not scenario.runs:
+    name = named("hot-cold", data_path)
+    scenario = scenarios.get(name)
+    if scenario is None or (not hot and not scenario.runs):
         return []
-    lines = ["", "## Hot list: record on a first boot, prefetch on a fresh node (issue 7)", ""]
+    lines = ["", f"## Hot list: record on a first boot, prefetch on a fresh node (issue 7), data path {data_path}", ""]
     if hot:
-        lines.append(f"Recorded by one first boot on a fresh node (store through nginx, `--publish-store` the "
-                     f"directory behind it; {hot['boot_seconds']:.1f} s to the first output): {hot['blocks']} blocks, "
-                     f"{hot['bytes'] / MB:.1f} MB stored ({hot['raw_bytes'] / MB:.1f} MB raw), first touches over "
-                     f"{hot['span_s']:.1f} s, sealed by `{hot['sealed_by']}`, {hot['outcome']}.")
-    floor = hot_floor(seconds, context)
+        lines.append(f"Recorded by one first boot on a fresh node (data path {hot.get('data_path', '?')}; store "
+                     f"through nginx, `--publish-store` the directory behind it; {hot['boot_seconds']:.1f} s to the "
+                     f"first output): {hot['blocks']} blocks, {hot['bytes'] / MB:.1f} MB stored "
+                     f"({hot['raw_bytes'] / MB:.1f} MB raw), first touches over {hot['span_s']:.1f} s, sealed by "
+                     f"`{hot['sealed_by']}`, {hot['outcome']}.")
+    floor = hot_floor(seconds, context, data_path)
     link_s = hot["bytes"] / MB / context["link_rate"] if hot and context.get("link_rate") else None
+    lazy_cold, hot_cold = seconds.get(named("lazy-cold", data_path)), seconds.get(name)
     lines += ["", "| figure | s |", "|---|---|",
-              f"| (a) overlay-cold, median | {_f(seconds['overlay-cold'])} |",
-              f"| (b) lazy-cold (no hot list), median | {_f(seconds['lazy-cold'])} |",
-              f"| (c) hot-cold, median | {_f(seconds['hot-cold'])} |",
+              f"| (a) overlay-cold, median | {_f(seconds.get('overlay-cold'))} |",
+              f"| (b) lazy-cold (no hot list), median | {_f(lazy_cold)} |",
+              f"| (c) hot-cold, median | {_f(hot_cold)} |",
               f"| hot bytes over the link rate ({_f(hot and hot['bytes'] / MB, '.1f')} MB at "
               f"{_f(context.get('link_rate'), '.1f')} MB/s) | {_f(link_s)} |",
-              f"| all-local run (lazy-local, median) | {_f(seconds['lazy-local'])} |",
+              f"| {_floor_base(seconds, data_path)}, median | {_f(seconds.get(_floor_base(seconds, data_path)))} |",
               f"| floor of (c) | {_f(floor)} |",
-              f"| (c) − floor | {_f(seconds['hot-cold'] - floor if seconds['hot-cold'] and floor else None)} |",
-              f"| (c) / floor | {_f(seconds['hot-cold'] / floor if seconds['hot-cold'] and floor else None)}× |"]
+              f"| (c) − floor | {_f(hot_cold - floor if hot_cold and floor else None)} |",
+              f"| (c) / floor | {_f(hot_cold / floor if hot_cold and floor else None)}× |"]
     if scenario.runs:
         rows = [("pull (s, from the start)", "pull", ".2f"), ("prefetch seen (s after the pull started)", "start_s", ".2f"),
                 ("prefetch done (s after the pull started)", "end_s", ".2f"),
@@ -1086,9 +1141,130 @@ def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None]
     return lines
 
 
+def _median_requests(scenario: Scenario) -> dict[str, float]:
+    """Median FUSE requests per start of ``scenario``, by operation, and in all (``total``)."""
+    per_run = [run_fuse_requests(r) for r in scenario.runs if any(k.startswith("fuse.requests.") for k in r.server)]
+    if not per_run:
+        return {}
+    ops = sorted({op for requests in per_run for op in requests})
+    medians = {op: statistics.median(requests.get(op, 0.0) for requests in per_run) for op in ops}
+    medians["total"] = statistics.median(sum(requests.values()) for requests in per_run)
+    return medians
+
+
+#: The overlayfs start a BootSeer start's page-cache growth is held against (the same start).
+PAGE_CACHE_BASELINES = {"lazy-cold": "overlay-cold", "lazy-local": "overlay-local", "lazy-warm": "overlay-warm",
+                        "hot-cold": "overlay-cold", "fuse-cold": "overlay-cold", "fuse-local": "plain-local"}
+#: A growth below this is noise (a warm start reads nothing new): no ratio is taken against it.
+PAGE_CACHE_NOISE = 16 * MB
+
+
+def data_path_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[str]:
+    """Per data path: each BootSeer start's FUSE requests by operation and its page-cache growth, beside
+    overlayfs's growth for the same start."""
+    rows = []
+    for base in ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold", "fuse-cold", "fuse-local"):
+        for path in paths:
+            scenario = scenarios.get(named(base, path))
+            if scenario is None or not scenario.runs:
+                continue
+            requests = _median_requests(scenario)
+            ops = ", ".join(f"{op} {count:.0f}" for op, count in sorted(requests.items(), key=lambda item: -item[1])
+                            if op != "total") or "—"
+            growth = scenario.median(lambda r: r.page_cache_bytes)
+            against = scenarios.get(PAGE_CACHE_BASELINES[base])
+            other = against.median(lambda r: r.page_cache_bytes) if against is not None else None
+            ratio = growth / other if growth is not None and other and other > PAGE_CACHE_NOISE else None
+            rows.append(f"| {base} | {path} | {_f(scenario.median(lambda r: r.seconds))} | "
+                        f"{_f(requests.get('total'), '.0f')} | {ops} | {_f(growth and growth / MB, '.0f')} | "
+                        f"{PAGE_CACHE_BASELINES[base]} {_f(other and other / MB, '.0f')} | {_f(ratio)} |")
+    if not rows:
+        return []
+    return ["", "## Per data path: FUSE requests and page-cache growth per start (medians)", "",
+            "FUSE requests: the layer server's `bootseer_fuse_requests_total` (every filesystem it serves, by `op`), "
+            "scraped from its Prometheus endpoint before and after each start. Page cache: file pages "
+            "(`Active(file) + Inactive(file)` in /proc/meminfo, machine-wide) after the container exited minus just "
+            "before the start (after the drop, for the cold and local starts); other work on the machine adds its "
+            f"own, so figures under {PAGE_CACHE_NOISE / MB:.0f} MB are not compared.", "",
+            "| start | data path | s | FUSE requests | by op | page cache + (MB) | overlayfs, same start (MB) | × |",
+            "|---|---|---|---|---|---|---|---|", *rows]
+
+
+def target_checks(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any],
+                  paths: list[str]) -> list[str]:
+    """One check line per target and data path: ``TARGET [path] wanted measured met|MISSED``."""
+    lines = []
+
+    def ratio(top: str, bottom: str) -> float | None:
+        a, b = seconds.get(top), seconds.get(bottom)
+        return a / b if a and b else None
+
+    def check(label: str, value: float | None, target: float, wanted: str | None = None) -> str:
+        wanted = wanted or f"≤ {target:g}×"
+        if value is None:
+            return f"| {label} | {wanted} | — | not measured |"
+        return f"| {label} | {wanted} | {value:.2f}× | {'met' if value <= target else 'MISSED'} |"
+
+    def growth(name: str) -> float | None:
+        scenario = scenarios.get(name)
+        return scenario.median(lambda r: r.page_cache_bytes) if scenario is not None else None
+
+    def asked(name: str) -> bool:
+        """Whether scenario ``name`` was run (or tried): a target of one not asked for gets no line."""
+        scenario = scenarios.get(name)
+        return scenario is not None and bool(scenario.runs or scenario.errors)
+
+    tree = TREE_PATH if TREE_PATH in paths else None
+    for path in paths:
+        at = f"[{path}]"
+        lines.append(check(f"{at} all-local start (lazy-warm) / overlayfs warm start",
+                           ratio(named("lazy-warm", path), "overlay-warm"), TARGET_LOCAL_RATIO))
+        lines.append(check(f"{at} all-local start, page cache dropped (lazy-local) / overlayfs local start",
+                           ratio(named("lazy-local", path), "overlay-local"), TARGET_LOCAL_RATIO))
+        lines.append(check(f"{at} lazy cold start / overlayfs cold start",
+                           ratio(named("lazy-cold", path), "overlay-cold"), TARGET_COLD_RATIO))
+        lazy = scenarios.get(named("lazy-cold", path))
+        if lazy is not None and lazy.runs:
+            read = lazy.median(lambda r: _read_bytes(r) or 0.0)
+            fetched = lazy.median(lambda r: _fetched_bytes(r) or 0.0)
+            lines.append(check(f"{at} bytes fetched / bytes read (lazy-cold)", fetched / read if read else None,
+                               TARGET_FETCH_OVER_READ))
+        hot = seconds.get(named("hot-cold", path))
+        floor = hot_floor(seconds, context, path)
+        if asked(named("hot-cold", path)):
+            lines.append(check(f"{at} hot-list start on a fresh node / overlayfs cold start",
+                               ratio(named("hot-cold", path), "overlay-cold"), 1 / TARGET_HOT_SPEEDUP,
+                               f"≤ {1 / TARGET_HOT_SPEEDUP:g}× (≥ {TARGET_HOT_SPEEDUP:g}× faster)"))
+            lines.append(check(f"{at} hot-list start / its floor (hot bytes over the link + "
+                               f"{_floor_base(seconds, path)})", hot / floor if hot and floor else None,
+                               TARGET_HOT_OVER_FLOOR))
+        if tree is not None and path != tree:
+            for base in ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold"):
+                mine = _median_requests(scenarios.get(named(base, path), Scenario(""))).get("total")
+                theirs = _median_requests(scenarios.get(named(base, tree), Scenario(""))).get("total")
+                if mine is None and theirs is None:
+                    continue
+                value = mine / theirs if mine is not None and theirs else None
+                lines.append(check(f"{at} FUSE requests per start ({base}) / the tree path's", value,
+                                   TARGET_FUSE_REQUESTS_RATIO, f"≤ {TARGET_FUSE_REQUESTS_RATIO:g}× (1/10)"))
+        for base in ("lazy-cold", "lazy-local", "hot-cold"):
+            mine, theirs = growth(named(base, path)), growth(PAGE_CACHE_BASELINES[base])
+            if not asked(named(base, path)):
+                continue
+            value = mine / theirs if mine is not None and theirs and theirs > PAGE_CACHE_NOISE else None
+            lines.append(check(f"{at} page-cache growth ({base}) / overlayfs's ({PAGE_CACHE_BASELINES[base]})",
+                               value, TARGET_PAGE_CACHE_RATIO))
+        if seconds.get(named("fuse-local", path)) and seconds.get("plain-local"):
+            lines.append(check(f"{at} (layer server alone) fuse-local / plain-local",
+                               ratio(named("fuse-local", path), "plain-local"), TARGET_LOCAL_RATIO))
+    return lines
+
+
 def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[str, Scenario],
            context: dict[str, Any]) -> str:
     seconds = {name: s.median(lambda r: r.seconds) for name, s in scenarios.items()}
+    paths: list[str] = context.get("data_paths") or [TREE_PATH]
+    support = context.get("data_path_flag", {})
     lines = [
         "# Lazy image layers: benchmark results",
         "",
@@ -1096,41 +1272,51 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         f"- Machine: {_machine()}",
         f"- Command: `{shlex.join(['python', 'bench/lazy_bench.py', *sys.argv[1:]])}`",
         f"- Code: {_code_version()}",
+        f"- Data paths: {', '.join(paths)} (each BootSeer scenario once per data path, `name@path`; `--data-path` "
+        f"passed to the snapshotter: {'yes' if support.get('snapshotter') else 'no, it takes none'})",
         f"- Image: {len(image.layers)} layers, {image.unpacked_bytes / MB:.0f} MB unpacked, "
         f"{image.compressed_bytes / MB:.0f} MB gzip: "
         + ", ".join(f"{layer.name} {layer.tar_size / MB:.0f} MB" for layer in image.layers)
         + f"; command `python3 /app/train.py` (import torch, one SGD step, prints `{image_build.FIRST_OUTPUT_MARKER}`)",
         f"- Link: veth pair into a private network namespace holding the registry and the store's nginx, "
         f"tbf {args.rate} each way (measured {_f(context.get('link_rate'), '.1f')} MB/s with one HTTP GET)",
-        f"- Each run on a fresh containerd root and snapshotter root (empty caches), page cache dropped "
-        f"before every timed start; {args.reps} repetitions; wall time {context['wall'] / 60:.1f} min",
+        f"- Each node fresh (new containerd root and snapshotter root, empty caches); the page cache dropped "
+        f"before every cold and local start, not before a warm one; {args.reps} repetitions; wall time "
+        f"{context['wall'] / 60:.1f} min",
         f"- Load average (5 min) of the machine, which other work shares: {context['load'][0]:.1f} at the start, "
         f"{context['load'][1]:.1f} at the end, on {os.cpu_count()} cores",
         "",
         "## Time to the first useful output",
         "",
-        "| scenario | what is timed | runs (s) | median (s) | pull (s) | × baseline | link bytes (MB) |",
-        "|---|---|---|---|---|---|---|",
+        "| scenario | what is timed | runs (s) | median (s) | pull (s) | × baseline | link bytes (MB) "
+        "| page cache + (MB) | FUSE requests |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, scenario in scenarios.items():
         if not scenario.runs and not scenario.errors:
             continue  # not asked for
-        baseline = seconds[BASELINES[name]]
+        baseline = seconds[BASELINES[base_name(name)]]
         ratio = seconds[name] / baseline if seconds[name] and baseline else None
         runs = ", ".join(f"{r.seconds:.2f}" for r in scenario.runs) or "—"
+        requests = _median_requests(scenario).get("total")
         lines.append(
-            f"| {name} | {SCENARIOS[name]} | {runs} | {_f(seconds[name])} | "
+            f"| {name} | {SCENARIOS[base_name(name)]} | {runs} | {_f(seconds[name])} | "
             f"{_f(scenario.median(lambda r: r.pull_seconds))} | {_f(ratio)} | "
-            f"{_f(scenario.median(lambda r: r.link_bytes / MB), '.1f')} |")
+            f"{_f(scenario.median(lambda r: r.link_bytes / MB), '.1f')} | "
+            f"{_f(scenario.median(lambda r: r.page_cache_bytes / MB), '.0f')} | {_f(requests, '.0f')} |")
     lines += ["", "Baselines (medians of the same run): "
-              + "; ".join(f"{name} against {base}" for name, base in BASELINES.items()
-                          if name != base and (scenarios[name].runs or scenarios[name].errors))
+              + "; ".join(f"{base} against {BASELINES[base]}" for base in SCENARIOS
+                          if base != BASELINES[base] and any(base_name(name) == base and (s.runs or s.errors)
+                                                             for name, s in scenarios.items()))
               + ". `pull` is the pull alone (for the fuse scenarios: the layer mounts)."]
     # The bytes of a lazy start: through containerd if it ran, else through the layer server alone.
-    lazy = scenarios["lazy-cold"] if scenarios["lazy-cold"].runs or not scenarios["fuse-cold"].runs \
-        else scenarios["fuse-cold"]
+    first = paths[0]
+    lazy = scenarios[named("lazy-cold", first)]
+    if not lazy.runs and scenarios[named("fuse-cold", first)].runs:
+        lazy = scenarios[named("fuse-cold", first)]
     read = lazy.median(lambda r: _read_bytes(r) or 0.0) if any(_read_bytes(r) for r in lazy.runs) else None
     fetched = lazy.median(lambda r: _fetched_bytes(r) or 0.0) if lazy.runs else None
+
     def median_of(key: str) -> float | None:
         values = [r.server[key] for r in lazy.runs if key in r.server]
         return statistics.median(values) if values else None
@@ -1146,8 +1332,10 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
               f"distinct blocks it touched (node cache growth) | {_f(read and read / MB, '.1f')} |",
               f"| whole image, gzip (what overlayfs pulls) | {image.compressed_bytes / MB:.1f} |",
               f"| whole image, unpacked | {image.unpacked_bytes / MB:.1f} |"]
-    lines += hot_section(scenarios, seconds, context)
-    for scenario in (scenarios[name] for name in ("lazy-cold", "lazy-local", "fuse-cold", "fuse-local", "hot-cold")):
+    lines += data_path_section(scenarios, paths)
+    for path in paths:
+        lines += hot_section(scenarios, seconds, context, path)
+    for scenario in scenarios.values():
         keys = sorted({k for r in scenario.runs for k in r.server})
         if keys:
             lines += ["", f"Layer server figures per {scenario.name} run (counters: what the run added):", "",
@@ -1157,30 +1345,11 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
                 spec = ".2f" if key.endswith("seconds") else ".0f"
                 lines.append(f"| {key} | " + " | ".join(format(r.server.get(key, 0), spec) for r in scenario.runs)
                              + " |")
-
-    def check(label: str, value: float | None, target: float, unit: str = "×") -> str:
-        if value is None:
-            return f"| {label} | ≤ {target:g}{unit} | — | not measured |"
-        return f"| {label} | ≤ {target:g}{unit} | {value:.2f}{unit} | {'met' if value <= target else 'MISSED'} |"
-
-    cold_ratio = seconds["lazy-cold"] / seconds["overlay-cold"] if seconds["lazy-cold"] and seconds["overlay-cold"] else None
-    local_ratio = (seconds["lazy-local"] / seconds["overlay-local"]
-                   if seconds["lazy-local"] and seconds["overlay-local"] else None)
-    fetch_ratio = fetched / read if read and fetched else None
-    lines += ["", "## Targets", "", "| target | wanted | measured | |", "|---|---|---|---|",
-              check("lazy cold start / overlayfs cold start", cold_ratio, TARGET_COLD_RATIO),
-              check(f"bytes fetched / bytes read ({lazy.name})", fetch_ratio, TARGET_FETCH_OVER_READ),
-              check("lazy local start / overlayfs local start", local_ratio, TARGET_LOCAL_RATIO)]
-    floor = hot_floor(seconds, context)
-    lines.append(check("(issue 7) hot-list start / its floor", seconds["hot-cold"] / floor
-                       if seconds["hot-cold"] and floor else None, TARGET_HOT_OVER_FLOOR))
-    lines.append(check("(issue 7) hot-list start / overlayfs cold start", seconds["hot-cold"] / seconds["overlay-cold"]
-                       if seconds["hot-cold"] and seconds["overlay-cold"] else None, 1 / TARGET_HOT_SPEEDUP)
-                 .replace(f"≤ {1 / TARGET_HOT_SPEEDUP:g}×", f"≤ {1 / TARGET_HOT_SPEEDUP:g}× (≥ {TARGET_HOT_SPEEDUP:g}× faster)"))
-    if seconds["fuse-local"] and seconds["plain-local"]:
-        lines.append(check("(layer server alone) fuse-local / plain-local", seconds["fuse-local"] / seconds["plain-local"],
-                           TARGET_LOCAL_RATIO))
-    summaries = sorted({r.pull_summary for r in scenarios["lazy-cold"].runs if r.pull_summary})
+    checks = target_checks(scenarios, seconds, context, paths)
+    lines += ["", "## Targets", "", "Each a ratio of medians of this run, per data path.", "",
+              "| target | wanted | measured | |", "|---|---|---|---|", *checks]
+    summaries = sorted({r.pull_summary for name, s in scenarios.items() if base_name(name) == "lazy-cold"
+                        for r in s.runs if r.pull_summary})
     if summaries:
         lines += ["", "`bootseer rpull` said: " + "; ".join(f"`{text}`" for text in summaries)]
     outputs = sorted({r.output for s in scenarios.values() for r in s.runs})
@@ -1189,7 +1358,8 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     if context.get("convert_seconds") is not None:
         lines += ["", f"`bootseer convert` of the image took {context['convert_seconds']:.1f} s (once; cached after)."]
     if context.get("profile_dir"):
-        for name in ("lazy-cold", "lazy-local", "fuse-cold", "fuse-local"):
+        for name in (named(base, path) for path in paths for base in ("lazy-cold", "lazy-local", "lazy-warm",
+                                                                      "fuse-cold", "fuse-local")):
             rows = summarize_profile(context["profile_dir"] / f"{name}-1.txt")
             if rows:
                 lines += ["", f"## Where the layer server's time goes: {name}, run 1 (py-spy --gil)", "", *rows]
@@ -1198,8 +1368,8 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         starts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in timeline["scenarios"].items())
         lines += ["", "## Where a start goes (`--timeline`, profiled, not in the medians above)", "",
                   f"One more cold start of each on a fresh node with the start-up profiler on ({starts} to the first "
-                  f"output); `bootseer profile compare` of the two traces (files in `{timeline['dir']}`: "
-                  f"{', '.join(timeline['files'])}):", "", "```", timeline["table"], "```"]
+                  f"output; the snapshotter's default data path); `bootseer profile compare` of the two traces (files "
+                  f"in `{timeline['dir']}`: {', '.join(timeline['files'])}):", "", "```", timeline["table"], "```"]
     errors = [f"- {name}: {e}" for name, s in scenarios.items() for e in s.errors]
     if errors:
         lines += ["", "## Failures", "", *errors]
@@ -1239,9 +1409,25 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
     work.mkdir()
     for path in (args.cache_dir, args.cache_dir / "runs", work):
         path.chmod(0o755)  # nginx's worker (www-data) must reach the store below the cache dir
-    scenarios = {name: Scenario(name) for name in SCENARIOS}
     context: dict[str, Any] = {"notes": []}
     kinds = [k for k in KINDS if k in args.modes]
+    support = data_path_support()
+    context["data_path_flag"] = support
+    paths: list[str] = list(args.data_paths)
+    if not support["snapshotter"]:
+        dropped = [path for path in paths if path != TREE_PATH]
+        paths = [TREE_PATH]
+        context["notes"].append(
+            "The installed bootseer-snapshotter takes no `--data-path`: every BootSeer start ran on its only data "
+            "path, the per-file FUSE tree, without the flag" + (f" ({', '.join(dropped)} not measured)." if dropped
+                                                                else "."))
+    elif not support["layer-server"] and "fuse" in kinds:
+        context["notes"].append("`bootseer layer-server` takes no `--data-path`: the fuse scenarios ran on its default.")
+    context["data_paths"] = paths
+    log(f"data paths: {', '.join(paths)} (--data-path passed to the snapshotter: {support['snapshotter']}, "
+        f"to the layer server: {support['layer-server']})")
+    scenarios = {named(base, path): Scenario(named(base, path))
+                 for base in SCENARIOS for path in (paths if base in PER_DATA_PATH else [None])}
     if args.profile:
         context["profile_dir"] = work / "profile"
         context["profile_dir"].mkdir()
@@ -1278,29 +1464,36 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                     if kind in kinds:
                         kinds.remove(kind)
                         for name in KINDS[kind]:
-                            scenarios[name].errors.append(f"store not ready: {e}")
+                            for path in paths:
+                                scenarios[named(name, path)].errors.append(f"store not ready: {e}")
                 log(f"lazy path not measured: {e}")
         if "hot" in kinds:
             log(f"recording boot: fresh node, store {hot_url}, --publish-store {hot_store}")
             try:
-                context["hot"] = record_hot_list(work, ref, hot_url, hot_store, image, args.timeout)
+                context["hot"] = record_hot_list(work, ref, hot_url, hot_store, image, args.timeout,
+                                                 data_path=paths[0] if support["snapshotter"] else None)
+                context["hot"]["data_path"] = paths[0]
                 log(f"  hot list: {context['hot']['blocks']} blocks, {context['hot']['bytes'] / MB:.1f} MB "
                     f"(sealed by {context['hot']['sealed_by']}; the boot took {context['hot']['boot_seconds']:.1f} s)")
             except (BenchError, harness.HarnessError) as e:
                 kinds.remove("hot")
-                scenarios["hot-cold"].errors.append(f"no hot list recorded: {e}")
+                for path in paths:
+                    scenarios[named("hot-cold", path)].errors.append(f"no hot list recorded: {e}")
                 log(f"  recording boot FAILED: {e}")
+        pass_snapshotter, pass_server = support["snapshotter"], support["layer-server"]
         for rep in range(1, args.reps + 1):
             for kind in kinds:
-                if kind == "hot":
-                    measure_hot_node(rep, work, link, ref, hot_url, hot_store, scenarios, args.timeout,
-                                     context.get("profile_dir"))
-                elif kind == "fuse":
-                    measure_fuse_node(rep, work, link, image, store_url, scenarios, args.timeout,
-                                      context.get("profile_dir"), args.cache_dir)
-                else:
-                    measure_node(kind, rep, work, link, ref, store_url, scenarios, args.timeout,
-                                 context.get("profile_dir"))
+                for number, path in enumerate(paths if kind != "overlay" else [None]):
+                    if kind == "hot":
+                        measure_hot_node(rep, work, link, ref, hot_url, hot_store, scenarios, args.timeout,
+                                         context.get("profile_dir"), path, pass_snapshotter)
+                    elif kind == "fuse":
+                        measure_fuse_node(rep, work, link, image, store_url, scenarios, args.timeout,
+                                          context.get("profile_dir"), args.cache_dir, path, pass_server,
+                                          plain_too=number == 0)
+                    else:
+                        measure_node(kind, rep, work, link, ref, store_url, scenarios, args.timeout,
+                                     context.get("profile_dir"), path, pass_snapshotter)
         if args.timeline is not None:
             try:
                 context["timeline"] = record_timeline(args.timeline, work, link, ref, store_url, hot_url, hot_store,
@@ -1324,6 +1517,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated: overlay, lazy, fuse (the layer server alone, no containerd, with "
                              "plain overlayfs chroot runs beside it), hot (a recording boot, then fresh nodes that "
                              "prefetch its hot list) (overlay,lazy,fuse,hot)")
+    parser.add_argument("--data-paths", default="erofs,tree",
+                        help="comma-separated node data paths each BootSeer scenario runs on, in the same run against "
+                             f"the same baselines: {', '.join(DATA_PATHS)} (erofs,tree; only tree where the installed "
+                             "snapshotter takes no --data-path)")
     parser.add_argument("--jobs", type=int, default=2, help="gzip threads when building the image (2)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one pull or run may take (600)")
     parser.add_argument("--profile", action="store_true",
@@ -1342,6 +1539,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--modes takes a comma-separated subset of {','.join(KINDS)}")
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    args.data_paths = list(dict.fromkeys(p.strip() for p in args.data_paths.split(",") if p.strip()))
+    if not args.data_paths or set(args.data_paths) - set(DATA_PATHS):
+        parser.error(f"--data-paths takes a comma-separated subset of {','.join(DATA_PATHS)}")
     args.cache_dir = args.cache_dir.resolve()
     if args.timeline is not None:
         if "overlay" not in args.modes or not {"lazy", "hot"} & set(args.modes):

@@ -13,7 +13,15 @@ restarts; nothing in it needs cleaning up after a crash (a torn entry fails its
 checksum, a dead writer's temporary file is swept by the next scan).
 
 Raw rather than compressed blocks: a hit then costs a read and a hash, no
-decompression, and the hash checks what is served.  Methods block (disk I/O and
+decompression, and the hash checks what is served.
+
+The entries' file pages are kept out of the page cache (written back and dropped
+after a write, dropped after a read): the kernel already caches what a block serves
+in the page cache of the file it was read through (the FUSE file of the per-file
+tree, or a layer's blob file under EROFS), and the fetcher keeps recent blocks in
+memory, so the cache's own pages would only hold each block's bytes once more.  A
+hit therefore reads the disk, which is what the cache is for: blocks the page cache
+no longer has.  Methods block (disk I/O and
 hashing): call them from a worker thread.
 """
 
@@ -57,6 +65,7 @@ class BlockCache(VerifiedFileCache):
 
     MAGIC = b"BSBLOCK1"
     kind = "blocks"
+    keep_out_of_page_cache = True
 
     @staticmethod
     def check_key(key: str) -> str:

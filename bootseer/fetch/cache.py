@@ -23,6 +23,12 @@ it and deletes least recently used entries down to 90%; concurrent deletion by t
 processes is harmless.  The cache never raises: a disk problem is logged and behaves
 as a miss.
 
+A subclass may keep its entries' file pages out of the kernel's page cache
+(:attr:`VerifiedFileCache.keep_out_of_page_cache`; the block cache does): after a
+write the entry's pages are written back and dropped, after a read they are dropped,
+so the cache's own copy of a payload never sits in memory beside the copy its
+caller hands on (see :func:`drop_file_pages`).
+
 Where a source gives no version the file's mtime stands in for it, and where it
 reports no mtime either (0.0) entries are keyed by size alone, so a file rewritten in
 place with the same size would be served stale; such sources should not be cached.
@@ -30,6 +36,7 @@ place with the same size would be served stale; such sources should not be cache
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -71,6 +78,37 @@ BYTES = prometheus_client.Gauge(
 )
 
 
+# sync_file_range(2): Python's os module lacks it.  Start writeback of the range, and wait
+# for any already under way before and for ours after, so the pages are clean when it returns.
+_SYNC_FILE_RANGE_ALL = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | _WRITE | _WAIT_AFTER
+_sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+if _sync_file_range is not None:
+    _sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+
+def drop_file_pages(fd: int, written: bool) -> None:
+    """Drop the page cache pages of the open file ``fd``; ``written``: write its dirty pages back first.
+
+    ``POSIX_FADV_DONTNEED`` only drops clean pages (it merely starts writeback of
+    dirty ones), so a file just written is first written back with
+    ``sync_file_range(2)`` and waited for: the file's data only, no journal commit
+    or flush of the disk's cache (crash safety does not depend on it: a torn entry
+    fails its checksum).  Where that call is missing (not Linux), ``fdatasync``
+    does the same, at a journal commit's cost.  Raises OSError when the write-back
+    fails (the entry is then not to be trusted to be on disk); the advice itself
+    cannot fail in a way that matters and is not checked.
+    """
+    if written and _sync_file_range is None:
+        os.fdatasync(fd)
+    elif written and _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_ALL) != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"writing the entry back: {os.strerror(number)}")
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass  # advice: a filesystem that ignores or refuses it only keeps the pages
+
+
 @dataclass
 class CacheStats:
     """Counters of one cache object (this process), for status output and tests."""
@@ -94,6 +132,10 @@ class VerifiedFileCache:
 
     MAGIC = b"BSCACHE1"
     kind = "generic"
+    #: True: an entry's file pages leave the page cache once written or read (:func:`drop_file_pages`),
+    #: for a cache whose payloads the caller keeps in memory of its own (the kernel's page cache of the
+    #: file it serves them through).  Costs a wait for the disk per write and a disk read per hit.
+    keep_out_of_page_cache = False
 
     def __init__(self, directory: str, max_bytes: int) -> None:
         if max_bytes < 1:
@@ -166,6 +208,8 @@ class VerifiedFileCache:
                     # A corrupt length must not make us allocate it: read no more than is there.
                     payload = file.read(min(length, on_disk))
                     problem = self._check_payload(payload, length, header, file.read(1))
+                if self.keep_out_of_page_cache:
+                    drop_file_pages(file.fileno(), written=False)
         except FileNotFoundError:
             self._count("misses")
             return None
@@ -224,6 +268,9 @@ class VerifiedFileCache:
             with open(temp, "wb") as file:
                 file.write(header)
                 file.write(payload)
+                if self.keep_out_of_page_cache:
+                    file.flush()
+                    drop_file_pages(file.fileno(), written=True)
             os.replace(temp, path)
         except OSError as exc:
             self._count("errors")

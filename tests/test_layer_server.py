@@ -166,8 +166,23 @@ def mount_overlay(node: Node, lowers: list[str], target: Path) -> None:
 # -- the FUSE view against tar -x ------------------------------------------------------------------
 
 
-def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted: list[Path]) -> None:
+DATA_PATHS = ["erofs", "loop", "tree"]  #: every forced data path (blockstore.datapath)
+
+
+def on_data_path(node_factory: Any, built: Any, data_path: str) -> tuple[Node, LayerServerClient]:
+    """A node forced to ``data_path``, started; its lower dirs are EROFS mounts unless it is ``tree``."""
+    node = node_factory(f"file://{built[0]}", data_path=data_path)
     client = node.ensure()
+    assert client.status()["data_path"] == {"path": data_path, "reason": "forced"}
+    return node, client
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_each_layer_equals_its_tar_extraction(node_factory: Any, built: Any, extracted: list[Path], data_path: str) -> None:
+    node, client = on_data_path(node_factory, built, data_path)
+    lower = client.mount(built[1][0].chain_id).lower_dir
+    entry = mount_entry(Path(lower))
+    assert (entry is not None and entry.fstype == "erofs") == (data_path != "tree"), lower
     for layer, reference in zip(built[1], extracted):
         fuse_view = disk_tree(Path(client.mount(layer.chain_id).lower_dir), overlay=False)
         expected = disk_tree(reference, overlay=True)
@@ -196,8 +211,11 @@ def test_each_layer_equals_its_tar_extraction(node: Node, built: Any, extracted:
     assert excinfo.value.errno == errno.ENODATA
 
 
-def test_an_overlay_stack_equals_the_applied_layers(node: Node, built: Any, extracted: list[Path], tmp_path: Path) -> None:
-    client = node.ensure()
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_an_overlay_stack_equals_the_applied_layers(
+    node_factory: Any, built: Any, extracted: list[Path], tmp_path: Path, data_path: str
+) -> None:
+    node, client = on_data_path(node_factory, built, data_path)
     lowers = [client.mount(layer.chain_id).lower_dir for layer in built[1]]
     merged = tmp_path / "merged"
     mount_overlay(node, list(reversed(lowers)), merged)

@@ -84,7 +84,21 @@ class ServerPaths:
         """Held by whoever is starting a server (one starter at a time)."""
         return self.layers / "start.lock"
 
-    def lower_dir(self, slot: int) -> str:
+    @property
+    def erofs_images(self) -> Path:
+        """The EROFS images of the mounted layers' indexes (``erofs`` and ``loop`` data paths)."""
+        return self.layers / "erofs"
+
+    @property
+    def erofs_lowers(self) -> Path:
+        """Where the layers' EROFS mounts are, one directory per slot."""
+        return self.layers / "lower"
+
+    def lower_dir(self, slot: int, data_path: str = "tree") -> str:
+        """The lower dir of the layer in ``slot`` on ``data_path``: its EROFS mount (``erofs``, ``loop``)
+        or its per-file FUSE tree (``tree``, which every data path also serves)."""
+        if data_path in ("erofs", "loop"):
+            return str(self.erofs_lowers / str(slot))
         return str(self.mountpoint / str(slot))
 
 

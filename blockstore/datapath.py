@@ -148,12 +148,12 @@ class ErofsLayers:
             raise ValueError(f"not an EROFS data path: {path!r}")
         self.paths = paths
         self.path = path
-        self.images = paths.layers / "erofs"
-        self.lowers = paths.layers / "lower"
+        self.images = paths.erofs_images
+        self.lowers = paths.erofs_lowers
         self._threads = threads  #: the server's decode limiter: image builds are O(entries)
 
     def lower_dir(self, slot: int) -> str:
-        return str(self.lowers / str(slot))
+        return self.paths.lower_dir(slot, self.path)
 
     def image_path(self, index_name: str) -> Path:
         return self.images / image_cache_name(index_name)

@@ -467,7 +467,7 @@ class LayerServer:
 
     def lower_dir(self, slot: int) -> str:
         """Where the layer in ``slot`` is served to overlayfs on this node's data path."""
-        return self.erofs.lower_dir(slot) if self.erofs is not None else self.paths.lower_dir(slot)
+        return self.paths.lower_dir(slot, self.data_path.path)
 
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.lower_dir(layer.slot)}

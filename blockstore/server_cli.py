@@ -21,7 +21,7 @@ import trio
 
 from bootseer.blockstore.cache import check_cache_dir
 from bootseer.blockstore.control import ServerPaths, read_secret_file
-from bootseer.blockstore.datapath import DATA_PATHS, DataPathUnavailable
+from bootseer.blockstore.datapath import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
 from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
@@ -106,6 +106,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              "erofs (file-backed EROFS over the layer's FUSE blob), loop (EROFS over loop devices), "
              "tree (the per-file FUSE tree); a forced path the kernel cannot give refuses start-up",
     )  # fmt: skip
+    # A test seam (undocumented in --help): the kernel's filesystem list the data-path probe
+    # reads, so a test can show a node without EROFS on a kernel that has it built in.
+    parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
     add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
     parser.set_defaults(func=layer_server_command)
 
@@ -190,6 +193,7 @@ def layer_server_command(args: argparse.Namespace) -> int:
         engine=engine,
         shutdown_grace=args.shutdown_grace,
         data_path=args.data_path,
+        filesystems=args.kernel_filesystems,
     )
     try:
         config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args))

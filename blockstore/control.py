@@ -94,6 +94,10 @@ class ServerPaths:
         """Where the layers' EROFS mounts are, one directory per slot."""
         return self.layers / "lower"
 
+    def blob(self, slot: int) -> Path:
+        """The FUSE blob file of the layer in ``slot`` (``mnt/blobs/<slot>``: its EROFS image's device)."""
+        return self.mountpoint / "blobs" / str(slot)  # blockstore.layerfs.BLOBS (not imported: this module is the light client)
+
     def lower_dir(self, slot: int, data_path: str = "tree") -> str:
         """The lower dir of the layer in ``slot`` on ``data_path``: its EROFS mount (``erofs``, ``loop``)
         or its per-file FUSE tree (``tree``, which every data path also serves)."""

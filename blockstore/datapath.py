@@ -40,7 +40,6 @@ from bootseer.blockstore.control import ServerPaths
 from bootseer.blockstore.erofs import build_image, image_cache_name, image_size, write_image
 from bootseer.blockstore.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.format import Entry, EntryType, LayerIndex
-from bootseer.blockstore.layerfs import BLOBS
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -197,7 +196,7 @@ class ErofsLayers:
         lower.mkdir(exist_ok=True, mode=0o755)
         while os.path.ismount(lower):  # left by an earlier mount of this slot that failed half-way
             unmount_erofs(lower, lazy=True)
-        blob = self.paths.mountpoint / BLOBS / str(slot)
+        blob = self.paths.blob(slot)
         mount_erofs(image, lower, device=blob, loop=self.path == "loop")
         return str(lower)
 

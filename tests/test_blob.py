@@ -135,9 +135,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> None:
 
 def blob_path(client: LayerServerClient, chain_id: str) -> Path:
     mounted = client.mount(chain_id)
-    lower = Path(mounted.lower_dir)
-    assert lower.name == str(mounted.slot)
-    return lower.parent / BLOBS / lower.name
+    return ServerPaths(Path(client.status()["root"])).blob(mounted.slot)
 
 
 # -- the FUSE file -----------------------------------------------------------------------------

@@ -63,7 +63,7 @@ from bootseer.blockstore.control import (
     ServerPaths,
     StoreUnavailable,
 )
-from bootseer.blockstore.datapath import FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
+from bootseer.blockstore.datapath import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
 from bootseer.blockstore.erofs import ErofsError
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree
@@ -83,6 +83,8 @@ TABLE_VERSION = 1
 #: How long the kernel may trust names, attributes and missing names under a layer:
 #: the layers are immutable, and the root's entries are invalidated when they change.
 CACHE_TIMEOUT = 3600.0
+#: The FUSE mount's read-ahead on the EROFS data paths, where only blobs are read through it.
+BLOB_READ_AHEAD_KB = 4
 
 UP = prometheus_client.Gauge("bootseer_layer_server_up", "1 while the layer server's FUSE mount is served")
 LAYERS = prometheus_client.Gauge("bootseer_layer_server_layers", "Layers the layer server serves")
@@ -248,6 +250,8 @@ class LayerServer:
         self.paths = config.paths
         self.nursery = nursery
         self.root = LayersRoot()
+        self.data_path = data_path or DataPathChoice("tree", "default")
+        erofs = self.data_path.path in EROFS_PATHS
         self.ops = ReadOnlyOperations(
             self.root,
             name=SUBTYPE,
@@ -255,6 +259,11 @@ class LayerServer:
             attr_timeout=CACHE_TIMEOUT,
             negative_timeout=CACHE_TIMEOUT,
             statfs=self._statfs,
+            # EROFS asks the blob for what its own read-ahead of a file wants, within the file; a
+            # read-ahead of the blob itself (the kernel's 128 KiB) would run past it into the next
+            # file's blocks, which would then be fetched whole, as if read, though no one reads
+            # them.  One page: the blob is read as asked, no further.
+            read_ahead_kb=BLOB_READ_AHEAD_KB if erofs else None,
         )
         self.layers: dict[str, Layer] = {}
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
@@ -264,9 +273,8 @@ class LayerServer:
         #: trio thread that answers FUSE requests, and at most half the cores at once, so a
         #: large or hostile object leaves the block fetchers their threads.
         self.decode_threads = trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2))
-        self.data_path = data_path or DataPathChoice("tree", "default")
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
-        self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if self.data_path.path != "tree" else None
+        self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
         self._engines: dict[str, Engine] = {}
         self._fetchers: dict[str, Any] = {}
         self._opening: dict[str, trio.Lock] = {}
@@ -436,26 +444,31 @@ class LayerServer:
         LAYERS.set(len(self.root.layers))
 
     async def mount_restored(self) -> None:
-        """Mount the EROFS image of every restored layer (once the FUSE mount serves their blobs),
-        at the lower dir it had, before the control socket answers anyone."""
-        if self.erofs is None:
-            return
+        """Serve every restored layer on this node's data path: on ``erofs``/``loop``, mount its EROFS
+        image (once the FUSE mount serves the blobs) at the lower dir it had, before the control
+        socket answers anyone.  A row saved with another data path is moved to this one (logged)."""
+        changed = False
         for layer in sorted(self.layers.values(), key=lambda x: x.slot):
             if layer.tree is None:
                 continue
+            if self.erofs is not None:
+                try:
+                    await self._mount_erofs(layer, layer.tree.index)
+                except LayerServerError as exc:
+                    layer.tree, layer.error = None, str(exc)
+                    self._stop_serving(layer)
+                    RESTORED.labels("failed").inc()
+                    log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=str(exc))
+                    continue
+                log.info("restored EROFS mount", chain_id=layer.chain_id, slot=layer.slot, lower_dir=self.lower_dir(layer.slot))
             if layer.data_path != self.data_path.path:
                 log.warning("layer was served on another data path; its lower dir moves", chain_id=layer.chain_id,
-                            slot=layer.slot, was=layer.data_path, now=self.data_path.path)  # fmt: skip
-            try:
-                await self._mount_erofs(layer, layer.tree.index)
-            except LayerServerError as exc:
-                layer.tree, layer.error = None, str(exc)
-                self._stop_serving(layer)
-                RESTORED.labels("failed").inc()
-                log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=str(exc))
-                continue
-            layer.data_path = self.data_path.path
-            log.info("restored EROFS mount", chain_id=layer.chain_id, slot=layer.slot, lower_dir=self.lower_dir(layer.slot))
+                            slot=layer.slot, was=layer.data_path, now=self.data_path.path,
+                            lower_dir=self.lower_dir(layer.slot))  # fmt: skip
+                layer.data_path, changed = self.data_path.path, True
+        if changed:
+            async with self._table_lock:
+                await self._save()
         LAYERS.set(len(self.root.layers))
 
     async def detach_erofs(self) -> None:
@@ -815,7 +828,7 @@ async def run_server(
                 await server.restore(saved)
                 server.session = await nursery.start(functools.partial(serve, server.ops, str(paths.mountpoint), options=options))
                 UP.set(1)
-                await server.mount_restored()
+                await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there
                 nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", lambda: sum(e.stats.bytes_fetched for e in server._engines.values()), phase="image"))  # profiler: bytes over time
                 try:
                     await nursery.start(_serve_control, server, paths.socket)

@@ -664,6 +664,8 @@ class Stack:
     def start(self) -> None:
         if self.registry is not None:
             self.registry.start()
+        if self.store_dir is not None:  # the daemon refuses a local store whose root is not there
+            self.store_dir.mkdir(parents=True, exist_ok=True)
         if self.daemon is not None:
             self.daemon.start()
         self.containerd.start()

@@ -267,7 +267,7 @@ class LayerBlobOpenFile(OpenFile):
         # handle the layer server opens itself (mounting EROFS on the blob) serves
         # every reader of the image: unknown (0).
         opener = OPENER_PID.get()
-        self.reader_pid = opener if opener != os.getpid() else 0
+        self.reader_pid = 0 if _of_this_process(opener) else opener
 
     async def read(self, offset: int, size: int) -> bytes:
         tree = self.tree
@@ -283,6 +283,12 @@ class LayerBlobOpenFile(OpenFile):
             # The reader pads and verifies every block, so this is a bug, not bad data; refuse it.
             raise OSError(errno.EIO, f"layer {tree.name}: short read of its blob: {len(data)} of {size} at {offset}")
         return data
+
+
+def _of_this_process(pid: int) -> bool:
+    """Whether ``pid`` (a FUSE request's: the calling *thread*'s id) is a thread of this process:
+    the server mounts EROFS on a blob from a worker thread, whose id is not ``os.getpid()``."""
+    return pid == os.getpid() or os.path.exists(f"/proc/self/task/{pid}")
 
 
 class LayerBlobFile(File):

@@ -222,3 +222,41 @@ def test_a_full_read_on_erofs_makes_no_per_file_fuse_requests(built: Any, node_f
         assert per_file == dict.fromkeys(per_file, 0), made
     else:
         assert per_file["open"] >= len(files) and per_file["readdir"] > 0, made  # names come by readdirplus here
+
+
+# -- the image cache and the settings -----------------------------------------------------------------
+
+
+def test_a_cached_image_of_the_wrong_size_is_built_again(built: Any, tmp_path: Path) -> None:
+    import trio
+
+    from bootseer.blockstore.control import ServerPaths
+    from bootseer.blockstore.datapath import ErofsLayers
+    from bootseer.blockstore.erofs import build_image
+
+    layer = built[1][0]
+    erofs = ErofsLayers(ServerPaths(tmp_path), "erofs", trio.CapacityLimiter(1))
+    erofs.prepare()
+    name = layer.record.index
+    path = erofs.ensure_image(layer.index, name)
+    assert path.read_bytes() == build_image(layer.index)
+    path.write_bytes(path.read_bytes()[:4096])  # a torn copy
+    assert erofs.ensure_image(layer.index, name).read_bytes() == build_image(layer.index)
+    erofs.remove_image(name)
+    assert not path.exists() and os.listdir(erofs.images) == []
+
+
+def test_the_data_path_setting_reaches_the_layer_server_and_a_bad_one_is_refused() -> None:
+    from bootseer.blockstore.control import ServerSettings
+    from bootseer.snapshotter import config
+
+    assert config.resolve({}, {}).data_path == "auto"
+    assert config.resolve({"fuse.data_path": "loop"}, {"fuse.data_path": "tree"}).data_path == "tree"  # the flag wins
+    from bootseer.snapshotter.daemon import build_parser
+
+    assert build_parser().parse_args(["--data-path", "erofs"]).data_path == "erofs"
+    with pytest.raises(config.ConfigError, match="key 'fuse.data_path' in the config file: must be one of auto, erofs, loop, tree"):
+        config.resolve({"fuse.data_path": "fast"}, {})
+    argv = ServerSettings(data_path="erofs").argv("/root")
+    assert argv[argv.index("--data-path") + 1] == "erofs"
+    assert "--data-path" not in ServerSettings().argv("/root")

@@ -118,7 +118,10 @@ class Node:
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as proc:
-            return proc.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is gone
+            zombie = proc.read().rsplit(")", 1)[1].split()[0] == "Z"
+        # A zombie is gone (PID 1 reaps late) -- but a leader shows Z while its other threads are
+        # still exiting, and their descriptors (the control socket) are open until the last one has.
+        return not zombie or len(os.listdir(f"/proc/{pid}/task")) > 1
     except (FileNotFoundError, ProcessLookupError):
         return False
 

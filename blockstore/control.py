@@ -84,7 +84,25 @@ class ServerPaths:
         """Held by whoever is starting a server (one starter at a time)."""
         return self.layers / "start.lock"
 
-    def lower_dir(self, slot: int) -> str:
+    @property
+    def erofs_images(self) -> Path:
+        """The EROFS images of the mounted layers' indexes (``erofs`` and ``loop`` data paths)."""
+        return self.layers / "erofs"
+
+    @property
+    def erofs_lowers(self) -> Path:
+        """Where the layers' EROFS mounts are, one directory per slot."""
+        return self.layers / "lower"
+
+    def blob(self, slot: int) -> Path:
+        """The FUSE blob file of the layer in ``slot`` (``mnt/blobs/<slot>``: its EROFS image's device)."""
+        return self.mountpoint / "blobs" / str(slot)  # blockstore.layerfs.BLOBS (not imported: this module is the light client)
+
+    def lower_dir(self, slot: int, data_path: str = "tree") -> str:
+        """The lower dir of the layer in ``slot`` on ``data_path``: its EROFS mount (``erofs``, ``loop``)
+        or its per-file FUSE tree (``tree``, which every data path also serves)."""
+        if data_path in ("erofs", "loop"):
+            return str(self.erofs_lowers / str(slot))
         return str(self.mountpoint / str(slot))
 
 
@@ -308,6 +326,7 @@ class ServerSettings:
     retry_timeout: float | None = None  #: seconds a failing fetch is retried before EIO
     memory_limit: int | None = None  #: stripe bytes each store's engine holds in memory
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
+    data_path: str | None = None  #: auto, erofs, loop or tree (blockstore.datapath); None: the server's default (auto)
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     hotlist: bool = True  #: False: ``--no-hotlist`` (neither record nor prefetch)
     hotlist_quiet: float | None = None  #: seconds without a new block that end a recording
@@ -351,6 +370,7 @@ class ServerSettings:
             ("--retry-timeout", self.retry_timeout),
             ("--memory-limit", self.memory_limit),
             ("--metrics-address", self.metrics_address),
+            ("--data-path", self.data_path),
             ("--hotlist-quiet", self.hotlist_quiet),
             ("--hotlist-window", self.hotlist_window),
             ("--prefetch-concurrency", self.prefetch_concurrency),

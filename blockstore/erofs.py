@@ -425,6 +425,11 @@ def write_image(index: LayerIndex, out: BinaryIO) -> int:
     return writer.position
 
 
+def image_size(index: LayerIndex) -> int:
+    """The size in bytes of :func:`write_image`'s image of ``index``, without writing it (O(entries))."""
+    return _Layout(index).blocks * BLOCK_SIZE
+
+
 def build_image(index: LayerIndex) -> bytes:
     """The EROFS image of ``index`` as bytes (see :func:`write_image`)."""
     out = io.BytesIO()

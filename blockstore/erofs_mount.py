@@ -58,22 +58,24 @@ def _mount(source: str, target: str, data: str, flags: int) -> None:
 
 
 def mount_erofs(image: str | os.PathLike[str], mountpoint: str | os.PathLike[str], *, device: str | os.PathLike[str] | None = None,
-                flags: int = DEFAULT_FLAGS) -> ErofsMount:  # fmt: skip
+                flags: int = DEFAULT_FLAGS, loop: bool = False) -> ErofsMount:  # fmt: skip
     """Mount ``image`` (with blob ``device``, if the image has one) read-only on ``mountpoint``.
 
-    File-backed first; on ENOTBLK, over loop devices.  ErofsMountError otherwise, or
+    File-backed first; on ENOTBLK, over loop devices (``loop``: over loop devices only,
+    as a node forced to ``data_path = loop`` wants).  ErofsMountError otherwise, or
     when the loop fallback fails too (nothing is left mounted or attached then).
     """
     image, target = os.fspath(image), os.fspath(mountpoint)
     blob = os.fspath(device) if device is not None else None
     if "," in (blob or "") or "\0" in (blob or ""):
         raise ErofsMountError(errno.EINVAL, f"blob path {blob!r} cannot be passed as a mount option")
-    try:
-        _mount(image, target, f"device={blob}" if blob else "", flags)
-        return ErofsMount(Path(target), "file")
-    except OSError as exc:
-        if exc.errno != errno.ENOTBLK:
-            raise ErofsMountError(exc.errno, f"cannot mount EROFS image {image} on {target}: {exc.strerror}") from None
+    if not loop:
+        try:
+            _mount(image, target, f"device={blob}" if blob else "", flags)
+            return ErofsMount(Path(target), "file")
+        except OSError as exc:
+            if exc.errno != errno.ENOTBLK:
+                raise ErofsMountError(exc.errno, f"cannot mount EROFS image {image} on {target}: {exc.strerror}") from None
     held: list[int] = []  # the loop devices' descriptors: their last close detaches them (autoclear)
     try:
         image_loop = _attach_loop(image, held)

@@ -269,7 +269,7 @@ class LayerBlobOpenFile(OpenFile):
         # (a mount made from a worker thread shows that thread's id, not the
         # server's pid), so any thread of this process is the server.
         opener = OPENER_PID.get()
-        self.reader_pid = 0 if _is_this_process(opener) else opener
+        self.reader_pid = 0 if _of_this_process(opener) else opener
 
     async def read(self, offset: int, size: int) -> bytes:
         tree = self.tree
@@ -287,8 +287,9 @@ class LayerBlobOpenFile(OpenFile):
         return data
 
 
-def _is_this_process(pid: int) -> bool:
-    """Whether ``pid`` (a task id, as FUSE gives it) is this process or one of its threads."""
+def _of_this_process(pid: int) -> bool:
+    """Whether ``pid`` (a FUSE request's: the calling *thread*'s id) is a thread of this process:
+    the server mounts EROFS on a blob from a worker thread, whose id is not ``os.getpid()``."""
     return pid == os.getpid() or (pid > 0 and os.path.exists(f"/proc/self/task/{pid}"))
 
 

@@ -9,7 +9,11 @@
   of that store is first mounted, and one block fetcher per engine over the one
   node-local block cache that every layer shares;
 * the control API on ``ROOT/layers/control.sock`` (JSON lines, see
-  :mod:`blockstore.control`): ``mount``, ``check``, ``unmount``, ``status``.
+  :mod:`blockstore.control`): ``mount``, ``check``, ``unmount``, ``status``;
+* on the ``erofs`` and ``loop`` data paths (:mod:`blockstore.datapath`, chosen at
+  start), one EROFS mount per layer at ``ROOT/layers/lower/<slot>`` over its FUSE blob
+  ``ROOT/layers/mnt/blobs/<slot>``: that mount is the layer's lower dir, and FUSE
+  serves only block reads.
 
 The table of mounted layers (``ROOT/layers/table.json``, written to a temp name and
 renamed, so it is always a whole table) and a local copy of each mounted layer's
@@ -21,7 +25,10 @@ restored.
 
 One server per root: it holds ``ROOT/layers/server.lock`` for its life.  At start
 it lazily unmounts a dead FUSE mount left on the mountpoint by a killed server.
-SIGTERM or SIGINT unmounts and exits; an external ``umount`` of the mountpoint ends
+A restart lazily unmounts the EROFS mounts a killed server left
+(their blob device was its dead session) and mounts each layer again, same slot, same
+lower dir, once its new FUSE mount is up and before the control socket answers.
+SIGTERM or SIGINT detaches the EROFS mounts, then unmounts FUSE and exits; an external ``umount`` of the mountpoint ends
 the server too (its layers stay in the table for the next start).
 """
 
@@ -38,7 +45,7 @@ import socket as stdlib_socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
 
 import prometheus_client
 import pyfuse3
@@ -56,6 +63,8 @@ from bootseer.blockstore.control import (
     ServerPaths,
     StoreUnavailable,
 )
+from bootseer.blockstore.datapath import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
+from bootseer.blockstore.erofs import ErofsError
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree
 from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
@@ -74,6 +83,8 @@ TABLE_VERSION = 1
 #: How long the kernel may trust names, attributes and missing names under a layer:
 #: the layers are immutable, and the root's entries are invalidated when they change.
 CACHE_TIMEOUT = 3600.0
+#: The FUSE mount's read-ahead on the EROFS data paths, where only blobs are read through it.
+BLOB_READ_AHEAD_KB = 4
 
 UP = prometheus_client.Gauge("bootseer_layer_server_up", "1 while the layer server's FUSE mount is served")
 LAYERS = prometheus_client.Gauge("bootseer_layer_server_layers", "Layers the layer server serves")
@@ -106,6 +117,8 @@ class LayerServerConfig:
     hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
+    data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath)
+    filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
 
     @property
     def paths(self) -> ServerPaths:
@@ -140,6 +153,7 @@ class Layer:
     deps_index: str = ""
     store_id: str = ""
     shown_store: str = ""
+    data_path: str = "tree"  #: how it is served: erofs, loop or tree (the node's data path when mounted)
 
     def __post_init__(self) -> None:
         if self.store:
@@ -153,6 +167,7 @@ class Layer:
             "store": self.shown_store,
             "store_id": self.store_id,
             "record": json.loads(self.record.encode()),
+            "data_path": self.data_path,
         }
         if self.deps_index:
             row["deps_index"] = self.deps_index
@@ -203,7 +218,7 @@ def load_table(path: Path, stores: Iterable[str] = ()) -> list[Layer]:
                 known.setdefault(store_id(shown), shown)
                 saved_id = store_id(shown)
             layer = Layer(record.chain_id, int(row["slot"]), known.get(str(saved_id), ""), record,
-                          deps_index=str(row.get("deps_index", "")))
+                          deps_index=str(row.get("deps_index", "")), data_path=str(row.get("data_path", "tree")))
             if not layer.store:
                 layer.store_id, layer.shown_store = str(saved_id), shown
                 layer.error = (f"its store {shown} is not one this layer server was given "
@@ -228,13 +243,15 @@ def save_table(path: Path, layers: list[Layer]) -> None:
 class LayerServer:
     """The layers, their stores and the control operations; runs inside :func:`run_server`."""
 
-    def __init__(self, config: LayerServerConfig, nursery: trio.Nursery) -> None:
+    def __init__(self, config: LayerServerConfig, nursery: trio.Nursery, data_path: DataPathChoice | None = None) -> None:
         from bootseer.blockstore.cache import BlockCache
 
         self.config = config
         self.paths = config.paths
         self.nursery = nursery
         self.root = LayersRoot()
+        self.data_path = data_path or DataPathChoice("tree", "default")
+        erofs = self.data_path.path in EROFS_PATHS
         self.ops = ReadOnlyOperations(
             self.root,
             name=SUBTYPE,
@@ -242,6 +259,11 @@ class LayerServer:
             attr_timeout=CACHE_TIMEOUT,
             negative_timeout=CACHE_TIMEOUT,
             statfs=self._statfs,
+            # EROFS asks the blob for what its own read-ahead of a file wants, within the file; a
+            # read-ahead of the blob itself (the kernel's 128 KiB) would run past it into the next
+            # file's blocks, which would then be fetched whole, as if read, though no one reads
+            # them.  One page: the blob is read as asked, no further.
+            read_ahead_kb=BLOB_READ_AHEAD_KB if erofs else None,
         )
         self.layers: dict[str, Layer] = {}
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
@@ -251,6 +273,8 @@ class LayerServer:
         #: trio thread that answers FUSE requests, and at most half the cores at once, so a
         #: large or hostile object leaves the block fetchers their threads.
         self.decode_threads = trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2))
+        #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
+        self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
         self._engines: dict[str, Engine] = {}
         self._fetchers: dict[str, Any] = {}
         self._opening: dict[str, trio.Lock] = {}
@@ -419,10 +443,65 @@ class LayerServer:
             log.info("restored layer", chain_id=layer.chain_id, slot=layer.slot, entries=len(index.entries))
         LAYERS.set(len(self.root.layers))
 
+    async def mount_restored(self) -> None:
+        """Serve every restored layer on this node's data path: on ``erofs``/``loop``, mount its EROFS
+        image (once the FUSE mount serves the blobs) at the lower dir it had, before the control
+        socket answers anyone.  A row saved with another data path is moved to this one (logged)."""
+        changed = False
+        for layer in sorted(self.layers.values(), key=lambda x: x.slot):
+            if layer.tree is None:
+                continue
+            if self.erofs is not None:
+                try:
+                    await self._mount_erofs(layer, layer.tree.index)
+                except LayerServerError as exc:
+                    layer.tree, layer.error = None, str(exc)
+                    self._stop_serving(layer)
+                    RESTORED.labels("failed").inc()
+                    log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=str(exc))
+                    continue
+                log.info("restored EROFS mount", chain_id=layer.chain_id, slot=layer.slot, lower_dir=self.lower_dir(layer.slot))
+            if layer.data_path != self.data_path.path:
+                log.warning("layer was served on another data path; its lower dir moves", chain_id=layer.chain_id,
+                            slot=layer.slot, was=layer.data_path, now=self.data_path.path,
+                            lower_dir=self.lower_dir(layer.slot))  # fmt: skip
+                layer.data_path, changed = self.data_path.path, True
+        if changed:
+            async with self._table_lock:
+                await self._save()
+        LAYERS.set(len(self.root.layers))
+
+    async def detach_erofs(self) -> None:
+        """Lazily unmount every EROFS mount: before the FUSE mount their blobs are on goes."""
+        if self.erofs is not None:
+            await self.erofs.detach_all()
+
     # -- control operations -----------------------------------------------------------------
 
+    def lower_dir(self, slot: int) -> str:
+        """Where the layer in ``slot`` is served to overlayfs on this node's data path."""
+        return self.paths.lower_dir(slot, self.data_path.path)
+
     def _answer(self, layer: Layer) -> dict[str, Any]:
-        return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.paths.lower_dir(layer.slot)}
+        return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.lower_dir(layer.slot)}
+
+    async def _mount_erofs(self, layer: Layer, index: LayerIndex) -> None:
+        """Mount ``layer``'s EROFS image over its blob (served already); LayerServerError naming why not."""
+        assert self.erofs is not None
+        try:
+            await self.erofs.mount(layer.slot, index, layer.record.index)
+        except ErofsError as exc:
+            raise LayerCorrupt(f"{layer.chain_id}: its index cannot be an EROFS image: {exc}") from None
+        except OSError as exc:
+            raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot mount its EROFS image: {exc}") from None
+
+    def _stop_serving(self, layer: Layer) -> None:
+        """Take ``layer``'s tree and blob out of the FUSE mount (its slot's names out of the kernel's cache)."""
+        self.root.layers.pop(layer.slot, None)
+        # The slot's names (its directory, its blob) must go from the kernel's dentry cache
+        # now (entries are trusted for CACHE_TIMEOUT); asynchronous, as a handler may hold the root.
+        for parent, name in LayersRoot.slot_names(layer.slot):
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
 
     async def mount(self, chain_id: str, store: str | None = None, deps_index: str | None = None) -> dict[str, Any]:
         store = store or self.config.store
@@ -451,10 +530,16 @@ class LayerServer:
                 raise StoreUnavailable(
                     f"{chain_id}: the store {redact_url(store)} did not give its chain record and index in {self.config.load_timeout:g}s"
                 )
+            if self.erofs is not None:  # O(entries), cached by index: built before the table lock, for any slot
+                try:
+                    await trio.to_thread.run_sync(self.erofs.ensure_image, index, record.index, limiter=self.decode_threads)
+                except ErofsError as exc:
+                    raise LayerCorrupt(f"{chain_id}: its index cannot be an EROFS image: {exc}") from None
             async with self._table_lock:
                 if layer is None:
                     layer = Layer(chain_id, self._free_slot(), store, record)
                 layer.record = record
+                layer.data_path = self.data_path.path
                 trusted_by_signature = deps_index is None or not self.config.trust.enforced("chain")
                 layer.deps_index = "" if trusted_by_signature else deps_index
                 tree = await self._tree(layer, index)
@@ -470,8 +555,19 @@ class LayerServer:
                     raise
                 layer.tree, layer.error = tree, ""
                 self.root.layers[layer.slot] = tree
+                if self.erofs is not None:  # the blob is served now: EROFS can take it as its device
+                    try:
+                        await self._mount_erofs(layer, index)
+                    except LayerServerError as exc:
+                        layer.tree, layer.error = None, str(exc)
+                        self._stop_serving(layer)
+                        if added:
+                            del self.layers[chain_id]
+                            await self._save()
+                        raise
             LAYERS.set(len(self.root.layers))
-            log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=redact_url(store))
+            log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=redact_url(store),
+                 data_path=layer.data_path, lower_dir=self.lower_dir(layer.slot))  # fmt: skip
             self.hotlist.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
 
@@ -483,6 +579,8 @@ class LayerServer:
             raise StoreUnavailable(f"{chain_id} (slot {layer.slot}) could not be restored: {layer.error}")
         if self.session is None or self.session.ended.is_set():
             raise LayerServerError("the layer server's FUSE mount is not being served")
+        if self.erofs is not None and not os.path.ismount(self.lower_dir(layer.slot)):
+            raise StoreUnavailable(f"{chain_id} (slot {layer.slot}): its EROFS mount {self.lower_dir(layer.slot)} is gone")
         return self._answer(layer)
 
     async def unmount(self, chain_id: str) -> dict[str, Any]:
@@ -495,14 +593,14 @@ class LayerServer:
             except OSError:
                 self.layers[chain_id] = layer
                 raise
-            self.root.layers.pop(layer.slot, None)
+            if self.erofs is not None:  # before the blob it reads goes (lazily if a container still has it)
+                await self.erofs.unmount(layer.slot)
+            self._stop_serving(layer)
             if not any(other.record.index == layer.record.index for other in self.layers.values()):
                 self._index_path(layer.record).unlink(missing_ok=True)
+                if self.erofs is not None:
+                    self.erofs.remove_image(layer.record.index)
         LAYERS.set(len(self.root.layers))
-        # The slot's names (its directory, its blob) must go from the kernel's dentry cache
-        # now (entries are trusted for CACHE_TIMEOUT); asynchronous, as a handler may hold the root.
-        for parent, name in LayersRoot.slot_names(layer.slot):
-            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
         log.info("unmounted layer", chain_id=chain_id, slot=layer.slot)
         return {"chain_id": chain_id, "slot": layer.slot}
 
@@ -516,6 +614,7 @@ class LayerServer:
 
     async def _shutdown(self, session: FuseSession) -> None:
         await trio.sleep(0)  # the answer goes out first
+        await self.detach_erofs()
         session.terminate()
         await trio.sleep(self.config.shutdown_grace)
         session.abort()
@@ -545,10 +644,11 @@ class LayerServer:
             "store": redact_url(self.config.store) if self.config.store else "",
             "publish_store": redact_url(self.hotlist.config.publish_store or ""),
             "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},
+            "data_path": {"path": self.data_path.path, "reason": self.data_path.reason},
             "layers": [
                 {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,
                  "entries": len(layer.tree.index.entries) if layer.tree else 0,
-                 "served": layer.tree is not None, "error": layer.error}
+                 "served": layer.tree is not None, "error": layer.error, "data_path": layer.data_path}
                 for layer in sorted(self.layers.values(), key=lambda x: x.slot)
             ],  # fmt: skip
             "stores": stores,
@@ -688,6 +788,13 @@ def prepare_root(paths: ServerPaths) -> None:
         stale.unlink(missing_ok=True)
 
 
+async def _detaching_first(server: LayerServer, signals: AsyncIterator[int]) -> AsyncIterator[int]:
+    """``signals``, each passed on once the EROFS mounts are detached (they read blobs on the FUSE mount)."""
+    async for signum in signals:
+        await server.detach_erofs()
+        yield signum
+
+
 async def run_server(
     config: LayerServerConfig,
     *,
@@ -703,6 +810,8 @@ async def run_server(
     lock_fd = _hold_lock(paths.server_lock)
     try:
         prepare_root(paths)
+        data_path = DataPathProbe(paths.layers, config.filesystems).choose(config.data_path)
+        announce(data_path)
         profile_hooks.use_root(config.root)  # BOOTSEER_PROFILE=1: the start-up profiler's spool is ROOT/profile
         saved = load_table(paths.table, [config.store or ""])
         if config.trust.enforced("chain") or config.trust.enforced("hotlist"):
@@ -713,10 +822,13 @@ async def run_server(
         # Opened before mounting, so a signal at any moment after the mount unmounts cleanly.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                server = LayerServer(config, nursery)
+                server = LayerServer(config, nursery, data_path)
+                if server.erofs is not None:
+                    await trio.to_thread.run_sync(server.erofs.prepare)  # a killed server's mounts: detached
                 await server.restore(saved)
                 server.session = await nursery.start(functools.partial(serve, server.ops, str(paths.mountpoint), options=options))
                 UP.set(1)
+                await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there
                 nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", lambda: sum(e.stats.bytes_fetched for e in server._engines.values()), phase="image"))  # profiler: bytes over time
                 try:
                     await nursery.start(_serve_control, server, paths.socket)
@@ -726,7 +838,7 @@ async def run_server(
                         result = on_ready(server)
                         if result is not None:
                             await result
-                    await end_on_signals(server.session, signals, grace=config.shutdown_grace)
+                    await end_on_signals(server.session, _detaching_first(server, signals), grace=config.shutdown_grace)
                 finally:
                     UP.set(0)
                 nursery.cancel_scope.cancel()

@@ -5,7 +5,8 @@ of its own, or by hand or a systemd unit.  Runs in the foreground until SIGTERM 
 SIGINT (then it unmounts and exits 0) or until its mount is unmounted from outside.
 
 Exit status: 0 after a clean stop; 2 for a bad option, a root another server holds,
-a damaged table or a mountpoint that cannot be mounted on; 1 for anything else.
+a damaged table, a mountpoint that cannot be mounted on or a forced ``--data-path`` the
+kernel cannot give; 1 for anything else.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import trio
 
 from bootseer.blockstore.cache import check_cache_dir
 from bootseer.blockstore.control import ServerPaths, read_secret_file
+from bootseer.blockstore.datapath import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
 from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
@@ -98,6 +100,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--writer-key", action="append", default=[], metavar="FILE",
                         help="prefetch only hot lists this node key (a .pub file) signed; repeatable")  # fmt: skip
     parser.add_argument("--sign-key", metavar="FILE", help="the node's private key: signs the hot lists it publishes")
+    parser.add_argument(
+        "--data-path", choices=DATA_PATHS, default="auto",
+        help="how overlayfs gets a layer's tree: auto (EROFS where the kernel has it, probed at start), "
+             "erofs (file-backed EROFS over the layer's FUSE blob), loop (EROFS over loop devices), "
+             "tree (the per-file FUSE tree); a forced path the kernel cannot give refuses start-up",
+    )  # fmt: skip
+    # A test seam (undocumented in --help): the kernel's filesystem list the data-path probe
+    # reads, so a test can show a node without EROFS on a kernel that has it built in.
+    parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
     add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
     parser.set_defaults(func=layer_server_command)
 
@@ -181,6 +192,8 @@ def layer_server_command(args: argparse.Namespace) -> int:
         cache_size=args.cache_size,
         engine=engine,
         shutdown_grace=args.shutdown_grace,
+        data_path=args.data_path,
+        filesystems=args.kernel_filesystems,
     )
     try:
         config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args))
@@ -211,7 +224,7 @@ def layer_server_command(args: argparse.Namespace) -> int:
     status = 0
     try:
         trio.run(lambda: run_server(config, on_ready=announce))
-    except* (ServerAlreadyRunning, MountError, ValueError) as group:
+    except* (ServerAlreadyRunning, MountError, ValueError, DataPathUnavailable) as group:
         log.error("cannot start the layer server", root=str(config.root), error=str(_first_error(group)))
         status = EXIT_USAGE
     except* KeyboardInterrupt:

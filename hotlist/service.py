@@ -48,7 +48,8 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.format import Entry, FormatError, LayerIndex
-from bootseer.blockstore.layerfs import BLOBS, LayerTree, blob_inode_number
+from bootseer.blockstore.datapath import EROFS_PATHS
+from bootseer.blockstore.layerfs import LayerTree, blob_inode_number
 from bootseer.blockstore.signing import Untrusted
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
@@ -90,11 +91,6 @@ PREFETCHES = prometheus_client.Gauge("bootseer_hotlist_prefetches", "Hot-list pr
 SETTLE_TIMEOUT = 30.0
 
 
-#: The node data paths (``[fuse] data_path``, resolved: never ``auto``).  EROFS reads a layer's
-#: blocks from its blob, file-backed or through a loop device over it (buffered either way).
-DATA_PATHS = ("erofs", "loop", "tree")
-
-
 @dataclass(frozen=True)
 class HotListConfig:
     """The layer server's hot-list settings (``bootseer layer-server --hotlist-*`` and ``--publish-store``)."""
@@ -103,13 +99,6 @@ class HotListConfig:
     publish_store: str | None = None  #: where hot lists are written; None: the layers' store
     recording: RecordingLimits = field(default_factory=RecordingLimits)
     prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)
-    #: how the kernel reads a layer's blocks, for a layer whose row does not say (``Layer.data_path``):
-    #: ``tree`` (per-file FUSE: warm the files), ``erofs`` or ``loop`` (EROFS over the blob: warm the blob)
-    data_path: str = "tree"
-
-    def __post_init__(self) -> None:
-        if self.data_path not in DATA_PATHS:
-            raise ValueError(f"hot-list data path {self.data_path!r} is not one of {', '.join(DATA_PATHS)}")
 
 
 @dataclass(frozen=True)
@@ -278,14 +267,12 @@ class HotListService:
     def warm_target(self, chain_id: str) -> WarmTarget:
         """Where the kernel caches ``chain_id``'s blocks: its blob if EROFS answers its tree, else its files.
 
-        The layer's own ``data_path`` (its row in the server's table) decides; a row
-        without one is served by the node's (``HotListConfig.data_path``).
+        The layer's row in the server's table says how it is served (``Layer.data_path``).
         """
-        slot = self.server.layers[chain_id].slot
-        data_path = getattr(self.server.layers[chain_id], "data_path", None) or self.config.data_path
-        if data_path == "tree":
-            return TreeTarget(slot, str(self.server.paths.lower_dir(slot)))
-        return BlobTarget(str(self.server.paths.mountpoint / BLOBS / str(slot)), blob_inode_number(slot))
+        layer = self.server.layers[chain_id]
+        if layer.data_path not in EROFS_PATHS:  # EROFS reads the blob (buffered, file-backed or on loop)
+            return TreeTarget(layer.slot, self.server.paths.lower_dir(layer.slot, "tree"))
+        return BlobTarget(str(self.server.paths.blob(layer.slot)), blob_inode_number(layer.slot))
 
     async def _run_prefetch(self, prefetch: Prefetch) -> None:
         try:

@@ -7,7 +7,9 @@ take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
 prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
-metrics_address`` (the layer server's own Prometheus endpoint; empty: off), ``[trust]
+metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and ``data_path`` (``auto``,
+``erofs``, ``loop`` or ``tree``: how the layer server gives overlayfs each layer's tree, docs/lazy-layers.md;
+flag ``--data-path``), ``[trust]
 converter_keys, writer_keys, sign_key`` (docs/trust.md) and ``[depsnap] scope`` (the
 scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
@@ -63,6 +65,7 @@ class Config:
     hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
     hotlist_prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)  #: how much a prefetch does at once
     layer_server_metrics_address: str = ""  #: ``HOST:PORT`` of the layer server's Prometheus endpoint; empty: off
+    data_path: str = "auto"  #: ``[fuse] data_path``: auto, erofs, loop or tree (the layer server's ``--data-path``)
     converter_keys: tuple[Path, ...] = ()  #: ``[trust] converter_keys``: .pub files whose conversions are served
     writer_keys: tuple[Path, ...] = ()  #: ``[trust] writer_keys``: .pub files whose hot lists and deps records are used
     sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)
@@ -96,6 +99,7 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_cold_rate": "0",
     "hotlist.prefetch_page_cache": True,
     "fuse.metrics_address": "",
+    "fuse.data_path": "auto",
     "trust.converter_keys": [],
     "trust.writer_keys": [],
     "trust.sign_key": "",
@@ -132,6 +136,7 @@ FLAGS: dict[str, str] = {
     "cache.size": "cache_size",
     "hotlist.publish_store": "publish_store",
     "fuse.metrics_address": "layer_server_metrics_address",
+    "fuse.data_path": "data_path",
     "trust.converter_keys": "converter_key",
     "trust.writer_keys": "writer_key",
     "trust.sign_key": "sign_key",
@@ -205,6 +210,10 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             raise invalid("fuse.metrics_address", str(exc)) from None
         if layer_server_metrics == merged["metrics_address"]:
             raise invalid("fuse.metrics_address", f"is the daemon's own metrics_address ({layer_server_metrics}); give each its own port")
+    from bootseer.blockstore.datapath import DATA_PATHS
+
+    if merged["fuse.data_path"] not in DATA_PATHS:
+        raise invalid("fuse.data_path", f"must be one of {', '.join(DATA_PATHS)}, not {merged['fuse.data_path']!r}")
     store_url = merged["store.url"]
     if store_url:
         try:
@@ -302,6 +311,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         hotlist_recording=recording,
         hotlist_prefetch=prefetch,
         layer_server_metrics_address=layer_server_metrics,
+        data_path=merged["fuse.data_path"],
         converter_keys=key_files["trust.converter_keys"],
         writer_keys=key_files["trust.writer_keys"],
         sign_key=sign_key,

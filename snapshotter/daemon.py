@@ -120,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve the layer server's Prometheus /metrics (FUSE requests, fetches, cache) here, "
              "when this daemon starts it (default off)",
     )  # fmt: skip
+    lazy.add_argument(
+        "--data-path", metavar="PATH",
+        help="[fuse] data_path: how the layer server gives overlayfs a layer's tree: auto (default: EROFS "
+             "where the kernel has it), erofs (file-backed), loop (EROFS over loop devices) or tree (per-file FUSE)",
+    )  # fmt: skip
     trust = parser.add_argument_group("trust (docs/trust.md; no keys: the store is trusted as it is)")
     trust.add_argument("--converter-key", action="append", metavar="FILE",
                        help="serve only layers whose chain record this converter key (.pub) signed; repeatable")  # fmt: skip
@@ -289,6 +294,7 @@ class Daemon:
             prefetch_cold_rate=settings.hotlist_prefetch.cold_rate,
             prefetch_page_cache=settings.hotlist_prefetch.page_cache,
             metrics_address=settings.layer_server_metrics_address or None,
+            data_path=settings.data_path,
             converter_keys=tuple(map(str, settings.converter_keys)),
             writer_keys=tuple(map(str, settings.writer_keys)),
             sign_key=str(settings.sign_key) if settings.sign_key else None,

@@ -135,9 +135,7 @@ def _wait_gone(pid: int, timeout: float = 30.0) -> None:
 
 def blob_path(client: LayerServerClient, chain_id: str) -> Path:
     mounted = client.mount(chain_id)
-    lower = Path(mounted.lower_dir)
-    assert lower.name == str(mounted.slot)
-    return lower.parent / BLOBS / lower.name
+    return ServerPaths(Path(client.status()["root"])).blob(mounted.slot)
 
 
 # -- the FUSE file -----------------------------------------------------------------------------
@@ -419,6 +417,38 @@ def test_the_observer_gets_the_blocks_a_blob_read_covers_and_the_reader(built: A
             observer.blob_reads.clear()
 
     trio.run(main)
+
+
+def test_a_blob_opened_from_a_worker_thread_of_the_server_names_no_reader(built: Any) -> None:
+    """The server mounts EROFS on a blob from a worker thread: the FUSE open's pid is that thread's id,
+    not ``os.getpid()``; its reads are still the server's own handle's (0), not a stranger's."""
+    import threading
+
+    index = built[1][0].index
+    tree = LayerTree(4, index, _Zeros(), name="sha256:layer")
+    observer = tree.observer = _Observer()
+    ready, done, ids = threading.Event(), threading.Event(), []
+
+    def worker() -> None:
+        ids.append(threading.get_native_id())
+        ready.set()
+        done.wait(60)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        ready.wait(60)
+        assert ids[0] != os.getpid()
+
+        async def main() -> None:
+            OPENER_PID.set(ids[0])  # as the FUSE open handler sets it for mount(2) in that thread
+            assert await LayerBlobOpenFile(tree).read(0, 2) == b"\0\0"
+
+        trio.run(main)
+    finally:
+        done.set()
+        thread.join()
+    assert observer.blob_reads == [("sha256:layer", [0], 0)]
 
 
 # -- the reader --------------------------------------------------------------------------------

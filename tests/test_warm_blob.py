@@ -110,32 +110,24 @@ class BlobReads:
 
 def serve_erofs(tmp_path: Path, store: Path, body: Callable[[Any, dict[str, Path]], Awaitable[None]],
                 **hotlist: Any) -> None:  # fmt: skip
-    """Run a layer server (data path ``erofs``) in this process; mount every layer of the store's image
-    (``built``) and its EROFS image over its blob, then ``await body(server, {chain_id: erofs mountpoint})``."""
+    """Run a layer server on data path ``erofs`` in this process; mount every layer of the store's image
+    (``built``: the server mounts each one's EROFS image over its blob), then ``await body(server, {chain_id:
+    its EROFS lower dir})``."""
     root = tmp_path / "root"
     recording = hotlist.pop("recording", RecordingLimits(quiet=300, window=300))
-    config = LayerServerConfig(root=root, store=f"file://{store}",
-                               hotlist=HotListConfig(data_path="erofs", recording=recording, **hotlist))  # fmt: skip
+    config = LayerServerConfig(root=root, store=f"file://{store}", data_path="erofs",
+                               hotlist=HotListConfig(recording=recording, **hotlist))  # fmt: skip
     layers: list[BuiltLayer] = hotlist_layers[store]
 
     async def drive(server: Any) -> None:
-        mounted: list[Path] = []
         try:
             targets = {}
             for layer in layers:
-                slot = (await server.mount(layer.chain_id))["slot"]
-                image = tmp_path / f"{slot}.erofs"
-                image.write_bytes(await trio.to_thread.run_sync(erofs.build_image, layer.index))
-                target = tmp_path / f"erofs-{slot}"
-                target.mkdir()
-                blob = server.paths.mountpoint / BLOBS / str(slot)
-                await trio.to_thread.run_sync(lambda: erofs_mount.mount_erofs(image, target, device=blob))
-                mounted.append(target)
-                targets[layer.chain_id] = target
+                answer = await server.mount(layer.chain_id)
+                assert server.layers[layer.chain_id].data_path == "erofs"
+                targets[layer.chain_id] = Path(answer["lower_dir"])
             await body(server, targets)
         finally:
-            for target in mounted:
-                await trio.to_thread.run_sync(erofs_mount.unmount_erofs, target)
             server.session.terminate()
 
     try:
@@ -325,30 +317,29 @@ def test_reads_through_an_erofs_mount_over_the_blob_are_recorded_in_first_touch_
 
 
 def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path: Path) -> None:
-    """A layer row's own ``data_path`` decides (the layer server's table, once it carries one); a row
-    without one follows the node's (``HotListConfig.data_path``); an unknown path is refused, by name."""
+    """A layer row's ``data_path`` (the layer server's table) decides: the blob on erofs and loop, the files on tree."""
     from bootseer.blockstore.layerfs import blob_inode_number
     from bootseer.blockstore.server import LayerServer
     from bootseer.hotlist.warm import TreeTarget
 
     store, layers = built
     bottom, top = layers
-    with pytest.raises(ValueError, match="'fuse' is not one of erofs, loop, tree"):
-        HotListConfig(data_path="fuse")
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            config = LayerServerConfig(root=tmp_path / "root", store=str(store), hotlist=HotListConfig(data_path="loop"))
+            config = LayerServerConfig(root=tmp_path / "root", store=str(store))
             config.paths.indexes.mkdir(parents=True)
-            server = LayerServer(config, nursery)
+            server = LayerServer(config, nursery)  # no data path given: tree
             for layer in layers:
                 await server.mount(layer.chain_id)
-            server.layers[bottom.chain_id].data_path = "tree"  # as the table's row will say
             slots = {layer.chain_id: server.layers[layer.chain_id].slot for layer in layers}
+            assert server.layers[bottom.chain_id].data_path == "tree"
             assert server.hotlist.warm_target(bottom.chain_id) == TreeTarget(
-                slots[bottom.chain_id], server.paths.lower_dir(slots[bottom.chain_id]))  # fmt: skip
-            assert server.hotlist.warm_target(top.chain_id) == BlobTarget(
-                str(server.paths.mountpoint / BLOBS / str(slots[top.chain_id])), blob_inode_number(slots[top.chain_id]))  # fmt: skip
+                slots[bottom.chain_id], server.paths.lower_dir(slots[bottom.chain_id], "tree"))  # fmt: skip
+            for path in ("erofs", "loop"):
+                server.layers[top.chain_id].data_path = path  # as a row served on that path says
+                assert server.hotlist.warm_target(top.chain_id) == BlobTarget(
+                    str(server.paths.blob(slots[top.chain_id])), blob_inode_number(slots[top.chain_id]))  # fmt: skip
             nursery.cancel_scope.cancel()
 
     autojump.run(main, autojump=0.05, hold_for_threads=True)

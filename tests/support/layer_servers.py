@@ -40,16 +40,18 @@ def layer_server_processes(under: Path) -> dict[int, Path]:
 
 
 def fuse_mounts(under: Path) -> list[str]:
-    """Mountpoints of FUSE mounts in ``under`` (``/proc/self/mounts`` escapes spaces as ``\\040``)."""
+    """Mountpoints of FUSE and EROFS mounts in ``under``, EROFS first, as they read blobs on FUSE
+    (``/proc/self/mounts`` escapes spaces as ``\\040``)."""
     prefix = str(under.resolve())
     with open("/proc/self/mounts") as mounts:
         points = [line.split()[1:3] for line in mounts]
-    return [_unescape(p) for p, fstype in points
-            if fstype.startswith("fuse") and (p == prefix or p.startswith(prefix + "/"))]  # fmt: skip
+    ours = [(p, fstype) for p, fstype in points if p == prefix or p.startswith(prefix + "/")]
+    return ([_unescape(p) for p, fstype in ours if fstype == "erofs"]
+            + [_unescape(p) for p, fstype in ours if fstype.startswith("fuse")])  # fmt: skip
 
 
 def stop_layer_servers(under: Path) -> list[int]:
-    """Stop every layer server of a root in ``under``, then unmount the FUSE mounts there; the pids stopped."""
+    """Stop every layer server of a root in ``under``, then unmount the EROFS and FUSE mounts there; the pids stopped."""
     pids = layer_server_processes(under)
     for signum in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:

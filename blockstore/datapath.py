@@ -1,0 +1,246 @@
+"""The node's data path (how a layer's tree reaches overlayfs) and the layer server's EROFS mounts.
+
+A node serves every layer one way, chosen once at the layer server's start
+(``--data-path``, the snapshotter's ``[fuse] data_path``):
+
+* ``erofs``: the kernel's EROFS answers the tree, file-backed (Linux 6.12+): one
+  metadata image per layer (:mod:`blockstore.erofs`, built from the verified index
+  and cached under ``ROOT/layers/erofs/``) mounted at ``ROOT/layers/lower/<slot>``
+  with ``device=`` the layer's FUSE blob file (``ROOT/layers/mnt/blobs/<slot>``); FUSE
+  sees only block reads of the blob.
+* ``loop``: the same, the image and the blob each behind a read-only loop device
+  (kernels with EROFS that refuse a file-backed mount: ENOTBLK).
+* ``tree``: the per-file FUSE tree ``ROOT/layers/mnt/<slot>`` (no EROFS).
+
+``auto`` (the default) probes: EROFS listed in ``/proc/filesystems`` (the list is read
+from :attr:`DataPathProbe.filesystems`, a test seam: EROFS built into a kernel cannot
+be unloaded to test its absence), then a file-backed mount of the image of an empty
+layer with an empty blob, made under ``ROOT/layers/`` where the layer images live:
+``erofs`` if it mounts, ``loop`` on ENOTBLK, ``tree`` when there is no EROFS or the
+probe fails otherwise (the reason is logged).  A forced path the kernel cannot give
+is a :class:`DataPathUnavailable`, which the server's CLI refuses start-up with.
+
+:class:`ErofsLayers` owns the EROFS mounts of one server: images, mounts, unmounts,
+and the stale mounts a killed server left on ``lower/`` (their device was the dead
+FUSE session's blob).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import prometheus_client
+import trio
+
+from bootseer.blockstore.control import ServerPaths
+from bootseer.blockstore.erofs import build_image, image_cache_name, image_size, write_image
+from bootseer.blockstore.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
+from bootseer.blockstore.format import Entry, EntryType, LayerIndex
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+#: What ``--data-path`` takes.
+DATA_PATHS = ("auto", "erofs", "loop", "tree")
+#: The data paths whose lower dirs are EROFS mounts.
+EROFS_PATHS = ("erofs", "loop")
+FILESYSTEMS = "/proc/filesystems"
+
+DATA_PATH = prometheus_client.Gauge(
+    "bootseer_layer_server_data_path", "1 for the data path this layer server serves layers by", ["path"]
+)
+
+
+class DataPathUnavailable(Exception):
+    """A forced data path this kernel cannot give (the message says why)."""
+
+
+@dataclass(frozen=True)
+class DataPathChoice:
+    path: str  #: ``erofs``, ``loop`` or ``tree``
+    reason: str  #: why: one phrase for the start-up log line and ``status``
+
+
+@dataclass(frozen=True)
+class DataPathProbe:
+    """Chooses the data path of a node whose layer server keeps its files under ``layers``."""
+
+    layers: Path
+    filesystems: str = FILESYSTEMS  #: where the kernel's filesystem list is read (a test seam)
+
+    def kernel_has_erofs(self) -> bool:
+        with open(self.filesystems, encoding="ascii", errors="replace") as listing:
+            return any(line.split()[-1:] == ["erofs"] for line in listing)
+
+    def try_mount(self) -> str:
+        """``file`` or ``loop``: how a mount of an empty layer's image went; ErofsMountError if it failed."""
+        probe = self.layers / f".data-path-probe-{os.getpid()}"
+        shutil.rmtree(probe, ignore_errors=True)
+        probe.mkdir(mode=0o700)
+        try:
+            empty = LayerIndex("sha256:" + "0" * 64, 4096, [Entry("", EntryType.DIR, 0o755)], [], [])
+            (probe / "image").write_bytes(build_image(empty))
+            (probe / "blob").write_bytes(b"")
+            (probe / "mnt").mkdir()
+            mounted = mount_erofs(probe / "image", probe / "mnt", device=probe / "blob")
+            unmount_erofs(probe / "mnt")
+            return mounted.mode
+        finally:
+            shutil.rmtree(probe, ignore_errors=True)
+
+    def choose(self, requested: str) -> DataPathChoice:
+        """The data path for ``requested`` (one of :data:`DATA_PATHS`); DataPathUnavailable for a forced one this kernel lacks."""
+        if requested not in DATA_PATHS:
+            raise DataPathUnavailable(f"unknown data path {requested!r} (one of {', '.join(DATA_PATHS)})")
+        if requested == "tree":
+            return DataPathChoice("tree", "forced")
+        try:
+            has_erofs = self.kernel_has_erofs()
+        except OSError as exc:
+            has_erofs, missing = False, f"cannot read {self.filesystems}: {exc.strerror}"
+        else:
+            missing = f"the kernel has no EROFS (not in {self.filesystems})"
+        if not has_erofs:
+            if requested == "auto":
+                return DataPathChoice("tree", missing)
+            raise DataPathUnavailable(f"data path {requested}: {missing}")
+        if requested == "loop":
+            return DataPathChoice("loop", "forced")
+        try:
+            mode = self.try_mount()
+        except (ErofsMountError, OSError) as exc:
+            if requested == "auto":
+                return DataPathChoice("tree", f"the EROFS probe mount failed: {exc}")
+            raise DataPathUnavailable(f"data path erofs: the EROFS probe mount failed: {exc}") from None
+        if mode == "file":
+            return DataPathChoice("erofs", "forced" if requested == "erofs" else "a file-backed EROFS mount works")
+        if requested == "erofs":
+            raise DataPathUnavailable(
+                f"data path erofs: the kernel refuses a file-backed EROFS mount of an image under {self.layers} "
+                f"(ENOTBLK: kernel before 6.12, or a filesystem without read_folio such as tmpfs); use loop or auto"
+            )
+        return DataPathChoice("loop", f"file-backed EROFS refused under {self.layers} (ENOTBLK): over loop devices")
+
+
+def announce(choice: DataPathChoice) -> None:
+    """The start-up log line and the gauge of the chosen data path."""
+    for path in EROFS_PATHS + ("tree",):
+        DATA_PATH.labels(path).set(1 if path == choice.path else 0)
+    log.info("data path chosen", data_path=choice.path, reason=choice.reason)
+
+
+class ErofsLayers:
+    """The EROFS mounts of one layer server: one image and one mount per served layer.
+
+    Images are cached as ``ROOT/layers/erofs/<image_cache_name(index)>`` (one per index,
+    shared by the layers that have it), mounts are at ``ROOT/layers/lower/<slot>``.
+    Every mount and unmount runs in a worker thread: mounting on a FUSE blob makes
+    FUSE requests that the server's own trio thread answers.
+    """
+
+    def __init__(self, paths: ServerPaths, path: str, threads: trio.CapacityLimiter) -> None:
+        if path not in EROFS_PATHS:
+            raise ValueError(f"not an EROFS data path: {path!r}")
+        self.paths = paths
+        self.path = path
+        self.images = paths.erofs_images
+        self.lowers = paths.erofs_lowers
+        self._threads = threads  #: the server's decode limiter: image builds are O(entries)
+
+    def lower_dir(self, slot: int) -> str:
+        return self.paths.lower_dir(slot, self.path)
+
+    def image_path(self, index_name: str) -> Path:
+        return self.images / image_cache_name(index_name)
+
+    def prepare(self) -> None:
+        """Create the directories, remove half-written images, and lazily unmount every mount on
+        ``lower/`` (a killed server's: their blob device was its FUSE session, now dead)."""
+        for directory in (self.images, self.lowers):
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for stale in self.images.glob(".*.tmp-*"):
+            stale.unlink(missing_ok=True)
+        for lower in self.lowers.iterdir():
+            while os.path.ismount(lower):
+                log.warning("unmounting a stale EROFS mount left by a server that is gone", lower_dir=str(lower))
+                unmount_erofs(lower, lazy=True)
+
+    def ensure_image(self, index: LayerIndex, index_name: str) -> Path:
+        """The cached image of ``index``, built (temp name + rename) if missing or of the wrong size."""
+        path = self.image_path(index_name)
+        expected = image_size(index)
+        try:
+            if path.stat().st_size == expected:
+                return path
+            log.warning("cached EROFS image has the wrong size; building it again", image=str(path))
+        except FileNotFoundError:
+            pass
+        temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            with open(temp, "wb") as out:
+                write_image(index, out)
+                out.flush()
+                os.fsync(out.fileno())
+            os.rename(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        return path
+
+    def _mount(self, slot: int, image: Path) -> str:
+        lower = Path(self.lower_dir(slot))
+        lower.mkdir(exist_ok=True, mode=0o755)
+        while os.path.ismount(lower):  # left by an earlier mount of this slot that failed half-way
+            unmount_erofs(lower, lazy=True)
+        blob = self.paths.blob(slot)
+        mount_erofs(image, lower, device=blob, loop=self.path == "loop")
+        return str(lower)
+
+    async def mount(self, slot: int, index: LayerIndex, index_name: str) -> str:
+        """Mount the layer in ``slot`` (its blob must be served already); its lower dir."""
+        image = await trio.to_thread.run_sync(self.ensure_image, index, index_name, limiter=self._threads)
+        return await trio.to_thread.run_sync(self._mount, slot, image)
+
+    def _unmount(self, slot: int) -> None:
+        lower = self.lower_dir(slot)
+        if not os.path.ismount(lower):
+            return
+        try:
+            unmount_erofs(lower)
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+            log.warning("EROFS mount is busy; detaching it lazily (it goes when its last user does)", lower_dir=lower)
+            unmount_erofs(lower, lazy=True)
+
+    async def unmount(self, slot: int) -> None:
+        """Unmount the layer in ``slot`` (lazily if it is busy); nothing if it is not mounted."""
+        await trio.to_thread.run_sync(self._unmount, slot)
+
+    def remove_image(self, index_name: str) -> None:
+        self.image_path(index_name).unlink(missing_ok=True)
+
+    def _detach_all(self) -> None:
+        for lower in self.lowers.iterdir():
+            while os.path.ismount(lower):
+                unmount_erofs(lower, lazy=True)
+                log.info("detached EROFS mount", lower_dir=str(lower))
+
+    async def detach_all(self) -> None:
+        """Lazily unmount every EROFS mount (before the FUSE mount their blobs are on goes)."""
+        await trio.to_thread.run_sync(self._detach_all)
+
+
+__all__ = [
+    "DATA_PATHS",
+    "DataPathChoice",
+    "DataPathProbe",
+    "DataPathUnavailable",
+    "EROFS_PATHS",
+    "ErofsLayers",
+    "announce",
+]

@@ -1,0 +1,87 @@
+"""The EROFS data path under a real containerd: ``bootseer-snapshotter --data-path erofs``.
+
+The image is pulled lazily (``bootseer rpull``) and run; every layer is an EROFS mount
+under the layer server's ``ROOT/layers/lower/`` over its FUSE blob.  Containers still run
+with the right contents after the daemon restarts and after the layer server is killed
+(it comes back at the same lower dirs); containerd's GC removes the snapshots and leaves
+no EROFS mount and no image behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from integration import harness
+from integration.harness import APP_FILE, APP_FILE_DATA, BLOB_FILE, PATCH_FILE, PATCH_FILE_DATA, layer_server, lazy_layers, part_data, part_path
+from integration.harness import bootseer_convert as convert
+from integration.harness import bootseer_rpull as rpull
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+SCRIPT = f"cat {APP_FILE} {PATCH_FILE}; sha256sum {BLOB_FILE} {part_path(3)} | cut -d' ' -f1"
+
+
+def expected() -> list[str]:
+    return [APP_FILE_DATA.decode().strip(), PATCH_FILE_DATA.decode().strip(),
+            hashlib.sha256(harness.blob_data()).hexdigest(), hashlib.sha256(part_data(3)).hexdigest()]  # fmt: skip
+
+
+def erofs_mounts(under: Path) -> list[str]:
+    prefix = str(under) + "/"
+    with open("/proc/self/mountinfo") as mountinfo:
+        rows = [line.split(" - ") for line in mountinfo]
+    return sorted(head.split()[4] for head, tail in rows if tail.split()[0] == "erofs" and head.split()[4].startswith(prefix))
+
+
+@pytest.fixture
+def on_erofs(runnable) -> Iterator[harness.Stack]:
+    s = harness.Stack(store=True, daemon_args=["--data-path", "erofs"])
+    try:
+        with s:
+            yield s
+    finally:
+        print(s.logs())
+        assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
+
+
+def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount(on_erofs: harness.Stack) -> None:
+    stack = on_erofs
+    image, ref = stack.build_and_push(name="bootseer/erofs", layers=lazy_layers())
+    convert(stack, ref)
+    out = rpull(stack, ref)
+    layers = len(image.diff_ids)
+    assert f"{layers} layers on bootseer: {layers} lazy, 0 downloaded" in out, out
+
+    status = layer_server(stack).status()
+    lowers = sorted(row["lower_dir"] for row in status["layers"])
+    root = stack.daemon.root
+    assert status["data_path"]["path"] == "erofs" and {row["data_path"] for row in status["layers"]} == {"erofs"}
+    assert erofs_mounts(root) == lowers and all(lower.startswith(str(root / "layers/lower/")) for lower in lowers)
+    assert stack.run_container(ref, "first", "sh", "-c", SCRIPT).splitlines() == expected()
+
+    stack.restart_daemon(signal.SIGKILL)
+    assert stack.run_container(ref, "after-daemon", "sh", "-c", SCRIPT).splitlines() == expected()
+
+    pid = int(layer_server(stack).status()["pid"])
+    os.kill(pid, signal.SIGKILL)
+    harness.wait_until("the layer server to die", lambda: not Path(f"/proc/{pid}/cmdline").exists()
+                       or Path(f"/proc/{pid}/cmdline").read_bytes() == b"", 30)  # fmt: skip
+    # The daemon's start finds the server gone and starts it; it mounts its layers again (the
+    # stale mounts' device was the dead session) at the same lower dirs, before it answers.
+    stack.restart_daemon(signal.SIGTERM)
+    assert stack.run_container(ref, "after-server", "sh", "-c", SCRIPT).splitlines() == expected()
+    status = layer_server(stack).status()
+    assert int(status["pid"]) != pid
+    assert sorted(row["lower_dir"] for row in status["layers"]) == lowers == erofs_mounts(root)
+
+    stack.containerd.ctr("images", "rm", "--sync", ref)
+    harness.wait_until("containerd to drop every snapshot", lambda: not stack.containerd.snapshots(), 60)
+    harness.wait_until("the layer server to unmount every layer", lambda: not layer_server(stack).status()["layers"], 60)
+    assert erofs_mounts(root) == []
+    assert os.listdir(root / "layers/erofs") == []

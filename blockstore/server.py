@@ -117,7 +117,7 @@ class LayerServerConfig:
     hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
-    data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath)
+    data_path: str = "tree"  #: auto, erofs, loop or tree (blockstore.datapath); tree until the EROFS path fetches no more than it (docs/lazy-layers.md)
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
 
     @property

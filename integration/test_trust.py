@@ -78,7 +78,8 @@ def test_a_node_trusting_a_node_key_stacks_its_signed_capture_and_installs_over_
     record = json.loads(record_path.read_text())
     assert [s["key"] for s in record["signatures"]] == [_key_id(node_key)]
 
-    second = stacks(daemon_args=["--writer-key", f"{node_key}.pub", "--converter-key", f"{converter}.pub"])
+    second = stacks(namespace=first.namespace,  # deps keys are scoped by namespace
+                    daemon_args=["--writer-key", f"{node_key}.pub", "--converter-key", f"{converter}.pub"])
     _image, ref2 = second.build_and_push()
     shutil.copytree(first.store_dir, second.store_dir, dirs_exist_ok=True)
     second.pull(ref2)  # not converted: downloaded; only the deps layer is served from the store

@@ -79,7 +79,7 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_auto_picks_erofs_here_with_its_log_line(built: Any, node_factory: Any) -> None:
-    node = node_factory(f"file://{built[0]}")
+    node = node_factory(f"file://{built[0]}", data_path="auto")
     client = node.ensure()
     assert client.status()["data_path"] == {"path": "erofs", "reason": "a file-backed EROFS mount works"}
     assert chosen(node.log()) == "erofs"
@@ -89,7 +89,7 @@ def test_auto_picks_erofs_here_with_its_log_line(built: Any, node_factory: Any) 
 
 
 def test_a_root_on_tmpfs_falls_back_to_loop_with_its_log_line(tmpfs: Path, built: Any, node_factory: Any) -> None:
-    node = node_factory(f"file://{built[0]}")
+    node = node_factory(f"file://{built[0]}", data_path="auto")
     node.root = tmpfs / "root"  # the image cache, ROOT/layers/erofs, on tmpfs: ENOTBLK
     node.paths = type(node.paths)(node.root)
     client = node.ensure()
@@ -112,7 +112,7 @@ def test_a_forced_erofs_the_kernel_refuses_stops_start_up_with_one_line(tmpfs: P
 def test_no_erofs_in_the_kernel_falls_back_to_the_tree_with_its_log_line(built: Any, node_factory: Any, tmp_path: Path) -> None:
     listing = tmp_path / "filesystems"
     listing.write_text(NO_EROFS)
-    node = node_factory(f"file://{built[0]}", extra_args=("--kernel-filesystems", str(listing)))
+    node = node_factory(f"file://{built[0]}", data_path="auto", extra_args=("--kernel-filesystems", str(listing)))
     client = node.ensure()
     status = client.status()["data_path"]
     assert status["path"] == "tree" and "no EROFS" in status["reason"]
@@ -250,7 +250,7 @@ def test_the_data_path_setting_reaches_the_layer_server_and_a_bad_one_is_refused
     from bootseer.blockstore.control import ServerSettings
     from bootseer.snapshotter import config
 
-    assert config.resolve({}, {}).data_path == "auto"
+    assert config.resolve({}, {}).data_path == "tree"  # the default until the EROFS path fetches no more than it
     assert config.resolve({"fuse.data_path": "loop"}, {"fuse.data_path": "tree"}).data_path == "tree"  # the flag wins
     from bootseer.snapshotter.daemon import build_parser
 

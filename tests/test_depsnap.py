@@ -563,7 +563,7 @@ def test_container_captures_go_to_the_daemons_publish_store(tmp_path: Path) -> N
     (the layer server's setting) takes captures too; without it, the daemon's store."""
     from bootseer.blockstore.control import ServerSettings
     from bootseer.depsnap.containerd import publish_store
-    from snapshotter.layer_server import LayerServerBackend
+    from bootseer.snapshotter.layer_server import LayerServerBackend
 
     front = "http://127.0.0.1:1/"
     writable = str(tmp_path / "store")

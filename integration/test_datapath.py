@@ -13,7 +13,6 @@ import hashlib
 import os
 import signal
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -40,14 +39,9 @@ def erofs_mounts(under: Path) -> list[str]:
 
 
 @pytest.fixture
-def on_erofs(runnable) -> Iterator[harness.Stack]:
-    s = harness.Stack(store=True, daemon_args=["--data-path", "erofs"])
-    try:
-        with s:
-            yield s
-    finally:
-        print(s.logs())
-        assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
+def on_erofs(stacks) -> harness.Stack:
+    """A started stack with a local store whose layer server serves every layer on the erofs path."""
+    return stacks(daemon_args=["--data-path", "erofs"])
 
 
 def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount(on_erofs: harness.Stack) -> None:

@@ -25,7 +25,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from bootseer.blockstore.erofs import blob_size, write_image
+from bootseer.blockstore.erofs import write_image
 from bootseer.blockstore.erofs_mount import mount_erofs, unmount_erofs
 from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex
 
@@ -113,7 +113,7 @@ def main() -> int:
               f"{cpu:.2f} s CPU (medians of {args.reps}; {len(index.entries) / cpu:,.0f} entries per CPU second), "
               f"writer's peak Python memory {peak / 1e6:.1f} MB")  # fmt: skip
         with open(blob, "wb") as f:
-            f.truncate(blob_size(index))
+            f.truncate(index.blob_size)
         checked = subprocess.run(["fsck.erofs", f"--device={blob}", str(image)], capture_output=True, text=True)
         print(f"fsck.erofs: {'ok' if checked.returncode == 0 else 'FAILED ' + checked.stderr.strip()}")
         if os.geteuid() != 0:

@@ -107,30 +107,6 @@ def chunk_bits(index: LayerIndex) -> int:
     return bits
 
 
-def blob_size(index: LayerIndex) -> int:
-    """Bytes of the layer's blob: one ``block_size`` slot per block of the index (a short block's slot ends in zeros)."""
-    return len(index.blocks) * index.block_size
-
-
-def blob_offset(index: LayerIndex, block_number: int) -> int:
-    """Where block ``block_number`` of ``index.blocks`` starts in the blob."""
-    return block_number * index.block_size
-
-
-def blob_blocks(index: LayerIndex, offset: int, length: int) -> range:
-    """The block numbers whose slots a blob read of ``length`` bytes at ``offset`` touches (clipped to the blob).
-
-    Bytes of a slot past its block's ``rlen`` read as zeros; no file reads them (EROFS stops at ``i_size``).
-    """
-    if offset < 0 or length < 0:
-        raise ValueError(f"bad blob range {offset}+{length}")
-    first = offset // index.block_size
-    if not length:
-        return range(first, first)
-    end = min(len(index.blocks), -(-(offset + length) // index.block_size))
-    return range(first, max(first, end))
-
-
 def image_cache_name(index_sha256: str) -> str:
     """The file name a node caches the image of index ``index_sha256`` (64 hex) under: index name + writer version."""
     if len(index_sha256) != 64 or any(c not in "0123456789abcdef" for c in index_sha256):
@@ -252,7 +228,7 @@ class _Layout:
     def __init__(self, index: LayerIndex) -> None:
         self.index = index
         self.bits = chunk_bits(index)
-        if blob_size(index) // BLOCK_SIZE > NULL_ADDR - 1:
+        if index.blob_size // BLOCK_SIZE > NULL_ADDR - 1:
             raise ErofsError(f"the blob of {len(index.blocks)} blocks of {index.block_size} bytes is past EROFS's 32-bit block addresses")
         entries = index.entries
         number_of: dict[str, int] = {}
@@ -405,7 +381,7 @@ def write_image(index: LayerIndex, out: BinaryIO) -> int:
     )  # fmt: skip
     writer.pad_to(SUPER_OFFSET)
     writer.write(superblock)
-    writer.write(_DEVICE_SLOT.pack(b"", blob_size(index) // BLOCK_SIZE, 0, b""))
+    writer.write(_DEVICE_SLOT.pack(b"", index.blob_size // BLOCK_SIZE, 0, b""))
     for number, inode in layout.inodes.items():
         writer.pad_to(inode.nid * SLOT_SIZE)
         entry = entries[number]

@@ -245,8 +245,29 @@ class LayerIndex:
 
     @property
     def blob_size(self) -> int:
-        """The size of the layer's blob: block ``n`` of :attr:`blocks` at ``n * block_size``, each padded to it."""
+        """The size of the layer's blob: block ``n`` of :attr:`blocks` at ``n * block_size``, each padded to it.
+
+        The blob's geometry is defined here alone (:meth:`blob_offset`, :meth:`blob_blocks`): the EROFS
+        image's chunk indexes, the blob's FUSE reads and the page-cache warming all use it.
+        """
         return len(self.blocks) * self.block_size
+
+    def blob_offset(self, block_number: int) -> int:
+        """Where block ``block_number`` of :attr:`blocks` starts in the blob."""
+        return block_number * self.block_size
+
+    def blob_blocks(self, offset: int, length: int) -> range:
+        """The block numbers whose slots a blob read of ``length`` bytes at ``offset`` touches (clipped to the blob).
+
+        Bytes of a slot past its block's ``rlen`` read as zeros; no file reads them (EROFS stops at ``i_size``).
+        """
+        if offset < 0 or length < 0:
+            raise ValueError(f"bad blob range {offset}+{length}")
+        first = offset // self.block_size
+        if not length:
+            return range(first, first)
+        end = min(len(self.blocks), -(-(offset + length) // self.block_size))
+        return range(first, max(first, end))
 
     def encode(self) -> bytes:
         """The index as a store object: header + zstd-compressed JSON."""

@@ -648,10 +648,11 @@ class LayerReader:
         end = min(offset + size, self.index.blob_size)
         if end <= offset:
             return b""
-        block_size = self.index.block_size
-        first, last = offset // block_size, (end - 1) // block_size
+        refs = self.index.blob_blocks(offset, end - offset)
+        first, last = refs.start, refs.stop - 1
         data = await self._read_blocks(range(len(self.index.blocks)), first, last)
-        return _padded_slice(data, offset - first * block_size, end - first * block_size, block_size)
+        start = self.index.blob_offset(first)
+        return _padded_slice(data, offset - start, end - start, self.index.block_size)
 
     async def _read_blocks(self, sequence: Sequence[int], first: int, last: int) -> list[bytes]:
         """Blocks ``sequence[first : last + 1]`` at DEMAND, reading ahead of ``sequence[last]`` on a miss.

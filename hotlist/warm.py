@@ -145,7 +145,7 @@ class PageCacheWarmer:
                 if digest not in digests:
                     continue
                 places = self._where.setdefault((layer, digest), [])
-                offset = position * index.block_size
+                offset = position * index.block_size  # within the file
                 length = min(index.block_size, entry.size - offset)
                 if length > 0 and len(places) < MAX_PLACEMENTS:
                     places.append(Placement(os.path.join(target.directory, entry.path),
@@ -157,7 +157,7 @@ class PageCacheWarmer:
         if isinstance(target, TreeTarget):
             return self._where.get((layer, block.hot.digest), [])
         index = self._indexes[layer]
-        offset = block.ref * index.block_size
+        offset = index.blob_offset(block.ref)
         stored = min(-(-size // PAGE_SIZE) * PAGE_SIZE, index.block_size, index.blob_size - offset)
         if size <= 0 or stored < size:
             return []

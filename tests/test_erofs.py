@@ -29,9 +29,6 @@ from bootseer.blockstore import erofs, erofs_mount
 from bootseer.blockstore.erofs import (
     BLOCK_SIZE,
     ErofsError,
-    blob_blocks,
-    blob_offset,
-    blob_size,
     build_image,
     image_cache_name,
     write_image,
@@ -114,10 +111,10 @@ def extracted(built: tuple[Path, list[BuiltLayer]], tmp_path_factory: pytest.Tem
 def write_blob(store: Path, index: LayerIndex, path: Path) -> None:
     """The layer's blob as the layer server will serve it: block ``n`` (verified) at ``n * block_size``."""
     with open(path, "wb") as blob:
-        blob.truncate(blob_size(index))
+        blob.truncate(index.blob_size)
         for number, block in enumerate(index.blocks):
             if not block.is_zero:
-                blob.seek(blob_offset(index, number))
+                blob.seek(index.blob_offset(number))
                 blob.write(read_block(store, index, number))
 
 
@@ -248,9 +245,9 @@ def many_chunks_index(chunks: int) -> tuple[LayerIndex, dict[int, bytes], bytes]
 
 def write_blob_of(index: LayerIndex, contents_by_block: dict[int, bytes], path: Path) -> Path:
     with open(path, "wb") as blob:
-        blob.truncate(blob_size(index))
+        blob.truncate(index.blob_size)
         for number, data in contents_by_block.items():
-            blob.seek(blob_offset(index, number))
+            blob.seek(index.blob_offset(number))
             blob.write(data)
     return path
 
@@ -589,14 +586,14 @@ def test_images_change_only_with_the_writer_version() -> None:
 def test_blob_geometry_maps_offsets_to_blocks(built: tuple[Path, list[BuiltLayer]]) -> None:
     index = built[1][0].index
     size = index.block_size
-    assert blob_size(index) == len(index.blocks) * size
-    assert blob_offset(index, 3) == 3 * size
-    assert blob_blocks(index, 0, 1) == range(0, 1)
-    assert blob_blocks(index, size - 1, 2) == range(0, 2)
-    assert blob_blocks(index, 2 * size, 3 * size) == range(2, 5)
-    assert blob_blocks(index, blob_size(index) - 1, 10 * size) == range(len(index.blocks) - 1, len(index.blocks))
-    assert blob_blocks(index, blob_size(index), size) == range(len(index.blocks), len(index.blocks))  # past the end: nothing
-    assert blob_blocks(index, 5, 0) == range(0, 0)
+    assert index.blob_size == len(index.blocks) * size
+    assert index.blob_offset(3) == 3 * size
+    assert index.blob_blocks(0, 1) == range(0, 1)
+    assert index.blob_blocks(size - 1, 2) == range(0, 2)
+    assert index.blob_blocks(2 * size, 3 * size) == range(2, 5)
+    assert index.blob_blocks(index.blob_size - 1, 10 * size) == range(len(index.blocks) - 1, len(index.blocks))
+    assert index.blob_blocks(index.blob_size, size) == range(len(index.blocks), len(index.blocks))  # past the end: nothing
+    assert index.blob_blocks(5, 0) == range(0, 0)
     assert image_cache_name("ab" * 32) == "ab" * 32 + ".erofs-v1"
     with pytest.raises(ValueError):
         image_cache_name("../x")

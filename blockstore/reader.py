@@ -183,6 +183,11 @@ def _zeros(length: int) -> bytes:
     return bytes(length)
 
 
+#: Verified blocks that may wait in memory for the node cache's writer: a layer server's memory
+#: beyond ``--memory-limit`` (the stripes) by at most this much (a slow cache disk fills it).
+CACHE_WRITE_QUEUE_BYTES = 64 << 20
+
+
 class _CacheWriter:
     """Writes verified blocks into the node cache behind the reads that fetched them.
 
@@ -195,7 +200,7 @@ class _CacheWriter:
     itself.  Until written, a block is in the fetcher's memory of recent blocks.
     """
 
-    def __init__(self, cache: BlockCache, limit_bytes: int = 64 << 20) -> None:
+    def __init__(self, cache: BlockCache, limit_bytes: int = CACHE_WRITE_QUEUE_BYTES) -> None:
         self.cache = cache
         self.limit_bytes = limit_bytes
         self._lock = threading.Lock()

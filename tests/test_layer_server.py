@@ -45,6 +45,7 @@ from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
+from bootseer.blockstore.reader import CACHE_WRITE_QUEUE_BYTES
 from tests.support.memory import MiB, peak_rss_under_readers, rss_bound
 from tests.support.trees import apply_layers, as_whiteouts, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
@@ -682,7 +683,9 @@ def test_resident_memory_follows_the_memory_limit_under_concurrent_readers(
     paths = [lower / f"data/shard-{n}" for n in range(SHARDS)]
     idle, peak = peak_rss_under_readers(node.pid(), paths, SHARD_SIZE)
     above = peak - idle
-    assert above <= rss_bound(MEMORY_LIMIT), (
+    # The stripes follow --memory-limit; verified blocks waiting for the node cache's writer come on top,
+    # up to their own fixed bound (the writer drops each entry's pages after writing it back: slower).
+    assert above <= rss_bound(MEMORY_LIMIT) + CACHE_WRITE_QUEUE_BYTES, (
         f"RSS rose {above / MiB:.0f} MiB above idle ({idle / MiB:.0f} MiB) with --memory-limit 64M"
     )
     [row] = client.status()["stores"].values()

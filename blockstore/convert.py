@@ -537,6 +537,31 @@ class PackWriter:
         self._drain(keep=0)
         if self._file is not None:
             self._close_pack()
+        self._number_packs_in_block_order()
+
+    def _number_packs_in_block_order(self) -> None:
+        """Number :attr:`packs` by their first block, so the index does not depend on timing.
+
+        A pack gets its slot when it is first needed: this layer's own when the first
+        compressed block is written, another layer's when a reference to it is verified;
+        which comes first depends on the compression threads, and the same layer would
+        otherwise give indexes that differ (and so two digests) from one run to the next.
+        """
+        order: dict[int, int] = {}
+        for block in self.blocks:
+            if block.pack != ZERO_PACK and block.pack not in order:
+                order[block.pack] = len(order)
+        if len(order) != len(self.packs):
+            raise ConversionError(f"{len(self.packs) - len(order)} pack(s) of the layer hold none of its blocks")
+        if all(old == new for old, new in order.items()):
+            return
+        self.blocks = [b if b.pack == ZERO_PACK else Block(b.digest, order[b.pack], b.offset, b.clen, b.rlen)
+                       for b in self.blocks]  # fmt: skip
+        packs = [""] * len(self.packs)
+        for old, new in order.items():
+            packs[new] = self.packs[old]
+        self.packs = packs
+        self._slots = {name: slot for slot, name in enumerate(packs)}
 
     def segment(self) -> DedupSegment | None:
         """This layer's additions to the dedup table (None if it stored no block)."""

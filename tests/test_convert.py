@@ -466,3 +466,30 @@ def test_pack_writer_output_does_not_depend_on_its_threads(tmp_path):
     assert numbers[-3:] == numbers[:3] and len(pack_names) == len(spooled) > 1  # rotated past 8 MiB
     for sha, size, data in spooled:
         assert hashlib.sha256(data).hexdigest() == sha and len(data) == size
+
+
+def test_a_layers_index_does_not_depend_on_when_its_dedup_references_are_checked(tmp_path):
+    """A layer that references a block of another layer's pack and stores new ones: the packs are numbered by
+    first block, whether the reference is checked at once (a batch of one block) or after the new blocks
+    were written (one batch at the end), so a conversion gives the same index, and one digest, every time."""
+    from bootseer.blockstore.convert import DedupTable, PackWriter
+
+    store = tmp_path / "store"
+    shared, new = blob_data(BLOCK), blob_data(3 * BLOCK)[BLOCK:]
+    base = L.Layer((L.File("shared", shared),))
+    convert(build_oci_layout(tmp_path / "base", [base]).ref, store)
+    results = []
+    for batch in (1, 64 << 20):
+        spool = tmp_path / f"spool-{batch}"
+        spool.mkdir()
+        with PackWriter(BLOCK, DedupTable.load(FileStoreWriter(store)), spool, workers=1,
+                        verify_batch_bytes=batch) as packs:  # fmt: skip
+            packs.add(shared)
+            packs.add(new[:BLOCK])
+            packs.add(new[BLOCK:])
+            packs.finish()
+        assert packs.stats.in_store == 1 and packs.stats.stored == 2
+        results.append((packs.blocks, packs.packs))
+    assert results[0] == results[1]
+    blocks, names = results[0]
+    assert [b.pack for b in blocks] == [0, 1, 1] and names[1] == packs.spooled[0].sha256

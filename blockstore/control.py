@@ -326,7 +326,7 @@ class ServerSettings:
     retry_timeout: float | None = None  #: seconds a failing fetch is retried before EIO
     memory_limit: int | None = None  #: stripe bytes each store's engine holds in memory
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
-    data_path: str | None = None  #: auto, erofs, loop or tree (blockstore.datapath); None: the server's default (tree)
+    data_path: str | None = None  #: auto, erofs, loop or tree (blockstore.datapath); None: the server's default (auto)
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     hotlist: bool = True  #: False: ``--no-hotlist`` (neither record nor prefetch)
     hotlist_quiet: float | None = None  #: seconds without a new block that end a recording

@@ -83,8 +83,6 @@ TABLE_VERSION = 1
 #: How long the kernel may trust names, attributes and missing names under a layer:
 #: the layers are immutable, and the root's entries are invalidated when they change.
 CACHE_TIMEOUT = 3600.0
-#: The FUSE mount's read-ahead on the EROFS data paths, where only blobs are read through it.
-BLOB_READ_AHEAD_KB = 4
 
 UP = prometheus_client.Gauge("bootseer_layer_server_up", "1 while the layer server's FUSE mount is served")
 LAYERS = prometheus_client.Gauge("bootseer_layer_server_layers", "Layers the layer server serves")
@@ -117,7 +115,7 @@ class LayerServerConfig:
     hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
-    data_path: str = "tree"  #: auto, erofs, loop or tree (blockstore.datapath); tree until the EROFS path fetches no more than it (docs/lazy-layers.md)
+    data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath)
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
 
     @property
@@ -259,11 +257,8 @@ class LayerServer:
             attr_timeout=CACHE_TIMEOUT,
             negative_timeout=CACHE_TIMEOUT,
             statfs=self._statfs,
-            # EROFS asks the blob for what its own read-ahead of a file wants, within the file; a
-            # read-ahead of the blob itself (the kernel's 128 KiB) would run past it into the next
-            # file's blocks, which would then be fetched whole, as if read, though no one reads
-            # them.  One page: the blob is read as asked, no further.
-            read_ahead_kb=BLOB_READ_AHEAD_KB if erofs else None,
+            # (EROFS reads the blobs with direct I/O, which no read-ahead of this mount touches:
+            # blockstore.erofs_mount.)
         )
         self.layers: dict[str, Layer] = {}
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)

@@ -101,10 +101,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prefetch only hot lists this node key (a .pub file) signed; repeatable")  # fmt: skip
     parser.add_argument("--sign-key", metavar="FILE", help="the node's private key: signs the hot lists it publishes")
     parser.add_argument(
-        "--data-path", choices=DATA_PATHS, default="tree",
-        help="how overlayfs gets a layer's tree: auto (EROFS where the kernel has it, probed at start), "
-             "erofs (file-backed EROFS over the layer's FUSE blob), loop (EROFS over loop devices), "
-             "tree (the per-file FUSE tree, the default for now: see docs/lazy-layers.md, 'Data paths'); "
+        "--data-path", choices=DATA_PATHS, default="auto",
+        help="how overlayfs gets a layer's tree: auto (the default: EROFS where the kernel has it, probed at "
+             "start), erofs (file-backed EROFS over the layer's FUSE blob), loop (EROFS over loop devices), "
+             "tree (the per-file FUSE tree; see docs/lazy-layers.md, 'Data paths'); "
              "a forced path the kernel cannot give refuses start-up",
     )  # fmt: skip
     # A test seam (undocumented in --help): the kernel's filesystem list the data-path probe

@@ -18,14 +18,15 @@ been fetched (and when), so the read hook can classify each read's blocks
 read waited on an in-flight prefetch), ``cached`` (in the node cache before the
 prefetch began), ``miss`` (not prefetched yet: fetched on demand).
 
-With ``warm`` (the layer server's :meth:`PageCacheWarmer.warm
-<bootseer.hotlist.warm.PageCacheWarmer.warm>`), each batch, once fetched (the verified
-bytes the fetch returned; those found in the node cache are read from it), is also
-stored into the kernel's page cache by one worker thread, in the list's order, so the
+With a ``warmer`` (the layer server's :class:`PageCacheWarmer
+<bootseer.hotlist.warm.PageCacheWarmer>`), each batch, once fetched (the verified bytes
+the fetch returned; those found in the node cache are read from it, where the warmer
+wants bytes at all), is also put into the kernel's page cache by one worker thread, in
+the list's order, so the
 job's first reads of it are page-cache hits that never reach the layer server (and so
 are not classified).  What they served is counted at the prefetch's end instead
-(:meth:`Prefetch.settle_page_cache`, with ``resident``: the warmer's
-:meth:`PageCacheWarmer.resident <bootseer.hotlist.warm.PageCacheWarmer.resident>`): a
+(:meth:`Prefetch.settle_page_cache`, with the warmer's :meth:`resident
+<bootseer.hotlist.warm.PageCacheWarmer.resident>`): a
 block warmed, never read through FUSE and still in the page cache then is
 ``served_from_page_cache``, not ``unread``.  ``mincore`` says which pages are cached, not
 which were read, so a warmed block the job never read counts there too: it is an upper
@@ -97,6 +98,22 @@ class PrefetchLimits:
 _Warm = tuple[str, list[ResolvedBlock], "list[bytes] | None"]
 
 
+class Warmer(Protocol):
+    """Puts fetched hot blocks in the kernel's page cache (:class:`bootseer.hotlist.warm.PageCacheWarmer`)."""
+
+    def wants_bytes(self, layer: str) -> bool:
+        """Whether :meth:`warm` needs the blocks' bytes for ``layer`` (else it is given None)."""
+        ...
+
+    def warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes] | None) -> int:
+        """Blocking: put ``blocks`` in the page cache; the file bytes placed."""
+        ...
+
+    def resident(self) -> set[tuple[str, str]]:
+        """Blocking: (layer, digest) of the placed blocks still in the page cache."""
+        ...
+
+
 class Fetcher(Protocol):
     """What a prefetch fetches through: ``blockstore.reader.BlockFetcher``."""
 
@@ -123,7 +140,7 @@ class PrefetchStats:
     misses: int = 0
     lead_times: list[float] = field(default_factory=list)  #: per hit: seconds the block was ready before its read
     finished: bool = False
-    warmed_bytes: int = 0  #: file bytes stored in the kernel's page cache (store notifications)
+    warmed_bytes: int = 0  #: file bytes put in the kernel's page cache (store notifications, or reads through EROFS)
     warm_finished: bool = False
     #: at the end: blocks warmed, never read through FUSE, still in the page cache (and their compressed bytes)
     served_from_page_cache_blocks: int = 0
@@ -174,8 +191,7 @@ class Prefetch:
         fetchers: dict[str, Fetcher],
         cached: Callable[[str], bool] | None,
         limits: PrefetchLimits = PrefetchLimits(),
-        warm: Callable[[str, list[ResolvedBlock], list[bytes]], int] | None = None,
-        resident: Callable[[], set[tuple[str, str]]] | None = None,
+        warmer: Warmer | None = None,
     ) -> None:
         self.image = image
         self.profile = profile
@@ -183,9 +199,8 @@ class Prefetch:
         self.indexes = indexes
         self.fetchers = fetchers
         self._cached = cached
-        self._warm = warm  #: blocking: store a fetched batch's bytes in the page cache
+        self._warmer = warmer
         self._warm_send: trio.MemorySendChannel[_Warm] | None = None
-        self._resident = resident  #: blocking: (layer, digest) of the warmed blocks still in the page cache
         self.from_page_cache: set[str] = set()  #: digests counted as served by the page cache (settle_page_cache)
         self._settled = False
         self.limits = limits
@@ -244,12 +259,12 @@ class Prefetch:
         evicted reached FUSE and was classified); one the job never read is counted too
         (residency is all the kernel tells).  Once; nothing without ``resident``.
         """
-        if self._resident is None or self._settled:
+        if self._warmer is None or self._settled:
             return
         self._settled = True
         # Abandoned on cancel (the caller's timeout): it opens files of the server's own mount,
         # which a server shutting down may no longer answer.
-        resident = await trio.to_thread.run_sync(self._resident, abandon_on_cancel=True)
+        resident = await trio.to_thread.run_sync(self._warmer.resident, abandon_on_cancel=True)
         sizes = {b.hot.digest: b.hot.clen for b in self.plan}
         self.from_page_cache = {digest for layer, digest in resident if digest in sizes and digest not in self.read}
         self.stats.served_from_page_cache_blocks = len(self.from_page_cache)
@@ -278,7 +293,7 @@ class Prefetch:
         try:
             with self.cancel_scope:
                 async with trio.open_nursery() as warming:
-                    if self._warm is not None:
+                    if self._warmer is not None:
                         # Bounded: a batch's bytes wait here only while the warmer is behind.
                         self._warm_send, receive = trio.open_memory_channel[_Warm](self.limits.concurrency)
                         warming.start_soon(self._warm_batches, receive)
@@ -298,17 +313,17 @@ class Prefetch:
 
     async def _warm_batches(self, receive: trio.MemoryReceiveChannel[_Warm]) -> None:
         """Store each fetched batch in the page cache, one at a time, in the order they arrive."""
-        assert self._warm is not None
-        warm = self._warm
+        warmer = self._warmer
+        assert warmer is not None
         async with receive:
             async for layer, blocks, data in receive:
-                if data is None:  # found in the node cache: read (and verified) from it
+                if data is None and warmer.wants_bytes(layer):  # found in the node cache: read (and verified) from it
                     try:
                         data = await self.fetchers[layer].blocks(self.indexes[layer], [b.ref for b in blocks],
                                                                  Priority.PREFETCH)  # fmt: skip
                     except (OSError, ValueError):
                         continue  # a read will say what is wrong
-                self.stats.warmed_bytes += await trio.to_thread.run_sync(warm, layer, blocks, data)
+                self.stats.warmed_bytes += await trio.to_thread.run_sync(warmer.warm, layer, blocks, data)
         self.stats.warm_finished = True
 
     async def _to_warm(self, layer: str, blocks: list[ResolvedBlock], data: list[bytes] | None) -> None:

@@ -29,7 +29,9 @@ open, through the opener's pid and cgroup (:mod:`bootseer.hotlist.attribution`);
 blob read, which has no open of its own, at the read, through the reader's pid and
 cgroup (0 when unknown: see :class:`~bootseer.blockstore.layerfs.LayerBlobOpenFile`).
 Both record first touches in the order reads arrive and classify them for prefetches
-alike.  A read of a recording image's
+alike.  A blob read of a block that a page-cache warmer is reading through the
+layer's EROFS mount at that moment (:class:`~bootseer.hotlist.warm.WarmReads`) is the
+warmer's, and left out of both.  A read of a recording image's
 layer whose opener is not any recording container (another container sharing the
 layer, a host process) is left out of the trace.  One whose opener cannot be
 identified (pid 0, process gone: rare, as the opener is blocked in ``open`` while
@@ -49,7 +51,7 @@ import trio
 
 from bootseer.blockstore.format import Entry, FormatError, LayerIndex
 from bootseer.blockstore.datapath import EROFS_PATHS
-from bootseer.blockstore.layerfs import LayerTree, blob_inode_number
+from bootseer.blockstore.layerfs import LayerTree
 from bootseer.blockstore.signing import Untrusted
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
@@ -66,7 +68,7 @@ from bootseer.hotlist.format import (
 )
 from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
-from bootseer.hotlist.warm import BlobTarget, PageCacheWarmer, TreeTarget, WarmTarget
+from bootseer.hotlist.warm import ErofsTarget, PageCacheWarmer, TreeTarget, WarmReads, WarmTarget
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks
 
@@ -130,6 +132,7 @@ class HotListService:
         self.containers: dict[str, _Container] = {}  #: container ID -> what it was prepared on
         self.finished: list[dict[str, Any]] = []  #: summaries of ended recordings and prefetches (last 32)
         self.proc = "/proc"  #: where callers' cgroups are read (tests point it elsewhere)
+        self.warm_reads = WarmReads()  #: blocks page-cache warmers are reading through EROFS (not a job's reads)
 
     # -- the layers the server serves ------------------------------------------------------
 
@@ -244,17 +247,16 @@ class HotListService:
         streams = min(int(getattr(getattr(f, "engine", None), "streams", 2)) for f in fetchers.values())
         limits = self.config.prefetch
         limits = dataclasses.replace(limits, concurrency=max(1, min(limits.concurrency, streams // 2)))
-        warm = None
-        resident = None
+        warmer = None
         if limits.page_cache and self.server.session is not None:  # no FUSE session (tests): no page cache to fill
             targets = {layer: self.warm_target(layer) for layer in layers}
             digests = {block.hot.digest for block in plan}
             # One pass over every entry of the image's tree-served layers: not in the FUSE session's thread.
-            warmer = await trio.to_thread.run_sync(PageCacheWarmer, indexes, targets, digests)
-            warm, resident = warmer.warm, warmer.resident
+            warmer = await trio.to_thread.run_sync(functools.partial(PageCacheWarmer, indexes, targets, digests,
+                                                                     reads=self.warm_reads))  # fmt: skip
         prefetch = Prefetch(
             image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
-            cached=cache_checker(self.server.cache), limits=limits, warm=warm, resident=resident,
+            cached=cache_checker(self.server.cache), limits=limits, warmer=warmer,
         )  # fmt: skip
         self.prefetches[(hot.image, hot.profile)] = prefetch
         PREFETCHES.set(len(self.prefetches))
@@ -265,14 +267,14 @@ class HotListService:
         return prefetch
 
     def warm_target(self, chain_id: str) -> WarmTarget:
-        """Where the kernel caches ``chain_id``'s blocks: its blob if EROFS answers its tree, else its files.
+        """Where the kernel caches ``chain_id``'s blocks: the files of its EROFS mount or of its FUSE tree.
 
         The layer's row in the server's table says how it is served (``Layer.data_path``).
         """
         layer = self.server.layers[chain_id]
-        if layer.data_path not in EROFS_PATHS:  # EROFS reads the blob (buffered, file-backed or on loop)
-            return TreeTarget(layer.slot, self.server.paths.lower_dir(layer.slot, "tree"))
-        return BlobTarget(str(self.server.paths.blob(layer.slot)), blob_inode_number(layer.slot))
+        if layer.data_path in EROFS_PATHS:
+            return ErofsTarget(self.server.paths.lower_dir(layer.slot, layer.data_path))
+        return TreeTarget(layer.slot, self.server.paths.lower_dir(layer.slot, "tree"))
 
     async def _run_prefetch(self, prefetch: Prefetch) -> None:
         try:
@@ -520,6 +522,10 @@ class HotListService:
         :meth:`opened` does for a file: its cgroup names the recording it belongs to.
         """
         try:
+            if not pid:  # the server's own open (EROFS's): maybe a page-cache warmer's read, not a job's
+                refs = self.warm_reads.others(layer, refs)
+                if not refs:
+                    return
             tag = self._reader(layer, pid)
             profile_hooks.layer_read(tag.container if tag is not None else None, layer)  # profiler: first read
             if tag is not None:

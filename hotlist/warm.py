@@ -22,17 +22,22 @@ warmer is told per layer by a :data:`WarmTarget`:
   block shared by several files (dedup: the same small ``INSTALLER``, ``__init__.py`` or
   licence in many packages) is stored into each of them, up to :data:`MAX_PLACEMENTS`
   files (the page cache is per file).
-* :class:`BlobTarget` (EROFS answers the tree, its files' chunks in the layer's blob,
-  ``blobs/<slot>``): EROFS reads the blob file buffered, through the blob's page cache, so
-  block ``i`` goes to the blob at ``i * block_size``, once however many files share it, and
-  no file is looked up.  Only the block's own bytes are stored, padded with zeros to the
-  page (the blob holds zeros there): EROFS reads a chunk only up to its file's end, never
-  the padding to ``block_size`` (measured: reads of 1.08x the data), and the kernel marks a
-  stored page up to date only when it is whole.  The blob is looked up once (EROFS holds it
-  open while it is mounted; the lookup makes the store land even before).
+* :class:`ErofsTarget` (EROFS answers the tree, its files' chunks in the layer's blob):
+  EROFS reads the blob with direct I/O (see :mod:`bootseer.blockstore.erofs_mount`), so
+  the only page cache a block lands in is that of the EROFS files that hold it, and a
+  store notification into the blob would be seen by no one.  The warmer reads the
+  block's range of each such file through the EROFS mount instead (from its worker
+  thread, ``POSIX_FADV_RANDOM`` so the read is exactly that range, no read-ahead into
+  the file's next block): EROFS fills those pages from the blob, whose reads the layer
+  server answers from the blocks the prefetch just put in the node cache.  Those blob
+  reads are the warmer's, not a job's: while it reads, the block is listed in
+  :class:`WarmReads`, which the hot-list service consults before it accounts a blob read.
+  Files are opened beneath the mount's directory descriptor without following a symlink
+  (``confined.open_beneath``): the tree is the store's word.
 
-Nothing is opened or read through the mount, so the hot-list accounting (of opens and
-reads) sees none of it.  What was stored is remembered (per block, the ranges), so that at
+On the tree nothing is opened or read through the mount, and on EROFS the warmer's blob
+reads are left out (:class:`WarmReads`), so the hot-list accounting (of opens and reads)
+sees none of it.  What was stored is remembered (per block, the ranges), so that at
 the prefetch's end :meth:`PageCacheWarmer.resident` can ask the kernel which of those
 pages are still cached (``mincore(2)`` of a mapping of the file: no read, no fault): the
 prefetch's account of what the page cache served (``hotlist.prefetch``).
@@ -46,13 +51,17 @@ which turns warming off) is skipped: warming only ever saves time.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
 import os
+import threading
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, Iterable, Iterator, Sequence, Union
 
+from bootseer import confined
 from bootseer.blockstore.format import EntryType, LayerIndex
 from bootseer.blockstore.layerfs import inode_number
 from bootseer.hotlist.format import ResolvedBlock
@@ -84,15 +93,48 @@ class TreeTarget:
 
 
 @dataclass(frozen=True)
-class BlobTarget:
-    """A layer whose tree the kernel's EROFS answers: its blocks are cached in its blob file."""
+class ErofsTarget:
+    """A layer whose tree the kernel's EROFS answers: its blocks are read through the mount into its files' pages."""
 
-    path: str  #: the blob in the server's mount (``ROOT/layers/mnt/blobs/<slot>``)
-    inode: int  #: its inode number (``layerfs.blob_inode_number``)
+    directory: str  #: the layer's EROFS mount (``ROOT/layers/lower/<slot>``)
 
 
 #: Where a layer's blocks live in the kernel's page cache (chosen by the layer's data path).
-WarmTarget = Union[TreeTarget, BlobTarget]
+WarmTarget = Union[TreeTarget, ErofsTarget]
+
+
+class WarmReads:
+    """The blocks a warmer is reading through an EROFS mount at this moment, by (layer, block number).
+
+    A blob read of such a block is the warmer's own (EROFS names no reader: the blob's
+    opener is the server), so the hot-list service leaves it out of recordings and
+    prefetch accounting.  Thread-safe: warmers mark from worker threads, the service
+    asks from the FUSE loop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reading: Counter[tuple[str, int]] = Counter()
+
+    @contextlib.contextmanager
+    def reading(self, layer: str, ref: int) -> Iterator[None]:
+        key = (layer, ref)
+        with self._lock:
+            self._reading[key] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading[key] -= 1
+                if not self._reading[key]:
+                    del self._reading[key]
+
+    def others(self, layer: str, refs: Iterable[int]) -> list[int]:
+        """Those of ``refs`` (blocks of ``layer`` a blob read covers) that no warmer is reading."""
+        with self._lock:
+            if not self._reading:
+                return list(refs)
+            return [ref for ref in refs if (layer, ref) not in self._reading]
 
 
 @dataclass(frozen=True)
@@ -100,18 +142,19 @@ class Placement:
     """Where a block's bytes go: a file of the layer (its path in the mount, its inode) and an offset."""
 
     path: str
-    inode: int
+    inode: int  #: for a store notification (a tree target's file); 0 on EROFS
     offset: int
     length: int  #: the block's bytes stored there (the last block of a file may be short)
-    padding: int = 0  #: zeros stored after them, to the page's end (a blob's partial last page)
+    relpath: str = ""  #: the file beneath its EROFS mount (an EROFS target's)
 
 
 class PageCacheWarmer:
-    """Store hot blocks in the page cache of the files the kernel reads them from (see the module docstring).
+    """Put hot blocks in the page cache of the files the kernel reads them from (see the module docstring).
 
     ``indexes`` maps each layer's ChainID to its index and ``targets`` to where its
-    blocks live; ``digests`` are the blocks worth placing (the hot list's): for a tree
-    target only those are mapped to files, in one pass over its index.
+    blocks live; ``digests`` are the blocks worth placing (the hot list's): only those
+    are mapped to files, in one pass over each index.  ``reads`` is where an EROFS
+    target's reads are announced (the hot-list service's :class:`WarmReads`).
     """
 
     def __init__(
@@ -120,15 +163,15 @@ class PageCacheWarmer:
         targets: dict[str, WarmTarget],
         digests: set[str],
         store: Store = _notify_store,
+        reads: WarmReads | None = None,
     ) -> None:
         self._store = store
+        self._reads = reads if reads is not None else WarmReads()
         self._indexes = indexes
         self._targets = targets
         self._where: dict[tuple[str, str], list[Placement]] = {}
         for layer, index in indexes.items():
-            target = targets[layer]
-            if isinstance(target, TreeTarget):
-                self._place_in_files(layer, index, target, digests)
+            self._place_in_files(layer, index, targets[layer], digests)
         self._looked_up: set[str] = set()
         #: (layer, digest) -> where its bytes were stored, for :meth:`resident`
         self.stored: dict[tuple[str, str], list[Placement]] = {}
@@ -136,7 +179,7 @@ class PageCacheWarmer:
         self.stored_bytes = 0
         self.skipped = 0
 
-    def _place_in_files(self, layer: str, index: LayerIndex, target: TreeTarget, digests: set[str]) -> None:
+    def _place_in_files(self, layer: str, index: LayerIndex, target: WarmTarget, digests: set[str]) -> None:
         for number, entry in enumerate(index.entries):
             if entry.type is not EntryType.FILE or entry.link is not None or not entry.blocks:
                 continue
@@ -147,53 +190,93 @@ class PageCacheWarmer:
                 places = self._where.setdefault((layer, digest), [])
                 offset = position * index.block_size  # within the file
                 length = min(index.block_size, entry.size - offset)
-                if length > 0 and len(places) < MAX_PLACEMENTS:
-                    places.append(Placement(os.path.join(target.directory, entry.path),
-                                            inode_number(target.slot, number), offset, length))  # fmt: skip
+                if length <= 0 or len(places) >= MAX_PLACEMENTS:
+                    continue
+                path = os.path.join(target.directory, entry.path)
+                if isinstance(target, TreeTarget):
+                    places.append(Placement(path, inode_number(target.slot, number), offset, length))
+                else:
+                    places.append(Placement(path, 0, offset, length, relpath=entry.path))
 
-    def placements(self, layer: str, block: ResolvedBlock, size: int) -> list[Placement]:
-        """Where ``block`` (``size`` raw bytes) of ``layer`` goes."""
+    def placements(self, layer: str, block: ResolvedBlock) -> list[Placement]:
+        """Where ``block`` of ``layer`` goes: the files that hold it (up to :data:`MAX_PLACEMENTS`)."""
+        return self._where.get((layer, block.hot.digest), [])
+
+    def wants_bytes(self, layer: str) -> bool:
+        """Whether :meth:`warm` needs ``layer``'s blocks' bytes (a tree target's stores do; EROFS reads its own)."""
+        return isinstance(self._targets[layer], TreeTarget)
+
+    def warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes] | None) -> int:
+        """Blocking (a worker thread): put ``blocks`` of ``layer`` in the page cache; file bytes placed.
+
+        ``data`` are their raw bytes (verified), which a tree target stores; an EROFS
+        target reads them through its mount and takes None.
+        """
         target = self._targets[layer]
-        if isinstance(target, TreeTarget):
-            return self._where.get((layer, block.hot.digest), [])
-        index = self._indexes[layer]
-        offset = index.blob_offset(block.ref)
-        stored = min(-(-size // PAGE_SIZE) * PAGE_SIZE, index.block_size, index.blob_size - offset)
-        if size <= 0 or stored < size:
-            return []
-        return [Placement(target.path, target.inode, offset, size, stored - size)]
+        if isinstance(target, ErofsTarget):
+            done = self._read_through(layer, target, blocks)
+        else:
+            if data is None:
+                raise ValueError("a tree target's warming stores the blocks' bytes: give them")
+            done = self._notify(layer, blocks, data)
+        self.stored_bytes += done
+        return done
 
-    def warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes]) -> int:
-        """Blocking (a worker thread): store ``data`` (the raw bytes of ``blocks``, of ``layer``); bytes stored."""
+    def _notify(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes]) -> int:
         done = 0
         for block, payload in zip(blocks, data):
-            for where in self.placements(layer, block, len(payload)):
+            for where in self.placements(layer, block):
                 if not self.enabled:
-                    break
+                    return done
                 if len(payload) < where.length:
                     continue
                 try:
                     if where.path not in self._looked_up:
                         os.stat(where.path)  # the kernel stores only into an inode it holds
                         self._looked_up.add(where.path)
-                    chunk = payload if len(payload) == where.length else payload[: where.length]
-                    self._store(where.inode, where.offset, chunk + bytes(where.padding) if where.padding else chunk)
-                    done += where.length
-                    self.stored.setdefault((layer, block.hot.digest), []).append(where)
+                    self._store(where.inode, where.offset, payload if len(payload) == where.length else payload[: where.length])
                 except OSError as exc:
-                    self.skipped += 1
-                    if exc.errno == errno.ENOSYS:
-                        self.enabled = False
-                        log.warning("the kernel takes no FUSE store notifications: prefetch warms no page cache")
-                    else:
-                        log.debug("page-cache warming skipped a block", path=where.path, offset=where.offset,
-                                  error=str(exc))  # fmt: skip
-        self.stored_bytes += done
+                    self._skip(where, exc)
+                    continue
+                done += where.length
+                self.stored.setdefault((layer, block.hot.digest), []).append(where)
         return done
 
+    def _read_through(self, layer: str, target: ErofsTarget, blocks: Sequence[ResolvedBlock]) -> int:
+        done = 0
+        try:
+            directory = confined.open_dir(target.directory)
+        except OSError as exc:
+            log.debug("page-cache warming cannot open the layer's EROFS mount", directory=target.directory, error=str(exc))
+            self.skipped += len(blocks)
+            return 0
+        buffer = memoryview(bytearray(self._indexes[layer].block_size))
+        try:
+            for block in blocks:
+                for where in self.placements(layer, block):
+                    try:
+                        with self._reads.reading(layer, block.ref):
+                            _read_range(directory, where.relpath, where.offset, where.length, buffer)
+                    except OSError as exc:
+                        self._skip(where, exc)
+                        continue
+                    done += where.length
+                    self.stored.setdefault((layer, block.hot.digest), []).append(where)
+        finally:
+            os.close(directory)
+        return done
+
+    def _skip(self, where: Placement, exc: OSError) -> None:
+        self.skipped += 1
+        if exc.errno == errno.ENOSYS and where.inode:
+            self.enabled = False
+            log.warning("the kernel takes no FUSE store notifications: prefetch warms no page cache")
+        else:
+            log.debug("page-cache warming skipped a block", path=where.path, offset=where.offset, error=str(exc))
+
     def resident(self) -> set[tuple[str, str]]:
-        """Blocking: the (layer, digest) of the stored blocks whose every stored page is still in the page cache
-        of at least one file it was stored into.  A file that cannot be checked counts as evicted."""
+        """Blocking: the (layer, digest) of the placed blocks whose every page is still in the page cache
+        of at least one file it was placed in.  A file that cannot be checked counts as evicted."""
         by_path: dict[str, list[tuple[tuple[str, str], Placement]]] = {}
         for key, places in self.stored.items():
             for place in places:
@@ -201,12 +284,29 @@ class PageCacheWarmer:
         found: set[tuple[str, str]] = set()
         for path, items in by_path.items():
             try:
-                cached = cached_ranges(path, [(p.offset, p.length + p.padding) for _key, p in items])
+                cached = cached_ranges(path, [(p.offset, p.length) for _key, p in items])
             except OSError as exc:
                 log.debug("cannot tell which warmed pages are still cached", path=path, error=str(exc))
                 continue
             found.update(key for (key, _place), whole in zip(items, cached) if whole)
         return found
+
+
+def _read_range(directory: int, relpath: str, offset: int, length: int, buffer: memoryview) -> None:
+    """Read ``length`` bytes at ``offset`` of ``relpath`` beneath ``directory`` (into ``buffer``, discarded),
+    no read-ahead past them."""
+    fd = confined.open_beneath(directory, relpath, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        # Without this the read's read-ahead would run into the file's next block, which no hot list named.
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        position, end = offset, offset + length
+        while position < end:
+            got = os.preadv(fd, [buffer[: min(len(buffer), end - position)]], position)
+            if got <= 0:
+                raise OSError(errno.EIO, f"{relpath}: short read at {position} (the file ends before its block)")
+            position += got
+    finally:
+        os.close(fd)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -252,4 +352,4 @@ def cached_ranges(path: str, ranges: Iterable[tuple[int, int]]) -> list[bool]:
     return answers
 
 
-__all__ = ["BlobTarget", "Placement", "PageCacheWarmer", "Store", "TreeTarget", "WarmTarget", "cached_ranges"]
+__all__ = ["ErofsTarget", "Placement", "PageCacheWarmer", "Store", "TreeTarget", "WarmReads", "WarmTarget", "cached_ranges"]

@@ -264,6 +264,22 @@ def layer_server(stack: "Stack"):
     return LayerServerClient(ServerPaths(stack.daemon.root).socket)
 
 
+def served_data_path(requested: str) -> str:
+    """The data path a layer server given ``--data-path requested`` serves by on this machine: what the
+    kernel offers for ``auto`` (EROFS file-backed: the stacks live on the root filesystem, not tmpfs)."""
+    if requested != "auto":
+        return requested
+    with open("/proc/filesystems") as listing:
+        return "erofs" if any(line.split()[-1:] == ["erofs"] for line in listing) else "tree"
+
+
+def assert_served_on(stack: "Stack", requested: str) -> None:
+    """Every layer the stack's layer server serves is on the data path ``requested`` gives here."""
+    status = layer_server(stack).status()
+    expected = served_data_path(requested)
+    assert status["data_path"]["path"] == expected and {row["data_path"] for row in status["layers"]} <= {expected}, status
+
+
 def hotlist_status(stack: "Stack") -> dict:
     """The layer server's recordings and prefetches (``hotlist.status``)."""
     return layer_server(stack).call({"op": "hotlist.status"})

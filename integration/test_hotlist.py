@@ -37,13 +37,15 @@ def part_digests(parts: list[int]) -> set[str]:
     return {hashlib.sha256(part_data(i)).hexdigest() for i in parts}
 
 
-def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any) -> None:
-    first = stacks()
+@pytest.mark.parametrize("data_path", ["auto", "tree"])
+def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any, data_path: str) -> None:
+    first = stacks(daemon_args=["--data-path", data_path])
     image, ref = first.build_and_push(name="bootseer/hot", layers=lazy_layers())
     convert(first, ref)
     chain = harness.chain_ids(image.diff_ids)
     top = chain[-1]
     rpull(first, ref)
+    harness.assert_served_on(first, data_path)
     # It keeps running until its recording is published: sealed by the marker, not by its removal.
     first.start_container(ref, "rec-1", "sh", "-c", JOB + "; exec sleep 100000")
     finished = wait_for("the recording to be published", lambda: [
@@ -82,11 +84,12 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any) -> None
     first.remove_container("rec-sealed")
 
     # A fresh node over the same store: prefetch runs as soon as rpull has mounted the layers.
-    second = stacks()
+    second = stacks(daemon_args=["--data-path", data_path])
     shutil.rmtree(second.store_dir, ignore_errors=True)
     shutil.copytree(first.store_dir, second.store_dir)
     _image2, ref2 = second.build_and_push(name="bootseer/hot", layers=lazy_layers())
     rpull(second, ref2)
+    harness.assert_served_on(second, data_path)
     prefetch = wait_for("the prefetch to finish, page cache included", lambda: [
         p for p in hotlist_status(second)["prefetches"] if p["image"] == top and p["finished"] and p["warm_finished"]])[0]
     assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"]

@@ -32,9 +32,11 @@ from integration.harness import bootseer_rpull as rpull
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-@pytest.fixture
-def lazy(runnable) -> Iterator[harness.Stack]:
-    s = harness.Stack(store=True)
+@pytest.fixture(params=["auto", "tree"])
+def lazy(runnable, request) -> Iterator[harness.Stack]:
+    """A started stack with a local store; its layer server on the node's default data path (EROFS where the
+    kernel has it) or forced to the per-file FUSE tree: each test runs on both."""
+    s = harness.Stack(store=True, daemon_args=["--data-path", request.param])
     try:
         with s:
             yield s
@@ -98,10 +100,11 @@ def converted(lazy: harness.Stack) -> tuple[harness.BuiltImage, str]:
     return image, ref
 
 
-def test_rpull_is_lazy_and_ctr_run_sees_the_image(lazy: harness.Stack, converted):
+def test_rpull_is_lazy_and_ctr_run_sees_the_image(lazy: harness.Stack, converted, request):
     image, ref = converted
     out = rpull(lazy, ref)
     assert f"{len(image.diff_ids)} layers on bootseer: {len(image.diff_ids)} lazy, 0 downloaded" in out, out
+    harness.assert_served_on(lazy, request.node.callspec.params["lazy"])
 
     chain = harness.chain_ids(image.diff_ids)
     snapshots = {row["key"]: row for row in lazy.containerd.snapshots()}

@@ -85,6 +85,7 @@ def test_auto_picks_erofs_here_with_its_log_line(built: Any, node_factory: Any) 
     assert chosen(node.log()) == "erofs"
     lower = client.mount(built[1][0].chain_id).lower_dir
     assert erofs_mounts(node.root) == [lower] and (Path(lower) / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
+    assert "directio" in mount_entry(lower).options  # the blob is read with direct I/O (blockstore.erofs_mount)
     assert not list(node.paths.layers.glob(".data-path-probe-*"))  # the probe leaves nothing behind
 
 
@@ -99,6 +100,15 @@ def test_a_root_on_tmpfs_falls_back_to_loop_with_its_log_line(tmpfs: Path, built
     lower = Path(client.mount(built[1][0].chain_id).lower_dir)
     assert mount_entry(lower).source.startswith("/dev/loop")
     assert (lower / "srv/big.bin").read_bytes() == rich_big_bin()
+    # The blob's loop device reads the FUSE blob with direct I/O (no second page cache, no read-ahead
+    # into the next block); the image's reads its file buffered.
+    blob = str(node.paths.blob(int(Path(lower).name)))
+    loops = {}
+    for device in Path("/sys/block").glob("loop*"):
+        backing = device / "loop" / "backing_file"
+        if backing.exists():
+            loops[backing.read_text().strip()] = (device / "loop" / "dio").read_text().strip()
+    assert loops[blob] == "1", loops
 
 
 def test_a_forced_erofs_the_kernel_refuses_stops_start_up_with_one_line(tmpfs: Path, built: Any, node_factory: Any) -> None:
@@ -250,7 +260,7 @@ def test_the_data_path_setting_reaches_the_layer_server_and_a_bad_one_is_refused
     from bootseer.blockstore.control import ServerSettings
     from bootseer.snapshotter import config
 
-    assert config.resolve({}, {}).data_path == "tree"  # the default until the EROFS path fetches no more than it
+    assert config.resolve({}, {}).data_path == "auto"  # EROFS where the kernel has it, else the tree
     assert config.resolve({"fuse.data_path": "loop"}, {"fuse.data_path": "tree"}).data_path == "tree"  # the flag wins
     from bootseer.snapshotter.daemon import build_parser
 

@@ -352,10 +352,11 @@ def test_control_api(node: Node, built: Any) -> None:
     assert stat.S_IMODE(os.stat(node.paths.layers).st_mode) == 0o700
     layers = built[1]
     first = client.mount(layers[0].chain_id)
-    assert first.slot == 1 and first.lower_dir == node.paths.lower_dir(1, "tree")  # the default data path
+    # The default data path, auto: EROFS on this kernel (the node's root is on the root filesystem, not tmpfs).
+    assert first.slot == 1 and first.lower_dir == node.paths.lower_dir(1, "erofs")
     assert client.mount(layers[0].chain_id) == first == client.check(layers[0].chain_id)  # idempotent
     second = client.mount(layers[1].chain_id)
-    assert second.slot == 2 and second.lower_dir == node.paths.lower_dir(2, "tree")
+    assert second.slot == 2 and second.lower_dir == node.paths.lower_dir(2, "erofs")
     assert sorted(os.listdir(node.paths.mountpoint)) == ["1", "2", "blobs"]  # and the blob of each layer in blobs/
     vfs = os.statvfs(node.paths.mountpoint)
     assert vfs.f_flag & os.ST_RDONLY and vfs.f_bfree == 0

@@ -34,7 +34,7 @@ from bootseer.blockstore.store import FileStoreWriter
 from bootseer.hotlist.format import HotBlock, HotList, hotlist_object
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.hotlist.service import HotListConfig
-from bootseer.hotlist.warm import BlobTarget, PageCacheWarmer
+from bootseer.hotlist.warm import PageCacheWarmer
 from tests.support import autojump
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
@@ -163,46 +163,86 @@ def _store_copy(built: tuple[Path, list[BuiltLayer]], tmp_path: Path) -> Path:
     return store
 
 
-# -- warming into the blob ----------------------------------------------------------------------
+# -- warming through the EROFS mount ----------------------------------------------------------
 
 
-def test_the_warmer_stores_each_block_once_at_its_blob_offset_padded_to_the_page_and_looks_nothing_else_up(
+def test_the_erofs_warmer_reads_each_block_of_each_file_holding_it_beneath_the_mount_and_stores_nothing(
     built: Any, tmp_path: Path
 ) -> None:
-    """A blob target: block ``ref`` at ``ref * block_size``, its own bytes plus zeros to the page's end, once
-    however many files hold it; the only lookup is the blob's own."""
+    """An EROFS target: each hot block's range of every file that holds it is read through the layer's mount
+    (here a directory holding the layer's files), announced in WarmReads while it is read; nothing is stored
+    with a notification, and a symlink where a file's directory was is not followed."""
     from bootseer.hotlist.format import ResolvedBlock
+    from bootseer.hotlist.warm import ErofsTarget, WarmReads
 
     _store, layers = built
     layer = layers[0]
     index = layer.index
-    blob = tmp_path / "blob"
-    blob.write_bytes(b"")
+    mount = tmp_path / "lower"
+    with tarfile.open(layer.blob) as tar:
+        tar.extractall(mount, filter="data")
     by_path = {e.path: e for e in index.entries}
     shared_ref = by_path["lib/one.txt"].blocks[0]
-    assert tuple(by_path["lib/same.txt"].blocks) == (shared_ref,)
     tail_ref = by_path["lib/tail.bin"].blocks[-1]
     refs = [tail_ref, shared_ref, by_path["lib/big.so"].blocks[4]]
     plan = [ResolvedBlock(layer=layer.chain_id, ref=ref, hot=_hot_block(layer, ref, 0.0)) for ref in refs]
-    data = [bytes([n + 1]) * index.blocks[ref].rlen for n, ref in enumerate(refs)]
-    stored: list[tuple[int, int, bytes]] = []
-    warmer = PageCacheWarmer({layer.chain_id: index}, {layer.chain_id: BlobTarget(str(blob), 77)},
-                             {b.hot.digest for b in plan}, store=lambda *args: stored.append(args))  # fmt: skip
-    assert warmer.warm(layer.chain_id, plan, data) == sum(len(d) for d in data)
-    assert index.blocks[tail_ref].rlen == 1000
-    assert stored == [
-        (77, tail_ref * BLOCK_SIZE, data[0] + bytes(4096 - 1000)),  # to the page's end, not the block's
-        (77, shared_ref * BLOCK_SIZE, data[1]),
-        (77, refs[2] * BLOCK_SIZE, data[2]),
+    reads = WarmReads()
+    seen: list[tuple[str, int, list[int]]] = []
+    real_preadv = os.preadv
+
+    def preadv(fd: int, buffers: Any, offset: int) -> int:
+        # What the hot-list service would leave out of its accounting, asked during the read.
+        seen.append((os.readlink(f"/proc/self/fd/{fd}"), offset, [r for r in refs if not reads.others(layer.chain_id, [r])]))
+        return real_preadv(fd, buffers, offset)
+
+    def no_store(*args: Any) -> None:
+        raise AssertionError("an EROFS target stores nothing")
+
+    warmer = PageCacheWarmer({layer.chain_id: index}, {layer.chain_id: ErofsTarget(str(mount))},
+                             {b.hot.digest for b in plan}, store=no_store, reads=reads)  # fmt: skip
+    assert not warmer.wants_bytes(layer.chain_id)
+    os.preadv, saved = preadv, os.preadv
+    try:
+        done = warmer.warm(layer.chain_id, plan, None)
+    finally:
+        os.preadv = saved
+    assert done == 1000 + 2 * BLOCK_SIZE + BLOCK_SIZE  # the tail's 1000 bytes, the shared block twice, one of big.so
+    assert seen == [
+        (str(mount / "lib/tail.bin"), 2 * BLOCK_SIZE, [tail_ref]),
+        (str(mount / "lib/one.txt"), 0, [shared_ref]),
+        (str(mount / "lib/same.txt"), 0, [shared_ref]),
+        (str(mount / "lib/big.so"), 4 * BLOCK_SIZE, [refs[2]]),
     ]
-    assert warmer._looked_up == {str(blob)}
+    assert reads.others(layer.chain_id, refs) == refs  # nothing announced once the reads are done
+    assert {digest for _layer, digest in warmer.stored} == {b.hot.digest for b in plan}
+
+    # The tree is the store's word: a symlink on the way to a file is refused, not followed.
+    (mount / "elsewhere").mkdir()
+    (mount / "elsewhere" / "one.txt").write_bytes(b"x" * BLOCK_SIZE)
+    os.rename(mount / "lib", mount / "lib.real")
+    os.symlink("elsewhere", mount / "lib")
+    again = PageCacheWarmer({layer.chain_id: index}, {layer.chain_id: ErofsTarget(str(mount))},
+                            {plan[1].hot.digest}, store=no_store, reads=reads)  # fmt: skip
+    assert again.warm(layer.chain_id, [plan[1]], None) == 0 and again.skipped == 2
+
+
+def test_warm_reads_are_announced_per_layer_and_block_while_any_warmer_reads_them() -> None:
+    from bootseer.hotlist.warm import WarmReads
+
+    reads = WarmReads()
+    assert reads.others("a", [1, 2]) == [1, 2]
+    with reads.reading("a", 1):
+        with reads.reading("a", 1):  # two warmers (two prefetches of one layer) on one block
+            assert reads.others("a", [0, 1, 2]) == [0, 2] and reads.others("b", [1]) == [1]
+        assert reads.others("a", [1]) == []
+    assert reads.others("a", [1]) == [1]
 
 
 def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path: Path) -> None:
-    """A layer row's ``data_path`` (the layer server's table) decides: the blob on erofs and loop, the files on tree."""
-    from bootseer.blockstore.layerfs import blob_inode_number
+    """A layer row's ``data_path`` (the layer server's table) decides: its EROFS mount on erofs and loop, its
+    FUSE files on tree."""
     from bootseer.blockstore.server import LayerServer
-    from bootseer.hotlist.warm import TreeTarget
+    from bootseer.hotlist.warm import ErofsTarget, TreeTarget
 
     store, layers = built
     bottom, top = layers
@@ -220,8 +260,8 @@ def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path:
                 slots[bottom.chain_id], server.paths.lower_dir(slots[bottom.chain_id], "tree"))  # fmt: skip
             for path in ("erofs", "loop"):
                 server.layers[top.chain_id].data_path = path  # as a row served on that path says
-                assert server.hotlist.warm_target(top.chain_id) == BlobTarget(
-                    str(server.paths.blob(slots[top.chain_id])), blob_inode_number(slots[top.chain_id]))  # fmt: skip
+                assert server.hotlist.warm_target(top.chain_id) == ErofsTarget(
+                    server.paths.lower_dir(slots[top.chain_id], path))  # fmt: skip
             nursery.cancel_scope.cancel()
 
     autojump.run(main, autojump=0.05, hold_for_threads=True)

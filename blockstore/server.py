@@ -67,10 +67,12 @@ from bootseer.blockstore.datapath import EROFS_PATHS, FILESYSTEMS, DataPathChoic
 from bootseer.blockstore.erofs import ErofsError
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree
+from bootseer.blockstore.reader import BlockFetcher
 from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
+from bootseer.blockstore.store_registry import StoreRegistry
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
-from bootseer.fetch.sources import open_source, redact_url
+from bootseer.fetch.sources import redact_url
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
 from bootseer.locks import TrioKeyedLocks
 from bootseer.log import get_logger
@@ -270,9 +272,8 @@ class LayerServer:
         self.decode_threads = trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2))
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
-        self._engines: dict[str, Engine] = {}
-        self._fetchers: dict[str, Any] = {}
-        self._opening: dict[str, trio.Lock] = {}
+        #: One engine and block fetcher per store URL.
+        self.stores = StoreRegistry(nursery, config.engine, config.source_options, self.cache, self._block_threads)
         # A mount and an unmount of one layer never interleave; requests name any ChainID
         # they like, so a lock lives only while it is held or waited for.
         self._chain_locks = TrioKeyedLocks()
@@ -294,29 +295,9 @@ class LayerServer:
 
     # -- stores ----------------------------------------------------------------------
 
-    async def fetcher(self, store: str) -> tuple[Engine, Any]:
-        """The engine and block fetcher of ``store``, started on first use."""
-        from bootseer.blockstore.reader import BlockFetcher
-
-        lock = self._opening.setdefault(store, trio.Lock())
-        async with lock:
-            if store not in self._engines:
-                try:
-                    source = open_source(store, **self.config.source_options)
-                except (ValueError, TypeError, SourceError) as exc:
-                    raise InvalidRequest(f"store {redact_url(store)!r}: {exc}") from None
-                engine = Engine(source, self.config.engine)
-                await self.nursery.start(self._run_engine, engine)
-                self._engines[store] = engine
-                self._fetchers[store] = BlockFetcher(engine, self.cache, threads=self._block_threads)
-        return self._engines[store], self._fetchers[store]
-
-    @staticmethod
-    async def _run_engine(engine: Engine, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        try:
-            await engine.run(task_status=task_status)
-        finally:
-            engine.source.close()
+    async def fetcher(self, store: str) -> tuple[Engine, BlockFetcher]:
+        """The engine and block fetcher of ``store``, started on first use (:class:`StoreRegistry`)."""
+        return await self.stores.fetcher(store)
 
     # -- loading a layer ------------------------------------------------------------------
 
@@ -617,7 +598,7 @@ class LayerServer:
     async def status(self) -> dict[str, Any]:
         serving = self.session is not None and not self.session.ended.is_set()
         stores = {}
-        for url, engine in self._engines.items():
+        for engine, fetcher in self.stores.opened():
             stats = engine.stats
             stores[engine.url] = {
                 "bytes_fetched": stats.bytes_fetched,
@@ -626,7 +607,7 @@ class LayerServer:
                 "failures": stats.failures,
                 "in_flight": stats.in_flight,
             }
-            fetcher_stats = getattr(self._fetchers[url], "stats", None)
+            fetcher_stats = getattr(fetcher, "stats", None)
             if fetcher_stats is not None:
                 stores[engine.url]["blocks"] = _plain(fetcher_stats)
         cache_stats = getattr(self.cache, "stats", None)
@@ -824,7 +805,7 @@ async def run_server(
                 server.session = await nursery.start(functools.partial(serve, server.ops, str(paths.mountpoint), options=options))
                 UP.set(1)
                 await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there
-                nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", lambda: sum(e.stats.bytes_fetched for e in server._engines.values()), phase="image"))  # profiler: bytes over time
+                nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", server.stores.bytes_fetched, phase="image"))  # profiler: bytes over time
                 try:
                     await nursery.start(_serve_control, server, paths.socket)
                     log.info("layer server ready", root=str(config.root), mountpoint=str(paths.mountpoint),

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import prometheus_client
 import trio
@@ -121,10 +121,34 @@ class _Container:
     upper: str | None
 
 
-class HotListService:
-    """See the module docstring.  ``server`` is the :class:`~bootseer.blockstore.server.LayerServer`."""
+if TYPE_CHECKING:
+    from bootseer.blockstore.cache import BlockCache
+    from bootseer.blockstore.control import ServerPaths
+    from bootseer.blockstore.server import Layer, LayerServerConfig
+    from bootseer.fetch.engine import Engine
+    from bootseer.fuse.mount import FuseSession
 
-    def __init__(self, server: Any, config: HotListConfig | None = None) -> None:
+
+class LayerHost(Protocol):
+    """What the hot-list service uses of the layer server that registers it (``LayerServer``)."""
+
+    config: LayerServerConfig  #: its ``trust`` and ``sign_key``
+    paths: ServerPaths  #: where a layer's lower dir is, per data path
+    layers: dict[str, Layer]  #: the served layers, by ChainID (their slot, store, tree and data path)
+    cache: BlockCache | None  #: the node cache (prefetch skips what it holds)
+    decode_threads: trio.CapacityLimiter  #: the limiter for CPU work off the FUSE loop
+    nursery: trio.Nursery  #: where the service's tasks run, for the server's lifetime
+    session: FuseSession | None  #: the FUSE session (None: no page cache to warm)
+
+    async def fetcher(self, store: str) -> tuple[Engine, Any]:
+        """The engine and the block fetcher of store ``store``."""
+        ...
+
+
+class HotListService:
+    """See the module docstring.  ``server`` is the layer server that registers the service (:class:`LayerHost`)."""
+
+    def __init__(self, server: LayerHost, config: HotListConfig | None = None) -> None:
         self.server = server
         self.config = config or HotListConfig()
         self.recordings: dict[str, Recording] = {}  #: container ID -> its recording

@@ -1,0 +1,78 @@
+"""The layer server's stores: one fetch engine and one block fetcher per store URL, started on first use.
+
+Layers name their store by URL (the node's default, or the one a mount request gave);
+every layer of one store shares its engine (so range requests coalesce and one
+``memory_limit`` bounds them) and its :class:`~bootseer.blockstore.reader.BlockFetcher`
+(so a block is fetched once whichever layer or prefetch asks).  Engines run in the
+nursery the registry is given, for the server's lifetime; a store's source is closed
+when its engine ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import trio
+
+from bootseer.blockstore.control import InvalidRequest
+from bootseer.blockstore.reader import BlockFetcher
+from bootseer.fetch.engine import Engine, EngineConfig
+from bootseer.fetch.source import SourceError
+from bootseer.fetch.sources import open_source, redact_url
+
+
+class StoreRegistry:
+    """The engines and block fetchers of a layer server's stores, by URL (see the module docstring).
+
+    ``cache`` is the node block cache every fetcher reads through and fills; ``threads``
+    bounds their cache I/O, decompression and hashing together.
+    """
+
+    def __init__(self, nursery: trio.Nursery, engine: EngineConfig, source_options: dict[str, Any], cache: Any,
+                 threads: trio.CapacityLimiter) -> None:  # fmt: skip
+        self._nursery = nursery
+        self._engine_config = engine
+        self._source_options = source_options
+        self._cache = cache
+        self._threads = threads
+        self._engines: dict[str, Engine] = {}
+        self._fetchers: dict[str, BlockFetcher] = {}
+        self._opening: dict[str, trio.Lock] = {}
+
+    async def fetcher(self, store: str) -> tuple[Engine, BlockFetcher]:
+        """The engine and block fetcher of ``store``, started on first use (InvalidRequest for a URL no source takes)."""
+        lock = self._opening.setdefault(store, trio.Lock())
+        async with lock:
+            if store not in self._engines:
+                try:
+                    source = open_source(store, **self._source_options)
+                except (ValueError, TypeError, SourceError) as exc:
+                    raise InvalidRequest(f"store {redact_url(store)!r}: {exc}") from None
+                engine = Engine(source, self._engine_config)
+                await self._nursery.start(self._run_engine, engine)
+                self._engines[store] = engine
+                self._fetchers[store] = BlockFetcher(engine, self._cache, threads=self._threads)
+        return self._engines[store], self._fetchers[store]
+
+    def opened(self) -> Iterator[tuple[Engine, BlockFetcher]]:
+        """The stores started so far, in the order they were: each one's engine and fetcher."""
+        for url, engine in self._engines.items():
+            yield engine, self._fetchers[url]
+
+    def opened_fetcher(self, store: str) -> BlockFetcher | None:
+        """The block fetcher of ``store`` if it was started, else None (nothing is started)."""
+        return self._fetchers.get(store)
+
+    def bytes_fetched(self) -> int:
+        """Bytes every store's engine has fetched so far."""
+        return sum(engine.stats.bytes_fetched for engine in self._engines.values())
+
+    @staticmethod
+    async def _run_engine(engine: Engine, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await engine.run(task_status=task_status)
+        finally:
+            engine.source.close()
+
+
+__all__ = ["StoreRegistry"]

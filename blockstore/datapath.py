@@ -172,13 +172,14 @@ class ErofsLayers:
     def ensure_image(self, index: LayerIndex, index_name: str) -> Path:
         """The cached image of ``index``, built (temp name + rename) if missing or of the wrong size."""
         path = self.image_path(index_name)
-        expected = image_size(index)
         try:
-            if path.stat().st_size == expected:
+            cached = path.stat().st_size
+        except FileNotFoundError:
+            pass  # the usual case on a fresh node: no layout pass only to learn the size
+        else:
+            if cached == image_size(index):
                 return path
             log.warning("cached EROFS image has the wrong size; building it again", image=str(path))
-        except FileNotFoundError:
-            pass
         temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             with open(temp, "wb") as out:

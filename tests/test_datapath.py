@@ -87,6 +87,12 @@ def test_auto_picks_erofs_here_with_its_log_line(built: Any, node_factory: Any) 
     assert erofs_mounts(node.root) == [lower] and (Path(lower) / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
     assert "directio" in mount_entry(lower).options  # the blob is read with direct I/O (blockstore.erofs_mount)
     assert not list(node.paths.layers.glob(".data-path-probe-*"))  # the probe leaves nothing behind
+    # The mount's own read-ahead is the FUSE tree's 1 MiB: its backing device is the one the server named,
+    # which goes with the mount.
+    [bdi] = re.findall(r"read-ahead set.*path=/sys/class/bdi/(erofs-\d+)/read_ahead_kb", node.log())
+    assert Path(f"/sys/class/bdi/{bdi}/read_ahead_kb").read_text().strip() == "1024"
+    client.unmount(built[1][0].chain_id)
+    assert not Path(f"/sys/class/bdi/{bdi}").exists()
 
 
 def test_a_root_on_tmpfs_falls_back_to_loop_with_its_log_line(tmpfs: Path, built: Any, node_factory: Any) -> None:
@@ -109,6 +115,10 @@ def test_a_root_on_tmpfs_falls_back_to_loop_with_its_log_line(tmpfs: Path, built
         if backing.exists():
             loops[backing.read_text().strip()] = (device / "loop" / "dio").read_text().strip()
     assert loops[blob] == "1", loops
+    # The mount's read-ahead is that of its image's loop device, raised to the tree's 1 MiB.
+    device = os.stat(lower).st_dev
+    assert f"path=/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb" in node.log()
+    assert Path(f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb").read_text().strip() == "1024"
 
 
 def test_a_forced_erofs_the_kernel_refuses_stops_start_up_with_one_line(tmpfs: Path, built: Any, node_factory: Any) -> None:

@@ -226,16 +226,18 @@ async def serve(
         session.close(unmount=session.unmount_on_close)
 
 
-def read_ahead_path(device: int) -> str:
+def read_ahead_path(device: int | str) -> str:
     """The sysfs file holding the read-ahead of the filesystem on ``device`` (its
-    backing device info: ``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``)."""
-    return f"/sys/class/bdi/{os.major(device)}:{os.minor(device)}/read_ahead_kb"
+    backing device info: ``/sys/class/bdi/MAJOR:MINOR/read_ahead_kb``), or of the
+    backing device info named ``device`` (a file-backed EROFS mount's ``erofs-N``)."""
+    name = device if isinstance(device, str) else f"{os.major(device)}:{os.minor(device)}"
+    return f"/sys/class/bdi/{name}/read_ahead_kb"
 
 
-def set_read_ahead(device: int, kilobytes: int) -> bool:
-    """Set the read-ahead of the mount on ``device`` to ``kilobytes``; False (and a
-    warning) where sysfs refuses it, as it does outside the initial user namespace:
-    the mount works as before, with the kernel's default read-ahead.
+def set_read_ahead(device: int | str, kilobytes: int) -> bool:
+    """Set the read-ahead of the mount on ``device`` (see :func:`read_ahead_path`) to
+    ``kilobytes``; False (and a warning) where sysfs refuses it, as it does outside the
+    initial user namespace: the mount works as before, with the kernel's default read-ahead.
 
     A larger read-ahead means fewer, larger FUSE reads of a file read in order, and
     larger read-around on a page fault of a mapped file (shared libraries); each

@@ -63,6 +63,7 @@ from bootseer.blockstore.control import (
     ServerPaths,
     StoreUnavailable,
 )
+from bootseer.blockstore.control_ops import ControlOps
 from bootseer.blockstore.datapath import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
 from bootseer.blockstore.erofs import ErofsError
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
@@ -283,6 +284,14 @@ class LayerServer:
         from bootseer.hotlist.service import HotListService
 
         self.hotlist = HotListService(self, config.hotlist)  #: records first boots, prefetches later ones
+        #: The control socket's operations: the server's own, and the hot-list service's ``hotlist.*``.
+        self.control = ControlOps()
+        self.control.register("status", lambda request: self.status())
+        self.control.register("mount", self._mount_request)
+        self.control.register("check", lambda request: self.check(_checked_chain_id(request)))
+        self.control.register("unmount", lambda request: self.unmount(_checked_chain_id(request)))
+        self.control.register("shutdown", lambda request: self.shutdown())
+        self.hotlist.register_ops(self.control)
 
     def _statfs(self) -> pyfuse3.StatvfsData:
         """What ``df`` shows: the served layers' file bytes and entries, nothing free (read-only)."""
@@ -547,6 +556,16 @@ class LayerServer:
             self.hotlist.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
 
+    async def _mount_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The control operation ``mount``: ``chain_id``, and optionally ``store`` and ``deps_index``."""
+        store = request.get("store")
+        if store is not None and not isinstance(store, str):
+            raise InvalidRequest("store must be a URL string")
+        deps_index = request.get("deps_index")
+        if deps_index is not None and not (isinstance(deps_index, str) and re.fullmatch(r"[0-9a-f]{64}", deps_index)):
+            raise InvalidRequest("deps_index must be 64 hex digits")
+        return await self.mount(_checked_chain_id(request), store, deps_index)
+
     async def check(self, chain_id: str) -> dict[str, Any]:
         layer = self.layers.get(chain_id)
         if layer is None:
@@ -651,31 +670,6 @@ def _checked_chain_id(request: dict[str, Any]) -> str:
         raise InvalidRequest(str(exc)) from None
 
 
-async def _dispatch(server: LayerServer, request: Any) -> dict[str, Any]:
-    if not isinstance(request, dict):
-        raise InvalidRequest("a request is a JSON object")
-    op = request.get("op")
-    if op == "status":
-        return await server.status()
-    if isinstance(op, str) and op.startswith("hotlist."):
-        return await server.hotlist.dispatch(op, request)
-    if op == "mount":
-        store = request.get("store")
-        if store is not None and not isinstance(store, str):
-            raise InvalidRequest("store must be a URL string")
-        deps_index = request.get("deps_index")
-        if deps_index is not None and not (isinstance(deps_index, str) and re.fullmatch(r"[0-9a-f]{64}", deps_index)):
-            raise InvalidRequest("deps_index must be 64 hex digits")
-        return await server.mount(_checked_chain_id(request), store, deps_index)
-    if op == "check":
-        return await server.check(_checked_chain_id(request))
-    if op == "unmount":
-        return await server.unmount(_checked_chain_id(request))
-    if op == "shutdown":
-        return await server.shutdown()
-    raise InvalidRequest(f"unknown operation {op!r} (mount, check, unmount, status, shutdown)")
-
-
 async def _handle_connection(server: LayerServer, stream: trio.SocketStream) -> None:
     async with stream:
         buffer = b""
@@ -695,7 +689,7 @@ async def _handle_connection(server: LayerServer, stream: trio.SocketStream) -> 
             except ValueError:
                 raise InvalidRequest("a request is one line of JSON") from None
             op = str(request.get("op", "?")) if isinstance(request, dict) else "?"
-            answer = {"ok": True, **await _dispatch(server, request)}
+            answer = {"ok": True, **await server.control.dispatch(request)}
             CONTROL.labels(op, "ok").inc()
         except LayerServerError as exc:
             CONTROL.labels(op, exc.kind).inc()

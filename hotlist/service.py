@@ -123,6 +123,7 @@ class _Container:
 
 if TYPE_CHECKING:
     from bootseer.blockstore.cache import BlockCache
+    from bootseer.blockstore.control_ops import ControlOps
     from bootseer.blockstore.control import ServerPaths
     from bootseer.blockstore.server import Layer, LayerServerConfig
     from bootseer.fetch.engine import Engine
@@ -480,6 +481,10 @@ class HotListService:
             ],
             "finished": self.finished,
         }  # fmt: skip
+
+    def register_ops(self, control: ControlOps) -> None:
+        """Answer the layer server's ``hotlist.*`` control operations (:meth:`dispatch`)."""
+        control.register_family("hotlist.", self.dispatch)
 
     async def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
         """Answer a ``hotlist.*`` control request."""

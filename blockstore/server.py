@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import fcntl
 import functools
-import hashlib
 import json
 import os
 import re
@@ -45,7 +44,7 @@ import socket as stdlib_socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import prometheus_client
 import pyfuse3
@@ -67,7 +66,8 @@ from bootseer.blockstore.control_ops import ControlOps
 from bootseer.blockstore.datapath import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
 from bootseer.blockstore.erofs import ErofsError
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
-from bootseer.blockstore.layerfs import MAX_SLOT, LayersRoot, LayerTree
+from bootseer.blockstore.layer_table import Layer, LayerTable, load_table, save_table, store_id, write_atomically  # noqa: F401 (re-exported)
+from bootseer.blockstore.layerfs import LayersRoot, LayerTree
 from bootseer.blockstore.reader import BlockFetcher
 from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.store_registry import StoreRegistry
@@ -82,7 +82,6 @@ from bootseer.profile import hooks as profile_hooks
 log = get_logger(__name__)
 
 SUBTYPE = "bootseer-layers"
-TABLE_VERSION = 1
 #: How long the kernel may trust names, attributes and missing names under a layer:
 #: the layers are immutable, and the root's entries are invalidated when they change.
 CACHE_TIMEOUT = 3600.0
@@ -126,118 +125,6 @@ class LayerServerConfig:
         return ServerPaths(self.root)
 
 
-def store_id(url: str) -> str:
-    """What the table names a store by: the SHA-256 of its whole URL, credentials included.
-
-    The table shows only :func:`redact_url` of a URL; a restarted server finds the
-    real one again among the URLs it was given whose id matches.
-    """
-    return "sha256:" + hashlib.sha256(url.encode()).hexdigest()
-
-
-@dataclass
-class Layer:
-    """One row of the table: a layer the server serves (or is to serve: ``tree`` None).
-
-    ``store`` is the whole URL (with any credential: never shown, never saved); it is
-    "" for a saved row whose store this server was not given, which then only
-    ``store_id`` and ``shown_store`` (redacted) name.
-    """
-
-    chain_id: str
-    slot: int
-    store: str
-    record: ChainRecord
-    tree: LayerTree | None = None
-    error: str = ""  #: why the layer is not being served (restore failed)
-    #: mounted as a dependency layer on the word of a deps record naming this index (no converter signature)
-    deps_index: str = ""
-    store_id: str = ""
-    shown_store: str = ""
-    data_path: str = "tree"  #: how it is served: erofs, loop or tree (the node's data path when mounted)
-
-    def __post_init__(self) -> None:
-        if self.store:
-            self.store_id = store_id(self.store)
-            self.shown_store = redact_url(self.store)
-
-    def to_json(self) -> dict[str, Any]:
-        row = {
-            "chain_id": self.chain_id,
-            "slot": self.slot,
-            "store": self.shown_store,
-            "store_id": self.store_id,
-            "record": json.loads(self.record.encode()),
-            "data_path": self.data_path,
-        }
-        if self.deps_index:
-            row["deps_index"] = self.deps_index
-        return row
-
-
-# -- the saved table -----------------------------------------------------------------------
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temp name, fsync, rename, fsync the directory."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.rename(temp, path)
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
-def load_table(path: Path, stores: Iterable[str] = ()) -> list[Layer]:
-    """The layers of a saved table (none if there is no table); ValueError if it is malformed.
-
-    Each row's store is found again among ``stores`` (the URLs this server was given)
-    by its ``store_id``; a row's shown URL is its store itself when it has nothing to
-    redact (or the row is from a table older than store ids).  A row whose store is
-    none of these comes back with ``store`` "" and ``error`` saying so.
-    """
-    known = {store_id(url): url for url in stores if url}
-    try:
-        document = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        return []
-    except ValueError as exc:
-        raise ValueError(f"{path} is not valid JSON ({exc}); move it away to start with no layers") from None
-    try:
-        if document["version"] != TABLE_VERSION:
-            raise ValueError(f"{path}: table version {document['version']!r} is not {TABLE_VERSION}")
-        layers = []
-        for row in document["layers"]:
-            record = ChainRecord.decode(json.dumps(row["record"]).encode(), expected_chain_id=row["chain_id"])
-            shown, saved_id = str(row["store"]), row.get("store_id")
-            if saved_id is None or (saved_id == store_id(shown) and redact_url(shown) == shown):
-                known.setdefault(store_id(shown), shown)
-                saved_id = store_id(shown)
-            layer = Layer(record.chain_id, int(row["slot"]), known.get(str(saved_id), ""), record,
-                          deps_index=str(row.get("deps_index", "")), data_path=str(row.get("data_path", "tree")))
-            if not layer.store:
-                layer.store_id, layer.shown_store = str(saved_id), shown
-                layer.error = (f"its store {shown} is not one this layer server was given "
-                               f"(--store, or a mount's store): start it with that store to serve it again")
-            layers.append(layer)
-    except (KeyError, TypeError, FormatError) as exc:
-        raise ValueError(f"{path} is malformed ({exc!r}); move it away to start with no layers") from None
-    slots = [layer.slot for layer in layers]
-    if len(set(slots)) != len(slots) or any(not 1 <= s <= MAX_SLOT for s in slots):
-        raise ValueError(f"{path} gives two layers one slot, or a slot out of range")
-    return layers
-
-
-def save_table(path: Path, layers: list[Layer]) -> None:
-    document = {"version": TABLE_VERSION, "layers": [layer.to_json() for layer in sorted(layers, key=lambda x: x.slot)]}
-    write_atomically(path, (json.dumps(document, indent=1) + "\n").encode())
-
-
 # -- the server ---------------------------------------------------------------------------------
 
 
@@ -263,7 +150,8 @@ class LayerServer:
             # (EROFS reads the blobs with direct I/O, which no read-ahead of this mount touches:
             # blockstore.erofs_mount.)
         )
-        self.layers: dict[str, Layer] = {}
+        #: The served layers by ChainID, their slots and table.json.
+        self.layers = LayerTable(self.paths.table)
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
         # Cache I/O, decompression and hashing, for every store's fetcher together.
         self._block_threads = trio.CapacityLimiter(os.cpu_count() or 2)
@@ -278,7 +166,6 @@ class LayerServer:
         # A mount and an unmount of one layer never interleave; requests name any ChainID
         # they like, so a lock lives only while it is held or waited for.
         self._chain_locks = TrioKeyedLocks()
-        self._table_lock = trio.Lock()
         self.session: FuseSession | None = None
         self.started = time.time()
         from bootseer.hotlist.service import HotListService
@@ -385,18 +272,9 @@ class LayerServer:
         tree.observer = self.hotlist
         return tree
 
-    def _free_slot(self) -> int:
-        """The lowest slot no layer holds and the kernel no longer references."""
-        taken = {layer.slot for layer in self.layers.values()}
-        slot = 1
-        while slot in taken or any(self.ops.inodes.referenced(number) for number in LayersRoot.slot_inodes(slot)):
-            slot += 1
-        if slot > MAX_SLOT:
-            raise LayerServerError("no free slot")
-        return slot
-
-    async def _save(self) -> None:
-        await trio.to_thread.run_sync(save_table, self.paths.table, list(self.layers.values()))
+    def _slot_referenced(self, slot: int) -> bool:
+        """Whether the kernel still holds an inode of ``slot`` (a freed slot's files may be open)."""
+        return any(self.ops.inodes.referenced(number) for number in LayersRoot.slot_inodes(slot))
 
     # -- restore --------------------------------------------------------------------------
 
@@ -407,7 +285,7 @@ class LayerServer:
         row, reported by ``status``/``check``; its next ``mount`` tries again.
         """
         for layer in saved:
-            self.layers[layer.chain_id] = layer
+            self.layers.restore(layer)
             if not layer.store:  # load_table said why
                 RESTORED.labels("failed").inc()
                 log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=layer.error)
@@ -433,7 +311,7 @@ class LayerServer:
         image (once the FUSE mount serves the blobs) at the lower dir it had, before the control
         socket answers anyone.  A row saved with another data path is moved to this one (logged)."""
         changed = False
-        for layer in sorted(self.layers.values(), key=lambda x: x.slot):
+        for layer in self.layers.by_slot():
             if layer.tree is None:
                 continue
             if self.erofs is not None:
@@ -452,8 +330,8 @@ class LayerServer:
                             lower_dir=self.lower_dir(layer.slot))  # fmt: skip
                 layer.data_path, changed = self.data_path.path, True
         if changed:
-            async with self._table_lock:
-                await self._save()
+            async with self.layers.lock:
+                await self.layers.save()
         LAYERS.set(len(self.root.layers))
 
     async def detach_erofs(self) -> None:
@@ -520,9 +398,9 @@ class LayerServer:
                     await trio.to_thread.run_sync(self.erofs.ensure_image, index, record.index, limiter=self.decode_threads)
                 except ErofsError as exc:
                     raise LayerCorrupt(f"{chain_id}: its index cannot be an EROFS image: {exc}") from None
-            async with self._table_lock:
+            async with self.layers.lock:
                 if layer is None:
-                    layer = Layer(chain_id, self._free_slot(), store, record)
+                    layer = Layer(chain_id, self.layers.free_slot(self._slot_referenced), store, record)
                 layer.record = record
                 layer.data_path = self.data_path.path
                 trusted_by_signature = deps_index is None or not self.config.trust.enforced("chain")
@@ -530,14 +408,7 @@ class LayerServer:
                 tree = await self._tree(layer, index)
                 # Disk first (the index copy, then the table), the served tree last.
                 await trio.to_thread.run_sync(self._save_local_index, record, data)
-                added = chain_id not in self.layers
-                self.layers[chain_id] = layer
-                try:
-                    await self._save()
-                except BaseException:
-                    if added:
-                        del self.layers[chain_id]
-                    raise
+                added = await self.layers.add(layer)
                 layer.tree, layer.error = tree, ""
                 self.root.layers[layer.slot] = tree
                 if self.erofs is not None:  # the blob is served now: EROFS can take it as its device
@@ -547,8 +418,7 @@ class LayerServer:
                         layer.tree, layer.error = None, str(exc)
                         self._stop_serving(layer)
                         if added:
-                            del self.layers[chain_id]
-                            await self._save()
+                            await self.layers.remove(chain_id)
                         raise
             LAYERS.set(len(self.root.layers))
             log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=redact_url(store),
@@ -579,15 +449,10 @@ class LayerServer:
         return self._answer(layer)
 
     async def unmount(self, chain_id: str) -> dict[str, Any]:
-        async with self._chain_locks.hold(chain_id), self._table_lock:
-            layer = self.layers.pop(chain_id, None)
+        async with self._chain_locks.hold(chain_id), self.layers.lock:
+            layer = await self.layers.remove(chain_id)
             if layer is None:
                 raise LayerNotMounted(f"{chain_id} is not mounted by this layer server")
-            try:
-                await self._save()
-            except OSError:
-                self.layers[chain_id] = layer
-                raise
             if self.erofs is not None:  # before the blob it reads goes (lazily if a container still has it)
                 await self.erofs.unmount(layer.slot)
             self._stop_serving(layer)
@@ -644,7 +509,7 @@ class LayerServer:
                 {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,
                  "entries": len(layer.tree.index.entries) if layer.tree else 0,
                  "served": layer.tree is not None, "error": layer.error, "data_path": layer.data_path}
-                for layer in sorted(self.layers.values(), key=lambda x: x.slot)
+                for layer in self.layers.by_slot()
             ],  # fmt: skip
             "stores": stores,
             "cache": _plain(cache_stats() if callable(cache_stats) else cache_stats) if cache_stats is not None else {},

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import prometheus_client
 import trio
@@ -135,7 +135,7 @@ class LayerHost(Protocol):
 
     config: LayerServerConfig  #: its ``trust`` and ``sign_key``
     paths: ServerPaths  #: where a layer's lower dir is, per data path
-    layers: dict[str, Layer]  #: the served layers, by ChainID (their slot, store, tree and data path)
+    layers: Mapping[str, Layer]  #: the served layers, by ChainID (their slot, store, tree and data path)
     cache: BlockCache | None  #: the node cache (prefetch skips what it holds)
     decode_threads: trio.CapacityLimiter  #: the limiter for CPU work off the FUSE loop
     nursery: trio.Nursery  #: where the service's tasks run, for the server's lifetime

@@ -1,47 +1,31 @@
-"""Hot lists on the EROFS data path: page-cache warming into the layers' blobs, what that cache served, and
-first-touch recording through an EROFS mount over a blob.
+"""Hot lists on the EROFS data path: which target a layer is warmed through, and the EROFS warmer's reads.
 
-Everything here is the real kernel: a layer server (:func:`bootseer.blockstore.server.run_server`)
-runs in this process with its FUSE mount, over layers converted by the real converter into a
-``file://`` store; each layer's EROFS image (``blockstore.erofs.build_image`` of its index) is
-mounted with ``device=`` the layer's blob file in that mount (``blobs/<slot>``), from this
-process, as the layer server mounts it itself (the blob's opener is the server: its reads
-name no reader).  Reads go through those EROFS mounts from other processes; what they must
-return is computed from the layer tars alone.  The blob reads that reach FUSE are seen by
-wrapping the server's read observer (``blob_read``), which sees every one before it is served.
-Timers run on the autojump clock, held still while a worker thread (a reader, a mount) runs.
+A layer whose tree EROFS answers has its hot blocks warmed by reading them through its EROFS
+mount (``hotlist.warm.ErofsTarget``): here against a directory holding the layer's files, with
+the reads and what :class:`~bootseer.hotlist.warm.WarmReads` announced during each one observed.
+The same path through real EROFS mounts, with real containerd, is ``integration/test_hotlist.py``
+(run on both data paths).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import random
-import subprocess
-import sys
 import tarfile
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
 
-from bootseer.blockstore import erofs, erofs_mount
-from bootseer.blockstore.layerfs import BLOBS
-from bootseer.blockstore.server import LayerServerConfig, run_server
-from bootseer.blockstore.store import FileStoreWriter
-from bootseer.hotlist.format import HotBlock, HotList, hotlist_object
-from bootseer.hotlist.recorder import RecordingLimits
-from bootseer.hotlist.service import HotListConfig
+from bootseer.blockstore.server import LayerServerConfig
+from bootseer.hotlist.format import HotBlock
 from bootseer.hotlist.warm import PageCacheWarmer
 from tests.support import autojump
-from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 
 BLOCK_SIZE = 16 << 10
-needs_fuse = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
 pytestmark = [pytest.mark.timeout(300)]
 
 
@@ -68,99 +52,9 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLay
     return store, build_store(store, _layers(), block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
 
 
-def tar_digests(layer: BuiltLayer) -> dict[str, str]:
-    """SHA-256 of every regular file of the layer, from its tar alone."""
-    digests = {}
-    with tarfile.open(layer.blob) as tar:
-        for member in tar:
-            if member.isreg():
-                stream = tar.extractfile(member)
-                assert stream is not None
-                digests[member.name.lstrip("./")] = hashlib.sha256(stream.read()).hexdigest()
-    return digests
-
-
-#: A reader process: reads each file given whole, prints {path: sha256}.
-_READER = """
-import hashlib, json, sys
-print(json.dumps({path: hashlib.sha256(open(path, "rb").read()).hexdigest() for path in sys.argv[1:]}))
-"""
-
-
-def read_in_a_process(paths: list[Path]) -> dict[str, str]:
-    done = subprocess.run([sys.executable, "-c", _READER, *map(str, paths)], check=True, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    return json.loads(done.stdout)
-
-
-class BlobReads:
-    """Wraps the server's read observer: every blob read that reaches FUSE, as (layer, block numbers, pid)."""
-
-    def __init__(self, server: Any) -> None:
-        self.seen: list[tuple[str, list[int], int]] = []
-        observer = server.hotlist
-        real = observer.blob_read
-
-        def blob_read(layer: str, index: Any, refs: Any, pid: int) -> None:
-            self.seen.append((layer, list(refs), pid))
-            real(layer, index, refs, pid)
-
-        observer.blob_read = blob_read
-
-
-def serve_erofs(tmp_path: Path, store: Path, body: Callable[[Any, dict[str, Path]], Awaitable[None]],
-                **hotlist: Any) -> None:  # fmt: skip
-    """Run a layer server on data path ``erofs`` in this process; mount every layer of the store's image
-    (``built``: the server mounts each one's EROFS image over its blob), then ``await body(server, {chain_id:
-    its EROFS lower dir})``."""
-    root = tmp_path / "root"
-    recording = hotlist.pop("recording", RecordingLimits(quiet=300, window=300))
-    config = LayerServerConfig(root=root, store=f"file://{store}", data_path="erofs",
-                               hotlist=HotListConfig(recording=recording, **hotlist))  # fmt: skip
-    layers: list[BuiltLayer] = hotlist_layers[store]
-
-    async def drive(server: Any) -> None:
-        try:
-            targets = {}
-            for layer in layers:
-                answer = await server.mount(layer.chain_id)
-                assert server.layers[layer.chain_id].data_path == "erofs"
-                targets[layer.chain_id] = Path(answer["lower_dir"])
-            await body(server, targets)
-        finally:
-            server.session.terminate()
-
-    try:
-        autojump.run(lambda: run_server(config, on_ready=drive), hold_for_threads=True)
-    finally:
-        stop_layer_servers(root)
-
-
-hotlist_layers: dict[Path, list[BuiltLayer]] = {}
-
-
-def evict_blocks(server: Any, chain_id: str, refs: list[int]) -> None:
-    """Drop blocks ``refs`` of a layer's blob from the page cache (clean, unmapped pages: they go)."""
-    fd = os.open(server.paths.mountpoint / BLOBS / str(server.layers[chain_id].slot), os.O_RDONLY)
-    try:
-        for ref in refs:
-            os.posix_fadvise(fd, ref * BLOCK_SIZE, BLOCK_SIZE, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _hot_block(layer: BuiltLayer, ref: int, at: float) -> HotBlock:
     block = layer.index.blocks[ref]
     return HotBlock(layer.chain_id, block.digest, layer.index.packs[block.pack], block.offset, block.clen, block.rlen, at)
-
-
-def _store_copy(built: tuple[Path, list[BuiltLayer]], tmp_path: Path) -> Path:
-    import shutil
-
-    store = tmp_path / "store"
-    shutil.copytree(built[0], store)
-    hotlist_layers[store] = built[1]
-    return store
 
 
 # -- warming through the EROFS mount ----------------------------------------------------------

@@ -125,6 +125,7 @@ if TYPE_CHECKING:
     from bootseer.blockstore.cache import BlockCache
     from bootseer.blockstore.control_ops import ControlOps
     from bootseer.blockstore.control import ServerPaths
+    from bootseer.blockstore.reader import BlockFetcher
     from bootseer.blockstore.server import Layer, LayerServerConfig
     from bootseer.fetch.engine import Engine
     from bootseer.fuse.mount import FuseSession
@@ -141,7 +142,7 @@ class LayerHost(Protocol):
     nursery: trio.Nursery  #: where the service's tasks run, for the server's lifetime
     session: FuseSession | None  #: the FUSE session (None: no page cache to warm)
 
-    async def fetcher(self, store: str) -> tuple[Engine, Any]:
+    async def fetcher(self, store: str) -> tuple[Engine, BlockFetcher]:
         """The engine and the block fetcher of store ``store``."""
         ...
 

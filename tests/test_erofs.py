@@ -664,6 +664,38 @@ def test_an_image_on_tmpfs_is_mounted_over_loop_devices(images: list[tuple[Path,
     assert "missing.blob" in str(excinfo.value) and mount_entry(point) is None
 
 
+def test_a_kernel_whose_erofs_refuses_directio_gets_a_buffered_mount_with_a_warning(
+    images: list[tuple[Path, Path]], extracted: list[Path], tmp_path: Path, mounts: list[Path],
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """EROFS without the ``directio`` option (EINVAL for it): the same mount is made without it, the blob read
+    buffered, and a warning says so; every other refusal stays an error."""
+    import logging
+
+    real = erofs_mount._mount
+    tried: list[str] = []
+
+    def no_directio(source: str, target: str, data: str, flags: int) -> None:
+        tried.append(data)
+        if "directio" in data:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), source)
+        real(source, target, data, flags)
+
+    monkeypatch.setattr(erofs_mount, "_mount", no_directio)
+    image, blob = images[0]
+    point = tmp_path / "m"
+    point.mkdir()
+    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.erofs_mount"):
+        mounted = mount_erofs(image, point, device=blob)
+    mounts.append(point)
+    assert (mounted.mode, mounted.direct) == ("file", False)
+    assert tried == [f"device={blob},directio", f"device={blob}"]
+    entry = mount_entry(point)
+    assert entry is not None and entry.fstype == "erofs" and "directio" not in entry.options
+    assert any("has no directio" in record.getMessage() for record in caplog.records)
+    assert as_whiteouts(erofs_tree(point)) == as_whiteouts(disk_tree(extracted[0], overlay=True, xattr_prefixes=XATTR_PREFIXES))
+
+
 def test_a_mount_the_kernel_refuses_is_a_clear_error(disk_dir: Path, tmp_path: Path, mounts: list[Path]) -> None:
     garbage = disk_dir / "garbage.erofs"
     garbage.write_bytes(bytes(8192))

@@ -709,6 +709,35 @@ def test_an_opener_without_a_cgroup_is_recorded_to_the_one_recording_and_counted
     run_nodes(clean_store, tmp_path, test)
 
 
+def test_a_blob_read_of_a_block_a_warmer_is_reading_is_left_out_of_the_recording(clean_store: Any, tmp_path: Path) -> None:
+    """On EROFS every blob read names no reader (pid 0); one of a block that a page-cache warmer announced in
+    WarmReads is the warmer's own and is not recorded, the rest of the same read is, and so is that block
+    once no warmer reads it."""
+    directory, built = clean_store
+    top = built[-1].chain_id
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        n = node("n")
+        await n.pull(built)
+        assert (await n.hotlist.container_prepared("ns/5/job", top, {}, None)) == {"action": "record"}
+        await trio.sleep(0.2)
+        recording = n.hotlist.recordings["job"]
+        layer = built[0]
+        index = n.server.layers[layer.chain_id].tree.index
+        stored = [number for number, block in enumerate(index.blocks) if not block.is_zero]
+        warmed, other = stored[0], stored[1]
+        with n.hotlist.warm_reads.reading(layer.chain_id, warmed):
+            n.hotlist.blob_read(layer.chain_id, index, [warmed, other], 0)
+            n.hotlist.blob_read(layer.chain_id, index, [warmed], 0)
+        assert [block.digest for block in recording.blocks] == [index.blocks[other].digest]
+        n.hotlist.blob_read(layer.chain_id, index, [warmed], 0)  # the warmer is done: a job's read
+        assert [block.digest for block in recording.blocks] == [index.blocks[other].digest, index.blocks[warmed].digest]
+        await n.hotlist.container_removed("ns/5/job")
+        await recording.done.wait()
+
+    run_nodes(clean_store, tmp_path, test)
+
+
 def test_a_prefix_recording_takes_every_reader_a_container_does_not_claim(clean_store: Any, tmp_path: Path) -> None:
     """``readers: any`` (a bare-metal prefix): host processes' reads are its, a recorded container's stay the container's."""
     directory, built = clean_store

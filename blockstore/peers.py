@@ -45,7 +45,7 @@ import hashlib
 import heapq
 import hmac
 import itertools
-import math
+import os
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -161,34 +161,50 @@ class PeerConfig:
     def enabled(self) -> bool:
         return bool(self.listen or self.members or self.members_file or self.members_dns)
 
-    def check(self) -> None:
-        """ValueError, one line naming the setting, for settings that cannot work together."""
+    def check(self) -> Membership:
+        """The membership, checked; :class:`PeerConfigError` (one line, naming the setting) for settings that
+        cannot work, a members file that cannot be read or a token file that holds no token."""
         sources = [bool(self.members), bool(self.members_file), bool(self.members_dns)]
         if sum(sources) > 1:
-            raise ValueError("peers: give one of members, members_file and members_dns")
+            raise PeerConfigError("members", "give one of members, members_file and members_dns")
         if not any(sources):
-            raise ValueError("peers: no members (give members, members_file or members_dns)")
+            raise PeerConfigError("members", "no members (give members, members_file or members_dns)")
         if not self.listen:
-            raise ValueError("peers: listen (HOST:PORT) is needed: a member that does not serve loses its blocks")
+            raise PeerConfigError("listen", "HOST:PORT is needed: a member that does not serve loses its blocks")
         for name in ("listen", "advertise"):
             value = getattr(self, name)
             if value:
                 try:
                     parse_address(value)
                 except ValueError as exc:
-                    raise ValueError(f"peers: {name}: {exc}") from None
+                    raise PeerConfigError(name, str(exc)) from None
         if self.advertise is None and split_address(parse_address(self.listen))[0] in ("0.0.0.0", "::"):
-            raise ValueError("peers: listen on a wildcard address needs advertise (how the members list this node)")
+            raise PeerConfigError("advertise", "is needed with a wildcard listen address (how members list this node)")
         if not is_loopback(self.listen) and not self.token_file:
-            raise ValueError("peers: token_file is needed when listen is not a loopback address")
+            raise PeerConfigError("token_file", "is needed when listen is not a loopback address")
         if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("peers: tls_cert and tls_key go together")
+            raise PeerConfigError("tls_cert", "tls_cert and tls_key go together")
         if not 0 < self.deadline <= 60:
-            raise ValueError(f"peers: deadline must be more than 0 and at most 60 seconds, not {self.deadline}")
-        if self.upload_rate < 0 or self.max_uploads < 1 or self.fetch_concurrency < 1 or self.skip_seconds < 0:
-            raise ValueError("peers: upload_rate must not be negative, max_uploads and fetch_concurrency at least 1")
+            raise PeerConfigError("deadline", f"must be more than 0 and at most 60 seconds, not {self.deadline}")
+        if self.upload_rate < 0:
+            raise PeerConfigError("upload_rate", f"must not be negative, not {self.upload_rate}")
+        if self.max_uploads < 1:
+            raise PeerConfigError("max_uploads", f"must be at least 1, not {self.max_uploads}")
+        if self.fetch_concurrency < 1 or self.skip_seconds < 0:
+            raise PeerConfigError("fetch_concurrency", "must be at least 1 (and skip_seconds not negative)")
         if self.token_file:
-            read_token_file(self.token_file)
+            try:
+                read_token_file(self.token_file)
+            except ValueError as exc:
+                raise PeerConfigError("token_file", str(exc)) from None
+        for name, path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key), ("ca", self.ca)):
+            if path and not os.path.isfile(path):
+                raise PeerConfigError(name, f"{path} is not a file")
+        key = "members_file" if self.members_file else "members_dns" if self.members_dns else "members"
+        try:
+            return self.membership()
+        except ValueError as exc:
+            raise PeerConfigError(key, str(exc)) from None
 
     @property
     def self_address(self) -> str:
@@ -200,6 +216,15 @@ class PeerConfig:
         if self.members_dns:
             return DnsMembers.parse(self.members_dns, interval=self.dns_interval)
         return StaticMembers(tuple(self.members))
+
+
+class PeerConfigError(ValueError):
+    """A ``[peers]`` setting that cannot work: ``key`` names it (``str()`` is ``peers: KEY: why``)."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"peers: {key}: {why}")
+        self.key = key
+        self.why = why
 
 
 class PriorityLimiter:
@@ -655,9 +680,8 @@ class PeerService:
     """
 
     def __init__(self, config: PeerConfig, get_block: BlockGetter, threads: trio.CapacityLimiter) -> None:
-        config.check()
         self.config = config
-        self.membership = config.membership()
+        self.membership = config.check()
         token = read_token_file(config.token_file) if config.token_file else None
         self.stats = PeerStats()
         self.client = PeerClient(config, self.membership, token, threads, self.stats)
@@ -710,6 +734,7 @@ __all__ = [
     "BlockGetter",
     "PeerClient",
     "PeerConfig",
+    "PeerConfigError",
     "PeerServer",
     "PeerService",
     "PeerStats",

@@ -67,8 +67,7 @@ def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
         ca=args.peer_ca,
     )
     if config.enabled:
-        config.check()
-        config.membership()  # a members file that cannot be read is refused now, not at the first fetch
+        config.check()  # a members file that cannot be read is refused now, not at the first fetch
     return config
 
 

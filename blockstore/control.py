@@ -30,7 +30,10 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
+
+if TYPE_CHECKING:  # the peer service pulls in trio: not for every client of the control socket
+    from bootseer.blockstore.peers import PeerConfig
 
 #: Longest request or answer line; a peer sending more is cut off.
 MAX_MESSAGE = 1 << 20
@@ -339,6 +342,7 @@ class ServerSettings:
     converter_keys: tuple[str, ...] = ()  #: public key files: layers served only if one signed their chain record
     writer_keys: tuple[str, ...] = ()  #: public key files: hot lists used only if one signed them
     sign_key: str | None = None  #: the node's private key file (a path: the key itself never goes in argv)
+    peers: PeerConfig | None = None  #: block sharing (``[peers]``); None or not enabled: off
     log_level: str = "info"
     extra_args: tuple[str, ...] = ()  #: more ``bootseer layer-server`` options, passed as they are
     python: str = field(default_factory=lambda: sys.executable)
@@ -389,7 +393,31 @@ class ServerSettings:
             argv.append("--no-hotlist")
         if not self.prefetch_page_cache:
             argv.append("--no-prefetch-page-cache")
-        return argv + list(self.extra_args)
+        return argv + self._peer_args() + list(self.extra_args)
+
+    def _peer_args(self) -> list[str]:
+        """The ``--peer-*`` flags of :attr:`peers` (file paths only: the token stays in its file)."""
+        peers = self.peers
+        if peers is None or not peers.enabled:
+            return []
+        argv: list[str] = []
+        for flag, value in (
+            ("--peer-listen", peers.listen),
+            ("--peer-advertise", peers.advertise),
+            ("--peers", ",".join(peers.members) or None),
+            ("--peers-file", peers.members_file),
+            ("--peers-dns", peers.members_dns),
+            ("--peer-token-file", peers.token_file and os.path.abspath(peers.token_file)),
+            ("--peer-deadline", peers.deadline),
+            ("--peer-upload-rate", peers.upload_rate),
+            ("--peer-max-uploads", peers.max_uploads),
+            ("--peer-tls-cert", peers.tls_cert),
+            ("--peer-tls-key", peers.tls_key),
+            ("--peer-ca", peers.ca),
+        ):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
 
 
 @contextmanager

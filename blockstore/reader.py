@@ -60,13 +60,14 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import prometheus_client
 import trio
 
 from bootseer.blockstore.cache import BlockCache
 from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, decode_block, pack_object
+from bootseer.blockstore.peer_wire import BlockPlace
 from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
 from bootseer.log import get_logger
 
@@ -93,7 +94,8 @@ _AHEAD_REMEMBERED = 1 << 16
 BLOCKS = prometheus_client.Counter(
     "bootseer_blocks",
     "Blocks served to layer reads and prefetch, by layer, source and where they came from (memory: "
-    "recently served, cached: the node cache, fetched: the store, joined: another call's fetch, zero: stored nowhere)",
+    "recently served, cached: the node cache, fetched: the store, peer: another node of the peer group, "
+    "joined: another call's fetch, zero: stored nowhere)",
     ["layer", "source", "outcome"],
 )
 FETCHED_BYTES = prometheus_client.Counter(
@@ -126,6 +128,7 @@ class FetcherStats:
     blocks_cached: int = 0  #: blocks served from the node cache
     blocks_joined: int = 0  #: blocks another call was getting, waited for (a read meeting a prefetch)
     blocks_fetched: int = 0  #: blocks fetched from the store and verified
+    blocks_from_peers: int = 0  #: blocks another node of the peer group served (verified by it and here)
     bytes_fetched: int = 0  #: their compressed bytes
     zero_blocks: int = 0  #: all-zero blocks served without a fetch
     corrupt: int = 0  #: fetches that failed verification (each refetched once)
@@ -148,12 +151,13 @@ class _Place(NamedTuple):
 class _Counters:
     """The labelled metric children of one layer and source, looked up once rather than per block."""
 
-    __slots__ = ("memory", "cached", "fetched", "joined", "zero", "fetched_bytes", "refetched", "failed",
+    __slots__ = ("memory", "cached", "fetched", "peer", "joined", "zero", "fetched_bytes", "refetched", "failed",
                  "ahead_queued", "ahead_read")  # fmt: skip
 
     def __init__(self, layer: str, source: str) -> None:
-        self.memory, self.cached, self.fetched, self.joined, self.zero = (
-            BLOCKS.labels(layer, source, outcome) for outcome in ("memory", "cached", "fetched", "joined", "zero")
+        self.memory, self.cached, self.fetched, self.peer, self.joined, self.zero = (
+            BLOCKS.labels(layer, source, outcome)
+            for outcome in ("memory", "cached", "fetched", "peer", "joined", "zero")
         )
         self.fetched_bytes = FETCHED_BYTES.labels(layer, source)
         self.refetched, self.failed = (CORRUPT.labels(layer, source, outcome) for outcome in ("refetched", "failed"))
@@ -167,7 +171,39 @@ def _pack_path(name: str) -> str:
     return pack_object(name)
 
 
-def _extent(index: LayerIndex, block: Block) -> Extent:
+class PackList(Protocol):
+    """What fetching a stored block needs of its layer: the pack names its blocks refer to, and a name.
+
+    A :class:`~bootseer.blockstore.format.LayerIndex`, or the one pack of a peer's request.
+    """
+
+    @property
+    def diff_id(self) -> str: ...
+
+    @property
+    def packs(self) -> Sequence[str]: ...
+
+
+class _PeerRequest(NamedTuple):
+    """The one pack of a block a peer asked for (a :class:`PackList`)."""
+
+    packs: Sequence[str]
+    diff_id: str = "(asked by a peer)"
+
+
+class PeerBlocks(Protocol):
+    """Other nodes that may hold a block (:class:`bootseer.blockstore.peers.PeerClient`), asked before the store."""
+
+    def owner(self, digest: str) -> str | None:
+        """The member to ask for block ``digest``, or None when this node gets it from the store itself."""
+
+    async def fetch(self, store: str, places: Sequence[BlockPlace], priority: Priority,
+                    deliver: Callable[[str, bytes], None], late: Callable[[str], None]) -> None:  # fmt: skip
+        """``deliver`` each block a peer served and this node verified; name each one to get from the store
+        too ``late`` (every block is one or both); never raises for what a peer does."""
+
+
+def _extent(index: PackList, block: Block) -> Extent:
     """The extent of stored ``block`` in its pack, keyed by its digest and place."""
     pack = _pack_path(index.packs[block.pack])
     return Extent(_Place(block.digest, pack, block.offset, block.clen), pack, block.offset, block.clen)
@@ -279,6 +315,13 @@ class BlockFetcher:
     without them every piece would read, decompress and hash its whole block again.
     One fetcher serves every layer of its store; all methods run in the engine's
     trio thread.
+
+    ``peers`` (with ``peer_store``, the name the peer group gives this store) are asked
+    first for blocks another node owns (docs/peers.md): a block a peer serves is
+    checked here like a store block, and a block a peer does not answer in time or at
+    all is fetched from the store (hedged: both may run, the first answer wins).
+    ``background`` is the nursery where read-ahead through peers runs, behind the
+    reads that asked for it.
     """
 
     def __init__(
@@ -289,6 +332,9 @@ class BlockFetcher:
         source_label: str | None = None,
         memory_bytes: int = 64 << 20,
         threads: trio.CapacityLimiter | None = None,
+        peers: PeerBlocks | None = None,
+        peer_store: str = "",
+        background: trio.Nursery | None = None,
     ) -> None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must not be negative, not {memory_bytes}")
@@ -307,6 +353,10 @@ class BlockFetcher:
         self._ahead: OrderedDict[str, tuple[int, bool]] = OrderedDict()
         self._counters: dict[str, _Counters] = {}  # layer label -> its metric children
         self._writer = _CacheWriter(cache) if cache is not None else None
+        self.peers = peers
+        self.peer_store = peer_store
+        self._background = background
+        self._peer_counters = _Counters("peers", self.source_label)  # blocks this node got for its peers
 
     @property
     def threads(self) -> trio.CapacityLimiter:
@@ -402,16 +452,19 @@ class BlockFetcher:
 
     async def _get(
         self,
-        index: LayerIndex,
+        index: PackList,
         mine: dict[str, Block],
         priority: Priority,
         counters: _Counters,
         ahead: Callable[[], Sequence[int]] | None,
+        *,
+        via_peers: bool = True,
     ) -> dict[str, bytes]:
-        """The blocks ``mine`` (by digest) from the node cache or the store; other calls may wait for them meanwhile.
+        """The blocks ``mine`` (by digest) from the node cache, peers or the store; other calls may wait for them meanwhile.
 
         If any comes from the store, the candidates ``ahead`` names (those not in
-        memory, pending, cached or the engine) are read ahead with it.
+        memory, pending, cached or the engine) are read ahead with it.  Without
+        ``via_peers`` (a peer's own request) no peer is asked.
         """
         pending = {digest: _Pending() for digest in mine}
         self._pending.update(pending)
@@ -422,6 +475,7 @@ class BlockFetcher:
             candidates: list[Block] = []
             # Read further ahead on a miss, or on reaching the middle of the last batch read ahead.
             if ahead is not None and (probe or any(self._ahead[digest][1] for digest in mine)):
+                assert isinstance(index, LayerIndex)  # ``ahead`` comes with a layer's read
                 candidates = self._ahead_candidates(index, ahead(), mine)
             if self.cache is not None and (probe or candidates):
                 got, cached = await trio.to_thread.run_sync(
@@ -437,7 +491,10 @@ class BlockFetcher:
                     candidates = [block for block in candidates if block.digest not in cached]
             rest = [block for digest, block in mine.items() if digest not in got]
             if rest:
-                fetched = await self._fetch_verified(index, rest, priority, counters, candidates)
+                if via_peers and self.peers is not None:
+                    fetched = await self._fetch_via_peers(index, rest, priority, counters, candidates)
+                else:
+                    fetched = await self._fetch_verified(index, rest, priority, counters, candidates)
                 for block, data in zip(rest, fetched):
                     self._remember(block.digest, data)
                     pending[block.digest].data = data
@@ -485,7 +542,7 @@ class BlockFetcher:
                 found[digest] = data
         return found, {digest for digest in probe if self.cache.contains(digest)}
 
-    def _read_ahead(self, index: LayerIndex, candidates: Sequence[Block], counters: _Counters) -> None:
+    def _read_ahead(self, index: PackList, candidates: Sequence[Block], counters: _Counters) -> None:
         """Queue ``candidates`` in the engine at READAHEAD and remember them, to count them when read."""
         queued = self.engine.readahead_extents([_extent(index, block) for block in candidates])
         queued_bytes = 0
@@ -499,9 +556,137 @@ class BlockFetcher:
         self.stats.readahead_bytes += queued_bytes
         counters.ahead_queued.inc(queued_bytes)
 
+    async def block_for_peer(self, place: BlockPlace, priority: Priority) -> bytes | None:
+        """The verified raw bytes of a block a peer asks for, from memory, the node cache or the store.
+
+        Never from another peer (so requests never go round in circles), and once
+        however many peers ask at once (they join one call).  None when the store
+        fails or holds no such block (the peer then asks the store itself).
+        """
+        digest = place.digest
+        data = self._recent.get(digest)
+        if data is None and self._writer is not None:
+            data = self._writer.pending.get(digest)
+        if data is not None:
+            return data
+        pending = self._pending.get(digest)
+        if pending is not None:
+            await pending.done.wait()
+            if pending.data is not None:
+                return pending.data
+        block = Block(digest, 0, place.offset, place.clen, place.rlen)
+        try:
+            got = await self._get(_PeerRequest((place.pack,)), {digest: block}, priority, self._peer_counters, None,
+                                  via_peers=False)  # fmt: skip
+        except FetchError as exc:
+            log.warning("a block a peer asked for cannot be fetched", store=self.source_label, block=digest,
+                        error=str(exc))  # fmt: skip
+            return None
+        return got.get(digest)
+
+    async def _fetch_via_peers(
+        self,
+        index: PackList,
+        blocks: list[Block],
+        priority: Priority,
+        counters: _Counters,
+        ahead: Sequence[Block] = (),
+    ) -> list[bytes]:
+        """Distinct stored ``blocks``, each from its owner in the peer group or, where this node owns it or
+        the owner is late or fails, from the store (:meth:`_fetch_verified`); the first answer wins.
+
+        ``ahead`` is read ahead through the peers too, in the background (its blocks join
+        later reads as pending ones).
+        """
+        assert self.peers is not None
+        peers = self.peers
+        if ahead and self._background is not None and isinstance(index, LayerIndex):
+            self._background.start_soon(self._read_ahead_via_peers, index, list(ahead))
+        theirs = [block for block in blocks if peers.owner(block.digest) is not None]
+        if not theirs:
+            return await self._fetch_verified(index, blocks, priority, counters)
+        got: dict[str, bytes] = {}
+        asked_store: set[str] = set()
+        failures: list[FetchError] = []
+        complete = trio.Event()
+        by_digest = {block.digest: block for block in blocks}
+        late_send, late_receive = trio.open_memory_channel[str](len(blocks) + 1)
+        theirs_digests = {block.digest for block in theirs}
+        for block in blocks:
+            if block.digest not in theirs_digests:
+                late_send.send_nowait(block.digest)  # this node owns it: the store, at once
+
+        def deliver(digest: str, data: bytes) -> None:
+            if digest in by_digest and digest not in got:
+                got[digest] = data
+                self.stats.blocks_from_peers += 1
+                counters.peer.inc()
+                if len(got) == len(by_digest):
+                    complete.set()
+
+        def late(digest: str) -> None:
+            if digest in by_digest and digest not in got and digest not in asked_store:
+                asked_store.add(digest)
+                late_send.send_nowait(digest)
+
+        async def from_store(batch: list[Block]) -> None:
+            try:
+                fetched = await self._fetch_verified(index, batch, priority, counters)
+            except FetchError as exc:
+                if any(block.digest not in got for block in batch):
+                    failures.append(exc)
+                    complete.set()
+                return
+            for block, data in zip(batch, fetched):
+                got.setdefault(block.digest, data)
+            if len(got) == len(by_digest):
+                complete.set()
+
+        async def store_when_late(nursery: trio.Nursery) -> None:
+            async for digest in late_receive:
+                batch = [digest]
+                while True:  # every block late by now goes in one call (neighbours coalesce)
+                    try:
+                        batch.append(late_receive.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                wanted = [by_digest[digest] for digest in dict.fromkeys(batch) if digest not in got]
+                if wanted:
+                    nursery.start_soon(from_store, wanted)
+
+        async def from_peers() -> None:
+            places = [BlockPlace(b.digest, index.packs[b.pack], b.offset, b.clen, b.rlen) for b in theirs]
+            await peers.fetch(self.peer_store, places, priority, deliver, late)
+            for block in theirs:  # the client names every block it did not deliver; in case it did not:
+                late(block.digest)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store_when_late, nursery)
+            nursery.start_soon(from_peers)
+            await complete.wait()
+            nursery.cancel_scope.cancel()
+        if failures and len(got) < len(by_digest):
+            raise failures[0]
+        return [got[block.digest] for block in blocks]
+
+    async def _read_ahead_via_peers(self, index: LayerIndex, candidates: list[Block]) -> None:
+        """Get ``candidates`` at READAHEAD priority through the peers (a later read joins them or finds them in memory)."""
+        mine = {b.digest: b for b in candidates if b.digest not in self._pending and b.digest not in self._recent}
+        if not mine:
+            return
+        counters = self._counters_of(index)
+        queued = sum(block.clen for block in mine.values())
+        self.stats.readahead_blocks += len(mine)
+        self.stats.readahead_bytes += queued
+        counters.ahead_queued.inc(queued)
+        try:
+            await self._get(index, mine, Priority.READAHEAD, counters, None)
+        except FetchError:
+            pass  # only read ahead: a read that wants a block gets it (or its error) itself
+
     async def _fetch_verified(
         self,
-        index: LayerIndex,
+        index: PackList,
         blocks: list[Block],
         priority: Priority,
         counters: _Counters,

@@ -68,10 +68,12 @@ from bootseer.blockstore.erofs import ErofsError
 from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.layer_table import Layer, LayerTable, load_table, save_table, store_id, write_atomically  # noqa: F401 (re-exported)
 from bootseer.blockstore.layerfs import LayersRoot, LayerTree
+from bootseer.blockstore.peer_wire import BlockPlace
+from bootseer.blockstore.peers import PeerConfig, PeerService
 from bootseer.blockstore.reader import BlockFetcher
 from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.store_registry import StoreRegistry
-from bootseer.fetch.engine import Engine, EngineConfig, FetchError
+from bootseer.fetch.engine import Engine, EngineConfig, FetchError, Priority
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
@@ -118,6 +120,7 @@ class LayerServerConfig:
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
     data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath)
+    peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
 
     @property
@@ -161,8 +164,12 @@ class LayerServer:
         self.decode_threads = trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2))
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
+        #: Block sharing with the peer group (None: off).
+        self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads) if config.peers.enabled else None
         #: One engine and block fetcher per store URL.
-        self.stores = StoreRegistry(nursery, config.engine, config.source_options, self.cache, self._block_threads)
+        self.stores = StoreRegistry(nursery, config.engine, config.source_options, self.cache, self._block_threads,
+                                    peers=self.peers.client if self.peers else None,
+                                    known=[config.store] if config.store else [])  # fmt: skip
         # A mount and an unmount of one layer never interleave; requests name any ChainID
         # they like, so a lock lives only while it is held or waited for.
         self._chain_locks = TrioKeyedLocks()
@@ -179,6 +186,10 @@ class LayerServer:
         self.control.register("unmount", lambda request: self.unmount(_checked_chain_id(request)))
         self.control.register("shutdown", lambda request: self.shutdown())
         self.hotlist.register_ops(self.control)
+        if self.peers is not None:
+            self.peers.register_ops(self.control)
+        else:
+            self.control.register("peers.status", lambda request: _peers_off())
 
     def _statfs(self) -> pyfuse3.StatvfsData:
         """What ``df`` shows: the served layers' file bytes and entries, nothing free (read-only)."""
@@ -194,6 +205,11 @@ class LayerServer:
     async def fetcher(self, store: str) -> tuple[Engine, BlockFetcher]:
         """The engine and block fetcher of ``store``, started on first use (:class:`StoreRegistry`)."""
         return await self.stores.fetcher(store)
+
+    async def _block_for_peer(self, store: str, place: BlockPlace, priority: Priority) -> bytes | None:
+        """A block a peer asks for, from this node's store that the peers call ``store`` (None: no such store)."""
+        fetcher = await self.stores.for_peer(store)
+        return None if fetcher is None else await fetcher.block_for_peer(place, priority)
 
     # -- loading a layer ------------------------------------------------------------------
 
@@ -528,6 +544,10 @@ def _plain(stats: Any) -> Any:
 # -- the control socket -------------------------------------------------------------------------
 
 
+async def _peers_off() -> dict[str, Any]:
+    return {"enabled": False}
+
+
 def _checked_chain_id(request: dict[str, Any]) -> str:
     try:
         return check_digest(request.get("chain_id"), "chain_id")
@@ -661,6 +681,8 @@ async def run_server(
                 if server.erofs is not None:
                     await trio.to_thread.run_sync(server.erofs.prepare)  # a killed server's mounts: detached
                 await server.restore(saved)
+                if server.peers is not None:
+                    await nursery.start(server.peers.run)
                 server.session = await nursery.start(functools.partial(serve, server.ops, str(paths.mountpoint), options=options))
                 UP.set(1)
                 await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there

@@ -29,6 +29,7 @@ from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.sources import carries_secret, check_local_root, check_url, redact_url
 from bootseer.fuse import MountError
+from bootseer.blockstore.peers_cli import add_layer_server_arguments as add_peer_arguments, layer_server_peer_config
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
 from bootseer.log import get_logger
 from bootseer.metrics import serve_metrics
@@ -111,6 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # reads, so a test can show a node without EROFS on a kernel that has it built in.
     parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
     add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
+    add_peer_arguments(parser)  # --peer-*, --peers* (bootseer.blockstore.peers_cli)
     parser.set_defaults(func=layer_server_command)
 
 
@@ -197,7 +199,8 @@ def layer_server_command(args: argparse.Namespace) -> int:
         filesystems=args.kernel_filesystems,
     )
     try:
-        config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args))
+        config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args),
+                                     peers=layer_server_peer_config(args))  # fmt: skip
     except ValueError as exc:
         return _usage_error(str(exc))
     try:

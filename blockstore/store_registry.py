@@ -6,31 +6,43 @@ every layer of one store shares its engine (so range requests coalesce and one
 (so a block is fetched once whichever layer or prefetch asks).  Engines run in the
 nursery the registry is given, for the server's lifetime; a store's source is closed
 when its engine ends.
+
+With peer sharing on, every fetcher asks the group's members first (``peers``), and
+names its store to them by :func:`~bootseer.blockstore.peers.peer_store_id`; a
+peer's request names a store the same way, and :meth:`StoreRegistry.for_peer` finds
+(or starts) the store of that name among the node's own, never one a peer made up.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Iterator
 
 import trio
 
 from bootseer.blockstore.control import InvalidRequest
-from bootseer.blockstore.reader import BlockFetcher
+from bootseer.blockstore.reader import BlockFetcher, PeerBlocks
 from bootseer.fetch.engine import Engine, EngineConfig
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, redact_url
+from bootseer.blockstore.peers import peer_store_id
 
 
 class StoreRegistry:
     """The engines and block fetchers of a layer server's stores, by URL (see the module docstring).
 
     ``cache`` is the node block cache every fetcher reads through and fills; ``threads``
-    bounds their cache I/O, decompression and hashing together.
+    bounds their cache I/O, decompression and hashing together; ``peers`` is the peer
+    group's client (None: no sharing) and ``known`` the store URLs this node is
+    configured with, that peers may ask for before a layer of them is mounted here.
     """
 
     def __init__(self, nursery: trio.Nursery, engine: EngineConfig, source_options: dict[str, Any], cache: Any,
-                 threads: trio.CapacityLimiter) -> None:  # fmt: skip
+                 threads: trio.CapacityLimiter, *, peers: PeerBlocks | None = None,
+                 known: Iterable[str] = ()) -> None:  # fmt: skip
         self._nursery = nursery
+        self._peers = peers
+        self._known = [url for url in known if url]
         self._engine_config = engine
         self._source_options = source_options
         self._cache = cache
@@ -51,8 +63,21 @@ class StoreRegistry:
                 engine = Engine(source, self._engine_config)
                 await self._nursery.start(self._run_engine, engine)
                 self._engines[store] = engine
-                self._fetchers[store] = BlockFetcher(engine, self._cache, threads=self._threads)
+                self._fetchers[store] = BlockFetcher(
+                    engine, self._cache, threads=self._threads, peers=self._peers,
+                    peer_store=peer_store_id(redact_url(store)), background=self._nursery,
+                )  # fmt: skip
         return self._engines[store], self._fetchers[store]
+
+    async def for_peer(self, peer_store: str) -> BlockFetcher | None:
+        """The fetcher of this node's store that peers call ``peer_store``, started if need be; None if none is."""
+        for url in [*self._engines, *self._known]:
+            if peer_store_id(redact_url(url)) == peer_store:
+                try:
+                    return (await self.fetcher(url))[1]
+                except InvalidRequest:
+                    return None
+        return None
 
     def opened(self) -> Iterator[tuple[Engine, BlockFetcher]]:
         """The stores started so far, in the order they were: each one's engine and fetcher."""

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "keys": "bootseer.blockstore.keys_cli",
     "rpull": "bootseer.rpull_cli",
     "layer-server": "bootseer.blockstore.server_cli",
+    "peers": "bootseer.blockstore.peers_cli",
     "hotlist": "bootseer.hotlist.cli",
     "profile": "bootseer.profile.cli",
     "deps": "bootseer.depsnap.cli",

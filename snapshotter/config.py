@@ -10,11 +10,14 @@ prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, 
 metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and ``data_path`` (``auto``,
 ``erofs``, ``loop`` or ``tree``: how the layer server gives overlayfs each layer's tree, docs/lazy-layers.md;
 flag ``--data-path``), ``[trust]
-converter_keys, writer_keys, sign_key`` (docs/trust.md) and ``[depsnap] scope`` (the
-scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``).  Inside the
+converter_keys, writer_keys, sign_key`` (docs/trust.md), ``[depsnap] scope`` (the
+scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``[peers]
+listen, advertise, members, members_file, members_dns, token_file, deadline, upload_rate,
+max_uploads, tls_cert, tls_key, ca`` (block sharing between nodes, docs/peers.md; off unless
+``listen`` is set).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
-``[fetch]`` and ``[hotlist]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
+``[fetch]``, ``[hotlist]`` and ``[peers]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
 :class:`ConfigError` that names the key, so a typo never leaves a setting silently at
 its default.  ``ctr_examples/bootseer-snapshotter.toml`` documents every key.
 
@@ -33,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
+from bootseer.blockstore.peers import PeerConfig, PeerConfigError
 from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
@@ -71,6 +75,7 @@ class Config:
     sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the loaded ``converter_keys`` and ``writer_keys``
     deps_scope: str = ""  #: dependency snapshots are found and published only within this scope (and namespace)
+    peers: PeerConfig = field(default_factory=PeerConfig)  #: ``[peers]``: block sharing with other nodes (off by default)
 
     @property
     def block_cache_dir(self) -> Path:
@@ -104,6 +109,18 @@ DEFAULTS: dict[str, Any] = {
     "trust.writer_keys": [],
     "trust.sign_key": "",
     "depsnap.scope": "",
+    "peers.listen": "",
+    "peers.advertise": "",
+    "peers.members": [],
+    "peers.members_file": "",
+    "peers.members_dns": "",
+    "peers.token_file": "",
+    "peers.deadline": PeerConfig.deadline,
+    "peers.upload_rate": "0",
+    "peers.max_uploads": PeerConfig.max_uploads,
+    "peers.tls_cert": "",
+    "peers.tls_key": "",
+    "peers.ca": "",
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -122,6 +139,10 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "hotlist.prefetch_page_cache": (bool,),
     "trust.converter_keys": (list,),
     "trust.writer_keys": (list,),
+    "peers.members": (list,),
+    "peers.deadline": (float, int),
+    "peers.upload_rate": (str, int),
+    "peers.max_uploads": (int,),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -143,7 +164,7 @@ FLAGS: dict[str, str] = {
     "depsnap.scope": "deps_scope",
 }
 
-SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "trust", "depsnap")
+SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "trust", "depsnap", "peers")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -293,6 +314,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             check_scope(deps_scope)
         except KeyError_ as exc:
             raise invalid("depsnap.scope", str(exc)) from None
+    peers = _peer_config(merged, invalid)
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -317,7 +339,43 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         sign_key=sign_key,
         trust=trust,
         deps_scope=deps_scope,
+        peers=peers,
     )
+
+
+def _peer_config(merged: dict[str, Any], invalid: Callable[[str, str], ConfigError]) -> PeerConfig:
+    """The ``[peers]`` section as a checked :class:`PeerConfig` (ConfigError naming the key)."""
+    if not all(isinstance(item, str) and item for item in merged["peers.members"]):
+        raise invalid("peers.members", "must be a list of \"HOST:PORT\" strings")
+    rate = merged["peers.upload_rate"]
+    try:
+        upload_rate = rate if isinstance(rate, int) else parse_size(rate)
+    except argparse.ArgumentTypeError as exc:
+        raise invalid("peers.upload_rate", str(exc)) from None
+
+    def path(key: str) -> str | None:
+        return str(Path(merged[key]).absolute()) if merged[key] else None
+
+    config = PeerConfig(
+        listen=merged["peers.listen"] or None,
+        advertise=merged["peers.advertise"] or None,
+        members=tuple(merged["peers.members"]),
+        members_file=path("peers.members_file"),
+        members_dns=merged["peers.members_dns"] or None,
+        token_file=path("peers.token_file"),
+        deadline=float(merged["peers.deadline"]),
+        upload_rate=upload_rate,
+        max_uploads=merged["peers.max_uploads"],
+        tls_cert=path("peers.tls_cert"),
+        tls_key=path("peers.tls_key"),
+        ca=path("peers.ca"),
+    )
+    if config.enabled:
+        try:
+            config.check()
+        except PeerConfigError as exc:
+            raise invalid(f"peers.{exc.key}", exc.why) from None
+    return config
 
 
 def check_local_stores(settings: Config) -> None:

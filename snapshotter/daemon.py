@@ -298,6 +298,7 @@ class Daemon:
             converter_keys=tuple(map(str, settings.converter_keys)),
             writer_keys=tuple(map(str, settings.writer_keys)),
             sign_key=str(settings.sign_key) if settings.sign_key else None,
+            peers=settings.peers,
             log_level=settings.log_level,
         )
         engine = EngineConfig(streams=settings.fetch_streams, retry_timeout=settings.fetch_retry_timeout)

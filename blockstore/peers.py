@@ -1,0 +1,746 @@
+"""Peer-assisted block sharing: a group of nodes fetches each block from the store about once.
+
+Every node of a group (a training job's nodes, a node pool) runs a layer server with
+the same members (:mod:`~bootseer.blockstore.peer_membership`).  For each block a
+node must fetch, one member is its *owner*: the member with the highest rendezvous
+score ``blake2b(member, digest)`` among those not being skipped.  A node that owns
+a block fetches it from the store itself; any other node asks the owner, which
+serves it from memory or its node cache, or fetches it from the store once however
+many members ask (its :class:`~bootseer.blockstore.reader.BlockFetcher` joins
+concurrent requests), and then serves it.  So in a group of N nodes each block
+crosses the store's link about once, and rendezvous hashing moves only the blocks
+of a member that comes or goes.
+
+:class:`PeerClient` (the node asking) and :class:`PeerServer` (the node answering)
+speak the protocol of :mod:`~bootseer.blockstore.peer_wire`.  What keeps a peer from
+ever making a start slower or wrong:
+
+* every block from a peer is checked against its SHA-256 and length before it is
+  used; a bad one is counted (``bootseer_peer_requests_total{outcome="bad_block"}``),
+  the peer is skipped, and the block is fetched from the store;
+* a peer that sends nothing for ``deadline`` seconds (an owner at work on a store
+  fetch sends ``102 Processing`` every :data:`KEEPALIVE` seconds) makes the block
+  *late*: the store is asked for it too, and whichever answers first is used
+  (hedging; the other is cancelled);
+* a peer that fails (refused or reset connection, a wrong token, a bad answer, a bad
+  block) is skipped for ``skip_seconds``: its blocks go to the next owner in the
+  ranking, which is often this node itself (the store).
+
+The owner serves only blocks it has verified (memory, its verifying node cache, or
+just fetched and checked), ``max_uploads`` at once and at most ``upload_rate``
+bytes per second in all, so serving never starves the node's own start; a request
+beyond what it can queue is answered ``503`` at once (the asker goes to the store).
+Requests must carry the group's token (``Authorization: Bearer``) unless the
+server listens on loopback only; the token is read from a file and never logged.
+What a peer learns and what the network can get is in docs/peers.md.
+
+:class:`PeerService` ties them to a layer server: the membership watch and the
+listener run in the server's nursery, ``peers.status`` is one of its control
+operations, and each store's fetcher is given the client (:meth:`PeerService.client`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import hmac
+import itertools
+import os
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import prometheus_client
+import trio
+
+from bootseer.blockstore.control_ops import ControlOps
+from bootseer.blockstore.peer_membership import (
+    DnsMembers, FileMembers, Membership, StaticMembers, is_loopback, parse_address, split_address,
+)  # fmt: skip
+from bootseer.blockstore.peer_wire import (
+    BLOCKS_PATH, PING_PATH, PROCESSING, BlockPlace, HttpStream, WireError, block_target, client_tls_context,
+    content_length, parse_block_target, parse_head, response_head, server_tls_context,
+)  # fmt: skip
+from bootseer.fetch.engine import Priority
+from bootseer.log import get_logger
+
+log = get_logger(__name__)
+
+#: An owner fetching a block from the store tells its asker it is at work this often.
+KEEPALIVE = 0.1
+#: The longest a request to a peer lives after it was sent, late or not (then it is given up).
+REQUEST_LIMIT = 60.0
+#: Idle connections kept per peer.
+IDLE_PER_PEER = 4
+#: An idle incoming connection is closed after this many seconds.
+SERVER_IDLE = 60.0
+#: Block requests an owner queues beyond those it serves before answering 503.
+QUEUE_PER_UPLOAD = 8
+#: Blocks at least this large are hashed in a worker thread (below it a thread hop costs more).
+OFF_THREAD_BYTES = 256 << 10
+
+_PRIORITY_NAMES = {Priority.DEMAND: "demand", Priority.READAHEAD: "readahead", Priority.PREFETCH: "prefetch"}
+_PRIORITY_OF = {name: priority for priority, name in _PRIORITY_NAMES.items()}
+
+PEER_BYTES = prometheus_client.Counter(
+    "bootseer_peer_bytes",
+    "Raw block bytes exchanged with peers, by direction (received: from peers and verified, served: to peers)",
+    ["direction"],
+)
+PEER_REQUESTS = prometheus_client.Counter(
+    "bootseer_peer_requests",
+    "Block requests this node made to peers, by outcome (ok, missing: the owner had no way to it, refused: busy, "
+    "error: connection or protocol failure, unauthorized, bad_block: failed verification, late: past the deadline)",
+    ["outcome"],
+)
+PEER_FALLBACKS = prometheus_client.Counter(
+    "bootseer_peer_fallbacks",
+    "Blocks a peer was asked for that the store was asked for too, by why (late, error, bad_block, missing, refused)",
+    ["reason"],
+)
+PEER_SERVED = prometheus_client.Counter(
+    "bootseer_peer_served",
+    "Block requests peers made of this node, by outcome (ok, missing, unauthorized, busy, bad_request)",
+    ["outcome"],
+)
+PEER_SKIPPED = prometheus_client.Gauge("bootseer_peer_skipped", "Peers being skipped after a failure")
+PEER_MEMBERS = prometheus_client.Gauge("bootseer_peer_members", "Members of this node's peer group, itself included")
+
+
+def peer_store_id(url_shown: str) -> str:
+    """The name peers give a store: a hash of its URL as shown (credentials and query left out).
+
+    Nodes of a group configured with one store agree on it; a hash of the whole URL
+    would hand every peer a hash of the store's credentials.
+    """
+    return hashlib.sha256(b"bootseer peer store\0" + url_shown.encode()).hexdigest()[:32]
+
+
+def rendezvous_score(member: str, digest: str) -> int:
+    """The member's score for a block: the highest-scoring member owns it."""
+    return int.from_bytes(hashlib.blake2b(member.encode() + b"\0" + digest.encode(), digest_size=8).digest(), "big")
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (one line; ValueError naming the file if unreadable or empty, never the token)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(4097)
+    except OSError as exc:
+        raise ValueError(f"peer token file {path}: {exc.strerror}") from None
+    token = data.decode("utf-8", "replace").strip()
+    if not token or len(data) > 4096 or any(c.isspace() for c in token):
+        raise ValueError(f"peer token file {path}: must hold one token of 1 to 4096 bytes without spaces")
+    return token
+
+
+@dataclass(frozen=True)
+class PeerConfig:
+    """The ``[peers]`` settings (``bootseer layer-server --peer-*``); nothing is shared unless enabled."""
+
+    listen: str | None = None  #: HOST:PORT this node serves blocks on
+    advertise: str | None = None  #: this node's address as members list it (default: ``listen``)
+    members: tuple[str, ...] = ()  #: a static list
+    members_file: str | None = None  #: a file re-read when it changes
+    members_dns: str | None = None  #: NAME:PORT: every A/AAAA record of NAME
+    token_file: str | None = None  #: the group's shared token
+    deadline: float = 0.5  #: seconds a peer may stay silent before the store is asked too
+    upload_rate: int = 0  #: bytes per second served to peers in all (0: no limit)
+    max_uploads: int = 8  #: blocks served at once
+    fetch_concurrency: int = 16  #: requests to peers in flight at once
+    skip_seconds: float = 10.0  #: how long a failing peer is skipped
+    tls_cert: str | None = None  #: serve HTTPS with this certificate (PEM) ...
+    tls_key: str | None = None  #: ... and its key
+    ca: str | None = None  #: ask peers over HTTPS, trusting this CA (PEM)
+    file_poll: float = 1.0  #: seconds between checks of ``members_file``
+    dns_interval: float = 10.0  #: seconds between lookups of ``members_dns``
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.listen or self.members or self.members_file or self.members_dns)
+
+    def check(self) -> Membership:
+        """The membership, checked; :class:`PeerConfigError` (one line, naming the setting) for settings that
+        cannot work, a members file that cannot be read or a token file that holds no token."""
+        sources = [bool(self.members), bool(self.members_file), bool(self.members_dns)]
+        if sum(sources) > 1:
+            raise PeerConfigError("members", "give one of members, members_file and members_dns")
+        if not any(sources):
+            raise PeerConfigError("members", "no members (give members, members_file or members_dns)")
+        if not self.listen:
+            raise PeerConfigError("listen", "HOST:PORT is needed: a member that does not serve loses its blocks")
+        for name in ("listen", "advertise"):
+            value = getattr(self, name)
+            if value:
+                try:
+                    parse_address(value)
+                except ValueError as exc:
+                    raise PeerConfigError(name, str(exc)) from None
+        if self.advertise is None and split_address(parse_address(self.listen))[0] in ("0.0.0.0", "::"):
+            raise PeerConfigError("advertise", "is needed with a wildcard listen address (how members list this node)")
+        if not is_loopback(self.listen) and not self.token_file:
+            raise PeerConfigError("token_file", "is needed when listen is not a loopback address")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise PeerConfigError("tls_cert", "tls_cert and tls_key go together")
+        if not 0 < self.deadline <= 60:
+            raise PeerConfigError("deadline", f"must be more than 0 and at most 60 seconds, not {self.deadline}")
+        if self.upload_rate < 0:
+            raise PeerConfigError("upload_rate", f"must not be negative, not {self.upload_rate}")
+        if self.max_uploads < 1:
+            raise PeerConfigError("max_uploads", f"must be at least 1, not {self.max_uploads}")
+        if self.fetch_concurrency < 1 or self.skip_seconds < 0:
+            raise PeerConfigError("fetch_concurrency", "must be at least 1 (and skip_seconds not negative)")
+        if self.token_file:
+            try:
+                read_token_file(self.token_file)
+            except ValueError as exc:
+                raise PeerConfigError("token_file", str(exc)) from None
+        for name, path in (("tls_cert", self.tls_cert), ("tls_key", self.tls_key), ("ca", self.ca)):
+            if path and not os.path.isfile(path):
+                raise PeerConfigError(name, f"{path} is not a file")
+        key = "members_file" if self.members_file else "members_dns" if self.members_dns else "members"
+        try:
+            return self.membership()
+        except ValueError as exc:
+            raise PeerConfigError(key, str(exc)) from None
+
+    @property
+    def self_address(self) -> str:
+        return parse_address(self.advertise or self.listen or "")
+
+    def membership(self) -> Membership:
+        if self.members_file:
+            return FileMembers(self.members_file, poll=self.file_poll)
+        if self.members_dns:
+            return DnsMembers.parse(self.members_dns, interval=self.dns_interval)
+        return StaticMembers(tuple(self.members))
+
+
+class PeerConfigError(ValueError):
+    """A ``[peers]`` setting that cannot work: ``key`` names it (``str()`` is ``peers: KEY: why``)."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"peers: {key}: {why}")
+        self.key = key
+        self.why = why
+
+
+class PriorityLimiter:
+    """At most ``total`` holders at once; waiters admitted by priority (lower first), then in arrival order."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.busy = 0
+        self._waiting: list[tuple[int, int, trio.Event]] = []
+        self._order = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if self.busy < self.total and not self._waiting:
+            self.busy += 1
+            return
+        entry = (priority, next(self._order), trio.Event())
+        heapq.heappush(self._waiting, entry)
+        try:
+            await entry[2].wait()
+        except BaseException:
+            if entry[2].is_set():
+                self.release()  # admitted and cancelled at once: pass the slot on
+            else:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+            raise
+
+    def release(self) -> None:
+        if self._waiting:
+            heapq.heappop(self._waiting)[2].set()  # the slot goes to the waiter: busy stays
+        else:
+            self.busy -= 1
+
+
+class TokenBucket:
+    """Bytes per second, in bursts of at most a second's worth (0: unlimited)."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._level = float(rate)
+        self._stamp = time.monotonic()
+        self._lock = trio.Lock()
+
+    async def take(self, amount: int) -> None:
+        if self.rate <= 0:
+            return
+        async with self._lock:  # one sender at a time: first come, first served
+            now = time.monotonic()
+            self._level = min(float(self.rate), self._level + (now - self._stamp) * self.rate)
+            self._stamp = now
+            self._level -= amount
+            if self._level < 0:
+                await trio.sleep(-self._level / self.rate)
+
+
+@dataclass
+class PeerState:
+    """What this node knows of one member it asks."""
+
+    address: str
+    ok: int = 0
+    failures: int = 0
+    skipped_until: float = 0.0
+    last_error: str = ""
+    idle: list[HttpStream] = field(default_factory=list)
+
+
+@dataclass
+class PeerStats:
+    received_blocks: int = 0
+    received_bytes: int = 0
+    served_blocks: int = 0
+    served_bytes: int = 0
+    late: int = 0
+    fallbacks: int = 0
+    bad_blocks: int = 0
+    errors: int = 0
+
+
+class PeerClient:
+    """Asks owners for blocks (see the module docstring); one per layer server, shared by its stores' fetchers."""
+
+    def __init__(self, config: PeerConfig, membership: Membership, token: str | None,
+                 threads: trio.CapacityLimiter, stats: PeerStats) -> None:  # fmt: skip
+        self.config = config
+        self.deadline = config.deadline
+        self.self_address = config.self_address
+        self.membership = membership
+        self._token = token
+        self._threads = threads
+        self._limiter = PriorityLimiter(config.fetch_concurrency)
+        self._peers: dict[str, PeerState] = {}
+        self._tls = client_tls_context(config.ca) if config.ca else None
+        self.stats = stats
+
+    def _state(self, address: str) -> PeerState:
+        state = self._peers.get(address)
+        if state is None:
+            state = self._peers[address] = PeerState(address)
+        return state
+
+    def _skipped(self, address: str, now: float) -> bool:
+        state = self._peers.get(address)
+        return state is not None and state.skipped_until > now
+
+    def owner(self, digest: str) -> str | None:
+        """The member to ask for block ``digest``; None when this node owns it (fetch it from the store).
+
+        The highest rendezvous score among the members not being skipped; this node
+        is always a candidate (never skipped), so with every peer failing it owns all.
+        """
+        now = time.monotonic()
+        best, best_score = None, -1
+        for member in self.membership.members():
+            if member != self.self_address and self._skipped(member, now):
+                continue
+            score = rendezvous_score(member, digest)
+            if score > best_score:
+                best, best_score = member, score
+        if best is None or best == self.self_address:
+            return None
+        return best
+
+    def _failed(self, state: PeerState, why: str) -> None:
+        state.failures += 1
+        state.last_error = why
+        was_skipped = state.skipped_until > time.monotonic()
+        state.skipped_until = time.monotonic() + self.config.skip_seconds
+        for stream in state.idle:  # connections to a failing peer are not reused
+            stream.close_now()
+        state.idle.clear()
+        if not was_skipped:
+            log.warning("peer failed; skipping it for a while", peer=state.address, error=why,
+                        seconds=self.config.skip_seconds)  # fmt: skip
+        PEER_SKIPPED.set(sum(1 for peer in self._peers.values() if peer.skipped_until > time.monotonic()))
+
+    async def _connect(self, state: PeerState) -> HttpStream:
+        if state.idle:
+            return state.idle.pop()
+        host, port = split_address(state.address)
+        with trio.fail_after(self.deadline):
+            stream: trio.abc.Stream = await trio.open_tcp_stream(host, port)
+            if self._tls is not None:
+                stream = trio.SSLStream(stream, self._tls, server_hostname=host, https_compatible=True)
+                await stream.do_handshake()
+        return HttpStream(stream)
+
+    async def fetch(self, store: str, places: Sequence[BlockPlace], priority: Priority,
+                    deliver: Callable[[str, bytes], None], late: Callable[[str], None]) -> None:  # fmt: skip
+        """Ask each block's owner for it; ``deliver`` each verified block, ``late`` each one to get from the store too.
+
+        Every block of ``places`` is either delivered or named late (possibly both: a
+        late block may still be delivered).  Never raises for what a peer does;
+        cancelled by the caller once it has every block.
+        """
+        async with trio.open_nursery() as nursery:
+            for place in places:
+                owner = self.owner(place.digest)
+                if owner is None:
+                    late(place.digest)  # this node owns it now (its owner is being skipped)
+                    continue
+                nursery.start_soon(self._ask, self._state(owner), store, place, priority, deliver, late)
+
+    async def _ask(self, state: PeerState, store: str, place: BlockPlace, priority: Priority,
+                   deliver: Callable[[str, bytes], None], late: Callable[[str], None]) -> None:  # fmt: skip
+        told_late = False
+
+        def fallback(reason: str) -> None:
+            nonlocal told_late
+            if not told_late:
+                told_late = True
+                self.stats.fallbacks += 1
+                PEER_FALLBACKS.labels(reason).inc()
+                late(place.digest)
+
+        await self._limiter.acquire(int(priority))
+        stream: HttpStream | None = None
+        reusable = False
+        try:
+            with trio.move_on_after(REQUEST_LIMIT):
+                try:
+                    stream = await self._connect(state)
+                    await stream.send(self._request(store, place, priority))
+                    data = await self._answer(stream, place, lambda: fallback("late"))
+                except trio.TooSlowError:  # no connection within the deadline
+                    self.stats.errors += 1
+                    self._outcome("error")
+                    self._failed(state, "no connection in time")
+                    fallback("late")
+                    return
+                except (OSError, WireError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self.stats.errors += 1
+                    self._outcome("error")
+                    self._failed(state, f"{type(exc).__name__}: {exc}")
+                    fallback("error")
+                    return
+                except _Refused as refused:
+                    self._outcome(refused.outcome)
+                    if refused.outcome == "unauthorized":
+                        self._failed(state, "the peer refused this node's token")
+                    reusable = refused.reusable
+                    fallback(refused.outcome)
+                    return
+                if await self._verified(place, data):
+                    reusable = True
+                    state.ok += 1
+                    self.stats.received_blocks += 1
+                    self.stats.received_bytes += len(data)
+                    PEER_BYTES.labels("received").inc(len(data))
+                    self._outcome("ok")
+                    deliver(place.digest, data)
+                else:
+                    self.stats.bad_blocks += 1
+                    self._outcome("bad_block")
+                    log.warning("a peer served a block that fails verification; getting it from the store",
+                                peer=state.address, block=place.digest)  # fmt: skip
+                    self._failed(state, "served a block that fails verification")
+                    fallback("bad_block")
+                return
+            fallback("late")  # REQUEST_LIMIT passed
+        finally:
+            self._limiter.release()
+            if stream is not None:
+                if reusable and len(state.idle) < IDLE_PER_PEER and state.skipped_until <= time.monotonic():
+                    state.idle.append(stream)
+                else:
+                    await stream.aclose()
+
+    def _request(self, store: str, place: BlockPlace, priority: Priority) -> bytes:
+        target = block_target(store, place, _PRIORITY_NAMES.get(priority, "demand"))
+        auth = f"Authorization: Bearer {self._token}\r\n" if self._token else ""
+        return f"GET {target} HTTP/1.1\r\nHost: bootseer-peer\r\n{auth}\r\n".encode()
+
+    async def _answer(self, stream: HttpStream, place: BlockPlace, on_late: Callable[[], None]) -> bytes:
+        """The body of a 200 answer to ``place``'s request (1xx skipped; _Refused for another status).
+
+        A receive that waits more than the deadline calls ``on_late`` once and goes on
+        waiting (the store is asked meanwhile: hedged); the caller's REQUEST_LIMIT ends it.
+        """
+
+        async def patiently(read: Callable[[float], Awaitable[Any]]) -> Any:
+            while True:
+                try:
+                    return await read(self.deadline)
+                except trio.TooSlowError:
+                    on_late()
+                    self.stats.late += 1
+
+        while True:
+            head = await patiently(stream.read_head)
+            if head is None:
+                raise WireError("connection closed before an answer")
+            _, status, headers = parse_head(head, request=False)
+            if status.startswith("1"):
+                continue
+            break
+        if status != "200":
+            length = content_length(headers, 4096)
+            if length:
+                await patiently(lambda timeout: stream.read_exact(length, timeout))
+            outcome = {"404": "missing", "503": "refused", "401": "unauthorized"}.get(status)
+            if outcome is None:
+                raise WireError(f"answered {status}")
+            raise _Refused(outcome, headers.get("connection", "") != "close")
+        length = content_length(headers, place.rlen)
+        if length != place.rlen:
+            raise WireError(f"answered {length} bytes for a block of {place.rlen}")
+        return await patiently(lambda timeout: stream.read_exact(length, timeout))
+
+    async def _verified(self, place: BlockPlace, data: bytes) -> bool:
+        if len(data) != place.rlen:
+            return False
+        if len(data) < OFF_THREAD_BYTES:
+            return hashlib.sha256(data).hexdigest() == place.digest
+        digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest(), limiter=self._threads)
+        return digest == place.digest
+
+    @staticmethod
+    def _outcome(outcome: str) -> None:
+        PEER_REQUESTS.labels(outcome).inc()
+
+    def status(self) -> list[dict[str, Any]]:
+        """Each member as this node sees it."""
+        now = time.monotonic()
+        out = []
+        for member in self.membership.members():
+            if member == self.self_address:
+                out.append({"address": member, "state": "self"})
+                continue
+            state = self._peers.get(member)
+            entry: dict[str, Any] = {"address": member, "state": "ok"}
+            if state is not None:
+                entry.update(ok=state.ok, failures=state.failures)
+                if state.skipped_until > now:
+                    entry.update(state="skipped", skipped_for=round(state.skipped_until - now, 1),
+                                 last_error=state.last_error)  # fmt: skip
+            out.append(entry)
+        return out
+
+    async def aclose(self) -> None:
+        for state in self._peers.values():
+            for stream in state.idle:
+                await stream.aclose()
+            state.idle.clear()
+
+
+class _Refused(Exception):
+    def __init__(self, outcome: str, reusable: bool) -> None:
+        super().__init__(outcome)
+        self.outcome = outcome
+        self.reusable = reusable
+
+
+#: Finds the verified raw bytes of a block for a peer: (store id, place, priority) -> bytes,
+#: or None when this node has no store of that id or the store fails (FetchError).
+BlockGetter = Callable[[str, BlockPlace, Priority], Awaitable[bytes | None]]
+
+
+class PeerServer:
+    """Serves verified blocks to peers over HTTP(S) (see the module docstring)."""
+
+    def __init__(self, config: PeerConfig, token: str | None, get_block: BlockGetter, stats: PeerStats) -> None:
+        self.config = config
+        self._token = token.encode() if token else None
+        self._get_block = get_block
+        self._uploads = trio.CapacityLimiter(config.max_uploads)
+        self._bucket = TokenBucket(config.upload_rate)
+        self._tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
+        self.stats = stats
+        self.address: tuple[str, int] | None = None  #: where it listens, once listening
+        self._queued = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on ``config.listen`` and serve until cancelled (OSError if the address cannot be bound)."""
+        assert self.config.listen is not None
+        host, port = split_address(parse_address(self.config.listen))
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:
+            raise ValueError(f"peers: cannot listen on {self.config.listen}: {exc.strerror or exc}") from None
+        self.address = listeners[0].socket.getsockname()[:2]
+        if self._tls is not None:
+            listeners = [trio.SSLListener(listener, self._tls, https_compatible=True) for listener in listeners]
+        log.info("serving blocks to peers", address=f"{self.address[0]}:{self.address[1]}",
+                 tls=self._tls is not None, token=self._token is not None)  # fmt: skip
+        task_status.started(self.address)
+        await trio.serve_listeners(self._connection, listeners)
+
+    async def _connection(self, raw: trio.abc.Stream) -> None:
+        stream = HttpStream(raw)
+        try:
+            while True:
+                try:
+                    head = await stream.read_head(SERVER_IDLE)
+                except trio.TooSlowError:
+                    return
+                if head is None:
+                    return
+                if not await self._request(stream, head):
+                    return
+        except (WireError, OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # the peer went away or broke the protocol: nothing more to say to it
+        finally:
+            await stream.aclose()
+
+    async def _reply(self, stream: HttpStream, status: int, reason: str, outcome: str, close: bool = False) -> None:
+        PEER_SERVED.labels(outcome).inc()
+        body = reason.encode() + b"\n"
+        await stream.send(response_head(status, reason, len(body), close=close) + body)
+
+    async def _request(self, stream: HttpStream, head: bytes) -> bool:
+        """Answer one request; False when the connection must close after it."""
+        try:
+            method, target, headers = parse_head(head, request=True)
+            if headers.get("content-length", "0") != "0" or "transfer-encoding" in headers:
+                raise WireError("a request has no body")
+        except WireError:
+            await self._reply(stream, 400, "Bad Request", "bad_request", close=True)
+            return False
+        keep = headers.get("connection", "").lower() != "close"
+        if method != "GET":
+            await self._reply(stream, 405, "Method Not Allowed", "bad_request", close=True)
+            return False
+        if target == PING_PATH:
+            await stream.send(response_head(200, "OK", 3) + b"ok\n")
+            return keep
+        if self._token is not None:
+            given = headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
+                await self._reply(stream, 401, "Unauthorized", "unauthorized")
+                return keep
+        if not target.startswith(BLOCKS_PATH):
+            await self._reply(stream, 404, "Not Found", "bad_request")
+            return keep
+        try:
+            store, place, priority = parse_block_target(target)
+        except ValueError as exc:
+            await self._reply(stream, 400, f"Bad Request: {exc}", "bad_request")
+            return keep
+        if self._queued >= self.config.max_uploads * QUEUE_PER_UPLOAD:
+            await self._reply(stream, 503, "Busy", "busy")
+            return keep
+        self._queued += 1
+        try:
+            data = await self._block_with_keepalive(stream, store, place, _PRIORITY_OF[priority])
+        finally:
+            self._queued -= 1
+        if data is None:
+            await self._reply(stream, 404, "Not Found", "missing")
+            return keep
+        async with self._uploads:
+            await stream.send(response_head(200, "OK", len(data), kind="application/octet-stream"))
+            view = memoryview(data)
+            for start in range(0, len(view), 256 << 10):
+                piece = view[start : start + (256 << 10)]
+                await self._bucket.take(len(piece))
+                await stream.send(piece)
+        PEER_SERVED.labels("ok").inc()
+        PEER_BYTES.labels("served").inc(len(data))
+        self.stats.served_blocks += 1
+        self.stats.served_bytes += len(data)
+        return keep
+
+    async def _block_with_keepalive(self, stream: HttpStream, store: str, place: BlockPlace,
+                                    priority: Priority) -> bytes | None:  # fmt: skip
+        """The block's bytes, telling the asker ``102 Processing`` every KEEPALIVE seconds meanwhile."""
+        result: list[bytes | None] = []
+        async with trio.open_nursery() as nursery:
+
+            async def get() -> None:
+                result.append(await self._get_block(store, place, priority))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(get)
+            await trio.sleep(KEEPALIVE / 4)  # a block at hand needs no interim answer
+            while True:
+                # Whole or not at all: a send cut by the block's arrival would garble the answer.
+                with trio.CancelScope(shield=True):
+                    with trio.move_on_after(SERVER_IDLE) as scope:
+                        await stream.send(PROCESSING)
+                    if scope.cancelled_caught:
+                        raise WireError("the asker reads nothing")
+                await trio.sleep(KEEPALIVE)
+        return result[0] if result else None
+
+
+class PeerService:
+    """A layer server's peer sharing: membership, client, server and the ``peers.status`` operation.
+
+    ``get_block`` finds a block for a peer (the layer server's, through its stores'
+    fetchers); ``threads`` bounds hashing with the fetchers' own work.
+    """
+
+    def __init__(self, config: PeerConfig, get_block: BlockGetter, threads: trio.CapacityLimiter) -> None:
+        self.config = config
+        self.membership = config.check()
+        token = read_token_file(config.token_file) if config.token_file else None
+        self.stats = PeerStats()
+        self.client = PeerClient(config, self.membership, token, threads, self.stats)
+        self.server = PeerServer(config, token, get_block, self.stats)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Watch the membership and serve peers until cancelled; started once listening."""
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch)
+                await nursery.start(self.server.run)
+                log.info("peer sharing on", node=self.client.self_address, **self.membership.describe())
+                task_status.started()
+        finally:
+            await self.client.aclose()
+
+    async def _watch(self) -> None:
+        if isinstance(self.membership, DnsMembers):
+            await self.membership.resolve()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.membership.run)
+            while True:
+                PEER_MEMBERS.set(len(self.membership.members()))
+                await trio.sleep(1)
+
+    def register_ops(self, control: ControlOps) -> None:
+        control.register("peers.status", lambda request: self.status())
+
+    async def status(self) -> dict[str, Any]:
+        stats = self.stats
+        listening = self.server.address
+        return {
+            "self": self.client.self_address,
+            "listen": f"{listening[0]}:{listening[1]}" if listening else None,
+            "membership": self.membership.describe(),
+            "members": self.client.status(),
+            "deadline": self.config.deadline,
+            "token": self.config.token_file is not None,
+            "tls": self.config.tls_cert is not None,
+            "received": {"blocks": stats.received_blocks, "bytes": stats.received_bytes},
+            "served": {"blocks": stats.served_blocks, "bytes": stats.served_bytes},
+            "late": stats.late,
+            "fallbacks": stats.fallbacks,
+            "bad_blocks": stats.bad_blocks,
+            "errors": stats.errors,
+        }
+
+
+__all__ = [
+    "BlockGetter",
+    "PeerClient",
+    "PeerConfig",
+    "PeerConfigError",
+    "PeerServer",
+    "PeerService",
+    "PeerStats",
+    "PriorityLimiter",
+    "TokenBucket",
+    "peer_store_id",
+    "read_token_file",
+    "rendezvous_score",
+]

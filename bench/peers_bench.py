@@ -49,7 +49,6 @@ import dataclasses
 import datetime
 import hashlib
 import os
-import secrets
 import shutil
 import signal
 import statistics
@@ -68,7 +67,7 @@ import image_build  # noqa: E402
 import lazy_bench  # noqa: E402
 from lazy_bench import BenchError, bootseer_argv, drop_caches, log  # noqa: E402
 
-from tests.support.peernodes import PeerCluster, PeerNode, leftovers  # noqa: E402
+from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token  # noqa: E402
 
 MB = 1_000_000
 #: The issue's targets.
@@ -339,6 +338,13 @@ def killer(victim: PeerNode, run: NodeRun, start: "Start", clock: list[float], g
         time.sleep(0.02)
 
 
+def keep_log(node: PeerNode, logs: Path, label: str) -> None:
+    """Move the node's server log to ``logs/LABEL-NODE.log`` (before its directory is wiped)."""
+    if node.log_path.exists():
+        logs.mkdir(parents=True, exist_ok=True)
+        shutil.move(node.log_path, logs / f"{label}-{node.name}.log")
+
+
 def fresh(node: PeerNode, extra_args: list[str]) -> None:
     """Stop the node's server and give it an empty root and cache, then start it with ``extra_args``."""
     node.stop()
@@ -347,8 +353,9 @@ def fresh(node: PeerNode, extra_args: list[str]) -> None:
 
 
 def run_start(cluster: PeerCluster, scenario: str, count: int, peer_args: dict[int, list[str]] | None,
-              image: Image, timeout: float, kill_at: float | None = None) -> Start:
-    """``count`` nodes start the image at once (peers on when ``peer_args`` gives each node its flags)."""
+              image: Image, timeout: float, logs: Path, label: str, kill_at: float | None = None) -> Start:
+    """``count`` nodes start the image at once (peers on when ``peer_args`` gives each node its flags);
+    their servers' logs go to ``logs/LABEL-nodeN.log``."""
     nodes = cluster.nodes[:count]
     for node in cluster.nodes:
         node.stop()
@@ -385,6 +392,9 @@ def run_start(cluster: PeerCluster, scenario: str, count: int, peer_args: dict[i
         if not run.killed:
             run.cpu_s = cpu_seconds(node.pid) - before
             run.figures = node_figures(node)
+    for node in nodes:
+        node.stop()
+        keep_log(node, logs, label)
     return start
 
 
@@ -415,11 +425,10 @@ def peers_supported() -> bool:
 
 
 def peer_flags(cluster: PeerCluster, count: int, token_file: Path, deadline: float) -> dict[int, list[str]]:
-    """Each of the first ``count`` nodes' peer options: listen on its address, every node a member."""
-    members = ",".join(node.peer_address for node in cluster.nodes[:count])
-    return {node.index: ["--peer-listen", node.peer_address, "--peers", members,
-                         "--peer-token-file", str(token_file), "--peer-deadline", str(deadline)]
-            for node in cluster.nodes[:count]}
+    """Each of the first ``count`` nodes' peer options (:func:`~tests.support.peernodes.peer_args`: listen on
+    its address, those nodes the members, the token file), with ``--peer-deadline``."""
+    args = peer_args(token_file, "--peer-deadline", str(deadline), members=count)
+    return {node.index: args(node, cluster) for node in cluster.nodes[:count]}
 
 
 # --------------------------------------------------------------------------- the model
@@ -714,9 +723,7 @@ def main(argv: list[str] | None = None) -> int:
     if not with_peers:
         for scenario in ("peers", "peers-kill"):
             context["not_run"][scenario] = "the layer server has no `--peer-listen` (peer sharing not in this build)"
-    token = work / "peer-token"
-    token.write_text(secrets.token_hex(32) + "\n")
-    token.chmod(0o600)
+    token = write_token(work / "peer-token")
     results: dict[str, list[Start]] = {}
     cluster = PeerCluster(work / "c", store, args.nodes, node_rate=args.rate, store_rate=args.store_rate, start=False)
     try:
@@ -733,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
                 for scenario, count, peer_args, kill_at in plan:
                     if scenario not in wanted:
                         continue
-                    start = run_start(cluster, scenario, count, peer_args, image, args.timeout, kill_at)
+                    start = run_start(cluster, scenario, count, peer_args, image, args.timeout, work / "logs",
+                                      f"{scenario}{rep}", kill_at)
                     results.setdefault(scenario, []).append(start)
                     log(f"rep {rep} " + summarize(start))
             for node in cluster.nodes:
@@ -742,11 +750,9 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             context["notes"].append("Left behind after the run (a bug of the harness): " + ", ".join(left))
     finally:
-        logs = work / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        for node in cluster.nodes:
+        for node in cluster.nodes:  # a start that failed half-way
             with contextlib.suppress(OSError):
-                shutil.copy(node.log_path, logs / f"{node.name}.log")
+                keep_log(node, work / "logs", "last")
     context["minutes"] = (time.monotonic() - started) / 60
     store_rate = context["store_rate_mb"] * MB
     model = fit_model(results, image, store_rate=min(store_rate, rates[1]), node_rate=rates[0])

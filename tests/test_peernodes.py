@@ -1,7 +1,8 @@
 """The peer-node harness itself (tests/support/peernodes.py), peers off: several nodes in network
 namespaces mount a converted image from a store in its own namespace, every byte read through their
 mounts is the store's, and leaving the cluster, pass or fail, leaves no namespace, veth pair,
-layer server, mount or nginx behind.
+layer server, mount or nginx behind; the peer options the harness builds reach the servers (no
+block moves between peers here: that is the peer sharing's own tests').
 
 The image is :func:`tests.support.oci.rich_layers` (an entry of every kind, files spanning several
 blocks), converted by :func:`tests.support.layer_store.build_store` into a store directory served by
@@ -11,6 +12,7 @@ nginx from the store namespace; each node's link and the store's are shaped with
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import pytest
 from bootseer.blockstore.control import ServerTimedOut, ServerUnavailable
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.oci import rich_layers
-from tests.support.peernodes import PeerCluster, leftovers
+from tests.support.peernodes import PeerCluster, leftovers, peer_args, write_token
 from tests.support.waiting import wait_until
 
 pytestmark = [
@@ -101,4 +103,23 @@ def test_a_failure_inside_the_cluster_still_tears_everything_down(
                 node.mount_image([layer.chain_id for layer in layers])
             cluster.nodes[0].hang()  # a hung server must not stop the teardown
             raise RuntimeError("the test failed")
+    assert leftovers(cluster) == []
+
+
+def test_peer_args_start_nodes_that_list_each_other(tmp_path: Path, built: tuple[Path, list[BuiltLayer]]) -> None:
+    """The harness's peer options reach the servers: each listens on its own address, lists both nodes,
+    and the other node's listener answers across the LAN (a block request without the token is refused)."""
+    store, _layers = built
+    token = write_token(tmp_path / "token")
+    with PeerCluster(tmp_path / "c", store, 2, node_args=peer_args(token, "--peer-deadline", "0.5")) as cluster:
+        addresses = cluster.peer_addresses()
+        for node in cluster.nodes:
+            status = node.peers_status()
+            assert status["self"] == node.peer_address
+            assert sorted(member["address"] for member in status["members"]) == sorted(addresses)
+        asker, owner = cluster.nodes
+        answer = subprocess.run([*asker.member.launcher(), "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                 f"http://{owner.peer_address}/v1/blocks/{'0' * 64}?store=x&pack={'0' * 64}"
+                                 "&offset=0&clen=1&rlen=1"], capture_output=True, text=True, timeout=60)
+        assert answer.stdout == "401"
     assert leftovers(cluster) == []

@@ -35,10 +35,14 @@ import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 #: Where the /30s are carved from: IPv4 link-local, which no router forwards.
 LINK_LOCAL = ipaddress.ip_network("169.254.0.0/16")
 #: 169.254.0.0/24 and 169.254.255.0/24 are reserved (RFC 3927) and never used.
+
+
+_Self = TypeVar("_Self", bound="Opened")
 
 
 class NetnsError(RuntimeError):
@@ -90,6 +94,28 @@ def _shape(prefix: tuple[str, ...], dev: str, rate: str) -> None:
     _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "1048576", "latency", "50ms")
 
 
+class Opened:
+    """A context manager over ``open()`` and ``close()``: entering opens (and closes what was made when that
+    fails half-way), leaving closes, whatever happened in between."""
+
+    def open(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Self) -> _Self:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @dataclass(frozen=True)
 class Counters:
     """Bytes through the host's end of the link since it was made."""
@@ -101,7 +127,7 @@ class Counters:
         return Counters(self.received - other.received, self.sent - other.sent)
 
 
-class ShapedLink:
+class ShapedLink(Opened):
     """A namespace ``name`` reachable at :attr:`server_ip`, shaped to ``rate`` each way.
 
     A context manager: entering makes everything, leaving removes it.  ``rate`` is in tc's
@@ -123,17 +149,6 @@ class ShapedLink:
     def launcher(self) -> tuple[str, ...]:
         """The command prefix that runs a program inside the namespace."""
         return ("ip", "netns", "exec", self.name)
-
-    def __enter__(self) -> "ShapedLink":
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def open(self) -> None:
         _run("ip", "netns", "add", self.name)
@@ -216,7 +231,7 @@ class LanError(NetnsError):
     """A step of making or removing the LAN failed."""
 
 
-class Lan:
+class Lan(Opened):
     """Network namespaces on one link-local ``/24`` behind a bridge: a context manager.
 
     ``tag`` makes the names unique on the host (default: this process's pid); the host gets
@@ -239,17 +254,6 @@ class Lan:
         self.host_ip = str(subnet.network_address + 1)
         self.members: list[LanMember] = []
         self._made: list[str] = []
-
-    def __enter__(self) -> "Lan":
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _switch(self) -> tuple[str, ...]:
         return ("ip", "-n", self.switch)

@@ -8,7 +8,7 @@ link-local ``/24`` behind a bridge, each node's link optionally shaped with ``tb
 node's store reads share.  In each node namespace runs that node's own ``bootseer
 layer-server`` (its own ``--root`` and ``--cache-dir`` under ``base``, ``--store`` the
 nginx, ``--metrics-address`` its own address) with the extra arguments the caller gives
-per node (peer flags); the command line is :class:`~blockstore.control.ServerSettings`'s,
+per node (peer flags: :func:`peer_args`); the command line is :class:`~blockstore.control.ServerSettings`'s,
 run through ``nsenter --net`` so its FUSE mounts are the host's to read.
 
 A :class:`PeerNode` mounts layers through the server's control socket, reads files
@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -282,7 +283,7 @@ def _read_exactly(f: Any, size: int) -> bytes:
     return b"".join(parts)
 
 
-class PeerCluster:
+class PeerCluster(netns.Opened):
     """``nodes`` nodes and a store on one LAN; see the module docstring.  A context manager.
 
     ``store_dir``: the converted store nginx serves.  ``node_args``: extra ``bootseer
@@ -313,17 +314,6 @@ class PeerCluster:
 
     def peer_addresses(self) -> list[str]:
         return [node.peer_address for node in self.nodes]
-
-    def __enter__(self) -> "PeerCluster":
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def open(self) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
@@ -386,6 +376,25 @@ class PeerCluster:
             errors.append(str(exc))
         if errors:
             raise PeerNodeError("; ".join(errors))
+
+
+def write_token(path: Path) -> Path:
+    """A fresh random peer-group token in ``path`` (mode 0600), for ``--peer-token-file``."""
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def peer_args(token_file: Path, *more: str, members: int | None = None) -> Callable[[PeerNode, PeerCluster], list[str]]:
+    """``node_args`` that turn peer sharing on: each node listens on its :attr:`PeerNode.peer_address`, the
+    members are the first ``members`` nodes (default: all), the token is ``token_file``; ``more`` are added."""
+
+    def args(node: PeerNode, cluster: PeerCluster) -> list[str]:
+        listed = cluster.peer_addresses()[:members]
+        return ["--peer-listen", node.peer_address, "--peers", ",".join(listed),
+                "--peer-token-file", str(token_file), *more]
+
+    return args
 
 
 def leftovers(cluster: PeerCluster) -> list[str]:

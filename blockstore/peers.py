@@ -445,6 +445,11 @@ class PeerClient:
                     fallback("bad_block")
                 return
             fallback("late")  # REQUEST_LIMIT passed
+        except trio.Cancelled:
+            if told_late:  # the store answered while this peer stayed silent: it is failing
+                self._outcome("late")
+                self._failed(state, f"silent for more than the {self.deadline} s deadline")
+            raise
         finally:
             self._limiter.release()
             if stream is not None:

@@ -712,6 +712,10 @@ class PeerService:
                 PEER_MEMBERS.set(len(self.membership.members()))
                 await trio.sleep(1)
 
+    def received_bytes(self) -> int:
+        """Raw block bytes received from peers so far (verified)."""
+        return self.stats.received_bytes
+
     def register_ops(self, control: ControlOps) -> None:
         control.register("peers.status", lambda request: self.status())
 

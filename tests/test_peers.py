@@ -36,6 +36,7 @@ from bootseer.blockstore.peers import (
     PeerConfig, PeerConfigError, PriorityLimiter, peer_store_id, rendezvous_score,
 )  # fmt: skip
 from bootseer.fetch.sources import redact_url
+from bootseer.profile.events import read_spool
 from tests.support import autojump
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_servers import stop_layer_servers
@@ -265,8 +266,11 @@ def read_whole(lower: Path) -> bytes:
 
 
 @root_only
-def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_other(built: Any, nodes: Nodes) -> None:
+def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_other(
+    built: Any, nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store, layer = built
+    monkeypatch.setenv("BOOTSEER_PROFILE", "1")  # each server's start-up profile spool: ROOT/profile
     ports = [free_port(), free_port()]
     members = tuple(f"127.0.0.1:{port}" for port in ports)
     metrics = [f"127.0.0.1:{free_port()}" for _ in range(2)]
@@ -302,6 +306,15 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
         assert shown.returncode == 0, shown.stderr
         assert f"received from peers: {len(mine[1])} blocks" in shown.stdout and members[1] in shown.stdout
         assert TOKEN not in nodes.log(0) + nodes.log(1) + shown.stdout
+
+        def peer_bytes_sampled() -> float:
+            events, _ = read_spool(nodes.roots[0] / "profile")
+            return max((e.value or 0 for e in events if e.kind == "counter" and e.name == "layers.peer_bytes"),
+                       default=-1)  # fmt: skip
+
+        # The profiler's timeline has the bytes that came from peers beside the store's.
+        wait_until("the profiler samples the peer bytes",
+                   lambda: peer_bytes_sampled() == statuses[0]["received"]["bytes"])  # fmt: skip
 
 
 class FakePeer(ThreadingHTTPServer):

@@ -276,8 +276,9 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
     metrics = [f"127.0.0.1:{free_port()}" for _ in range(2)]
     with RangeHTTPServer(store) as http:
         clients = [
-            nodes.start(http.url, PeerConfig(listen=members[n], members=members, token_file=str(nodes.token)),
-                        metrics_address=metrics[n])  # fmt: skip
+            # A deadline no busy test machine misses: this test counts what crossed the store exactly.
+            nodes.start(http.url, PeerConfig(listen=members[n], members=members, token_file=str(nodes.token),
+                                             deadline=10), metrics_address=metrics[n])  # fmt: skip
             for n in range(2)
         ]
         lowers = [Path(client.mount(layer.chain_id).lower_dir) for client in clients]
@@ -462,7 +463,7 @@ def test_peers_over_https_check_the_certificate(built: Any, nodes: Nodes, tmp_pa
     with RangeHTTPServer(store) as http:
         clients = [
             nodes.start(http.url, PeerConfig(listen=members[n], members=members, token_file=str(nodes.token),
-                                             tls_cert=str(cert), tls_key=str(key), ca=str(cert)))  # fmt: skip
+                                             tls_cert=str(cert), tls_key=str(key), ca=str(cert), deadline=10))  # fmt: skip
             for n in range(2)
         ]
         lowers = [Path(client.mount(layer.chain_id).lower_dir) for client in clients]
@@ -499,7 +500,7 @@ def test_the_members_file_changing_during_reads_moves_blocks_to_the_new_owners(b
     with RangeHTTPServer(store) as http:
         clients = [
             nodes.start(http.url, PeerConfig(listen=members[n], members_file=str(members_file),
-                                             token_file=str(nodes.token)))  # fmt: skip
+                                             token_file=str(nodes.token), deadline=10))  # fmt: skip
             for n in range(3)
         ]
         lowers = [Path(client.mount(layer.chain_id).lower_dir) for client in clients]

@@ -53,6 +53,8 @@ def parse_address(text: str) -> str:
         host, sep, port = text.rpartition(":")
         if not sep or not host:
             raise ValueError(f"peer address {text!r} is not HOST:PORT")
+        if ":" in host:
+            raise ValueError(f"peer address {text!r}: an IPv6 address is written [ADDR]:PORT")
     if not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"peer address {text!r}: port {port!r} is not a number from 1 to 65535")
     try:

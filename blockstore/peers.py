@@ -361,8 +361,8 @@ class PeerClient:
                         seconds=self.config.skip_seconds)  # fmt: skip
         PEER_SKIPPED.set(sum(1 for peer in self._peers.values() if peer.skipped_until > time.monotonic()))
 
-    async def _connect(self, state: PeerState) -> HttpStream:
-        if state.idle:
+    async def _connect(self, state: PeerState, *, fresh: bool = False) -> HttpStream:
+        if state.idle and not fresh:
             return state.idle.pop()
         host, port = split_address(state.address)
         with trio.fail_after(self.deadline):
@@ -406,9 +406,17 @@ class PeerClient:
         try:
             with trio.move_on_after(REQUEST_LIMIT):
                 try:
+                    reused = bool(state.idle)
                     stream = await self._connect(state)
-                    await stream.send(self._request(store, place, priority))
-                    data = await self._answer(stream, place, lambda: fallback("late"))
+                    try:
+                        await stream.send(self._request(store, place, priority))
+                        data = await self._answer(stream, place, lambda: fallback("late"))
+                    except (OSError, WireError, trio.BrokenResourceError) if reused else ():
+                        # A kept-alive connection the peer has closed meanwhile: once more on a new one.
+                        stream.close_now()
+                        stream = await self._connect(state, fresh=True)
+                        await stream.send(self._request(store, place, priority))
+                        data = await self._answer(stream, place, lambda: fallback("late"))
                 except trio.TooSlowError:  # no connection within the deadline
                     self.stats.errors += 1
                     self._outcome("error")
@@ -428,6 +436,13 @@ class PeerClient:
                     reusable = refused.reusable
                     fallback(refused.outcome)
                     return
+                except Exception as exc:  # noqa: BLE001 - what a peer does must never fail a read
+                    self.stats.errors += 1
+                    self._outcome("error")
+                    log.error("asking a peer failed", peer=state.address, exc_info=True)
+                    self._failed(state, f"{type(exc).__name__}: {exc}")
+                    fallback("error")
+                    return
                 if await self._verified(place, data):
                     reusable = True
                     state.ok += 1
@@ -445,6 +460,11 @@ class PeerClient:
                     fallback("bad_block")
                 return
             fallback("late")  # REQUEST_LIMIT passed
+        except trio.Cancelled:
+            if told_late:  # the store answered while this peer stayed silent: it is failing
+                self._outcome("late")
+                self._failed(state, f"silent for more than the {self.deadline} s deadline")
+            raise
         finally:
             self._limiter.release()
             if stream is not None:
@@ -587,6 +607,8 @@ class PeerServer:
                     return
         except (WireError, OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError):
             return  # the peer went away or broke the protocol: nothing more to say to it
+        except Exception:  # a bug here must cost one peer connection, never the layer server
+            log.error("serving a peer failed", exc_info=True)
         finally:
             await stream.aclose()
 
@@ -706,6 +728,10 @@ class PeerService:
             while True:
                 PEER_MEMBERS.set(len(self.membership.members()))
                 await trio.sleep(1)
+
+    def received_bytes(self) -> int:
+        """Raw block bytes received from peers so far (verified)."""
+        return self.stats.received_bytes
 
     def register_ops(self, control: ControlOps) -> None:
         control.register("peers.status", lambda request: self.status())

@@ -683,6 +683,8 @@ class BlockFetcher:
             await self._get(index, mine, Priority.READAHEAD, counters, None)
         except FetchError:
             pass  # only read ahead: a read that wants a block gets it (or its error) itself
+        except Exception:  # in the server's nursery: a bug here must not stop the server
+            log.error("read-ahead through peers failed", layer=index.diff_id, exc_info=True)
 
     async def _fetch_verified(
         self,

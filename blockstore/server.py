@@ -687,6 +687,8 @@ async def run_server(
                 UP.set(1)
                 await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there
                 nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", server.stores.bytes_fetched, phase="image"))  # profiler: bytes over time
+                if server.peers is not None:  # profiler: the bytes that came from peers instead of the store
+                    nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.peer_bytes", server.peers.received_bytes, phase="image"))
                 try:
                     await nursery.start(_serve_control, server, paths.socket)
                     log.info("layer server ready", root=str(config.root), mountpoint=str(paths.mountpoint),

@@ -1,0 +1,515 @@
+"""Peer block sharing with real layer servers on loopback, and a peer that lies, hangs, cuts or refuses.
+
+Each node is a real ``bootseer layer-server`` process (its own root and node cache)
+started as the snapshotter starts it; the store is a converted layer behind a
+counting HTTP server, so that what crosses the store's link is seen request by
+request.  A misbehaving peer is a small HTTP server in the test that answers block
+requests the way the test asks (wrong bytes, half a body, nothing at all, 401).
+The same behaviour across network namespaces, and a peer killed in the middle of a
+prefetch, are in tests/test_peers_netns.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import trio
+
+from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.format import LayerIndex
+from bootseer.blockstore.peer_membership import (
+    DnsMembers, FileMembers, parse_address,
+)  # fmt: skip
+from bootseer.blockstore.peer_wire import BlockPlace, parse_block_target, block_target
+from bootseer.blockstore.peers import (
+    PeerConfig, PeerConfigError, PriorityLimiter, peer_store_id, rendezvous_score,
+)  # fmt: skip
+from bootseer.fetch.sources import redact_url
+from bootseer.profile.events import read_spool
+from tests.support import autojump
+from tests.support.http import RangeHTTPServer, free_port
+from tests.support.layer_servers import stop_layer_servers
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+from tests.support.oci import blob_data
+from tests.support.tls import self_signed
+from tests.support.waiting import wait_until
+
+BLOCK_SIZE = 64 << 10
+BIG = blob_data(48 * BLOCK_SIZE + 777)  # 49 blocks: every member owns some
+TOKEN = "peer-token-0123456789"
+
+root_only = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+
+
+# -- membership, ownership and the wire, without processes -----------------------------------------
+
+
+def test_addresses_are_normalised_and_bad_ones_refused() -> None:
+    assert parse_address(" 10.0.0.1:7000 ") == "10.0.0.1:7000"
+    assert parse_address("[::1]:7000") == "[::1]:7000"
+    assert parse_address("Node-3.example:80") == "node-3.example:80"
+    for bad in ("10.0.0.1", "10.0.0.1:0", "10.0.0.1:99999", ":7000", "::1:7000", "a b:1", "user@h:1", "[::1]7000"):
+        with pytest.raises(ValueError):
+            parse_address(bad)
+
+
+def test_each_block_has_one_owner_spread_over_the_members_and_a_leaver_moves_only_its_own() -> None:
+    members = [f"10.0.0.{n}:7000" for n in range(1, 9)]
+    digests = [hashlib.sha256(str(n).encode()).hexdigest() for n in range(8000)]
+
+    def owners(group: list[str]) -> dict[str, str]:
+        return {d: max(group, key=lambda m: rendezvous_score(m, d)) for d in digests}
+
+    before = owners(members)
+    counts = {m: list(before.values()).count(m) for m in members}
+    assert min(counts.values()) > 800 and max(counts.values()) < 1200, counts  # 1000 each, give or take
+    after = owners([m for m in members if m != members[3]])
+    moved = [d for d in digests if before[d] != after[d]]
+    assert moved and all(before[d] == members[3] for d in moved)  # only the leaver's blocks move
+
+
+def test_a_members_file_is_reread_when_it_changes_and_a_bad_one_keeps_the_last_members(tmp_path: Path) -> None:
+    path = tmp_path / "members"
+    path.write_text("# the job's nodes\n10.0.0.1:7000\n10.0.0.2:7000  # node 2\n\n")
+    members = FileMembers(str(path), poll=0.5)
+    assert members.members() == ("10.0.0.1:7000", "10.0.0.2:7000")
+    seen: list[tuple[str, ...]] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(members.run)
+            path.write_text("10.0.0.1:7000\n10.0.0.3:7000\n")
+            await trio.sleep(1)
+            seen.append(members.members())
+            path.write_text("10.0.0.1:7000\nnot an address\n")
+            await trio.sleep(1)
+            seen.append(members.members())
+            path.unlink()
+            await trio.sleep(1)
+            seen.append(members.members())
+            nursery.cancel_scope.cancel()
+
+    autojump.run(main)
+    assert seen == [("10.0.0.1:7000", "10.0.0.3:7000")] * 3
+    (tmp_path / "bad").write_text("1.2.3.4:5\nnope\n")
+    with pytest.raises(ValueError, match="line 2"):
+        FileMembers(str(tmp_path / "bad"))
+
+
+def test_dns_members_are_every_address_of_the_name() -> None:
+    members = DnsMembers.parse("localhost:7000")
+
+    async def main() -> None:
+        await members.resolve()
+
+    trio.run(main)
+    assert "127.0.0.1:7000" in members.members()
+    gone = DnsMembers.parse("no-such-host.invalid:7000")
+    gone._members = ("10.0.0.1:7000",)
+    trio.run(gone.resolve)
+    assert gone.members() == ("10.0.0.1:7000",)  # a failed lookup keeps the last members
+
+
+def test_a_block_request_names_a_real_block_or_is_refused() -> None:
+    place = BlockPlace("a" * 64, "b" * 64, 4096, 1000, 65536)
+    store, parsed, priority = parse_block_target(block_target("c" * 32, place, "prefetch"))
+    assert (store, parsed, priority) == ("c" * 32, place, "prefetch")
+    good = block_target("c" * 32, place, "demand")
+    for bad in (
+        good.replace("a" * 64, "A" * 64),
+        good.replace("b" * 64, "../etc/passwd"),
+        good.replace("rlen=65536", "rlen=999999999"),
+        good.replace("offset=4096", "offset=-1"),
+        good + "&store=dddd",
+        good.replace("priority=demand", "priority=urgent"),
+        good.replace("c" * 32, "http://x/"),
+    ):
+        with pytest.raises(ValueError):
+            parse_block_target(bad)
+
+
+def test_waiters_are_admitted_by_priority_then_in_order() -> None:
+    limiter = PriorityLimiter(1)
+    order: list[str] = []
+
+    async def main() -> None:
+        await limiter.acquire(0)
+        async with trio.open_nursery() as nursery:
+            for name, priority in (("prefetch-1", 2), ("demand-1", 0), ("prefetch-2", 2), ("demand-2", 0)):
+
+                async def take(name: str = name, priority: int = priority) -> None:
+                    await limiter.acquire(priority)
+                    order.append(name)
+                    await trio.sleep(1)
+                    limiter.release()
+
+                nursery.start_soon(take)
+                await trio.sleep(0.1)
+            limiter.release()
+
+    autojump.run(main)
+    assert order == ["demand-1", "demand-2", "prefetch-1", "prefetch-2"]
+
+
+def test_settings_that_cannot_work_are_refused_naming_the_setting(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    base = dict(listen="10.0.0.1:7000", members=("10.0.0.1:7000",), token_file=str(token))
+    PeerConfig(**base).check()
+    cases = {
+        "token_file": dict(base, token_file=None),
+        "members": dict(base, members_dns="x:1"),
+        "advertise": dict(base, listen="0.0.0.0:7000"),
+        "tls_cert": dict(base, tls_cert=str(token)),
+        "deadline": dict(base, deadline=0),
+        "members_file": dict(base, members=(), members_file=str(tmp_path / "none")),
+    }
+    for key, settings in cases.items():
+        with pytest.raises(PeerConfigError) as caught:
+            PeerConfig(**settings).check()
+        assert caught.value.key == key and "\n" not in str(caught.value)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(PeerConfigError, match="token_file"):
+        PeerConfig(**dict(base, token_file=str(tmp_path / "empty"))).check()
+    # Loopback only: no token needed.
+    PeerConfig(listen="127.0.0.1:7000", members=("127.0.0.1:7000",)).check()
+
+
+def test_the_peer_store_name_carries_no_credential() -> None:
+    with_secret = "http://user:PASSWORD@store.example/layers?token=PASSWORD"
+    assert peer_store_id(redact_url(with_secret)) == peer_store_id(redact_url("http://store.example/layers"))
+
+
+# -- real layer servers ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuiltLayer]:
+    store = tmp_path_factory.mktemp("store")
+    layers = [Layer((File("data/big.bin", BIG), File("data/small.txt", b"hello peers\n")))]
+    (layer,) = build_store(store, layers, block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+    return store, layer
+
+
+class Nodes:
+    """Layer servers of one test, each with its own root; all stopped at teardown."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.roots: list[Path] = []
+        self.token = tmp_path / "token"
+        self.token.write_text(TOKEN + "\n")
+        os.chmod(self.token, 0o600)
+
+    def start(self, store: str, peers: PeerConfig | None, **settings: Any) -> LayerServerClient:
+        root = self.tmp_path / f"node{len(self.roots)}"
+        self.roots.append(root)
+        settings.setdefault("retry_timeout", 10)
+        return ensure_server(root, ServerSettings(store=store, peers=peers, log_level="debug", **settings))
+
+    def log(self, number: int) -> str:
+        return ServerPaths(self.roots[number]).log.read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for root in self.roots:
+            stop_layer_servers(root)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Nodes]:
+    group = Nodes(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def pack_bytes_fetched(http: RangeHTTPServer) -> int:
+    """Bytes of pack objects the store served (by the ranges it was asked for)."""
+    total = 0
+    for _method, target, headers in http.requests:
+        if "/packs/" in target:
+            first, last = headers["Range"].removeprefix("bytes=").split("-")
+            total += int(last) - int(first) + 1
+    return total
+
+
+def owned_by(index: LayerIndex, members: list[str], member: str) -> list[int]:
+    """Numbers of the stored blocks of ``index`` that ``member`` owns among ``members``."""
+    return [
+        number for number, block in enumerate(index.blocks)
+        if not block.is_zero and max(members, key=lambda m: rendezvous_score(m, block.digest)) == member
+    ]  # fmt: skip
+
+
+def scrape(address: str) -> dict[str, float]:
+    """The samples of a /metrics page, by their line's name and labels."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}  # fmt: skip
+
+
+def read_whole(lower: Path) -> bytes:
+    return (lower / "data/big.bin").read_bytes()
+
+
+@root_only
+def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_other(
+    built: Any, nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store, layer = built
+    monkeypatch.setenv("BOOTSEER_PROFILE", "1")  # each server's start-up profile spool: ROOT/profile
+    ports = [free_port(), free_port()]
+    members = tuple(f"127.0.0.1:{port}" for port in ports)
+    metrics = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    with RangeHTTPServer(store) as http:
+        clients = [
+            # A deadline no busy test machine misses: this test counts what crossed the store exactly.
+            nodes.start(http.url, PeerConfig(listen=members[n], members=members, token_file=str(nodes.token),
+                                             deadline=10), metrics_address=metrics[n])  # fmt: skip
+            for n in range(2)
+        ]
+        lowers = [Path(client.mount(layer.chain_id).lower_dir) for client in clients]
+        before = pack_bytes_fetched(http)
+        assert read_whole(lowers[0]) == BIG
+        first = pack_bytes_fetched(http) - before
+        assert read_whole(lowers[1]) == BIG
+        second = pack_bytes_fetched(http) - before - first
+        stored = sum(block.clen for block in layer.index.blocks)
+        # Node 0's read fetched every block once (its own from the store, node 1's through
+        # node 1, which fetched them from the store); node 1's read fetched nothing more.
+        assert first >= stored and second == 0, (first, second, stored)
+        statuses = [client.call({"op": "peers.status"}) for client in clients]
+        mine = [owned_by(layer.index, list(members), member) for member in members]
+        assert mine[0] and mine[1]
+        assert statuses[0]["received"]["blocks"] == len(mine[1]) == statuses[1]["served"]["blocks"]
+        assert statuses[1]["received"]["blocks"] == len(mine[0]) == statuses[0]["served"]["blocks"]
+        assert statuses[0]["fallbacks"] == statuses[0]["bad_blocks"] == statuses[0]["errors"] == 0
+        # The metrics say the same, and bootseer peers status prints it.
+        samples = scrape(metrics[0])
+        assert samples['bootseer_peer_bytes_total{direction="received"}'] == statuses[0]["received"]["bytes"]
+        assert samples['bootseer_peer_bytes_total{direction="served"}'] == statuses[0]["served"]["bytes"]
+        assert samples['bootseer_peer_requests_total{outcome="ok"}'] == len(mine[1])
+        shown = subprocess.run([sys.executable, "-m", "bootseer.cli", "peers", "status", "--root", str(nodes.roots[0])],
+                               capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert shown.returncode == 0, shown.stderr
+        assert f"received from peers: {len(mine[1])} blocks" in shown.stdout and members[1] in shown.stdout
+        assert TOKEN not in nodes.log(0) + nodes.log(1) + shown.stdout
+
+        def peer_bytes_sampled() -> float:
+            events, _ = read_spool(nodes.roots[0] / "profile")
+            return max((e.value or 0 for e in events if e.kind == "counter" and e.name == "layers.peer_bytes"),
+                       default=-1)  # fmt: skip
+
+        # The profiler's timeline has the bytes that came from peers beside the store's.
+        wait_until("the profiler samples the peer bytes",
+                   lambda: peer_bytes_sampled() == statuses[0]["received"]["bytes"])  # fmt: skip
+
+
+class FakePeer(ThreadingHTTPServer):
+    """A peer that answers block requests as ``behaviour`` says: "corrupt", "cut", "silent" or "refuse"."""
+
+    daemon_threads = True
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.requests: list[tuple[str, str]] = []  # (path, Authorization)
+        self.release = threading.Event()
+        super().__init__(("127.0.0.1", 0), _FakePeerHandler)
+        self.address = f"127.0.0.1:{self.server_address[1]}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.shutdown()
+        self.server_close()
+
+
+class _FakePeerHandler(BaseHTTPRequestHandler):
+    server: FakePeer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.requests.append((self.path, self.headers.get("Authorization", "")))
+        _store, place, _priority = parse_block_target(self.path)
+        behaviour = self.server.behaviour
+        if behaviour == "silent":
+            self.server.release.wait(60)
+            return
+        if behaviour == "refuse":
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        body = os.urandom(place.rlen)  # the right length, the wrong bytes
+        self.send_response(200)
+        self.send_header("Content-Length", str(place.rlen))
+        self.end_headers()
+        if behaviour == "cut":
+            self.wfile.write(body[: place.rlen // 2])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def fake_peer() -> Iterator[Callable[[str], FakePeer]]:
+    made: list[FakePeer] = []
+
+    def make(behaviour: str) -> FakePeer:
+        made.append(FakePeer(behaviour))
+        return made[-1]
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+@root_only
+@pytest.mark.parametrize(
+    "behaviour, reason",
+    [("corrupt", "bad_blocks"), ("cut", "errors"), ("silent", "late"), ("refuse", "fallbacks")],
+)
+def test_a_peer_that_lies_cuts_hangs_or_refuses_costs_a_store_fetch_never_a_wrong_byte(
+    built: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str, reason: str
+) -> None:
+    store, layer = built
+    peer = fake_peer(behaviour)
+    me = f"127.0.0.1:{free_port()}"
+    members = (me, peer.address)
+    theirs = owned_by(layer.index, list(members), peer.address)
+    assert theirs, "the fake peer owns no block: the test would test nothing"
+    with RangeHTTPServer(store) as http:
+        client = nodes.start(http.url, PeerConfig(listen=me, members=members, token_file=str(nodes.token),
+                                                  deadline=0.5, skip_seconds=300))  # fmt: skip
+        lower = Path(client.mount(layer.chain_id).lower_dir)
+        assert read_whole(lower) == BIG  # every byte right, whatever the peer did
+        status = client.call({"op": "peers.status"})
+    assert peer.requests, "the peer was never asked"
+    assert all(auth == f"Bearer {TOKEN}" for _path, auth in peer.requests)
+    assert status[reason] >= 1 and status["fallbacks"] >= 1, status
+    assert status["received"]["blocks"] == 0
+    # A failing peer is skipped: after its first failure its blocks go to the store directly.
+    skipped = next(m for m in status["members"] if m["address"] == peer.address)
+    assert skipped["state"] == "skipped", skipped
+    assert len(peer.requests) < len(theirs) or len(theirs) == 1
+
+
+@root_only
+def test_a_wrong_token_is_refused_and_the_asker_uses_the_store(built: Any, nodes: Nodes, tmp_path: Path) -> None:
+    store, layer = built
+    other = tmp_path / "other-token"
+    other.write_text("a-different-token\n")
+    ports = [free_port(), free_port()]
+    members = tuple(f"127.0.0.1:{port}" for port in ports)
+    with RangeHTTPServer(store) as http:
+        asker = nodes.start(http.url, PeerConfig(listen=members[0], members=members, token_file=str(other),
+                                                 skip_seconds=300))  # fmt: skip
+        owner = nodes.start(http.url, PeerConfig(listen=members[1], members=members, token_file=str(nodes.token)))
+        lower = Path(asker.mount(layer.chain_id).lower_dir)
+        owner.mount(layer.chain_id)
+        assert read_whole(lower) == BIG
+        asked, answered = asker.call({"op": "peers.status"}), owner.call({"op": "peers.status"})
+    assert answered["served"]["blocks"] == 0 and asked["received"]["blocks"] == 0
+    assert asked["fallbacks"] >= 1
+    member = next(m for m in asked["members"] if m["address"] == members[1])
+    assert member["state"] == "skipped" and "token" in member["last_error"]
+    assert "a-different-token" not in nodes.log(0) + nodes.log(1) and TOKEN not in nodes.log(0) + nodes.log(1)
+
+
+@root_only
+def test_an_owner_that_hangs_is_skipped_after_the_deadline(built: Any, nodes: Nodes) -> None:
+    store, layer = built
+    ports = [free_port(), free_port()]
+    members = tuple(f"127.0.0.1:{port}" for port in ports)
+    with RangeHTTPServer(store) as http:
+        asker = nodes.start(http.url, PeerConfig(listen=members[0], members=members, token_file=str(nodes.token),
+                                                 skip_seconds=300))  # fmt: skip
+        owner = nodes.start(http.url, PeerConfig(listen=members[1], members=members, token_file=str(nodes.token)))
+        lower = Path(asker.mount(layer.chain_id).lower_dir)
+        owner_pid = int(owner.status()["pid"])
+        os.kill(owner_pid, signal.SIGSTOP)  # accepts connections (the kernel does), answers nothing
+        try:
+            assert read_whole(lower) == BIG
+            status = asker.call({"op": "peers.status"})
+        finally:
+            os.kill(owner_pid, signal.SIGCONT)
+    assert status["received"]["blocks"] == 0 and status["late"] >= 1 and status["fallbacks"] >= 1
+    assert next(m for m in status["members"] if m["address"] == members[1])["state"] == "skipped"
+
+
+@root_only
+def test_peers_over_https_check_the_certificate(built: Any, nodes: Nodes, tmp_path: Path) -> None:
+    store, layer = built
+    cert, key = self_signed(tmp_path)
+    ports = [free_port(), free_port()]
+    members = tuple(f"127.0.0.1:{port}" for port in ports)
+    with RangeHTTPServer(store) as http:
+        clients = [
+            nodes.start(http.url, PeerConfig(listen=members[n], members=members, token_file=str(nodes.token),
+                                             tls_cert=str(cert), tls_key=str(key), ca=str(cert), deadline=10))  # fmt: skip
+            for n in range(2)
+        ]
+        lowers = [Path(client.mount(layer.chain_id).lower_dir) for client in clients]
+        assert read_whole(lowers[0]) == BIG
+        status = clients[0].call({"op": "peers.status"})
+        assert status["tls"] and status["received"]["blocks"] >= 1 and status["errors"] == 0
+        # A plain-HTTP request to a TLS peer is no answer at all.
+        with socket.create_connection(("127.0.0.1", ports[1]), timeout=5) as sock:
+            sock.sendall(b"GET /v1/ping HTTP/1.1\r\n\r\n")
+            assert not sock.recv(100).startswith(b"HTTP/1.1 200")
+
+
+@root_only
+def test_a_non_loopback_listener_without_a_token_is_refused_at_start(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "bootseer.cli", "layer-server", "--root", str(tmp_path / "root"),
+         "--peer-listen", "0.0.0.0:7000", "--peer-advertise", "10.1.2.3:7000", "--peers", "10.1.2.3:7000"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "bootseer layer-server: error: peers: token_file: is needed when listen is not a loopback address"
+    ]
+
+
+@root_only
+def test_the_members_file_changing_during_reads_moves_blocks_to_the_new_owners(built: Any, nodes: Nodes,
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    store, layer = built
+    ports = [free_port(), free_port(), free_port()]
+    members = [f"127.0.0.1:{port}" for port in ports]
+    members_file = tmp_path / "members"
+    members_file.write_text("\n".join(members[:2]) + "\n")
+    with RangeHTTPServer(store) as http:
+        clients = [
+            nodes.start(http.url, PeerConfig(listen=members[n], members_file=str(members_file),
+                                             token_file=str(nodes.token), deadline=10))  # fmt: skip
+            for n in range(3)
+        ]
+        lowers = [Path(client.mount(layer.chain_id).lower_dir) for client in clients]
+        with open(lowers[0] / "data/big.bin", "rb") as file:
+            head = file.read(len(BIG) // 2)
+            members_file.write_text("\n".join(members) + "\n")  # node 2 joins half-way
+            wait_until("the new member is seen", lambda: len(clients[0].call({"op": "peers.status"})["members"]) == 3)
+            rest = file.read()
+        assert head + rest == BIG
+        assert read_whole(lowers[2]) == BIG
+        joined = clients[2].call({"op": "peers.status"})
+        assert joined["received"]["blocks"] >= 1  # the newcomer got blocks from the others

@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import datetime
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -227,6 +228,19 @@ class Start:
     def times(self, pick: str = "done_s") -> list[float]:
         return [getattr(run, pick) for run in self.alive() if getattr(run, pick) is not None]
 
+    def complete(self) -> bool:
+        """Every node that was not killed got its hot set and replayed the start."""
+        return bool(self.alive()) and all(run.done_s is not None for run in self.alive())
+
+    def slowest(self, pick: str = "done_s") -> float | None:
+        """The slowest node's time, if the start is :meth:`complete`."""
+        return max(self.times(pick)) if self.complete() else None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Start":
+        nodes = [NodeRun(**run) for run in data.pop("nodes")]
+        return cls(nodes=nodes, **data)
+
 
 #: Node metrics worth a figure: the Prometheus sample, its labels, the figure's name.
 NODE_METRICS = (
@@ -268,6 +282,17 @@ def node_figures(node: PeerNode) -> dict[str, float]:
     return figures
 
 
+def peer_figures(node: PeerNode) -> dict[str, float]:
+    """What ``peers.status`` counts that the metrics do not: blocks gone late, and errors."""
+    try:
+        status = node.peers_status()
+    except Exception as e:  # noqa: BLE001 - a missing figure must not lose the timing
+        log(f"  {node.name}: peers.status: {e}")
+        return {}
+    return {"peer_late": float(status.get("late", 0)), "peer_errors": float(status.get("errors", 0)),
+            "peer_bad_blocks": float(status.get("bad_blocks", 0))}
+
+
 def prefetch_state(node: PeerNode) -> dict[str, Any] | None:
     """The node's running (or last finished) prefetch, from ``hotlist.status``."""
     status = node.client.call({"op": "hotlist.status"}, timeout=5)
@@ -278,12 +303,15 @@ def prefetch_state(node: PeerNode) -> dict[str, Any] | None:
     return done[-1] if done else None
 
 
-def replay(node: PeerNode, mounted: list[Any], image: Image) -> int:
-    """Read every hot block in the recorded order through the node's mounts; check each against its digest."""
+def replay(node: PeerNode, mounted: list[Any], image: Image, deadline: float) -> int:
+    """Read every hot block in the recorded order through the node's mounts; check each against its digest.
+    BenchError once ``deadline`` (``time.monotonic()``) passes."""
     verified = 0
     handles: dict[tuple[int, str], int] = {}
     try:
-        for block in image.replay:
+        for number, block in enumerate(image.replay):
+            if time.monotonic() > deadline:
+                raise BenchError(f"{node.name}: the replay read {number} of {len(image.replay)} blocks in time")
             key = (block.layer, block.path)
             if key not in handles:
                 handles[key] = os.open(os.path.join(mounted[block.layer].lower_dir, block.path), os.O_RDONLY)
@@ -313,9 +341,10 @@ def start_node(node: PeerNode, image: Image, run: NodeRun, clock: list[float], g
                 run.prefetch = state
                 break
             if time.monotonic() > deadline:
-                raise BenchError(f"{node.name}: no finished prefetch within {timeout:.0f} s (last: {state})")
+                got = "none" if state is None else f"{state.get('fetched_blocks')} of {state.get('planned_blocks')} blocks"
+                raise BenchError(f"{node.name}: no finished prefetch within {timeout:.0f} s (fetched {got})")
             time.sleep(0.02)
-        run.verified_bytes = replay(node, mounted, image)
+        run.verified_bytes = replay(node, mounted, image, deadline)
         run.done_s = time.perf_counter() - begin
     except Exception as e:  # noqa: BLE001 - one node's failure is reported, the others' starts go on
         run.error = f"{type(e).__name__}: {e}"
@@ -392,6 +421,8 @@ def run_start(cluster: PeerCluster, scenario: str, count: int, peer_args: dict[i
         if not run.killed:
             run.cpu_s = cpu_seconds(node.pid) - before
             run.figures = node_figures(node)
+            if peer_args:
+                run.figures.update(peer_figures(node))
     for node in nodes:
         node.stop()
         keep_log(node, logs, label)
@@ -448,18 +479,18 @@ def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, 
         return statistics.median(values) if values else None
 
     cores = os.cpu_count() or 1
-    alone = [s for s in results.get("alone", []) if s.times()]
+    alone = [s for s in results.get("alone", []) if s.complete()]
     model: dict[str, Any] = {"store_rate": store_rate, "node_rate": node_rate, "cores": cores, "rows": []}
     if not alone:
         return model
     e1 = med([s.store_egress for s in alone])
-    t1 = med([max(s.times()) for s in alone])
+    t1 = med([s.slowest() for s in alone])
     cpu1 = med([s.nodes[0].cpu_s for s in alone])
     machine1 = med([s.machine_cpu_s for s in alone])
     model.update(e1=e1, t1=t1, cpu1=cpu1, machine1=machine1)
     model["t_fixed"] = max(0.0, t1 - max(e1 / store_rate, cpu1, machine1 / cores))
     for scenario in ("no-peers", "peers"):
-        starts = [s for s in results.get(scenario, []) if s.times()]
+        starts = [s for s in results.get(scenario, []) if s.complete()]
         if not starts:
             continue
         n = len(starts[0].nodes)
@@ -470,9 +501,13 @@ def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, 
         terms = {"store link": egress / store_rate, "node link": ingress / node_rate,
                  "CPU": max(cpu, machine / cores)}
         model[scenario] = {"n": n, "egress": egress, "egress_over_e1": egress / e1, "cpu": cpu, "machine": machine,
-                           "slowest": med([max(s.times()) for s in starts]),
+                           "slowest": med([s.slowest() for s in starts]),
                            "predicted_here": model["t_fixed"] + max(terms.values()),
                            "limit_here": max(terms, key=lambda k: terms[k])}
+    if "peers" not in model:
+        # No complete start with peers to fit: the design's figures (egress E1, the alone node's CPU), marked so.
+        model["peers_design"] = True
+        model["peers"] = {"n": MODEL_NODES, "egress": e1, "cpu": cpu1, "fitted": False}
     for scenario in ("no-peers", "peers"):
         fitted = model.get(scenario)
         if not fitted:
@@ -494,66 +529,71 @@ def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, 
 
 
 def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any], model: dict[str, Any]) -> str:
-    args = context["args"]
-    lines = [f"# Peer-assisted block sharing: a job start on {args.nodes} nodes (issue 16)", "",
-             f"Measured {context['when']} on {lazy_bench._machine()}; load average {context['load']:.2f} before; "
-             f"code {lazy_bench._code_version()}; `{' '.join(context['argv'])}`, {context['minutes']:.1f} min.", "",
+    settings = context["settings"]
+    lines = [f"# Peer-assisted block sharing: a job start on {settings['nodes']} nodes (issue 16)", "",
+             f"Measured {context['when']} on {context['machine']}; load average {context['load']:.2f} before; "
+             f"code {context['code']}; `{' '.join(context['argv'])}`, {context['minutes']:.1f} min.", "",
              f"Image: the lazy-layers benchmark's ({len(image.chains)} layers, torch CPU); its hot list (recorded once "
              f"by a layer server alone, the job in a chroot): {image.hot['blocks']} blocks, "
              f"{image.hot_clen / MB:.1f} MB compressed (what the store sends), {image.hot_rlen / MB:.1f} MB raw "
              f"(what the replay reads and a peer sends).",
              "",
-             f"Nodes: network namespaces on one bridge, each behind its own tbf link of `{args.rate}`; the store "
-             f"(nginx serving the converted store) in a namespace of its own behind one `{args.store_rate}` link "
-             f"(one GET across it: {context.get('store_rate_mb', 0):.0f} MB/s). A node's start: mount the 4 layers "
-             f"(the top's mount starts the hot-list prefetch), wait until every hot block is in the node cache "
+             f"Nodes: network namespaces on one bridge, each behind its own tbf link of `{settings['rate']}`; the store "
+             f"(nginx serving the converted store) in a namespace of its own behind one `{settings['store_rate']}` "
+             f"link (one GET across it: {context.get('store_rate_mb', 0):.0f} MB/s). A node's start: mount the 4 "
+             f"layers (the top's mount starts the hot-list prefetch), wait until every hot block is in the node cache "
              f"(*hot set*), then replay the recorded read order through the mount, every block's bytes checked "
-             f"against its SHA-256. All nodes start at once, on fresh roots and empty caches, page cache dropped. "
-             f"Store egress: bytes the store's link sent (veth counters; nginx's logged bodies beside). "
-             f"Medians of {args.reps} rep(s).", ""]
+             f"against its SHA-256; a node gets `--timeout` {settings['timeout']:.0f} s. All nodes start at once, on "
+             f"fresh roots and empty caches, page cache dropped. Store egress: bytes the store's link sent (veth "
+             f"counters; nginx's logged bodies beside). Medians of {settings['reps']} rep(s).", ""]
     for note in context["notes"]:
         lines += [f"*{note}*", ""]
-    lines += ["| scenario | nodes | store egress MB | x one node alone | hot set on every node s | slowest s | "
-              "min / median / max s | CPU s per node | peer MB received per node | fallbacks | errors |",
+    lines += ["| scenario | nodes | finished | store egress MB | x one node alone | hot set on every node s | "
+              "slowest s | min / median / max s | CPU s per node | peer MB received per node | fallbacks |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     e1 = model.get("e1")
-    for scenario, text in SCENARIOS.items():
+    for scenario in SCENARIOS:
         starts = results.get(scenario)
         if not starts:
-            lines.append(f"| {scenario} | — | not run{': ' + context['not_run'][scenario] if scenario in context['not_run'] else ''} "
-                         "| | | | | | | | |")
+            why = context["not_run"].get(scenario, "")
+            lines.append(f"| {scenario} | — | not run{': ' + why if why else ''} | | | | | | | | |")
             continue
         egress = statistics.median(s.store_egress for s in starts)
-        hot = [max(s.times("hot_s")) for s in starts if s.times("hot_s")]
-        slowest = [max(s.times()) for s in starts if s.times()]
+        hot = [s.slowest("hot_s") for s in starts if s.complete()]
+        slowest = [s.slowest() for s in starts if s.complete()]
         spread = [t for s in starts for t in s.times()]
         cpu = [r.cpu_s for s in starts for r in s.alive()]
         received = [r.figures.get("peer_received_bytes", 0) for s in starts for r in s.alive()]
         fallbacks = sum(r.figures.get("peer_fallbacks", 0) for s in starts for r in s.alive())
-        errors = sum(1 for s in starts for r in s.nodes if r.error and not r.killed)
+        finished = sum(len(s.times()) for s in starts)
+        alive = sum(len(s.alive()) for s in starts)
         spread_text = (f"{min(spread):.2f} / {statistics.median(spread):.2f} / {max(spread):.2f}" if spread else "—")
-        lines.append(f"| {scenario} | {len(starts[0].nodes)} | {egress / MB:.1f} | {_f(egress / e1 if e1 else None)} | "
-                     f"{_f(statistics.median(hot) if hot else None)} | "
+        lines.append(f"| {scenario} | {len(starts[0].nodes)} | {finished}/{alive} | {egress / MB:.1f} | "
+                     f"{_f(egress / e1 if e1 else None)} | {_f(statistics.median(hot) if hot else None)} | "
                      f"{_f(statistics.median(slowest) if slowest else None)} | {spread_text} | "
                      f"{_f(statistics.median(cpu) if cpu else None, '.1f')} | "
-                     f"{_f(statistics.median(received) / MB if received else None, '.1f')} | {fallbacks:.0f} | "
-                     f"{errors} |")
-    lines += ["", "Scenarios: " + "; ".join(f"`{k}`: {v}" for k, v in SCENARIOS.items()) + ".", ""]
+                     f"{_f(statistics.median(received) / MB if received else None, '.1f')} | {fallbacks:.0f} |")
+    lines += ["", "Scenarios: " + "; ".join(f"`{k}`: {v}" for k, v in SCENARIOS.items()) + ". *finished*: nodes "
+              "(not killed) that had their hot set and replayed the start within the timeout; a start where one "
+              "did not has no slowest node.", ""]
     lines += ["## Targets", ""] + checks(results, model, context) + [""]
     lines += model_section(model, image, context)
     lines += ["", "## Every start", ""]
     for scenario in SCENARIOS:
         for number, start in enumerate(results.get(scenario, [])):
             lines.append(f"* `{scenario}` rep {number}: store egress {start.store_egress / MB:.1f} MB "
-                         f"(nginx bodies {start.store_bodies / MB:.1f} MB)"
+                         f"(nginx bodies {start.store_bodies / MB:.1f} MB), machine CPU {start.machine_cpu_s:.1f} s"
                          + (f", node {start.nodes[-1].node} killed at {start.killed_at_s:.2f} s"
                             if start.killed_at_s is not None else ""))
             for run in start.nodes:
                 state = "killed" if run.killed else (f"FAILED: {run.error}" if run.error else "ok")
                 figures = ", ".join(f"{k} {v / MB:.1f} MB" if k.endswith("bytes") else f"{k} {v:.0f}"
                                     for k, v in run.figures.items() if v)
+                prefetch = run.prefetch or {}
                 lines.append(f"  * node {run.node}: hot set {_f(run.hot_s)} s, done {_f(run.done_s)} s, "
                              f"{run.verified_bytes / MB:.1f} MB verified, CPU {run.cpu_s:.1f} s"
+                             + (f", prefetch failed blocks {prefetch['failed_blocks']}"
+                                if prefetch.get("failed_blocks") else "")
                              + (f", {figures}" if figures else "") + f"; {state}")
     return "\n".join(lines) + "\n"
 
@@ -561,34 +601,47 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
 def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict[str, Any]) -> list[str]:
     e1, t1 = model.get("e1"), model.get("t1")
     out = []
+    timeout = context["settings"]["timeout"]
 
     def line(ok: bool | None, text: str) -> None:
         out.append(f"* {'PASS' if ok else 'FAIL' if ok is False else 'NOT MEASURED'}: {text}")
 
+    def unfinished(starts: list[Start]) -> str:
+        left = sum(len(s.alive()) - len(s.times()) for s in starts)
+        return f"{left} of {sum(len(s.alive()) for s in starts)} nodes had no hot set or replay within {timeout:.0f} s"
+
     peers = results.get("peers")
-    if peers and e1 and t1:
+    complete = [s for s in peers or [] if s.complete()]
+    if not peers or not e1 or not t1:
+        why = context["not_run"].get("peers", "no peers run, or no baseline")
+        line(None, f"store egress with peers <= {TARGET_EGRESS_RATIO}x one node's alone: {why}")
+        line(None, f"slowest node with peers <= {TARGET_SLOWEST_RATIO}x one node alone: {why}")
+    elif not complete:
         egress = statistics.median(s.store_egress for s in peers)
+        line(False, f"store egress with peers: {egress / MB:.1f} MB = {egress / e1:.2f}x one node's alone, but the "
+                    f"start did not complete ({unfinished(peers)}), so the bytes it did not fetch are not in it")
+        line(False, f"slowest node with peers <= {TARGET_SLOWEST_RATIO}x one node alone ({t1:.2f} s): "
+                    f"{unfinished(peers)}")
+    else:
+        egress = statistics.median(s.store_egress for s in complete)
         line(egress <= TARGET_EGRESS_RATIO * e1,
              f"store egress with peers {egress / MB:.1f} MB = {egress / e1:.2f}x one node's alone "
              f"(target <= {TARGET_EGRESS_RATIO}x)")
-        slowest = statistics.median(max(s.times()) for s in peers if s.times())
-        line(slowest <= TARGET_SLOWEST_RATIO * t1,
+        slowest = statistics.median(s.slowest() for s in complete)
+        line(slowest <= TARGET_SLOWEST_RATIO * t1 and len(complete) == len(peers),
              f"slowest node with peers {slowest:.2f} s = {slowest / t1:.2f}x one node alone ({t1:.2f} s) "
-             f"(target <= {TARGET_SLOWEST_RATIO}x)")
-    else:
-        line(None, f"store egress with peers <= {TARGET_EGRESS_RATIO}x one node's alone: "
-                   f"{context['not_run'].get('peers', 'no peers run')}")
-        line(None, f"slowest node with peers <= {TARGET_SLOWEST_RATIO}x one node alone: "
-                   f"{context['not_run'].get('peers', 'no peers run')}")
-    no_peers = results.get("no-peers")
+             f"(target <= {TARGET_SLOWEST_RATIO}x)"
+             + (f"; {len(peers) - len(complete)} rep(s) did not complete" if len(complete) < len(peers) else ""))
+    no_peers = [s for s in results.get("no-peers", []) if s.complete()]
     if no_peers and e1:
         egress = statistics.median(s.store_egress for s in no_peers)
         n = len(no_peers[0].nodes)
         out.append(f"* for comparison, without peers: store egress {egress / MB:.1f} MB = {egress / e1:.2f}x "
                    f"one node's alone (about {n}x expected); slowest "
-                   f"{statistics.median(max(s.times()) for s in no_peers if s.times()):.2f} s")
+                   f"{statistics.median(s.slowest() for s in no_peers):.2f} s = "
+                   f"{statistics.median(s.slowest() for s in no_peers) / t1:.2f}x one node alone")
     kill = results.get("peers-kill")
-    deadline = context["args"].peer_deadline
+    deadline = context["settings"]["peer_deadline"]
     if kill and peers:
         delays = []
         for k, p in zip(kill, peers):
@@ -597,9 +650,16 @@ def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict
                 if base is not None and base.done_s is not None and run.done_s is not None:
                     delays.append(run.done_s - base.done_s)
         worst = max(delays, default=None)
-        line(None if worst is None else worst <= deadline,
-             f"a peer killed mid-run delays no node by more than the fallback deadline: worst delay against the "
-             f"same node in the `peers` run {_f(worst)} s (deadline {deadline} s; run-to-run noise is in it too)")
+        if not all(s.complete() for s in kill + peers):
+            line(False, f"a peer killed mid-run delays no node by more than the fallback deadline ({deadline} s): "
+                        f"not measurable, the starts did not complete (peers-kill: {unfinished(kill)}; peers: "
+                        f"{unfinished(peers)})"
+                        + ("" if kill[0].killed_at_s is not None else "; the victim never reached --kill-at"))
+        else:
+            line(worst is not None and worst <= deadline,
+                 f"a peer killed mid-run delays no node by more than the fallback deadline: worst delay against "
+                 f"the same node in the `peers` run {_f(worst)} s (deadline {deadline} s; run-to-run noise is in "
+                 f"it too)")
     else:
         line(None, f"a killed peer delays no node by more than the fallback deadline ({deadline} s): "
                    f"{context['not_run'].get('peers-kill', 'not run')}")
@@ -629,17 +689,22 @@ def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) 
         "Against the measured points on this machine:", ""]
     for scenario in ("no-peers", "peers"):
         fitted = model.get(scenario)
-        if fitted:
+        if fitted and fitted.get("fitted", True):
             lines.append(f"* `{scenario}`, {fitted['n']} nodes: measured slowest {_f(fitted['slowest'])} s, "
                          f"model {_f(fitted['predicted_here'])} s (bound by {fitted['limit_here']}); egress "
                          f"{fitted['egress'] / MB:.1f} MB ({fitted['egress_over_e1']:.2f}x E1); CPU per node "
                          f"{fitted['cpu']:.1f} s, machine {fitted['machine']:.1f} s")
+    if model.get("peers_design"):
+        lines += ["* `peers`: no start with peers completed, so nothing with peers is fitted: the rows *with* "
+                  "below are the design's figures (store egress E1 whatever N, each node receiving (N−1)/N of the "
+                  "raw hot set, the alone node's CPU), not a measurement."]
     lines += ["", "Extrapolated, every node with its own cores (as on a real cluster):", "",
               "| peers | nodes | store egress | start (slowest node) s | limited by |", "|---|---|---|---|---|"]
     for row in model["rows"]:
         egress = row["egress"]
         shown = f"{egress / 1e9:.1f} GB" if egress >= 1e9 else f"{egress / MB:.0f} MB"
-        lines.append(f"| {'with' if row['scenario'] == 'peers' else 'without'} | {row['n']} | {shown} | "
+        label = "without" if row["scenario"] == "no-peers" else ("with (design)" if model.get("peers_design") else "with")
+        lines.append(f"| {label} | {row['n']} | {shown} | "
                      f"{row['seconds']:.1f} | {row['limit']} |")
     lines += ["", "What limits it:", "",
               "* **Without peers, the store's link**: 1,000 nodes each pull the hot set across one store link, "
@@ -684,9 +749,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"which to run ({','.join(SCENARIOS)})")
     parser.add_argument("--cache-dir", type=Path, default=image_build.DEFAULT_CACHE_DIR,
                         help=f"image, store and hot list cache, shared with lazy_bench.py ({image_build.DEFAULT_CACHE_DIR})")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds one node's start may take (300)")
+    parser.add_argument("--timeout", type=float, default=120, help="seconds one node's start may take (120)")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "results" / "peers.md")
+    parser.add_argument("--report-from", type=Path, metavar="RESULTS_JSON",
+                        help="write the report again from a run's results.json (nothing is measured)")
     args = parser.parse_args(argv)
+    if args.report_from is not None:
+        return write_report(*load_run(args.report_from), args.output)
     if os.geteuid() != 0:
         print("error: the benchmark needs root (network namespaces, tc, FUSE, drop_caches)", file=sys.stderr)
         return 2
@@ -716,9 +785,13 @@ def main(argv: list[str] | None = None) -> int:
     hot = record_hot_list(image_built, store, work, args.timeout)
     image = load_image(image_built, store, hot)
     log(f"hot list: {hot['blocks']} blocks, {image.hot_clen / MB:.1f} MB compressed, {image.hot_rlen / MB:.1f} MB raw")
-    context: dict[str, Any] = {"args": args, "notes": [], "not_run": {}, "load": load,
+    settings = {key: getattr(args, key) for key in ("nodes", "reps", "rate", "store_rate", "peer_deadline",
+                                                    "kill_at", "timeout")}
+    context: dict[str, Any] = {"settings": settings, "notes": [], "not_run": {}, "load": load,
                                "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                               "argv": ["bench/peers_bench.py", *(argv if argv is not None else sys.argv[1:])]}
+                               "argv": ["bench/peers_bench.py", *(argv if argv is not None else sys.argv[1:])],
+                               "machine": lazy_bench._machine(), "code": lazy_bench._code_version(),
+                               "rates": rates}
     with_peers = peers_supported()
     if not with_peers:
         for scenario in ("peers", "peers-kill"):
@@ -754,13 +827,33 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(OSError):
                 keep_log(node, work / "logs", "last")
     context["minutes"] = (time.monotonic() - started) / 60
-    store_rate = context["store_rate_mb"] * MB
-    model = fit_model(results, image, store_rate=min(store_rate, rates[1]), node_rate=rates[0])
-    text = report(results, image, context, model)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    log(f"wrote {args.output} ({context['minutes']:.1f} min); logs in {work / 'logs'}")
+    save_run(work / "results.json", results, image, context)
+    log(f"results in {work / 'results.json'}, logs in {work / 'logs'}")
+    return write_report(results, image, context, args.output)
+
+
+def write_report(results: dict[str, list[Start]], image: Image, context: dict[str, Any], output: Path) -> int:
+    """Fit the model and write the report to ``output``."""
+    node_rate, store_rate = context["rates"]
+    model = fit_model(results, image, store_rate=min(context["store_rate_mb"] * MB, store_rate), node_rate=node_rate)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(report(results, image, context, model))
+    log(f"wrote {output}")
     return 0
+
+
+def save_run(path: Path, results: dict[str, list[Start]], image: Image, context: dict[str, Any]) -> None:
+    """A run's measurements as JSON (``--report-from`` writes the report again from them)."""
+    data = {"context": context, "results": {k: [dataclasses.asdict(s) for s in v] for k, v in results.items()},
+            "image": {"chains": image.chains, "hot": image.hot, "hot_clen": image.hot_clen,
+                      "hot_rlen": image.hot_rlen}}
+    path.write_text(json.dumps(data, indent=1, default=str))
+
+
+def load_run(path: Path) -> tuple[dict[str, list[Start]], Image, dict[str, Any]]:
+    data = json.loads(path.read_text())
+    results = {k: [Start.from_json(s) for s in v] for k, v in data["results"].items()}
+    return results, Image(replay=[], **data["image"]), data["context"]
 
 
 def rate_bytes(rate: str) -> float:

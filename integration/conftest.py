@@ -78,3 +78,34 @@ def stacks(runnable):
             print(stack.logs())
         for stack in made:
             assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
+
+
+#: What a CRI stack needs besides the tools above: the CNI plugins (Debian's containernetworking-plugins) and ip.
+CRI_TOOLS = ("ip",)
+
+
+@pytest.fixture
+def cri_stacks(runnable):
+    """A factory of started CRI stacks (:class:`harness.CriStack`: containerd's CRI plugin on, the daemon its
+    snapshotter, a local store), each one Kubernetes node; all torn down after the test."""
+    missing = [t for t in CRI_TOOLS if shutil.which(t) is None]
+    missing += [f"{harness.CNI_BIN_DIR}/{p}" for p in ("bridge", "loopback", "host-local")
+                if not (harness.CNI_BIN_DIR / p).exists()]
+    if missing:
+        pytest.skip(f"missing {missing}: run ctr_examples/install-deps.sh")
+    made: list[harness.CriStack] = []
+
+    def make(**options) -> harness.CriStack:
+        stack = harness.CriStack(store=True, **options)
+        made.append(stack)
+        stack.start()
+        return stack
+
+    try:
+        yield make
+    finally:
+        for stack in made:
+            stack.close()
+            print(stack.logs())
+        for stack in made:
+            assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"

@@ -12,7 +12,8 @@ removals), with ``snapshotter = "bootseer"``, real runc, CNI bridge networking a
   containerd's GC ran;
 * a first pod's reads become the image's hot list; on a fresh node ``PullImage`` prefetches it before any
   pod exists, and the prefetch's summary counts what the warmed page cache served;
-* a dependency snapshot reaches a pod's container (the container annotation CRI passes on);
+* a dependency snapshot reaches a pod's container: by the container annotation CRI passes on, and by the
+  node's ``[depsnap] images`` mapping of the image (what a pod spec, which cannot set that annotation, gets);
 * the snapshotter restarted under a running pod: the pod keeps reading never-read files, a new pod starts.
 """
 
@@ -246,6 +247,17 @@ def test_a_dependency_snapshot_reaches_a_pods_container(cri_stacks: Any) -> None
     pod2 = stack.run_pod("deps-pod-2")
     second = stack.output(pod2, stack.run_in_pod(pod2, "install", ref, "sh", "-c", DEPS_JOB, annotations=deps), 180)
     assert " ".join(second).split() == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
+
+    # A pod spec cannot set a container's annotations (the kubelet fills them): the node's [depsnap] images maps
+    # the image reference the layers were pulled by to the key, and a container with no annotation gets it.
+    config = stack.base / "snapshotter.toml"
+    config.write_text(f'[depsnap.images]\n"{ref}" = "{key}"\n')
+    stack.daemon.process.argv += ["--config", str(config)]
+    stack.restart_daemon()
+    pod3 = stack.run_pod("deps-pod-3")
+    third = stack.output(pod3, stack.run_in_pod(pod3, "install", ref, "sh", "-c", DEPS_JOB), 180)
+    assert " ".join(third).split() == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
+    assert "deps key from the node's [depsnap] images" in stack.daemon.process.log_text()
 
 
 def test_snapshotter_restarted_under_a_running_pod(cri_stacks: Any) -> None:

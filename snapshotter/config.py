@@ -11,7 +11,8 @@ metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and `
 ``erofs``, ``loop`` or ``tree``: how the layer server gives overlayfs each layer's tree, docs/lazy-layers.md;
 flag ``--data-path``), ``[trust]
 converter_keys, writer_keys, sign_key`` (docs/trust.md) and ``[depsnap] scope`` (the
-scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``).  Inside the
+scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``images`` (the node's
+image -> deps key mapping, for Kubernetes pods, docs/kubernetes.md).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
 ``[fetch]`` and ``[hotlist]`` settings to the layer server it starts, as its flags.  An unknown key or a value of the wrong type is a
@@ -71,6 +72,9 @@ class Config:
     sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the loaded ``converter_keys`` and ``writer_keys``
     deps_scope: str = ""  #: dependency snapshots are found and published only within this scope (and namespace)
+    #: ``[depsnap] images``: image reference or top ChainID -> deps key, for containers whose snapshot has no deps
+    #: label (Kubernetes: CRI passes no pod annotation to a container's snapshot; docs/kubernetes.md)
+    deps_images: dict[str, str] = field(default_factory=dict)
 
     @property
     def block_cache_dir(self) -> Path:
@@ -104,6 +108,7 @@ DEFAULTS: dict[str, Any] = {
     "trust.writer_keys": [],
     "trust.sign_key": "",
     "depsnap.scope": "",
+    "depsnap.images": {},
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -122,6 +127,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "hotlist.prefetch_page_cache": (bool,),
     "trust.converter_keys": (list,),
     "trust.writer_keys": (list,),
+    "depsnap.images": (dict,),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -293,6 +299,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             check_scope(deps_scope)
         except KeyError_ as exc:
             raise invalid("depsnap.scope", str(exc)) from None
+    deps_images = _deps_images(merged["depsnap.images"], invalid)
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -317,7 +324,23 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         sign_key=sign_key,
         trust=trust,
         deps_scope=deps_scope,
+        deps_images=deps_images,
     )
+
+
+def _deps_images(table: Mapping[str, Any], invalid: Callable[[str, str], ConfigError]) -> dict[str, str]:
+    """``[depsnap] images`` checked: each image reference (or ``sha256:`` top ChainID) names a valid deps key."""
+    from bootseer.depsnap.key import KeyError_, check_key
+
+    images = {}
+    for image, key in table.items():
+        if not image or not isinstance(key, str):
+            raise invalid("depsnap.images", f"{image!r} must map an image reference to a deps key (a string)")
+        try:
+            images[image] = check_key(key)
+        except KeyError_ as exc:
+            raise invalid("depsnap.images", f"{image!r}: {exc}") from None
+    return images
 
 
 def check_local_stores(settings: Config) -> None:

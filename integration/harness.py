@@ -873,6 +873,8 @@ class CriContainerd(Containerd):
         self.bridge = f"bsit{suffix}"
         self.subnet = f"10.213.{int(suffix[:2], 16)}.0/24"
         self.cni_conf_dir = base / "cni" / "net.d"
+        #: The CRI plugin's snapshotter from the next start, if not :attr:`snapshotter` (a node rolled off BootSeer).
+        self.cri_snapshotter: str | None = None
 
     @property
     def runc_root(self) -> Path:
@@ -906,7 +908,7 @@ state = "{self.state}"
   stream_server_port = "0"
 
 [{cri}.containerd]
-  snapshotter = "{self.snapshotter}"
+  snapshotter = "{self.cri_snapshotter or self.snapshotter}"
   disable_snapshot_annotations = false
   default_runtime_name = "runc"
 

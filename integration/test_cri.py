@@ -25,6 +25,7 @@ import shutil
 import signal
 from typing import Any
 
+import grpc
 import pytest
 
 from bootseer.depsnap.containerd import DEPS_LABEL
@@ -277,6 +278,11 @@ def test_snapshotter_restarted_under_a_running_pod(cri_stacks: Any) -> None:
         out = cri.exec_sync(container, ["sha256sum", part_path(2), part_path(3)])
         assert [line.split()[0] for line in out.splitlines()] == [sha(part_data(2)), sha(part_data(3))]
         assert blocks(stack)[0] == count + 2
+    # A new pod cannot start meanwhile (its sandbox's snapshot is the daemon's to make): the call fails, it does
+    # not hang, and the kubelet retries it; the pause image being unconverted makes no difference.
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.run_pod("while-down")
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
     stack.daemon.start()
     stack.wait_for_snapshotter()
     with stack.cri() as cri:
@@ -286,3 +292,37 @@ def test_snapshotter_restarted_under_a_running_pod(cri_stacks: Any) -> None:
     # A new pod starts from the same lazy layers.
     pod2 = stack.run_pod("after-restart")
     assert stack.output(pod2, stack.run_in_pod(pod2, "after", ref, "cat", PATCH_FILE)) == [PATCH_FILE_DATA.decode().strip()]
+
+
+def test_a_node_whose_daemon_is_down_starts_pods_on_overlayfs_and_keeps_its_lazy_pods(cri_stacks: Any) -> None:
+    """Rolling a node off BootSeer (or riding out a long outage of its daemon): CRI's snapshotter set back to
+    overlayfs and containerd restarted. New pods start (their images downloaded in full); a pod running on lazy
+    layers keeps running and reading never-read files (the layer server outlives the daemon); once the daemon is
+    back, removing that pod leaves none of its snapshots behind."""
+    stack = cri_stacks()
+    image, ref = converted(stack)
+    with stack.cri() as cri:
+        cri.pull(ref)
+    pod = stack.run_pod("lazy-pod")
+    lazy = stack.run_in_pod(pod, "long", ref, "sh", "-c", LONG)
+    wait_running(stack, lazy)
+
+    assert stack.daemon.stop(signal.SIGTERM) == 0
+    stack.containerd.stop()
+    stack.containerd.cri_snapshotter = harness.BUILTIN_OVERLAY
+    stack.containerd.start()
+    with stack.cri() as cri:
+        assert cri.container_status(lazy).state == cri.api.CONTAINER_RUNNING
+        assert cri.exec_sync(lazy, ["sha256sum", part_path(6)]).split()[0] == sha(part_data(6))
+        cri.pull(ref)  # onto overlayfs: every layer downloaded
+    assert len(layer_blob_gets(stack, image)) == len(image.layer_digests)
+    pod2 = stack.run_pod("overlay-pod")
+    assert stack.output(pod2, stack.run_in_pod(pod2, "app", ref, "cat", APP_FILE)) == [APP_FILE_DATA.decode().strip()]
+
+    stack.daemon.start()
+    stack.wait_for_snapshotter()
+    with stack.cri() as cri:
+        cri.remove_container(lazy)
+        cri.remove_pod(pod[0])
+    harness.wait_until("the lazy pod's snapshot to go", lambda: not [
+        key for key in harness.snapshotter_view(stack) if key.endswith(f"/{lazy}")], 60)

@@ -23,6 +23,7 @@ import hashlib
 import re
 import shutil
 import signal
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -119,6 +120,12 @@ def test_lazy_pull_runs_a_pod_and_the_labels_cri_passes(cri_stacks: Any) -> None
     assert view[container_key]["labels"] == {"containerd.io/snapshot/example.container": "c"}
     # Keys are <namespace>/<n>/<id>: the pod sandbox's id and the container's id, in k8s.io.
     assert re.fullmatch(rf"{CRI_NAMESPACE}/\d+/{container}", container_key), container_key
+
+    # The pod is on the stack's CNI bridge, with an address of the stack's own subnet.
+    with stack.cri() as cri:
+        status = cri.runtime.PodSandboxStatus(cri.api.PodSandboxStatusRequest(pod_sandbox_id=pod[0]), timeout=30).status
+    prefix = stack.containerd.subnet.rsplit(".", 1)[0] + "."
+    assert status.state == cri.api.SANDBOX_READY and status.network.ip.startswith(prefix), status.network
 
     # ExecSync in a running container, as `kubectl exec` gets it.
     running = stack.run_in_pod(pod, "long", ref, "sh", "-c", LONG)
@@ -326,3 +333,24 @@ def test_a_node_whose_daemon_is_down_starts_pods_on_overlayfs_and_keeps_its_lazy
         cri.remove_pod(pod[0])
     harness.wait_until("the lazy pod's snapshot to go", lambda: not [
         key for key in harness.snapshotter_view(stack) if key.endswith(f"/{lazy}")], 60)
+
+
+def test_the_node_example_is_what_containerd_loads_and_what_the_tests_run() -> None:
+    """ctr_examples/containerd-config-k8s-node.toml loads in containerd 1.6 and sets BootSeer's CRI settings as
+    the CRI stack these tests run does."""
+    import subprocess
+    import tomllib
+
+    example = harness.REPO_ROOT / "ctr_examples" / "containerd-config-k8s-node.toml"
+    dump = subprocess.run(["containerd", "--config", str(example), "config", "dump"], capture_output=True, text=True,
+                          timeout=60, check=True).stdout  # fmt: skip
+    loaded = tomllib.loads(dump)
+    tested = tomllib.loads(harness.CriContainerd(Path("/x"), Path("/s"), registry="r",
+                                                 sandbox_image="p").config_text())
+    from bootseer.snapshotter.config import DEFAULTS
+
+    assert loaded["proxy_plugins"]["bootseer"] == {"type": "snapshot", "address": DEFAULTS["address"]}
+    for name in ("snapshotter", "disable_snapshot_annotations"):
+        assert (loaded["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][name]
+                == tested["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][name]), name
+    assert loaded["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["discard_unpacked_layers"] is False

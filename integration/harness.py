@@ -17,6 +17,10 @@ host's own services:
 * :class:`Stack` composes the three in one temp dir and tears everything down (tasks,
   shims, mounts, processes, files) even when the body failed; :meth:`Stack.logs`
   gathers every process's log for failure reports.
+* :class:`CriStack` is a Kubernetes node: its containerd runs the CRI plugin
+  (:class:`CriContainerd`: CNI bridge, pause image, bootseer as the CRI snapshotter), driven
+  by :class:`CriClient` as the kubelet drives it; :func:`snapshotter_view` reads the labels
+  the daemon's Prepare received.
 
 All processes log to files under the stack's directory; every wait has a timeout.
 """
@@ -1032,8 +1036,11 @@ class CriClient:
 
     def wait_exited(self, container_id: str, timeout: float = 120):
         """The container's status once it has exited (HarnessError after ``timeout``)."""
-        return wait_for(f"container {container_id} to exit", lambda: (
-            lambda s: s if s.state == self.api.CONTAINER_EXITED else None)(self.container_status(container_id)), timeout)
+        def exited():
+            status = self.container_status(container_id)
+            return status if status.state == self.api.CONTAINER_EXITED else None
+
+        return wait_for(f"container {container_id} to exit", exited, timeout)
 
     def exec_sync(self, container_id: str, argv: Sequence[str], timeout: int = 60) -> str:
         """``ExecSync``; its stdout (HarnessError with stderr if it exits non-zero)."""

@@ -169,10 +169,10 @@ def test_removal_leaves_nothing_once_gc_ran(cri_stacks: Any) -> None:
         cri.remove_image(ref)
         assert cri.pods() == []
     # containerd's GC runs after the removals: then only the pause image's snapshot is left, everywhere.
-    wait_until_only = lambda: {row["key"] for row in stack.containerd.snapshots()} == pause_chain  # noqa: E731
-    harness.wait_until("containerd to collect the image's snapshots", wait_until_only, 60)
-    harness.wait_until("the daemon to drop them", lambda: set(harness.snapshotter_view(stack)) == {
-        key for key in harness.snapshotter_view(stack) if any(key.endswith(c) for c in pause_chain)}, 60)
+    harness.wait_until("containerd to collect the image's snapshots",
+                       lambda: {row["key"] for row in stack.containerd.snapshots()} == pause_chain, 60)
+    harness.wait_until("the daemon to drop them", lambda: all(
+        key.rsplit("/", 1)[-1] in pause_chain for key in harness.snapshotter_view(stack)), 60)
     harness.wait_until("the daemon's snapshot directories to go",
                        lambda: len(stack.daemon.snapshot_dirs()) == len(pause_chain), 60)
     harness.wait_until("the layer server to unmount the layers", lambda: not layer_server(stack).status()["layers"], 60)

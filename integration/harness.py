@@ -885,25 +885,13 @@ class CriContainerd(Containerd):
         return self.base / "runc"
 
     def config_text(self) -> str:
+        """:class:`Containerd`'s config with the CRI plugin left on and configured."""
+        base = super().config_text()
+        disabled = 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+        if disabled not in base:
+            raise HarnessError("Containerd.config_text no longer disables the CRI plugin as CriContainerd expects")
         cri = 'plugins."io.containerd.grpc.v1.cri"'
-        return f"""\
-version = 2
-root = "{self.root}"
-state = "{self.state}"
-
-[grpc]
-  address = "{self.address}"
-
-[ttrpc]
-  address = "{self.address}.ttrpc"
-
-[debug]
-  address = "{self.base / 'debug.sock'}"
-  level = "debug"
-
-[plugins."io.containerd.internal.v1.opt"]
-  path = "{self.base / 'opt'}"
-
+        return base.replace(disabled, "") + f"""
 [{cri}]
   sandbox_image = "{self.sandbox_image}"
   restrict_oom_score_adj = true
@@ -929,10 +917,6 @@ state = "{self.state}"
 
 [{cri}.registry]
   config_path = "{self.base / 'certs.d'}"
-
-[proxy_plugins.{SNAPSHOTTER_NAME}]
-  type = "snapshot"
-  address = "{self.snapshotter_socket}"
 """
 
     def cni_config(self) -> dict:

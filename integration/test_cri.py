@@ -227,9 +227,9 @@ def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_st
     # The pod's reads came from the page cache the prefetch filled: the summary says so, not "unread".
     # The pod's reads came from the page cache the prefetch filled: the summary says so (issue 17: it said
     # hits 0, misses 0, hit rate None and every byte unread).
+    # (A block evicted before the end was read through the layer server: a hit then, not page-cache service.)
     used = summary["hits"] + summary["waited"] + summary["served_from_page_cache_blocks"]
     assert used >= 2 and summary["unread_bytes"] < summary["fetched_bytes"], summary
-    assert summary["served_from_page_cache_bytes"] >= 2 * harness.PART_SIZE * 0.9, summary
     assert summary["hit_rate"] is not None and summary["hit_rate"] >= 0.5, summary
     server_log = (second.daemon.root / "layers" / "server.log").read_text()
     [done] = [line for line in server_log.splitlines() if 'msg="hot-list prefetch done"' in line]
@@ -268,14 +268,21 @@ def test_a_dependency_snapshot_reaches_a_pods_container(cri_stacks: Any) -> None
     assert "deps key from the node's [depsnap] images" in stack.daemon.process.log_text()
 
 
-def test_snapshotter_restarted_under_a_running_pod(cri_stacks: Any) -> None:
-    stack = cri_stacks()
+def running_lazy_pod(stack: harness.CriStack) -> tuple[harness.BuiltImage, str, tuple[str, object], str]:
+    """A converted image pulled through CRI and a pod whose container runs :data:`LONG` from it:
+    (image, reference, pod, container id)."""
     image, ref = converted(stack)
     with stack.cri() as cri:
         cri.pull(ref)
-    pod = stack.run_pod("restart-pod")
+    pod = stack.run_pod("lazy-pod")
     container = stack.run_in_pod(pod, "long", ref, "sh", "-c", LONG)
     wait_running(stack, container)
+    return image, ref, pod, container
+
+
+def test_snapshotter_restarted_under_a_running_pod(cri_stacks: Any) -> None:
+    stack = cri_stacks()
+    _, ref, _, container = running_lazy_pod(stack)
     before = {row["key"] for row in stack.containerd.snapshots()}
 
     assert stack.daemon.stop(signal.SIGTERM) == 0
@@ -307,12 +314,7 @@ def test_a_node_whose_daemon_is_down_starts_pods_on_overlayfs_and_keeps_its_lazy
     layers keeps running and reading never-read files (the layer server outlives the daemon); once the daemon is
     back, removing that pod leaves none of its snapshots behind."""
     stack = cri_stacks()
-    image, ref = converted(stack)
-    with stack.cri() as cri:
-        cri.pull(ref)
-    pod = stack.run_pod("lazy-pod")
-    lazy = stack.run_in_pod(pod, "long", ref, "sh", "-c", LONG)
-    wait_running(stack, lazy)
+    image, ref, pod, lazy = running_lazy_pod(stack)
 
     assert stack.daemon.stop(signal.SIGTERM) == 0
     stack.containerd.stop()

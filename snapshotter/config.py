@@ -39,7 +39,7 @@ from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import check_local_root, check_url, redact_url
-from bootseer.fetch.sources.http_proxy import DEFAULT_CHECK_INTERVAL, ProxyConfig
+from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, ProxyConfig
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.log import FORMATS, LEVELS
@@ -348,16 +348,6 @@ def check_local_stores(settings: Config) -> None:
 
 def _store_proxy(merged: Mapping[str, Any], store_url: str, invalid: Callable[[str, str], ConfigError]) -> ProxyConfig | None:
     """The checked ``[store] proxy*`` keys, None without ``proxy``; a ConfigError names the key that is wrong."""
-    proxy = merged["store.proxy"]
-    if not proxy:
-        for key in ("store.proxy_ping_url", "store.proxy_check_interval", "store.proxy_block_size"):
-            if merged[key] != DEFAULTS[key]:
-                raise invalid(key, "needs [store] proxy")
-        return None
-    if not store_url:
-        raise invalid("store.proxy", "needs a store of layers ([store] url or --store) to read through it")
-    if check_url(store_url) not in ("http", "https"):
-        raise invalid("store.proxy", f"only http(s) stores are read through a proxy; [store] url is {redact_url(store_url)!r}")
     size = merged["store.proxy_block_size"]
     try:
         block_size = size if isinstance(size, int) else parse_size(size)
@@ -368,6 +358,17 @@ def _store_proxy(merged: Mapping[str, Any], store_url: str, invalid: Callable[[s
         "store.proxy_check_interval": ("check_interval", float(merged["store.proxy_check_interval"])),
         "store.proxy_block_size": ("block_size", block_size),
     }
+    proxy = merged["store.proxy"]
+    if not proxy:
+        defaults = {"ping_url": "", "check_interval": DEFAULT_CHECK_INTERVAL, "block_size": DEFAULT_BLOCK_SIZE}
+        for key, (name, value) in settings.items():
+            if value != defaults[name]:
+                raise invalid(key, "needs [store] proxy")
+        return None
+    if not store_url:
+        raise invalid("store.proxy", "needs a store of layers ([store] url or --store) to read through it")
+    if check_url(store_url) not in ("http", "https"):
+        raise invalid("store.proxy", f"only http(s) stores are read through a proxy; [store] url is {redact_url(store_url)!r}")
     try:
         config = ProxyConfig(proxy)
     except ValueError as exc:

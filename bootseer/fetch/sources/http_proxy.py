@@ -9,8 +9,9 @@ each range read whether it goes through the proxy.
 
 Health: the proxy is taken as healthy until a read through it fails (a network
 error, a timeout, an HTTP 5xx or 407 from it, a CONNECT it refuses) or a health
-check does.  From then on reads go to the store direct, and a checker thread pings
-the proxy every ``check_interval`` seconds: with ``ping_url`` a ``GET`` of that URL
+check does; from then on reads go to the store direct.  A checker thread, from the
+first read on, pings the proxy every ``check_interval`` seconds, up or down (up: a
+proxy that hangs is found so): with ``ping_url`` a ``GET`` of that URL
 (made direct, not through the proxy; healthy: a 2xx answer, as dfdaemon's
 ``/server/ping`` gives), without one a ``GET /`` of the proxy itself (healthy: any
 HTTP answer: tinyproxy and squid answer a request that names no site with an error
@@ -169,6 +170,7 @@ class ProxyHealth:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._stale_logged = False
         self._channels: weakref.WeakSet[_Closable] = weakref.WeakSet()  # connections to the proxy, to abort
         self._gauge = PROXY_UP.labels(config.display_url)
         self._gauge.set(1)
@@ -198,10 +200,13 @@ class ProxyHealth:
         self._turn(False, reason, cause="request")
 
     def stale(self, reason: str) -> None:
-        """A read through the proxy got another version of its file; it is done again direct, the proxy kept."""
+        """A read through the proxy got another version of its file; it is done again direct, the proxy kept.
+
+        Logged as a warning the first time, then at debug level (the metric counts each)."""
         FALLBACKS.labels("stale").inc()
-        log.warning("the store proxy gave another version of a file; that read goes direct",
-                    proxy=self.config.display_url, reason=reason)  # fmt: skip
+        level, self._stale_logged = ("debug" if self._stale_logged else "warning"), True
+        getattr(log, level)("the store proxy gave another version of a file; that read goes direct",
+                            proxy=self.config.display_url, reason=reason)  # fmt: skip
 
     def check(self) -> bool:
         """One health check now; the state follows it.  Returns whether the proxy is healthy."""
@@ -209,6 +214,9 @@ class ProxyHealth:
             self._ping(self.ping_timeout)
         except Exception as exc:  # noqa: BLE001 - whatever the check raises, the proxy is not usable
             self._turn(False, str(exc) or repr(exc), cause="check")
+            # Every failed check, not only the turn: a read that chose the proxy just before the
+            # turn may have connected to it after the turn closed what was open then.
+            self._abort_reads()
             return False
         self._turn(True, "", cause="check")
         return True
@@ -222,7 +230,6 @@ class ProxyHealth:
             if self._up == healthy or self._closed:
                 return
             self._up = healthy
-            channels = list(self._channels) if not healthy else []
         self._gauge.set(1 if healthy else 0)
         if healthy:
             log.info("store proxy healthy again; reading through it", proxy=self.config.display_url)
@@ -230,8 +237,14 @@ class ProxyHealth:
         FALLBACKS.labels(cause).inc()
         log.warning("store proxy down; reading the store direct until a health check finds it healthy",
                     proxy=self.config.display_url, cause=cause, reason=reason)  # fmt: skip
+        self._abort_reads()
+
+    def _abort_reads(self) -> None:
+        """Close every connection to the proxy: a read stuck on a proxy that hangs fails now, and is done direct."""
+        with self._lock:
+            channels = list(self._channels)
         for channel in channels:
-            channel.close()  # a read stuck on a proxy that hangs fails now, and is retried direct
+            channel.close()
 
     def close(self) -> None:
         """Stop the checker (waiting for a check in progress, bounded by :attr:`ping_timeout`)."""

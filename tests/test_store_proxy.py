@@ -11,7 +11,9 @@ from it at the store), every byte verified; the proxy stopped mid-run, then rest
 reads go direct with no EIO and no wrong byte, and back through the proxy once its
 health check passes, with one log line per turn; a proxy that hangs and a ping URL
 that fails turn reads direct; an https store read through a CONNECT tunnel; ranges
-through the proxy aligned to its block grid; a proxy's credentials never in argv,
+through the proxy aligned to its block grid, so that a caching proxy (Debian's nginx
+with ``proxy_cache`` keyed by URL and range) serves a second node the blocks a first
+one fetched, whatever ranges each asked for; a proxy's credentials never in argv,
 logs or status; bad proxy settings refused at start-up in one line.
 """
 
@@ -182,6 +184,82 @@ def test_reads_through_the_proxy_ask_for_whole_blocks_of_its_grid(store: Store, 
         assert first % PROXY_BLOCK == 0, (first, last)
         assert (last + 1) % PROXY_BLOCK == 0 or last + 1 == len(data), (first, last)
     assert len([line for line in proxy.requests() if "file.bin" in line]) == len(gets)
+
+
+_CACHING_NGINX = """\
+daemon off;
+master_process off;
+{user}
+pid {state}/nginx.pid;
+error_log {state}/error.log warn;
+events {{ worker_connections 64; }}
+http {{
+    access_log {state}/access.log;
+    client_body_temp_path {state}/tmp;
+    proxy_temp_path {state}/tmp;
+    fastcgi_temp_path {state}/tmp;
+    uwsgi_temp_path {state}/tmp;
+    scgi_temp_path {state}/tmp;
+    proxy_cache_path {state}/cache keys_zone=blocks:1m;
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            # A forward proxy that keeps each (URL, Range) answer: the simplest cache of ranges.
+            proxy_pass http://$http_host;
+            proxy_cache blocks;
+            proxy_cache_key "$http_host$request_uri $http_range";
+            proxy_set_header Range $http_range;
+            proxy_set_header If-Range $http_if_range;
+            proxy_cache_valid 200 206 10m;
+        }}
+    }}
+}}
+"""
+
+
+@pytest.fixture
+def caching_proxy(tmp_path: Path) -> Iterator[str]:
+    """Debian's nginx as a caching forward proxy on a free port (its own config and cache): its URL."""
+    state = tmp_path / "nginx"
+    (state / "tmp").mkdir(parents=True)
+    port = free_port()
+    (state / "nginx.conf").write_text(_CACHING_NGINX.format(
+        user="user root;" if os.geteuid() == 0 else "", state=state, port=port))  # fmt: skip
+    process = subprocess.Popen([shutil.which("nginx") or "/usr/sbin/nginx", "-p", str(state), "-c", str(state / "nginx.conf"),
+                                "-e", str(state / "error.log")], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_for_port(port, process)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_a_caching_proxy_serves_a_second_node_the_blocks_a_first_one_fetched(store: Store, caching_proxy: str) -> None:
+    """Two nodes read the same bytes in different ranges (as their engines coalesced them): through the
+    proxy both ask for the same grid blocks, so the store sends each block once."""
+    data = os.urandom(8 * PROXY_BLOCK)
+    (store.root / "file.bin").write_bytes(data)
+    reads = {
+        "first": [(10, 3 * PROXY_BLOCK), (5 * PROXY_BLOCK + 7, 2 * PROXY_BLOCK)],
+        "second": [(PROXY_BLOCK + 5, 100), (2 * PROXY_BLOCK - 1, 2), (3 * PROXY_BLOCK - 10, 10), (6 * PROXY_BLOCK, 5)],
+    }
+    seen: dict[str, list[tuple[int, int]]] = {}
+    for node, ranges in reads.items():
+        source = open_source(store.url, proxy=ProxyConfig(caching_proxy, block_size=PROXY_BLOCK))
+        try:
+            version = source.stat("file.bin").version
+            connection = source.connect()
+            start = len(store.access)
+            for offset, length in ranges:
+                assert connection.read_range("file.bin", offset, length, version) == data[offset : offset + length]
+            connection.close()
+        finally:
+            source.close()
+        seen[node] = _ranges([entry for entry in store.since(start, part="file.bin") if entry[3]])
+    assert seen["first"] == [(k * PROXY_BLOCK, (k + 1) * PROXY_BLOCK - 1) for k in (0, 1, 2, 3, 5, 6, 7)]
+    assert seen["second"] == [], "the second node's blocks came from the proxy's cache"
 
 
 def test_an_https_store_is_read_through_a_connect_tunnel_with_the_proxys_credentials(

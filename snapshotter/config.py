@@ -3,7 +3,9 @@
 Precedence, lowest first: :data:`DEFAULTS`, the TOML file given with ``--config``,
 then the flags.  The file's top-level keys are the daemon's own (``root``,
 ``address``, ``log_level``, ``log_format``, ``metrics_address``); the lazy layers
-take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
+take sections, as stargz-snapshotter's config.toml does: ``[store] url`` (and ``proxy``,
+``proxy_ping_url``, ``proxy_check_interval``, ``proxy_block_size``: an HTTP proxy http(s) stores
+are read through, docs/lazy-layers.md; in the file only, never a flag, as its URL may hold credentials),
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
 prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
@@ -42,6 +44,7 @@ from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import check_local_root, check_url, redact_url
+from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, ProxyConfig
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.log import FORMATS, LEVELS
@@ -60,6 +63,7 @@ class Config:
     log_format: str = "text"
     metrics_address: str = ""  #: ``HOST:PORT`` of the Prometheus endpoint; empty: off
     store_url: str = ""  #: where converted layers are; empty: no remote snapshots
+    store_proxy: ProxyConfig | None = None  #: ``[store] proxy`` and its ``proxy_*`` keys; None: read the store direct
     cache_dir: Path | None = None  #: the node's block cache; None: ``ROOT/cache``
     cache_size: int = 16 << 30  #: bytes the block cache may hold
     fetch_streams: int = 16  #: parallel range requests per store
@@ -93,6 +97,10 @@ DEFAULTS: dict[str, Any] = {
     "log_format": "text",
     "metrics_address": "",
     "store.url": "",
+    "store.proxy": "",
+    "store.proxy_ping_url": "",
+    "store.proxy_check_interval": DEFAULT_CHECK_INTERVAL,
+    "store.proxy_block_size": "1M",
     "cache.dir": "",
     "cache.size": "16G",
     "fetch.streams": 16,
@@ -132,6 +140,8 @@ DEFAULTS: dict[str, Any] = {
 KEY_TYPES: dict[str, tuple[type, ...]] = {
     **{key: (str,) for key in DEFAULTS},
     "cache.size": (str, int),
+    "store.proxy_check_interval": (float, int),
+    "store.proxy_block_size": (str, int),
     "fetch.streams": (int,),
     "fetch.retry_timeout": (float, int),
     "fetch.memory_limit": (str, int),
@@ -247,6 +257,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             check_url(store_url)
         except ValueError as exc:
             raise invalid("store.url", str(exc)) from None
+    store_proxy = _store_proxy(merged, store_url, invalid)
     size = merged["cache.size"]
     try:
         cache_size = size if isinstance(size, int) else parse_size(size)
@@ -330,6 +341,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         log_format=merged["log_format"],
         metrics_address=merged["metrics_address"],
         store_url=store_url,
+        store_proxy=store_proxy,
         cache_dir=Path(merged["cache.dir"]).absolute() if merged["cache.dir"] else None,
         cache_size=cache_size,
         fetch_streams=merged["fetch.streams"],
@@ -413,6 +425,49 @@ def check_local_stores(settings: Config) -> None:
             check_local_root(settings.store_url)
         except ValueError as exc:
             raise ConfigError(f"--store / [store] url: {exc}") from None
+
+
+def _store_proxy(merged: Mapping[str, Any], store_url: str, invalid: Callable[[str, str], ConfigError]) -> ProxyConfig | None:
+    """The checked ``[store] proxy*`` keys, None without ``proxy``; a ConfigError names the key that is wrong."""
+    size = merged["store.proxy_block_size"]
+    try:
+        block_size = size if isinstance(size, int) else parse_size(size)
+    except argparse.ArgumentTypeError as exc:
+        raise invalid("store.proxy_block_size", str(exc)) from None
+    settings = {
+        "store.proxy_ping_url": ("ping_url", merged["store.proxy_ping_url"]),
+        "store.proxy_check_interval": ("check_interval", float(merged["store.proxy_check_interval"])),
+        "store.proxy_block_size": ("block_size", block_size),
+    }
+    proxy = merged["store.proxy"]
+    if not proxy:
+        defaults = {"ping_url": "", "check_interval": DEFAULT_CHECK_INTERVAL, "block_size": DEFAULT_BLOCK_SIZE}
+        for key, (name, value) in settings.items():
+            if value != defaults[name]:
+                raise invalid(key, "needs [store] proxy")
+        return None
+    if not store_url:
+        raise invalid("store.proxy", "needs a store of layers ([store] url or --store) to read through it")
+    if check_url(store_url) not in ("http", "https"):
+        raise invalid("store.proxy", f"only http(s) stores are read through a proxy; [store] url is {redact_url(store_url)!r}")
+    try:
+        config = ProxyConfig(proxy)
+    except ValueError as exc:
+        raise invalid("store.proxy", str(exc)) from None
+    for key, (name, value) in settings.items():  # one key at a time, so the message names the key that is wrong
+        try:
+            config = dataclasses.replace(config, **{name: value})
+        except ValueError as exc:
+            raise invalid(key, str(exc)) from None
+    return config
+
+
+def server_proxy_settings(proxy: ProxyConfig | None) -> dict[str, Any]:
+    """The ``ServerSettings`` fields that give the layer server ``proxy`` (its URL goes on a pipe, not in argv)."""
+    if proxy is None:
+        return {}
+    return {"store_proxy": proxy.url, "store_proxy_ping_url": proxy.ping_url or None,
+            "store_proxy_check_interval": proxy.check_interval, "store_proxy_block_size": proxy.block_size}  # fmt: skip
 
 
 def _check_writable(url: str, invalid: Callable[[str], ConfigError]) -> None:

@@ -286,6 +286,7 @@ class Daemon:
             retry_timeout=settings.fetch_retry_timeout,
             memory_limit=settings.fetch_memory_limit,
             publish_store=settings.publish_store or None,
+            **config.server_proxy_settings(settings.store_proxy),
             hotlist=settings.hotlist_enabled,
             hotlist_quiet=settings.hotlist_recording.quiet,
             hotlist_window=settings.hotlist_recording.window,

@@ -331,6 +331,10 @@ class ServerSettings:
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
     data_path: str | None = None  #: auto, erofs, loop or tree (blockstore.datapath); None: the server's default (auto)
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
+    store_proxy: str | None = None  #: HTTP proxy URL http(s) stores are read through (may carry credentials)
+    store_proxy_ping_url: str | None = None  #: the proxy's health check URL (never credentials)
+    store_proxy_check_interval: float | None = None  #: seconds between the proxy's health checks
+    store_proxy_block_size: int | None = None  #: bytes: range requests through the proxy are whole blocks of it
     hotlist: bool = True  #: False: ``--no-hotlist`` (neither record nor prefetch)
     hotlist_quiet: float | None = None  #: seconds without a new block that end a recording
     hotlist_window: float | None = None  #: seconds after the prepare that end a recording
@@ -349,17 +353,18 @@ class ServerSettings:
     start_timeout: float = 60.0  #: seconds to wait for a started server to answer
 
     def secrets(self) -> dict[str, str]:
-        """The settings that may carry a credential (store URLs), by the file flag that passes each.
+        """The settings that may carry a credential (store and proxy URLs), by the file flag that passes each.
 
         They never go on the command line, which every local user can read in
         ``/proc/PID/cmdline``: :func:`ensure_server` writes each to a pipe the server
         inherits and names it ``--store-file /dev/fd/N``.
         """
-        given = {"--store-file": self.store, "--publish-store-file": self.publish_store}
+        given = {"--store-file": self.store, "--publish-store-file": self.publish_store,
+                 "--store-proxy-file": self.store_proxy}  # fmt: skip
         return {flag: value for flag, value in given.items() if value}
 
     def argv(self, root: str | os.PathLike[str], secret_files: Mapping[str, str] | None = None) -> list[str]:
-        """The command line that starts the server for ``root``: no store URL in it.
+        """The command line that starts the server for ``root``: no store or proxy URL in it.
 
         ``secret_files`` maps the flags of :meth:`secrets` to the files (``/dev/fd/N``)
         their values are read from.
@@ -375,6 +380,9 @@ class ServerSettings:
             ("--memory-limit", self.memory_limit),
             ("--metrics-address", self.metrics_address),
             ("--data-path", self.data_path),
+            ("--store-proxy-ping-url", self.store_proxy_ping_url),
+            ("--store-proxy-check-interval", self.store_proxy_check_interval),
+            ("--store-proxy-block-size", self.store_proxy_block_size),
             ("--hotlist-quiet", self.hotlist_quiet),
             ("--hotlist-window", self.hotlist_window),
             ("--prefetch-concurrency", self.prefetch_concurrency),

@@ -28,6 +28,7 @@ from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.sources import carries_secret, check_local_root, check_url, redact_url
+from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, ProxyConfig
 from bootseer.fuse import MountError
 from bootseer.blockstore.peers_cli import add_layer_server_arguments as add_peer_arguments, layer_server_peer_config
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
@@ -79,6 +80,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="read --store from the first line of FILE: a URL with a credential (user:password@, ?token=) "
              "must not be on the command line, which every local user can read",
     )  # fmt: skip
+    parser.add_argument(
+        "--store-proxy", metavar="URL",
+        help="read http(s) stores through this HTTP proxy (http://HOST:PORT: dfdaemon, squid, tinyproxy) while it "
+             "is healthy, direct while it is not (docs/lazy-layers.md, 'Store proxy')",
+    )  # fmt: skip
+    parser.add_argument("--store-proxy-file", metavar="FILE",
+                        help="read --store-proxy from the first line of FILE (a proxy URL with user:password@)")  # fmt: skip
+    parser.add_argument("--store-proxy-ping-url", metavar="URL",
+                        help="the proxy's health check: a GET of URL must answer 2xx (default: any answer of the proxy)")  # fmt: skip
+    parser.add_argument("--store-proxy-check-interval", type=_seconds, metavar="SECONDS",
+                        help=f"seconds between health checks of the proxy ({DEFAULT_CHECK_INTERVAL:g})")  # fmt: skip
+    parser.add_argument("--store-proxy-block-size", type=parse_size, metavar="SIZE",
+                        help=f"range requests through the proxy ask for whole blocks of this grid "
+                             f"({DEFAULT_BLOCK_SIZE >> 20}M)")  # fmt: skip
     parser.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (ROOT/cache)")
     parser.add_argument("--cache-size", type=parse_size, default=16 << 30, metavar="SIZE", help="block cache size (16G)")
     parser.add_argument("--streams", type=_positive_int, metavar="N", help="parallel range requests per store (16)")
@@ -130,7 +145,7 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
 
 def _read_store_files(args: argparse.Namespace) -> None:
     """Set ``args.store``/``args.publish_store`` from their ``--*-file`` flags; warn of a credential in argv."""
-    for name in ("store", "publish_store"):
+    for name in ("store", "publish_store", "store_proxy"):
         flag, path = "--" + name.replace("_", "-"), getattr(args, f"{name}_file")
         if path is not None:
             if getattr(args, name) is not None:
@@ -168,6 +183,27 @@ def _check_start_up(args: argparse.Namespace) -> None:
         raise ValueError(f"--cache-dir: {exc}") from None
 
 
+def _store_proxy(args: argparse.Namespace) -> ProxyConfig | None:
+    """The checked ``--store-proxy*`` settings, None without ``--store-proxy``; ValueError, one line naming the flag."""
+    given = {
+        "ping_url": args.store_proxy_ping_url,
+        "check_interval": args.store_proxy_check_interval,
+        "block_size": args.store_proxy_block_size,
+    }
+    if args.store_proxy is None:
+        for name, value in given.items():
+            if value is not None:
+                raise ValueError(f"--store-proxy-{name.replace('_', '-')} needs --store-proxy")
+        return None
+    if args.store is not None and check_url(args.store) not in ("http", "https"):
+        raise ValueError(f"--store-proxy: reads of http(s) stores only go through a proxy; --store is "
+                         f"{redact_url(args.store)!r}")  # fmt: skip
+    try:
+        return ProxyConfig(args.store_proxy, **{name: value for name, value in given.items() if value is not None})
+    except ValueError as exc:
+        raise ValueError(f"--store-proxy: {exc}") from None
+
+
 def layer_server_command(args: argparse.Namespace) -> int:
     """Run ``bootseer layer-server``; returns the exit status."""
     if os.geteuid() != 0:
@@ -186,14 +222,19 @@ def layer_server_command(args: argparse.Namespace) -> int:
     try:
         _read_store_files(args)
         _check_start_up(args)
+        proxy = _store_proxy(args)
     except ValueError as exc:
         return _usage_error(str(exc))
+    if proxy is not None:
+        log.info("reading http(s) stores through a proxy", proxy=proxy.display_url, ping_url=proxy.ping_url or None,
+                 check_interval=proxy.check_interval, block_size=proxy.block_size)  # fmt: skip
     config = LayerServerConfig(
         root=Path(args.root).resolve(),
         store=args.store,
         cache_dir=Path(args.cache_dir).resolve() if args.cache_dir else None,
         cache_size=args.cache_size,
         engine=engine,
+        source_options={"proxy": proxy} if proxy is not None else {},
         shutdown_grace=args.shutdown_grace,
         data_path=args.data_path,
         filesystems=args.kernel_filesystems,

@@ -14,8 +14,9 @@ extras=${BOOTSEER_EXTRAS:-test}
 packages=(
     containerd runc docker-registry skopeo fuse3 libfuse3-dev pkg-config
     golang-go golang-github-containerd-containerd-dev busybox-static nginx-light
+    containernetworking-plugins iproute2
     curl ca-certificates openssl gcc python3 python3-dev python3-venv
-    debootstrap pigz chromium erofs-utils
+    debootstrap pigz chromium erofs-utils tinyproxy
 )
 missing=()
 for p in "${packages[@]}"; do
@@ -27,7 +28,7 @@ if ((${#missing[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 # The Debian packages start their services; BootSeer's tests and demo run private instances.
-for unit in containerd docker-registry nginx; do
+for unit in containerd docker-registry nginx tinyproxy; do
     systemctl disable --now "$unit" >/dev/null 2>&1 || true
 done
 

@@ -3,7 +3,9 @@
 Precedence, lowest first: :data:`DEFAULTS`, the TOML file given with ``--config``,
 then the flags.  The file's top-level keys are the daemon's own (``root``,
 ``address``, ``log_level``, ``log_format``, ``metrics_address``); the lazy layers
-take sections, as stargz-snapshotter's config.toml does: ``[store] url``,
+take sections, as stargz-snapshotter's config.toml does: ``[store] url`` (and ``proxy``,
+``proxy_ping_url``, ``proxy_check_interval``, ``proxy_block_size``: an HTTP proxy http(s) stores
+are read through, docs/lazy-layers.md; in the file only, never a flag, as its URL may hold credentials),
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
 prefetch_cold_rate, prefetch_page_cache`` (the layer server's hot-list options, docs/hotlist.md) and ``[fuse]
@@ -11,7 +13,8 @@ metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and `
 ``erofs``, ``loop`` or ``tree``: how the layer server gives overlayfs each layer's tree, docs/lazy-layers.md;
 flag ``--data-path``), ``[trust]
 converter_keys, writer_keys, sign_key`` (docs/trust.md), ``[depsnap] scope`` (the
-scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``[peers]
+scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``images`` (the node's
+image -> deps key mapping, for Kubernetes pods, docs/kubernetes.md), and ``[peers]
 listen, advertise, members, members_file, members_dns, token_file, deadline, upload_rate,
 max_uploads, tls_cert, tls_key, ca`` (block sharing between nodes, docs/peers.md; off unless
 ``listen`` is set).  Inside the
@@ -41,6 +44,7 @@ from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import check_local_root, check_url, redact_url
+from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, ProxyConfig
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.log import FORMATS, LEVELS
@@ -59,6 +63,7 @@ class Config:
     log_format: str = "text"
     metrics_address: str = ""  #: ``HOST:PORT`` of the Prometheus endpoint; empty: off
     store_url: str = ""  #: where converted layers are; empty: no remote snapshots
+    store_proxy: ProxyConfig | None = None  #: ``[store] proxy`` and its ``proxy_*`` keys; None: read the store direct
     cache_dir: Path | None = None  #: the node's block cache; None: ``ROOT/cache``
     cache_size: int = 16 << 30  #: bytes the block cache may hold
     fetch_streams: int = 16  #: parallel range requests per store
@@ -76,6 +81,9 @@ class Config:
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the loaded ``converter_keys`` and ``writer_keys``
     deps_scope: str = ""  #: dependency snapshots are found and published only within this scope (and namespace)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: ``[peers]``: block sharing with other nodes (off by default)
+    #: ``[depsnap] images``: image reference or top ChainID -> deps key, for containers whose snapshot has no deps
+    #: label (Kubernetes: CRI passes no pod annotation to a container's snapshot; docs/kubernetes.md)
+    deps_images: dict[str, str] = field(default_factory=dict)
 
     @property
     def block_cache_dir(self) -> Path:
@@ -89,6 +97,10 @@ DEFAULTS: dict[str, Any] = {
     "log_format": "text",
     "metrics_address": "",
     "store.url": "",
+    "store.proxy": "",
+    "store.proxy_ping_url": "",
+    "store.proxy_check_interval": DEFAULT_CHECK_INTERVAL,
+    "store.proxy_block_size": "1M",
     "cache.dir": "",
     "cache.size": "16G",
     "fetch.streams": 16,
@@ -121,12 +133,15 @@ DEFAULTS: dict[str, Any] = {
     "peers.tls_cert": "",
     "peers.tls_key": "",
     "peers.ca": "",
+    "depsnap.images": {},
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
 KEY_TYPES: dict[str, tuple[type, ...]] = {
     **{key: (str,) for key in DEFAULTS},
     "cache.size": (str, int),
+    "store.proxy_check_interval": (float, int),
+    "store.proxy_block_size": (str, int),
     "fetch.streams": (int,),
     "fetch.retry_timeout": (float, int),
     "fetch.memory_limit": (str, int),
@@ -143,6 +158,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "peers.deadline": (float, int),
     "peers.upload_rate": (str, int),
     "peers.max_uploads": (int,),
+    "depsnap.images": (dict,),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -241,6 +257,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             check_url(store_url)
         except ValueError as exc:
             raise invalid("store.url", str(exc)) from None
+    store_proxy = _store_proxy(merged, store_url, invalid)
     size = merged["cache.size"]
     try:
         cache_size = size if isinstance(size, int) else parse_size(size)
@@ -315,6 +332,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         except KeyError_ as exc:
             raise invalid("depsnap.scope", str(exc)) from None
     peers = _peer_config(merged, invalid)
+    deps_images = _deps_images(merged["depsnap.images"], invalid)
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -323,6 +341,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         log_format=merged["log_format"],
         metrics_address=merged["metrics_address"],
         store_url=store_url,
+        store_proxy=store_proxy,
         cache_dir=Path(merged["cache.dir"]).absolute() if merged["cache.dir"] else None,
         cache_size=cache_size,
         fetch_streams=merged["fetch.streams"],
@@ -340,6 +359,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         trust=trust,
         deps_scope=deps_scope,
         peers=peers,
+        deps_images=deps_images,
     )
 
 
@@ -378,6 +398,21 @@ def _peer_config(merged: dict[str, Any], invalid: Callable[[str, str], ConfigErr
     return config
 
 
+def _deps_images(table: Mapping[str, Any], invalid: Callable[[str, str], ConfigError]) -> dict[str, str]:
+    """``[depsnap] images`` checked: each image reference (or ``sha256:`` top ChainID) names a valid deps key."""
+    from bootseer.depsnap.key import KeyError_, check_key
+
+    images = {}
+    for image, key in table.items():
+        if not image or not isinstance(key, str):
+            raise invalid("depsnap.images", f"{image!r} must map an image reference to a deps key (a string)")
+        try:
+            images[image] = check_key(key)
+        except KeyError_ as exc:
+            raise invalid("depsnap.images", f"{image!r}: {exc}") from None
+    return images
+
+
 def check_local_stores(settings: Config) -> None:
     """ConfigError unless a local store of layers (a path, ``file://``) is an existing directory.
 
@@ -390,6 +425,49 @@ def check_local_stores(settings: Config) -> None:
             check_local_root(settings.store_url)
         except ValueError as exc:
             raise ConfigError(f"--store / [store] url: {exc}") from None
+
+
+def _store_proxy(merged: Mapping[str, Any], store_url: str, invalid: Callable[[str, str], ConfigError]) -> ProxyConfig | None:
+    """The checked ``[store] proxy*`` keys, None without ``proxy``; a ConfigError names the key that is wrong."""
+    size = merged["store.proxy_block_size"]
+    try:
+        block_size = size if isinstance(size, int) else parse_size(size)
+    except argparse.ArgumentTypeError as exc:
+        raise invalid("store.proxy_block_size", str(exc)) from None
+    settings = {
+        "store.proxy_ping_url": ("ping_url", merged["store.proxy_ping_url"]),
+        "store.proxy_check_interval": ("check_interval", float(merged["store.proxy_check_interval"])),
+        "store.proxy_block_size": ("block_size", block_size),
+    }
+    proxy = merged["store.proxy"]
+    if not proxy:
+        defaults = {"ping_url": "", "check_interval": DEFAULT_CHECK_INTERVAL, "block_size": DEFAULT_BLOCK_SIZE}
+        for key, (name, value) in settings.items():
+            if value != defaults[name]:
+                raise invalid(key, "needs [store] proxy")
+        return None
+    if not store_url:
+        raise invalid("store.proxy", "needs a store of layers ([store] url or --store) to read through it")
+    if check_url(store_url) not in ("http", "https"):
+        raise invalid("store.proxy", f"only http(s) stores are read through a proxy; [store] url is {redact_url(store_url)!r}")
+    try:
+        config = ProxyConfig(proxy)
+    except ValueError as exc:
+        raise invalid("store.proxy", str(exc)) from None
+    for key, (name, value) in settings.items():  # one key at a time, so the message names the key that is wrong
+        try:
+            config = dataclasses.replace(config, **{name: value})
+        except ValueError as exc:
+            raise invalid(key, str(exc)) from None
+    return config
+
+
+def server_proxy_settings(proxy: ProxyConfig | None) -> dict[str, Any]:
+    """The ``ServerSettings`` fields that give the layer server ``proxy`` (its URL goes on a pipe, not in argv)."""
+    if proxy is None:
+        return {}
+    return {"store_proxy": proxy.url, "store_proxy_ping_url": proxy.ping_url or None,
+            "store_proxy_check_interval": proxy.check_interval, "store_proxy_block_size": proxy.block_size}  # fmt: skip
 
 
 def _check_writable(url: str, invalid: Callable[[str], ConfigError]) -> None:

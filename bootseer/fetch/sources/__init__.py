@@ -98,14 +98,22 @@ def source_options(cls: type) -> list[str]:
     return [p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
 
+#: Options a caller may give for every store it opens, whatever its kind (the layer server's
+#: ``source_options``): each goes to the backends that take it, and the others read as if it were
+#: not given.  ``proxy`` (``[store] proxy``) is taken by the HTTP(S) backend only.
+STORE_WIDE_OPTIONS = frozenset({"proxy"})
+
+
 def open_source(url: str, **options: Any) -> RangeSource:
     """Open the backend for ``url``, rooted at it, passing ``options`` to it.
 
-    Raises ValueError for an unknown scheme, an unknown option or a malformed URL.
-    Opening does no I/O on remote backends; the first :meth:`stat` does.
+    Raises ValueError for an unknown scheme, an unknown option (other than one of
+    :data:`STORE_WIDE_OPTIONS`) or a malformed URL.  Opening does no I/O on remote
+    backends; the first :meth:`stat` does.
     """
     cls = source_class(url)
     accepted = source_options(cls)
+    options = {name: value for name, value in options.items() if name in accepted or name not in STORE_WIDE_OPTIONS}
     unknown = sorted(set(options) - set(accepted))
     if unknown:
         raise ValueError(
@@ -183,6 +191,6 @@ def check_range(offset: int, length: int) -> None:
 
 
 __all__ = [
-    "BACKENDS", "carries_secret", "check_local_root", "check_url", "open_source", "source_class", "source_options", "split_path", "redact_url", "valid_name",
+    "BACKENDS", "STORE_WIDE_OPTIONS", "carries_secret", "check_local_root", "check_url", "open_source", "source_class", "source_options", "split_path", "redact_url", "valid_name",
     "check_range",
 ]  # fmt: skip

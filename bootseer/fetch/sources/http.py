@@ -23,6 +23,12 @@ plus ``/``, is a directory.  :meth:`HttpSource.listdir` reads nginx's
 direct child; files in an HTML index cost one ``HEAD`` each); an entry that is
 malformed or that the server refuses is skipped with a warning.
 
+Proxy: with ``proxy`` (``[store] proxy``), range reads go through an HTTP proxy while
+it is healthy and direct while it is not, in requests aligned to the proxy's block
+grid (:class:`HttpSource`; health and fallback: :mod:`.http_proxy`).  The same
+connections and checks serve both routes: :class:`HttpEndpoint` knows how to reach a
+server through a proxy (absolute-URI requests for http, ``CONNECT`` for https).
+
 The plumbing (:class:`HttpEndpoint`, :class:`HttpChannel`, :class:`ChannelPool`,
 :func:`status_error`) is shared with the WebHDFS backend.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import email.utils
 import http.client
 import json
@@ -45,6 +52,7 @@ from urllib.parse import quote, unquote, urljoin, urlsplit
 
 from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
 from bootseer.fetch.sources import check_range, redact_url, split_path, valid_name
+from bootseer.fetch.sources.http_proxy import BYTES, REQUESTS, ProxyConfig, ProxyHealth
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -108,21 +116,44 @@ class HttpEndpoint:
     read_timeout: float = 60.0
     headers: Mapping[str, str] | None = None
     ssl_context: ssl.SSLContext | None = None
+    proxy: ProxyConfig | None = None  #: the HTTP proxy requests go through (see :meth:`via`); None: direct
 
     @property
     def origin(self) -> str:
         return f"{self.scheme}://{self.host}:{self.port}"
 
     def open(self) -> http.client.HTTPConnection:
-        """A new, not yet connected ``http.client`` connection."""
+        """A new, not yet connected ``http.client`` connection (to the proxy, if there is one).
+
+        Through a proxy, an https server is reached with a ``CONNECT`` tunnel (TLS
+        inside it, end to end; the proxy's credentials go in the CONNECT only), a
+        plain-http one with absolute-URI requests to the proxy (:meth:`request_target`).
+        """
+        host, port = (self.proxy.host, self.proxy.port) if self.proxy is not None else (self.host, self.port)
         if self.scheme == "https":
             conn: http.client.HTTPConnection = _HTTPSConnection(
-                self.host, self.port, timeout=self.connect_timeout, context=self.ssl_context
+                host, port, timeout=self.connect_timeout, context=self.ssl_context
             )
+            if self.proxy is not None:
+                conn.set_tunnel(self.host, self.port, headers=self.proxy.headers)
         else:
-            conn = _HTTPConnection(self.host, self.port, timeout=self.connect_timeout)
+            conn = _HTTPConnection(host, port, timeout=self.connect_timeout)
         conn.read_timeout = self.read_timeout  # type: ignore[attr-defined]
         return conn
+
+    def via(self, proxy: ProxyConfig) -> HttpEndpoint:
+        """This server, reached through ``proxy``: a plain-http request carries the proxy's
+        ``Proxy-Authorization`` itself; through an https tunnel only the CONNECT does."""
+        headers = {**(self.headers or {}), **proxy.headers} if self.scheme == "http" else self.headers
+        return dataclasses.replace(self, headers=headers, proxy=proxy)
+
+    def request_target(self, target: str) -> str:
+        """What the request line names for ``target`` (a path and query): the absolute URI
+        when a plain-http request goes through a proxy, else ``target`` itself."""
+        if self.proxy is not None and self.scheme == "http":
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            return f"http://{host}:{self.port}{target}"
+        return target
 
     def with_address(self, scheme: str, host: str, port: int) -> HttpEndpoint:
         """The same timeouts and TLS settings for another server (a redirect target).
@@ -131,7 +162,8 @@ class HttpEndpoint:
         the same: another host never sees them.
         """
         headers = self.headers if (scheme, host, port) == (self.scheme, self.host, self.port) else None
-        return HttpEndpoint(scheme, host, port, self.connect_timeout, self.read_timeout, headers, self.ssl_context)
+        endpoint = HttpEndpoint(scheme, host, port, self.connect_timeout, self.read_timeout, headers, self.ssl_context)
+        return endpoint.via(self.proxy) if self.proxy is not None else endpoint  # through the same proxy
 
 
 def make_ssl_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:
@@ -170,7 +202,7 @@ class HttpChannel:
             # and the call on it must then fail as a network error, not on None.
             conn, reused = self._conn, self._reused
             try:
-                conn.request(method, target, headers=all_headers)
+                conn.request(method, self.endpoint.request_target(target), headers=all_headers)
                 response = conn.getresponse()
             except _STALE_KEEPALIVE as exc:
                 self.close()
@@ -520,6 +552,15 @@ class HttpSource:
     certificate checks) and ``ca_file`` (a CA bundle for them).  A query string in
     the URL (a token) is sent with every request; ``user:password@`` in the URL
     becomes Basic authentication.
+
+    ``proxy`` (a :class:`~bootseer.fetch.sources.http_proxy.ProxyConfig`, or its URL
+    alone) sends range reads through an HTTP proxy while it is healthy, and to the
+    store direct while it is not (:class:`~bootseer.fetch.sources.http_proxy.ProxyHealth`).
+    Through the proxy each read asks for whole blocks of the proxy's grid
+    (``block_size``, the last one cut at the file's end), one request per block,
+    whatever range the engine coalesced, so that every node asks for the same ranges
+    and a proxy that caches by URL and range serves them from its cache; the bytes
+    outside the range are dropped.  Metadata (``HEAD``, listings) goes direct.
     """
 
     default_streams = 16
@@ -533,6 +574,7 @@ class HttpSource:
         read_timeout: float = 60.0,
         verify: bool = True,
         ca_file: str | None = None,
+        proxy: ProxyConfig | str | None = None,
     ) -> None:
         self.url = url
         self.endpoint, path, self.query = parse_endpoint_url(
@@ -550,6 +592,11 @@ class HttpSource:
         self.pool = ChannelPool(self.endpoint)
         self.display_url = redact_url(url)
         self.etag_pins = _EtagPins()  #: shared by all connections: a pin holds for every stream
+        config = ProxyConfig(proxy) if isinstance(proxy, str) else proxy
+        #: whether reads go through the proxy now; None without one
+        self.proxy = ProxyHealth(config, self._ping, connect_timeout=connect_timeout) if config else None
+        self.proxy_endpoint = self.endpoint.via(config) if config else None
+        self._tls = (verify, ca_file)  # for an https ping URL
 
     def __repr__(self) -> str:
         return f"HttpSource({self.display_url!r})"
@@ -677,22 +724,59 @@ class HttpSource:
                             error=str(exc))  # fmt: skip
         return entries
 
+    def _ping(self, timeout: float) -> None:
+        """One health check of the proxy (see :mod:`~bootseer.fetch.sources.http_proxy`); raises unless healthy."""
+        assert self.proxy is not None
+        config = self.proxy.config
+        if config.ping_url:
+            verify, ca_file = self._tls
+            endpoint, path, query = parse_endpoint_url(
+                config.ping_url, ("http", "https"), connect_timeout=timeout, read_timeout=timeout, headers=None,
+                verify=verify, ca_file=ca_file, default_ports={"http": 80, "https": 443},
+            )  # fmt: skip
+            target, healthy = (path or "/") + (f"?{query}" if query else ""), range(200, 300)
+        else:
+            # Any answer at all from the proxy itself: it is up and speaks HTTP.
+            endpoint = HttpEndpoint("http", config.host, config.port, timeout, timeout)
+            target, healthy = "/", range(100, 600)
+        chan = HttpChannel(endpoint)
+        try:
+            response = chan.request("GET", target)
+            chan.discard(response)
+        finally:
+            chan.close()
+        if response.status not in healthy:
+            raise TransientError(f"health check {chan.where}: HTTP {response.status} {response.reason}".rstrip())
+
     def connect(self) -> HttpConnection:
         return HttpConnection(self)
 
     def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.close()
         self.pool.close()
 
 
 class HttpConnection:
-    """One keep-alive connection for range reads (one request at a time)."""
+    """One keep-alive connection for range reads (one request at a time), and one to the proxy if there is one."""
 
     def __init__(self, source: HttpSource) -> None:
         self.source = source
         self.channel = HttpChannel(source.endpoint)
+        self.proxied: HttpChannel | None = None
+        if source.proxy is not None and source.proxy_endpoint is not None:
+            self.proxied = HttpChannel(source.proxy_endpoint)
+            source.proxy.track(self.proxied)
         self._lock = threading.Lock()
 
     def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
+        """The range, through the proxy while it is healthy, else direct.
+
+        A read the proxy fails (a TransientError: the proxy down, hanging, or refusing
+        with a 5xx or 407) sets the proxy aside and is done again direct at once; one
+        that gets another version of the file through the proxy (``Changed``: a stale
+        cache) is done again direct, and raises only if the store says so too.
+        """
         check_range(offset, length)
         target = self.source.target(path)
         expected = _Version.parse(version, self.source.where(target)) if version else None
@@ -701,77 +785,101 @@ class HttpConnection:
             length = max(0, min(length, expected.size - offset))
             if expected.etag is None and (pinned := self.source.etag_pins.get(path, version)) is not None:
                 expected = expected.pinned(pinned)
-        chunks: list[bytes] = []
         with self._lock:
-            while length > 0:
-                chunk, at_eof, etag = self._read_once(target, offset, length, expected)
-                if expected is not None and expected.etag is None:
-                    # The first strong ETag seen for a date-only version pins it (for
-                    # every stream: a stripe of another content fails, never mixes).
-                    found = strong_etag(etag)
-                    if found is not None:
-                        pinned = self.source.etag_pins.pin(path, version, found)
-                        if pinned != found:
-                            raise Changed(
-                                f"{self.source.where(target)}: file changed (ETag {pinned} -> {found}, "
-                                f"Last-Modified unchanged); refusing to mix versions"
-                            )
-                        expected = expected.pinned(found)
-                chunks.append(chunk)
-                offset += len(chunk)
-                length -= len(chunk)
-                if at_eof:
-                    break
+            proxy = self.source.proxy
+            if proxy is not None and self.proxied is not None and length > 0 and proxy.usable():
+                try:
+                    return self._read(self.proxied, path, version, target, offset, length, expected,
+                                      align=proxy.config.block_size)  # fmt: skip
+                except Changed as exc:
+                    proxy.stale(str(exc))
+                except TransientError as exc:
+                    proxy.failed(str(exc))
+            return self._read(self.channel, path, version, target, offset, length, expected, align=0)
+
+    def _read(
+        self, channel: HttpChannel, path: str, version: str, target: str, offset: int, length: int,
+        expected: _Version | None, *, align: int,
+    ) -> bytes:  # fmt: skip
+        """Bytes ``offset`` to ``offset + length`` over ``channel``, in requests of whole ``align`` blocks
+        (the last one cut at the version's size) if ``align``, else in requests of the range itself."""
+        chunks: list[bytes] = []
+        end = offset + length
+        at = offset - offset % align if align else offset  # where the next request starts
+        while at < end:
+            stop = at - at % align + align if align else end
+            if align and expected is not None:
+                stop = min(stop, expected.size)
+            chunk, at_eof, etag = self._read_once(channel, target, at, stop - at, expected)
+            if expected is not None and expected.etag is None:
+                # The first strong ETag seen for a date-only version pins it (for
+                # every stream: a stripe of another content fails, never mixes).
+                found = strong_etag(etag)
+                if found is not None:
+                    pinned = self.source.etag_pins.pin(path, version, found)
+                    if pinned != found:
+                        raise Changed(
+                            f"{self.source.where(target)}: file changed (ETag {pinned} -> {found}, "
+                            f"Last-Modified unchanged); refusing to mix versions"
+                        )
+                    expected = expected.pinned(found)
+            chunks.append(chunk[max(0, offset - at) : end - at])  # the wanted part of a whole block
+            at += len(chunk)
+            if at_eof:
+                break
         return b"".join(chunks)
 
     def _read_once(
-        self, target: str, offset: int, length: int, expected: _Version | None
+        self, channel: HttpChannel, target: str, offset: int, length: int, expected: _Version | None
     ) -> tuple[bytes, bool, str | None]:
-        """One Range GET: ``(bytes, reached end of file, the answer's ETag)``."""
+        """One Range GET over ``channel``: ``(bytes, reached end of file, the answer's ETag)``."""
         where = self.source.where(target)
+        route = "direct" if channel.endpoint.proxy is None else "proxy"
+        REQUESTS.labels(route).inc()
         headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
         if expected is not None and expected.if_range:
             headers["If-Range"] = expected.if_range
-        response = self.channel.request("GET", target, headers)
+        response = channel.request("GET", target, headers)
         if response.status == 206:
             match = _CONTENT_RANGE.match(response.getheader("Content-Range") or "")
             if not match:
-                self.channel.close()
+                channel.close()
                 raise PermanentError(f"{where}: 206 with bad Content-Range {response.getheader('Content-Range')!r}")
             first, last = int(match.group(1)), int(match.group(2))
             total = None if match.group(3) == "*" else int(match.group(3))
             if first != offset or last < first or last > offset + length - 1:
-                self.channel.close()
+                channel.close()
                 raise PermanentError(f"{where}: asked for bytes {offset}-{offset + length - 1}, got {first}-{last}")
             if expected is not None:
                 # A server may ignore If-Range: the answer's own total and validators
                 # must still be those of the version.
                 if total is None:
-                    self.channel.close()
+                    channel.close()
                     raise PermanentError(f"{where}: Content-Range gives no total size; cannot check the version")
                 changed = expected.mismatch(response)
                 if total != expected.size:
                     changed = f"size {expected.size} -> {total}"
                 if changed:
-                    self.channel.close()
+                    channel.close()
                     raise Changed(f"{where}: file changed ({changed}); refusing to mix versions")
-            body = self.channel.read_exact(response, last - first + 1)
+            body = channel.read_exact(response, last - first + 1)
+            BYTES.labels(route).inc(len(body))
             return body, total is not None and last == total - 1, response.getheader("ETag")
         if response.status == 416:
             match = _UNSATISFIED_RANGE.match(response.getheader("Content-Range") or "")
-            self.channel.discard(response)
+            channel.discard(response)
             if match and expected is not None and int(match.group(1)) != expected.size:
                 raise Changed(f"{where}: file changed (size {expected.size} -> {match.group(1)})")
             if match and offset >= int(match.group(1)):
                 return b"", True, None
             raise PermanentError(f"{where}: range {offset}+{length} refused (HTTP 416)")
         if response.status == 412:
-            self.channel.discard(response)
+            channel.discard(response)
             raise Changed(f"{where}: file changed (HTTP 412 Precondition Failed)")
         if response.status == 200:
             # The whole file instead of the range: never taken for the range.  Drop
             # the connection rather than download a body that may be gigabytes.
-            self.channel.close()
+            channel.close()
             if expected is not None:
                 changed = expected.mismatch(response)
                 if response.length is not None and response.length != expected.size:
@@ -788,10 +896,15 @@ class HttpConnection:
                 # whole, shorter body: no byte of it is in the range.
                 return b"", True, None
             raise PermanentError(f"{where}: server ignored the Range header (HTTP 200 with the whole file)")
-        detail = self.channel.discard(response)[:200].decode("utf-8", "replace").strip()
+        detail = channel.discard(response)[:200].decode("utf-8", "replace").strip()
+        if response.status == 407 and route == "proxy":
+            # The proxy's own refusal (its credentials), not the store's: a read direct may succeed.
+            raise TransientError(f"{where}: the proxy refused its credentials (HTTP 407)")
         raise status_error(where, response.status, response.reason, "" if "<" in detail else detail)
 
     def close(self) -> None:
         # Without the lock: closing the socket is how another thread aborts a read
         # stuck on a silent server.
         self.channel.close()
+        if self.proxied is not None:
+            self.proxied.close()

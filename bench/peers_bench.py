@@ -716,8 +716,9 @@ def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) 
               "and within `--peer-upload-rate`; at 1,000 nodes, 999 requests arrive for each block at about the "
               "same moment, so a peer waits its turn at the owner, and one that waits past `--peer-deadline` "
               "hedges to the store: the model's flat egress holds only while the owners keep up (a fan-out tree "
-              "or more owners per block would be the next step). Measured here with N = "
-              f"{model.get('peers', {}).get('n', '—')} only.",
+              "or more owners per block would be the next step). "
+              + (f"Measured here with N = {model['peers']['n']} only." if not model.get("peers_design")
+                 else "Not measured here: no start with peers completed."),
               "* **This machine**: all servers share its cores, so the measured N-node starts are CPU-bound here "
               "where a real cluster's would not be; the model takes the CPU term per node for the extrapolation."]
     return lines

@@ -577,6 +577,7 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
               "(not killed) that had their hot set and replayed the start within the timeout; a start where one "
               "did not has no slowest node.", ""]
     lines += ["## Targets", ""] + checks(results, model, context) + [""]
+    lines += stall_note(results)
     lines += model_section(model, image, context)
     lines += ["", "## Every start", ""]
     for scenario in SCENARIOS:
@@ -588,7 +589,7 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
             for run in start.nodes:
                 state = "killed" if run.killed else (f"FAILED: {run.error}" if run.error else "ok")
                 figures = ", ".join(f"{k} {v / MB:.1f} MB" if k.endswith("bytes") else f"{k} {v:.0f}"
-                                    for k, v in run.figures.items() if v)
+                                    for k, v in run.figures.items() if v or k == "peer_late")
                 prefetch = run.prefetch or {}
                 lines.append(f"  * node {run.node}: hot set {_f(run.hot_s)} s, done {_f(run.done_s)} s, "
                              f"{run.verified_bytes / MB:.1f} MB verified, CPU {run.cpu_s:.1f} s"
@@ -596,6 +597,21 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
                                 if prefetch.get("failed_blocks") else "")
                              + (f", {figures}" if figures else "") + f"; {state}")
     return "\n".join(lines) + "\n"
+
+
+def stall_note(results: dict[str, list[Start]]) -> list[str]:
+    """What the figures say of a start with peers in which no node finished (empty when one did)."""
+    stalled = [s for name in ("peers", "peers-kill") for s in results.get(name, []) if not s.times()]
+    runs = [r for s in stalled for r in s.alive() if "peer_late" in r.figures]
+    if not runs:
+        return []
+    late = sum(r.figures["peer_late"] for r in runs)
+    text = (f"With peers no node finished: each prefetch stopped early (how far each got: Every start, below), "
+            f"and the nodes' peer requests went late {late:.0f} times in all (`peers.status` `late`): ")
+    text += ("the hedge to the store (after `--peer-deadline` without an answer) never fired, so the nodes waited on "
+             "their peers until a request's own limit; the layer servers' logs are in the run's `logs/`."
+             if late == 0 else "the store was asked as well, and still the starts did not end in time.")
+    return [f"*{text}*", ""]
 
 
 def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict[str, Any]) -> list[str]:

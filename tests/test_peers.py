@@ -297,6 +297,7 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
         assert statuses[0]["received"]["blocks"] == len(mine[1]) == statuses[1]["served"]["blocks"]
         assert statuses[1]["received"]["blocks"] == len(mine[0]) == statuses[0]["served"]["blocks"]
         assert statuses[0]["fallbacks"] == statuses[0]["bad_blocks"] == statuses[0]["errors"] == 0
+        assert clients[0].status()["peers"]["received"] == statuses[0]["received"]  # the server's status has it too
         # The metrics say the same, and bootseer peers status prints it.
         samples = scrape(metrics[0])
         assert samples['bootseer_peer_bytes_total{direction="received"}'] == statuses[0]["received"]["bytes"]

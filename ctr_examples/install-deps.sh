@@ -14,6 +14,7 @@ extras=${BOOTSEER_EXTRAS:-test}
 packages=(
     containerd runc docker-registry skopeo fuse3 libfuse3-dev pkg-config
     golang-go golang-github-containerd-containerd-dev busybox-static nginx-light
+    containernetworking-plugins iproute2
     curl ca-certificates openssl gcc python3 python3-dev python3-venv
     debootstrap pigz chromium erofs-utils
 )

@@ -195,6 +195,34 @@ def publish_store(backend: Any) -> str:
     return getattr(server, "publish_store", None) or backend.store_url
 
 
+def mapped_key(snapshotter: Any, key: str, parent: str) -> str | None:
+    """The deps key the node's ``[depsnap] images`` gives a container snapshot without a deps label; None if none.
+
+    The mapping is looked up by the image's top ChainID (the parent's name) and then by the image reference
+    containerd's CRI unpacker labelled the parent layer with (``containerd.io/snapshot/cri.image-ref``, sent
+    with ``disable_snapshot_annotations = false``): the reference that first pulled that layer on this node.
+    It is what a cluster operator can set for Kubernetes pods, whose annotations CRI passes only to the pod
+    sandbox's snapshot, never to a container's (docs/kubernetes.md).
+    """
+    images = getattr(snapshotter, "deps_images", None)
+    base = base_chain(parent)
+    if not images or base is None:
+        return None
+    from bootseer.snapshotter.errors import SnapshotError
+    from bootseer.snapshotter.snapshots import CRI_IMAGE_REF_LABEL  # here: snapshots.py imports this module
+
+    found = images.get(base)
+    if found is None:
+        try:
+            reference = snapshotter.stat(parent).labels.get(CRI_IMAGE_REF_LABEL, "")
+        except SnapshotError:  # the parent went meanwhile: prepare itself fails on it
+            return None
+        found = images.get(reference) if reference else None
+    if found is not None:
+        log.info("deps key from the node's [depsnap] images", key=key, parent=parent, deps=found)
+    return found
+
+
 # -- hooks -------------------------------------------------------------------------------------
 
 
@@ -207,6 +235,8 @@ def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str
     ``deps_scope`` scope the label's key (:func:`store_key`).
     """
     requested = key_of(labels)
+    if requested is None:
+        requested = mapped_key(snapshotter, key, parent)
     backend = snapshotter.backend
     if requested is None or backend is None:
         return False

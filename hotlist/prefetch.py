@@ -147,7 +147,10 @@ class PrefetchStats:
     served_from_page_cache_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        reads = self.hits + self.waited + self.misses
+        # A block the warmed page cache served is a hit the layer server never saw (settle_page_cache counts
+        # it at the end): without it, a job whose every read the warming answered showed hit_rate None.
+        served = self.hits + self.waited + self.served_from_page_cache_blocks
+        reads = served + self.misses
         lead = sorted(self.lead_times)
         return {
             "planned_blocks": self.planned_blocks,
@@ -162,7 +165,7 @@ class PrefetchStats:
             "waited": self.waited,
             "cached_reads": self.cached_reads,
             "misses": self.misses,
-            "hit_rate": round((self.hits + self.waited) / reads, 4) if reads else None,
+            "hit_rate": round(served / reads, 4) if reads else None,
             "lead_median_s": round(statistics.median(lead), 4) if lead else None,
             "lead_min_s": round(lead[0], 4) if lead else None,
             "finished": self.finished,

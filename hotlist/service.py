@@ -305,8 +305,10 @@ class HotListService:
     async def _run_prefetch(self, prefetch: Prefetch) -> None:
         try:
             await prefetch.run()
+            # What the fetch did only: its reads are counted when its last container goes (_end_prefetch, the
+            # page cache's share included); here they would say 0 hits and every byte unread.
             log.info("hot-list prefetch done", image=prefetch.image, profile=prefetch.profile,
-                     cancelled=prefetch.cancel_scope.cancelled_caught, **_log_stats(prefetch))  # fmt: skip
+                     cancelled=prefetch.cancel_scope.cancelled_caught, **_log_stats(prefetch, reads=False))  # fmt: skip
         finally:
             # It stays in ``prefetches`` (for read accounting) until its containers are gone;
             # one started at pull that no container joins within the recording window ends then.
@@ -609,14 +611,21 @@ def _publish_blocking(url: str, name: str, data: bytes) -> bool:
         return writer.put_if_absent(name, data)  # first writer wins
 
 
-def _log_stats(prefetch: Prefetch) -> dict[str, Any]:
+def _log_stats(prefetch: Prefetch, *, reads: bool = True) -> dict[str, Any]:
+    """A prefetch's log fields: what it fetched and warmed, and with ``reads`` how the job's reads went."""
     stats = prefetch.stats.as_dict()
-    return {
+    fields = {
         "prefetched_blocks": stats["fetched_blocks"], "prefetched_bytes": stats["fetched_bytes"],
-        "cached_blocks": stats["cached_blocks"], "hits": stats["hits"], "waited": stats["waited"],
-        "misses": stats["misses"], "hit_rate": stats["hit_rate"], "lead_median_s": stats["lead_median_s"],
-        "served_from_page_cache_blocks": stats["served_from_page_cache_blocks"], "unread_bytes": prefetch.unread_bytes(),
+        "cached_blocks": stats["cached_blocks"], "failed_blocks": stats["failed_blocks"],
+        "warmed_bytes": stats["warmed_bytes"],
     }  # fmt: skip
+    if reads:
+        fields.update({
+            "hits": stats["hits"], "waited": stats["waited"], "misses": stats["misses"], "hit_rate": stats["hit_rate"],
+            "lead_median_s": stats["lead_median_s"], "served_from_page_cache_blocks": stats["served_from_page_cache_blocks"],
+            "unread_bytes": prefetch.unread_bytes(),
+        })  # fmt: skip
+    return fields
 
 
 __all__ = ["HotListConfig", "HotListService", "OpenTag"]

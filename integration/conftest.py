@@ -7,6 +7,7 @@ harness's.  ``BOOTSEER_KEEP_TMP=1`` keeps each stack's temp dir for a post-morte
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import Iterator
@@ -58,14 +59,13 @@ def pulled(stack: harness.Stack) -> tuple[harness.BuiltImage, str]:
     return image, ref
 
 
-@pytest.fixture
-def stacks(runnable):
-    """A factory of started stacks with a local store (``stacks(**Stack options)``: one more node; the option
-    ``namespace=NS`` is its containerd namespace, else a new one), all torn down after the test."""
+@contextlib.contextmanager
+def _stack_factory(kind: type[harness.Stack]):
+    """``make(**options)``: one more started ``kind`` with a local store; all torn down (logs printed) at the end."""
     made: list[harness.Stack] = []
 
     def make(**options) -> harness.Stack:
-        stack = harness.Stack(store=True, **options)
+        stack = kind(store=True, **options)
         made.append(stack)
         stack.start()
         return stack
@@ -78,3 +78,28 @@ def stacks(runnable):
             print(stack.logs())
         for stack in made:
             assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
+
+
+@pytest.fixture
+def stacks(runnable):
+    """A factory of started stacks with a local store (``stacks(**Stack options)``: one more node; the option
+    ``namespace=NS`` is its containerd namespace, else a new one), all torn down after the test."""
+    with _stack_factory(harness.Stack) as make:
+        yield make
+
+
+#: What a CRI stack needs besides the tools above: the CNI plugins (Debian's containernetworking-plugins) and ip.
+CRI_TOOLS = ("ip",)
+
+
+@pytest.fixture
+def cri_stacks(runnable):
+    """A factory of started CRI stacks (:class:`harness.CriStack`: containerd's CRI plugin on, the daemon its
+    snapshotter, a local store), each one Kubernetes node; all torn down after the test."""
+    missing = [t for t in CRI_TOOLS if shutil.which(t) is None]
+    missing += [f"{harness.CNI_BIN_DIR}/{p}" for p in ("bridge", "loopback", "host-local")
+                if not (harness.CNI_BIN_DIR / p).exists()]
+    if missing:
+        pytest.skip(f"missing {missing}: run ctr_examples/install-deps.sh")
+    with _stack_factory(harness.CriStack) as make:
+        yield make

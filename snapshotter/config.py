@@ -11,7 +11,8 @@ metrics_address`` (the layer server's own Prometheus endpoint; empty: off) and `
 ``erofs``, ``loop`` or ``tree``: how the layer server gives overlayfs each layer's tree, docs/lazy-layers.md;
 flag ``--data-path``), ``[trust]
 converter_keys, writer_keys, sign_key`` (docs/trust.md), ``[depsnap] scope`` (the
-scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``[peers]
+scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``images`` (the node's
+image -> deps key mapping, for Kubernetes pods, docs/kubernetes.md), and ``[peers]
 listen, advertise, members, members_file, members_dns, token_file, deadline, upload_rate,
 max_uploads, tls_cert, tls_key, ca`` (block sharing between nodes, docs/peers.md; off unless
 ``listen`` is set).  Inside the
@@ -76,6 +77,9 @@ class Config:
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the loaded ``converter_keys`` and ``writer_keys``
     deps_scope: str = ""  #: dependency snapshots are found and published only within this scope (and namespace)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: ``[peers]``: block sharing with other nodes (off by default)
+    #: ``[depsnap] images``: image reference or top ChainID -> deps key, for containers whose snapshot has no deps
+    #: label (Kubernetes: CRI passes no pod annotation to a container's snapshot; docs/kubernetes.md)
+    deps_images: dict[str, str] = field(default_factory=dict)
 
     @property
     def block_cache_dir(self) -> Path:
@@ -121,6 +125,7 @@ DEFAULTS: dict[str, Any] = {
     "peers.tls_cert": "",
     "peers.tls_key": "",
     "peers.ca": "",
+    "depsnap.images": {},
 }
 
 #: The TOML types each key accepts (an integer also serves where seconds are a float).
@@ -143,6 +148,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "peers.deadline": (float, int),
     "peers.upload_rate": (str, int),
     "peers.max_uploads": (int,),
+    "depsnap.images": (dict,),
 }
 
 #: The argparse destination of each key that has a flag.
@@ -315,6 +321,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         except KeyError_ as exc:
             raise invalid("depsnap.scope", str(exc)) from None
     peers = _peer_config(merged, invalid)
+    deps_images = _deps_images(merged["depsnap.images"], invalid)
     root = Path(merged["root"]).absolute()
     return Config(
         root=root,
@@ -340,6 +347,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         trust=trust,
         deps_scope=deps_scope,
         peers=peers,
+        deps_images=deps_images,
     )
 
 
@@ -376,6 +384,21 @@ def _peer_config(merged: dict[str, Any], invalid: Callable[[str, str], ConfigErr
         except PeerConfigError as exc:
             raise invalid(f"peers.{exc.key}", exc.why) from None
     return config
+
+
+def _deps_images(table: Mapping[str, Any], invalid: Callable[[str, str], ConfigError]) -> dict[str, str]:
+    """``[depsnap] images`` checked: each image reference (or ``sha256:`` top ChainID) names a valid deps key."""
+    from bootseer.depsnap.key import KeyError_, check_key
+
+    images = {}
+    for image, key in table.items():
+        if not image or not isinstance(key, str):
+            raise invalid("depsnap.images", f"{image!r} must map an image reference to a deps key (a string)")
+        try:
+            images[image] = check_key(key)
+        except KeyError_ as exc:
+            raise invalid("depsnap.images", f"{image!r}: {exc}") from None
+    return images
 
 
 def check_local_stores(settings: Config) -> None:

@@ -200,7 +200,8 @@ class Daemon:
                 except ValueError as exc:
                     raise StartupError(f"--cache-dir: {exc}") from None
             backend = self._layer_backend()
-            snapshotter = open_snapshotter(root, backend, deps_scope=self.settings.deps_scope)
+            snapshotter = open_snapshotter(root, backend, deps_scope=self.settings.deps_scope,
+                                           deps_images=self.settings.deps_images)
             cleanup.callback(self._close_snapshotter, snapshotter)
             if backend is not None:  # after the root's lock: one daemon per root starts its server
                 self._start_layer_server(backend)
@@ -375,10 +376,11 @@ def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     (exit at once) from running."""
 
 
-def open_snapshotter(root: Path, backend: LayerBackend | None = None, *, deps_scope: str = "") -> Snapshotter:
+def open_snapshotter(root: Path, backend: LayerBackend | None = None, *, deps_scope: str = "",
+                     deps_images: dict[str, str] | None = None) -> Snapshotter:
     """The Snapshotter of ``root``; it locks the root (``ROOT/lock``), one daemon per root."""
     try:
-        return Snapshotter(root, backend, deps_scope=deps_scope)
+        return Snapshotter(root, backend, deps_scope=deps_scope, deps_images=deps_images)
     except RootLocked as exc:
         raise StartupError(
             f"{exc}; two daemons must never share a root: stop the other one or choose another --root"

@@ -84,10 +84,13 @@ class Snapshotter:
     one every snapshot is a plain directory, exactly as before.
     """
 
-    def __init__(self, root: str | os.PathLike, backend: LayerBackend | None = None, *, deps_scope: str = "") -> None:
+    def __init__(self, root: str | os.PathLike, backend: LayerBackend | None = None, *, deps_scope: str = "",
+                 deps_images: dict[str, str] | None = None) -> None:
         self.root = Path(root).absolute()
         self.backend = backend
         self.deps_scope = deps_scope  #: ``[depsnap] scope``: dependency snapshots are scoped to it (depsnap/containerd.py)
+        #: ``[depsnap] images``: the deps key of a container without a deps label, by its image (depsnap/containerd.py)
+        self.deps_images = dict(deps_images or {})
         # One lock per ChainID: a mount and the unmount of the same layer never interleave.
         # Kept only while held or waited for: Prepares name every ChainID of every image.
         self._chain_locks = KeyedLocks()

@@ -308,3 +308,41 @@ def test_the_daemon_takes_a_scope_and_refuses_a_bad_one(tmp_path: Path) -> None:
     done = subprocess.run([str(VENV_BIN / "bootseer-snapshotter"), "--root", str(tmp_path / "r"), "--deps-scope",
                            "no spaces allowed"], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and "--deps-scope" in done.stderr.strip().splitlines()[-1], done.stderr
+
+
+def test_the_nodes_image_mapping_is_checked_and_gives_a_container_its_key(tmp_path: Path) -> None:
+    """``[depsnap] images`` (image reference or top ChainID -> deps key) is checked at start-up, naming the key; a
+    container snapshot without a deps label gets the key of its image's top ChainID, else of the reference its
+    parent layer was pulled by (CRI's ``cri.image-ref`` label), and an explicit label is not overridden."""
+    from bootseer.depsnap.containerd import mapped_key
+    from bootseer.snapshotter.config import ConfigError, read_file, resolve
+    from bootseer.snapshotter.errors import NotFound
+    from bootseer.snapshotter.types import Info, Kind
+
+    good = compute_key(["sh", "-c", "pip install x"], base_chain="sha256:" + "a" * 64).key
+    chain = "sha256:" + "b" * 64
+    config = tmp_path / "config.toml"
+    config.write_text(f'[depsnap.images]\n"registry.example/train:v3" = "{good}"\n"{chain}" = "{good}"\n')
+    assert resolve(read_file(config), {}).deps_images == {"registry.example/train:v3": good, chain: good}
+    for bad in ({"registry.example/x:1": "not a key"}, {"registry.example/x:1": 3}, {"": good}):
+        with pytest.raises(ConfigError, match="depsnap.images"):
+            resolve({"depsnap.images": bad}, {})
+
+    class Node:
+        deps_images = {"registry.example/train:v3": good, chain: good}
+
+        def stat(self, key: str) -> Info:
+            if key.endswith("c" * 64):
+                return Info(key, "", Kind.COMMITTED, {"containerd.io/snapshot/cri.image-ref": "registry.example/train:v3"})
+            if key.endswith("d" * 64):
+                return Info(key, "", Kind.COMMITTED, {"containerd.io/snapshot/cri.image-ref": "registry.example/other:1"})
+            raise NotFound(key)
+
+    node = Node()
+    assert mapped_key(node, "k8s.io/9/ctr", chain) == good  # by top ChainID
+    assert mapped_key(node, "k8s.io/9/ctr", "k8s.io/4/sha256:" + "c" * 64) == good  # by the parent's image reference
+    assert mapped_key(node, "k8s.io/9/ctr", "sha256:" + "d" * 64) is None  # another image
+    assert mapped_key(node, "k8s.io/9/ctr", "sha256:" + "e" * 64) is None  # parent gone
+    assert mapped_key(node, "k8s.io/9/ctr", "") is None  # not over an image layer
+    node.deps_images = {}
+    assert mapped_key(node, "k8s.io/9/ctr", chain) is None

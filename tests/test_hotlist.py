@@ -897,3 +897,16 @@ def test_a_node_behind_a_read_only_front_publishes_to_the_publish_store(
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_the_hit_rate_counts_what_the_warmed_page_cache_served() -> None:
+    """A prefetched job whose every read the warmed page cache answered (no read reached the layer server) has a
+    hit rate of 1, not None (issue 17: a working prefetch looked unused); FUSE hits and misses still count."""
+    from bootseer.hotlist.prefetch import PrefetchStats
+
+    warmed_only = PrefetchStats(planned_blocks=6, fetched_blocks=6, served_from_page_cache_blocks=6).as_dict()
+    assert (warmed_only["hits"], warmed_only["misses"], warmed_only["hit_rate"]) == (0, 0, 1.0)
+    mixed = PrefetchStats(hits=1, waited=1, misses=2, served_from_page_cache_blocks=4).as_dict()
+    assert mixed["hit_rate"] == pytest.approx(6 / 8)
+    assert PrefetchStats(misses=3).as_dict()["hit_rate"] == 0.0
+    assert PrefetchStats().as_dict()["hit_rate"] is None  # nothing read at all: no rate

@@ -51,7 +51,7 @@ def test_vendoring_reproduces_the_committed_protos(tmp_path: Path) -> None:
     for source in generate.SOURCES:
         assert (tmp_path / source).read_text() == (PROTO / source).read_text(), f"{source} differs"
     committed = sorted(str(p.relative_to(PROTO)) for p in PROTO.rglob("*.proto"))
-    assert committed == sorted(generate.SOURCES), "a vendored .proto is not listed in generate.SOURCES"
+    assert committed == sorted(generate.SOURCES + generate.CRI_SOURCES), "a vendored .proto is not listed in generate.py"
 
 
 def test_strip_gogoproto_refuses_what_it_cannot_strip() -> None:
@@ -139,3 +139,53 @@ def test_strip_gogoproto_removes_containerds_fieldpath_plugin() -> None:
             'message M {\n\toption (containerd.plugin.fieldpath) = true;\n\tstring a = 1;\n}\n')
     out = generate.strip_gogoproto(text, "api/x.proto")
     assert "fieldpath" not in out and "\tstring a = 1;" in out
+
+
+def _generate():
+    sys.path.insert(0, str(PROTO))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(PROTO))
+    return generate
+
+
+def test_cri_vendoring_takes_only_the_pinned_upstream_file(tmp_path: Path) -> None:
+    """``--vendor-cri`` refuses a file that is not cri-api v0.25.0's api.proto (by sha256), with one line, status 2."""
+    generate = _generate()
+    wrong = tmp_path / "api.proto"
+    wrong.write_text("syntax = \"proto3\";\n")
+    with pytest.raises(ValueError, match="is not cri-api v0.25.0's api.proto"):
+        generate.vendor_cri(wrong, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert generate.main(["--vendor-cri", str(wrong)]) == 2
+
+
+def test_cri_proto_is_upstreams_without_gogoproto() -> None:
+    """The committed CRI proto is cri-api's minus its gogoproto import and file options: every other line is kept."""
+    generate = _generate()
+    text = (PROTO / generate.CRI_SOURCES[0]).read_text()
+    assert "gogoproto" not in text.replace("gogoproto options removed", "")
+    assert "Vendored from k8s.io/cri-api v0.25.0 (pkg/apis/runtime/v1/api.proto)" in text
+    upstream_head = ('/*\nlicence\n*/\n\nsyntax = "proto3";\n\npackage runtime.v1;\n\n'
+                     'import "github.com/gogo/protobuf/gogoproto/gogo.proto";\n\n'
+                     'option (gogoproto.goproto_stringer_all) = false;\noption (gogoproto.stringer_all) =  true;\n\n'
+                     'service RuntimeService {}\n')
+    out = generate.strip_gogoproto(upstream_head, "pkg/apis/runtime/v1/api.proto", "k8s.io/cri-api v0.25.0")
+    assert "gogo" not in out.replace("gogoproto options removed", "") and "service RuntimeService {}" in out
+
+
+def test_cri_services_are_the_kubelets_on_the_wire() -> None:
+    # The kubelet calls /runtime.v1.RuntimeService/<Method> and /runtime.v1.ImageService/<Method> on containerd.
+    from bootseer.proto.cri.runtime.v1 import api_pb2, api_pb2_grpc
+
+    runtime = api_pb2.DESCRIPTOR.services_by_name["RuntimeService"]
+    assert runtime.full_name == "runtime.v1.RuntimeService"
+    assert {"RunPodSandbox", "StopPodSandbox", "RemovePodSandbox", "CreateContainer", "StartContainer",
+            "RemoveContainer", "ExecSync", "ContainerStatus"} <= {m.name for m in runtime.methods}
+    image = api_pb2.DESCRIPTOR.services_by_name["ImageService"]
+    assert [m.name for m in image.methods] == ["ListImages", "ImageStatus", "PullImage", "RemoveImage", "ImageFsInfo"]
+    assert {f.name: f.number for f in api_pb2.PullImageRequest.DESCRIPTOR.fields} == {
+        "image": 1, "auth": 2, "sandbox_config": 3}
+    assert api_pb2.ContainerConfig.DESCRIPTOR.fields_by_name["log_path"].number == 11
+    assert hasattr(api_pb2_grpc, "RuntimeServiceStub") and hasattr(api_pb2_grpc, "ImageServiceStub")

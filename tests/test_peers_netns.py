@@ -36,6 +36,7 @@ import trio
 from bootseer.blockstore.control import MountedLayer, ServerSettings
 from bootseer.blockstore.format import LayerIndex
 from bootseer.blockstore.peer_wire import BlockPlace
+from bootseer.blockstore.peers import rendezvous_score
 from bootseer.blockstore.reader import BlockFetcher
 from bootseer.blockstore.store import FileStoreWriter
 from bootseer.fetch.engine import Priority, open_engine
@@ -47,7 +48,6 @@ from tests.support.layers import File, Layer
 from tests.support.oci import blob_data
 from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token
 from tests.support.waiting import wait_until
-from bootseer.blockstore.peers import rendezvous_score
 from tests.test_peers import owned_by
 
 pytestmark = [
@@ -117,9 +117,13 @@ def clusters(tmp_path: Path, store: Store) -> Iterator[Callable[..., PeerCluster
         return cluster
 
     yield make
+    left = []
     for cluster in made:
-        cluster.__exit__(None, None, None)
-        assert leftovers(cluster) == []
+        try:
+            cluster.__exit__(None, None, None)
+        finally:  # every cluster goes, whatever one's teardown raised
+            left += leftovers(cluster)
+    assert left == []
 
 
 def start_all(nodes: Sequence[PeerNode]) -> None:
@@ -182,7 +186,7 @@ def finished_prefetch(node: PeerNode, image: str) -> dict[str, Any]:
 def verify_image(node: PeerNode, mounted: Sequence[MountedLayer], layers: Sequence[BuiltLayer], store: Path) -> None:
     """Every byte of every layer read through ``node``'s mounts is the store's."""
     compared = sum(node.verify_layer(m, layer.index, store) for m, layer in zip(mounted, layers))
-    assert compared == len(DATA[: LAYER_BYTES * len(layers)])
+    assert compared == LAYER_BYTES * len(layers)
 
 
 # -- blocks come from peers -------------------------------------------------------------------------
@@ -218,10 +222,8 @@ def test_four_nodes_reading_one_layer_at_once_fetch_it_from_the_store_about_once
     for node in cluster.nodes:
         node.stop()
         shutil.rmtree(node.base)
-    for node in cluster.nodes:
-        node.launch([])
-    for node in cluster.nodes:
-        node.wait_ready()
+        node.extra_args = ()
+    start_all(cluster.nodes)
     without = read_at_once(cluster, store.a, store.path)
     assert without >= nodes * stored, (without, stored)
     assert without > 3 * with_peers, (without, with_peers)
@@ -348,8 +350,7 @@ def test_a_wrong_token_across_namespaces_is_refused_and_the_asker_uses_the_store
         clusters: Callable[..., PeerCluster], store: Store, token: Path, tmp_path: Path) -> None:
     other = write_token(tmp_path / "other-token")
     right, wrong = peer_args(token, "--peer-deadline", PATIENT), peer_args(other, "--peer-deadline", PATIENT)
-    cluster = clusters(2,
-                       node_args=lambda node, c: (wrong if node.index == 0 else right)(node, c))
+    cluster = clusters(2, node_args=lambda node, c: (wrong if node.index == 0 else right)(node, c))
     asker, owner = cluster.nodes
     assert owned_by(store.a.index, cluster.peer_addresses(), owner.peer_address)
     assert asker.verify_layer(asker.mount(store.a.chain_id), store.a.index, store.path) == LAYER_BYTES
@@ -410,58 +411,61 @@ def test_the_members_file_rewritten_during_a_prefetch_moves_blocks_and_the_prefe
 
     prefetch = finished_prefetch(asker, store.b.chain_id)
     assert prefetch["failed_blocks"] == 0 and prefetch["fetched_blocks"] == prefetch["planned_blocks"] == len(plan)
-    verify_image(asker, mounted, [store.a, store.b], store.path)
-    status = asker.peers_status()
-    assert status["fallbacks"] == status["bad_blocks"] == status["errors"] == 0, status
     # The newcomer served the blocks it came to own; the leaver was asked only before it left.
     assert joiner.peers_status()["served"]["blocks"] >= len(moved_to_joiner)
     before = [asker.peer_address, leaver.peer_address]
-    leavers = [block for block in plan[:done_or_going]
-               if owner_among(before, block.digest) == leaver.peer_address]
+    leavers = [block for block in plan[:done_or_going] if owner_among(before, block.digest) == leaver.peer_address]
     assert leaver.peers_status()["served"]["blocks"] <= len(leavers)
+    verify_image(asker, mounted, [store.a, store.b], store.path)
+    status = asker.peers_status()
+    assert status["fallbacks"] == status["bad_blocks"] == status["errors"] == 0, status
 
 
 # -- regression: two nodes reading the same blocks at once ----------------------------------------------------
 
 
+class Crossing:
+    """Two block fetchers in one process, each the other's peer: block ``digest`` is owned by fetcher
+    ``owners[digest]``, and asking its owner calls that fetcher's ``block_for_peer`` (as its peer server
+    would), but only once both fetchers have begun asking: each fetcher's call then has all its blocks
+    pending before either serves the other."""
+
+    def __init__(self, owners: dict[str, int]) -> None:
+        self.owners = owners
+        self.fetchers: list[BlockFetcher] = []
+        self.asking: set[int] = set()
+        self.both = trio.Event()
+
+
 @dataclasses.dataclass
 class CrossedPeers:
-    """Two block fetchers' peer groups in one process (a :class:`~bootseer.blockstore.reader.PeerBlocks`
-    each: :meth:`of`): block ``digest`` is owned by fetcher ``owners[digest]``; asking the owner calls its
-    ``block_for_peer``, as its peer server would, but only once both fetchers have begun asking, so that
-    each fetcher's call has all its blocks pending before either serves the other."""
+    """Fetcher ``me``'s peers in a :class:`Crossing` (a :class:`~bootseer.blockstore.reader.PeerBlocks`)."""
 
-    owners: dict[str, int]
-    fetchers: list[BlockFetcher] = dataclasses.field(default_factory=list)
-    asking: set[int] = dataclasses.field(default_factory=set)
-    both: trio.Event = dataclasses.field(default_factory=trio.Event)
+    crossing: Crossing
+    me: int
 
-    def of(self, me: int) -> Any:
-        group = self
+    def owner(self, digest: str) -> str | None:
+        owner = self.crossing.owners[digest]
+        return None if owner == self.me else f"node{owner}"
 
-        class Peers:
-            def owner(self, digest: str) -> str | None:
-                return None if group.owners[digest] == me else f"node{group.owners[digest]}"
+    async def fetch(self, store: str, places: Sequence[BlockPlace], priority: Priority,
+                    deliver: Callable[[str, bytes], None], late: Callable[[str], None]) -> None:  # fmt: skip
+        crossing = self.crossing
+        crossing.asking.add(self.me)
+        if len(crossing.asking) == 2:
+            crossing.both.set()
+        await crossing.both.wait()
 
-            async def fetch(self, store: str, places: Sequence[BlockPlace], priority: Priority,
-                            deliver: Callable[[str, bytes], None], late: Callable[[str], None]) -> None:  # fmt: skip
-                group.asking.add(me)
-                if len(group.asking) == 2:
-                    group.both.set()
-                await group.both.wait()
-                async with trio.open_nursery() as nursery:
-                    for place in places:
-                        nursery.start_soon(ask, place, priority, deliver, late)
-
-        async def ask(place: BlockPlace, priority: Priority, deliver: Callable[[str, bytes], None],
-                      late: Callable[[str], None]) -> None:  # fmt: skip
-            data = await group.fetchers[group.owners[place.digest]].block_for_peer(place, priority)
+        async def ask(place: BlockPlace) -> None:
+            data = await crossing.fetchers[crossing.owners[place.digest]].block_for_peer(place, priority)
             if data is None:
                 late(place.digest)
             else:
                 deliver(place.digest, data)
 
-        return Peers()
+        async with trio.open_nursery() as nursery:
+            for place in places:
+                nursery.start_soon(ask, place)
 
 
 def test_two_nodes_reading_blocks_the_other_owns_at_once_never_wait_on_each_other(store: Store) -> None:
@@ -473,17 +477,17 @@ def test_two_nodes_reading_blocks_the_other_owns_at_once_never_wait_on_each_othe
     p, q = index.blocks[0], index.blocks[1]
 
     async def main() -> list[list[bytes]]:
-        group = CrossedPeers({p.digest: 0, q.digest: 1})
+        crossing = Crossing({p.digest: 0, q.digest: 1})
         async with trio.open_nursery() as background:
             async with open_engine(LocalSource(str(store.path))) as engine0, \
                     open_engine(LocalSource(str(store.path))) as engine1:  # fmt: skip
                 for me, engine in enumerate((engine0, engine1)):
-                    group.fetchers.append(BlockFetcher(engine, None, peers=group.of(me), peer_store="store",
-                                                       background=background))  # fmt: skip
+                    crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
+                                                          peer_store="store", background=background))  # fmt: skip
                 got: list[list[bytes]] = [[], []]
 
                 async def read(me: int) -> None:
-                    got[me] = await group.fetchers[me].blocks(index, [0, 1])
+                    got[me] = await crossing.fetchers[me].blocks(index, [0, 1])
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(read, 0)

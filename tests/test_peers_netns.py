@@ -12,11 +12,15 @@ it: mounting the image on a node starts a hot-list prefetch of B).
 
 Tests that count bytes give peers a 10 s deadline (:data:`PATIENT`), so that a busy 2-core
 machine never makes an answer late and the store hedged; only the hung peer's test, which is
-about the deadline, has a short one.  A misbehaving peer is made so in a way the test waits
-for, never a guessed time: a node killed or hung once bytes from it first move (its uploads
-slowed with ``--peer-upload-rate`` so that the rest is still to come), a members file
-rewritten once a prefetch has fetched its first batch.  The loopback versions of these
-cases, and the protocol's own units, are in tests/test_peers.py.
+about the deadline, has a short one.  A misbehaving peer is made so at a point the test waits
+for, never after a guessed time: an owner hung once the asker has read a block from it, an owner
+killed once it has served its first block (its uploads slowed with ``--peer-upload-rate``, so
+that most of its share is still to come), a members file rewritten once a prefetch has fetched
+its first batch (small batches, one at a time, so that each later batch finds the new owners).
+The loopback versions of these cases, and the protocol's own units, are in tests/test_peers.py.
+
+The last test is a regression test of the block fetcher without processes: two fetchers, each
+the other's peer, reading the same two blocks at once used to wait on each other for good.
 """
 
 from __future__ import annotations

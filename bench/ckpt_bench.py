@@ -42,9 +42,10 @@ from typing import Any, Iterator
 from bootseer.units import parse_size
 
 import netcap
-from nginx import Nginx
 
 BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR.parent))
+from tests.support.nginx import Nginx  # noqa: E402
 READERS = BENCH_DIR / "readers.py"
 MB = 1_000_000  # rates are in decimal megabytes per second, as tc and curl count them
 MiB = 1 << 20

@@ -8,8 +8,8 @@ wheel directory (``pip download`` once into ``WORKDIR/wheels``; no index is used
 mode installs into (or restores) the same ``--target`` directory and then runs
 ``python -c "import torch, numpy, transformers"`` with it on ``PYTHONPATH``; the page cache is dropped
 before every run; medians of ``--reps``.  The snapshot is captured once into ``WORKDIR/store``, which
-nginx serves from inside a network namespace behind a veth pair shaped to ``--rate`` (``netns.py``,
-``nginx.py``: the lazy-layers benchmark's link), so a hit on a fresh node reads every block across it.
+nginx serves from inside a network namespace behind a veth pair shaped to ``--rate`` (``tests/support/netns.py``,
+``tests/support/nginx.py``: the lazy-layers benchmark's link), so a hit on a fresh node reads every block across it.
 
 | mode | what is timed |
 |---|---|
@@ -46,8 +46,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import netns  # noqa: E402
-from nginx import Nginx  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support import netns  # noqa: E402
+from tests.support.nginx import Nginx  # noqa: E402
 from nodestats import file_pages, fuse_requests, scrape_metrics  # noqa: E402
 
 from bootseer.blockstore.control import (  # noqa: E402

@@ -6,7 +6,7 @@ One command (as root): ``.venv/bin/python bench/lazy_bench.py``.  It
    bookworm minbase, python3 + pip, the CPU build of torch, and an app whose command
    imports torch, runs one training step and prints a marker line (``image_build.py``);
 2. makes a private network namespace behind a veth pair shaped with ``tbf`` to
-   ``--rate`` (1 Gbit/s) both ways (``netns.py``) and runs in it the registry
+   ``--rate`` (1 Gbit/s) both ways (``tests/support/netns.py``) and runs in it the registry
    (``docker-registry``) and nginx serving the converted store, so that a pull and the
    lazy reads cross the same link; the image is pushed there with skopeo and converted
    with ``bootseer convert`` (once, cached);
@@ -76,10 +76,10 @@ REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(REPO_ROOT))
 
 import image_build  # noqa: E402
-import netns  # noqa: E402
+from tests.support import netns  # noqa: E402
 from nodestats import file_pages, fuse_requests  # noqa: E402
 from nodestats import scrape_metrics as _scrape  # noqa: E402
-from nginx import Nginx  # noqa: E402
+from tests.support.nginx import Nginx  # noqa: E402
 
 from integration import harness  # noqa: E402
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 CONFIG_TEMPLATE = """\
-worker_processes 1;
+{user}worker_processes 1;
 error_log {prefix}/error.log warn;
 pid {prefix}/nginx.pid;
 events {{ worker_connections 1024; }}
@@ -51,12 +51,14 @@ class Nginx:
 
     ``launcher`` prefixes nginx's command line, e.g. ``ip netns exec NS`` to serve from
     inside a network namespace (``host`` then being an address reachable from here).
+    ``user``: the workers' user (nginx's default, ``nobody``, cannot read a test's private
+    temporary directory; ``root`` can).
     """
 
     def __init__(self, root: Path, prefix: Path, port: int, limit_rate: int | None = None,
-                 host: str = "127.0.0.1", launcher: tuple[str, ...] = ()) -> None:
+                 host: str = "127.0.0.1", launcher: tuple[str, ...] = (), user: str | None = None) -> None:
         self.root, self.prefix, self.port = root, prefix, port
-        self.host, self.launcher = host, launcher
+        self.host, self.launcher, self.user = host, launcher, user
         self.limit_rate = limit_rate
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -66,7 +68,9 @@ class Nginx:
 
     def config(self) -> str:
         rate = f"limit_rate {self.limit_rate};" if self.limit_rate else ""
-        return CONFIG_TEMPLATE.format(prefix=self.prefix, host=self.host, port=self.port, root=self.root, limit_rate=rate)
+        user = f"user {self.user};\n" if self.user else ""
+        return CONFIG_TEMPLATE.format(user=user, prefix=self.prefix, host=self.host, port=self.port, root=self.root,
+                                      limit_rate=rate)
 
     def __enter__(self) -> "Nginx":
         (self.prefix / "tmp").mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,776 @@
+"""Benchmark of peer-assisted block sharing (issue 16): a job start on N nodes at once, with and without peers.
+
+One command (as root): ``.venv/bin/python bench/peers_bench.py``.  It
+
+1. builds (once, cached) the lazy-layers benchmark's image (``image_build.py``: Debian, python3,
+   CPU torch, a training step) and converts it (``lazy_bench.convert_store``), into
+   ``--cache-dir`` (``/var/tmp/bootseer-bench``, shared with ``lazy_bench.py``);
+2. records the image's hot list once, into a copy of the store of its own (``store-peers``;
+   ``lazy_bench.py`` clears the hot lists of ``store`` and ``store-hot``): one layer server alone on
+   the host mounts the layers, an overlay over them gets ``hotlist.prepared`` with ``readers: any``
+   (as ``bootseer deps run`` does: there is no container), and the job (``python3 /app/train.py``
+   in a chroot of the overlay) runs to its seal marker; the list is published to the store;
+3. makes the nodes (``tests/support/peernodes.py``): ``--nodes`` (8) network namespaces, each behind
+   its own ``--rate`` (1 Gbit/s) tbf link, and a store namespace whose nginx serves ``store-peers``
+   behind one shared ``--store-rate`` (1 Gbit/s) link, all on one bridge; each node runs its own
+   ``bootseer layer-server`` (own root and cache) in its namespace;
+4. times, ``--reps`` times, each on fresh roots and empty caches after ``drop_caches``:
+
+   * ``alone``: node 0 alone, peers off: the baseline;
+   * ``no-peers``: every node at once, peers off;
+   * ``peers``: every node at once with ``--peer-listen``, ``--peers`` (every node), a token file and
+     ``--peer-deadline`` (when the layer server has the options: else reported as not run);
+   * ``peers-kill``: as ``peers``, and the last node's server is SIGKILLed once its prefetch has
+     fetched ``--kill-at`` (half) of the hot set;
+
+   a node's start is: mount the image's layers through its control socket, bottom first (what rpull
+   does; the top's mount starts the hot-list prefetch); wait until the prefetch has every hot block
+   in the node cache (*hot set*); then replay the recorded read order: every hot block, in the hot
+   list's order, read through the node's mount from the file that holds it, and its bytes checked
+   against the block's SHA-256 (every byte verified); all nodes start at the same instant;
+   measured: per node the time to its hot set and to the end of the replay, its layer server's CPU
+   seconds and its metrics (store bytes, peer bytes, fallbacks); at the store, the bytes its link sent
+   (veth counters) and the response bodies nginx logged;
+5. writes ``--output`` (bench/results/peers.md): the table (store egress, time to every node's hot
+   set, slowest node, min/median/max), the targets (store egress with peers <= 1.2x one node's
+   alone; slowest with peers <= 1.5x one node alone; a killed peer delays no node by more than the
+   fallback deadline), and a model fitted to the measurements that extrapolates store egress and
+   start time to 1,000 nodes with and without peers, with what limits it.
+
+Everything it starts (namespaces, veth pairs, nginx, layer servers, mounts) is torn down at the end,
+on failure and on Ctrl-C / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+import image_build  # noqa: E402
+import lazy_bench  # noqa: E402
+from lazy_bench import BenchError, bootseer_argv, drop_caches, log  # noqa: E402
+
+from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token  # noqa: E402
+
+MB = 1_000_000
+#: The issue's targets.
+TARGET_EGRESS_RATIO = 1.2
+TARGET_SLOWEST_RATIO = 1.5
+#: Extrapolated to this many nodes.
+MODEL_NODES = 1000
+SCENARIOS = {
+    "alone": "node 0 alone, peers off (the baseline)",
+    "no-peers": "every node at once, peers off",
+    "peers": "every node at once, peers on",
+    "peers-kill": "every node at once, peers on; the last node's server SIGKILLed mid-prefetch",
+}
+RECORD_KEY = "peers-bench-record"
+
+
+# --------------------------------------------------------------------------- the image, its store and hot list
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayBlock:
+    """One hot block as the start reads it: a range of a file of a layer."""
+
+    layer: int  #: position of the layer in the image, bottom first
+    path: str
+    offset: int
+    size: int
+    digest: str  #: SHA-256 of the raw block: of exactly these bytes of the file
+
+
+@dataclasses.dataclass
+class Image:
+    chains: list[str]  #: ChainIDs bottom first
+    hot: dict[str, Any]  #: the hot list's summary (``bootseer hotlist show``)
+    replay: list[ReplayBlock]
+    hot_clen: int  #: compressed bytes of the hot blocks (what a store sends for them)
+    hot_rlen: int  #: raw bytes (what a peer sends)
+
+
+def peers_store_copy(cache: Path) -> Path:
+    """``store-peers``: a hard-linked copy of the converted store whose hot list this benchmark keeps."""
+    store, copy = cache / "store", cache / "store-peers"
+    marker = copy / "copied-from"
+    source = (store.parent / "store.converted").read_text()
+    if copy.is_dir() and marker.exists() and marker.read_text() == source:
+        return copy
+    lazy_bench.hot_store_copy(store, copy)  # cp -al, its hot lists cleared, hotlists/ writable
+    marker.write_text(source)
+    return copy
+
+
+def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: float) -> dict[str, Any]:
+    """The image's first boot on a layer server alone, recorded and published into ``store`` (see the module
+    docstring); the list's summary.  Cached: a store holding the list is used as it is."""
+    from bootseer.blockstore.control import LayerServerClient
+
+    found = lazy_bench.read_hot_list(store, image)
+    if found is not None:
+        return found
+    chains = lazy_bench.harness.chain_ids([layer.diff_id for layer in image.layers])
+    base = work / "record"
+    log_path = work / "logs" / "record.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"recording the hot list: a layer server alone on file://{store}, the job in a chroot")
+    with lazy_bench.layer_server_node(base, f"file://{store}") as (socket_path, _metrics):
+        client = LayerServerClient(socket_path)
+        lowers = [client.mount(chain).lower_dir for chain in chains][::-1]
+        with lazy_bench.overlay_root(lowers, base, "rec") as root:
+            answer = client.call({"op": "hotlist.prepared", "key": RECORD_KEY, "parent": chains[-1],
+                                  "upper": str(base / "rec.up"), "readers": "any", "labels": {}})
+            if answer.get("action") != "record":
+                raise BenchError(f"hotlist.prepared did not start a recording: {answer}")
+            seconds, _line = lazy_bench.chroot_start(root, timeout, log_path)
+            log(f"  the job printed its first output after {seconds:.1f} s")
+            summary: dict[str, Any] = {}
+
+            def published() -> bool:
+                done = [s for s in client.call({"op": "hotlist.status"}).get("finished", [])
+                        if s.get("kind") == "recording"]
+                summary.update(done[-1] if done else {})
+                return bool(done)
+
+            lazy_bench.harness.wait_until("the recording to seal and publish", published, 150)
+    if summary.get("outcome") != "published":
+        raise BenchError(f"the recording did not publish a hot list: {summary}")
+    hot = lazy_bench.read_hot_list(store, image)
+    if hot is None:
+        raise BenchError(f"the recording says it published, but {store} holds no hot list for the image")
+    subprocess.run(["chmod", "-R", "a+rX", str(store / "v1" / "hotlists")], check=True)
+    return hot
+
+
+def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Image:
+    """The hot list resolved against the layers' indexes (from ``store``): the replay's reads in its order."""
+    from bootseer.blockstore.convert import verify_layer
+    from bootseer.blockstore.format import EntryType, LayerIndex, index_object
+    from bootseer.blockstore.store import FileStoreWriter
+    from bootseer.hotlist.format import HotList, hotlist_object, resolve
+
+    chains = lazy_bench.harness.chain_ids([layer.diff_id for layer in image.layers])
+    writer = FileStoreWriter(store)
+    indexes = {}
+    for chain in chains:
+        record = verify_layer(writer, chain)
+        if record is None:
+            raise BenchError(f"{chain} is not converted in {store}")
+        indexes[chain] = LayerIndex.decode(writer.get(index_object(record.index)), expected_sha256=record.index)
+    listed = HotList.decode((store / hotlist_object(chains[-1])).read_bytes(), expected_image=chains[-1],
+                            expected_profile="")
+    places: dict[str, dict[int, tuple[str, int]]] = {}
+    for chain, index in indexes.items():
+        table = places.setdefault(chain, {})
+        for entry in index.entries:
+            if entry.type is EntryType.FILE and entry.link is None:
+                for position, ref in enumerate(entry.blocks):
+                    table.setdefault(ref, (entry.path, position * index.block_size))
+    replay = []
+    for block in resolve(listed, chains, indexes):
+        path, offset = places[block.layer][block.ref]
+        replay.append(ReplayBlock(chains.index(block.layer), path, offset, block.hot.rlen, block.hot.digest))
+    return Image(chains, hot, replay, hot_clen=sum(b.hot.clen for b in resolve(listed, chains, indexes)),
+                 hot_rlen=sum(b.size for b in replay))
+
+
+# --------------------------------------------------------------------------- one start on a set of nodes
+
+
+@dataclasses.dataclass
+class NodeRun:
+    """One node's start."""
+
+    node: int
+    hot_s: float | None = None  #: from the job's start to every hot block in the node cache
+    done_s: float | None = None  #: ... to the end of the replay
+    verified_bytes: int = 0
+    cpu_s: float = 0.0  #: the layer server's user + system CPU seconds over the start
+    figures: dict[str, float] = dataclasses.field(default_factory=dict)
+    prefetch: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str = ""
+    killed: bool = False
+
+
+@dataclasses.dataclass
+class Start:
+    """One scenario's run: every node's start, the store's egress."""
+
+    scenario: str
+    nodes: list[NodeRun]
+    store_egress: int  #: bytes the store's link sent
+    store_bodies: int  #: response body bytes nginx logged
+    killed_at_s: float | None = None
+    machine_cpu_s: float = 0.0  #: busy CPU seconds of the whole machine over the start (every core, kernel included)
+
+    def alive(self) -> list[NodeRun]:
+        return [run for run in self.nodes if not run.killed]
+
+    def times(self, pick: str = "done_s") -> list[float]:
+        return [getattr(run, pick) for run in self.alive() if getattr(run, pick) is not None]
+
+
+#: Node metrics worth a figure: the Prometheus sample, its labels, the figure's name.
+NODE_METRICS = (
+    ("bootseer_block_fetched_bytes_total", {}, "store_bytes"),
+    ("bootseer_peer_bytes_total", {"direction": "received"}, "peer_received_bytes"),
+    ("bootseer_peer_bytes_total", {"direction": "served"}, "peer_served_bytes"),
+    ("bootseer_peer_fallbacks_total", {}, "peer_fallbacks"),
+    ("bootseer_peer_requests_total", {"outcome": "ok"}, "peer_requests_ok"),
+)
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 if it is gone)."""
+    if pid is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the machine since boot, all cores (``/proc/stat``: all but idle and iowait)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def node_figures(node: PeerNode) -> dict[str, float]:
+    try:
+        samples = node.metrics()
+    except OSError as e:
+        log(f"  {node.name}: metrics: {e}")
+        return {}
+    figures = {}
+    for name, labels, figure in NODE_METRICS:
+        wanted = set(labels.items())
+        figures[figure] = sum(v for (sample, have), v in samples.items() if sample == name and wanted <= set(have))
+    return figures
+
+
+def prefetch_state(node: PeerNode) -> dict[str, Any] | None:
+    """The node's running (or last finished) prefetch, from ``hotlist.status``."""
+    status = node.client.call({"op": "hotlist.status"}, timeout=5)
+    running = status.get("prefetches", [])
+    if running:
+        return running[-1]
+    done = [s for s in status.get("finished", []) if s.get("kind") == "prefetch"]
+    return done[-1] if done else None
+
+
+def replay(node: PeerNode, mounted: list[Any], image: Image) -> int:
+    """Read every hot block in the recorded order through the node's mounts; check each against its digest."""
+    verified = 0
+    handles: dict[tuple[int, str], int] = {}
+    try:
+        for block in image.replay:
+            key = (block.layer, block.path)
+            if key not in handles:
+                handles[key] = os.open(os.path.join(mounted[block.layer].lower_dir, block.path), os.O_RDONLY)
+            data = os.pread(handles[key], block.size, block.offset)
+            if len(data) != block.size or hashlib.sha256(data).hexdigest() != block.digest:
+                raise BenchError(f"{node.name}: {block.path} at {block.offset}: {len(data)} bytes read, "
+                                 f"not the block {block.digest[:12]} ({block.size} bytes)")
+            verified += len(data)
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    return verified
+
+
+def start_node(node: PeerNode, image: Image, run: NodeRun, clock: list[float], go: threading.Event,
+               timeout: float) -> None:
+    """One node's start (see the module docstring), timed from ``clock[0]``, set just before ``go`` is."""
+    go.wait()
+    begin = clock[0]
+    try:
+        mounted = node.mount_image(image.chains)
+        deadline = time.monotonic() + timeout
+        while True:
+            state = prefetch_state(node)
+            if state is not None and state.get("finished"):
+                run.hot_s = time.perf_counter() - begin
+                run.prefetch = state
+                break
+            if time.monotonic() > deadline:
+                raise BenchError(f"{node.name}: no finished prefetch within {timeout:.0f} s (last: {state})")
+            time.sleep(0.02)
+        run.verified_bytes = replay(node, mounted, image)
+        run.done_s = time.perf_counter() - begin
+    except Exception as e:  # noqa: BLE001 - one node's failure is reported, the others' starts go on
+        run.error = f"{type(e).__name__}: {e}"
+
+
+def killer(victim: PeerNode, run: NodeRun, start: "Start", clock: list[float], go: threading.Event, kill_at: float,
+           planned: int, stop: threading.Event) -> None:
+    """SIGKILL ``victim``'s server once its prefetch has fetched ``kill_at`` of ``planned`` bytes."""
+    go.wait()
+    begin = clock[0]
+    while not stop.is_set():
+        with contextlib.suppress(Exception):
+            state = prefetch_state(victim)
+            if state is not None and state.get("fetched_bytes", 0) >= kill_at * planned:
+                run.cpu_s = cpu_seconds(victim.pid)
+                victim.kill()
+                start.killed_at_s = time.perf_counter() - begin
+                run.killed = True
+                return
+        time.sleep(0.02)
+
+
+def keep_log(node: PeerNode, logs: Path, label: str) -> None:
+    """Move the node's server log to ``logs/LABEL-NODE.log`` (before its directory is wiped)."""
+    if node.log_path.exists():
+        logs.mkdir(parents=True, exist_ok=True)
+        shutil.move(node.log_path, logs / f"{label}-{node.name}.log")
+
+
+def fresh(node: PeerNode, extra_args: list[str]) -> None:
+    """Stop the node's server and give it an empty root and cache, then start it with ``extra_args``."""
+    node.stop()
+    shutil.rmtree(node.base, ignore_errors=True)
+    node.launch(extra_args)
+
+
+def run_start(cluster: PeerCluster, scenario: str, count: int, peer_args: dict[int, list[str]] | None,
+              image: Image, timeout: float, logs: Path, label: str, kill_at: float | None = None) -> Start:
+    """``count`` nodes start the image at once (peers on when ``peer_args`` gives each node its flags);
+    their servers' logs go to ``logs/LABEL-nodeN.log``."""
+    nodes = cluster.nodes[:count]
+    for node in cluster.nodes:
+        node.stop()
+    drop_caches()
+    for node in nodes:
+        fresh(node, (peer_args or {}).get(node.index, []))
+    for node in nodes:
+        node.wait_ready()
+    runs = [NodeRun(node.index) for node in nodes]
+    egress, bodies = cluster.store_egress(), cluster.store_body_bytes()
+    cpu_before = [cpu_seconds(node.pid) for node in nodes]
+    machine_before = machine_cpu_seconds()
+    go, stop = threading.Event(), threading.Event()
+    clock = [0.0]
+    start = Start(scenario, runs, 0, 0)
+    threads = [threading.Thread(target=start_node, args=(node, image, run, clock, go, timeout), daemon=True)
+               for node, run in zip(nodes, runs)]
+    if kill_at is not None:
+        threads.append(threading.Thread(target=killer, args=(nodes[-1], runs[-1], start, clock, go, kill_at,
+                                                             image.hot_clen, stop), daemon=True))
+    for thread in threads:
+        thread.start()
+    clock[0] = time.perf_counter()  # every node's clock starts as all are let go
+    go.set()
+    for thread in threads[:len(nodes)]:
+        thread.join(timeout + 60)
+    stop.set()
+    for thread in threads[len(nodes):]:
+        thread.join(30)
+    start.machine_cpu_s = machine_cpu_seconds() - machine_before
+    start.store_egress = cluster.store_egress() - egress
+    start.store_bodies = cluster.store_body_bytes() - bodies
+    for node, run, before in zip(nodes, runs, cpu_before):
+        if not run.killed:
+            run.cpu_s = cpu_seconds(node.pid) - before
+            run.figures = node_figures(node)
+    for node in nodes:
+        node.stop()
+        keep_log(node, logs, label)
+    return start
+
+
+def summarize(start: Start) -> str:
+    done = start.times()
+    errors = [f"{r.node}: {r.error}" for r in start.nodes if r.error and not r.killed]
+    text = (f"{start.scenario:10} {len(start.nodes)} node(s): store egress {start.store_egress / MB:7.1f} MB, "
+            f"hot set everywhere {_f(max(start.times('hot_s'), default=None))} s, "
+            f"slowest {_f(max(done, default=None))} s, median {_f(statistics.median(done) if done else None)} s, "
+            f"CPU {sum(r.cpu_s for r in start.nodes):.1f} s")
+    if start.killed_at_s is not None:
+        text += f"; killed node {start.nodes[-1].node} at {start.killed_at_s:.2f} s"
+    return text + ("".join(f"\n    FAILED {e}" for e in errors))
+
+
+def _f(value: float | None, spec: str = ".2f") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+# --------------------------------------------------------------------------- peers
+
+
+def peers_supported() -> bool:
+    """Whether the installed ``bootseer layer-server`` has peer sharing (``--peer-listen``)."""
+    done = subprocess.run(bootseer_argv("layer-server", "--help"), capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL)
+    return "--peer-listen" in done.stdout
+
+
+def peer_flags(cluster: PeerCluster, count: int, token_file: Path, deadline: float) -> dict[int, list[str]]:
+    """Each of the first ``count`` nodes' peer options (:func:`~tests.support.peernodes.peer_args`: listen on
+    its address, those nodes the members, the token file), with ``--peer-deadline``."""
+    args = peer_args(token_file, "--peer-deadline", str(deadline), members=count)
+    return {node.index: args(node, cluster) for node in cluster.nodes[:count]}
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, node_rate: float) -> dict[str, Any]:
+    """Fitted figures and the 1,000-node extrapolation (see the report's model section).
+
+    A start takes a fixed part plus its bottleneck, the slowest of: the store's link (egress / its
+    rate), the node's link (raw bytes from peers / its rate) and the CPU.  A layer server runs on
+    about one core (its Python holds the GIL), so a node's CPU term is its server's CPU seconds; on
+    this machine, where every node shares its cores, it is also at least the machine's busy CPU
+    seconds over the start divided by its cores (nginx, the kernel's FUSE and EROFS work and the
+    replay's hashing included).  The fixed part is fitted to the node starting alone.
+    """
+    def med(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    cores = os.cpu_count() or 1
+    alone = [s for s in results.get("alone", []) if s.times()]
+    model: dict[str, Any] = {"store_rate": store_rate, "node_rate": node_rate, "cores": cores, "rows": []}
+    if not alone:
+        return model
+    e1 = med([s.store_egress for s in alone])
+    t1 = med([max(s.times()) for s in alone])
+    cpu1 = med([s.nodes[0].cpu_s for s in alone])
+    machine1 = med([s.machine_cpu_s for s in alone])
+    model.update(e1=e1, t1=t1, cpu1=cpu1, machine1=machine1)
+    model["t_fixed"] = max(0.0, t1 - max(e1 / store_rate, cpu1, machine1 / cores))
+    for scenario in ("no-peers", "peers"):
+        starts = [s for s in results.get(scenario, []) if s.times()]
+        if not starts:
+            continue
+        n = len(starts[0].nodes)
+        egress = med([s.store_egress for s in starts])
+        cpu = med([statistics.mean(r.cpu_s for r in s.alive()) for s in starts])
+        machine = med([s.machine_cpu_s for s in starts])
+        ingress = image.hot_rlen * (n - 1) / n if scenario == "peers" else 0.0  # raw bytes a node gets from peers
+        terms = {"store link": egress / store_rate, "node link": ingress / node_rate,
+                 "CPU": max(cpu, machine / cores)}
+        model[scenario] = {"n": n, "egress": egress, "egress_over_e1": egress / e1, "cpu": cpu, "machine": machine,
+                           "slowest": med([max(s.times()) for s in starts]),
+                           "predicted_here": model["t_fixed"] + max(terms.values()),
+                           "limit_here": max(terms, key=lambda k: terms[k])}
+    for scenario in ("no-peers", "peers"):
+        fitted = model.get(scenario)
+        if not fitted:
+            continue
+        for n in sorted({1, fitted["n"], 100, MODEL_NODES}):
+            if scenario == "no-peers":
+                egress, ingress = fitted["egress"] / fitted["n"] * n, 0.0
+            else:
+                # Each block crosses the store's link about once, whatever N: the measured excess over E1 stays.
+                egress, ingress = (fitted["egress"] if n > 1 else e1), image.hot_rlen * (n - 1) / n
+            terms = {"store link": egress / store_rate, "node link": ingress / node_rate, "CPU": fitted["cpu"]}
+            limit = max(terms, key=lambda k: terms[k])
+            model["rows"].append({"scenario": scenario, "n": n, "egress": egress,
+                                  "seconds": model["t_fixed"] + terms[limit], "limit": limit})
+    return model
+
+
+# --------------------------------------------------------------------------- report
+
+
+def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any], model: dict[str, Any]) -> str:
+    args = context["args"]
+    lines = [f"# Peer-assisted block sharing: a job start on {args.nodes} nodes (issue 16)", "",
+             f"Measured {context['when']} on {lazy_bench._machine()}; load average {context['load']:.2f} before; "
+             f"code {lazy_bench._code_version()}; `{' '.join(context['argv'])}`, {context['minutes']:.1f} min.", "",
+             f"Image: the lazy-layers benchmark's ({len(image.chains)} layers, torch CPU); its hot list (recorded once "
+             f"by a layer server alone, the job in a chroot): {image.hot['blocks']} blocks, "
+             f"{image.hot_clen / MB:.1f} MB compressed (what the store sends), {image.hot_rlen / MB:.1f} MB raw "
+             f"(what the replay reads and a peer sends).",
+             "",
+             f"Nodes: network namespaces on one bridge, each behind its own tbf link of `{args.rate}`; the store "
+             f"(nginx serving the converted store) in a namespace of its own behind one `{args.store_rate}` link "
+             f"(one GET across it: {context.get('store_rate_mb', 0):.0f} MB/s). A node's start: mount the 4 layers "
+             f"(the top's mount starts the hot-list prefetch), wait until every hot block is in the node cache "
+             f"(*hot set*), then replay the recorded read order through the mount, every block's bytes checked "
+             f"against its SHA-256. All nodes start at once, on fresh roots and empty caches, page cache dropped. "
+             f"Store egress: bytes the store's link sent (veth counters; nginx's logged bodies beside). "
+             f"Medians of {args.reps} rep(s).", ""]
+    for note in context["notes"]:
+        lines += [f"*{note}*", ""]
+    lines += ["| scenario | nodes | store egress MB | x one node alone | hot set on every node s | slowest s | "
+              "min / median / max s | CPU s per node | peer MB received per node | fallbacks | errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    e1 = model.get("e1")
+    for scenario, text in SCENARIOS.items():
+        starts = results.get(scenario)
+        if not starts:
+            lines.append(f"| {scenario} | — | not run{': ' + context['not_run'][scenario] if scenario in context['not_run'] else ''} "
+                         "| | | | | | | | |")
+            continue
+        egress = statistics.median(s.store_egress for s in starts)
+        hot = [max(s.times("hot_s")) for s in starts if s.times("hot_s")]
+        slowest = [max(s.times()) for s in starts if s.times()]
+        spread = [t for s in starts for t in s.times()]
+        cpu = [r.cpu_s for s in starts for r in s.alive()]
+        received = [r.figures.get("peer_received_bytes", 0) for s in starts for r in s.alive()]
+        fallbacks = sum(r.figures.get("peer_fallbacks", 0) for s in starts for r in s.alive())
+        errors = sum(1 for s in starts for r in s.nodes if r.error and not r.killed)
+        spread_text = (f"{min(spread):.2f} / {statistics.median(spread):.2f} / {max(spread):.2f}" if spread else "—")
+        lines.append(f"| {scenario} | {len(starts[0].nodes)} | {egress / MB:.1f} | {_f(egress / e1 if e1 else None)} | "
+                     f"{_f(statistics.median(hot) if hot else None)} | "
+                     f"{_f(statistics.median(slowest) if slowest else None)} | {spread_text} | "
+                     f"{_f(statistics.median(cpu) if cpu else None, '.1f')} | "
+                     f"{_f(statistics.median(received) / MB if received else None, '.1f')} | {fallbacks:.0f} | "
+                     f"{errors} |")
+    lines += ["", "Scenarios: " + "; ".join(f"`{k}`: {v}" for k, v in SCENARIOS.items()) + ".", ""]
+    lines += ["## Targets", ""] + checks(results, model, context) + [""]
+    lines += model_section(model, image, context)
+    lines += ["", "## Every start", ""]
+    for scenario in SCENARIOS:
+        for number, start in enumerate(results.get(scenario, [])):
+            lines.append(f"* `{scenario}` rep {number}: store egress {start.store_egress / MB:.1f} MB "
+                         f"(nginx bodies {start.store_bodies / MB:.1f} MB)"
+                         + (f", node {start.nodes[-1].node} killed at {start.killed_at_s:.2f} s"
+                            if start.killed_at_s is not None else ""))
+            for run in start.nodes:
+                state = "killed" if run.killed else (f"FAILED: {run.error}" if run.error else "ok")
+                figures = ", ".join(f"{k} {v / MB:.1f} MB" if k.endswith("bytes") else f"{k} {v:.0f}"
+                                    for k, v in run.figures.items() if v)
+                lines.append(f"  * node {run.node}: hot set {_f(run.hot_s)} s, done {_f(run.done_s)} s, "
+                             f"{run.verified_bytes / MB:.1f} MB verified, CPU {run.cpu_s:.1f} s"
+                             + (f", {figures}" if figures else "") + f"; {state}")
+    return "\n".join(lines) + "\n"
+
+
+def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict[str, Any]) -> list[str]:
+    e1, t1 = model.get("e1"), model.get("t1")
+    out = []
+
+    def line(ok: bool | None, text: str) -> None:
+        out.append(f"* {'PASS' if ok else 'FAIL' if ok is False else 'NOT MEASURED'}: {text}")
+
+    peers = results.get("peers")
+    if peers and e1 and t1:
+        egress = statistics.median(s.store_egress for s in peers)
+        line(egress <= TARGET_EGRESS_RATIO * e1,
+             f"store egress with peers {egress / MB:.1f} MB = {egress / e1:.2f}x one node's alone "
+             f"(target <= {TARGET_EGRESS_RATIO}x)")
+        slowest = statistics.median(max(s.times()) for s in peers if s.times())
+        line(slowest <= TARGET_SLOWEST_RATIO * t1,
+             f"slowest node with peers {slowest:.2f} s = {slowest / t1:.2f}x one node alone ({t1:.2f} s) "
+             f"(target <= {TARGET_SLOWEST_RATIO}x)")
+    else:
+        line(None, f"store egress with peers <= {TARGET_EGRESS_RATIO}x one node's alone: "
+                   f"{context['not_run'].get('peers', 'no peers run')}")
+        line(None, f"slowest node with peers <= {TARGET_SLOWEST_RATIO}x one node alone: "
+                   f"{context['not_run'].get('peers', 'no peers run')}")
+    no_peers = results.get("no-peers")
+    if no_peers and e1:
+        egress = statistics.median(s.store_egress for s in no_peers)
+        n = len(no_peers[0].nodes)
+        out.append(f"* for comparison, without peers: store egress {egress / MB:.1f} MB = {egress / e1:.2f}x "
+                   f"one node's alone (about {n}x expected); slowest "
+                   f"{statistics.median(max(s.times()) for s in no_peers if s.times()):.2f} s")
+    kill = results.get("peers-kill")
+    deadline = context["args"].peer_deadline
+    if kill and peers:
+        delays = []
+        for k, p in zip(kill, peers):
+            for run in k.alive():
+                base = next((r for r in p.nodes if r.node == run.node), None)
+                if base is not None and base.done_s is not None and run.done_s is not None:
+                    delays.append(run.done_s - base.done_s)
+        worst = max(delays, default=None)
+        line(None if worst is None else worst <= deadline,
+             f"a peer killed mid-run delays no node by more than the fallback deadline: worst delay against the "
+             f"same node in the `peers` run {_f(worst)} s (deadline {deadline} s; run-to-run noise is in it too)")
+    else:
+        line(None, f"a killed peer delays no node by more than the fallback deadline ({deadline} s): "
+                   f"{context['not_run'].get('peers-kill', 'not run')}")
+    return out
+
+
+def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) -> list[str]:
+    lines = ["## Model: store egress and start time at 1,000 nodes", ""]
+    if not model.get("rows"):
+        return lines + ["Not fitted: the runs it needs did not complete.", ""]
+    lines += [
+        "A start is a fixed part plus its bottleneck, the slowest of three: the store's link (store egress / its "
+        "rate), the node's own link (raw bytes the node receives from peers / its rate) and the CPU. A layer "
+        "server runs on about one core (its Python holds the GIL; decompression threads add a little), so a "
+        "node's CPU term is its server's CPU seconds for the start (fetch, decompress, verify, serve, FUSE); on "
+        "this machine, where every node shares its "
+        f"{model['cores']} cores, it is also at least the machine's busy CPU seconds over the start / "
+        f"{model['cores']} (nginx, the kernel's FUSE and EROFS work, the replay's hashing, other work on the "
+        "machine). Fitted to this run: one node's store egress "
+        f"E1 = {model['e1'] / MB:.1f} MB, its start t1 = {model['t1']:.2f} s with {model['cpu1']:.1f} CPU s "
+        f"(machine: {model['machine1']:.1f} s); the store's link {model['store_rate'] / MB:.0f} MB/s (measured) "
+        f"and a node's {model['node_rate'] / MB:.0f} MB/s (configured); fixed part t1 − its bottleneck = "
+        f"{model['t_fixed']:.2f} s. Without peers, egress grows as N x the measured egress per node; with peers "
+        "it stays at the measured N-node figure (each block crosses the store's link about once; the excess "
+        "over E1 is hedged fallbacks and owners' duplicate misses), and each node receives (N−1)/N of the raw "
+        "hot set from peers.", "",
+        "Against the measured points on this machine:", ""]
+    for scenario in ("no-peers", "peers"):
+        fitted = model.get(scenario)
+        if fitted:
+            lines.append(f"* `{scenario}`, {fitted['n']} nodes: measured slowest {_f(fitted['slowest'])} s, "
+                         f"model {_f(fitted['predicted_here'])} s (bound by {fitted['limit_here']}); egress "
+                         f"{fitted['egress'] / MB:.1f} MB ({fitted['egress_over_e1']:.2f}x E1); CPU per node "
+                         f"{fitted['cpu']:.1f} s, machine {fitted['machine']:.1f} s")
+    lines += ["", "Extrapolated, every node with its own cores (as on a real cluster):", "",
+              "| peers | nodes | store egress | start (slowest node) s | limited by |", "|---|---|---|---|---|"]
+    for row in model["rows"]:
+        egress = row["egress"]
+        shown = f"{egress / 1e9:.1f} GB" if egress >= 1e9 else f"{egress / MB:.0f} MB"
+        lines.append(f"| {'with' if row['scenario'] == 'peers' else 'without'} | {row['n']} | {shown} | "
+                     f"{row['seconds']:.1f} | {row['limit']} |")
+    lines += ["", "What limits it:", "",
+              "* **Without peers, the store's link**: 1,000 nodes each pull the hot set across one store link, "
+              "so the start grows linearly with N (E1 x N / store rate); the slowest node is the last served.",
+              "* **With peers, the node's own link and the CPU**: every node receives almost the whole raw hot set "
+              "from peers and its owners send as much, so each node's link carries the raw hot set once each way "
+              "whatever N; the CPU of decompressing and verifying every block is per node and does not grow.",
+              "* **Owner fan-out**: each block's owner serves it to N−1 peers, at most `--peer-max-uploads` at once "
+              "and within `--peer-upload-rate`; at 1,000 nodes, 999 requests arrive for each block at about the "
+              "same moment, so a peer waits its turn at the owner, and one that waits past `--peer-deadline` "
+              "hedges to the store: the model's flat egress holds only while the owners keep up (a fan-out tree "
+              "or more owners per block would be the next step). Measured here with N = "
+              f"{model.get('peers', {}).get('n', '—')} only.",
+              "* **This machine**: all servers share its cores, so the measured N-node starts are CPU-bound here "
+              "where a real cluster's would not be; the model takes the CPU term per node for the extrapolation."]
+    return lines
+
+
+# --------------------------------------------------------------------------- main
+
+
+def measure_store_rate(cluster: PeerCluster, image_store: Path) -> float:
+    """MB/s of one GET of the largest pack from the store, across the store's link and node 0's."""
+    packs = sorted((image_store / "v1" / "packs").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
+    largest = packs[-1].relative_to(image_store)
+    node = cluster.nodes[0]
+    done = subprocess.run([*node.member.launcher(), "curl", "-s", "-o", "/dev/null", "-w", "%{size_download} %{time_total}",
+                           cluster.store_url + str(largest)], capture_output=True, text=True, timeout=300)
+    size, seconds = done.stdout.split()
+    return float(size) / float(seconds) / MB
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=8, help="nodes that start at once (8)")
+    parser.add_argument("--reps", type=int, default=1, help="runs of each scenario (1)")
+    parser.add_argument("--rate", default="1gbit", help="each node's link, tc syntax (1gbit)")
+    parser.add_argument("--store-rate", default="1gbit", help="the store's one link, tc syntax (1gbit)")
+    parser.add_argument("--peer-deadline", type=float, default=0.5, help="--peer-deadline of the layer servers (0.5)")
+    parser.add_argument("--kill-at", type=float, default=0.5,
+                        help="peers-kill: the share of the hot set the victim has fetched when it is killed (0.5)")
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"which to run ({','.join(SCENARIOS)})")
+    parser.add_argument("--cache-dir", type=Path, default=image_build.DEFAULT_CACHE_DIR,
+                        help=f"image, store and hot list cache, shared with lazy_bench.py ({image_build.DEFAULT_CACHE_DIR})")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds one node's start may take (300)")
+    parser.add_argument("--output", type=Path, default=BENCH_DIR / "results" / "peers.md")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("error: the benchmark needs root (network namespaces, tc, FUSE, drop_caches)", file=sys.stderr)
+        return 2
+    if args.nodes < 2:
+        print("error: --nodes must be at least 2", file=sys.stderr)
+        return 2
+    try:
+        rates = rate_bytes(args.rate), rate_bytes(args.store_rate)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    wanted = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [s for s in wanted if s not in SCENARIOS]
+    if unknown:
+        print(f"error: unknown scenario {unknown[0]!r} (one of {', '.join(SCENARIOS)})", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    started = time.monotonic()
+    load = os.getloadavg()[1]
+    image_built = image_build.build_image(args.cache_dir)
+    work = args.cache_dir / "runs-peers" / str(os.getpid())
+    work.mkdir(parents=True)
+    for path in (args.cache_dir, args.cache_dir / "runs-peers", work):
+        path.chmod(0o755)
+    lazy_bench.convert_store(image_built, args.cache_dir / "store", work / "convert.log")
+    store = peers_store_copy(args.cache_dir)
+    hot = record_hot_list(image_built, store, work, args.timeout)
+    image = load_image(image_built, store, hot)
+    log(f"hot list: {hot['blocks']} blocks, {image.hot_clen / MB:.1f} MB compressed, {image.hot_rlen / MB:.1f} MB raw")
+    context: dict[str, Any] = {"args": args, "notes": [], "not_run": {}, "load": load,
+                               "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                               "argv": ["bench/peers_bench.py", *(argv if argv is not None else sys.argv[1:])]}
+    with_peers = peers_supported()
+    if not with_peers:
+        for scenario in ("peers", "peers-kill"):
+            context["not_run"][scenario] = "the layer server has no `--peer-listen` (peer sharing not in this build)"
+    token = write_token(work / "peer-token")
+    results: dict[str, list[Start]] = {}
+    cluster = PeerCluster(work / "c", store, args.nodes, node_rate=args.rate, store_rate=args.store_rate, start=False)
+    try:
+        with cluster:
+            log(f"{args.nodes} nodes on {cluster.lan.subnet} (tbf {args.rate} each), store {cluster.store_url} "
+                f"(tbf {args.store_rate})")
+            context["store_rate_mb"] = measure_store_rate(cluster, store)
+            log(f"one GET across the store's link: {context['store_rate_mb']:.0f} MB/s")
+            flags = peer_flags(cluster, args.nodes, token, args.peer_deadline)
+            plan = [("alone", 1, None, None), ("no-peers", args.nodes, None, None)]
+            if with_peers:
+                plan += [("peers", args.nodes, flags, None), ("peers-kill", args.nodes, flags, args.kill_at)]
+            for rep in range(args.reps):
+                for scenario, count, peer_args, kill_at in plan:
+                    if scenario not in wanted:
+                        continue
+                    start = run_start(cluster, scenario, count, peer_args, image, args.timeout, work / "logs",
+                                      f"{scenario}{rep}", kill_at)
+                    results.setdefault(scenario, []).append(start)
+                    log(f"rep {rep} " + summarize(start))
+            for node in cluster.nodes:
+                node.stop()
+        left = leftovers(cluster)
+        if left:
+            context["notes"].append("Left behind after the run (a bug of the harness): " + ", ".join(left))
+    finally:
+        for node in cluster.nodes:  # a start that failed half-way
+            with contextlib.suppress(OSError):
+                keep_log(node, work / "logs", "last")
+    context["minutes"] = (time.monotonic() - started) / 60
+    store_rate = context["store_rate_mb"] * MB
+    model = fit_model(results, image, store_rate=min(store_rate, rates[1]), node_rate=rates[0])
+    text = report(results, image, context, model)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(text)
+    log(f"wrote {args.output} ({context['minutes']:.1f} min); logs in {work / 'logs'}")
+    return 0
+
+
+def rate_bytes(rate: str) -> float:
+    """Bytes/s of a tc rate (``1gbit``, ``500mbit``)."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
+    for suffix, scale in units.items():
+        if rate.endswith(suffix):
+            return float(rate[: -len(suffix)]) * scale / 8
+    raise ValueError(f"rate {rate!r}: expected a number and gbit, mbit or kbit")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -297,11 +297,12 @@ class _CacheWriter:
 class _Pending:
     """A block one call is getting (from the node cache or the store) that others wait for."""
 
-    __slots__ = ("done", "data")
+    __slots__ = ("done", "data", "asks_peer")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.data: bytes | None = None  # None once done: its call failed or was cancelled
+        self.asks_peer = False  # its call asks another node for it (a peer's request must not wait on that)
 
 
 class BlockFetcher:
@@ -500,6 +501,8 @@ class BlockFetcher:
                         pending[digest].data = data
                         pending[digest].done.set()
 
+                    for block in rest:
+                        pending[block.digest].asks_peer = self.peers.owner(block.digest) is not None
                     fetched = await self._fetch_via_peers(index, rest, priority, counters, candidates, ready)
                 else:
                     fetched = await self._fetch_verified(index, rest, priority, counters, candidates)
@@ -578,7 +581,9 @@ class BlockFetcher:
         if data is not None:
             return data
         pending = self._pending.get(digest)
-        if pending is not None:
+        # Joined only if that call gets it without a peer: while members disagree on an owner,
+        # waiting on a call that asks a peer could close a loop of nodes each waiting on the next.
+        if pending is not None and not pending.asks_peer:
             await pending.done.wait()
             if pending.data is not None:
                 return pending.data

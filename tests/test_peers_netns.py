@@ -52,7 +52,7 @@ from tests.support.layers import File, Layer
 from tests.support.oci import blob_data
 from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token
 from tests.support.waiting import wait_until
-from tests.test_peers import owned_by
+from tests.support.peers import owned_by
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -235,29 +235,6 @@ def test_four_nodes_reading_one_layer_at_once_fetch_it_from_the_store_about_once
 
 # -- a peer that lies ---------------------------------------------------------------------------------
 
-#: A peer answering every block request with wrong bytes of the right length (tests/test_peers.py's
-#: handler), listening on ``argv[1]``; it prints each request's path as it gets it.
-FAKE_PEER = """
-import sys, threading
-from http.server import ThreadingHTTPServer
-from tests.test_peers import _FakePeerHandler
-
-class Printed(list):
-    def append(self, request):
-        print(request[0], flush=True)
-
-class Peer(ThreadingHTTPServer):
-    daemon_threads = True
-    behaviour = sys.argv[2]
-    requests = Printed()
-    release = threading.Event()
-
-host, port = sys.argv[1].rsplit(":", 1)
-server = Peer((host, int(port)), _FakePeerHandler)
-print("listening", flush=True)
-server.serve_forever()
-"""
-
 
 def test_a_peer_in_another_namespace_serving_corrupt_blocks_costs_store_fetches_never_a_wrong_byte(
         clusters: Callable[..., PeerCluster], store: Store, token: Path, tmp_path: Path) -> None:
@@ -268,7 +245,7 @@ def test_a_peer_in_another_namespace_serving_corrupt_blocks_costs_store_fetches_
     assert theirs, "the lying peer owns no block: the test would test nothing"
     requests = tmp_path / "liar-requests"
     with open(requests, "wb") as out:
-        fake = subprocess.Popen([*liar.member.launcher(), sys.executable, "-c", FAKE_PEER, liar.peer_address, "corrupt"],
+        fake = subprocess.Popen([*liar.member.launcher(), sys.executable, "-m", "tests.support.peers", liar.peer_address, "corrupt"],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO)  # fmt: skip
     try:
         wait_until("the lying peer to listen", lambda: b"listening" in requests.read_bytes() or fake.poll() is not None)
@@ -429,13 +406,13 @@ def test_the_members_file_rewritten_during_a_prefetch_moves_blocks_and_the_prefe
 
 
 class Crossing:
-    """Two block fetchers in one process, each the other's peer: block ``digest`` is owned by fetcher
-    ``owners[digest]``, and asking its owner calls that fetcher's ``block_for_peer`` (as its peer server
-    would), but only once both fetchers have begun asking: each fetcher's call then has all its blocks
-    pending before either serves the other."""
+    """Block fetchers in one process, each the others' peer: fetcher ``me`` takes block ``digest`` to be
+    owned by fetcher ``views[me][digest]`` (one view for all by default: ``owners``), and asking its owner
+    calls that fetcher's ``block_for_peer`` (as its peer server would), but only once every fetcher has
+    begun asking: each fetcher's call then has all its blocks pending before any serves another."""
 
-    def __init__(self, owners: dict[str, int]) -> None:
-        self.owners = owners
+    def __init__(self, owners: dict[str, int], *, views: list[dict[str, int]] | None = None) -> None:
+        self.views = views if views is not None else [owners, owners]
         self.fetchers: list[BlockFetcher] = []
         self.asking: set[int] = set()
         self.both = trio.Event()
@@ -449,19 +426,20 @@ class CrossedPeers:
     me: int
 
     def owner(self, digest: str) -> str | None:
-        owner = self.crossing.owners[digest]
+        owner = self.crossing.views[self.me][digest]
         return None if owner == self.me else f"node{owner}"
 
     async def fetch(self, store: str, places: Sequence[BlockPlace], priority: Priority,
                     deliver: Callable[[str, bytes], None], late: Callable[[str], None]) -> None:  # fmt: skip
         crossing = self.crossing
         crossing.asking.add(self.me)
-        if len(crossing.asking) == 2:
+        if len(crossing.asking) == len(crossing.views):
             crossing.both.set()
         await crossing.both.wait()
 
         async def ask(place: BlockPlace) -> None:
-            data = await crossing.fetchers[crossing.owners[place.digest]].block_for_peer(place, priority)
+            owner = crossing.views[self.me][place.digest]
+            data = await crossing.fetchers[owner].block_for_peer(place, priority)
             if data is None:
                 late(place.digest)
             else:
@@ -502,3 +480,35 @@ def test_two_nodes_reading_blocks_the_other_owns_at_once_never_wait_on_each_othe
     expected = DATA[: 2 * BLOCK_SIZE]
     got = autojump.run(main, hold_for_threads=True)  # a deadlock fails at the mock clock's test timeout
     assert [b"".join(blocks) for blocks in got] == [expected, expected]
+
+
+def test_three_nodes_that_disagree_on_an_owner_never_wait_in_a_circle(store: Store) -> None:
+    """Regression: while a membership changes, nodes may name different owners for one block.  Node 0 taking
+    node 1 for p's owner, node 1 taking node 2 and node 2 taking node 0, each asking its owner while its own
+    call for p asks another: an owner that joined its own pending call would wait on the next node, and the
+    three would wait in a circle until the peers' 60 s request limit.  An owner joins only a call that gets
+    the block without a peer, so each fetches p from the store for its asker instead."""
+    index = store.a.index
+    p = index.blocks[0]
+
+    async def main() -> list[list[bytes]]:
+        crossing = Crossing({}, views=[{p.digest: 1}, {p.digest: 2}, {p.digest: 0}])
+        async with trio.open_nursery() as background:
+            async with open_engine(LocalSource(str(store.path))) as e0, open_engine(LocalSource(str(store.path))) as e1, \
+                    open_engine(LocalSource(str(store.path))) as e2:  # fmt: skip
+                for me, engine in enumerate((e0, e1, e2)):
+                    crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
+                                                          peer_store="store", background=background))  # fmt: skip
+                got: list[list[bytes]] = [[], [], []]
+
+                async def read(me: int) -> None:
+                    got[me] = await crossing.fetchers[me].blocks(index, [0])
+
+                async with trio.open_nursery() as nursery:
+                    for me in range(3):
+                        nursery.start_soon(read, me)
+            background.cancel_scope.cancel()
+        return got
+
+    got = autojump.run(main, hold_for_threads=True)  # a circle fails at the mock clock's test timeout
+    assert [b"".join(blocks) for blocks in got] == [DATA[:BLOCK_SIZE]] * 3

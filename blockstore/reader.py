@@ -297,11 +297,12 @@ class _CacheWriter:
 class _Pending:
     """A block one call is getting (from the node cache or the store) that others wait for."""
 
-    __slots__ = ("done", "data")
+    __slots__ = ("done", "data", "asks_peer")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.data: bytes | None = None  # None once done: its call failed or was cancelled
+        self.asks_peer = False  # its call asks another node for it (a peer's request must not wait on that)
 
 
 class BlockFetcher:
@@ -492,7 +493,17 @@ class BlockFetcher:
             rest = [block for digest, block in mine.items() if digest not in got]
             if rest:
                 if via_peers and self.peers is not None:
-                    fetched = await self._fetch_via_peers(index, rest, priority, counters, candidates)
+
+                    def ready(digest: str, data: bytes) -> None:
+                        # Each block's waiters go on as it arrives, not when the call's last one does: a
+                        # peer waiting here for a block this node owns must never wait on a block this
+                        # node awaits from that peer (two nodes reading the same blocks would deadlock).
+                        pending[digest].data = data
+                        pending[digest].done.set()
+
+                    for block in rest:
+                        pending[block.digest].asks_peer = self.peers.owner(block.digest) is not None
+                    fetched = await self._fetch_via_peers(index, rest, priority, counters, candidates, ready)
                 else:
                     fetched = await self._fetch_verified(index, rest, priority, counters, candidates)
                 for block, data in zip(rest, fetched):
@@ -570,7 +581,9 @@ class BlockFetcher:
         if data is not None:
             return data
         pending = self._pending.get(digest)
-        if pending is not None:
+        # Joined only if that call gets it without a peer: while members disagree on an owner,
+        # waiting on a call that asks a peer could close a loop of nodes each waiting on the next.
+        if pending is not None and not pending.asks_peer:
             await pending.done.wait()
             if pending.data is not None:
                 return pending.data
@@ -591,12 +604,14 @@ class BlockFetcher:
         priority: Priority,
         counters: _Counters,
         ahead: Sequence[Block] = (),
+        ready: Callable[[str, bytes], None] = lambda digest, data: None,
     ) -> list[bytes]:
         """Distinct stored ``blocks``, each from its owner in the peer group or, where this node owns it or
         the owner is late or fails, from the store (:meth:`_fetch_verified`); the first answer wins.
 
         ``ahead`` is read ahead through the peers too, in the background (its blocks join
-        later reads as pending ones).
+        later reads as pending ones).  ``ready`` is told each block (digest, verified bytes)
+        as soon as it is had, before the others.
         """
         assert self.peers is not None
         peers = self.peers
@@ -619,6 +634,7 @@ class BlockFetcher:
         def deliver(digest: str, data: bytes) -> None:
             if digest in by_digest and digest not in got:
                 got[digest] = data
+                ready(digest, data)
                 self.stats.blocks_from_peers += 1
                 counters.peer.inc()
                 if len(got) == len(by_digest):
@@ -638,7 +654,9 @@ class BlockFetcher:
                     complete.set()
                 return
             for block, data in zip(batch, fetched):
-                got.setdefault(block.digest, data)
+                if block.digest not in got:
+                    got[block.digest] = data
+                    ready(block.digest, data)
             if len(got) == len(by_digest):
                 complete.set()
 

@@ -510,6 +510,9 @@ class LayerServer:
             fetcher_stats = getattr(fetcher, "stats", None)
             if fetcher_stats is not None:
                 stores[engine.url]["blocks"] = _plain(fetcher_stats)
+            proxy = getattr(engine.source, "proxy", None)  # an http store's [store] proxy (fetch/sources/http_proxy.py)
+            if proxy is not None:
+                stores[engine.url]["proxy"] = {"proxy": proxy.config.display_url, "up": proxy.up}
         cache_stats = getattr(self.cache, "stats", None)
         return {
             "pid": os.getpid(),
@@ -529,6 +532,7 @@ class LayerServer:
             ],  # fmt: skip
             "stores": stores,
             "cache": _plain(cache_stats() if callable(cache_stats) else cache_stats) if cache_stats is not None else {},
+            "peers": await self.peers.status() if self.peers is not None else {"enabled": False},
         }
 
 

@@ -17,9 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -27,7 +25,6 @@ import pytest
 import trio
 
 from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server
-from bootseer.blockstore.format import LayerIndex
 from bootseer.blockstore.peer_membership import (
     DnsMembers, FileMembers, parse_address,
 )  # fmt: skip
@@ -43,6 +40,7 @@ from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.oci import blob_data
+from tests.support.peers import FakePeer, owned_by
 from tests.support.tls import self_signed
 from tests.support.waiting import wait_until
 
@@ -246,14 +244,6 @@ def pack_bytes_fetched(http: RangeHTTPServer) -> int:
     return total
 
 
-def owned_by(index: LayerIndex, members: list[str], member: str) -> list[int]:
-    """Numbers of the stored blocks of ``index`` that ``member`` owns among ``members``."""
-    return [
-        number for number, block in enumerate(index.blocks)
-        if not block.is_zero and max(members, key=lambda m: rendezvous_score(m, block.digest)) == member
-    ]  # fmt: skip
-
-
 def scrape(address: str) -> dict[str, float]:
     """The samples of a /metrics page, by their line's name and labels."""
     text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
@@ -297,6 +287,7 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
         assert statuses[0]["received"]["blocks"] == len(mine[1]) == statuses[1]["served"]["blocks"]
         assert statuses[1]["received"]["blocks"] == len(mine[0]) == statuses[0]["served"]["blocks"]
         assert statuses[0]["fallbacks"] == statuses[0]["bad_blocks"] == statuses[0]["errors"] == 0
+        assert clients[0].status()["peers"]["received"] == statuses[0]["received"]  # the server's status has it too
         # The metrics say the same, and bootseer peers status prints it.
         samples = scrape(metrics[0])
         assert samples['bootseer_peer_bytes_total{direction="received"}'] == statuses[0]["received"]["bytes"]
@@ -316,56 +307,6 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
         # The profiler's timeline has the bytes that came from peers beside the store's.
         wait_until("the profiler samples the peer bytes",
                    lambda: peer_bytes_sampled() == statuses[0]["received"]["bytes"])  # fmt: skip
-
-
-class FakePeer(ThreadingHTTPServer):
-    """A peer that answers block requests as ``behaviour`` says: "corrupt", "cut", "silent" or "refuse"."""
-
-    daemon_threads = True
-
-    def __init__(self, behaviour: str) -> None:
-        self.behaviour = behaviour
-        self.requests: list[tuple[str, str]] = []  # (path, Authorization)
-        self.release = threading.Event()
-        super().__init__(("127.0.0.1", 0), _FakePeerHandler)
-        self.address = f"127.0.0.1:{self.server_address[1]}"
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.shutdown()
-        self.server_close()
-
-
-class _FakePeerHandler(BaseHTTPRequestHandler):
-    server: FakePeer
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        self.server.requests.append((self.path, self.headers.get("Authorization", "")))
-        _store, place, _priority = parse_block_target(self.path)
-        behaviour = self.server.behaviour
-        if behaviour == "silent":
-            self.server.release.wait(60)
-            return
-        if behaviour == "refuse":
-            self.send_response(401)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        body = os.urandom(place.rlen)  # the right length, the wrong bytes
-        self.send_response(200)
-        self.send_header("Content-Length", str(place.rlen))
-        self.end_headers()
-        if behaviour == "cut":
-            self.wfile.write(body[: place.rlen // 2])
-            self.wfile.flush()
-            self.connection.shutdown(socket.SHUT_RDWR)
-            return
-        self.wfile.write(body)
 
 
 @pytest.fixture

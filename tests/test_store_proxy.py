@@ -387,9 +387,14 @@ def test_layer_blocks_go_through_the_proxy_direct_while_it_is_down_and_back_when
         for first, _last in _ranges(packs):
             assert first % PROXY_BLOCK == 0
 
+        [shown] = client.status()["stores"].values()
+        assert shown["proxy"]["up"] is True and shown["proxy"]["proxy"].startswith("http://127.0.0.1:")
+
         proxy.stop()
         start = len(store.access)
         read(*second_part)  # no EIO, no wrong byte
+        [shown] = client.status()["stores"].values()
+        assert shown["proxy"]["up"] is False  # the status answer says what the gauge says
         packs = store.since(start, part="/packs/")
         assert packs and all(client == "127.0.0.1" and not via for client, via, _t, _r in packs)
 

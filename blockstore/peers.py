@@ -605,8 +605,8 @@ class PeerServer:
                     return
                 if not await self._request(stream, head):
                     return
-        except (WireError, OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError):
-            return  # the peer went away or broke the protocol: nothing more to say to it
+        except (WireError, OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.debug("peer connection ended", error=str(exc))  # it went away or broke the protocol
         except Exception:  # a bug here must cost one peer connection, never the layer server
             log.error("serving a peer failed", exc_info=True)
         finally:
@@ -673,24 +673,37 @@ class PeerServer:
 
     async def _block_with_keepalive(self, stream: HttpStream, store: str, place: BlockPlace,
                                     priority: Priority) -> bytes | None:  # fmt: skip
-        """The block's bytes, telling the asker ``102 Processing`` every KEEPALIVE seconds meanwhile."""
+        """The block's bytes, telling the asker ``102 Processing`` every KEEPALIVE seconds meanwhile.
+
+        WireError when the asker goes away meanwhile (the fetch for it is then cancelled).
+        """
         result: list[bytes | None] = []
+        done = trio.Event()
+        gone: BaseException | None = None
+
+        async def get() -> None:
+            result.append(await self._get_block(store, place, priority))
+            done.set()
+
         async with trio.open_nursery() as nursery:
-
-            async def get() -> None:
-                result.append(await self._get_block(store, place, priority))
-                nursery.cancel_scope.cancel()
-
             nursery.start_soon(get)
-            await trio.sleep(KEEPALIVE / 4)  # a block at hand needs no interim answer
-            while True:
-                # Whole or not at all: a send cut by the block's arrival would garble the answer.
-                with trio.CancelScope(shield=True):
-                    with trio.move_on_after(SERVER_IDLE) as scope:
-                        await stream.send(PROCESSING)
-                    if scope.cancelled_caught:
-                        raise WireError("the asker reads nothing")
-                await trio.sleep(KEEPALIVE)
+            try:
+                with trio.move_on_after(KEEPALIVE / 4):  # a block at hand needs no interim answer
+                    await done.wait()
+                while not done.is_set():
+                    # Whole or not at all: a send cut by the block's arrival would garble the answer.
+                    with trio.CancelScope(shield=True):
+                        with trio.move_on_after(SERVER_IDLE) as scope:
+                            await stream.send(PROCESSING)
+                        if scope.cancelled_caught:
+                            raise WireError("the asker reads nothing")
+                    with trio.move_on_after(KEEPALIVE):
+                        await done.wait()
+            except (WireError, OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                gone = exc  # raised below, outside the nursery, as itself rather than in an exception group
+                nursery.cancel_scope.cancel()
+        if gone is not None:
+            raise WireError(f"the asker went away: {gone}")
         return result[0] if result else None
 
 

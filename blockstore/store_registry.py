@@ -15,6 +15,7 @@ peer's request names a store the same way, and :meth:`StoreRegistry.for_peer` fi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, Iterator
 
@@ -42,6 +43,11 @@ class StoreRegistry:
                  known: Iterable[str] = ()) -> None:  # fmt: skip
         self._nursery = nursery
         self._peers = peers
+        if peers is not None:
+            # A member fetches from the store only the blocks it owns, about one in N of them: a gap
+            # between two of them is other owners' blocks, which bridging would fetch a second time
+            # (measured: 26 MB of 120 MB the store sent to 8 nodes were such gaps).
+            engine = dataclasses.replace(engine, coalesce_gap=0)
         self._known = [url for url in known if url]
         self._engine_config = engine
         self._source_options = source_options

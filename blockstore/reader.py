@@ -321,8 +321,9 @@ class BlockFetcher:
     first for blocks another node owns (docs/peers.md): a block a peer serves is
     checked here like a store block, and a block a peer does not answer in time or at
     all is fetched from the store (hedged: both may run, the first answer wins).
-    ``background`` is the nursery where read-ahead through peers runs, behind the
-    reads that asked for it.
+    Read-ahead then takes only the blocks this node owns (into the engine's buffer, as
+    without peers): reading ahead another owner's blocks moved raw blocks that were
+    never read (measured: 1.3x the hot set per node, and 0.6 CPU s more per start).
     """
 
     def __init__(
@@ -335,7 +336,6 @@ class BlockFetcher:
         threads: trio.CapacityLimiter | None = None,
         peers: PeerBlocks | None = None,
         peer_store: str = "",
-        background: trio.Nursery | None = None,
     ) -> None:
         if memory_bytes < 0:
             raise ValueError(f"memory_bytes must not be negative, not {memory_bytes}")
@@ -356,7 +356,6 @@ class BlockFetcher:
         self._writer = _CacheWriter(cache) if cache is not None else None
         self.peers = peers
         self.peer_store = peer_store
-        self._background = background
         self._peer_counters = _Counters("peers", self.source_label)  # blocks this node got for its peers
 
     @property
@@ -609,14 +608,18 @@ class BlockFetcher:
         """Distinct stored ``blocks``, each from its owner in the peer group or, where this node owns it or
         the owner is late or fails, from the store (:meth:`_fetch_verified`); the first answer wins.
 
-        ``ahead`` is read ahead through the peers too, in the background (its blocks join
-        later reads as pending ones).  ``ready`` is told each block (digest, verified bytes)
+        Of ``ahead``, the blocks this node owns are read ahead from the store (the others
+        are asked of their owners when read).  ``ready`` is told each block (digest, verified bytes)
         as soon as it is had, before the others.
         """
         assert self.peers is not None
         peers = self.peers
-        if ahead and self._background is not None and isinstance(index, LayerIndex):
-            self._background.start_soon(self._read_ahead_via_peers, index, list(ahead))
+        if ahead:
+            # Read ahead only what this node owns (from the store, into the engine's buffer: compressed and
+            # not decoded until read); another owner's block is asked for when it is read.
+            own = [block for block in ahead if peers.owner(block.digest) is None]
+            if own:
+                self._read_ahead(index, own, counters)
         theirs = [block for block in blocks if peers.owner(block.digest) is not None]
         if not theirs:
             return await self._fetch_verified(index, blocks, priority, counters)
@@ -686,23 +689,6 @@ class BlockFetcher:
         if failures and len(got) < len(by_digest):
             raise failures[0]
         return [got[block.digest] for block in blocks]
-
-    async def _read_ahead_via_peers(self, index: LayerIndex, candidates: list[Block]) -> None:
-        """Get ``candidates`` at READAHEAD priority through the peers (a later read joins them or finds them in memory)."""
-        mine = {b.digest: b for b in candidates if b.digest not in self._pending and b.digest not in self._recent}
-        if not mine:
-            return
-        counters = self._counters_of(index)
-        queued = sum(block.clen for block in mine.values())
-        self.stats.readahead_blocks += len(mine)
-        self.stats.readahead_bytes += queued
-        counters.ahead_queued.inc(queued)
-        try:
-            await self._get(index, mine, Priority.READAHEAD, counters, None)
-        except FetchError:
-            pass  # only read ahead: a read that wants a block gets it (or its error) itself
-        except Exception:  # in the server's nursery: a bug here must not stop the server
-            log.error("read-ahead through peers failed", layer=index.diff_id, exc_info=True)
 
     async def _fetch_verified(
         self,

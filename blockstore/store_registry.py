@@ -71,7 +71,7 @@ class StoreRegistry:
                 self._engines[store] = engine
                 self._fetchers[store] = BlockFetcher(
                     engine, self._cache, threads=self._threads, peers=self._peers,
-                    peer_store=peer_store_id(redact_url(store)), background=self._nursery,
+                    peer_store=peer_store_id(redact_url(store)),
                 )  # fmt: skip
         return self._engines[store], self._fetchers[store]
 

@@ -465,7 +465,7 @@ def test_two_nodes_reading_blocks_the_other_owns_at_once_never_wait_on_each_othe
                     open_engine(LocalSource(str(store.path))) as engine1:  # fmt: skip
                 for me, engine in enumerate((engine0, engine1)):
                     crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
-                                                          peer_store="store", background=background))  # fmt: skip
+                                                          peer_store="store"))  # fmt: skip
                 got: list[list[bytes]] = [[], []]
 
                 async def read(me: int) -> None:
@@ -498,7 +498,7 @@ def test_three_nodes_that_disagree_on_an_owner_never_wait_in_a_circle(store: Sto
                     open_engine(LocalSource(str(store.path))) as e2:  # fmt: skip
                 for me, engine in enumerate((e0, e1, e2)):
                     crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
-                                                          peer_store="store", background=background))  # fmt: skip
+                                                          peer_store="store"))  # fmt: skip
                 got: list[list[bytes]] = [[], [], []]
 
                 async def read(me: int) -> None:

@@ -460,21 +460,19 @@ def test_two_nodes_reading_blocks_the_other_owns_at_once_never_wait_on_each_othe
 
     async def main() -> list[list[bytes]]:
         crossing = Crossing({p.digest: 0, q.digest: 1})
-        async with trio.open_nursery() as background:
-            async with open_engine(LocalSource(str(store.path))) as engine0, \
-                    open_engine(LocalSource(str(store.path))) as engine1:  # fmt: skip
-                for me, engine in enumerate((engine0, engine1)):
-                    crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
-                                                          peer_store="store"))  # fmt: skip
-                got: list[list[bytes]] = [[], []]
+        async with open_engine(LocalSource(str(store.path))) as engine0, \
+                open_engine(LocalSource(str(store.path))) as engine1:  # fmt: skip
+            for me, engine in enumerate((engine0, engine1)):
+                crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
+                                                      peer_store="store"))  # fmt: skip
+            got: list[list[bytes]] = [[], []]
 
-                async def read(me: int) -> None:
-                    got[me] = await crossing.fetchers[me].blocks(index, [0, 1])
+            async def read(me: int) -> None:
+                got[me] = await crossing.fetchers[me].blocks(index, [0, 1])
 
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(read, 0)
-                    nursery.start_soon(read, 1)
-            background.cancel_scope.cancel()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read, 0)
+                nursery.start_soon(read, 1)
         return got
 
     expected = DATA[: 2 * BLOCK_SIZE]
@@ -493,21 +491,19 @@ def test_three_nodes_that_disagree_on_an_owner_never_wait_in_a_circle(store: Sto
 
     async def main() -> list[list[bytes]]:
         crossing = Crossing({}, views=[{p.digest: 1}, {p.digest: 2}, {p.digest: 0}])
-        async with trio.open_nursery() as background:
-            async with open_engine(LocalSource(str(store.path))) as e0, open_engine(LocalSource(str(store.path))) as e1, \
-                    open_engine(LocalSource(str(store.path))) as e2:  # fmt: skip
-                for me, engine in enumerate((e0, e1, e2)):
-                    crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
-                                                          peer_store="store"))  # fmt: skip
-                got: list[list[bytes]] = [[], [], []]
+        async with open_engine(LocalSource(str(store.path))) as e0, open_engine(LocalSource(str(store.path))) as e1, \
+                open_engine(LocalSource(str(store.path))) as e2:  # fmt: skip
+            for me, engine in enumerate((e0, e1, e2)):
+                crossing.fetchers.append(BlockFetcher(engine, None, peers=CrossedPeers(crossing, me),
+                                                      peer_store="store"))  # fmt: skip
+            got: list[list[bytes]] = [[], [], []]
 
-                async def read(me: int) -> None:
-                    got[me] = await crossing.fetchers[me].blocks(index, [0])
+            async def read(me: int) -> None:
+                got[me] = await crossing.fetchers[me].blocks(index, [0])
 
-                async with trio.open_nursery() as nursery:
-                    for me in range(3):
-                        nursery.start_soon(read, me)
-            background.cancel_scope.cancel()
+            async with trio.open_nursery() as nursery:
+                for me in range(3):
+                    nursery.start_soon(read, me)
         return got
 
     got = autojump.run(main, hold_for_threads=True)  # a circle fails at the mock clock's test timeout

@@ -45,6 +45,9 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bytes per second served to peers in all, e.g. 100M (0: no limit)")  # fmt: skip
     group.add_argument("--peer-max-uploads", type=int, default=defaults.max_uploads, metavar="N",
                        help=f"blocks served to peers at once ({defaults.max_uploads})")  # fmt: skip
+    group.add_argument("--peer-fetch-budget", type=parse_size, default=defaults.fetch_budget, metavar="SIZE",
+                       help="store bytes one asking peer may make this node fetch per 10 s, e.g. 1G (0: no limit; "
+                            "1G)")  # fmt: skip
     group.add_argument("--peer-tls-cert", metavar="FILE", help="serve peers over HTTPS with this certificate (PEM)")
     group.add_argument("--peer-tls-key", metavar="FILE", help="the key of --peer-tls-cert (PEM)")
     group.add_argument("--peer-ca", metavar="FILE", help="ask peers over HTTPS, trusting this CA (PEM)")
@@ -62,6 +65,7 @@ def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
         deadline=args.peer_deadline,
         upload_rate=args.peer_upload_rate,
         max_uploads=args.peer_max_uploads,
+        fetch_budget=args.peer_fetch_budget,
         tls_cert=args.peer_tls_cert,
         tls_key=args.peer_tls_key,
         ca=args.peer_ca,

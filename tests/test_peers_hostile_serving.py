@@ -1,0 +1,251 @@
+"""What a hostile member can make an owner do: the store bytes, the priority and the memory its requests cost.
+
+A member holds the group's token, so its requests are authenticated; what bounds it is what
+the owner does with them (issue 21, cases 1 and 2; docs/peers.md, "What a member can make an
+owner do").  The owner is a real ``bootseer layer-server`` over a counting HTTP store, asked by
+a raw socket with requests the owner's own client would never send: a made-up digest at a real
+pack, a ``clen`` far beyond what a block of ``rlen`` bytes can take, a block larger than any the
+owner serves, more requests than its budget.  The priority and memory of peer serving are
+checked on a real :class:`PeerServer` in this process, whose getter records what it is asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import trio
+
+from bootseer.blockstore.format import max_stored_length, pack_object
+from bootseer.blockstore.peer_wire import BlockPlace, block_target
+from bootseer.blockstore.peers import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats, peer_store_id
+from bootseer.fetch.engine import Priority
+from bootseer.fetch.sources import redact_url
+from tests.support.http import RangeHTTPServer, free_port
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+from tests.support.oci import blob_data
+from tests.test_peers import TOKEN, Nodes, pack_bytes_fetched, root_only
+
+BLOCK_SIZE = 64 << 10
+DATA = blob_data(96 * BLOCK_SIZE)  # incompressible: a pack of about 6 MiB
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuiltLayer]:
+    store = tmp_path_factory.mktemp("store")
+    layers = [Layer((File("data/big.bin", DATA),))]
+    (layer,) = build_store(store, layers, block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+    return store, layer
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Nodes]:
+    group = Nodes(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+def made_up(number: int) -> str:
+    return hashlib.sha256(b"no such block %d" % number).hexdigest()
+
+
+class Owner:
+    """A layer server serving peers on loopback (with a member that never answers), asked over raw sockets."""
+
+    def __init__(self, nodes: Nodes, http: RangeHTTPServer, layer: BuiltLayer, **peer_settings: Any) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        config = PeerConfig(listen=self.address, members=(self.address, "127.0.0.1:1"), token_file=str(nodes.token),
+                            **peer_settings)  # fmt: skip
+        self.client = nodes.start(http.url, config)
+        self.lower = Path(self.client.mount(layer.chain_id).lower_dir)
+        self.store = peer_store_id(redact_url(http.url))
+        self.pack = layer.index.packs[0]
+
+    def request(self, place: BlockPlace, priority: str = "demand") -> bytes:
+        return (f"GET {block_target(self.store, place, priority)} HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()  # fmt: skip
+
+    def ask(self, place: BlockPlace) -> tuple[int, bytes]:
+        """The final status of one request for ``place`` and its body (1xx answers skipped)."""
+        host, port = self.address.split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(self.request(place))
+            received = b""
+            while True:
+                while b"\r\n\r\n" not in received:
+                    chunk = sock.recv(65536)
+                    assert chunk, f"the owner closed the connection: {received!r}"
+                    received += chunk
+                head, _, received = received.partition(b"\r\n\r\n")
+                status = int(head.split(b" ", 2)[1])
+                if status >= 200:
+                    break
+            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            while len(received) < length:
+                chunk = sock.recv(65536)
+                assert chunk
+                received += chunk
+            return status, received[:length]
+
+
+@root_only
+@pytest.mark.parametrize("what", ["clen beyond what rlen can take", "rlen beyond the blocks the owner serves"])
+def test_a_request_naming_more_bytes_than_a_block_can_take_costs_the_store_nothing(
+    built: Any, nodes: Nodes, what: str
+) -> None:
+    """Regression (issue 21): a made-up digest with clen = 128 MiB made the store send 256 MiB (fetched, failed
+    verification, fetched again); here the whole pack (about 6 MiB) sent twice."""
+    store, layer = built
+    pack_size = (store / pack_object(layer.index.packs[0])).stat().st_size
+    with RangeHTTPServer(store) as http:
+        owner = Owner(nodes, http, layer)
+        before = pack_bytes_fetched(http)
+        if what == "clen beyond what rlen can take":
+            place = BlockPlace(made_up(0), owner.pack, 0, pack_size, BLOCK_SIZE)
+            expected = 400
+        else:  # a block of the format's sizes, but 16 times the blocks of every layer the owner serves
+            place = BlockPlace(made_up(0), owner.pack, 0, 16 * BLOCK_SIZE, 16 * BLOCK_SIZE)
+            expected = 404
+        status, body = owner.ask(place)
+        sent = pack_bytes_fetched(http) - before
+    assert (status, sent) == (expected, 0), (status, body, sent)
+    assert b"clen" in body or b"no layer this node serves" in body
+
+
+@root_only
+def test_a_made_up_block_costs_the_store_one_fetch_of_at_most_its_bound(built: Any, nodes: Nodes) -> None:
+    """Regression (issue 21): a block that fails verification while fetched for a peer was fetched again."""
+    store, layer = built
+    clen = max_stored_length(BLOCK_SIZE)
+    with RangeHTTPServer(store) as http:
+        owner = Owner(nodes, http, layer)
+        before = pack_bytes_fetched(http)
+        status, body = owner.ask(BlockPlace(made_up(1), owner.pack, 0, clen, BLOCK_SIZE))
+        sent = pack_bytes_fetched(http) - before
+        assert (status, sent) == (404, clen), (status, body, sent)
+        assert "not fetched again" in nodes.log(0)
+        # The node's own reads are as they were: the real block at that place reads right.
+        assert (owner.lower / "data/big.bin").read_bytes() == DATA
+
+
+@root_only
+def test_an_asking_peer_beyond_its_fetch_budget_is_answered_503_and_costs_the_store_no_more(
+    built: Any, nodes: Nodes
+) -> None:
+    store, layer = built
+    clen = max_stored_length(BLOCK_SIZE)
+    budget = 16 * clen  # refilled over BUDGET_WINDOW (10 s): 1.6 blocks' worth a second
+    with RangeHTTPServer(store) as http:
+        owner = Owner(nodes, http, layer, fetch_budget=budget)
+        before = pack_bytes_fetched(http)
+        started = time.monotonic()
+        statuses = [owner.ask(BlockPlace(made_up(n), owner.pack, n * 4096, clen, BLOCK_SIZE)) for n in range(64)]
+        elapsed = time.monotonic() - started
+        sent = pack_bytes_fetched(http) - before
+        status = owner.client.call({"op": "peers.status"})
+    refused = [body for code, body in statuses if code == 503]
+    assert refused and all(b"Over Budget" in body for body in refused), statuses[-1]
+    assert status["over_budget"] == len(refused)
+    # Each admitted request cost the store its block once; no more were admitted than the budget and what
+    # refilled while they ran allow (a bound whatever the machine's speed, not a speed target).
+    admitted = len(statuses) - len(refused)
+    assert sent == admitted * clen, (sent, admitted)
+    assert admitted <= 16 + int(elapsed * 16 / BUDGET_WINDOW) + 1, (admitted, elapsed)
+    assert "asked for more store bytes than its budget" in nodes.log(0)
+
+
+# -- a real PeerServer in this process: what its getter is asked, how much it holds ---------------------------
+
+
+def test_an_owner_fetches_a_peers_block_below_its_own_reads_whatever_priority_the_peer_asks() -> None:
+    """Regression (issue 21): the owner fetched at the priority the peer asked, so a peer's demand shared the
+    node's DEMAND queue (the node's own 1 MiB reads took 5.4 s under 16 hostile requests)."""
+    asked: list[Priority] = []
+
+    async def get_block(store: str, place: BlockPlace, priority: Priority, allowance: Any) -> bytes:
+        asked.append(priority)
+        return b"x" * place.rlen
+
+    async def main() -> None:
+        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}"), None, get_block, PeerStats())
+        with trio.fail_after(60):  # a hang detector: on the old code the getter's call fails and nothing answers
+            await ask_each(server)
+
+    async def ask_each(server: PeerServer) -> None:
+        async with trio.open_nursery() as nursery:
+            host, port = await nursery.start(server.run)
+            for priority in ("demand", "readahead", "prefetch"):
+                place = BlockPlace(made_up(0), "b" * 64, 0, 100, 100)
+                stream = await trio.open_tcp_stream(host, port)
+                await stream.send_all(f"GET {block_target('c' * 32, place, priority)} HTTP/1.1\r\n\r\n".encode())
+                answer = b""
+                while b"xxxx" not in answer:
+                    answer += await stream.receive_some()
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert asked == [Priority.READAHEAD, Priority.PREFETCH, Priority.PREFETCH]
+    assert all(priority > Priority.DEMAND for priority in asked)
+
+
+def test_peer_serving_holds_at_most_its_memory_and_max_uploads_blocks_at_once() -> None:
+    """16 requests for 64 KiB blocks at once, with memory for 4 of them (fetched and raw bytes): the getter is
+    never running for more than 4, the server never holds more than its memory, and all 16 are answered."""
+    rlen = 64 << 10
+    per_request = max_stored_length(rlen) + rlen
+    running, most = 0, 0
+    release = trio.Event()
+
+    async def get_block(store: str, place: BlockPlace, priority: Priority, allowance: Any) -> bytes:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await release.wait()
+        running -= 1
+        return b"x" * place.rlen
+
+    answered = processing = 0
+
+    async def ask(host: str, port: int, number: int) -> None:
+        nonlocal answered, processing
+        place = BlockPlace(made_up(number), "b" * 64, 0, max_stored_length(rlen), rlen)
+        stream = await trio.open_tcp_stream(host, port)
+        await stream.send_all(f"GET {block_target('c' * 32, place, 'demand')} HTTP/1.1\r\n\r\n".encode())
+        received = b""
+        while b"102 Processing" not in received:
+            received += await stream.receive_some()
+        processing += 1  # the owner is at work on it: its request waits for memory or is being got
+        body = 0
+        while body < rlen:
+            data = await stream.receive_some()
+            assert data
+            body += data.count(b"x")
+        answered += 1
+        await stream.aclose()
+
+    async def main() -> PeerServer:
+        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}", max_uploads=8), None, get_block,
+                            PeerStats(), memory=4 * per_request)  # fmt: skip
+        with trio.fail_after(60):  # a hang detector
+            async with trio.open_nursery() as nursery:
+                host, port = await nursery.start(server.run)
+                async with trio.open_nursery() as askers:
+                    for number in range(16):
+                        askers.start_soon(ask, host, port, number)
+                    while processing < 16:  # every request has reached the owner's getter or waits for memory
+                        await trio.sleep(0.01)
+                    release.set()
+                nursery.cancel_scope.cancel()
+        return server
+
+    server = trio.run(main)
+    assert answered == 16
+    assert most == 4 and server.memory.peak <= 4 * per_request and server.memory.held == 0

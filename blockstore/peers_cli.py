@@ -2,7 +2,8 @@
 
 ``bootseer peers status [--root ROOT] [--json]`` asks the node's layer server how
 its peer group looks from here: its members and which are skipped, blocks received
-from and served to peers, late answers, fallbacks to the store and bad blocks.
+from and served to peers, late answers, fallbacks to the store, bad blocks, requests
+refused over a peer's fetch budget and the memory held for peers.
 Exit status: 0; 1 when the layer server cannot be asked; 3 when peer sharing is off.
 """
 
@@ -124,6 +125,10 @@ def status_command(args: argparse.Namespace) -> int:
     print(f"served to peers:     {served['blocks']} blocks, {_size(served['bytes'])}")
     print(f"late answers: {answer['late']}  fallbacks to the store: {answer['fallbacks']}  "
           f"bad blocks: {answer['bad_blocks']}  errors: {answer['errors']}")  # fmt: skip
+    if "over_budget" in answer:
+        held = answer["held_for_peers"]
+        print(f"refused over a peer's fetch budget: {answer['over_budget']}  held for peers: {_size(held['bytes'])} "
+              f"(peak {_size(held['peak'])} of {_size(held['limit'])})")  # fmt: skip
     return 0
 
 

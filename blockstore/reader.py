@@ -66,7 +66,7 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, decode_block, pack_object
+from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, decode_block, max_stored_length, pack_object
 from bootseer.blockstore.peer_wire import BlockPlace
 from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
 from bootseer.log import get_logger
@@ -652,7 +652,10 @@ class BlockFetcher:
             own = [block for block in ahead if peers.owner(block.digest) is None]
             if own:
                 self._read_ahead(index, own, counters)
-        theirs = [block for block in blocks if peers.owner(block.digest) is not None]
+        # A block stored larger than zstd's worst case for it (only a hand-made index has one) is
+        # never asked of a peer: owners refuse such a request (peer_wire), and it would cost a skip.
+        theirs = [block for block in blocks
+                  if block.clen <= max_stored_length(block.rlen) and peers.owner(block.digest) is not None]  # fmt: skip
         if not theirs:
             return await self._fetch_verified(index, blocks, priority, counters)
         got: dict[str, bytes] = {}

@@ -30,6 +30,7 @@ import argparse
 import hashlib
 import os
 import random
+import shutil
 import socket
 import statistics
 import sys
@@ -225,6 +226,7 @@ def main() -> None:
                          f"held_for_peers {peers.get('held_for_peers', '-')}")  # fmt: skip
     finally:
         stop_layer_servers(root)
+        shutil.rmtree(work, ignore_errors=True)
     lines.append("")
     text = "\n".join(lines)
     print(text)

@@ -100,7 +100,6 @@ BUDGET_PEERS = 1024
 PEER_MEMORY_PART = 4
 
 _PRIORITY_NAMES = {Priority.DEMAND: "demand", Priority.READAHEAD: "readahead", Priority.PREFETCH: "prefetch"}
-_PRIORITY_OF = {name: priority for priority, name in _PRIORITY_NAMES.items()}
 #: The priority an owner fetches a peer's block at: below the node's own reads whatever the peer
 #: says (a peer's demand read is this node's read-ahead; its read-ahead and prefetch, prefetch).
 _SERVED_AT = {"demand": Priority.READAHEAD, "readahead": Priority.PREFETCH, "prefetch": Priority.PREFETCH}

@@ -12,6 +12,7 @@ checked on a real :class:`PeerServer` in this process, whose getter records what
 from __future__ import annotations
 
 import hashlib
+import random
 import socket
 import time
 from pathlib import Path
@@ -19,16 +20,24 @@ from typing import Any, Iterator
 
 import pytest
 import trio
+import trio.testing
 
 from bootseer.blockstore.format import max_stored_length, pack_object
 from bootseer.blockstore.peer_wire import BlockPlace, block_target
 from bootseer.blockstore.peers import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats, peer_store_id
-from bootseer.fetch.engine import Priority
+from bootseer.blockstore.reader import BlockFetcher
+from bootseer.fetch.engine import Priority, open_engine
+from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources import redact_url
+from bootseer.fetch.sources.local import LocalSource
+from tests.support.autojump import run as autojump_run
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.oci import blob_data
+from tests.test_blockreader import BLOCK as BLOCK4K
+from tests.test_blockreader import config as blockreader_config
+from tests.test_blockreader import entry, pack_layer
 from tests.test_peers import TOKEN, Nodes, pack_bytes_fetched, root_only
 
 BLOCK_SIZE = 64 << 10
@@ -249,3 +258,51 @@ def test_peer_serving_holds_at_most_its_memory_and_max_uploads_blocks_at_once() 
     server = trio.run(main)
     assert answered == 16
     assert most == 4 and server.memory.peak <= 4 * per_request and server.memory.held == 0
+
+
+# -- a real BlockFetcher over a paused store: a peer's fetch never holds up the node's own read ------------
+
+
+def test_a_nodes_own_read_of_a_block_a_peer_asked_for_goes_before_the_peers_lower_priority_work(
+    tmp_path: Path,
+) -> None:
+    """The node's own DEMAND read of a block that a peer's request (at READAHEAD) is fetching used to wait on
+    that request's pending fetch, behind every other READAHEAD fetch; now it asks the engine itself, which
+    raises the queued fetch to DEMAND (one fetch, no second one)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    rng = random.Random(21)
+    index = pack_layer(store, {"big.bin": rng.randbytes(40 * BLOCK4K), "other.bin": rng.randbytes(4 * BLOCK4K)})
+    big, other = entry(index, "big.bin"), entry(index, "other.bin")
+    first, wanted, later = (index.blocks[big.blocks[n]] for n in (0, 20, 30))
+    ahead = index.blocks[other.blocks[0]]
+    source = FaultySource(LocalSource(str(store)))
+
+    async def main() -> None:
+        async with open_engine(source, blockreader_config(streams=1, coalesce_gap=0)) as engine:
+            fetcher = BlockFetcher(engine, None)
+            place = BlockPlace(wanted.digest, index.packs[wanted.pack], wanted.offset, wanted.clen, wanted.rlen)
+            source.pause()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fetcher.blocks, index, [big.blocks[0]])  # in flight: the one stream is busy
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(fetcher.blocks, index, [other.blocks[0]], Priority.READAHEAD)  # queued
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(fetcher.block_for_peer, place, Priority.READAHEAD)  # a peer's demand, queued
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(fetcher.blocks, index, [big.blocks[20]])  # the node's own read of that block
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(fetcher.blocks, index, [big.blocks[30]], Priority.READAHEAD)  # queued last
+                await trio.testing.wait_all_tasks_blocked()
+                source.resume()
+            assert engine.stats.extents_raised == 1
+
+    autojump_run(main)
+    packs = [pack_object(name) for name in index.packs]
+    assert [(r.path, r.offset) for r in source.reads] == [
+        (packs[first.pack], first.offset),
+        (packs[wanted.pack], wanted.offset),  # the own read's block, raised to DEMAND: before the read-ahead
+        (packs[ahead.pack], ahead.offset),
+        (packs[later.pack], later.offset),
+    ]
+    source.close()

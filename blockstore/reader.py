@@ -8,7 +8,9 @@ pack go out as one range request, and priorities, retries, EIO after
 ``retry_timeout`` and the fetch metrics are the engine's).  Every fetched block is
 decompressed (never to more than its raw length) and checked against its SHA-256
 before anyone sees it; one that fails is dropped from the engine's buffer and fetched
-once more, and if it fails again the call fails with FetchError (EIO).  A corrupt
+once more, and if it fails again the call fails with FetchError (EIO); one fetched for a
+peer's request (:meth:`BlockFetcher.block_for_peer`, whose place and digest the peer
+names) is refused at once, never fetched again.  A corrupt
 byte is never served and never cached.  Small blocks are decoded on the trio thread
 (a thread hop costs more than the work); verified blocks are written into the node
 cache behind the read by one writer thread (:meth:`BlockFetcher.flush` waits for it),

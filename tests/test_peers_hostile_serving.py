@@ -16,7 +16,7 @@ import random
 import socket
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import trio
@@ -38,7 +38,7 @@ from tests.support.oci import blob_data
 from tests.test_blockreader import BLOCK as BLOCK4K
 from tests.test_blockreader import config as blockreader_config
 from tests.test_blockreader import entry, pack_layer
-from tests.test_peers import TOKEN, Nodes, pack_bytes_fetched, root_only
+from tests.test_peers import TOKEN, Nodes, nodes, pack_bytes_fetched, root_only  # noqa: F401 (nodes: a fixture)
 
 BLOCK_SIZE = 64 << 10
 DATA = blob_data(96 * BLOCK_SIZE)  # incompressible: a pack of about 6 MiB
@@ -50,15 +50,6 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuiltLayer]:
     layers = [Layer((File("data/big.bin", DATA),))]
     (layer,) = build_store(store, layers, block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
     return store, layer
-
-
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[Nodes]:
-    group = Nodes(tmp_path)
-    try:
-        yield group
-    finally:
-        group.stop_all()
 
 
 def made_up(number: int) -> str:

@@ -924,6 +924,9 @@ class PeerService:
         self.stats = PeerStats()
         self.client = PeerClient(config, self.membership, token, threads, self.stats)
         self.server = PeerServer(config, token, get_block, self.stats, memory=memory, largest_block=largest_block)
+        if memory < DEFAULT_BLOCK_SIZE + max_stored_length(DEFAULT_BLOCK_SIZE):
+            log.warning("memory_limit leaves serving peers less than one 1 MiB block: larger ones are answered 503",
+                        peer_memory=memory)  # fmt: skip
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Watch the membership and serve peers until cancelled; started once listening."""

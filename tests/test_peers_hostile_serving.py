@@ -297,3 +297,25 @@ def test_a_nodes_own_read_of_a_block_a_peer_asked_for_goes_before_the_peers_lowe
         (packs[later.pack], later.offset),
     ]
     source.close()
+
+
+def test_the_fetch_budget_reaches_the_layer_server_and_one_smaller_than_a_block_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    from bootseer.blockstore.control import ServerSettings
+    from bootseer.blockstore.peers import PeerConfigError
+    from bootseer.snapshotter import config
+
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    listen = f"127.0.0.1:{free_port()}"
+    merged = {"peers.listen": listen, "peers.members": [listen], "peers.token_file": str(token)}
+    settings = config.resolve({**merged, "peers.fetch_budget": "64M"}, {})
+    assert settings.peers.fetch_budget == 64 << 20
+    argv = ServerSettings(peers=settings.peers).argv("/root")
+    assert argv[argv.index("--peer-fetch-budget") + 1] == str(64 << 20)
+    assert config.resolve(merged, {}).peers.fetch_budget == PeerConfig.fetch_budget == 1 << 30
+    with pytest.raises(config.ConfigError, match="peers.fetch_budget"):
+        config.resolve({**merged, "peers.fetch_budget": "4K"}, {})
+    with pytest.raises(PeerConfigError, match="fetch_budget"):
+        PeerConfig(listen=listen, members=(listen,), fetch_budget=-1).check()

@@ -64,6 +64,7 @@ from bootseer.blockstore.format import (
     decode_block,
     dedup_object,
     index_object,
+    max_stored_length,
     pack_object,
 )
 from bootseer.blockstore.signing import SigningKey
@@ -115,11 +116,6 @@ def _zero_digest(length: int) -> str:
 
 #: A range of blocks to check at least this large is decompressed and hashed on threads.
 _PARALLEL_CHECK_BYTES = 4 << 20
-
-
-def max_stored_length(rlen: int) -> int:
-    """The most compressed bytes a block of ``rlen`` raw bytes can take (zstd's worst case, with room to spare)."""
-    return rlen + (rlen >> 7) + 4096
 
 
 def _holds(block: StoredBlock, stored: memoryview) -> bool:

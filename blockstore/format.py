@@ -166,6 +166,17 @@ class Block:
         return self.pack == ZERO_PACK
 
 
+def max_stored_length(rlen: int) -> int:
+    """The most compressed bytes a block of ``rlen`` raw bytes can take (zstd's worst case, with room to spare).
+
+    zstd stores incompressible data in raw blocks (3 bytes of header per 128 KiB) after a
+    frame header of at most 18 bytes, so a frame of ``rlen`` bytes never reaches this: a
+    ``clen`` above it cannot be that block, and is refused unread (a converter's dedup
+    places, a peer's request).
+    """
+    return rlen + (rlen >> 7) + 4096
+
+
 class StoredBytes(Protocol):
     """What checking a stored block needs: :class:`Block` and :class:`StoredBlock` both have it."""
 

@@ -22,12 +22,10 @@ from dataclasses import dataclass
 
 import trio
 
-from bootseer.blockstore.format import MAX_BLOCK_SIZE
+from bootseer.blockstore.format import MAX_BLOCK_SIZE, max_stored_length
 
 #: The longest request or response head read (request line or status line and headers).
 HEAD_LIMIT = 8 << 10
-#: A block's compressed length, at most, as a layer index allows it (twice the largest block).
-MAX_STORED_BLOCK = 2 * MAX_BLOCK_SIZE
 #: The path prefix of block requests (a version, so that a later protocol can live beside it).
 BLOCKS_PATH = "/v1/blocks/"
 PING_PATH = "/v1/ping"
@@ -56,8 +54,11 @@ class BlockPlace:
             raise ValueError("pack is not a pack name")
         if not 0 <= self.offset < 1 << 48:
             raise ValueError("offset out of range")
-        if not 0 < self.clen <= MAX_STORED_BLOCK or not 0 < self.rlen <= MAX_BLOCK_SIZE:
-            raise ValueError("length out of range")
+        if not 0 < self.rlen <= MAX_BLOCK_SIZE:
+            raise ValueError(f"rlen is not in 1..{MAX_BLOCK_SIZE} (the format's largest block)")
+        # The store bytes an owner may fetch for this request: never more than the block can take.
+        if not 0 < self.clen <= max_stored_length(self.rlen):
+            raise ValueError(f"clen is not in 1..{max_stored_length(self.rlen)} (the most a block of rlen bytes takes)")
         return self
 
 

@@ -30,6 +30,15 @@ The owner serves only blocks it has verified (memory, its verifying node cache, 
 just fetched and checked), ``max_uploads`` at once and at most ``upload_rate``
 bytes per second in all, so serving never starves the node's own start; a request
 beyond what it can queue is answered ``503`` at once (the asker goes to the store).
+What a member can make an owner do is bounded (docs/peers.md, "What a member can
+make an owner do"): a request names at most the bytes its block can take
+(``peer_wire``), a block no larger than the blocks of the layers this node serves,
+and is fetched once (a made-up digest is refused, not fetched again); its store
+fetch runs below the node's own reads (a peer's ``demand`` is this node's
+READAHEAD), at most ``max_uploads`` at once, its buffers held within
+:func:`peer_memory_share` of ``memory_limit``; and each asking peer may make the
+node fetch at most ``fetch_budget`` store bytes per :data:`BUDGET_WINDOW` seconds
+(``503`` beyond it, counted as ``over_budget``).
 Requests must carry the group's token (``Authorization: Bearer``) unless the
 server listens on loopback only; the token is read from a file and never logged.
 What a peer learns and what the network can get is in docs/peers.md.
@@ -63,7 +72,9 @@ from bootseer.blockstore.peer_wire import (
     BLOCKS_PATH, PING_PATH, PROCESSING, BlockPlace, HttpStream, WireError, block_target, client_tls_context,
     content_length, parse_block_target, parse_head, response_head, server_tls_context,
 )  # fmt: skip
-from bootseer.fetch.engine import Priority
+from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, max_stored_length
+from bootseer.blockstore.reader import PeerAllowance
+from bootseer.fetch.engine import EngineConfig, Priority
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -81,8 +92,17 @@ QUEUE_PER_UPLOAD = 8
 #: Blocks at least this large are hashed in a worker thread (below it a thread hop costs more).
 OFF_THREAD_BYTES = 256 << 10
 
+#: The window of an asking peer's ``fetch_budget``: its store bytes refill over this many seconds.
+BUDGET_WINDOW = 10.0
+#: Asking peers whose budget is tracked at once (beyond it, those with a full budget are forgotten).
+BUDGET_PEERS = 1024
+#: The part of ``memory_limit`` peer serving may hold (the rest is the store engines'): 1/4.
+PEER_MEMORY_PART = 4
+
 _PRIORITY_NAMES = {Priority.DEMAND: "demand", Priority.READAHEAD: "readahead", Priority.PREFETCH: "prefetch"}
-_PRIORITY_OF = {name: priority for priority, name in _PRIORITY_NAMES.items()}
+#: The priority an owner fetches a peer's block at: below the node's own reads whatever the peer
+#: says (a peer's demand read is this node's read-ahead; its read-ahead and prefetch, prefetch).
+_SERVED_AT = {"demand": Priority.READAHEAD, "readahead": Priority.PREFETCH, "prefetch": Priority.PREFETCH}
 
 PEER_BYTES = prometheus_client.Counter(
     "bootseer_peer_bytes",
@@ -102,8 +122,16 @@ PEER_FALLBACKS = prometheus_client.Counter(
 )
 PEER_SERVED = prometheus_client.Counter(
     "bootseer_peer_served",
-    "Block requests peers made of this node, by outcome (ok, missing, unauthorized, busy, bad_request)",
+    "Block requests peers made of this node, by outcome (ok, missing, unauthorized, busy, bad_request, "
+    "over_budget: the asking peer's fetch_budget is spent, too_large: a block larger than any this node serves)",
     ["outcome"],
+)
+PEER_BUDGET_REFUSED = prometheus_client.Counter(
+    "bootseer_peer_budget_refused_bytes",
+    "Store bytes peers asked this node to fetch beyond their fetch_budget (refused with 503)",
+)
+PEER_HELD_BYTES = prometheus_client.Gauge(
+    "bootseer_peer_held_bytes", "Bytes held for peers' requests now (compressed and raw), within the peers' memory"
 )
 PEER_SKIPPED = prometheus_client.Gauge("bootseer_peer_skipped", "Peers being skipped after a failure")
 PEER_MEMBERS = prometheus_client.Gauge("bootseer_peer_members", "Members of this node's peer group, itself included")
@@ -148,7 +176,8 @@ class PeerConfig:
     token_file: str | None = None  #: the group's shared token
     deadline: float = 0.5  #: seconds a peer may stay silent before the store is asked too
     upload_rate: int = 0  #: bytes per second served to peers in all (0: no limit)
-    max_uploads: int = 8  #: blocks served at once
+    max_uploads: int = 8  #: blocks served at once (and got for peers at once)
+    fetch_budget: int = 1 << 30  #: store bytes one asking peer may make this node fetch per BUDGET_WINDOW (0: no limit)
     fetch_concurrency: int = 16  #: requests to peers in flight at once
     skip_seconds: float = 10.0  #: how long a failing peer is skipped
     tls_cert: str | None = None  #: serve HTTPS with this certificate (PEM) ...
@@ -190,6 +219,9 @@ class PeerConfig:
             raise PeerConfigError("upload_rate", f"must not be negative, not {self.upload_rate}")
         if self.max_uploads < 1:
             raise PeerConfigError("max_uploads", f"must be at least 1, not {self.max_uploads}")
+        if self.fetch_budget < 0 or 0 < self.fetch_budget < max_stored_length(DEFAULT_BLOCK_SIZE):
+            raise PeerConfigError("fetch_budget", f"must be 0 (no limit) or at least {max_stored_length(DEFAULT_BLOCK_SIZE)} "
+                                  f"bytes (a block of the default size), not {self.fetch_budget}")  # fmt: skip
         if self.fetch_concurrency < 1 or self.skip_seconds < 0:
             raise PeerConfigError("fetch_concurrency", "must be at least 1 (and skip_seconds not negative)")
         if self.token_file:
@@ -280,6 +312,120 @@ class TokenBucket:
                 await trio.sleep(-self._level / self.rate)
 
 
+def peer_memory_share(engine: EngineConfig) -> int:
+    """Bytes of ``engine.memory_limit`` that serving peers may hold (fetched and raw blocks on their way to
+    a peer): a :data:`PEER_MEMORY_PART` of it, less if the store's engine would keep less than a stripe.
+
+    With peers on, each store's engine gets the rest (``memory_limit`` minus this), so the
+    node's buffers stay within ``memory_limit`` (one store) however many peers ask.
+    """
+    return max(0, min(engine.memory_limit // PEER_MEMORY_PART, engine.memory_limit - engine.stripe_size))
+
+
+class PeerRefused(Exception):
+    """A peer's request this node will not serve: ``status``/``reason`` answer it, ``outcome`` counts it."""
+
+    def __init__(self, status: int, reason: str, outcome: str) -> None:
+        super().__init__(reason)
+        self.status = status
+        self.reason = reason
+        self.outcome = outcome
+
+
+@dataclass
+class _Budget:
+    level: float
+    stamp: float
+    logged: float = -BUDGET_WINDOW
+
+
+class PeerBudgets:
+    """Store bytes each asking peer (by its address) may make this node fetch: ``budget`` bytes per
+    :data:`BUDGET_WINDOW` seconds, refilled evenly, a window's worth at most (0: no limit).
+
+    Only store fetches are charged (a block served from memory or the node cache costs
+    the store nothing).  A charge beyond what is left raises :class:`PeerRefused` (503),
+    and the first refusal of a peer in a window is logged.
+    """
+
+    def __init__(self, budget: int, window: float = BUDGET_WINDOW) -> None:
+        self.budget = budget
+        self.window = window
+        self._peers: dict[str, _Budget] = {}
+        self.refused_bytes = 0
+
+    def _refilled(self, peer: str, now: float) -> _Budget:
+        state = self._peers.get(peer)
+        if state is None:
+            if len(self._peers) >= BUDGET_PEERS:  # forget the peers whose budget is whole again
+                for other in [p for p, b in self._peers.items() if self._level(b, now) >= self.budget]:
+                    del self._peers[other]
+            state = self._peers[peer] = _Budget(float(self.budget), now)
+        state.level = self._level(state, now)
+        state.stamp = now
+        return state
+
+    def _level(self, state: _Budget, now: float) -> float:
+        return min(float(self.budget), state.level + (now - state.stamp) * self.budget / self.window)
+
+    def charge(self, peer: str, store_bytes: int) -> None:
+        """Count ``store_bytes`` for ``peer``, or PeerRefused (503) if its budget has not that much left."""
+        if self.budget <= 0:
+            return
+        now = time.monotonic()
+        state = self._refilled(peer, now)
+        if state.level < store_bytes:
+            self.refused_bytes += store_bytes
+            PEER_BUDGET_REFUSED.inc(store_bytes)
+            if now - state.logged >= self.window:
+                state.logged = now
+                log.warning("a peer asked for more store bytes than its budget; refusing them", peer=peer,
+                            budget=self.budget, window=self.window)  # fmt: skip
+            raise PeerRefused(503, f"Over Budget: this peer's {self.budget} store bytes per {self.window:g} s are spent",
+                              "over_budget")  # fmt: skip
+        state.level -= store_bytes
+
+    def allowance(self, peer: str) -> _PeerAllowance:
+        """What one request of ``peer`` may fetch (a :class:`~bootseer.blockstore.reader.PeerAllowance`)."""
+        return _PeerAllowance(self, peer)
+
+
+@dataclass(frozen=True)
+class _PeerAllowance:
+    budgets: PeerBudgets
+    peer: str
+
+    def charge(self, store_bytes: int) -> None:
+        self.budgets.charge(self.peer, store_bytes)
+
+
+class ByteLimiter:
+    """At most ``total`` bytes held at once: :meth:`acquire` waits until ``length`` more fit."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.held = 0
+        self.peak = 0
+        self._changed = trio.Event()
+
+    async def acquire(self, length: int) -> None:
+        """Hold ``length`` bytes (PeerRefused (503) for more than ``total`` can ever hold)."""
+        if length > self.total:
+            raise PeerRefused(503, f"Busy: a block of {length} bytes is more than the {self.total} bytes peers may hold",
+                              "busy")  # fmt: skip
+        while self.held + length > self.total:
+            await self._changed.wait()
+        self.held += length
+        self.peak = max(self.peak, self.held)
+        PEER_HELD_BYTES.inc(length)
+
+    def release(self, length: int) -> None:
+        self.held -= length
+        PEER_HELD_BYTES.dec(length)
+        self._changed.set()
+        self._changed = trio.Event()
+
+
 @dataclass
 class PeerState:
     """What this node knows of one member it asks."""
@@ -302,6 +448,7 @@ class PeerStats:
     fallbacks: int = 0
     bad_blocks: int = 0
     errors: int = 0
+    over_budget: int = 0  #: requests of peers refused because their fetch_budget was spent
 
 
 class PeerClient:
@@ -558,18 +705,33 @@ class _Refused(Exception):
         self.reusable = reusable
 
 
-#: Finds the verified raw bytes of a block for a peer: (store id, place, priority) -> bytes,
-#: or None when this node has no store of that id or the store fails (FetchError).
-BlockGetter = Callable[[str, BlockPlace, Priority], Awaitable[bytes | None]]
+#: Finds the verified raw bytes of a block for a peer: (store id, place, priority, allowance) -> bytes,
+#: or None when this node has no store of that id, the store fails (FetchError) or its bytes there
+#: are not that block; a store fetch is charged to the allowance first (which raises PeerRefused).
+BlockGetter = Callable[[str, BlockPlace, Priority, PeerAllowance], Awaitable[bytes | None]]
+
+
+def _largest_format_block() -> int:
+    return MAX_BLOCK_SIZE
 
 
 class PeerServer:
-    """Serves verified blocks to peers over HTTP(S) (see the module docstring)."""
+    """Serves verified blocks to peers over HTTP(S) (see the module docstring).
 
-    def __init__(self, config: PeerConfig, token: str | None, get_block: BlockGetter, stats: PeerStats) -> None:
+    ``memory`` bounds the bytes held for peers' requests at once (:func:`peer_memory_share`);
+    ``largest_block`` says the largest block a request may name (the block size of the
+    layers this node serves).
+    """
+
+    def __init__(self, config: PeerConfig, token: str | None, get_block: BlockGetter, stats: PeerStats, *,
+                 memory: int = 256 << 20, largest_block: Callable[[], int] = _largest_format_block) -> None:  # fmt: skip
         self.config = config
         self._token = token.encode() if token else None
         self._get_block = get_block
+        self._largest_block = largest_block
+        self.budgets = PeerBudgets(config.fetch_budget)
+        self.memory = ByteLimiter(memory)  #: bytes held for peers' requests (fetched and raw), all peers together
+        self._getting = trio.CapacityLimiter(config.max_uploads)  # blocks got for peers at once
         self._uploads = trio.CapacityLimiter(config.max_uploads)
         self._bucket = TokenBucket(config.upload_rate)
         self._tls = server_tls_context(config.tls_cert, config.tls_key) if config.tls_cert and config.tls_key else None
@@ -647,46 +809,74 @@ class PeerServer:
         except ValueError as exc:
             await self._reply(stream, 400, f"Bad Request: {exc}", "bad_request")
             return keep
+        if place.rlen > self._largest_block():
+            await self._reply(stream, 404, f"Not Found: no layer this node serves has blocks of {place.rlen} bytes",
+                              "too_large")  # fmt: skip
+            return keep
         if self._queued >= self.config.max_uploads * QUEUE_PER_UPLOAD:
             await self._reply(stream, 503, "Busy", "busy")
             return keep
+        held = place.clen + place.rlen  # the most a request holds: the fetched bytes and the raw block
+        taken = False
+
+        async def get() -> bytes | None:
+            nonlocal taken
+            await self.memory.acquire(held)
+            taken = True
+            async with self._getting:
+                allowance = self.budgets.allowance(_peer_host(stream))
+                return await self._get_block(store, place, _SERVED_AT[priority], allowance)
+
         self._queued += 1
         try:
-            data = await self._block_with_keepalive(stream, store, place, _PRIORITY_OF[priority])
+            try:
+                data = await self._block_with_keepalive(stream, get)
+            finally:
+                self._queued -= 1
+            if isinstance(data, PeerRefused):
+                if data.outcome == "over_budget":
+                    self.stats.over_budget += 1
+                await self._reply(stream, data.status, data.reason, data.outcome)
+                return keep
+            if data is None:
+                await self._reply(stream, 404, "Not Found", "missing")
+                return keep
+            async with self._uploads:
+                await stream.send(response_head(200, "OK", len(data), kind="application/octet-stream"))
+                view = memoryview(data)
+                for start in range(0, len(view), 256 << 10):
+                    piece = view[start : start + (256 << 10)]
+                    await self._bucket.take(len(piece))
+                    await stream.send(piece)
         finally:
-            self._queued -= 1
-        if data is None:
-            await self._reply(stream, 404, "Not Found", "missing")
-            return keep
-        async with self._uploads:
-            await stream.send(response_head(200, "OK", len(data), kind="application/octet-stream"))
-            view = memoryview(data)
-            for start in range(0, len(view), 256 << 10):
-                piece = view[start : start + (256 << 10)]
-                await self._bucket.take(len(piece))
-                await stream.send(piece)
+            if taken:
+                self.memory.release(held)
         PEER_SERVED.labels("ok").inc()
         PEER_BYTES.labels("served").inc(len(data))
         self.stats.served_blocks += 1
         self.stats.served_bytes += len(data)
         return keep
 
-    async def _block_with_keepalive(self, stream: HttpStream, store: str, place: BlockPlace,
-                                    priority: Priority) -> bytes | None:  # fmt: skip
-        """The block's bytes, telling the asker ``102 Processing`` every KEEPALIVE seconds meanwhile.
+    async def _block_with_keepalive(self, stream: HttpStream,
+                                    get: Callable[[], Awaitable[bytes | None]]) -> bytes | PeerRefused | None:  # fmt: skip
+        """What ``get`` gives (the block's bytes, None, or the PeerRefused it raised), telling the asker
+        ``102 Processing`` every KEEPALIVE seconds meanwhile.
 
         WireError when the asker goes away meanwhile (the fetch for it is then cancelled).
         """
-        result: list[bytes | None] = []
+        result: list[bytes | PeerRefused | None] = []
         done = trio.Event()
         gone: BaseException | None = None
 
-        async def get() -> None:
-            result.append(await self._get_block(store, place, priority))
+        async def run_get() -> None:
+            try:
+                result.append(await get())
+            except PeerRefused as refused:
+                result.append(refused)
             done.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(get)
+            nursery.start_soon(run_get)
             try:
                 with trio.move_on_after(KEEPALIVE / 4):  # a block at hand needs no interim answer
                     await done.wait()
@@ -707,6 +897,18 @@ class PeerServer:
         return result[0] if result else None
 
 
+def _peer_host(stream: HttpStream) -> str:
+    """The address a peer's connection comes from (its host: a member's port is a new one each connection)."""
+    inner: object = stream.stream
+    while hasattr(inner, "transport_stream"):
+        inner = inner.transport_stream  # type: ignore[attr-defined]
+    sock = getattr(inner, "socket", None)
+    try:
+        return str(sock.getpeername()[0]) if sock is not None else "?"
+    except OSError:
+        return "?"
+
+
 class PeerService:
     """A layer server's peer sharing: membership, client, server and the ``peers.status`` operation.
 
@@ -714,13 +916,17 @@ class PeerService:
     fetchers); ``threads`` bounds hashing with the fetchers' own work.
     """
 
-    def __init__(self, config: PeerConfig, get_block: BlockGetter, threads: trio.CapacityLimiter) -> None:
+    def __init__(self, config: PeerConfig, get_block: BlockGetter, threads: trio.CapacityLimiter, *,
+                 memory: int = 256 << 20, largest_block: Callable[[], int] = _largest_format_block) -> None:  # fmt: skip
         self.config = config
         self.membership = config.check()
         token = read_token_file(config.token_file) if config.token_file else None
         self.stats = PeerStats()
         self.client = PeerClient(config, self.membership, token, threads, self.stats)
-        self.server = PeerServer(config, token, get_block, self.stats)
+        self.server = PeerServer(config, token, get_block, self.stats, memory=memory, largest_block=largest_block)
+        if memory < DEFAULT_BLOCK_SIZE + max_stored_length(DEFAULT_BLOCK_SIZE):
+            log.warning("memory_limit leaves serving peers less than one 1 MiB block: larger ones are answered 503",
+                        peer_memory=memory)  # fmt: skip
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Watch the membership and serve peers until cancelled; started once listening."""
@@ -766,6 +972,9 @@ class PeerService:
             "fallbacks": stats.fallbacks,
             "bad_blocks": stats.bad_blocks,
             "errors": stats.errors,
+            "over_budget": stats.over_budget,
+            "held_for_peers": {"bytes": self.server.memory.held, "peak": self.server.memory.peak,
+                               "limit": self.server.memory.total},
         }
 
 
@@ -776,9 +985,12 @@ __all__ = [
     "PeerConfigError",
     "PeerServer",
     "PeerService",
+    "PeerBudgets",
+    "PeerRefused",
     "PeerStats",
     "PriorityLimiter",
     "TokenBucket",
+    "peer_memory_share",
     "peer_store_id",
     "read_token_file",
     "rendezvous_score",

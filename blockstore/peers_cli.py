@@ -2,7 +2,8 @@
 
 ``bootseer peers status [--root ROOT] [--json]`` asks the node's layer server how
 its peer group looks from here: its members and which are skipped, blocks received
-from and served to peers, late answers, fallbacks to the store and bad blocks.
+from and served to peers, late answers, fallbacks to the store, bad blocks, requests
+refused over a peer's fetch budget and the memory held for peers.
 Exit status: 0; 1 when the layer server cannot be asked; 3 when peer sharing is off.
 """
 
@@ -45,6 +46,9 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bytes per second served to peers in all, e.g. 100M (0: no limit)")  # fmt: skip
     group.add_argument("--peer-max-uploads", type=int, default=defaults.max_uploads, metavar="N",
                        help=f"blocks served to peers at once ({defaults.max_uploads})")  # fmt: skip
+    group.add_argument("--peer-fetch-budget", type=parse_size, default=defaults.fetch_budget, metavar="SIZE",
+                       help="store bytes one asking peer may make this node fetch per 10 s, e.g. 1G (0: no limit; "
+                            "1G)")  # fmt: skip
     group.add_argument("--peer-tls-cert", metavar="FILE", help="serve peers over HTTPS with this certificate (PEM)")
     group.add_argument("--peer-tls-key", metavar="FILE", help="the key of --peer-tls-cert (PEM)")
     group.add_argument("--peer-ca", metavar="FILE", help="ask peers over HTTPS, trusting this CA (PEM)")
@@ -62,6 +66,7 @@ def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
         deadline=args.peer_deadline,
         upload_rate=args.peer_upload_rate,
         max_uploads=args.peer_max_uploads,
+        fetch_budget=args.peer_fetch_budget,
         tls_cert=args.peer_tls_cert,
         tls_key=args.peer_tls_key,
         ca=args.peer_ca,
@@ -120,6 +125,10 @@ def status_command(args: argparse.Namespace) -> int:
     print(f"served to peers:     {served['blocks']} blocks, {_size(served['bytes'])}")
     print(f"late answers: {answer['late']}  fallbacks to the store: {answer['fallbacks']}  "
           f"bad blocks: {answer['bad_blocks']}  errors: {answer['errors']}")  # fmt: skip
+    if "over_budget" in answer:
+        held = answer["held_for_peers"]
+        print(f"refused over a peer's fetch budget: {answer['over_budget']}  held for peers: {_size(held['bytes'])} "
+              f"(peak {_size(held['peak'])} of {_size(held['limit'])})")  # fmt: skip
     return 0
 
 

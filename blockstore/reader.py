@@ -8,7 +8,9 @@ pack go out as one range request, and priorities, retries, EIO after
 ``retry_timeout`` and the fetch metrics are the engine's).  Every fetched block is
 decompressed (never to more than its raw length) and checked against its SHA-256
 before anyone sees it; one that fails is dropped from the engine's buffer and fetched
-once more, and if it fails again the call fails with FetchError (EIO).  A corrupt
+once more, and if it fails again the call fails with FetchError (EIO); one fetched for a
+peer's request (:meth:`BlockFetcher.block_for_peer`, whose place and digest the peer
+names) is refused at once, never fetched again.  A corrupt
 byte is never served and never cached.  Small blocks are decoded on the trio thread
 (a thread hop costs more than the work); verified blocks are written into the node
 cache behind the read by one writer thread (:meth:`BlockFetcher.flush` waits for it),
@@ -66,7 +68,7 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, decode_block, pack_object
+from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, decode_block, max_stored_length, pack_object
 from bootseer.blockstore.peer_wire import BlockPlace
 from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
 from bootseer.log import get_logger
@@ -191,6 +193,23 @@ class _PeerRequest(NamedTuple):
     diff_id: str = "(asked by a peer)"
 
 
+class PeerAllowance(Protocol):
+    """What one peer's request may make this node fetch from the store (:class:`bootseer.blockstore.peers.PeerServer`)."""
+
+    def charge(self, store_bytes: int) -> None:
+        """Count ``store_bytes`` about to be fetched from the store for the peer; raises to refuse them."""
+
+
+class _Uncharged:
+    """The allowance of a peer's request nobody counts (a caller without a per-peer budget)."""
+
+    def charge(self, store_bytes: int) -> None:
+        pass
+
+
+_UNCHARGED = _Uncharged()
+
+
 class PeerBlocks(Protocol):
     """Other nodes that may hold a block (:class:`bootseer.blockstore.peers.PeerClient`), asked before the store."""
 
@@ -297,12 +316,13 @@ class _CacheWriter:
 class _Pending:
     """A block one call is getting (from the node cache or the store) that others wait for."""
 
-    __slots__ = ("done", "data", "asks_peer")
+    __slots__ = ("done", "data", "asks_peer", "for_peer")
 
-    def __init__(self) -> None:
+    def __init__(self, for_peer: bool = False) -> None:
         self.done = trio.Event()
         self.data: bytes | None = None  # None once done: its call failed or was cancelled
         self.asks_peer = False  # its call asks another node for it (a peer's request must not wait on that)
+        self.for_peer = for_peer  # a peer's request gets it, below this node's reads (which never wait on it)
 
 
 class BlockFetcher:
@@ -435,8 +455,12 @@ class BlockFetcher:
             if in_memory:
                 self.stats.blocks_from_memory += in_memory
                 counters.memory.inc(in_memory)
-            theirs = [(digest, self._pending[digest]) for digest in wanted if digest in self._pending]
-            mine = {digest: blocks[positions[0]] for digest, positions in wanted.items() if digest not in self._pending}
+            # A block a peer's request is getting (below this read's priority, and never refetched) is not
+            # waited for: this read fetches it itself, joining that fetch in the engine at its own priority.
+            theirs = [(digest, pending) for digest in wanted
+                      if (pending := self._pending.get(digest)) is not None and not pending.for_peer]  # fmt: skip
+            joined = {digest for digest, _ in theirs}
+            mine = {digest: blocks[positions[0]] for digest, positions in wanted.items() if digest not in joined}
             if mine:
                 for digest, data in (await self._get(index, mine, priority, counters, ahead)).items():
                     serve(digest, data)
@@ -458,15 +482,17 @@ class BlockFetcher:
         counters: _Counters,
         ahead: Callable[[], Sequence[int]] | None,
         *,
-        via_peers: bool = True,
+        for_peer: PeerAllowance | None = None,
     ) -> dict[str, bytes]:
         """The blocks ``mine`` (by digest) from the node cache, peers or the store; other calls may wait for them meanwhile.
 
         If any comes from the store, the candidates ``ahead`` names (those not in
-        memory, pending, cached or the engine) are read ahead with it.  Without
-        ``via_peers`` (a peer's own request) no peer is asked.
+        memory, pending, cached or the engine) are read ahead with it.  With
+        ``for_peer`` (a peer's own request) no peer is asked, the store bytes are
+        charged to it first (it raises to refuse them), and a block that fails
+        verification is not fetched again (FetchError).
         """
-        pending = {digest: _Pending() for digest in mine}
+        pending = {digest: _Pending(for_peer is not None) for digest in mine}
         self._pending.update(pending)
         try:
             got: dict[str, bytes] = {}
@@ -491,7 +517,10 @@ class BlockFetcher:
                     candidates = [block for block in candidates if block.digest not in cached]
             rest = [block for digest, block in mine.items() if digest not in got]
             if rest:
-                if via_peers and self.peers is not None:
+                if for_peer is not None:
+                    for_peer.charge(sum(block.clen for block in rest))
+                    fetched = await self._fetch_verified(index, rest, priority, counters, refetch=False)
+                elif self.peers is not None:
 
                     def ready(digest: str, data: bytes) -> None:
                         # Each block's waiters go on as it arrives, not when the call's last one does: a
@@ -566,12 +595,17 @@ class BlockFetcher:
         self.stats.readahead_bytes += queued_bytes
         counters.ahead_queued.inc(queued_bytes)
 
-    async def block_for_peer(self, place: BlockPlace, priority: Priority) -> bytes | None:
+    async def block_for_peer(self, place: BlockPlace, priority: Priority,
+                             allowance: PeerAllowance | None = None) -> bytes | None:  # fmt: skip
         """The verified raw bytes of a block a peer asks for, from memory, the node cache or the store.
 
         Never from another peer (so requests never go round in circles), and once
-        however many peers ask at once (they join one call).  None when the store
-        fails or holds no such block (the peer then asks the store itself).
+        however many peers ask at once (they join one call).  A store fetch is charged
+        to ``allowance`` first (whatever it raises to refuse it goes to the caller), and
+        a block that fails verification is not fetched again: a peer names the place
+        and the digest, and a made-up pair must cost the store one fetch at most.
+        None when the store fails, holds no such block or the bytes there are not that
+        block (the peer then asks the store itself).
         """
         digest = place.digest
         data = self._recent.get(digest)
@@ -589,7 +623,7 @@ class BlockFetcher:
         block = Block(digest, 0, place.offset, place.clen, place.rlen)
         try:
             got = await self._get(_PeerRequest((place.pack,)), {digest: block}, priority, self._peer_counters, None,
-                                  via_peers=False)  # fmt: skip
+                                  for_peer=allowance or _UNCHARGED)  # fmt: skip
         except FetchError as exc:
             log.warning("a block a peer asked for cannot be fetched", store=self.source_label, block=digest,
                         error=str(exc))  # fmt: skip
@@ -620,7 +654,10 @@ class BlockFetcher:
             own = [block for block in ahead if peers.owner(block.digest) is None]
             if own:
                 self._read_ahead(index, own, counters)
-        theirs = [block for block in blocks if peers.owner(block.digest) is not None]
+        # A block stored larger than zstd's worst case for it (only a hand-made index has one) is
+        # never asked of a peer: owners refuse such a request (peer_wire), and it would cost a skip.
+        theirs = [block for block in blocks
+                  if block.clen <= max_stored_length(block.rlen) and peers.owner(block.digest) is not None]  # fmt: skip
         if not theirs:
             return await self._fetch_verified(index, blocks, priority, counters)
         got: dict[str, bytes] = {}
@@ -697,11 +734,14 @@ class BlockFetcher:
         priority: Priority,
         counters: _Counters,
         ahead: Sequence[Block] = (),
+        *,
+        refetch: bool = True,
     ) -> list[bytes]:
         """Fetch distinct stored ``blocks`` from the store, verify and cache them; refetch a failure once.
 
         ``ahead`` is queued as read-ahead right before (so its first blocks join the
-        same range request).
+        same range request).  Without ``refetch`` (a peer's request) a failure is not
+        fetched again: FetchError at once.
         """
         extents = [_extent(index, block) for block in blocks]
         if ahead:
@@ -720,6 +760,16 @@ class BlockFetcher:
                 counters.ahead_read.inc(used_bytes)
         raw = await self._decode_and_cache(blocks, stored)
         bad = [number for number, data in enumerate(raw) if data is None]
+        if bad and not refetch:
+            for number in bad:
+                self.engine.discard(extents[number].key)
+            self.stats.corrupt += len(bad)
+            counters.failed.inc(len(bad))
+            block, extent = blocks[bad[0]], extents[bad[0]]
+            raise FetchError(
+                f"{self.source_label}: {extent.path} bytes {block.offset}-{block.offset + block.clen - 1} are not "
+                f"block sha256:{block.digest}: refused, not fetched again"
+            )
         if bad:
             for number in bad:
                 self.engine.discard(extents[number].key)

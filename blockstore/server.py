@@ -65,12 +65,12 @@ from bootseer.blockstore.control import (
 from bootseer.blockstore.control_ops import ControlOps
 from bootseer.blockstore.datapath import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
 from bootseer.blockstore.erofs import ErofsError
-from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, check_digest
+from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.layer_table import Layer, LayerTable, load_table, save_table, store_id, write_atomically  # noqa: F401 (re-exported)
 from bootseer.blockstore.layerfs import LayersRoot, LayerTree
 from bootseer.blockstore.peer_wire import BlockPlace
-from bootseer.blockstore.peers import PeerConfig, PeerService
-from bootseer.blockstore.reader import BlockFetcher
+from bootseer.blockstore.peers import PeerConfig, PeerService, peer_memory_share
+from bootseer.blockstore.reader import BlockFetcher, PeerAllowance
 from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.store_registry import StoreRegistry
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, Priority
@@ -165,7 +165,9 @@ class LayerServer:
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
         #: Block sharing with the peer group (None: off).
-        self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads) if config.peers.enabled else None
+        self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads,
+                                 memory=peer_memory_share(config.engine),
+                                 largest_block=self._largest_block) if config.peers.enabled else None  # fmt: skip
         #: One engine and block fetcher per store URL.
         self.stores = StoreRegistry(nursery, config.engine, config.source_options, self.cache, self._block_threads,
                                     peers=self.peers.client if self.peers else None,
@@ -206,10 +208,15 @@ class LayerServer:
         """The engine and block fetcher of ``store``, started on first use (:class:`StoreRegistry`)."""
         return await self.stores.fetcher(store)
 
-    async def _block_for_peer(self, store: str, place: BlockPlace, priority: Priority) -> bytes | None:
+    async def _block_for_peer(self, store: str, place: BlockPlace, priority: Priority,
+                              allowance: PeerAllowance) -> bytes | None:  # fmt: skip
         """A block a peer asks for, from this node's store that the peers call ``store`` (None: no such store)."""
         fetcher = await self.stores.for_peer(store)
-        return None if fetcher is None else await fetcher.block_for_peer(place, priority)
+        return None if fetcher is None else await fetcher.block_for_peer(place, priority, allowance)
+
+    def _largest_block(self) -> int:
+        """The largest block a peer may ask for: the block size of the layers served (the default's, before any)."""
+        return max((tree.index.block_size for tree in self.root.layers.values()), default=DEFAULT_BLOCK_SIZE)
 
     # -- loading a layer ------------------------------------------------------------------
 

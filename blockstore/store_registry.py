@@ -26,7 +26,7 @@ from bootseer.blockstore.reader import BlockFetcher, PeerBlocks
 from bootseer.fetch.engine import Engine, EngineConfig
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, redact_url
-from bootseer.blockstore.peers import peer_store_id
+from bootseer.blockstore.peers import peer_memory_share, peer_store_id
 
 
 class StoreRegistry:
@@ -47,7 +47,10 @@ class StoreRegistry:
             # A member fetches from the store only the blocks it owns, about one in N of them: a gap
             # between two of them is other owners' blocks, which bridging would fetch a second time
             # (measured: 26 MB of 120 MB the store sent to 8 nodes were such gaps).
-            engine = dataclasses.replace(engine, coalesce_gap=0)
+            # Serving peers holds its buffers within peer_memory_share(engine) of memory_limit: the
+            # engine gets the rest, so a node's buffers stay within memory_limit however many ask.
+            engine = dataclasses.replace(engine, coalesce_gap=0,
+                                         memory_limit=engine.memory_limit - peer_memory_share(engine))  # fmt: skip
         self._known = [url for url in known if url]
         self._engine_config = engine
         self._source_options = source_options

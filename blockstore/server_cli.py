@@ -88,7 +88,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--store-proxy-file", metavar="FILE",
                         help="read --store-proxy from the first line of FILE (a proxy URL with user:password@)")  # fmt: skip
     parser.add_argument("--store-proxy-ping-url", metavar="URL",
-                        help="the proxy's health check: a GET of URL must answer 2xx (default: any answer of the proxy)")  # fmt: skip
+                        help="the proxy's health check: a GET of URL must answer 2xx (default: any answer of the proxy but "
+                             "5xx and 407); a proxy that is down must also serve a range probe as the store does")  # fmt: skip
     parser.add_argument("--store-proxy-check-interval", type=_seconds, metavar="SECONDS",
                         help=f"seconds between health checks of the proxy ({DEFAULT_CHECK_INTERVAL:g})")  # fmt: skip
     parser.add_argument("--store-proxy-block-size", type=parse_size, metavar="SIZE",

@@ -347,6 +347,28 @@ def test_a_ping_url_that_fails_sends_reads_direct_and_one_that_answers_brings_th
         source.close()
 
 
+def test_a_proxy_that_drips_a_range_is_cut_off_at_its_read_timeout_and_the_read_goes_direct(store: Store) -> None:
+    """The proxy's read timeout bounds a whole request, not each receive: a body dripped one byte
+    every 0.1 s (every receive in time) is aborted and the read done direct, the proxy set aside."""
+    data = os.urandom(2 * PROXY_BLOCK)
+    (store.root / "file.bin").write_bytes(data)
+    proxy = RangeHTTPServer(store.root).start()
+    proxy.faults.range_answer = "drip"
+    source = HttpSource(store.url, read_timeout=3600, proxy=ProxyConfig(
+        f"http://127.0.0.1:{proxy.port}", check_interval=3600, block_size=PROXY_BLOCK, read_timeout=0.5))  # fmt: skip
+    try:
+        connection = source.connect()
+        assert connection.read_range("file.bin", 100, 1000) == data[100:1100]
+        assert source.proxy is not None and not source.proxy.up
+        assert [(client, r) for client, _v, target, r in store.access if "file.bin" in target and r] == [
+            ("127.0.0.1", "bytes=100-1099")]  # fmt: skip
+        assert range_gets(proxy) == 1
+        connection.close()
+    finally:
+        source.close()
+        proxy.stop()
+
+
 # -- a layer server reading its layers through the proxy ----------------------------------------------------
 
 

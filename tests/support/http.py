@@ -209,7 +209,8 @@ class Faults:
     release: threading.Event = field(default_factory=threading.Event)
     waiting: int = 0
     #: how every Range GET is answered from now on, None: right.  "corrupt": the range with one
-    #: byte in every 4 KiB of it flipped; "hang": never (until the server stops); 200: the whole file; another
+    #: byte in every 4 KiB of it flipped; "hang": never (until the server stops); "drip": the right
+    #: answer, its body one byte every 0.1 s (each receive gets a byte in time); 200: the whole file; another
     #: status (302 to elsewhere, 403, 404): that status and no body.  Other GETs (a proxy's
     #: health check) and HEADs are answered right.
     range_answer: str | int | None = None
@@ -329,6 +330,14 @@ class Faults:
                 chunk = file.read(min(length - sent, 1 << 16))
                 if not chunk:
                     break
+                if self.range_answer == "drip":
+                    for at in range(len(chunk)):
+                        if self.stopping.wait(0.1):
+                            return True
+                        wfile.write(chunk[at : at + 1])
+                        wfile.flush()
+                    sent += len(chunk)
+                    continue
                 if corrupt:
                     flipped = bytearray(chunk)
                     for at in range(-sent % 4096, len(flipped), 4096):

@@ -315,7 +315,10 @@ def test_a_proxy_that_hangs_is_found_down_by_its_check_and_the_read_in_flight_go
         wait_until(lambda: source.proxy.up, "the proxy healthy again")
         start = len(store.access)
         assert connection.read_range("file.bin", 5, 5) == data[5:10]
-        assert [client for client, *_ in store.since(start)] == [PROXY_OUT]
+        # Through the proxy only; the woken proxy may still relay a request (a health check's range
+        # probe) a client gave up on while it was stopped, so there may be more than one.
+        clients = [client for client, *_ in store.since(start)]
+        assert clients and set(clients) == {PROXY_OUT}, clients
         connection.close()
     finally:
         source.close()

@@ -335,6 +335,7 @@ class ServerSettings:
     store_proxy_ping_url: str | None = None  #: the proxy's health check URL (never credentials)
     store_proxy_check_interval: float | None = None  #: seconds between the proxy's health checks
     store_proxy_block_size: int | None = None  #: bytes: range requests through the proxy are whole blocks of it
+    store_proxy_read_timeout: float | None = None  #: seconds a request of one block through the proxy may take
     hotlist: bool = True  #: False: ``--no-hotlist`` (neither record nor prefetch)
     hotlist_quiet: float | None = None  #: seconds without a new block that end a recording
     hotlist_window: float | None = None  #: seconds after the prepare that end a recording
@@ -383,6 +384,7 @@ class ServerSettings:
             ("--store-proxy-ping-url", self.store_proxy_ping_url),
             ("--store-proxy-check-interval", self.store_proxy_check_interval),
             ("--store-proxy-block-size", self.store_proxy_block_size),
+            ("--store-proxy-read-timeout", self.store_proxy_read_timeout),
             ("--hotlist-quiet", self.hotlist_quiet),
             ("--hotlist-window", self.hotlist_window),
             ("--prefetch-concurrency", self.prefetch_concurrency),

@@ -7,10 +7,12 @@ call on the store's engine (each block is an extent of its pack, so neighbours i
 pack go out as one range request, and priorities, retries, EIO after
 ``retry_timeout`` and the fetch metrics are the engine's).  Every fetched block is
 decompressed (never to more than its raw length) and checked against its SHA-256
-before anyone sees it; one that fails is dropped from the engine's buffer and fetched
-once more, and if it fails again the call fails with FetchError (EIO); one fetched for a
-peer's request (:meth:`BlockFetcher.block_for_peer`, whose place and digest the peer
-names) is refused at once, never fetched again.  A corrupt
+before anyone sees it; one that fails is reported to the engine
+(:meth:`Engine.corrupt <bootseer.fetch.engine.Engine.corrupt>`: its buffer dropped, and its
+source told, so a store proxy that served it is set aside and the refetch goes to the
+store direct) and fetched once more, and if it fails again the call fails with FetchError (EIO);
+one fetched for a peer's request (:meth:`BlockFetcher.block_for_peer`, whose place and digest
+the peer names) is reported the same way and refused at once, never fetched again.  A corrupt
 byte is never served and never cached.  Small blocks are decoded on the trio thread
 (a thread hop costs more than the work); verified blocks are written into the node
 cache behind the read by one writer thread (:meth:`BlockFetcher.flush` waits for it),
@@ -762,7 +764,9 @@ class BlockFetcher:
         bad = [number for number, data in enumerate(raw) if data is None]
         if bad and not refetch:
             for number in bad:
-                self.engine.discard(extents[number].key)
+                bad_extent = extents[number]
+                self.engine.corrupt(bad_extent.path, bad_extent.offset, bad_extent.length, bad_extent.version,
+                                    key=bad_extent.key)  # fmt: skip
             self.stats.corrupt += len(bad)
             counters.failed.inc(len(bad))
             block, extent = blocks[bad[0]], extents[bad[0]]
@@ -772,7 +776,10 @@ class BlockFetcher:
             )
         if bad:
             for number in bad:
-                self.engine.discard(extents[number].key)
+                # The source learns of it (a store proxy that served it is set aside: the refetch goes direct).
+                bad_extent = extents[number]
+                self.engine.corrupt(bad_extent.path, bad_extent.offset, bad_extent.length, bad_extent.version,
+                                    key=bad_extent.key)  # fmt: skip
                 log.warning("fetched block fails verification; fetching it again", store=self.source_label,
                             layer=index.diff_id, block=blocks[number].digest, pack=extents[number].path,
                             offset=blocks[number].offset, length=blocks[number].clen)  # fmt: skip
@@ -782,7 +789,9 @@ class BlockFetcher:
             redone = await self._decode_and_cache([blocks[number] for number in bad], again)
             for number, data in zip(bad, redone):
                 if data is None:
-                    self.engine.discard(extents[number].key)  # the next read asks the store again
+                    bad_extent = extents[number]  # the next read asks the store again
+                    self.engine.corrupt(bad_extent.path, bad_extent.offset, bad_extent.length, bad_extent.version,
+                                        key=bad_extent.key)  # fmt: skip
                     self.stats.failed += 1
                     counters.failed.inc()
                     block = blocks[number]

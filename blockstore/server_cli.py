@@ -28,7 +28,7 @@ from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.sources import carries_secret, check_local_root, check_url, redact_url
-from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, ProxyConfig
+from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, DEFAULT_READ_TIMEOUT, ProxyConfig
 from bootseer.fuse import MountError
 from bootseer.blockstore.peers_cli import add_layer_server_arguments as add_peer_arguments, layer_server_peer_config
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
@@ -88,12 +88,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--store-proxy-file", metavar="FILE",
                         help="read --store-proxy from the first line of FILE (a proxy URL with user:password@)")  # fmt: skip
     parser.add_argument("--store-proxy-ping-url", metavar="URL",
-                        help="the proxy's health check: a GET of URL must answer 2xx (default: any answer of the proxy)")  # fmt: skip
+                        help="the proxy's health check: a GET of URL must answer 2xx (default: any answer of the proxy but "
+                             "5xx and 407); a proxy that is down must also serve a range probe as the store does")  # fmt: skip
     parser.add_argument("--store-proxy-check-interval", type=_seconds, metavar="SECONDS",
                         help=f"seconds between health checks of the proxy ({DEFAULT_CHECK_INTERVAL:g})")  # fmt: skip
     parser.add_argument("--store-proxy-block-size", type=parse_size, metavar="SIZE",
                         help=f"range requests through the proxy ask for whole blocks of this grid "
                              f"({DEFAULT_BLOCK_SIZE >> 20}M)")  # fmt: skip
+    parser.add_argument("--store-proxy-read-timeout", type=_seconds, metavar="SECONDS",
+                        help=f"seconds a request of one block through the proxy may take, all of it; past it the read "
+                             f"is done direct and the proxy set aside ({DEFAULT_READ_TIMEOUT:g})")  # fmt: skip
     parser.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (ROOT/cache)")
     parser.add_argument("--cache-size", type=parse_size, default=16 << 30, metavar="SIZE", help="block cache size (16G)")
     parser.add_argument("--streams", type=_positive_int, metavar="N", help="parallel range requests per store (16)")
@@ -189,6 +193,7 @@ def _store_proxy(args: argparse.Namespace) -> ProxyConfig | None:
         "ping_url": args.store_proxy_ping_url,
         "check_interval": args.store_proxy_check_interval,
         "block_size": args.store_proxy_block_size,
+        "read_timeout": args.store_proxy_read_timeout,
     }
     if args.store_proxy is None:
         for name, value in given.items():
@@ -227,7 +232,8 @@ def layer_server_command(args: argparse.Namespace) -> int:
         return _usage_error(str(exc))
     if proxy is not None:
         log.info("reading http(s) stores through a proxy", proxy=proxy.display_url, ping_url=proxy.ping_url or None,
-                 check_interval=proxy.check_interval, block_size=proxy.block_size)  # fmt: skip
+                 check_interval=proxy.check_interval, block_size=proxy.block_size,
+                 read_timeout=proxy.read_timeout)  # fmt: skip
     config = LayerServerConfig(
         root=Path(args.root).resolve(),
         store=args.store,

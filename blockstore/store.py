@@ -18,7 +18,10 @@ Reading (nodes): :class:`StoreReader` reads chain records and indexes through a
 ``bootseer.fetch`` :class:`~bootseer.fetch.engine.Engine` rooted at the store URL, with
 the engine's ``stat`` and :class:`~bootseer.fetch.engine.Reader` (pinned to the
 version it stat'ed), so retries, timeouts, EIO, version checks and metrics are the
-engine's, and blocks are fetched by the same engine (``fetch_extents``).
+engine's, and blocks are fetched by the same engine (``fetch_extents``).  A record or
+index whose bytes fail verification is reported to the engine as corrupt
+(:meth:`~bootseer.fetch.engine.Engine.corrupt`: a store proxy that served it is set
+aside) and read once more; only a second failure calls the object corrupt.
 
 The HDFS writer is real client code (hdfs-native); no HDFS server can run in the
 test environment, so it is tested for URL handling, a namenode that is not there and
@@ -34,7 +37,7 @@ import shutil
 import uuid
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import trio
@@ -49,11 +52,13 @@ from bootseer.blockstore.format import (
     sealed_size_bound,
 )
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
-from bootseer.fetch.source import NotADirectory, NotFound, SourceError
+from bootseer.fetch.source import Entry, NotADirectory, NotFound, SourceError
 from bootseer.fetch.sources import check_range, open_source, redact_url, split_path
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 #: A chain record larger than this is refused before it is read (they are a few hundred bytes).
 MAX_CHAIN_RECORD_BYTES = 1 << 20
@@ -629,6 +634,11 @@ class StoreReader:
         FetchError (EIO) when the store fails, FormatError when the object is larger
         than ``max_size`` (nothing that large is read).
         """
+        found = await self._read_entry(name, max_size)
+        return None if found is None else found[1]
+
+    async def _read_entry(self, name: str, max_size: int) -> tuple[Entry, bytes] | None:
+        """:meth:`read_object`, with the entry (size and version) the bytes were read as."""
         try:
             entry = await self.engine.stat(name)
         except NotFound:
@@ -644,7 +654,32 @@ class StoreReader:
             reader.close()
         if len(data) != entry.size:
             raise FetchError(f"{self.engine.url}: {name}: read {len(data)} of {entry.size} bytes")
-        return data
+        return entry, data
+
+    async def _read_decoded(
+        self, name: str, max_size: int, decode: Callable[[bytes], Awaitable[T]]
+    ) -> tuple[T, bytes] | None:
+        """Object ``name`` as ``decode`` makes it (FormatError: the bytes are not what they must be), and its
+        bytes; None if it does not exist.
+
+        Bytes that fail ``decode`` are reported to the engine as corrupt (a store proxy
+        that served them is set aside, the engine's buffer of them dropped) and read once
+        more: a proxy's bad bytes never make a layer corrupt.  A second failure raises.
+        """
+        for attempt in (1, 2):
+            found = await self._read_entry(name, max_size)
+            if found is None:
+                return None
+            entry, data = found
+            try:
+                return await decode(data), data
+            except FormatError as exc:
+                if attempt == 2:
+                    raise
+                log.warning("store object fails verification; reading it again", url=self.engine.url, object=name,
+                            error=str(exc))  # fmt: skip
+                self.engine.corrupt(name, 0, entry.size, entry.version)
+        raise AssertionError("unreachable")
 
     async def chain(self, chain_id: str) -> ChainRecord | None:
         """The chain record of ``chain_id``; None if the layer is not converted in this store.
@@ -654,11 +689,15 @@ class StoreReader:
         store's root is missing too (a typo in ``--store``, a bucket or prefix that is
         not there, an unmounted NFS export) or is not a directory, that is a FetchError.
         """
-        data = await self.read_object(chain_object(chain_id), MAX_CHAIN_RECORD_BYTES)
-        if data is None:
+
+        async def decode(data: bytes) -> ChainRecord:
+            return ChainRecord.decode(data, expected_chain_id=chain_id)
+
+        found = await self._read_decoded(chain_object(chain_id), MAX_CHAIN_RECORD_BYTES, decode)
+        if found is None:
             await self._check_root()
             return None
-        return ChainRecord.decode(data, expected_chain_id=chain_id)
+        return found[0]
 
     async def _check_root(self) -> None:
         """FetchError if the store's root does not exist or is not a directory.
@@ -686,17 +725,21 @@ class StoreReader:
         as its local copy, byte for byte the store's, so the copy is checked against the
         same name when it is read back."""
         name = index_object(record.index)
+
+        async def decode(data: bytes) -> LayerIndex:
+            # Hashing and parsing a large index takes seconds of CPU: never on the trio thread;
+            # the record bounds what the index may hold (its files and bytes).
+            index = await trio.to_thread.run_sync(functools.partial(LayerIndex.decode, data, record=record),
+                                                  limiter=self.threads)  # fmt: skip
+            if index.diff_id != record.diff_id or index.block_size != record.block_size:
+                raise FormatError(f"{self.engine.url}: index {record.index} is not the layer of chain record {record.chain_id}")
+            return index
+
         # An object larger than the record's layer can take is refused from its size, unread.
-        data = await self.read_object(name, min(MAX_INDEX_OBJECT_BYTES, sealed_size_bound(index_limits(record).payload_bytes)))
-        if data is None:
+        found = await self._read_decoded(name, min(MAX_INDEX_OBJECT_BYTES, sealed_size_bound(index_limits(record).payload_bytes)), decode)
+        if found is None:
             raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names index {record.index}, which is missing")
-        # Hashing and parsing a large index takes seconds of CPU: never on the trio thread;
-        # the record bounds what the index may hold (its files and bytes).
-        decode = functools.partial(LayerIndex.decode, data, record=record)
-        index = await trio.to_thread.run_sync(decode, limiter=self.threads)
-        if index.diff_id != record.diff_id or index.block_size != record.block_size:
-            raise FormatError(f"{self.engine.url}: index {record.index} is not the layer of chain record {record.chain_id}")
-        return index, data
+        return found
 
 
 @asynccontextmanager

@@ -4,7 +4,7 @@ Precedence, lowest first: :data:`DEFAULTS`, the TOML file given with ``--config`
 then the flags.  The file's top-level keys are the daemon's own (``root``,
 ``address``, ``log_level``, ``log_format``, ``metrics_address``); the lazy layers
 take sections, as stargz-snapshotter's config.toml does: ``[store] url`` (and ``proxy``,
-``proxy_ping_url``, ``proxy_check_interval``, ``proxy_block_size``: an HTTP proxy http(s) stores
+``proxy_ping_url``, ``proxy_check_interval``, ``proxy_block_size``, ``proxy_read_timeout``: an HTTP proxy http(s) stores
 are read through, docs/lazy-layers.md; in the file only, never a flag, as its URL may hold credentials),
 ``[cache] dir, size``, ``[fetch] streams, retry_timeout, memory_limit`` and ``[hotlist]
 enabled, publish_store, quiet, window, marker, prefetch_concurrency, prefetch_batch,
@@ -44,7 +44,7 @@ from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import check_local_root, check_url, redact_url
-from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, ProxyConfig
+from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, DEFAULT_READ_TIMEOUT, ProxyConfig
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.log import FORMATS, LEVELS
@@ -101,6 +101,7 @@ DEFAULTS: dict[str, Any] = {
     "store.proxy_ping_url": "",
     "store.proxy_check_interval": DEFAULT_CHECK_INTERVAL,
     "store.proxy_block_size": "1M",
+    "store.proxy_read_timeout": DEFAULT_READ_TIMEOUT,
     "cache.dir": "",
     "cache.size": "16G",
     "fetch.streams": 16,
@@ -143,6 +144,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "cache.size": (str, int),
     "store.proxy_check_interval": (float, int),
     "store.proxy_block_size": (str, int),
+    "store.proxy_read_timeout": (float, int),
     "fetch.streams": (int,),
     "fetch.retry_timeout": (float, int),
     "fetch.memory_limit": (str, int),
@@ -446,10 +448,12 @@ def _store_proxy(merged: Mapping[str, Any], store_url: str, invalid: Callable[[s
         "store.proxy_ping_url": ("ping_url", merged["store.proxy_ping_url"]),
         "store.proxy_check_interval": ("check_interval", float(merged["store.proxy_check_interval"])),
         "store.proxy_block_size": ("block_size", block_size),
+        "store.proxy_read_timeout": ("read_timeout", float(merged["store.proxy_read_timeout"])),
     }
     proxy = merged["store.proxy"]
     if not proxy:
-        defaults = {"ping_url": "", "check_interval": DEFAULT_CHECK_INTERVAL, "block_size": DEFAULT_BLOCK_SIZE}
+        defaults = {"ping_url": "", "check_interval": DEFAULT_CHECK_INTERVAL, "block_size": DEFAULT_BLOCK_SIZE,
+                    "read_timeout": DEFAULT_READ_TIMEOUT}
         for key, (name, value) in settings.items():
             if value != defaults[name]:
                 raise invalid(key, "needs [store] proxy")
@@ -475,7 +479,8 @@ def server_proxy_settings(proxy: ProxyConfig | None) -> dict[str, Any]:
     if proxy is None:
         return {}
     return {"store_proxy": proxy.url, "store_proxy_ping_url": proxy.ping_url or None,
-            "store_proxy_check_interval": proxy.check_interval, "store_proxy_block_size": proxy.block_size}  # fmt: skip
+            "store_proxy_check_interval": proxy.check_interval, "store_proxy_block_size": proxy.block_size,
+            "store_proxy_read_timeout": proxy.read_timeout}  # fmt: skip
 
 
 def _check_writable(url: str, invalid: Callable[[str], ConfigError]) -> None:

@@ -752,3 +752,38 @@ def test_mixed_workload_under_tight_memory_with_faults_and_cancellations(tmp_pat
             assert engine.stats.peak_held_bytes <= cfg.memory_limit
 
     run(main)
+
+
+class CorruptionReports(FaultySource):
+    """A real source that records the corruption reports :meth:`Engine.corrupt` gives it."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.reports: list[tuple[str, int, int, str]] = []
+
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        self.reports.append((path, offset, length, version))
+        super().corrupt(path, offset, length, version)
+
+
+def test_corrupt_tells_the_source_and_refetches_only_the_stripes_it_names(tmp_path, files) -> None:
+    """Bytes a caller found corrupt: the source hears of it (a store proxy sets itself aside there), and the
+    buffered stripes the range touches are dropped, so the next read fetches those again and no others."""
+    source = CorruptionReports(LocalSource(str(tmp_path)))
+    data = files["b.bin"]
+
+    async def main():
+        async with open_engine(source, config()) as engine:
+            await engine.prefetch("b.bin", len(data), 0, len(data))  # every stripe fetched and buffered
+            before = Counter(r.offset for r in source.reads)
+            engine.corrupt("b.bin", STRIPE + 10, STRIPE, "")  # touches stripes 1 and 2
+            assert source.reports == [("b.bin", STRIPE + 10, STRIPE, "")]
+            assert engine.stats.discards == 2
+            assert await engine.open("b.bin", len(data)).read(0, len(data)) == data
+            again = Counter(r.offset for r in source.reads) - before
+            assert sorted(again) == [STRIPE, 2 * STRIPE]
+
+    try:
+        run(main)
+    finally:
+        source.close()

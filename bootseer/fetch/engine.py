@@ -54,7 +54,10 @@ began fails, even if that attempt is still waiting on a source that never answer
 the blocked call is abandoned and its connection closed from another thread, which
 aborts it where the backend allows.  Either way the tasks waiting on it get
 :class:`FetchError` (EIO), never short or wrong bytes, and the engine goes on
-serving everything else.  A stripe or extent that failed for good keeps failing at
+serving everything else.  Bytes a caller finds corrupt are reported with
+:meth:`Engine.corrupt`: the source learns of it (a store proxy that served them is
+set aside) and the buffer goes, so the caller's refetch asks the store again.
+A stripe or extent that failed for good keeps failing at
 once for ``Engine.failure_memory`` seconds (min(retry_timeout, 10 s)), so a read
 the kernel retries right after a failure does not wait out a second timeout.  Stopping the engine abandons calls in flight the same
 way, so it never waits on a silent source.
@@ -224,7 +227,7 @@ class EngineStats:
     extent_requests: int = 0  #: range requests that fetched extents
     coalesced_requests: int = 0  #: of those, requests that carried more than one extent
     gap_bytes: int = 0  #: bytes between coalesced extents, fetched and dropped (in ``bytes_fetched``)
-    discards: int = 0  #: buffered extents dropped by :meth:`Engine.discard`
+    discards: int = 0  #: buffered extents and stripes dropped by :meth:`Engine.discard` and :meth:`Engine.corrupt`
     extents_joined_in_flight: int = 0  #: urgent asks for an extent a less urgent fetch was already fetching
     extents_raised: int = 0  #: urgent asks for an extent queued at a lower priority, which they raised
     extents_read_ahead: int = 0  #: extents queued by :meth:`Engine.readahead_extents`
@@ -768,6 +771,33 @@ class Engine:
             self.stats.discards += 1
             log.info("dropping a buffered extent its reader found corrupt", url=self.url, extent=stripe.describe())
             self._forget(stripe)
+
+    def corrupt(self, path: str, offset: int, length: int, version: str = "", *, key: Hashable | None = None) -> None:
+        """The caller found bytes ``offset`` to ``offset + length`` of ``path`` (``version``), which this
+        engine fetched, corrupt (they failed its checksum); it is about to fetch them again.
+
+        The source is told (:meth:`RangeSource.corrupt <bootseer.fetch.source.RangeSource.corrupt>`: one
+        that served them by a route it can avoid, a store proxy, stops using it, so the
+        refetch asks the store itself), and the engine drops its buffer of them: extent
+        ``key``'s (as :meth:`discard`), or without a key every buffered stripe of that
+        file version the range touches.  Retries and EIO stay the engine's one policy:
+        the refetch is a new fetch with its own ``retry_timeout``.  The optional disk
+        cache of stripes is not purged (the layer server runs without it).
+        """
+        try:
+            self.source.corrupt(path, offset, length, version)
+        except Exception as exc:  # a source must not raise here; a read must not fail because one did
+            log.warning("the source failed to take a corruption report", url=self.url, error=repr(exc))
+        if key is not None:
+            self.discard(key)
+            return
+        end = offset + length
+        for stripe in list(self._buffered.values()):
+            if (stripe.extent is None and stripe.path == path and stripe.file.version == version
+                    and stripe.offset < end and offset < stripe.offset + stripe.length):  # fmt: skip
+                self.stats.discards += 1
+                log.info("dropping a buffered stripe its reader found corrupt", url=self.url, stripe=stripe.describe())
+                self._forget(stripe)
 
     def _hold_extent(self, holder: object, extent: Extent, priority: Priority) -> _Stripe:
         return self._hold(holder, FileVersion(extent.path, -1, extent.version), -1, priority, extent)

@@ -141,6 +141,9 @@ class FaultySource:
             self.opened.append(connection.id)
         return connection
 
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        self.inner.corrupt(path, offset, length, version)
+
     def close(self) -> None:
         self.inner.close()
 

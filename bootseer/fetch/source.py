@@ -78,4 +78,12 @@ class RangeSource(Protocol):
     def connect(self) -> Connection:
         """Open a new connection (a new TCP stream, client or file handle)."""
 
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        """Bytes of ``path`` (``version``) from ``offset`` to ``offset + length`` that this source
+        returned failed their caller's verification (a checksum), which fetches them again.
+
+        A source that can serve bytes by more than one route stops using the one that
+        served these (the HTTP source's store proxy); one that reads from one place has
+        nothing to learn.  Never raises."""
+
     def close(self) -> None: ...

@@ -10,7 +10,11 @@
   ``Content-Length`` (and count what the client let it send), serve a given
   directory index, refuse a path, hold GETs of given paths until the test releases
   them, or rewrite a file between requests at the same size and date with a new
-  strong ETag each time.
+  strong ETag each time.  Over the store's own directory it is also a proxy gone
+  wrong (:attr:`Faults.range_answer`): it takes absolute-URI requests as any forward
+  proxy does and serves them as a proxy with every file in its cache would, except
+  that every Range GET gets a corrupt body, a redirect, the whole file, a refusal
+  or no answer at all, while its health check (``GET /``) still answers.
 
 Both listen on 127.0.0.1 only.  Pytest fixtures ``nginx_factory`` and
 ``range_http_factory`` (defined here, offered to every test by tests/conftest.py)
@@ -204,6 +208,14 @@ class Faults:
     held: set[str] = field(default_factory=set)
     release: threading.Event = field(default_factory=threading.Event)
     waiting: int = 0
+    #: how every Range GET is answered from now on, None: right.  "corrupt": the range with one
+    #: byte in every 4 KiB of it flipped; "hang": never (until the server stops); "drip": the right
+    #: answer, its body one byte every 0.1 s (each receive gets a byte in time); 200: the whole file; another
+    #: status (302 to elsewhere, 403, 404): that status and no body.  Other GETs (a proxy's
+    #: health check) and HEADs are answered right.
+    range_answer: str | int | None = None
+    #: set when the server stops: what a "hang" answer waits for
+    stopping: threading.Event = field(default_factory=threading.Event)
     _rewrites: dict[str, tuple[list[bytes], bool]] = field(default_factory=dict)
     _rewrite_count: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -303,9 +315,13 @@ class Faults:
             self.huge_sent = sent
             self.huge_done.set()
 
-    def send_file_range(self, wfile, connection: socket.socket, path: Path, offset: int, length: int) -> bool:
-        """Send ``length`` bytes of ``path`` from ``offset``, or, if a drop is armed, hang up after
-        ``drop_after_bytes`` of them; True if the connection was dropped (the handler closes it)."""
+    def send_file_range(
+        self, wfile, connection: socket.socket, path: Path, offset: int, length: int, *, corrupt: bool = False
+    ) -> bool:
+        """Send ``length`` bytes of ``path`` from ``offset`` (``corrupt``: the first byte of every 4 KiB of
+        them flipped), or, if
+        a drop is armed, hang up after ``drop_after_bytes`` of them; True if the connection was dropped
+        (the handler closes it)."""
         drop = self.take("drop")
         with open(path, "rb") as file:
             file.seek(offset)
@@ -314,6 +330,19 @@ class Faults:
                 chunk = file.read(min(length - sent, 1 << 16))
                 if not chunk:
                     break
+                if self.range_answer == "drip":
+                    for at in range(len(chunk)):
+                        if self.stopping.wait(0.1):
+                            return True
+                        wfile.write(chunk[at : at + 1])
+                        wfile.flush()
+                    sent += len(chunk)
+                    continue
+                if corrupt:
+                    flipped = bytearray(chunk)
+                    for at in range(-sent % 4096, len(flipped), 4096):
+                        flipped[at] ^= 0x5A
+                    chunk = bytes(flipped)
                 if drop and sent + len(chunk) >= self.drop_after_bytes:
                     wfile.write(chunk[: max(self.drop_after_bytes - sent, 0)])
                     wfile.flush()
@@ -407,6 +436,14 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
             return
         if body:
             faults.wait_if_held(urllib.parse.urlsplit(self.path).path)
+        wrong = faults.range_answer if body and self.headers.get("Range") else None
+        if wrong == "hang":
+            faults.stopping.wait(120)  # a test that forgets to stop the server still ends
+            self.close_connection = True
+            return
+        if isinstance(wrong, int) and wrong != 200:
+            self.send_empty(wrong, {"Location": "http://127.0.0.1:9/elsewhere"} if 300 <= wrong < 400 else None)
+            return
         target = self.resolve()
         if target is None or not target.exists():
             self.send_empty(404)
@@ -432,7 +469,7 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
         first, last = 0, size - 1
         status = 200
         range_header = self.headers.get("Range")
-        if range_header and body and not faults.take("ignore_range"):
+        if range_header and body and wrong != 200 and not faults.take("ignore_range"):
             if_range = self.headers.get("If-Range")
             if not honour_if_range or if_range is None or if_range in (validators["ETag"], validators["Last-Modified"]):
                 try:
@@ -463,7 +500,8 @@ class RangeRequestHandler(BaseHTTPRequestHandler):
             faults.take("drop")  # an armed drop is spent on this answer, as before
             self.wfile.write(content[first : last + 1])
             return
-        if faults.send_file_range(self.wfile, self.connection, target, first, last - first + 1):
+        if faults.send_file_range(self.wfile, self.connection, target, first, last - first + 1,
+                                  corrupt=wrong == "corrupt" and status == 206):
             self.close_connection = True
             return
         if faults.take("hang_up"):
@@ -525,6 +563,7 @@ class RangeHTTPServer(ThreadingHTTPServer):
         return self
 
     def stop(self) -> None:
+        self.faults.stopping.set()
         if self._thread is not None:
             self.shutdown()
             self._thread.join(timeout=10)

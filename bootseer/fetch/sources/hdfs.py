@@ -181,6 +181,9 @@ class HdfsSource:
             raise hdfs_error(self.where(path), exc) from None
         return sorted(entries, key=lambda entry: entry.name)
 
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        """Nothing to learn: this source reads every range from one place (see RangeSource.corrupt)."""
+
     def connect(self) -> HdfsConnection:
         return HdfsConnection(self)
 

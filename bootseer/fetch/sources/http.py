@@ -45,6 +45,7 @@ import re
 import socket
 import ssl
 import threading
+from collections import deque
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from typing import Iterator, Mapping
@@ -59,6 +60,11 @@ log = get_logger(__name__)
 
 MAX_LISTING_BYTES = 64 << 20  #: a directory index larger than this is refused
 MAX_ERROR_BODY_BYTES = 64 << 10  #: error bodies longer than this are not read (the connection is dropped)
+#: Range reads through the proxy a source remembers, to tell whether bytes its caller found corrupt came
+#: by the proxy (:meth:`HttpSource.corrupt`): a caller verifies what it fetched right after the fetch.
+PROXIED_MEMORY = 4096
+#: The bytes a proxy that is down must serve the same as the store before reads go back to it.
+PROBE_BYTES = 4096
 
 # Network failures: a retry on a new connection may succeed.
 NETWORK_ERRORS = (OSError, http.client.HTTPException)
@@ -189,11 +195,13 @@ class HttpChannel:
         self.endpoint = endpoint
         self._conn: http.client.HTTPConnection | None = None
         self._reused = False
+        self._aborted = False  # :meth:`abort` was called during the request in progress
         self._target = ""  # of the last request, for messages
 
     def request(self, method: str, target: str, headers: Mapping[str, str] | None = None) -> http.client.HTTPResponse:
         all_headers = {**(self.endpoint.headers or {}), **(headers or {})}
         self._target = target
+        self._aborted = False
         for _attempt in range(2):
             if self._conn is None:
                 self._conn = self.endpoint.open()
@@ -206,7 +214,7 @@ class HttpChannel:
                 response = conn.getresponse()
             except _STALE_KEEPALIVE as exc:
                 self.close()
-                if reused:
+                if reused and not self._aborted:  # an abort looks the same: it is not sent again
                     continue
                 raise TransientError(f"{self.where}: {method} failed: {exc!r}") from None
             except NETWORK_ERRORS as exc:
@@ -265,6 +273,12 @@ class HttpChannel:
             self.close()
             return b""
         return self.read_body(response, limit=MAX_ERROR_BODY_BYTES)
+
+    def abort(self) -> None:
+        """From another thread: end the request in progress, which fails (TransientError) rather
+        than being sent again on a new connection as a closed keep-alive's would be."""
+        self._aborted = True
+        self.close()
 
     def close(self) -> None:
         """Close the connection; from another thread, this aborts a read blocked on it.
@@ -560,7 +574,9 @@ class HttpSource:
     (``block_size``, the last one cut at the file's end), one request per block,
     whatever range the engine coalesced, so that every node asks for the same ranges
     and a proxy that caches by URL and range serves them from its cache; the bytes
-    outside the range are dropped.  Metadata (``HEAD``, listings) goes direct.
+    outside the range are dropped.  Metadata (``HEAD``, listings) goes direct.  Any
+    failure of a read through the proxy (see :mod:`.http_proxy`) redoes it direct;
+    :meth:`corrupt` sets the proxy aside when bytes it served fail their caller's check.
     """
 
     default_streams = 16
@@ -594,8 +610,14 @@ class HttpSource:
         self.etag_pins = _EtagPins()  #: shared by all connections: a pin holds for every stream
         config = ProxyConfig(proxy) if isinstance(proxy, str) else proxy
         #: whether reads go through the proxy now; None without one
-        self.proxy = ProxyHealth(config, self._ping, connect_timeout=connect_timeout) if config else None
+        self.proxy = (
+            ProxyHealth(config, self._ping, connect_timeout=connect_timeout, probe=self._probe) if config else None
+        )
         self.proxy_endpoint = self.endpoint.via(config) if config else None
+        #: (path, version, offset, end) of the last range reads served through the proxy, newest last
+        self._proxied: deque[tuple[str, str, int, int]] = deque(maxlen=PROXIED_MEMORY)
+        self._proxied_lock = threading.Lock()
+        self._probe_file: tuple[str, str] | None = None  # (path, version) last read through the proxy, or tried
         self._tls = (verify, ca_file)  # for an https ping URL
 
     def __repr__(self) -> str:
@@ -736,17 +758,61 @@ class HttpSource:
             )  # fmt: skip
             target, healthy = (path or "/") + (f"?{query}" if query else ""), range(200, 300)
         else:
-            # Any answer at all from the proxy itself: it is up and speaks HTTP.
-            endpoint = HttpEndpoint("http", config.host, config.port, timeout, timeout)
-            target, healthy = "/", range(100, 600)
+            # An answer from the proxy itself that is not a failure of its own: it is up and speaks
+            # HTTP (tinyproxy and squid answer a request that names no site with a 4xx page).  With
+            # its credentials: a 407 then says they are refused, and reads through it would be.
+            endpoint = HttpEndpoint("http", config.host, config.port, timeout, timeout, headers=config.headers)
+            target, healthy = "/", range(100, 500)
         chan = HttpChannel(endpoint)
         try:
             response = chan.request("GET", target)
             chan.discard(response)
         finally:
             chan.close()
-        if response.status not in healthy:
+        if response.status not in healthy or (not config.ping_url and response.status == 407):
             raise TransientError(f"health check {chan.where}: HTTP {response.status} {response.reason}".rstrip())
+
+    def _probe(self, timeout: float) -> None:
+        """The range probe a proxy that is down must pass (see :mod:`~bootseer.fetch.sources.http_proxy`):
+        the first :data:`PROBE_BYTES` of the last file read (or tried) through it, through the proxy
+        (its first grid block, a whole answer) and direct, each within ``timeout``, must be the same
+        bytes; raises unless they are."""
+        if self._probe_file is None:
+            return  # nothing read through the proxy yet: its ping says all there is to know
+        path, version = self._probe_file
+        probe = HttpConnection(self, timeout=timeout)
+        try:
+            through = probe.read_on(probe.proxied, path, 0, PROBE_BYTES, version)
+            direct = probe.read_on(probe.channel, path, 0, PROBE_BYTES, version)
+        finally:
+            probe.close()
+        if through != direct:
+            raise TransientError(f"range probe of {self.where(self.target(path))}: the proxy's bytes are not the store's")
+
+    def reading_through_proxy(self, path: str, version: str) -> None:
+        """A read of ``path`` (``version``) goes through the proxy now: the range probe's file from now on."""
+        self._probe_file = (path, version)
+
+    def served_by_proxy(self, path: str, version: str, offset: int, length: int) -> None:
+        """Remember a range read the proxy served (for :meth:`corrupt` and the range probe)."""
+        with self._proxied_lock:
+            self._proxied.append((path, version, offset, offset + length))
+
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        """Bytes ``offset`` to ``offset + length`` of ``path`` (``version``) that this source served
+        failed their caller's verification: if the proxy served them, it is set aside (reads go
+        direct, so the caller's refetch asks the store itself) until a check finds it healthy."""
+        if self.proxy is None:
+            return
+        end = offset + length
+        with self._proxied_lock:
+            served = any(
+                place == path and seen == version and first < end and offset < last
+                for place, seen, first, last in self._proxied
+            )
+        if served:
+            self.proxy.corrupt(f"{self.where(self.target(path))} bytes {offset}-{end - 1} through the proxy "
+                               f"failed verification")  # fmt: skip
 
     def connect(self) -> HttpConnection:
         return HttpConnection(self)
@@ -758,25 +824,52 @@ class HttpSource:
 
 
 class HttpConnection:
-    """One keep-alive connection for range reads (one request at a time), and one to the proxy if there is one."""
+    """One keep-alive connection for range reads (one request at a time), and one to the proxy if there is one.
 
-    def __init__(self, source: HttpSource) -> None:
+    ``timeout`` (seconds) replaces the source's connect and read timeouts (the proxy's range probe)."""
+
+    def __init__(self, source: HttpSource, *, timeout: float | None = None) -> None:
         self.source = source
-        self.channel = HttpChannel(source.endpoint)
+        endpoint, proxy_endpoint = source.endpoint, source.proxy_endpoint
+        if timeout is not None:
+            endpoint = dataclasses.replace(endpoint, connect_timeout=timeout, read_timeout=timeout)
+            if proxy_endpoint is not None:
+                proxy_endpoint = dataclasses.replace(proxy_endpoint, connect_timeout=timeout, read_timeout=timeout)
+        self.channel = HttpChannel(endpoint)
         self.proxied: HttpChannel | None = None
-        if source.proxy is not None and source.proxy_endpoint is not None:
-            self.proxied = HttpChannel(source.proxy_endpoint)
+        if source.proxy is not None and proxy_endpoint is not None:
+            self.proxied = HttpChannel(proxy_endpoint)
             source.proxy.track(self.proxied)
         self._lock = threading.Lock()
 
     def read_range(self, path: str, offset: int, length: int, version: str = "") -> bytes:
         """The range, through the proxy while it is healthy, else direct.
 
-        A read the proxy fails (a TransientError: the proxy down, hanging, or refusing
-        with a 5xx or 407) sets the proxy aside and is done again direct at once; one
-        that gets another version of the file through the proxy (``Changed``: a stale
-        cache) is done again direct, and raises only if the store says so too.
+        A read the proxy fails in any way (a network error or no whole answer in its
+        read timeout; any answer but 206 and 416: a 5xx, 407, a redirect, 403, 404,
+        200 with the whole file; a garbled answer) sets the proxy aside and is done
+        again direct at once; one that gets another version of the file through the
+        proxy (``Changed``: a stale cache) is done again direct, and raises only if the
+        store says so too.
         """
+        with self._lock:
+            proxy = self.source.proxy
+            if proxy is not None and self.proxied is not None and length > 0 and proxy.usable():
+                self.source.reading_through_proxy(path, version)
+                try:
+                    data = self.read_on(self.proxied, path, offset, length, version)
+                except Changed as exc:
+                    proxy.stale(str(exc))
+                except SourceError as exc:
+                    # A proxy is an optimization: whatever it answers, the store may still serve the read.
+                    proxy.failed(str(exc))
+                else:
+                    self.source.served_by_proxy(path, version, offset, len(data))
+                    return data
+            return self.read_on(self.channel, path, offset, length, version)
+
+    def read_on(self, channel: HttpChannel, path: str, offset: int, length: int, version: str) -> bytes:
+        """The range over ``channel``: through the proxy (:attr:`proxied`) in whole blocks of its grid, else as is."""
         check_range(offset, length)
         target = self.source.target(path)
         expected = _Version.parse(version, self.source.where(target)) if version else None
@@ -785,17 +878,11 @@ class HttpConnection:
             length = max(0, min(length, expected.size - offset))
             if expected.etag is None and (pinned := self.source.etag_pins.get(path, version)) is not None:
                 expected = expected.pinned(pinned)
-        with self._lock:
-            proxy = self.source.proxy
-            if proxy is not None and self.proxied is not None and length > 0 and proxy.usable():
-                try:
-                    return self._read(self.proxied, path, version, target, offset, length, expected,
-                                      align=proxy.config.block_size)  # fmt: skip
-                except Changed as exc:
-                    proxy.stale(str(exc))
-                except TransientError as exc:
-                    proxy.failed(str(exc))
-            return self._read(self.channel, path, version, target, offset, length, expected, align=0)
+        if length == 0:
+            return b""
+        proxy = self.source.proxy
+        align = proxy.config.block_size if proxy is not None and channel is self.proxied else 0
+        return self._read(channel, path, version, target, offset, length, expected, align=align)
 
     def _read(
         self, channel: HttpChannel, path: str, version: str, target: str, offset: int, length: int,
@@ -810,7 +897,7 @@ class HttpConnection:
             stop = at - at % align + align if align else end
             if align and expected is not None:
                 stop = min(stop, expected.size)
-            chunk, at_eof, etag = self._read_once(channel, target, at, stop - at, expected)
+            chunk, at_eof, etag = self._read_bounded(channel, target, at, stop - at, expected)
             if expected is not None and expected.etag is None:
                 # The first strong ETag seen for a date-only version pins it (for
                 # every stream: a stripe of another content fails, never mixes).
@@ -828,6 +915,16 @@ class HttpConnection:
             if at_eof:
                 break
         return b"".join(chunks)
+
+    def _read_bounded(
+        self, channel: HttpChannel, target: str, offset: int, length: int, expected: _Version | None
+    ) -> tuple[bytes, bool, str | None]:
+        """:meth:`_read_once`, within the proxy's read timeout when ``channel`` goes through the proxy."""
+        proxy = self.source.proxy
+        if proxy is None or channel is not self.proxied:
+            return self._read_once(channel, target, offset, length, expected)
+        with proxy.deadline(channel, self.source.where(target)):
+            return self._read_once(channel, target, offset, length, expected)
 
     def _read_once(
         self, channel: HttpChannel, target: str, offset: int, length: int, expected: _Version | None
@@ -884,9 +981,11 @@ class HttpConnection:
                 changed = expected.mismatch(response)
                 if response.length is not None and response.length != expected.size:
                     changed = f"size {expected.size} -> {response.length}"
-                if changed or "If-Range" in headers:
+                if changed or ("If-Range" in headers and route == "direct"):
                     # The If-Range no longer matched (RFC 9110: then the whole, current
                     # file comes back): the file changed, even where no validator shows it.
+                    # From a proxy whose validators show no change, it is the proxy that
+                    # ignored the Range (a proxy gone wrong, not a stale cache).
                     raise Changed(
                         f"{where}: file changed ({changed or 'If-Range ' + headers['If-Range'] + ' not matched'}); "
                         "refusing to mix versions"

@@ -145,6 +145,9 @@ class LocalSource:
                 log.warning("skipping entry the source refuses", url=self.display_url, path=child, error=str(exc))
         return entries
 
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        """Nothing to learn: this source reads every range from one place (see RangeSource.corrupt)."""
+
     def connect(self) -> LocalConnection:
         return LocalConnection(self)
 

@@ -219,6 +219,9 @@ class S3Source:
                 raise NotADirectory(f"{self.where(path)}: not a directory")
         return sorted(entries.values(), key=lambda entry: entry.name)
 
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        """Nothing to learn: this source reads every range from one place (see RangeSource.corrupt)."""
+
     def connect(self) -> S3Connection:
         return S3Connection(self)
 

@@ -208,6 +208,9 @@ class WebHdfsSource:
                 log.warning("skipping malformed LISTSTATUS entry", url=self.where(path), error=str(exc))
         return sorted(entries, key=lambda entry: entry.name)
 
+    def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
+        """Nothing to learn: this source reads every range from one place (see RangeSource.corrupt)."""
+
     def connect(self) -> WebHdfsConnection:
         return WebHdfsConnection(self)
 

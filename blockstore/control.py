@@ -419,6 +419,7 @@ class ServerSettings:
             ("--peer-deadline", peers.deadline),
             ("--peer-upload-rate", peers.upload_rate),
             ("--peer-max-uploads", peers.max_uploads),
+            ("--peer-max-connections", peers.max_connections),
             ("--peer-tls-cert", peers.tls_cert),
             ("--peer-tls-key", peers.tls_key),
             ("--peer-ca", peers.ca),

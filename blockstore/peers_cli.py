@@ -45,6 +45,9 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
                        help="bytes per second served to peers in all, e.g. 100M (0: no limit)")  # fmt: skip
     group.add_argument("--peer-max-uploads", type=int, default=defaults.max_uploads, metavar="N",
                        help=f"blocks served to peers at once ({defaults.max_uploads})")  # fmt: skip
+    group.add_argument("--peer-max-connections", type=int, default=defaults.max_connections, metavar="N",
+                       help="connections peers may hold open at once; unauthenticated ones are dropped first "
+                            f"({defaults.max_connections}; at most half the file descriptor limit)")  # fmt: skip
     group.add_argument("--peer-tls-cert", metavar="FILE", help="serve peers over HTTPS with this certificate (PEM)")
     group.add_argument("--peer-tls-key", metavar="FILE", help="the key of --peer-tls-cert (PEM)")
     group.add_argument("--peer-ca", metavar="FILE", help="ask peers over HTTPS, trusting this CA (PEM)")
@@ -62,6 +65,7 @@ def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
         deadline=args.peer_deadline,
         upload_rate=args.peer_upload_rate,
         max_uploads=args.peer_max_uploads,
+        max_connections=args.peer_max_connections,
         tls_cert=args.peer_tls_cert,
         tls_key=args.peer_tls_key,
         ca=args.peer_ca,
@@ -118,8 +122,11 @@ def status_command(args: argparse.Namespace) -> int:
     received, served = answer["received"], answer["served"]
     print(f"received from peers: {received['blocks']} blocks, {_size(received['bytes'])}")
     print(f"served to peers:     {served['blocks']} blocks, {_size(served['bytes'])}")
-    print(f"late answers: {answer['late']}  fallbacks to the store: {answer['fallbacks']}  "
+    print(f"late answers: {answer['late']}  slow: {answer['slow']}  fallbacks to the store: {answer['fallbacks']}  "
           f"bad blocks: {answer['bad_blocks']}  errors: {answer['errors']}")  # fmt: skip
+    connections = answer["connections"]
+    print(f"connections from peers: {connections['open']} open ({connections['authenticated']} authenticated, "
+          f"at most {connections['limit']}); failed authentications: {answer['auth_failures']}")  # fmt: skip
     return 0
 
 

@@ -16,7 +16,7 @@ converter_keys, writer_keys, sign_key`` (docs/trust.md), ``[depsnap] scope`` (th
 scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``images`` (the node's
 image -> deps key mapping, for Kubernetes pods, docs/kubernetes.md), and ``[peers]
 listen, advertise, members, members_file, members_dns, token_file, deadline, upload_rate,
-max_uploads, tls_cert, tls_key, ca`` (block sharing between nodes, docs/peers.md; off unless
+max_uploads, max_connections, tls_cert, tls_key, ca`` (block sharing between nodes, docs/peers.md; off unless
 ``listen`` is set).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
@@ -130,6 +130,7 @@ DEFAULTS: dict[str, Any] = {
     "peers.deadline": PeerConfig.deadline,
     "peers.upload_rate": "0",
     "peers.max_uploads": PeerConfig.max_uploads,
+    "peers.max_connections": PeerConfig.max_connections,
     "peers.tls_cert": "",
     "peers.tls_key": "",
     "peers.ca": "",
@@ -158,6 +159,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "peers.deadline": (float, int),
     "peers.upload_rate": (str, int),
     "peers.max_uploads": (int,),
+    "peers.max_connections": (int,),
     "depsnap.images": (dict,),
 }
 
@@ -386,6 +388,7 @@ def _peer_config(merged: dict[str, Any], invalid: Callable[[str, str], ConfigErr
         deadline=float(merged["peers.deadline"]),
         upload_rate=upload_rate,
         max_uploads=merged["peers.max_uploads"],
+        max_connections=merged["peers.max_connections"],
         tls_cert=path("peers.tls_cert"),
         tls_key=path("peers.tls_key"),
         ca=path("peers.ca"),

@@ -21,10 +21,13 @@ ever making a start slower or wrong:
 * a peer that sends nothing for ``deadline`` seconds (an owner at work on a store
   fetch sends ``102 Processing`` every :data:`KEEPALIVE` seconds) makes the block
   *late*: the store is asked for it too, and whichever answers first is used
-  (hedging; the other is cancelled);
+  (hedging; the other is cancelled); so does a peer that keeps talking without
+  delivering: no block :data:`PATIENCE` deadlines after asking however many keepalives
+  came, or a body slower than :data:`MIN_BODY_RATE`;
 * a peer that fails (refused or reset connection, a wrong token, a bad answer, a bad
-  block) is skipped for ``skip_seconds``: its blocks go to the next owner in the
-  ranking, which is often this node itself (the store).
+  block, late or slow until the store answered, no block in :data:`REQUEST_LIMIT`) is
+  skipped for ``skip_seconds``: its blocks go to the next owner in the ranking, which
+  is often this node itself (the store).
 
 The owner serves only blocks it has verified (memory, its verifying node cache, or
 just fetched and checked), ``max_uploads`` at once and at most ``upload_rate``
@@ -32,6 +35,9 @@ bytes per second in all, so serving never starves the node's own start; a reques
 beyond what it can queue is answered ``503`` at once (the asker goes to the store).
 Requests must carry the group's token (``Authorization: Bearer``) unless the
 server listens on loopback only; the token is read from a file and never logged.
+A connection must send its request head within :data:`HEAD_DEADLINE`, at most
+``max_connections`` are open (those that never authenticated are dropped first), and
+a wrong token closes its connection and holds off its address (:class:`PeerServer`).
 What a peer learns and what the network can get is in docs/peers.md.
 
 :class:`PeerService` ties them to a layer server: the membership watch and the

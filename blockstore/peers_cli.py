@@ -122,11 +122,14 @@ def status_command(args: argparse.Namespace) -> int:
     received, served = answer["received"], answer["served"]
     print(f"received from peers: {received['blocks']} blocks, {_size(received['bytes'])}")
     print(f"served to peers:     {served['blocks']} blocks, {_size(served['bytes'])}")
-    print(f"late answers: {answer['late']}  slow: {answer['slow']}  fallbacks to the store: {answer['fallbacks']}  "
-          f"bad blocks: {answer['bad_blocks']}  errors: {answer['errors']}")  # fmt: skip
-    connections = answer["connections"]
-    print(f"connections from peers: {connections['open']} open ({connections['authenticated']} authenticated, "
-          f"at most {connections['limit']}); failed authentications: {answer['auth_failures']}")  # fmt: skip
+    print(f"late answers: {answer['late']}  slow: {answer.get('slow', 0)}  fallbacks to the store: "
+          f"{answer['fallbacks']}  bad blocks: {answer['bad_blocks']}  errors: {answer['errors']}")  # fmt: skip
+    connections = answer.get("connections")
+    if connections is not None:  # not from a layer server older than this command
+        print(f"connections from peers: {connections['open']} open ({connections['authenticated']} authenticated, "
+              f"at most {connections['limit']}); failed authentications: {answer['auth_failures']}")  # fmt: skip
+    if answer.get("self_listed") is False:
+        print("this node is not in its member list: it owns no block and asks the members for every one")
     return 0
 
 

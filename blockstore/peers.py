@@ -700,10 +700,10 @@ class PeerServer:
     What a connection may hold: its request head must be whole :data:`HEAD_DEADLINE`
     seconds after the accept (after its first byte on a kept-alive connection), and at
     most ``max_connections`` are open (fewer if the file descriptor limit is low): at the
-    cap a new connection evicts the oldest one that has not authenticated, or is closed
-    if every one has.  A request with a wrong token is answered 401 and its connection
-    closed, and its address's new connections are refused for a while
-    (:class:`AuthThrottle`).  An accept that fails for want of file descriptors is logged
+    cap a new connection evicts the oldest one that has not authenticated, or is answered
+    503 and closed if every one has.  A request with a wrong token is answered 401 and its
+    connection closed, and its address's new connections are answered 401 unread and
+    closed for a while (:class:`AuthThrottle`).  An accept that fails for want of file descriptors is logged
     once, then counted, and drops the oldest unauthenticated connection to make room.
     """
 
@@ -761,25 +761,38 @@ class PeerServer:
                     continue
                 stream = HttpStream(raw)
                 connection = self._admitted(stream)
-                if connection is not None:
+                if isinstance(connection, _Connection):
                     nursery.start_soon(self._connection, connection)
+                else:
+                    await self._turn_away(stream, *connection)
 
-    def _admitted(self, stream: HttpStream) -> _Connection | None:
-        """The accepted ``stream`` as an open connection, or None when it is closed at once (throttled, or at the
-        cap with no unauthenticated connection to evict)."""
+    def _admitted(self, stream: HttpStream) -> _Connection | tuple[int, str]:
+        """The accepted ``stream`` as an open connection, or the answer it is closed with at once: 401 when its
+        address is held off after a failed authentication, 503 at the cap with no unauthenticated connection
+        to evict."""
         host = stream.remote_host()
-        outcome = "accepted"
         if self._throttle.refused(host, time.monotonic()):
-            outcome = "throttled"
-        elif len(self._connections) >= self.max_connections and not self._evict_one():
-            outcome = "refused"
-        PEER_CONNECTIONS.labels(outcome).inc()
-        if outcome != "accepted":
-            stream.close_now()
-            return None
+            PEER_CONNECTIONS.labels("throttled").inc()
+            return 401, "Unauthorized: held off after a failed authentication"
+        if len(self._connections) >= self.max_connections and not self._evict_one():
+            PEER_CONNECTIONS.labels("refused").inc()
+            return 503, "Busy: too many connections"
+        PEER_CONNECTIONS.labels("accepted").inc()
         connection = _Connection(stream, host)
         self._connections[stream] = connection
         return connection
+
+    async def _turn_away(self, stream: HttpStream, status: int, reason: str) -> None:
+        """Answer ``status`` without reading the request (so that a member learns why: a bare close reads as a
+        broken peer) and close the connection; over TLS, just close it (no handshake for it)."""
+        if self._tls is None:
+            body = reason.encode() + b"\n"
+            with trio.move_on_after(ACCEPT_RETRY):  # a new connection's send buffer takes it at once
+                try:
+                    await stream.send(response_head(status, reason, len(body), close=True) + body)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # it went away already
+        stream.close_now()
 
     def _evict_one(self) -> bool:
         """Drop the oldest connection that has not authenticated; False if there is none."""

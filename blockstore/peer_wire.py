@@ -10,8 +10,9 @@ from a hung one.  Connections are kept alive and reused.
 
 Everything read is bounded: a head by :data:`HEAD_LIMIT`, a body by the length the
 reader expects (never by what the other side claims), each receive by a deadline
-the caller gives, and a whole head, if the caller asks, by a deadline of its own.  Nothing here knows about blocks beyond :class:`BlockPlace`'s
-fields; the service (``blockstore/peers.py``) does the rest.
+the caller gives, and a whole head, if the caller asks, by a deadline of its own.
+Nothing here knows about blocks beyond :class:`BlockPlace`'s fields; the service
+(``blockstore/peers.py``) does the rest.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ class HttpStream:
             raise trio.TooSlowError
         return data
 
-    async def read_head(self, timeout: float, *, whole: float | None = None, since: float | None = None) -> bytes | None:
+    async def read_head(self, timeout: float, *, whole: float | None = None,
+                        since: float | None = None) -> bytes | None:  # fmt: skip
         """The next head (without its blank line), None at a clean end of stream before one began.
 
         trio.TooSlowError when a receive waits more than ``timeout``, or, with ``whole``,

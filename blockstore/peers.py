@@ -172,7 +172,8 @@ def read_token_file(path: str) -> str:
         raise ValueError(f"peer token file {path}: {exc.strerror}") from None
     token = data.decode("utf-8", "replace").strip()
     if not token or len(data) > 4096 or any(c.isspace() for c in token):
-        raise ValueError(f"peer token file {path}: must hold one token of {MIN_TOKEN_BYTES} to 4096 bytes without spaces")
+        raise ValueError(f"peer token file {path}: must hold one token of {MIN_TOKEN_BYTES} to 4096 bytes "
+                         "without spaces")  # fmt: skip
     if len(token.encode()) < MIN_TOKEN_BYTES:
         raise ValueError(f"peer token file {path}: the token is {len(token.encode())} bytes, fewer than the "
                          f"{MIN_TOKEN_BYTES} needed (make one with: openssl rand -hex 32)")  # fmt: skip
@@ -703,8 +704,9 @@ class PeerServer:
     cap a new connection evicts the oldest one that has not authenticated, or is answered
     503 and closed if every one has.  A request with a wrong token is answered 401 and its
     connection closed, and its address's new connections are answered 401 unread and
-    closed for a while (:class:`AuthThrottle`).  An accept that fails for want of file descriptors is logged
-    once, then counted, and drops the oldest unauthenticated connection to make room.
+    closed for a while (:class:`AuthThrottle`).  An accept that fails for want of file
+    descriptors is logged once, then counted, and drops the oldest unauthenticated
+    connection to make room.
     """
 
     def __init__(self, config: PeerConfig, token: str | None, get_block: BlockGetter, stats: PeerStats) -> None:

@@ -548,11 +548,13 @@ class PeerClient:
         REQUEST_LIMIT, or the store's answer, ends it.
         """
 
+        slow = False  # found slow once: not again for this request
+
         async def patiently(read: Callable[[float], Awaitable[Any]], patience: float) -> Any:
-            slow_at = trio.current_time() + patience
+            nonlocal slow
             while True:
-                with trio.move_on_at(slow_at) as scope:  # a read cut here keeps what came (peer_wire)
-                    try:
+                with trio.move_on_at(math.inf if slow else trio.current_time() + patience) as scope:
+                    try:  # a read cut by the scope keeps what came (peer_wire)
                         return await read(self.deadline)
                     except trio.TooSlowError:
                         on_late("late")
@@ -560,7 +562,7 @@ class PeerClient:
                 if scope.cancelled_caught:
                     on_late("slow")
                     self.stats.slow += 1
-                    slow_at = math.inf
+                    slow = True
 
         answer_patience = PATIENCE * self.deadline
         answered = trio.current_time() + answer_patience  # 1xx answers do not move it

@@ -422,6 +422,7 @@ class ServerSettings:
             ("--peer-upload-rate", peers.upload_rate),
             ("--peer-max-uploads", peers.max_uploads),
             ("--peer-fetch-budget", peers.fetch_budget),
+            ("--peer-max-connections", peers.max_connections),
             ("--peer-tls-cert", peers.tls_cert),
             ("--peer-tls-key", peers.tls_key),
             ("--peer-ca", peers.ca),

@@ -10,8 +10,9 @@ from a hung one.  Connections are kept alive and reused.
 
 Everything read is bounded: a head by :data:`HEAD_LIMIT`, a body by the length the
 reader expects (never by what the other side claims), each receive by a deadline
-the caller gives.  Nothing here knows about blocks beyond :class:`BlockPlace`'s
-fields; the service (``blockstore/peers.py``) does the rest.
+the caller gives, and a whole head, if the caller asks, by a deadline of its own.
+Nothing here knows about blocks beyond :class:`BlockPlace`'s fields; the service
+(``blockstore/peers.py``) does the rest.
 """
 
 from __future__ import annotations
@@ -114,12 +115,17 @@ class HttpStream:
             raise trio.TooSlowError
         return data
 
-    async def read_head(self, timeout: float) -> bytes | None:
+    async def read_head(self, timeout: float, *, whole: float | None = None,
+                        since: float | None = None) -> bytes | None:  # fmt: skip
         """The next head (without its blank line), None at a clean end of stream before one began.
 
-        trio.TooSlowError when a receive waits more than ``timeout``; WireError for a head
-        over :data:`HEAD_LIMIT` or a stream cut inside one.
+        trio.TooSlowError when a receive waits more than ``timeout``, or, with ``whole``,
+        when the head is not complete ``whole`` seconds after ``since`` (a trio clock
+        time, such as the connection's accept) or else after its first byte came: a
+        sender that drips a head a byte at a time is cut off however often it sends.
+        WireError for a head over :data:`HEAD_LIMIT` or a stream cut inside one.
         """
+        deadline = since + whole if whole is not None and since is not None else None
         while True:
             end = self._buffer.find(b"\r\n\r\n")
             if end >= 0:
@@ -128,35 +134,57 @@ class HttpStream:
                 return head
             if len(self._buffer) > HEAD_LIMIT:
                 raise WireError(f"head longer than {HEAD_LIMIT} bytes")
-            data = await self._receive(timeout)
+            if whole is not None and deadline is None and self._buffer:
+                deadline = trio.current_time() + whole  # the head began
+            wait = timeout if deadline is None else min(timeout, deadline - trio.current_time())
+            if wait <= 0:
+                raise trio.TooSlowError
+            data = await self._receive(wait)
             if not data:
                 if self._buffer:
                     raise WireError("connection closed inside a head")
                 return None
             self._buffer += data
 
+    def buffered(self) -> int:
+        """Bytes received and not yet read (of a head or body under way)."""
+        return len(self._buffer)
+
     async def read_exact(self, length: int, timeout: float) -> bytes:
-        """Exactly ``length`` bytes (WireError if the stream ends first; TooSlowError as :meth:`read_head`)."""
-        out = bytearray(self._buffer[:length])
-        del self._buffer[:length]
-        while len(out) < length:
+        """Exactly ``length`` bytes (WireError if the stream ends first; TooSlowError as :meth:`read_head`).
+
+        What came before a TooSlowError or a cancellation stays buffered: a later call
+        goes on from there.
+        """
+        while len(self._buffer) < length:
             data = await self._receive(timeout)
             if not data:
-                raise WireError(f"connection closed after {len(out)} of {length} body bytes")
-            need = length - len(out)
-            out += data[:need]
-            self._buffer += data[need:]
-        return bytes(out)
+                raise WireError(f"connection closed after {len(self._buffer)} of {length} body bytes")
+            self._buffer += data
+        out = bytes(self._buffer[:length])
+        del self._buffer[:length]
+        return out
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         await self.stream.send_all(data)
 
-    def close_now(self) -> None:
-        """Close the connection's socket at once (no TLS goodbye): for connections nobody uses any more."""
+    def _socket(self) -> trio.socket.SocketType | None:
         stream: object = self.stream
         while hasattr(stream, "transport_stream"):
             stream = stream.transport_stream  # type: ignore[attr-defined]
-        sock = getattr(stream, "socket", None)
+        return getattr(stream, "socket", None)
+
+    def remote_host(self) -> str:
+        """The other end's IP address ("" when the stream is not a socket)."""
+        sock = self._socket()
+        try:
+            return str(sock.getpeername()[0]) if sock is not None else ""
+        except OSError:  # already reset
+            return ""
+
+    def close_now(self) -> None:
+        """Close the connection's socket at once (no TLS goodbye): for connections nobody uses any more."""
+        sock = self._socket()
         if sock is not None:
             sock.close()
 

@@ -21,10 +21,13 @@ ever making a start slower or wrong:
 * a peer that sends nothing for ``deadline`` seconds (an owner at work on a store
   fetch sends ``102 Processing`` every :data:`KEEPALIVE` seconds) makes the block
   *late*: the store is asked for it too, and whichever answers first is used
-  (hedging; the other is cancelled);
+  (hedging; the other is cancelled); so does a peer that keeps talking without
+  delivering: no block :data:`PATIENCE` deadlines after asking however many keepalives
+  came, or a body slower than :data:`MIN_BODY_RATE`;
 * a peer that fails (refused or reset connection, a wrong token, a bad answer, a bad
-  block) is skipped for ``skip_seconds``: its blocks go to the next owner in the
-  ranking, which is often this node itself (the store).
+  block, late or slow until the store answered, no block in :data:`REQUEST_LIMIT`) is
+  skipped for ``skip_seconds``: its blocks go to the next owner in the ranking, which
+  is often this node itself (the store).
 
 The owner serves only blocks it has verified (memory, its verifying node cache, or
 just fetched and checked), ``max_uploads`` at once and at most ``upload_rate``
@@ -41,6 +44,9 @@ node fetch at most ``fetch_budget`` store bytes per :data:`BUDGET_WINDOW` second
 (``503`` beyond it, counted as ``over_budget``).
 Requests must carry the group's token (``Authorization: Bearer``) unless the
 server listens on loopback only; the token is read from a file and never logged.
+A connection must send its request head within :data:`HEAD_DEADLINE`, at most
+``max_connections`` are open (those that never authenticated are dropped first), and
+a wrong token closes its connection and holds off its address (:class:`PeerServer`).
 What a peer learns and what the network can get is in docs/peers.md.
 
 :class:`PeerService` ties them to a layer server: the membership watch and the
@@ -50,11 +56,14 @@ operations, and each store's fetcher is given the client (:meth:`PeerService.cli
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import heapq
 import hmac
 import itertools
+import math
 import os
+import resource
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -81,12 +90,32 @@ log = get_logger(__name__)
 
 #: An owner fetching a block from the store tells its asker it is at work this often.
 KEEPALIVE = 0.1
-#: The longest a request to a peer lives after it was sent, late or not (then it is given up).
+#: The longest a request to a peer lives after it was sent, late or not (then it is given up and the peer skipped).
 REQUEST_LIMIT = 60.0
+#: Deadlines a peer that keeps talking may take before the store is asked too: to answer (its
+#: ``102 Processing`` keepalives do not extend it), and to send a body beyond its length at MIN_BODY_RATE.
+PATIENCE = 4
+#: Bytes per second a peer's body must at least arrive at (a peer link is a cluster network: far faster).
+MIN_BODY_RATE = 1 << 20
 #: Idle connections kept per peer.
 IDLE_PER_PEER = 4
 #: An idle incoming connection is closed after this many seconds.
 SERVER_IDLE = 60.0
+#: A request head (and a TLS handshake before the first) must be whole this many seconds after the
+#: connection was accepted, or, on a kept-alive connection, after the head's first byte.
+HEAD_DEADLINE = 5.0
+#: A failed authentication refuses its address's new connections this long, doubled for each failure
+#: in a row up to AUTH_BACKOFF_MAX (a failure after a quiet AUTH_BACKOFF_MAX starts over).
+AUTH_BACKOFF = 1.0
+AUTH_BACKOFF_MAX = 60.0
+#: Addresses whose failed authentications are remembered (the least recent beyond it are forgotten).
+AUTH_ADDRESSES = 4096
+#: Failed authentications are logged at most once in this many seconds (with how many there were).
+AUTH_LOG_INTERVAL = 10.0
+#: An accept that fails for want of file descriptors or memory is retried after this many seconds.
+ACCEPT_RETRY = 0.1
+#: Tokens shorter than this are refused (a length, not a measure of randomness: make them random).
+MIN_TOKEN_BYTES = 16
 #: Block requests an owner queues beyond those it serves before answering 503.
 QUEUE_PER_UPLOAD = 8
 #: Blocks at least this large are hashed in a worker thread (below it a thread hop costs more).
@@ -112,12 +141,14 @@ PEER_BYTES = prometheus_client.Counter(
 PEER_REQUESTS = prometheus_client.Counter(
     "bootseer_peer_requests",
     "Block requests this node made to peers, by outcome (ok, missing: the owner had no way to it, refused: busy, "
-    "error: connection or protocol failure, unauthorized, bad_block: failed verification, late: past the deadline)",
+    "error: connection or protocol failure, unauthorized, bad_block: failed verification, late: past the deadline, "
+    "slow: kept talking without delivering, 102 Processing or a body too slow, past its patience)",
     ["outcome"],
 )
 PEER_FALLBACKS = prometheus_client.Counter(
     "bootseer_peer_fallbacks",
-    "Blocks a peer was asked for that the store was asked for too, by why (late, error, bad_block, missing, refused)",
+    "Blocks a peer was asked for that the store was asked for too, by why (late, slow, error, bad_block, missing, "
+    "refused)",
     ["reason"],
 )
 PEER_SERVED = prometheus_client.Counter(
@@ -132,6 +163,14 @@ PEER_BUDGET_REFUSED = prometheus_client.Counter(
 )
 PEER_HELD_BYTES = prometheus_client.Gauge(
     "bootseer_peer_held_bytes", "Bytes held for peers' requests now (compressed and raw), within the peers' memory"
+)
+PEER_CONNECTIONS = prometheus_client.Counter(
+    "bootseer_peer_connections",
+    "Connections to this node's peer listener, by what became of them (accepted; evicted: unauthenticated, dropped "
+    "for a newer one at the connection cap; refused: at the cap with every connection authenticated; throttled: "
+    "from an address refused after a failed authentication; head_timeout: no whole request head in time; "
+    "accept_failed: an accept that failed for want of file descriptors or memory)",
+    ["outcome"],
 )
 PEER_SKIPPED = prometheus_client.Gauge("bootseer_peer_skipped", "Peers being skipped after a failure")
 PEER_MEMBERS = prometheus_client.Gauge("bootseer_peer_members", "Members of this node's peer group, itself included")
@@ -152,7 +191,8 @@ def rendezvous_score(member: str, digest: str) -> int:
 
 
 def read_token_file(path: str) -> str:
-    """The token in ``path`` (one line; ValueError naming the file if unreadable or empty, never the token)."""
+    """The token in ``path`` (one line of :data:`MIN_TOKEN_BYTES` to 4096 bytes; ValueError naming the file if
+    unreadable or not such a line, never the token)."""
     try:
         with open(path, "rb") as file:
             data = file.read(4097)
@@ -160,7 +200,11 @@ def read_token_file(path: str) -> str:
         raise ValueError(f"peer token file {path}: {exc.strerror}") from None
     token = data.decode("utf-8", "replace").strip()
     if not token or len(data) > 4096 or any(c.isspace() for c in token):
-        raise ValueError(f"peer token file {path}: must hold one token of 1 to 4096 bytes without spaces")
+        raise ValueError(f"peer token file {path}: must hold one token of {MIN_TOKEN_BYTES} to 4096 bytes "
+                         "without spaces")  # fmt: skip
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise ValueError(f"peer token file {path}: the token is {len(token.encode())} bytes, fewer than the "
+                         f"{MIN_TOKEN_BYTES} needed (make one with: openssl rand -hex 32)")  # fmt: skip
     return token
 
 
@@ -178,6 +222,7 @@ class PeerConfig:
     upload_rate: int = 0  #: bytes per second served to peers in all (0: no limit)
     max_uploads: int = 8  #: blocks served at once (and got for peers at once)
     fetch_budget: int = 1 << 30  #: store bytes one asking peer may make this node fetch per BUDGET_WINDOW (0: no limit)
+    max_connections: int = 1024  #: connections the listener keeps open (unauthenticated ones dropped first)
     fetch_concurrency: int = 16  #: requests to peers in flight at once
     skip_seconds: float = 10.0  #: how long a failing peer is skipped
     tls_cert: str | None = None  #: serve HTTPS with this certificate (PEM) ...
@@ -222,6 +267,8 @@ class PeerConfig:
         if self.fetch_budget < 0 or 0 < self.fetch_budget < max_stored_length(DEFAULT_BLOCK_SIZE):
             raise PeerConfigError("fetch_budget", f"must be 0 (no limit) or at least {max_stored_length(DEFAULT_BLOCK_SIZE)} "
                                   f"bytes (a block of the default size), not {self.fetch_budget}")  # fmt: skip
+        if self.max_connections < 1:
+            raise PeerConfigError("max_connections", f"must be at least 1, not {self.max_connections}")
         if self.fetch_concurrency < 1 or self.skip_seconds < 0:
             raise PeerConfigError("fetch_concurrency", "must be at least 1 (and skip_seconds not negative)")
         if self.token_file:
@@ -234,9 +281,16 @@ class PeerConfig:
                 raise PeerConfigError(name, f"{path} is not a file")
         key = "members_file" if self.members_file else "members_dns" if self.members_dns else "members"
         try:
-            return self.membership()
+            membership = self.membership()
         except ValueError as exc:
             raise PeerConfigError(key, str(exc)) from None
+        if isinstance(membership, StaticMembers) and self.self_address not in membership.members():
+            # A file or a DNS name may list this node later (a Slurm job's prolog, a pod not yet ready):
+            # PeerService warns about those instead.
+            how = "advertise" if self.advertise else "listen"
+            raise PeerConfigError("members", f"this node ({self.self_address}, its {how} address) is not among them: "
+                                             "list it, or give advertise as the members name it")  # fmt: skip
+        return membership
 
     @property
     def self_address(self) -> str:
@@ -445,10 +499,12 @@ class PeerStats:
     served_blocks: int = 0
     served_bytes: int = 0
     late: int = 0
+    slow: int = 0
     fallbacks: int = 0
     bad_blocks: int = 0
     errors: int = 0
     over_budget: int = 0  #: requests of peers refused because their fetch_budget was spent
+    auth_failures: int = 0  #: requests to this node with a wrong or no token
 
 
 class PeerClient:
@@ -497,8 +553,9 @@ class PeerClient:
 
     def _failed(self, state: PeerState, why: str) -> None:
         state.failures += 1
-        state.last_error = why
         was_skipped = state.skipped_until > time.monotonic()
+        if not was_skipped:  # the failure that started the skip, not what requests in flight met since
+            state.last_error = why
         state.skipped_until = time.monotonic() + self.config.skip_seconds
         for stream in state.idle:  # connections to a failing peer are not reused
             stream.close_now()
@@ -537,12 +594,12 @@ class PeerClient:
 
     async def _ask(self, state: PeerState, store: str, place: BlockPlace, priority: Priority,
                    deliver: Callable[[str, bytes], None], late: Callable[[str], None]) -> None:  # fmt: skip
-        told_late = False
+        told_late = ""  # why the store was asked too, once it was
 
         def fallback(reason: str) -> None:
             nonlocal told_late
             if not told_late:
-                told_late = True
+                told_late = reason
                 self.stats.fallbacks += 1
                 PEER_FALLBACKS.labels(reason).inc()
                 late(place.digest)
@@ -557,13 +614,13 @@ class PeerClient:
                     stream = await self._connect(state)
                     try:
                         await stream.send(self._request(store, place, priority))
-                        data = await self._answer(stream, place, lambda: fallback("late"))
+                        data = await self._answer(stream, place, fallback)
                     except (OSError, WireError, trio.BrokenResourceError) if reused else ():
                         # A kept-alive connection the peer has closed meanwhile: once more on a new one.
                         stream.close_now()
                         stream = await self._connect(state, fresh=True)
                         await stream.send(self._request(store, place, priority))
-                        data = await self._answer(stream, place, lambda: fallback("late"))
+                        data = await self._answer(stream, place, fallback)
                 except trio.TooSlowError:  # no connection within the deadline
                     self.stats.errors += 1
                     self._outcome("error")
@@ -606,11 +663,13 @@ class PeerClient:
                     self._failed(state, "served a block that fails verification")
                     fallback("bad_block")
                 return
-            fallback("late")  # REQUEST_LIMIT passed
+            fallback("late")  # REQUEST_LIMIT passed (the store is failing too): this peer is failing
+            self._outcome(told_late)
+            self._failed(state, f"no block within {REQUEST_LIMIT:g} s")
         except trio.Cancelled:
-            if told_late:  # the store answered while this peer stayed silent: it is failing
-                self._outcome("late")
-                self._failed(state, f"silent for more than the {self.deadline} s deadline")
+            if told_late:  # the store answered first while this peer stayed silent or slow: it is failing
+                self._outcome(told_late)
+                self._failed(state, self._late_why(told_late))
             raise
         finally:
             self._limiter.release()
@@ -625,23 +684,37 @@ class PeerClient:
         auth = f"Authorization: Bearer {self._token}\r\n" if self._token else ""
         return f"GET {target} HTTP/1.1\r\nHost: bootseer-peer\r\n{auth}\r\n".encode()
 
-    async def _answer(self, stream: HttpStream, place: BlockPlace, on_late: Callable[[], None]) -> bytes:
+    async def _answer(self, stream: HttpStream, place: BlockPlace, on_late: Callable[[str], None]) -> bytes:
         """The body of a 200 answer to ``place``'s request (1xx skipped; _Refused for another status).
 
-        A receive that waits more than the deadline calls ``on_late`` once and goes on
-        waiting (the store is asked meanwhile: hedged); the caller's REQUEST_LIMIT ends it.
+        A receive that waits more than the deadline calls ``on_late("late")`` (the store
+        is asked meanwhile: hedged) and goes on waiting; so does a peer that keeps talking
+        without delivering, with ``on_late("slow")``: no answer but ``102 Processing``
+        :data:`PATIENCE` deadlines after the request, or a body slower than
+        :data:`MIN_BODY_RATE` (beyond :data:`PATIENCE` deadlines).  The caller's
+        REQUEST_LIMIT, or the store's answer, ends it.
         """
 
-        async def patiently(read: Callable[[float], Awaitable[Any]]) -> Any:
-            while True:
-                try:
-                    return await read(self.deadline)
-                except trio.TooSlowError:
-                    on_late()
-                    self.stats.late += 1
+        slow = False  # found slow once: not again for this request
 
+        async def patiently(read: Callable[[float], Awaitable[Any]], patience: float) -> Any:
+            nonlocal slow
+            while True:
+                with trio.move_on_at(math.inf if slow else trio.current_time() + patience) as scope:
+                    try:  # a read cut by the scope keeps what came (peer_wire)
+                        return await read(self.deadline)
+                    except trio.TooSlowError:
+                        on_late("late")
+                        self.stats.late += 1
+                if scope.cancelled_caught:
+                    on_late("slow")
+                    self.stats.slow += 1
+                    slow = True
+
+        answer_patience = PATIENCE * self.deadline
+        answered = trio.current_time() + answer_patience  # 1xx answers do not move it
         while True:
-            head = await patiently(stream.read_head)
+            head = await patiently(stream.read_head, answered - trio.current_time())
             if head is None:
                 raise WireError("connection closed before an answer")
             _, status, headers = parse_head(head, request=False)
@@ -651,7 +724,7 @@ class PeerClient:
         if status != "200":
             length = content_length(headers, 4096)
             if length:
-                await patiently(lambda timeout: stream.read_exact(length, timeout))
+                await patiently(lambda timeout: stream.read_exact(length, timeout), answer_patience)
             outcome = {"404": "missing", "503": "refused", "401": "unauthorized"}.get(status)
             if outcome is None:
                 raise WireError(f"answered {status}")
@@ -659,7 +732,15 @@ class PeerClient:
         length = content_length(headers, place.rlen)
         if length != place.rlen:
             raise WireError(f"answered {length} bytes for a block of {place.rlen}")
-        return await patiently(lambda timeout: stream.read_exact(length, timeout))
+        return await patiently(lambda timeout: stream.read_exact(length, timeout),
+                               answer_patience + length / MIN_BODY_RATE)  # fmt: skip
+
+    def _late_why(self, reason: str) -> str:
+        """What a peer the store beat did, for its ``last_error`` (``reason`` as given to the fallback)."""
+        if reason == "slow":
+            return (f"kept talking without delivering: no block {PATIENCE} deadlines ({PATIENCE * self.deadline:g} s) "
+                    f"after asking, or a body slower than {MIN_BODY_RATE >> 10} KiB/s")  # fmt: skip
+        return f"silent for more than the {self.deadline} s deadline"
 
     async def _verified(self, place: BlockPlace, data: bytes) -> bool:
         if len(data) != place.rlen:
@@ -715,8 +796,71 @@ def _largest_format_block() -> int:
     return MAX_BLOCK_SIZE
 
 
+#: Why an accept fails when the process or the system is out of file descriptors or memory.
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def connection_cap(wanted: int) -> int:
+    """``wanted``, or half the process's file descriptor limit if that is less (the layer server needs the rest)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft // 2))
+
+
+class AuthThrottle:
+    """Failed authentications by source address: each refuses the address's new connections for a while.
+
+    :data:`AUTH_BACKOFF` seconds after a first failure, doubled for each failure in a row
+    up to :data:`AUTH_BACKOFF_MAX`; a success, or a quiet :data:`AUTH_BACKOFF_MAX` after the
+    refusal ends, starts over.  At most :data:`AUTH_ADDRESSES` addresses are remembered.
+    """
+
+    def __init__(self) -> None:
+        self._failed: dict[str, tuple[int, float]] = {}  #: address -> (failures in a row, refused until)
+
+    def refused(self, host: str, now: float) -> bool:
+        entry = self._failed.get(host)
+        return entry is not None and entry[1] > now
+
+    def failed(self, host: str, now: float) -> float:
+        """Count a failure of ``host``; the seconds its new connections are refused from now."""
+        failures, until = self._failed.pop(host, (0, 0.0))
+        if now > until + AUTH_BACKOFF_MAX:
+            failures = 0
+        seconds = min(AUTH_BACKOFF * 2**min(failures, 16), AUTH_BACKOFF_MAX)
+        self._failed[host] = (failures + 1, now + seconds)  # (re)inserted last: the most recent
+        while len(self._failed) > AUTH_ADDRESSES:
+            del self._failed[next(iter(self._failed))]
+        return seconds
+
+    def succeeded(self, host: str) -> None:
+        self._failed.pop(host, None)
+
+
+@dataclass(eq=False)
+class _Connection:
+    """A connection to the peer listener, while it is open."""
+
+    stream: HttpStream
+    host: str
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    authenticated: bool = False  #: it made a request with the group's token (or there is no token)
+    evicted: bool = False  #: dropped at the connection cap (its socket is closed already)
+
+
 class PeerServer:
     """Serves verified blocks to peers over HTTP(S) (see the module docstring).
+
+    What a connection may hold: its request head must be whole :data:`HEAD_DEADLINE`
+    seconds after the accept (after its first byte on a kept-alive connection), and at
+    most ``max_connections`` are open (fewer if the file descriptor limit is low): at the
+    cap a new connection evicts the oldest one that has not authenticated, or is answered
+    503 and closed if every one has.  A request with a wrong token is answered 401 and its
+    connection closed, and its address's new connections are answered 401 unread and
+    closed for a while (:class:`AuthThrottle`).  An accept that fails for want of file
+    descriptors is logged once, then counted, and drops the oldest unauthenticated
+    connection to make room.
 
     ``memory`` bounds the bytes held for peers' requests at once (:func:`peer_memory_share`);
     ``largest_block`` says the largest block a request may name (the block size of the
@@ -738,41 +882,158 @@ class PeerServer:
         self.stats = stats
         self.address: tuple[str, int] | None = None  #: where it listens, once listening
         self._queued = 0
+        self._connections: dict[HttpStream, _Connection] = {}  #: open ones, oldest first
+        self.max_connections = connection_cap(config.max_connections)  #: the cap in force
+        self._throttle = AuthThrottle()
+        self._out_of_fds_logged = False
+        self._auth_logged_at = -math.inf
+        self._auth_unlogged = 0
 
     async def run(self, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on ``config.listen`` and serve until cancelled (OSError if the address cannot be bound)."""
         assert self.config.listen is not None
         host, port = split_address(parse_address(self.config.listen))
         try:
-            listeners = await trio.open_tcp_listeners(port, host=host)
+            listeners: Sequence[trio.abc.Listener[Any]] = await trio.open_tcp_listeners(port, host=host)
         except OSError as exc:
             raise ValueError(f"peers: cannot listen on {self.config.listen}: {exc.strerror or exc}") from None
-        self.address = listeners[0].socket.getsockname()[:2]
+        self.address = listeners[0].socket.getsockname()[:2]  # type: ignore[attr-defined]
         if self._tls is not None:
             listeners = [trio.SSLListener(listener, self._tls, https_compatible=True) for listener in listeners]
         log.info("serving blocks to peers", address=f"{self.address[0]}:{self.address[1]}",
-                 tls=self._tls is not None, token=self._token is not None)  # fmt: skip
-        task_status.started(self.address)
-        await trio.serve_listeners(self._connection, listeners)
+                 tls=self._tls is not None, token=self._token is not None,
+                 max_connections=self.max_connections)  # fmt: skip
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(self._accept, listener, nursery)
+            task_status.started(self.address)
 
-    async def _connection(self, raw: trio.abc.Stream) -> None:
-        stream = HttpStream(raw)
-        try:
+    def connections(self) -> dict[str, int]:
+        """Open connections, those of them authenticated, and the cap."""
+        authenticated = sum(1 for connection in self._connections.values() if connection.authenticated)
+        return {"open": len(self._connections), "authenticated": authenticated, "limit": self.max_connections}
+
+    async def _accept(self, listener: trio.abc.Listener[Any], nursery: trio.Nursery) -> None:
+        async with listener:
             while True:
                 try:
-                    head = await stream.read_head(SERVER_IDLE)
-                except trio.TooSlowError:
-                    return
-                if head is None:
-                    return
-                if not await self._request(stream, head):
-                    return
+                    raw = await listener.accept()
+                except OSError as exc:
+                    if exc.errno not in _OUT_OF_DESCRIPTORS:
+                        raise
+                    if not self._out_of_descriptors(exc):
+                        await trio.sleep(ACCEPT_RETRY)  # nothing to drop: wait for descriptors to come free
+                    continue
+                stream = HttpStream(raw)
+                connection = self._admitted(stream)
+                if isinstance(connection, _Connection):
+                    nursery.start_soon(self._connection, connection)
+                else:
+                    await self._turn_away(stream, *connection)
+
+    def _admitted(self, stream: HttpStream) -> _Connection | tuple[int, str]:
+        """The accepted ``stream`` as an open connection, or the answer it is closed with at once: 401 when its
+        address is held off after a failed authentication, 503 at the cap with no unauthenticated connection
+        to evict."""
+        host = stream.remote_host()
+        if self._throttle.refused(host, time.monotonic()):
+            PEER_CONNECTIONS.labels("throttled").inc()
+            return 401, "Unauthorized: held off after a failed authentication"
+        if len(self._connections) >= self.max_connections and not self._evict_one():
+            PEER_CONNECTIONS.labels("refused").inc()
+            return 503, "Busy: too many connections"
+        PEER_CONNECTIONS.labels("accepted").inc()
+        connection = _Connection(stream, host)
+        self._connections[stream] = connection
+        return connection
+
+    async def _turn_away(self, stream: HttpStream, status: int, reason: str) -> None:
+        """Answer ``status`` without reading the request (so that a member learns why: a bare close reads as a
+        broken peer) and close the connection; over TLS, just close it (no handshake for it)."""
+        if self._tls is None:
+            body = reason.encode() + b"\n"
+            with trio.move_on_after(ACCEPT_RETRY):  # a new connection's send buffer takes it at once
+                try:
+                    await stream.send(response_head(status, reason, len(body), close=True) + body)
+                except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # it went away already
+        stream.close_now()
+
+    def _evict_one(self) -> bool:
+        """Drop the oldest connection that has not authenticated; False if there is none."""
+        victim = next((c for c in self._connections.values() if not c.authenticated), None)
+        if victim is None:
+            return False
+        victim.evicted = True
+        victim.scope.cancel()
+        victim.stream.close_now()  # its descriptor is free now, not when its task next runs
+        del self._connections[victim.stream]
+        PEER_CONNECTIONS.labels("evicted").inc()
+        return True
+
+    def _out_of_descriptors(self, exc: OSError) -> bool:
+        """Count and (once) log an accept that failed for want of descriptors; whether a connection was dropped."""
+        PEER_CONNECTIONS.labels("accept_failed").inc()
+        if not self._out_of_fds_logged:
+            self._out_of_fds_logged = True
+            log.warning("cannot accept peer connections: dropping unauthenticated ones to make room (logged once; "
+                        "counted in bootseer_peer_connections_total{outcome=\"accept_failed\"})",
+                        error=errno.errorcode.get(exc.errno or 0, "?"), reason=os.strerror(exc.errno or 0),
+                        open=len(self._connections))  # fmt: skip
+        return self._evict_one()
+
+    async def _connection(self, connection: _Connection) -> None:
+        stream = connection.stream
+        try:
+            with connection.scope:
+                since: float | None = trio.current_time()  # the first head's deadline runs from the accept
+                while True:
+                    try:
+                        head = await stream.read_head(HEAD_DEADLINE if since is not None else SERVER_IDLE,
+                                                      whole=HEAD_DEADLINE, since=since)  # fmt: skip
+                    except trio.TooSlowError:
+                        if since is not None or stream.buffered():
+                            PEER_CONNECTIONS.labels("head_timeout").inc()
+                        return
+                    since = None
+                    if head is None:
+                        return
+                    if not await self._request(stream, head):
+                        return
         except (WireError, OSError, ssl.SSLError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.debug("peer connection ended", error=str(exc))  # it went away or broke the protocol
         except Exception:  # a bug here must cost one peer connection, never the layer server
             log.error("serving a peer failed", exc_info=True)
         finally:
-            await stream.aclose()
+            if not connection.evicted:
+                del self._connections[stream]
+                await stream.aclose()
+
+    def _authorized(self, stream: HttpStream, headers: dict[str, str]) -> bool:
+        """Whether a request carries the group's token (always true without one).
+
+        A failure is counted, logged now and then (the address, never what it sent) and
+        refuses its address's new connections for a while; the caller closes the connection.
+        """
+        connection = self._connections.get(stream)
+        host = connection.host if connection is not None else ""
+        if self._token is not None:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
+                self.stats.auth_failures += 1
+                now = time.monotonic()
+                refused_for = self._throttle.failed(host, now)
+                self._auth_unlogged += 1
+                if now - self._auth_logged_at >= AUTH_LOG_INTERVAL:
+                    log.warning("a peer request failed authentication; its address is refused for a while",
+                                address=host, refused_for=refused_for, failures=self._auth_unlogged,
+                                interval=AUTH_LOG_INTERVAL)  # fmt: skip
+                    self._auth_logged_at, self._auth_unlogged = now, 0
+                return False
+        self._throttle.succeeded(host)
+        if connection is not None:
+            connection.authenticated = True
+        return True
 
     async def _reply(self, stream: HttpStream, status: int, reason: str, outcome: str, close: bool = False) -> None:
         PEER_SERVED.labels(outcome).inc()
@@ -795,12 +1056,9 @@ class PeerServer:
         if target == PING_PATH:
             await stream.send(response_head(200, "OK", 3) + b"ok\n")
             return keep
-        if self._token is not None:
-            given = headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._token):
-                await self._reply(stream, 401, "Unauthorized", "unauthorized")
-                return keep
+        if not self._authorized(stream, headers):
+            await self._reply(stream, 401, "Unauthorized", "unauthorized", close=True)
+            return False
         if not target.startswith(BLOCKS_PATH):
             await self._reply(stream, 404, "Not Found", "bad_request")
             return keep
@@ -942,11 +1200,22 @@ class PeerService:
     async def _watch(self) -> None:
         if isinstance(self.membership, DnsMembers):
             await self.membership.resolve()
+        listed = True
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.membership.run)
             while True:
-                PEER_MEMBERS.set(len(self.membership.members()))
+                members = self.membership.members()
+                PEER_MEMBERS.set(len(members))
+                if listed and not self.listed():  # once each time it goes missing
+                    log.warning("this node is not in its member list: it owns no block and asks the members for "
+                                "every one (docs/peers.md)", node=self.client.self_address,
+                                **self.membership.describe())  # fmt: skip
+                listed = self.listed()
                 await trio.sleep(1)
+
+    def listed(self) -> bool:
+        """Whether this node's own address (``advertise``) is among its members."""
+        return self.client.self_address in self.membership.members()
 
     def received_bytes(self) -> int:
         """Raw block bytes received from peers so far (verified)."""
@@ -960,6 +1229,7 @@ class PeerService:
         listening = self.server.address
         return {
             "self": self.client.self_address,
+            "self_listed": self.listed(),
             "listen": f"{listening[0]}:{listening[1]}" if listening else None,
             "membership": self.membership.describe(),
             "members": self.client.status(),
@@ -969,12 +1239,15 @@ class PeerService:
             "received": {"blocks": stats.received_blocks, "bytes": stats.received_bytes},
             "served": {"blocks": stats.served_blocks, "bytes": stats.served_bytes},
             "late": stats.late,
+            "slow": stats.slow,
             "fallbacks": stats.fallbacks,
             "bad_blocks": stats.bad_blocks,
             "errors": stats.errors,
             "over_budget": stats.over_budget,
             "held_for_peers": {"bytes": self.server.memory.held, "peak": self.server.memory.peak,
                                "limit": self.server.memory.total},
+            "connections": self.server.connections(),
+            "auth_failures": stats.auth_failures,
         }
 
 

@@ -49,6 +49,9 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--peer-fetch-budget", type=parse_size, default=defaults.fetch_budget, metavar="SIZE",
                        help="store bytes one asking peer may make this node fetch per 10 s, e.g. 1G (0: no limit; "
                             "1G)")  # fmt: skip
+    group.add_argument("--peer-max-connections", type=int, default=defaults.max_connections, metavar="N",
+                       help="connections peers may hold open at once; unauthenticated ones are dropped first "
+                            f"({defaults.max_connections}; at most half the file descriptor limit)")  # fmt: skip
     group.add_argument("--peer-tls-cert", metavar="FILE", help="serve peers over HTTPS with this certificate (PEM)")
     group.add_argument("--peer-tls-key", metavar="FILE", help="the key of --peer-tls-cert (PEM)")
     group.add_argument("--peer-ca", metavar="FILE", help="ask peers over HTTPS, trusting this CA (PEM)")
@@ -67,6 +70,7 @@ def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
         upload_rate=args.peer_upload_rate,
         max_uploads=args.peer_max_uploads,
         fetch_budget=args.peer_fetch_budget,
+        max_connections=args.peer_max_connections,
         tls_cert=args.peer_tls_cert,
         tls_key=args.peer_tls_key,
         ca=args.peer_ca,
@@ -123,8 +127,14 @@ def status_command(args: argparse.Namespace) -> int:
     received, served = answer["received"], answer["served"]
     print(f"received from peers: {received['blocks']} blocks, {_size(received['bytes'])}")
     print(f"served to peers:     {served['blocks']} blocks, {_size(served['bytes'])}")
-    print(f"late answers: {answer['late']}  fallbacks to the store: {answer['fallbacks']}  "
-          f"bad blocks: {answer['bad_blocks']}  errors: {answer['errors']}")  # fmt: skip
+    print(f"late answers: {answer['late']}  slow: {answer.get('slow', 0)}  fallbacks to the store: "
+          f"{answer['fallbacks']}  bad blocks: {answer['bad_blocks']}  errors: {answer['errors']}")  # fmt: skip
+    connections = answer.get("connections")
+    if connections is not None:  # not from a layer server older than this command
+        print(f"connections from peers: {connections['open']} open ({connections['authenticated']} authenticated, "
+              f"at most {connections['limit']}); failed authentications: {answer['auth_failures']}")  # fmt: skip
+    if answer.get("self_listed") is False:
+        print("this node is not in its member list: it owns no block and asks the members for every one")
     if "over_budget" in answer:
         held = answer["held_for_peers"]
         print(f"refused over a peer's fetch budget: {answer['over_budget']}  held for peers: {_size(held['bytes'])} "

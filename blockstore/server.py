@@ -39,6 +39,7 @@ import functools
 import json
 import os
 import re
+import resource
 import signal
 import socket as stdlib_socket
 import time
@@ -643,6 +644,24 @@ def _hold_lock(path: Path) -> int:
     return fd
 
 
+def raise_fd_limit() -> int:
+    """Raise this process's soft file descriptor limit to its hard one; the soft limit now in force.
+
+    Connections from peers, the store's connections and the node cache's files all take
+    descriptors: a soft limit of 1,024 is soon gone (docs/peers.md).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard or soft == resource.RLIM_INFINITY:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # a hard limit above the kernel's nr_open: keep what there is
+        log.warning("cannot raise the file descriptor limit", soft=soft, hard=hard, error=str(exc))
+        return soft
+    log.info("file descriptor limit raised", soft=hard, was=soft)
+    return hard
+
+
 def prepare_root(paths: ServerPaths) -> None:
     """Create the server's directories (0700: only root may reach the mount) and clear
     a dead mount a killed server left; MountError if a live one is in the way."""
@@ -675,6 +694,7 @@ async def run_server(
     paths.layers.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock_fd = _hold_lock(paths.server_lock)
     try:
+        raise_fd_limit()
         prepare_root(paths)
         data_path = DataPathProbe(paths.layers, config.filesystems).choose(config.data_path)
         announce(data_path)

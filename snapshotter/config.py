@@ -16,7 +16,7 @@ converter_keys, writer_keys, sign_key`` (docs/trust.md), ``[depsnap] scope`` (th
 scope of this node's dependency snapshots, docs/depsnap.md; flag ``--deps-scope``) and ``images`` (the node's
 image -> deps key mapping, for Kubernetes pods, docs/kubernetes.md), and ``[peers]
 listen, advertise, members, members_file, members_dns, token_file, deadline, upload_rate,
-max_uploads, fetch_budget, tls_cert, tls_key, ca`` (block sharing between nodes, docs/peers.md; off unless
+max_uploads, fetch_budget, max_connections, tls_cert, tls_key, ca`` (block sharing between nodes, docs/peers.md; off unless
 ``listen`` is set).  Inside the
 program a section's key is dotted (``store.url``); the flags ``--store``, ``--cache-dir``,
 ``--cache-size``, ``--publish-store`` and ``--layer-server-metrics-address`` set five of them.  The daemon passes the
@@ -132,6 +132,7 @@ DEFAULTS: dict[str, Any] = {
     "peers.upload_rate": "0",
     "peers.max_uploads": PeerConfig.max_uploads,
     "peers.fetch_budget": "1G",
+    "peers.max_connections": PeerConfig.max_connections,
     "peers.tls_cert": "",
     "peers.tls_key": "",
     "peers.ca": "",
@@ -162,6 +163,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "peers.upload_rate": (str, int),
     "peers.max_uploads": (int,),
     "peers.fetch_budget": (str, int),
+    "peers.max_connections": (int,),
     "depsnap.images": (dict,),
 }
 
@@ -396,6 +398,7 @@ def _peer_config(merged: dict[str, Any], invalid: Callable[[str, str], ConfigErr
         upload_rate=upload_rate,
         max_uploads=merged["peers.max_uploads"],
         fetch_budget=fetch_budget,
+        max_connections=merged["peers.max_connections"],
         tls_cert=path("peers.tls_cert"),
         tls_key=path("peers.tls_key"),
         ca=path("peers.ca"),

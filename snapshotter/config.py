@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from bootseer.blockstore.peers import PeerConfig, PeerConfigError
-from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
+from bootseer.blockstore.signing import KeyFileError, TrustPolicy
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import check_local_root, check_url, redact_url
@@ -320,7 +320,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
     sign_key = Path(merged["trust.sign_key"]).absolute() if merged["trust.sign_key"] else None
     if sign_key is not None:
         try:
-            load_signing_key(sign_key)  # refused now, not at the first publish
+            trust.load_sign_key(sign_key)  # refused now, not at the first publish
         except KeyFileError as exc:
             raise invalid("trust.sign_key", str(exc)) from None
     deps_scope = merged["depsnap.scope"]

@@ -223,8 +223,17 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
                 source[key] = origin
 
     def invalid(key: str, why: str) -> ConfigError:
-        flag = "--" + FLAGS.get(key, key).replace("_", "-")
-        where = f"key {key!r} in the config file" if source[key] == "config file" else flag
+        """The refusal of ``key``, named as it was given: the flag, the config file's key, or (left at its
+        default) the key to set, ``[peers] token_file``; never a flag that does not exist."""
+        section, _, name = key.rpartition(".")
+        setting = f"[{section}] {name}" if section else name
+        flag = "--" + FLAGS[key].replace("_", "-") if key in FLAGS else ""
+        if source[key] == "flag":
+            where = flag
+        elif source[key] == "config file":
+            where = f"key {key!r} in the config file"
+        else:
+            where = f"{flag} / {setting}" if flag else setting
         return ConfigError(f"{where}: {why}")
 
     for key in ("root", "address"):

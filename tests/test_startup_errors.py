@@ -7,7 +7,9 @@ is a store error, never "not converted"; a cache whose writes fail says so once,
 a count, not once per block.
 
 Issue 21: key files someone else could change, private keys others can read, a FIFO given
-as a key and a node sign key that is a converter key are refused the same way (docs/trust.md).
+as a key and a node sign key that is a converter key are refused the same way (docs/trust.md);
+a refusal names a setting as it was given: the flag, or the config file's key, never a flag
+that does not exist.
 """
 
 from __future__ import annotations
@@ -337,3 +339,48 @@ def _keys_show(path: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "bootseer.cli", "keys", "show", str(path)]
     return subprocess.run(command, capture_output=True, text=True, timeout=HANG_DEADLINE)
 
+
+# -- settings named as they were given (issue 21, case 11) ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "peers, expected",
+    [
+        ('listen = "0.0.0.0:7000"\nadvertise = "10.1.2.3:7000"\nmembers = ["10.1.2.3:7000"]',
+         "[peers] token_file: is needed when listen is not a loopback address"),
+        ('listen = "0.0.0.0:7000"\nmembers = ["10.1.2.3:7000"]\ntoken_file = "TOKEN"',
+         "[peers] advertise: is needed with a wildcard listen address"),
+        ('listen = "127.0.0.1:7000"', "[peers] members: no members"),
+        ('listen = "127.0.0.1:7000"\nmembers = ["127.0.0.1:7000"]\ntls_key = "TOKEN"', "[peers] tls_cert: tls_cert and tls_key go together"),
+    ],
+    ids=["token_file", "advertise", "members", "tls_cert"],
+)
+def test_a_missing_peers_setting_is_named_as_the_config_key_to_set(tmp_path: Path, store: Path, peers: str, expected: str) -> None:
+    """Was: ``--peers.token-file: is needed ...``, a flag that does not exist."""
+    token = tmp_path / "token"
+    token.write_text("a-token-long-enough-for-any-minimum-0123456789abcdef\n")
+    token.chmod(0o600)
+    (tmp_path / "c.toml").write_text(f'[store]\nurl = "{store}"\n[peers]\n{peers.replace("TOKEN", str(token))}\n')
+    line = _refusal(_snapshotter(tmp_path, "--config", str(tmp_path / "c.toml")), expected)
+    assert line.startswith(f"bootseer-snapshotter: error: {expected}") and "--" not in line, line
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--peer-listen", "0.0.0.0:7000", "--peer-advertise", "10.1.2.3:7000", "--peers", "10.1.2.3:7000"],
+         "--peer-token-file: is needed"),
+        (["--peer-listen", "0.0.0.0:7000", "--peers", "10.1.2.3:7000", "--peer-token-file", "TOKEN"], "--peer-advertise: is needed"),
+        (["--peer-listen", "127.0.0.1:7000"], "--peers: no members"),
+        (["--peer-listen", "127.0.0.1:7000", "--peers", "127.0.0.1:7000", "--peer-tls-key", "TOKEN"], "--peer-tls-cert: "),
+        (["--peer-listen", "127.0.0.1:7000", "--peers", "127.0.0.1:7000", "--peer-deadline", "99"], "--peer-deadline: "),
+    ],
+    ids=["token_file", "advertise", "members", "tls_cert", "deadline"],
+)
+def test_a_layer_server_peer_refusal_names_its_flag(tmp_path: Path, args: list[str], expected: str) -> None:
+    """Was: ``peers: token_file: ...``, the config file's name for a setting given as a flag."""
+    token = tmp_path / "token"
+    token.write_text("a-token-long-enough-for-any-minimum-0123456789abcdef\n")
+    token.chmod(0o600)
+    line = _refusal(_layer_server(tmp_path, *[str(token) if a == "TOKEN" else a for a in args]), expected)
+    assert line.startswith(f"bootseer layer-server: error: {expected}"), line

@@ -59,6 +59,11 @@ MAX_XATTR_NAME_BYTES = 255
 MAX_XATTR_VALUE_BYTES = 64 << 10
 MAX_TARGET_BYTES = 4096
 
+#: overlayfs's own xattrs (a root mount, without ``userxattr``, reads them on every lower layer).
+OVERLAY_XATTR_PREFIX = "trusted.overlay."
+#: The one of them a layer carries: ``y`` on a directory, what a ``.wh..wh..opq`` marker means.
+OPAQUE_XATTR = "trusted.overlay.opaque"
+
 #: :attr:`Block.pack` of an all-zero block, which no pack holds.
 ZERO_PACK = -1
 
@@ -370,13 +375,16 @@ class LayerIndex:
             seen[entry.path] = entry.type
             if entry.mode & ~0o7777 or entry.uid < 0 or entry.gid < 0 or entry.size < 0:
                 raise FormatError(f"{what}: bad mode, owner or size")
-            if number and len(entry.name.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
+            if number and len(fs_name_bytes(entry.name, what)) > MAX_NAME_BYTES:
                 raise FormatError(f"{what}: a name longer than {MAX_NAME_BYTES} bytes")
             if entry.rdev[0] < 0 or entry.rdev[1] < 0 or (entry.rdev != (0, 0) and entry.type not in (EntryType.CHAR, EntryType.BLOCK)):
                 raise FormatError(f"{what}: device number {entry.rdev} on a {entry.type.value}")
             for name, value in entry.xattrs.items():
-                if not name or "\0" in name or len(name.encode("utf-8", "surrogateescape")) > MAX_XATTR_NAME_BYTES or len(value) > MAX_XATTR_VALUE_BYTES:
+                if not name or "\0" in name or len(fs_name_bytes(name, f"{what}: xattr name")) > MAX_XATTR_NAME_BYTES or len(value) > MAX_XATTR_VALUE_BYTES:
                     raise FormatError(f"{what}: xattr {name[:40]!r} has a bad name or a value over {MAX_XATTR_VALUE_BYTES} bytes")
+                if not overlay_xattr_allowed(name, value, entry.type is EntryType.DIR):
+                    raise FormatError(f"{what}: xattr {name[:40]!r} is overlayfs metadata no layer may carry "
+                                      f"(only {OPAQUE_XATTR}=y on a directory)")  # fmt: skip
             if entry.target and (entry.type is not EntryType.SYMLINK or "\0" in entry.target or entry.size > MAX_TARGET_BYTES):
                 raise FormatError(f"{what}: a link target on a {entry.type.value}, with a NUL byte or over {MAX_TARGET_BYTES} bytes")
             if entry.link is not None:
@@ -398,7 +406,7 @@ class LayerIndex:
                         raise FormatError(f"{what}: block {position} holds {self.blocks[b].rlen} bytes, not {want}")
             elif entry.blocks:
                 raise FormatError(f"{what}: only regular files have blocks")
-            if entry.type is EntryType.SYMLINK and (not entry.target or entry.size != len(entry.target.encode("utf-8", "surrogateescape"))):
+            if entry.type is EntryType.SYMLINK and (not entry.target or entry.size != len(fs_name_bytes(entry.target, f"{what}: link target"))):
                 raise FormatError(f"{what}: symlink without a target, or a size that is not the target's")
 
     def file_blocks(self, entry: Entry) -> Sequence[Block]:
@@ -533,6 +541,33 @@ def index_limits(record: ChainRecord | None) -> IndexLimits:
     payload = min(MAX_INDEX_BYTES, INDEX_FIXED_BYTES + files * INDEX_ENTRY_BYTES + blocks * INDEX_BLOCK_BYTES)
     because = f"chain record {record.chain_id[:19]}: {files} files, {record.bytes} bytes"
     return IndexLimits(payload, files, blocks, because)
+
+
+def overlay_xattr_allowed(name: str, value: bytes, is_dir: bool) -> bool:
+    """Whether a layer's entry may carry the xattr ``name`` = ``value``: the one rule the converter
+    keeps xattrs by and an index is checked against (docs/FORMAT.md).
+
+    Of ``trusted.overlay.*`` only :data:`OPAQUE_XATTR` = ``y`` on a directory: overlayfs acts on
+    the others of a lower layer (``redirect``, ``metacopy``, ``origin``, ``whiteout``, opaque ``x``,
+    escaped ``overlay.*``, ...), and what points elsewhere or hides entries must not come from an
+    image.  Every other xattr, ``user.overlay.*`` included, is the layer's own data (the node's
+    overlayfs is mounted without ``userxattr``, so those are plain xattrs to it).
+    """
+    return not name.startswith(OVERLAY_XATTR_PREFIX) or (name == OPAQUE_XATTR and value == b"y" and is_dir)
+
+
+def fs_name_bytes(text: str, what: str) -> bytes:
+    """The bytes ``text`` (a name, path or link target of an index) stands for; FormatError naming ``what``
+    unless ``text`` is what those bytes decode to (UTF-8, other bytes as ``\\udcXX`` escapes, as the
+    converter reads a tar).  A lone surrogate such as ``\\ud800`` has no bytes, and ``\\udcc3\\udca9``
+    would be a second spelling of ``é``: both are refused."""
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:
+        raise FormatError(f"{what}: {text[exc.start : exc.end]!r} at {exc.start} stands for no bytes") from None
+    if raw.decode("utf-8", "surrogateescape") != text:
+        raise FormatError(f"{what}: escapes bytes that are valid UTF-8 (not the converter's spelling of them)")
+    return raw
 
 
 def check_relative_path(path: str, what: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bootseer.blockstore.signing import KeyFileError, generate_key, load_public_key, load_signing_key
+from bootseer.blockstore.signing import KeyFileError, generate_key, show_key
 
 EXIT_USAGE = 2
 
@@ -41,12 +41,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def run_show(args: argparse.Namespace) -> int:
     try:
-        public = load_public_key(args.file)
-    except KeyFileError:
-        try:
-            public = load_signing_key(args.file).public
-        except KeyFileError as exc:
-            print(f"bootseer keys show: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        public = show_key(args.file)
+    except KeyFileError as exc:
+        print(f"bootseer keys show: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"id {public.id}\n{public.line()}", end="")
     return 0

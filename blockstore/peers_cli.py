@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from bootseer.blockstore.peers import PeerConfig
+from bootseer.blockstore.peers import PeerConfig, PeerConfigError
 
 EXIT_ERROR = 1
 EXIT_OFF = 3
@@ -57,8 +57,16 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--peer-ca", metavar="FILE", help="ask peers over HTTPS, trusting this CA (PEM)")
 
 
+#: The option of each :class:`PeerConfig` setting, so a refusal names the flag that was (or was not) given.
+OPTIONS = {"listen": "--peer-listen", "advertise": "--peer-advertise", "members": "--peers", "members_file": "--peers-file",
+           "members_dns": "--peers-dns", "token_file": "--peer-token-file", "deadline": "--peer-deadline",
+           "upload_rate": "--peer-upload-rate", "max_uploads": "--peer-max-uploads", "tls_cert": "--peer-tls-cert",
+           "tls_key": "--peer-tls-key", "ca": "--peer-ca"}  # fmt: skip
+
+
 def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
-    """The :class:`PeerConfig` the options ask for; ValueError (one line) for settings that cannot work."""
+    """The :class:`PeerConfig` the options ask for; ValueError (one line, naming the option) for settings
+    that cannot work."""
     config = PeerConfig(
         listen=args.peer_listen,
         advertise=args.peer_advertise,
@@ -76,7 +84,10 @@ def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
         ca=args.peer_ca,
     )
     if config.enabled:
-        config.check()  # a members file that cannot be read is refused now, not at the first fetch
+        try:
+            config.check()  # a members file that cannot be read is refused now, not at the first fetch
+        except PeerConfigError as exc:
+            raise ValueError(f"{OPTIONS[exc.key]}: {exc.why}" if exc.key in OPTIONS else str(exc)) from None
     return config
 
 

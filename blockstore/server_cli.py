@@ -22,7 +22,7 @@ import trio
 from bootseer.blockstore.cache import check_cache_dir
 from bootseer.blockstore.control import ServerPaths, read_secret_file
 from bootseer.blockstore.datapath import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
-from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
+from bootseer.blockstore.signing import KeyFileError, TrustPolicy
 from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
@@ -251,11 +251,8 @@ def layer_server_command(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _usage_error(str(exc))
     try:
-        config = dataclasses.replace(
-            config,
-            trust=TrustPolicy.load(args.converter_key, args.writer_key),
-            sign_key=load_signing_key(args.sign_key) if args.sign_key else None,
-        )
+        trust = TrustPolicy.load(args.converter_key, args.writer_key)
+        config = dataclasses.replace(config, trust=trust, sign_key=trust.load_sign_key(args.sign_key) if args.sign_key else None)
     except KeyFileError as exc:
         return _usage_error(str(exc))
     # Resident memory follows --memory-limit only if freed stripes leave the process

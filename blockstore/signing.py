@@ -9,7 +9,10 @@ dependency records it publishes.  A node configured with trusted keys
 
 Keys (``bootseer keys generate``): the private key is PEM PKCS#8, written 0600; the
 public key is one line, ``bootseer-ed25519 <base64 of the 32 raw bytes> <name>``.  A
-key's id is the first 16 bytes of the SHA-256 of the raw public key, in hex.
+key's id is the first 16 bytes of the SHA-256 of the raw public key, in hex.  A key file
+is read only if no one but root or the running user can change it (its mode and owner, the
+directories and symlinks on its path, :func:`_check_key_path`), a private key only if no one
+else can read it, and never a FIFO or device (opened non-blocking, checked after the open).
 
 A signature lives inside the object it signs (``"signatures": [{"key": ID, "sig":
 BASE64}]`` in the object's JSON document), so object and signature are written
@@ -30,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
@@ -134,23 +138,146 @@ def generate_key(out: str | os.PathLike[str], name: str = "") -> SigningKey:
     return key
 
 
-def _read_key_file(path: str | os.PathLike[str]) -> bytes:
+#: The most symlinks followed on the way to a key file (the kernel's MAXSYMLINKS).
+_MAX_LINKS = 40
+
+
+def _owner_ok(st: os.stat_result) -> bool:
+    """Whether an inode on a key file's path belongs to root or to whoever runs this process."""
+    return st.st_uid in (0, os.geteuid())
+
+
+def _check_key_path(path: str | os.PathLike[str]) -> tuple[int, int]:
+    """The (device, inode) of the key file ``path`` names, once every step to it has been checked.
+
+    Walks the path from ``/`` (a relative one from the working directory) one component at a
+    time, following symlinks as the kernel would, and refuses (:class:`KeyFileError`, naming
+    the key file and the step at fault) anything someone other than root or this process's
+    user could use to change what the file says:
+
+    * every directory passed through (the key's own and its parents, and those holding each
+      symlink followed) must belong to root or the user and must not be writable by group or
+      others unless it has the sticky bit (as ``/tmp``: there only an entry's owner may
+      replace it, and the entries are checked themselves);
+    * every symlink followed must belong to root or the user (in a sticky directory its
+      owner may replace it);
+    * the file must be a regular file belonging to root or the user and not writable by
+      group or others.
+    """
+    name = os.fspath(path)
+    pending = (name if name.startswith("/") else os.path.join(os.getcwd(), name)).split("/")
+    pending.reverse()  # popped from the end: the next component last
+    current, links = "/", 0
+
+    def refuse(why: str) -> KeyFileError:
+        return KeyFileError(f"key file {name!r}: {why}")
+
+    def lstat(step: str) -> os.stat_result:
+        try:
+            return os.lstat(step)
+        except OSError as exc:
+            raise KeyFileError(f"cannot read key file {name!r}: {exc.strerror}") from None
+
+    def check_directory(step: str, st: os.stat_result) -> None:
+        if not _owner_ok(st):
+            raise refuse(f"directory {step} belongs to uid {st.st_uid}, not root or this user")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise refuse(f"directory {step} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}) "
+                         "without the sticky bit: whoever can write it can replace the key")  # fmt: skip
+
+    check_directory("/", lstat("/"))
+    while pending:
+        part = pending.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = os.path.dirname(current)  # ``current`` has no symlinks, so its parent is lexical
+            continue
+        step = os.path.join(current, part)
+        st = lstat(step)
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > _MAX_LINKS:
+                raise refuse(f"more than {_MAX_LINKS} symlinks on its path")
+            if not _owner_ok(st):
+                raise refuse(f"symlink {step} belongs to uid {st.st_uid}, not root or this user")
+            try:
+                target = os.readlink(step)
+            except OSError as exc:
+                raise KeyFileError(f"cannot read key file {name!r}: {exc.strerror}") from None
+            if target.startswith("/"):
+                current = "/"
+            pending.extend(reversed(target.split("/")))
+        elif any(pending_part not in ("", ".") for pending_part in pending):
+            if not stat.S_ISDIR(st.st_mode):
+                raise KeyFileError(f"cannot read key file {name!r}: {step} is not a directory")
+            check_directory(step, st)
+            current = step
+        elif stat.S_ISDIR(st.st_mode):
+            raise refuse(f"{step} is a directory, not a regular file")
+        else:
+            what = f"key file {name!r}" + (f" (the file {step} its symlinks lead to)" if links else "")
+            if not stat.S_ISREG(st.st_mode):
+                raise KeyFileError(f"{what} is not a regular file")
+            if not _owner_ok(st):
+                raise KeyFileError(f"{what} belongs to uid {st.st_uid}, not root or this user")
+            if st.st_mode & 0o022:
+                raise KeyFileError(f"{what} is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}): "
+                                   "whoever can write it chooses the key; chmod go-w it")  # fmt: skip
+            return st.st_dev, st.st_ino
+    raise refuse("names a directory, not a regular file")
+
+
+def _read_key_file(path: str | os.PathLike[str], *, private: bool = False) -> tuple[bytes, int]:
+    """The bytes of the key file ``path`` and its permission bits.
+
+    The path is checked first (:func:`_check_key_path`); the file is opened without blocking
+    (a FIFO or a device never holds the caller) and must still be the regular file the check
+    found.  ``private``: refuse a file group or others may read (a private key), as ssh does.
+    """
+    name = os.fspath(path)
+    checked = _check_key_path(path)
     try:
-        with open(path, "rb") as f:
-            data = f.read(_KEY_FILE_LIMIT + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
-        raise KeyFileError(f"cannot read key file {os.fspath(path)!r}: {exc.strerror}") from None
-    if len(data) > _KEY_FILE_LIMIT:
-        raise KeyFileError(f"key file {os.fspath(path)!r} is larger than a key")
-    return data
+        raise KeyFileError(f"cannot read key file {name!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or (st.st_dev, st.st_ino) != checked:
+            raise KeyFileError(f"key file {name!r}: changed while it was opened (not the regular file checked)")
+        if private:
+            _check_private(name, st.st_mode)
+        pieces, total = [], 0
+        while total <= _KEY_FILE_LIMIT and (piece := os.read(fd, _KEY_FILE_LIMIT + 1 - total)):
+            pieces.append(piece)
+            total += len(piece)
+    except OSError as exc:
+        raise KeyFileError(f"cannot read key file {name!r}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if total > _KEY_FILE_LIMIT:
+        raise KeyFileError(f"key file {name!r} is larger than a key")
+    return b"".join(pieces), stat.S_IMODE(st.st_mode)
+
+
+def _check_private(name: str, mode: int) -> None:
+    """KeyFileError unless the private key file ``name`` of ``mode`` is open to its owner alone."""
+    if mode & 0o077:
+        raise KeyFileError(f"private key file {name!r} is open to group or others (mode {stat.S_IMODE(mode):04o}): "
+                           "chmod 600 it")  # fmt: skip
 
 
 def load_signing_key(path: str | os.PathLike[str]) -> SigningKey:
-    """The private key in ``path`` (PEM PKCS#8 Ed25519, as :func:`generate_key` writes it)."""
+    """The private key in ``path`` (PEM PKCS#8 Ed25519, as :func:`generate_key` writes it); the file
+    must pass the checks of :func:`_read_key_file` and be open to no one but its owner."""
+    data, _ = _read_key_file(path, private=True)
+    return _private_key(path, data)
+
+
+def _private_key(path: str | os.PathLike[str], data: bytes) -> SigningKey:
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    data = _read_key_file(path)
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
@@ -161,12 +288,28 @@ def load_signing_key(path: str | os.PathLike[str]) -> SigningKey:
 
 
 def load_public_key(path: str | os.PathLike[str]) -> PublicKey:
-    """The public key in ``path``: a ``bootseer-ed25519 <base64> <name>`` line (a ``.pub`` file)."""
-    text = _read_key_file(path).decode("ascii", errors="replace")
+    """The public key in ``path``: a ``bootseer-ed25519 <base64> <name>`` line (a ``.pub`` file)
+    that passes the checks of :func:`_read_key_file`."""
+    data, _ = _read_key_file(path)
+    return _public_key(path, data)
+
+
+def _public_key(path: str | os.PathLike[str], data: bytes) -> PublicKey:
     try:
-        return parse_public_key_line(text)
+        return parse_public_key_line(data.decode("ascii", errors="replace"))
     except KeyFileError as exc:
         raise KeyFileError(f"{os.fspath(path)!r}: {exc}") from None
+
+
+def show_key(path: str | os.PathLike[str]) -> PublicKey:
+    """The public key of the key file ``path``, a ``.pub`` line or a private key (read once, checked as
+    :func:`load_public_key` or :func:`load_signing_key` checks it): what ``bootseer keys show`` prints."""
+    data, mode = _read_key_file(path)
+    if data.lstrip().startswith(PUBLIC_KEY_TAG.encode()):
+        return _public_key(path, data)
+    key = _private_key(path, data)
+    _check_private(os.fspath(path), mode)
+    return key.public
 
 
 def parse_public_key_line(text: str) -> PublicKey:
@@ -278,6 +421,21 @@ class TrustPolicy:
         return cls(
             tuple(load_public_key(p) for p in converter_key_files), tuple(load_public_key(p) for p in writer_key_files)
         )
+
+    def load_sign_key(self, path: str | os.PathLike[str]) -> SigningKey:
+        """A node's own key (``[trust] sign_key``, ``--sign-key``) from ``path``, as :func:`load_signing_key`
+        reads it; :class:`KeyFileError` too when its public key is one of :attr:`converter_keys`.
+
+        Every node of a cluster holds its sign key, and a converter key makes any layer trusted, so the
+        two roles never share a key (docs/trust.md).  Only the converter keys this policy knows are
+        checked: a node configured without them cannot tell.
+        """
+        key = load_signing_key(path)
+        public = key.public
+        if any(public.raw == converter.raw for converter in self.converter_keys):
+            raise KeyFileError(f"sign key {os.fspath(path)!r} is a trusted converter key (id {public.id}): a node "
+                               "signs with its own key, never the one that vouches for conversions")  # fmt: skip
+        return key
 
     def keys_for(self, kind: str) -> tuple[PublicKey, ...]:
         return self.converter_keys if kind == "chain" else self.writer_keys

@@ -58,12 +58,10 @@ from typing import BinaryIO, Protocol
 
 import zstandard
 
-from bootseer.blockstore.format import Entry, EntryType
+from bootseer.blockstore.format import OPAQUE_XATTR, Entry, EntryType, overlay_xattr_allowed
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
-OPAQUE_XATTR = "trusted.overlay.opaque"
-_OVERLAY_XATTR = "trusted.overlay."
 _XATTR_PAX = "SCHILY.xattr."
 
 _GZIP_MAGIC = b"\x1f\x8b"
@@ -480,7 +478,7 @@ def _xattrs(info: tarfile.TarInfo, limits: TarLimits, entry: str) -> dict[str, b
         total += len(name) + len(raw)
         if total > limits.max_xattrs:
             raise LayerError(entry, f"xattrs larger than {limits.max_xattrs} bytes in all")
-        if name.startswith(_OVERLAY_XATTR) and not (name == OPAQUE_XATTR and raw == b"y" and info.isdir()):
+        if not overlay_xattr_allowed(name, raw, info.isdir()):
             continue  # other overlayfs metadata (redirect, origin, metacopy...) must not come from an image
         out[name] = raw
     return out

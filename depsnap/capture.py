@@ -38,7 +38,7 @@ from typing import BinaryIO, Iterable
 
 from bootseer import __version__, confined
 from bootseer.blockstore.convert import ConversionError, DedupTable, convert_layer, verify_layer
-from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, EntryType, LayerIndex, chain_id, index_object
+from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, OVERLAY_XATTR_PREFIX, EntryType, LayerIndex, chain_id, index_object
 from bootseer.blockstore.signing import SigningKey
 from bootseer.blockstore.store import StoreWriter
 from bootseer.blockstore.tarlayer import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
@@ -49,7 +49,6 @@ from .record import DepsRecord, deps_object
 log = get_logger(__name__)
 
 LAYER_MEDIA_TYPE = "application/vnd.oci.image.layer.v1.tar"
-_OVERLAY_XATTR = "trusted.overlay."
 
 
 class CaptureError(Exception):
@@ -302,7 +301,7 @@ def _write_tar(root: str, root_fd: int, tree: Tree, change: Change, out: BinaryI
             except OSError as exc:  # a parent is no longer a directory of the tree
                 raise CaptureError(f"{full}: {exc.strerror}: the tree changed while it was captured") from None
             is_opaque = path in change.opaque or (overlay_upper and xattrs.get(OPAQUE_XATTR) == b"y")
-            kept = {n: v for n, v in xattrs.items() if not n.startswith(_OVERLAY_XATTR)}
+            kept = {n: v for n, v in xattrs.items() if not n.startswith(OVERLAY_XATTR_PREFIX)}
             if is_opaque and node.kind == stat.S_IFDIR:
                 kept[OPAQUE_XATTR] = b"y"
             common = dict(mode=node.mode, uid=node.uid, gid=node.gid, mtime_ns=mtime, xattrs=kept)
@@ -367,7 +366,7 @@ def whiteout(tar: tarfile.TarFile, expected: dict[str, Expected], path: str, uid
 
 def _add_xattrs(info: tarfile.TarInfo, xattrs: dict[str, bytes]) -> None:
     for name, value in xattrs.items():
-        if name.startswith(_OVERLAY_XATTR):
+        if name.startswith(OVERLAY_XATTR_PREFIX):
             continue  # overlayfs's own bookkeeping: opaque is the .wh..wh..opq marker, the rest must not travel
         info.pax_headers["SCHILY.xattr." + name] = value.decode("utf-8", "surrogateescape")
 

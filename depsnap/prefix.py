@@ -52,7 +52,7 @@ import trio
 
 from bootseer.blockstore import control
 from bootseer.blockstore.format import FormatError
-from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted, load_signing_key
+from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.store import StoreError, open_store, open_store_writer
 from bootseer.fetch.engine import EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
@@ -353,7 +353,7 @@ def run(
     """
     settings = settings or control.ServerSettings(store=store)
     trust = TrustPolicy.load(settings.converter_keys, settings.writer_keys)
-    sign_key = load_signing_key(settings.sign_key) if settings.sign_key else None
+    sign_key = trust.load_sign_key(settings.sign_key) if settings.sign_key else None
     prefix_path = Path(prefix).absolute()
     node = NodeRoot(root)
     env = dict(os.environ if env is None else env)

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from bootseer.blockstore.peers import PeerConfig, PeerConfigError
-from bootseer.blockstore.signing import KeyFileError, TrustPolicy, load_signing_key
+from bootseer.blockstore.signing import KeyFileError, TrustPolicy
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import check_local_root, check_url, redact_url
@@ -229,8 +229,17 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
                 source[key] = origin
 
     def invalid(key: str, why: str) -> ConfigError:
-        flag = "--" + FLAGS.get(key, key).replace("_", "-")
-        where = f"key {key!r} in the config file" if source[key] == "config file" else flag
+        """The refusal of ``key``, named as it was given: the flag, the config file's key, or (left at its
+        default) the key to set, ``[peers] token_file``; never a flag that does not exist."""
+        section, _, name = key.rpartition(".")
+        setting = f"[{section}] {name}" if section else name
+        flag = "--" + FLAGS[key].replace("_", "-") if key in FLAGS else ""
+        if source[key] == "flag":
+            where = flag
+        elif source[key] == "config file":
+            where = f"key {key!r} in the config file"
+        else:
+            where = f"{flag} / {setting}" if flag else setting
         return ConfigError(f"{where}: {why}")
 
     for key in ("root", "address"):
@@ -326,7 +335,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
     sign_key = Path(merged["trust.sign_key"]).absolute() if merged["trust.sign_key"] else None
     if sign_key is not None:
         try:
-            load_signing_key(sign_key)  # refused now, not at the first publish
+            trust.load_sign_key(sign_key)  # refused now, not at the first publish
         except KeyFileError as exc:
             raise invalid("trust.sign_key", str(exc)) from None
     deps_scope = merged["depsnap.scope"]

@@ -237,10 +237,17 @@ def _reencode(index: LayerIndex, document_change=None) -> bytes:
         (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "p": "f" * 256}), "longer than 255"),
         (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "d": [1, 3]}), "device number"),
         (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "l": "/etc"}), "link target on a fifo"),
+        (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "p": "fi\ud800fo"}), r"'\\ud800' at 2 stands for no bytes"),
+        (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "p": "caf\udcc3\udca9"}), "escapes bytes that are valid UTF-8"),
+        (lambda d: d["entries"].__setitem__(8, {**d["entries"][8], "p": "\udc41"}), "stands for no bytes"),
+        (lambda d: d["entries"].__setitem__(5, {**d["entries"][5], "l": "/etc/\udfff"}), "link target: .* stands for no bytes"),
+        (lambda d: d["entries"].__setitem__(1, {**d["entries"][1], "x": {"user.\ud800": ""}}), "xattr name: .* stands for no bytes"),
+        (lambda d: d["entries"].__setitem__(1, {**d["entries"][1], "x": {"trusted.overlay.redirect": "L2V0Yw=="}}), "overlayfs metadata"),
     ],
     ids=["orphan", "dot-dot", "absolute", "link-forward", "block-range", "size", "symlink-size", "twice",
          "pack-range", "zero-stored", "block-size", "version", "xattr", "xattr-name", "xattr-value", "long-name",
-         "rdev-on-fifo", "target-on-fifo"],  # fmt: skip
+         "rdev-on-fifo", "target-on-fifo", "name-lone-surrogate", "name-second-spelling", "name-ascii-escape",
+         "target-lone-surrogate", "xattr-name-lone-surrogate", "xattr-redirect"],  # fmt: skip
 )
 def test_inconsistent_index_is_refused(change, message):
     with pytest.raises(FormatError, match=message):
@@ -353,6 +360,45 @@ def test_whiteouts_and_opaque_markers():
     assert entries["x"].xattrs == {"user.k": b"v"}  # overlayfs metadata from the tar itself is dropped...
     assert entries["by-xattr"].xattrs == {"trusted.overlay.opaque": b"y"}  # ...but for opaque=y on a directory
     assert entries["not-y"].xattrs == {}
+
+
+#: overlayfs's own xattrs (those a root mount acts on on a lower layer, kernel 6.18: redirect, metacopy,
+#: origin, whiteout(s) and opaque ``x``, escaped ``overlay.*``, and its bookkeeping), the ``userxattr``
+#: spellings of a few, and ordinary xattrs.
+OVERLAY_XATTR_CASES = [
+    *(f"trusted.overlay.{name}" for name in ("redirect", "metacopy", "origin", "upper", "impure", "nlink", "whiteout",
+                                             "whiteouts", "protattr", "uuid", "overlay.opaque", "overlay.redirect")),
+    "user.overlay.redirect", "user.overlay.metacopy", "user.overlay.opaque", "user.k", "trusted.t", "security.capability",
+]  # fmt: skip
+
+
+def _accepted_by_index(entry: Entry) -> bool:
+    index = LayerIndex(diff_id=D1, block_size=BS, entries=[Entry("", EntryType.DIR, 0o755), entry], blocks=[], packs=[])
+    try:
+        LayerIndex.decode(index.encode())
+    except FormatError as exc:
+        assert "overlayfs metadata" in str(exc), exc
+        return False
+    return True
+
+
+@pytest.mark.parametrize("value", [b"y", b"x", b"/etc"])
+def test_index_validation_refuses_exactly_the_overlayfs_xattrs_the_converter_drops(value):
+    """One rule for both: a hand-written index carries no overlayfs metadata a converted one could not."""
+    cases = [*OVERLAY_XATTR_CASES, "trusted.overlay.opaque"]
+    layer = L.Layer(tuple(node for number, name in enumerate(cases)
+                          for node in (L.Dir(f"d{number}", xattrs={name: value}), L.File(f"f{number}", b"", xattrs={name: value}))),
+                    add_parents=False)  # fmt: skip
+    entries, _, _ = parse(layer)
+    for number, name in enumerate(cases):
+        for path in (f"d{number}", f"f{number}"):
+            kept = name in entries[path].xattrs
+            assert kept == _accepted_by_index(entries[path] if kept else dataclasses.replace(
+                entries[path], path="e", xattrs={name: value})), (name, value, path)  # fmt: skip
+    kept = {name for number, name in enumerate(cases) if name in entries[f"d{number}"].xattrs}
+    overlay = {name for name in kept if name.startswith("trusted.overlay.")}
+    assert overlay == ({"trusted.overlay.opaque"} if value == b"y" else set())  # opaque=y on a directory only
+    assert {"user.overlay.redirect", "user.overlay.metacopy", "user.k", "trusted.t"} <= kept  # the layer's own data
 
 
 @pytest.mark.parametrize("name", [".wh.", ".wh..", ".wh...", "d/.wh.."])

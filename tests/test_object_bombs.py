@@ -19,17 +19,18 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from bootseer.blockstore.control import LayerCorrupt, LayerServerClient, ServerSettings, ensure_server
-from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object
+from bootseer.blockstore.format import ChainRecord, Entry, FormatError, LayerIndex, chain_object
 from bootseer.blockstore.server import LayerServerConfig, run_server
 from bootseer.blockstore.store import FileStoreWriter
 from bootseer.hotlist.format import HotList, HotListError, hotlist_object
 from bootseer.hotlist.service import HotListConfig
 from tests.support import autojump
+from tests.support.forgery import rewrite_index
 from tests.support.bombs import hotlist_bomb, index_bomb, store_index_bomb, valid_hotlist
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
@@ -261,3 +262,45 @@ def test_a_document_cut_into_pieces_anywhere_reads_as_json_loads_reads_it() -> N
         assert got == {**document, "rows": [tuple(row) for row in document["rows"]]}, size
     with pytest.raises(ValueError, match="more than 4 rows"):
         read_document(iter([text]), "doc", {"rows": ArrayRule(4, tuple)}, max_value_chars=1 << 10)
+
+
+def _with_entry(at: str, **changes: Any) -> Callable[[LayerIndex], LayerIndex]:
+    """An index change: the entry at path ``at`` with ``changes`` (``xattrs`` are added to its own)."""
+
+    def change(index: LayerIndex) -> LayerIndex:
+        def changed(entry: Entry) -> Entry:
+            extra = {"xattrs": {**entry.xattrs, **changes["xattrs"]}} if "xattrs" in changes else {}
+            return dataclasses.replace(entry, **{**changes, **extra})
+
+        assert any(e.path == at for e in index.entries), at
+        return dataclasses.replace(index, entries=[changed(e) if e.path == at else e for e in index.entries])
+
+    return change
+
+
+#: Hand-written indexes the converter never writes, each with what the refusal says.
+HOSTILE_INDEXES = {
+    "name": (_with_entry("etc/empty", path="etc/\ud800"), "stands for no bytes"),
+    "link target": (_with_entry("srv/rel", target="big\ud800.bin"), "link target: '\\ud800' at 3 stands for no bytes"),
+    "xattr name": (_with_entry("srv", xattrs={"user.\ud800": b"1"}), "xattr name: '\\ud800' at 5 stands for no bytes"),
+    "redirect": (_with_entry("srv", xattrs={"trusted.overlay.redirect": b"/etc"}), "overlayfs metadata"),
+    "metacopy": (_with_entry("srv/xattr.bin", xattrs={"trusted.overlay.metacopy": b""}), "overlayfs metadata"),
+}
+
+
+def test_a_hand_written_index_the_converter_never_writes_is_corrupt_not_internal(
+    server: LayerServerClient, store: Path, built: Any
+) -> None:
+    """A lone surrogate in a name, link target or xattr name (no bytes stand for it) and overlayfs
+    metadata the converter drops: each mount is refused as ``corrupt`` (was: ``internal``, a
+    UnicodeEncodeError, for the surrogates, and a served layer for the xattrs), and the server serves on."""
+    layer = built[1][0]
+    genuine = store / chain_object(layer.chain_id)
+    record = genuine.read_bytes()
+    for what, (change, message) in HOSTILE_INDEXES.items():
+        genuine.write_bytes(record)  # each change made to the converter's index
+        rewrite_index(store, layer.chain_id, change)
+        with pytest.raises(LayerCorrupt) as refused:
+            server.mount(layer.chain_id)
+        assert message in str(refused.value), (what, str(refused.value))
+    assert _read_unrelated(server, built[2]) == UNRELATED_BYTES

@@ -431,7 +431,7 @@ def test_a_non_loopback_listener_without_a_token_is_refused_at_start(tmp_path: P
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "bootseer layer-server: error: peers: token_file: is needed when listen is not a loopback address"
+        "bootseer layer-server: error: --peer-token-file: is needed when listen is not a loopback address"
     ]
 
 

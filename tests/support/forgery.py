@@ -4,6 +4,7 @@
 ``diff_id`` (so every check a node can make without the tar passes) whose file at
 ``path`` is the blocks of another layer's file (the attacker's, already in the store),
 and a new chain record naming it, unsigned or signed by whatever key is given.
+:func:`rewrite_index` stores any hand-written index for a layer the same way.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from pathlib import Path
+from typing import Callable
 
 from bootseer.blockstore.format import ChainRecord, LayerIndex, chain_object, index_object
 from bootseer.blockstore.signing import SigningKey
@@ -30,23 +32,35 @@ def forge_file(store: Path, chain: str, path: str, donor_chain: str, donor_path:
                *, sign: SigningKey | None = None) -> ChainRecord:  # fmt: skip
     """Point ``path`` of layer ``chain`` at the blocks of ``donor_path`` of layer ``donor_chain``; the new record."""
     writer = FileStoreWriter(store)
-    record, index = _layer(writer, chain)
     _, donor = _layer(writer, donor_chain)
     payload = next(e for e in donor.entries if e.path == donor_path)
-    packs = list(index.packs) + [p for p in donor.packs if p not in index.packs]
-    blocks = list(index.blocks)
-    numbers = []
-    for number in payload.blocks:
-        block = donor.blocks[number]
-        pack = block.pack if block.is_zero else packs.index(donor.packs[block.pack])
-        blocks.append(dataclasses.replace(block, pack=pack))
-        numbers.append(len(blocks) - 1)
-    entries = [dataclasses.replace(e, blocks=tuple(numbers), size=payload.size) if e.path == path else e
-               for e in index.entries]  # fmt: skip
-    assert any(e.path == path for e in entries), f"{chain} has no {path}"
-    forged = LayerIndex(diff_id=index.diff_id, block_size=index.block_size, entries=entries, blocks=blocks, packs=packs)
-    forged.validate()  # well formed: only a signature tells it from the genuine one
-    data = forged.encode()
+
+    def repoint(index: LayerIndex) -> LayerIndex:
+        packs = list(index.packs) + [p for p in donor.packs if p not in index.packs]
+        blocks = list(index.blocks)
+        numbers = []
+        for number in payload.blocks:
+            block = donor.blocks[number]
+            pack = block.pack if block.is_zero else packs.index(donor.packs[block.pack])
+            blocks.append(dataclasses.replace(block, pack=pack))
+            numbers.append(len(blocks) - 1)
+        entries = [dataclasses.replace(e, blocks=tuple(numbers), size=payload.size) if e.path == path else e
+                   for e in index.entries]  # fmt: skip
+        assert any(e.path == path for e in entries), f"{chain} has no {path}"
+        forged = LayerIndex(diff_id=index.diff_id, block_size=index.block_size, entries=entries, blocks=blocks, packs=packs)
+        forged.validate()  # well formed: only a signature tells it from the genuine one
+        return forged
+
+    return rewrite_index(store, chain, repoint, sign=sign)
+
+
+def rewrite_index(store: Path, chain: str, change: Callable[[LayerIndex], LayerIndex],
+                  *, sign: SigningKey | None = None) -> ChainRecord:  # fmt: skip
+    """Replace layer ``chain``'s index with ``change(index)``, stored as it is (not validated: a hand-written
+    index), and its chain record with one naming it, unsigned or signed by ``sign``; the new record."""
+    writer = FileStoreWriter(store)
+    record, index = _layer(writer, chain)
+    data = change(index).encode()
     name = hashlib.sha256(data).hexdigest()
     writer.put(index_object(name), data)
     new = dataclasses.replace(record, index=name, signatures=(), signed=None)

@@ -11,9 +11,12 @@ host's own services:
   opaque directory).
 * :class:`Registry` runs ``docker-registry`` on 127.0.0.1 and pushes layouts with skopeo.
 * :class:`Snapshotter` runs ``bootseer-snapshotter`` and can stop, kill and restart it.
-* :class:`Containerd` runs a containerd with its own root, state and sockets and the
-  daemon registered as the ``bootseer`` proxy snapshotter; :meth:`Containerd.ctr` runs
-  ``ctr`` against it in a namespace of its own.
+* :func:`containerd_install` is the containerd to run: ``BOOTSEER_CONTAINERD`` (``1.6``, ``1.7``,
+  ``2.1``, the default, or a directory; read here only) names it, and its directory gives
+  ``containerd``, ``ctr`` and the shim (docs/testing.md, "Which containerd").
+* :class:`Containerd` runs that containerd with its own root, state and sockets and the
+  daemon registered as the ``bootseer`` proxy snapshotter, in the config dialect of its
+  version; :meth:`Containerd.ctr` runs its ``ctr`` against it in a namespace of its own.
 * :class:`Stack` composes the three in one temp dir and tears everything down (tasks,
   shims, mounts, processes, files) even when the body failed; :meth:`Stack.logs`
   gathers every process's log for failure reports.
@@ -569,7 +572,8 @@ def _probe_containerd(choice: str) -> ContainerdInstall:
     found = re.search(r"\sv?(\d+)\.(\d+)\.(\d+)", text)
     if found is None:
         raise HarnessError(f"{bin_dir / 'containerd'} --version printed no version: {text!r}")
-    install = ContainerdInstall(bin_dir, tuple(int(n) for n in found.groups()), text, choice)  # type: ignore[arg-type]
+    major, minor, patch = (int(n) for n in found.groups())
+    install = ContainerdInstall(bin_dir, (major, minor, patch), text, choice)
     if choice in CONTAINERD_SERIES and install.series != choice:
         raise HarnessError(f"{CONTAINERD_SETTING}={choice}, but {install.containerd} is {install.series}: {text!r}")
     return install

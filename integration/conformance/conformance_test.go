@@ -29,6 +29,7 @@ import (
 	"testing"
 	"time"
 
+	snapshotsapi "github.com/containerd/containerd/api/services/snapshots/v1"
 	"google.golang.org/grpc"
 )
 
@@ -210,4 +211,14 @@ func dial(ctx context.Context, socket string) (*grpc.ClientConn, error) {
 			return d.DialContext(ctx, "unix", socket)
 		}),
 	)
+}
+
+// newProxy is containerd's proxy client for the Snapshots service on conn, as containerd makes it.
+func newProxy(conn *grpc.ClientConn, name string) snapshotter {
+	return newProxySnapshotter(snapshotsapi.NewSnapshotsClient(conn), name)
+}
+
+// registerService serves sn as the Snapshots service on server.
+func registerService(server *grpc.Server, sn snapshotter) {
+	snapshotsapi.RegisterSnapshotsServer(server, fromSnapshotter(sn))
 }

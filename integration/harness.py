@@ -710,6 +710,14 @@ version = {self.config_dialect()}
     def ctr_out(self, *args: str, timeout: float = 120) -> str:
         return self.ctr(*args, timeout=timeout).stdout.decode(errors="replace")
 
+    def collect_garbage(self) -> None:
+        """Run containerd's garbage collector now and wait for it: what ``ctr run --rm`` leaves to a later GC pass
+        (the container's snapshot) is removed from the snapshotter when this returns.  containerd spaces its
+        passes by how long the last one took (``pause_threshold``): on a loaded machine that is tens of seconds.
+        A lease deleted with ``--sync`` runs a pass synchronously (every containerd version here)."""
+        lease = self.ctr_out("leases", "create").split()[0]
+        self.ctr("leases", "delete", "--sync", lease)
+
     # -- snapshot queries, through containerd (its metadata store, then the proxy) --
 
     def snapshots(self) -> list[dict[str, str]]:

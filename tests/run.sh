@@ -4,8 +4,9 @@
 # and containerd's own snapshotter conformance suite.
 #
 #   tests/run.sh              CI: the whole suite on containerd $BOOTSEER_CONTAINERD (default 2.1),
-#                             then the tests that face containerd (integration/, -m "integration or
-#                             conformance": CRI and this version's conformance suite included)
+#                             then the tests that face containerd (integration/ and tests/test_rpull.py,
+#                             -m "integration or conformance": CRI and this version's conformance
+#                             suite included)
 #                             once more on each of $BOOTSEER_OTHER_CONTAINERDS (default "1.6 1.7");
 #                             every run goes to the end, and any failure fails the command.
 #   tests/run.sh ARGS...      one pytest run of ARGS on $BOOTSEER_CONTAINERD (default 2.1).
@@ -29,15 +30,16 @@ fi
 
 runs=("$main:")
 for other in ${BOOTSEER_OTHER_CONTAINERDS-1.6 1.7}; do
-    [[ $other == "$main" ]] || runs+=("$other:integration")
+    [[ $other == "$main" ]] || runs+=("$other:integration tests/test_rpull.py")
 done
 summary=()
 failed=0
 for run in "${runs[@]}"; do
     series=${run%%:*} subset=${run#*:}
     if [[ -n $subset ]]; then
-        args=(-m "integration or conformance" "$subset")
-        what="the containerd-facing tests ($subset/, -m \"integration or conformance\")"
+        read -ra paths <<<"$subset"
+        args=(-m "integration or conformance" "${paths[@]}")
+        what="the containerd-facing tests ($subset, -m \"integration or conformance\")"
     else
         args=()
         what="the whole suite"

@@ -4,6 +4,7 @@ Tests skip themselves when something they need is missing (root, Go, containerd'
 sources, ...), which is right on a developer's machine.  Under CI (``CI`` set, as
 ``.ci/run`` is run), everything is installed first, so a skip can only mean the
 installation broke: there it fails the test instead of letting CI pass untested.
+The header of every run names the containerd the integration tests use.
 """
 
 from __future__ import annotations
@@ -11,6 +12,14 @@ from __future__ import annotations
 import os
 
 import pytest
+
+def pytest_report_header(config) -> str:
+    """The containerd the integration tests run (``BOOTSEER_CONTAINERD``), named on every run's header."""
+    from integration import harness
+
+    why = harness.containerd_unavailable()
+    return f"containerd: {why}" if why else f"containerd: {harness.containerd_install().describe()}"
+
 
 SKIPS_FAIL = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

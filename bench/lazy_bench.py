@@ -38,6 +38,10 @@ One command (as root): ``.venv/bin/python bench/lazy_bench.py``.  It
    hot list (``--publish-store``, the directory behind a second nginx serving a copy of
    the store; the job seals it with the marker), then ``hot cold`` runs the bootseer cold
    start on fresh nodes that prefetch it at rpull, with the prefetch's timing and figures;
+   ``--containerds 1.6,2.1`` runs every containerd start (overlay, lazy and hot ones) on each
+   of those containerds in turn within each repetition (each a value of ``BOOTSEER_CONTAINERD``,
+   which alone picks the containerd otherwise; the hot list is recorded once, on the first),
+   and the report puts them side by side, each against overlayfs on the same containerd;
    ``--modes fuse`` adds the layer server alone under a chroot (no containerd), with
    its Prometheus figures (FUSE requests, read latency, range requests), beside the
    same chroot on plain overlayfs; ``--profile`` samples the layer server with py-spy;
@@ -338,8 +342,10 @@ def convert_store(image: image_build.Image, store: Path, log_path: Path) -> floa
 
 @contextlib.contextmanager
 def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
-               publish_store: Path | None = None, data_path: str | None = None) -> Iterator[harness.Stack]:
-    """A fresh containerd (and, for ``lazy``, bootseer-snapshotter with ``--store``) under ``base``.
+               publish_store: Path | None = None, data_path: str | None = None,
+               containerd: harness.ContainerdInstall | None = None) -> Iterator[harness.Stack]:
+    """A fresh containerd (``containerd``: which; default the one ``BOOTSEER_CONTAINERD`` chooses) and, for
+    ``lazy``, bootseer-snapshotter with ``--store``, under ``base``.
 
     ``publish_store``: the directory behind the read-only ``store_url``, given to the daemon
     as ``--publish-store`` (its layer server publishes the hot lists it records there).
@@ -349,7 +355,7 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
     base.mkdir(parents=True)
     stack = harness.Stack(base, namespace=NAMESPACE, with_registry=False,
                           snapshotter=harness.SNAPSHOTTER_NAME if lazy else harness.BUILTIN_OVERLAY,
-                          snapshotter_log_level="info")
+                          snapshotter_log_level="info", containerd=containerd)
     if lazy:
         # The daemon's layer server serves its metrics too, so lazy runs show FUSE requests.
         metrics = f"127.0.0.1:{harness.free_port()}"
@@ -498,7 +504,8 @@ def summarize_profile(path: Path, top: int = 12) -> list[str]:
 
 
 def ctr_argv(stack: harness.Stack, *args: str) -> list[str]:
-    return ["ctr", "-a", str(stack.containerd.address), "-n", NAMESPACE, *args]
+    """The node's own ``ctr`` (from its containerd's directory) against it."""
+    return stack.containerd.ctr_argv(*args)
 
 
 def run_argv(stack: harness.Stack, ref: str, name: str, options: tuple[str, ...] = ()) -> list[str]:
@@ -637,18 +644,20 @@ def run_fuse_requests(run: Run) -> dict[str, float]:
 
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
                  scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
-                 data_path: str | None = None, pass_data_path: bool = False) -> None:
+                 data_path: str | None = None, pass_data_path: bool = False,
+                 containerd: harness.ContainerdInstall | None = None) -> None:
     """One fresh node: a cold start, a local start (page cache dropped), then a warm one (not dropped), of
-    ``kind`` (overlay or lazy); a lazy node on ``data_path`` (passed as ``--data-path`` if ``pass_data_path``)."""
+    ``kind`` (overlay or lazy); a lazy node on ``data_path`` (passed as ``--data-path`` if ``pass_data_path``);
+    its containerd ``containerd``."""
     lazy = kind == "lazy"
     cold, local, warm = (scenarios[named(name, data_path)] for name in KINDS[kind])
-    label = kind + (f"-{data_path}" if lazy and data_path else "")
+    label = kind + (f"-{data_path}" if lazy and data_path else "") + (f"-{containerd.series}" if containerd else "")
     log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         # Short directory names: containerd's and the layer server's sockets live below it (108-byte limit).
-        with fresh_node(work / f"{kind[0]}{data_path or ''}{rep}", lazy, store_url, timeout,
-                        data_path=data_path if lazy and pass_data_path else None) as stack:
+        with fresh_node(work / f"{kind[0]}{data_path or ''}{rep}{containerd.series if containerd else ''}", lazy, store_url, timeout,
+                        data_path=data_path if lazy and pass_data_path else None, containerd=containerd) as stack:
             pull = pull_argv(stack, ref, lazy)
             for scenario, pulling, drop in ((cold, pull, True), (local, None, True), (warm, None, False)):
                 try:
@@ -707,7 +716,8 @@ def read_hot_list(hot_store: Path, image: image_build.Image) -> dict[str, Any] |
 
 
 def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: image_build.Image,
-                    timeout: float, data_path: str | None = None) -> dict[str, Any]:
+                    timeout: float, data_path: str | None = None,
+                    containerd: harness.ContainerdInstall | None = None) -> dict[str, Any]:
     """The image's first boot on a fresh node, which records its hot list into ``hot_store``.
 
     The node reads the store through nginx (``hot_url``, read-only) and publishes to the
@@ -718,7 +728,8 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
     """
     log_path = work / "logs" / "record.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with fresh_node(work / "record", True, hot_url, timeout, publish_store=hot_store, data_path=data_path) as stack:
+    with fresh_node(work / "record", True, hot_url, timeout, publish_store=hot_store, data_path=data_path,
+                    containerd=containerd) as stack:
         drop_caches()
         start = time.perf_counter()
         run_checked(pull_argv(stack, ref, True), "rpull (recording boot)", timeout=timeout, log_path=log_path)
@@ -748,15 +759,17 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
 
 def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot_url: str, hot_store: Path,
                      scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
-                     data_path: str | None = None, pass_data_path: bool = False) -> None:
-    """A fresh node (new roots, empty cache) whose store holds the hot list: rpull prefetches, then the job."""
+                     data_path: str | None = None, pass_data_path: bool = False,
+                     containerd: harness.ContainerdInstall | None = None) -> None:
+    """A fresh node (new roots, empty cache; its containerd ``containerd``) whose store holds the hot list:
+    rpull prefetches, then the job."""
     scenario = scenarios[named("hot-cold", data_path)]
-    label = "hot" + (f"-{data_path}" if data_path else "")
+    label = "hot" + (f"-{data_path}" if data_path else "") + (f"-{containerd.series}" if containerd else "")
     log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with fresh_node(work / f"h{data_path or ''}{rep}", True, hot_url, timeout, publish_store=hot_store,
-                        data_path=data_path if pass_data_path else None) as stack:
+        with fresh_node(work / f"h{data_path or ''}{rep}{containerd.series if containerd else ''}", True, hot_url, timeout, publish_store=hot_store,
+                        data_path=data_path if pass_data_path else None, containerd=containerd) as stack:
             pull = pull_argv(stack, ref, True)
             profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
             run = timed_start(stack, link, ref, f"hot-cold-{rep}", pull, timeout, log_path, True, profile,
@@ -818,7 +831,8 @@ def containerd_watcher(stack: harness.Stack, spool: Path, log_path: Path) -> Ite
 
 
 def profiled_start(name: str, scenario: str, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
-                   hot_store: Path | None, out: Path, timeout: float) -> tuple[Run, Path]:
+                   hot_store: Path | None, out: Path, timeout: float,
+                   containerd: harness.ContainerdInstall | None = None) -> tuple[Run, Path]:
     """One cold start of ``scenario`` (overlay-cold, lazy-cold or hot-cold) on a fresh node with the
     start-up profiler on for every process of the node; its trace, collected, is ``out/NAME.json``."""
     from bootseer.profile import events, hooks
@@ -833,7 +847,7 @@ def profiled_start(name: str, scenario: str, work: Path, link: netns.ShapedLink,
     log_path = work / "logs" / f"timeline-{name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with profiling_on(spool, scenario):
-        with fresh_node(base, lazy, store_url, timeout, publish_store=hot_store) as stack, \
+        with fresh_node(base, lazy, store_url, timeout, publish_store=hot_store, containerd=containerd) as stack, \
                 containerd_watcher(stack, spool, work / "logs" / f"timeline-{name}-watch.log"):
             since = time.time()
             run = timed_start(stack, link, ref, f"timeline-{name}", pull_argv(stack, ref, lazy), timeout, log_path,
@@ -856,7 +870,8 @@ def profiled_start(name: str, scenario: str, work: Path, link: netns.ShapedLink,
 
 
 def record_timeline(out: Path, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
-                    hot_url: str | None, hot_store: Path | None, kinds: list[str], timeout: float) -> dict[str, Any]:
+                    hot_url: str | None, hot_store: Path | None, kinds: list[str], timeout: float,
+                    containerd: harness.ContainerdInstall | None = None) -> dict[str, Any]:
     """``--timeline``: a profiled overlayfs cold start and a profiled BootSeer one (hot-list cold start when
     the hot mode ran, else lazy cold), each on a fresh node, then ``bootseer profile compare`` of the two
     into ``out`` (the traces, compare.html, compare.png, compare.trace.json, compare.txt)."""
@@ -868,7 +883,7 @@ def record_timeline(out: Path, work: Path, link: netns.ShapedLink, ref: str, sto
     runs: dict[str, Run] = {}
     traces: list[Path] = []
     for name, (scenario, url, publish) in zip(TIMELINE_NAMES, [("overlay-cold", None, None), bootseer]):
-        run, trace = profiled_start(name, scenario, work, link, ref, url, publish, out, timeout)
+        run, trace = profiled_start(name, scenario, work, link, ref, url, publish, out, timeout, containerd)
         runs[scenario] = run
         traces.append(trace)
     text = run_checked(bootseer_argv("profile", "compare", *map(str, traces), "--names", ",".join(TIMELINE_NAMES),
@@ -1029,7 +1044,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
 # --------------------------------------------------------------------------- report
 
 
-def _machine() -> str:
+def _machine(containerd: harness.ContainerdInstall) -> str:
     cpu = "?"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -1037,9 +1052,8 @@ def _machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    ctrd = subprocess.run(["containerd", "--version"], capture_output=True, text=True).stdout.split()
     return (f"{os.cpu_count()} × {cpu}, {memory:.0f} GiB RAM, Linux {platform.release()}, "
-            f"containerd {ctrd[2] if len(ctrd) > 2 else '?'}, Python {platform.python_version()}")
+            f"{containerd.describe()}, Python {platform.python_version()}")
 
 
 def _code_version() -> str:
@@ -1139,6 +1153,33 @@ def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None]
                 cells.append("—" if value is None else format(value / MB, ".1f") if spec == "mb" else format(value, spec))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+def containerd_section(scenarios: dict[str, Scenario], context: dict[str, Any]) -> list[str]:
+    """The same starts on each containerd of ``--containerds``, side by side: median seconds, and the ratio to
+    the overlayfs cold start on the same containerd (the hot list recorded once, on the first)."""
+    others: list[tuple[harness.ContainerdInstall, dict[str, Scenario]]] = context.get("other_containerds") or []
+    if not others:
+        return []
+    columns = [(context["containerds"][0], scenarios), *others]
+    heads = [".".join(map(str, install.version[:3])) for install, _ in columns]
+    lines = ["", "## containerd versions side by side (`--containerds`)", "",
+             "Each repetition ran every start on each containerd in turn, on fresh nodes; medians in s, and × "
+             "the overlayfs cold start on the same containerd. The fuse scenarios run no containerd (first only).",
+             "", "| scenario | " + " | ".join(f"containerd {h} (s) | × overlay-cold" for h in heads) + " |",
+             "|---|" + "---|---|" * len(columns)]
+    for name in scenarios:
+        if base_name(name) in KINDS["fuse"] or not any(by_name.get(name) and by_name[name].runs for _, by_name in columns):
+            continue
+        cells = []
+        for _, by_name in columns:
+            median = by_name[name].median(lambda r: r.seconds) if name in by_name else None
+            baseline = by_name["overlay-cold"].median(lambda r: r.seconds) if "overlay-cold" in by_name else None
+            cells += [_f(median), _f(median / baseline if median and baseline else None)]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    errors = [f"- containerd {install.series}, {name}: {e}" for install, by_name in others
+              for name, s in by_name.items() for e in s.errors]
+    return lines + (["", *errors] if errors else [])
 
 
 def _median_requests(scenario: Scenario) -> dict[str, float]:
@@ -1269,7 +1310,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         "# Lazy image layers: benchmark results",
         "",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- Machine: {_machine()}",
+        f"- Machine: {_machine(context['containerds'][0])}",
         f"- Command: `{shlex.join(['python', 'bench/lazy_bench.py', *sys.argv[1:]])}`",
         f"- Code: {_code_version()}",
         f"- Data paths: {', '.join(paths)} (each BootSeer scenario once per data path, `name@path`; `--data-path` "
@@ -1332,6 +1373,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
               f"distinct blocks it touched (node cache growth) | {_f(read and read / MB, '.1f')} |",
               f"| whole image, gzip (what overlayfs pulls) | {image.compressed_bytes / MB:.1f} |",
               f"| whole image, unpacked | {image.unpacked_bytes / MB:.1f} |"]
+    lines += containerd_section(scenarios, context)
     lines += data_path_section(scenarios, paths)
     for path in paths:
         lines += hot_section(scenarios, seconds, context, path)
@@ -1410,6 +1452,9 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
     for path in (args.cache_dir, args.cache_dir / "runs", work):
         path.chmod(0o755)  # nginx's worker (www-data) must reach the store below the cache dir
     context: dict[str, Any] = {"notes": []}
+    installs: list[harness.ContainerdInstall] = [harness.containerd_install(c) for c in args.containerds]
+    context["containerds"] = installs
+    log("containerd: " + "; ".join(install.describe() for install in installs))
     kinds = [k for k in KINDS if k in args.modes]
     support = data_path_support()
     context["data_path_flag"] = support
@@ -1428,6 +1473,9 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
         f"to the layer server: {support['layer-server']})")
     scenarios = {named(base, path): Scenario(named(base, path))
                  for base in SCENARIOS for path in (paths if base in PER_DATA_PATH else [None])}
+    # The other containerds run the same starts into scenarios of their own (the fuse ones run no containerd).
+    context["other_containerds"] = [(install, {name: Scenario(name) for name in scenarios if base_name(name) not in
+                                               KINDS["fuse"]}) for install in installs[1:]]
     if args.profile:
         context["profile_dir"] = work / "profile"
         context["profile_dir"].mkdir()
@@ -1471,7 +1519,8 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
             log(f"recording boot: fresh node, store {hot_url}, --publish-store {hot_store}")
             try:
                 context["hot"] = record_hot_list(work, ref, hot_url, hot_store, image, args.timeout,
-                                                 data_path=paths[0] if support["snapshotter"] else None)
+                                                 data_path=paths[0] if support["snapshotter"] else None,
+                                                 containerd=installs[0])
                 context["hot"]["data_path"] = paths[0]
                 log(f"  hot list: {context['hot']['blocks']} blocks, {context['hot']['bytes'] / MB:.1f} MB "
                     f"(sealed by {context['hot']['sealed_by']}; the boot took {context['hot']['boot_seconds']:.1f} s)")
@@ -1482,22 +1531,27 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                 log(f"  recording boot FAILED: {e}")
         pass_snapshotter, pass_server = support["snapshotter"], support["layer-server"]
         for rep in range(1, args.reps + 1):
-            for kind in kinds:
-                for number, path in enumerate(paths if kind != "overlay" else [None]):
-                    if kind == "hot":
-                        measure_hot_node(rep, work, link, ref, hot_url, hot_store, scenarios, args.timeout,
-                                         context.get("profile_dir"), path, pass_snapshotter)
-                    elif kind == "fuse":
-                        measure_fuse_node(rep, work, link, image, store_url, scenarios, args.timeout,
-                                          context.get("profile_dir"), args.cache_dir, path, pass_server,
-                                          plain_too=number == 0)
-                    else:
-                        measure_node(kind, rep, work, link, ref, store_url, scenarios, args.timeout,
-                                     context.get("profile_dir"), path, pass_snapshotter)
+            # Each repetition on every containerd in turn: load that drifts during the run hits them alike.
+            for install, by_name in [(installs[0], scenarios), *context["other_containerds"]]:
+                # Only the first containerd's starts are profiled (--profile): the report shows those.
+                profile_dir = context.get("profile_dir") if install is installs[0] else None
+                for kind in kinds:
+                    for number, path in enumerate(paths if kind != "overlay" else [None]):
+                        if kind == "hot":
+                            measure_hot_node(rep, work, link, ref, hot_url, hot_store, by_name, args.timeout,
+                                             profile_dir, path, pass_snapshotter, containerd=install)
+                        elif kind == "fuse":
+                            if install is installs[0]:  # the layer server alone: no containerd in it
+                                measure_fuse_node(rep, work, link, image, store_url, scenarios, args.timeout,
+                                                  profile_dir, args.cache_dir, path, pass_server,
+                                                  plain_too=number == 0)
+                        else:
+                            measure_node(kind, rep, work, link, ref, store_url, by_name, args.timeout,
+                                         profile_dir, path, pass_snapshotter, containerd=install)
         if args.timeline is not None:
             try:
                 context["timeline"] = record_timeline(args.timeline, work, link, ref, store_url, hot_url, hot_store,
-                                                      kinds, args.timeout)
+                                                      kinds, args.timeout, installs[0])
             except (BenchError, harness.HarnessError) as e:
                 context["notes"].append(f"--timeline: not recorded: {e}")
                 log(f"timeline FAILED: {e}")
@@ -1531,6 +1585,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(hot-list if mode hot ran, else lazy) on fresh nodes with the start-up profiler on; "
                              "their traces and `bootseer profile compare`'s table, HTML page, PNG and Chrome trace "
                              "go to DIR (off: the measured runs are never profiled)")
+    parser.add_argument("--containerds", default="",
+                        help="comma-separated containerds to measure the containerd starts on, side by side: each a "
+                             "value of BOOTSEER_CONTAINERD (1.6, 1.7, 2.1 or a directory; the first is the main one, "
+                             "the hot list is recorded on it) (default: BOOTSEER_CONTAINERD's choice alone)")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "results" / "lazy.md",
                         help="Markdown results (bench/results/lazy.md)")
     args = parser.parse_args(argv)
@@ -1542,6 +1600,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.data_paths = list(dict.fromkeys(p.strip() for p in args.data_paths.split(",") if p.strip()))
     if not args.data_paths or set(args.data_paths) - set(DATA_PATHS):
         parser.error(f"--data-paths takes a comma-separated subset of {','.join(DATA_PATHS)}")
+    args.containerds = list(dict.fromkeys(c.strip() for c in args.containerds.split(",") if c.strip())) or [None]
     args.cache_dir = args.cache_dir.resolve()
     if args.timeline is not None:
         if "overlay" not in args.modes or not {"lazy", "hot"} & set(args.modes):
@@ -1558,10 +1617,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if os.geteuid() != 0:
         sys.exit("error: the benchmark needs root (network namespace, tc, containerd, mounts)")
-    missing = [tool for tool in ("containerd", "ctr", "runc", "docker-registry", "skopeo", "nginx", "ip", "tc",
+    missing = [tool for tool in ("runc", "docker-registry", "skopeo", "nginx", "ip", "tc",
                                  "debootstrap", "pigz") if not shutil.which(tool)]
     if missing:
         sys.exit(f"error: missing {', '.join(missing)} (run ctr_examples/install-deps.sh)")
+    for choice in args.containerds:  # each the way the tests choose theirs (harness.containerd_install)
+        try:
+            harness.containerd_install(choice)
+        except harness.HarnessError as e:
+            sys.exit(f"error: {e}")
     # SIGTERM and SIGHUP unwind like Ctrl-C, so every context manager tears its part down.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
@@ -1577,7 +1641,8 @@ def main(argv: list[str] | None = None) -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(text)
     log(f"written to {args.output}")
-    return 1 if any(s.errors for s in scenarios.values()) else 0
+    others = [by_name for _, by_name in context.get("other_containerds", [])]
+    return 1 if any(s.errors for by_name in (scenarios, *others) for s in by_name.values()) else 0
 
 
 if __name__ == "__main__":

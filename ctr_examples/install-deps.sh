@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything BootSeer, its demo and its tests need on a Debian machine, as root:
-# the Debian packages (containerd, runc, registry, FUSE, Go for the conformance suite, ...)
+# the Debian packages (containerd, runc, registry, FUSE, Go for the conformance suite, ...),
+# containerd 1.7 and 2.1 in a cache directory (install-containerd.sh)
 # and a virtual environment at $BOOTSEER_VENV (default: .venv in the checkout) holding
 # BootSeer installed from this checkout (editable, so the venv always runs the code in the
 # tree) with the extras in $BOOTSEER_EXTRAS (default "test"; the benchmarks want "test,bench").
@@ -31,6 +32,10 @@ fi
 for unit in containerd docker-registry nginx tinyproxy; do
     systemctl disable --now "$unit" >/dev/null 2>&1 || true
 done
+
+# containerd 1.7 and 2.1 beside the system's 1.6 (pinned Debian packages, unpacked into a cache
+# directory; the tests pick one with BOOTSEER_CONTAINERD, docs/testing.md).
+"$repo/ctr_examples/install-containerd.sh"
 
 if [[ ! -x $venv/bin/python ]]; then
     python3 -m venv "$venv"

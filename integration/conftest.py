@@ -1,5 +1,7 @@
 """Fixtures for the real-component tests: a private containerd + bootseer-snapshotter + registry.
 
+``BOOTSEER_CONTAINERD`` (``1.6``, ``1.7``, ``2.1`` (the default) or a directory) chooses the containerd
+(:func:`harness.containerd_install`; the run's header line names it: the root conftest.py).
 ``BOOTSEER_IT_SNAPSHOTTER=overlayfs`` runs the same tests against containerd's built-in
 overlayfs snapshotter (no daemon): the check that a failure is the daemon's and not the
 harness's.  ``BOOTSEER_KEEP_TMP=1`` keeps each stack's temp dir for a post-mortem.
@@ -17,7 +19,8 @@ import pytest
 from integration import harness
 
 SNAPSHOTTER = os.environ.get("BOOTSEER_IT_SNAPSHOTTER", harness.SNAPSHOTTER_NAME)
-TOOLS = ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "docker-registry", "skopeo", "umount")
+#: What the stacks run from PATH; containerd, ctr and the shim come from the chosen containerd's directory.
+TOOLS = ("runc", "docker-registry", "skopeo", "umount")
 
 
 def _why_not_runnable() -> str | None:
@@ -26,6 +29,9 @@ def _why_not_runnable() -> str | None:
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         return f"missing tools {missing}: run ctr_examples/install-deps.sh"
+    why = harness.containerd_unavailable()
+    if why:
+        return why
     if SNAPSHOTTER == harness.SNAPSHOTTER_NAME:
         return harness.snapshotter_available()
     return None

@@ -107,6 +107,12 @@ def demo(keep: bool, profile_dir: Path) -> None:
                       f"echo '$ sha256sum {harness.part_path(0)}'; sha256sum {harness.part_path(0)}; touch /.bootseer/first_step")
             show(stack.run_container(ref, "demo-run", "sh", "-c", script))
             profiled_until = time.time()
+            # The daemon reads the container's marks (first_step) when containerd removes its snapshot, which
+            # containerd's garbage collector does after `run --rm` returns, on its next pass: the daemon is
+            # killed below, so run a pass now and wait until the removal reached it.
+            stack.containerd.collect_garbage()
+            harness.wait_until("containerd to remove demo-run's snapshot from the daemon", lambda: not any(
+                key.endswith("/demo-run") for key in harness.snapshotter_view(stack)), 60)
             store = sum(p.stat().st_size for p in stack.store_dir.rglob("*") if p.is_file())
             show(f"fetched from the store: {mib(fetched(stack))} of {mib(store)} it holds")
 

@@ -11,9 +11,12 @@ host's own services:
   opaque directory).
 * :class:`Registry` runs ``docker-registry`` on 127.0.0.1 and pushes layouts with skopeo.
 * :class:`Snapshotter` runs ``bootseer-snapshotter`` and can stop, kill and restart it.
-* :class:`Containerd` runs a containerd with its own root, state and sockets and the
-  daemon registered as the ``bootseer`` proxy snapshotter; :meth:`Containerd.ctr` runs
-  ``ctr`` against it in a namespace of its own.
+* :func:`containerd_install` is the containerd to run: ``BOOTSEER_CONTAINERD`` (``1.6``, ``1.7``,
+  ``2.1``, the default, or a directory; read here only) names it, and its directory gives
+  ``containerd``, ``ctr`` and the shim (docs/testing.md, "Which containerd").
+* :class:`Containerd` runs that containerd with its own root, state and sockets and the
+  daemon registered as the ``bootseer`` proxy snapshotter, in the config dialect of its
+  version; :meth:`Containerd.ctr` runs its ``ctr`` against it in a namespace of its own.
 * :class:`Stack` composes the three in one temp dir and tears everything down (tasks,
   shims, mounts, processes, files) even when the body failed; :meth:`Stack.logs`
   gathers every process's log for failure reports.
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -457,6 +462,148 @@ class Snapshotter:
 # --------------------------------------------------------------------------- containerd
 
 
+#: The one setting that chooses the containerd the tests, the demo and the benchmarks run:
+#: a series (:data:`CONTAINERD_SERIES`) or a directory holding ``containerd``, ``ctr`` and
+#: ``containerd-shim-runc-v2``.  Unset: :data:`CONTAINERD_DEFAULT`.
+CONTAINERD_SETTING = "BOOTSEER_CONTAINERD"
+CONTAINERD_DEFAULT = "2.1"
+#: Where ``ctr_examples/install-containerd.sh`` unpacks each series it fetches (SERIES/usr/bin).
+CONTAINERD_CACHE = Path("/var/cache/bootseer/containerd")
+#: Each series and its binaries' directory: 1.6 is Debian 12's package, the others the install script's.
+CONTAINERD_SERIES = {
+    "1.6": Path("/usr/bin"),
+    "1.7": CONTAINERD_CACHE / "1.7" / "usr" / "bin",
+    "2.1": CONTAINERD_CACHE / "2.1" / "usr" / "bin",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerdInstall:
+    """One containerd: its three binaries come from :attr:`bin_dir` (containerd finds the shim on PATH)."""
+
+    bin_dir: Path
+    version: tuple[int, int, int]
+    version_text: str  #: ``containerd --version`` as printed
+    choice: str  #: what :data:`CONTAINERD_SETTING` said (or the default)
+
+    @property
+    def series(self) -> str:
+        return f"{self.version[0]}.{self.version[1]}"
+
+    @property
+    def config_version(self) -> int:
+        """The config dialect the harness writes for it: ``version = 3`` from 2.0 on, else 2."""
+        return 3 if self.version[0] >= 2 else 2
+
+    @property
+    def containerd(self) -> str:
+        return str(self.bin_dir / "containerd")
+
+    @property
+    def ctr(self) -> str:
+        return str(self.bin_dir / "ctr")
+
+    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) with :attr:`bin_dir` first on PATH."""
+        env = dict(os.environ if base is None else base)
+        env["PATH"] = f"{self.bin_dir}{os.pathsep}{env.get('PATH', os.defpath)}"
+        return env
+
+    def describe(self) -> str:
+        return f"containerd {'.'.join(map(str, self.version))} ({CONTAINERD_SETTING}={self.choice}, {self.bin_dir})"
+
+
+#: Where Debian 12's containerd 1.6 Go sources are (golang-github-containerd-containerd-dev, a GOPATH root).
+SYSTEM_GO_SOURCES = Path("/usr/share/gocode")
+
+
+@dataclasses.dataclass(frozen=True)
+class ContainerdGoSources:
+    """containerd's Go sources of one version with a Go toolchain that builds them offline in GOPATH mode:
+    what ``integration/test_conformance.py`` builds containerd's snapshotter test suite of that version from."""
+
+    gopath: Path  #: a GOPATH root holding src/github.com/containerd/containerd (and every dependency)
+    go: str  #: the go command
+    goroot: Path | None  #: its GOROOT when it is not the system's
+    tags: tuple[str, ...]  #: build tags of integration/conformance for this version (containerd2 for 2.x)
+
+    def env(self, own_gopath: Path, base: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment of an offline GOPATH build: ``own_gopath`` first, then :attr:`gopath`."""
+        env = dict(os.environ if base is None else base, GO111MODULE="off", GOPROXY="off", GOFLAGS="",
+                   CGO_ENABLED="0", GOTOOLCHAIN="local", GOPATH=f"{own_gopath}{os.pathsep}{self.gopath}")
+        if self.goroot is not None:
+            env["GOROOT"] = str(self.goroot)
+        return env
+
+
+def containerd_go_sources(install: ContainerdInstall) -> ContainerdGoSources:
+    """The Go sources of ``install``'s series: Debian 12's for 1.6 (with the system's Go), else those
+    ``ctr_examples/install-containerd.sh`` unpacked beside its binaries; HarnessError saying what is missing."""
+    if install.series == "1.6":
+        go = shutil.which("go")
+        if go is None or not (SYSTEM_GO_SOURCES / "src/github.com/containerd/containerd/snapshots/testsuite").is_dir():
+            raise HarnessError("go or containerd 1.6's Go sources missing: install golang-go and "
+                               "golang-github-containerd-containerd-dev (ctr_examples/install-deps.sh)")
+        return ContainerdGoSources(SYSTEM_GO_SOURCES, go, None, ())
+    root = CONTAINERD_CACHE / f"{install.series}-go"
+    toolchains = sorted(root.glob("usr/lib/go-*/bin/go"), key=lambda p: [int(n) for n in re.findall(r"\d+", p.parent.parent.name)])
+    if not toolchains or not (root / "usr/share/gocode/src/github.com/containerd/containerd").is_dir():
+        raise HarnessError(f"containerd {install.series}'s Go sources missing in {root} "
+                           f"(ctr_examples/install-containerd.sh {install.series})")
+    return ContainerdGoSources(root / "usr/share/gocode", str(toolchains[-1]), toolchains[-1].parent.parent,
+                               ("containerd2",) if install.version[0] >= 2 else ())
+
+
+def _probe_containerd(choice: str) -> ContainerdInstall:
+    bin_dir = CONTAINERD_SERIES.get(choice) or Path(choice)
+    if choice not in CONTAINERD_SERIES and not bin_dir.is_absolute():
+        raise HarnessError(f"{CONTAINERD_SETTING}={choice!r}: give one of {sorted(CONTAINERD_SERIES)} or an absolute "
+                           "directory holding containerd, ctr and containerd-shim-runc-v2")
+    missing = [b for b in ("containerd", "ctr", "containerd-shim-runc-v2") if not os.access(bin_dir / b, os.X_OK)]
+    if missing:
+        hint = " (install it: ctr_examples/install-containerd.sh)" if choice in CONTAINERD_SERIES else ""
+        raise HarnessError(f"containerd {choice}: {', '.join(missing)} missing in {bin_dir}{hint}")
+    try:
+        text = subprocess.run([str(bin_dir / "containerd"), "--version"], capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise HarnessError(f"{bin_dir / 'containerd'} --version failed: {e}") from e
+    # "containerd github.com/containerd/containerd/v2 2.1.9+unknown", "... 1.7.24~ds1 1.7.24~ds1-6+deb13u1"
+    found = re.search(r"\sv?(\d+)\.(\d+)\.(\d+)", text)
+    if found is None:
+        raise HarnessError(f"{bin_dir / 'containerd'} --version printed no version: {text!r}")
+    major, minor, patch = (int(n) for n in found.groups())
+    install = ContainerdInstall(bin_dir, (major, minor, patch), text, choice)
+    if choice in CONTAINERD_SERIES and install.series != choice:
+        raise HarnessError(f"{CONTAINERD_SETTING}={choice}, but {install.containerd} is {install.series}: {text!r}")
+    return install
+
+
+@functools.lru_cache(maxsize=None)
+def _containerd_install(choice: str) -> ContainerdInstall:
+    return _probe_containerd(choice)
+
+
+def containerd_install(choice: str | None = None) -> ContainerdInstall:
+    """The containerd :data:`CONTAINERD_SETTING` chooses (read here only), or ``choice`` (a value that setting
+    takes, for a tool comparing several: the benchmark); HarnessError if it is not there."""
+    return _containerd_install(choice or os.environ.get(CONTAINERD_SETTING) or CONTAINERD_DEFAULT)
+
+
+def containerd_version() -> tuple[int, int, int]:
+    """The chosen containerd's version, e.g. ``(2, 1, 9)``."""
+    return containerd_install().version
+
+
+def containerd_unavailable() -> str | None:
+    """Why the chosen containerd cannot run here, or None (for pytest skips)."""
+    try:
+        containerd_install()
+    except HarnessError as e:
+        return str(e)
+    return None
+
+
 _UNITS = {"B": 1, "kB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3}
 
 
@@ -466,14 +613,28 @@ class Usage:
     inodes: int
 
 
+def transfer_unpack_config(snapshotter: str, platform: str = "linux") -> str:
+    """The config lines (both dialects) that let containerd's transfer service unpack ``platform`` images into
+    ``snapshotter``.  containerd 2.x's ``ctr images pull`` goes through that service, which refuses to unpack
+    ("no unpack platforms defined") into a snapshotter no ``unpack_config`` names; naming one replaces its
+    default (``overlayfs``), so a config lists every snapshotter it pulls into.  ``linux``: the host's arch."""
+    return (f'\n[[plugins."io.containerd.transfer.v1.local".unpack_config]]\n'
+            f'  platform = "{platform}"\n  snapshotter = "{snapshotter}"\n')
+
+
 class Containerd:
-    """A containerd with its own root/state/sockets, the daemon as proxy snapshotter ``bootseer``."""
+    """A containerd with its own root/state/sockets, the daemon as proxy snapshotter ``bootseer``.
+
+    ``install`` is the containerd to run (default: :func:`containerd_install`, the one
+    :data:`CONTAINERD_SETTING` chooses); its ``ctr`` drives it and its directory is first on
+    containerd's PATH, so the shim it starts is its own.
+    """
 
     def __init__(self, base: Path, snapshotter_socket: Path, namespace: str, *,
-                 snapshotter: str = SNAPSHOTTER_NAME, binary: str = "containerd"):
+                 snapshotter: str = SNAPSHOTTER_NAME, install: ContainerdInstall | None = None):
         self.base = base
         self.snapshotter = snapshotter  #: the one ``pull``/``run``/snapshot queries use
-        self.binary = binary
+        self.install = install or containerd_install()
         self.namespace = namespace
         self.address = base / "containerd.sock"
         self.root = base / "root"
@@ -481,13 +642,18 @@ class Containerd:
         self.snapshotter_socket = snapshotter_socket
         self.process: ManagedProcess | None = None
 
-    def config_text(self) -> str:
-        return f"""\
-version = 2
-root = "{self.root}"
-state = "{self.state}"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
+    def config_dialect(self) -> int:
+        """The config ``version`` written: containerd 2.x reads 3 natively (2 only by migrating it), 1.x reads 2."""
+        return self.install.config_version
 
+    def private_settings(self) -> str:
+        """The top-level keys (before any table) that keep this containerd off the host's: its root and state;
+        CRI off (:class:`CriContainerd` takes this exact ``disabled_plugins`` line out)."""
+        return f'root = "{self.root}"\nstate = "{self.state}"\ndisabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+
+    def private_tables(self) -> str:
+        """The tables that keep this containerd off the host's: its sockets, debug log level, ``opt`` directory."""
+        return f"""
 [grpc]
   address = "{self.address}"
 
@@ -500,34 +666,57 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
 
 [plugins."io.containerd.internal.v1.opt"]
   path = "{self.base / 'opt'}"
+"""
 
+    def config_text(self) -> str:
+        """The whole config: private paths, CRI off, the daemon as proxy plugin ``bootseer``; and from 1.7 on,
+        the transfer service (2.x's ``ctr images pull``) allowed to unpack into ``bootseer`` and ``overlayfs``."""
+        text = f"""\
+version = {self.config_dialect()}
+{self.private_settings()}{self.private_tables()}
 [proxy_plugins.{SNAPSHOTTER_NAME}]
   type = "snapshot"
   address = "{self.snapshotter_socket}"
 """
+        if self.install.version >= (1, 7):
+            text += "".join(transfer_unpack_config(name) for name in (SNAPSHOTTER_NAME, BUILTIN_OVERLAY))
+        return text
 
     def start(self, timeout: float = 60) -> None:
         self.base.mkdir(parents=True, exist_ok=True)
         config = self.base / "config.toml"
         config.write_text(self.config_text())
-        self.process = ManagedProcess("containerd", [self.binary, "--config", str(config)],
+        self.process = ManagedProcess("containerd", [self.install.containerd, "--config", str(config)],
                                       self.base / "containerd.log")
+        self.process.env = self.install.env(self.process.env)
         self.process.start()
         wait_until(f"containerd to list the {self.snapshotter} snapshotter as ok", self._plugin_ok, timeout,
                    interval=0.3, alive=self.process)
 
     def _plugin_ok(self) -> bool:
-        done = subprocess.run(["ctr", "-a", str(self.address), "plugins", "ls"],
+        done = subprocess.run([self.install.ctr, "-a", str(self.address), "plugins", "ls"],
                               capture_output=True, text=True, timeout=30)
         return any(line.split()[:2] == ["io.containerd.snapshotter.v1", self.snapshotter]
                    and line.split()[-1] == "ok" for line in done.stdout.splitlines())
 
+    def ctr_argv(self, *args: str) -> list[str]:
+        """The argv of ``ctr -a SOCKET -n NAMESPACE ARGS...`` with this containerd's own ``ctr``."""
+        return [self.install.ctr, "-a", str(self.address), "-n", self.namespace, *args]
+
     def ctr(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
         """``ctr -a SOCKET -n NAMESPACE ARGS...``; raises :class:`HarnessError` on failure if ``check``."""
-        return run(["ctr", "-a", str(self.address), "-n", self.namespace, *args], timeout=timeout, check=check)
+        return run(self.ctr_argv(*args), timeout=timeout, check=check)
 
     def ctr_out(self, *args: str, timeout: float = 120) -> str:
         return self.ctr(*args, timeout=timeout).stdout.decode(errors="replace")
+
+    def collect_garbage(self) -> None:
+        """Run containerd's garbage collector now and wait for it: what ``ctr run --rm`` leaves to a later GC pass
+        (the container's snapshot) is removed from the snapshotter when this returns.  containerd spaces its
+        passes by how long the last one took (``pause_threshold``): on a loaded machine that is tens of seconds.
+        A lease deleted with ``--sync`` runs a pass synchronously (every containerd version here)."""
+        lease = self.ctr_out("leases", "create").split()[0]
+        self.ctr("leases", "delete", "--sync", lease)
 
     # -- snapshot queries, through containerd (its metadata store, then the proxy) --
 
@@ -629,8 +818,10 @@ class Stack:
 
     def __init__(self, base: Path | None = None, *, namespace: str | None = None,
                  snapshotter: str = SNAPSHOTTER_NAME, with_registry: bool = True,
-                 snapshotter_log_level: str = "debug", store: bool = False, daemon_args: Sequence[str] = ()):
+                 snapshotter_log_level: str = "debug", store: bool = False, daemon_args: Sequence[str] = (),
+                 containerd: ContainerdInstall | None = None):
         """``snapshotter`` is ``"bootseer"`` (start the daemon) or :data:`BUILTIN_OVERLAY`.
+        ``containerd``: the containerd to run (default: :func:`containerd_install`).
 
         ``store``: the daemon serves lazy layers from a local store at :attr:`store_url`
         (``--store``), with its metrics at :attr:`metrics_address`.  ``daemon_args``: more
@@ -653,7 +844,7 @@ class Stack:
         self.daemon = (Snapshotter(self.base / "snap", log_level=snapshotter_log_level, extra_args=daemon_args)
                        if snapshotter == SNAPSHOTTER_NAME else None)
         self.containerd = Containerd(self.base / "ctrd", self.base / "snap" / "snapshotter.sock",
-                                     self.namespace, snapshotter=snapshotter)
+                                     self.namespace, snapshotter=snapshotter, install=containerd)
         self.teardown_errors: list[str] = []
         self._exec_seq = 0
         self._saved_logs: str | None = None

@@ -9,6 +9,7 @@ directories applied), writes land in the container's own snapshot only, and
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,29 @@ def test_running_container_has_an_active_snapshot_whose_usage_grows(stack: harne
     assert after.approx_bytes >= before.approx_bytes + 2 * 1024 * 1024 * 0.95
     stack.remove_container("long")
     assert "long" not in {row["key"] for row in stack.containerd.snapshots()}
+
+
+def test_the_containerd_setting_refuses_what_it_cannot_run_in_one_line(monkeypatch, tmp_path: Path):
+    """``BOOTSEER_CONTAINERD`` takes a series or an absolute directory; anything else is one clear line."""
+    for value, says in (("2.0", "give one of ['1.6', '1.7', '2.1'] or an absolute directory"),
+                        ("usr/bin", "give one of"),
+                        (str(tmp_path), f"containerd, ctr, containerd-shim-runc-v2 missing in {tmp_path}")):
+        monkeypatch.setenv(harness.CONTAINERD_SETTING, value)
+        with pytest.raises(harness.HarnessError) as failure:
+            harness.containerd_install()
+        assert says in str(failure.value) and "\n" not in str(failure.value), str(failure.value)
+        assert harness.containerd_unavailable() == str(failure.value)
+
+
+def test_a_directory_setting_runs_that_directorys_binaries(monkeypatch):
+    """A directory is taken as it is: its containerd's own version decides the series and the config dialect."""
+    monkeypatch.delenv(harness.CONTAINERD_SETTING, raising=False)
+    chosen = harness.containerd_unavailable() or harness.containerd_install()
+    if isinstance(chosen, str):
+        pytest.skip(chosen)
+    monkeypatch.setenv(harness.CONTAINERD_SETTING, str(chosen.bin_dir))
+    install = harness.containerd_install()
+    assert (install.bin_dir, install.version, install.config_version) == (
+        chosen.bin_dir, chosen.version, chosen.config_version)
+    assert install.ctr == str(chosen.bin_dir / "ctr")
+    assert install.env({"PATH": "/usr/bin"})["PATH"] == f"{chosen.bin_dir}:/usr/bin"

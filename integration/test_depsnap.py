@@ -58,8 +58,10 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
 
     # A second container on the node: the deps layer is stacked, the install skipped.
     assert run_with_deps(first, ref, "deps-2", key) == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
-    # --rm removed the container; containerd's garbage collector removes its snapshot soon after, and with it
-    # the last user of the deps layer, which is then no longer served.
+    # --rm removed the container; containerd's garbage collector removes its snapshot (run now: its next pass
+    # may be tens of seconds away on a loaded machine), and with it the last user of the deps layer, which is
+    # then no longer served.
+    first.containerd.collect_garbage()
     harness.wait_until("the deps layer to be unmounted", lambda: record.chain_id not in [
         layer["chain_id"] for layer in layer_server(first).status()["layers"]], 30)
 

@@ -9,7 +9,9 @@ store, ``bootseer-snapshotter --store`` (and the layer server it starts), a priv
   stopped (SIGTERM and SIGKILL) and after it is back;
 * an image that was never converted falls back to download-and-unpack, visibly (a log line and a
   metric), and still runs;
-* ``ctr images rm`` + containerd's GC removes the lazy snapshots and the daemon's state for them.
+* ``ctr images rm`` + containerd's GC removes the lazy snapshots and the daemon's state for them;
+* ``ctr images pull --snapshotter bootseer`` is lazy on containerd 2.x (its transfer service) and downloads on
+  1.6 and 1.7, and ``ctr run`` sees the image either way.
 """
 
 from __future__ import annotations
@@ -221,6 +223,33 @@ def test_gc_removes_lazy_snapshots(lazy: harness.Stack, converted):
     assert lazy.containerd.ctr_out("content", "ls", "-q").split() == []
     # And the image can be pulled again, lazily.
     assert "0 downloaded" in rpull(lazy, ref)
+
+
+def test_ctr_pull_is_lazy_through_the_transfer_service_of_2x_and_downloads_on_1x(lazy: harness.Stack, converted):
+    """``ctr images pull --snapshotter bootseer`` of a converted image: containerd 2.x's ctr pulls through its
+    transfer service, whose unpacker offers each layer to the snapshotter before fetching it (lazy: only the
+    manifest and the config reach the content store); 1.6's and 1.7's ctr fetch every blob first and unpack
+    them with plain Prepares (no lazy layer).  Either way ``ctr run`` sees the image, and removing the image
+    lets containerd's GC remove every snapshot (2.x: the GC references the transfer service's unpack set)."""
+    image, ref = converted
+    lazy.pull(ref)
+    chain = harness.chain_ids(image.diff_ids)
+    assert {row["key"] for row in lazy.containerd.snapshots()} == set(chain)
+    content = set(lazy.containerd.ctr_out("content", "ls", "-q").split())
+    served = {row["chain_id"] for row in layer_server(lazy).status()["layers"]}
+    if harness.containerd_version() >= (2, 0):
+        assert content == {image.manifest_digest, image.config_digest}
+        assert served == set(chain)
+    else:
+        assert content == {image.manifest_digest, image.config_digest, *image.layer_digests}
+        assert served == set()
+    lines = lazy.run_container(ref, "ctr-pulled", "sh", "-c", f"cat {APP_FILE}; sha256sum {part_path(0)}").splitlines()
+    assert lines[0] == APP_FILE_DATA.decode().strip() and lines[1].split()[0] == sha(part_data(0))
+
+    lazy.containerd.ctr("images", "rm", "--sync", ref)
+    harness.wait_until("containerd to drop every snapshot", lambda: not lazy.containerd.snapshots(), 60)
+    harness.wait_until("the daemon's snapshot directories to go", lambda: not lazy.daemon.snapshot_dirs(), 60)
+    assert lazy.containerd.ctr_out("content", "ls", "-q").split() == []
 
 
 def test_a_layer_added_on_a_converted_base_is_downloaded_onto_lazy_layers(lazy: harness.Stack):

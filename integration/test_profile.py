@@ -318,7 +318,7 @@ def test_profile_run_takes_a_containers_marks_through_a_bind_mount(stack: harnes
     """Outside the snapshotter's marks dir (any snapshotter): ``bootseer profile run -- ctr run`` with
     ``$BOOTSEER_MARKS`` bind-mounted at ``/.bootseer``; the container's ``touch`` is the mark."""
     _, ref = pulled
-    ctr = (f'ctr -a {stack.containerd.address} -n {stack.namespace} run --rm --fifo-dir {stack.fifo_dir} '
+    ctr = (f'{stack.containerd.install.ctr} -a {stack.containerd.address} -n {stack.namespace} run --rm --fifo-dir {stack.fifo_dir} '
            f'--snapshotter {stack.snapshotter_name} '
            f'--mount "type=bind,src=$BOOTSEER_MARKS,dst=/.bootseer,options=rbind:rw" {ref} marks-1 '
            f'sh -c "sleep 0.2; touch /.bootseer/import.end; sleep 0.2; touch /.bootseer/first_step"')
@@ -351,7 +351,7 @@ def test_compare_a_start_on_overlayfs_with_one_on_bootseer(base: Path, monkeypat
         env = dict(os.environ)
         watcher = Background([BOOTSEER, "profile", "containerd", "--address", str(stack.containerd.address),
                               "--namespace", stack.namespace], "watching containerd", base / "watch.log", env)
-        ctr = f"ctr -a {stack.containerd.address} -n {stack.namespace}"
+        ctr = f"{stack.containerd.install.ctr} -a {stack.containerd.address} -n {stack.namespace}"
         job = ("; ".join(f"cat {part_path(i)} > /dev/null" for i in range(PARTS))
                + "; touch /.bootseer/import.end; sleep 0.2; touch /.bootseer/first_step")
         pulls = {"overlayfs": f"{ctr} images pull --plain-http --snapshotter overlayfs {ref} > /dev/null",

@@ -23,6 +23,9 @@ from bootseer.rpull import (
 from integration import harness
 from integration.harness import APP_FILE, APP_FILE_DATA, BLOB_FILE, OPAQUE_DIR, PATCH_FILE, PATCH_FILE_DATA
 
+#: Real containerd (BOOTSEER_CONTAINERD's): CI runs this file on every containerd version (tests/run.sh).
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parent.parent
 BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer") if (REPO / ".venv" / "bin" / "bootseer").exists() \
     else shutil.which("bootseer") or "bootseer"
@@ -72,9 +75,9 @@ def test_distribution_source_key_drops_the_port():
 def _why_not_runnable() -> str | None:
     if os.geteuid() != 0:
         return "needs root (containerd, mounts)"
-    missing = [t for t in ("containerd", "ctr", "runc", "containerd-shim-runc-v2", "docker-registry", "skopeo")
-               if shutil.which(t) is None]
-    return f"missing {missing}: run ctr_examples/install-deps.sh" if missing else None
+    missing = [t for t in ("runc", "docker-registry", "skopeo") if shutil.which(t) is None]
+    # containerd, ctr and the shim: the ones BOOTSEER_CONTAINERD chooses (the harness's)
+    return f"missing {missing}: run ctr_examples/install-deps.sh" if missing else harness.containerd_unavailable()
 
 
 @pytest.fixture
@@ -103,7 +106,8 @@ def rpull(stack: harness.Stack, ref: str, *extra: str, namespace: str | None = N
 
 
 def ctr(stack: harness.Stack, namespace: str, *args: str) -> str:
-    return harness.run(["ctr", "-a", str(stack.containerd.address), "-n", namespace, *args]).stdout.decode()
+    return harness.run([stack.containerd.install.ctr, "-a", str(stack.containerd.address), "-n", namespace, *args]
+                       ).stdout.decode()
 
 
 def content_labels(stack: harness.Stack, namespace: str) -> dict[str, dict[str, str]]:
@@ -160,8 +164,8 @@ def test_rpull_leaves_what_ctr_pull_leaves(stack: harness.Stack):
         mine_snaps = ctr(stack, stack.namespace, "snapshots", "--snapshotter", "overlayfs", "ls")
         assert mine_snaps == ctr(stack, theirs, "snapshots", "--snapshotter", "overlayfs", "ls")
     finally:
-        harness.run(["ctr", "-a", str(stack.containerd.address), "-n", theirs, "images", "rm", "--sync", ref],
-                    check=False)
+        harness.run([stack.containerd.install.ctr, "-a", str(stack.containerd.address), "-n", theirs, "images", "rm",
+                     "--sync", ref], check=False)
 
 
 def test_gc_after_images_rm_removes_content_and_snapshots(stack: harness.Stack):

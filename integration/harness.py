@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -457,6 +459,25 @@ class Snapshotter:
 # --------------------------------------------------------------------------- containerd
 
 
+@functools.lru_cache(maxsize=None)
+def containerd_version() -> tuple[int, int, int]:
+    """The version of the ``containerd`` first on PATH, e.g. ``(2, 1, 9)`` (what the harness starts).
+
+    The CRI stack's configuration dialect and what the CRI tests expect depend on it (docs/kubernetes.md).
+    """
+    try:
+        text = subprocess.run(["containerd", "--version"], capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as e:
+        raise HarnessError(f"containerd --version failed: {e}") from e
+    # "containerd github.com/containerd/containerd/v2 2.1.9+unknown", "... 1.7.24~ds1 1.7.24~ds1-6+deb13u1"
+    found = re.search(r"\sv?(\d+)\.(\d+)\.(\d+)", text)
+    if found is None:
+        raise HarnessError(f"containerd --version printed no version: {text!r}")
+    major, minor, patch = (int(n) for n in found.groups())
+    return major, minor, patch
+
+
 _UNITS = {"B": 1, "kB": 1000, "KiB": 1024, "MB": 1000**2, "MiB": 1024**2, "GB": 1000**3, "GiB": 1024**3}
 
 
@@ -481,13 +502,20 @@ class Containerd:
         self.snapshotter_socket = snapshotter_socket
         self.process: ManagedProcess | None = None
 
+    def config_dialect(self) -> int:
+        """The config ``version`` written: containerd 2.x reads 3 natively (2 only by migrating it), 1.x reads 2."""
+        return 3 if containerd_version() >= (2, 0, 0) else 2
+
+    def cri_disabled_lines(self) -> str:
+        """The config's line that switches the CRI plugin off (:class:`CriContainerd` leaves it out)."""
+        return 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+
     def config_text(self) -> str:
         return f"""\
-version = 2
+version = {self.config_dialect()}
 root = "{self.root}"
 state = "{self.state}"
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
-
+{self.cri_disabled_lines()}
 [grpc]
   address = "{self.address}"
 
@@ -879,19 +907,26 @@ class CriContainerd(Containerd):
         self.cni_conf_dir = base / "cni" / "net.d"
         #: The CRI plugin's snapshotter from the next start, if not :attr:`snapshotter` (a node rolled off BootSeer).
         self.cri_snapshotter: str | None = None
+        #: CRI's ``discard_unpacked_layers`` from the next start (a pull lets containerd's GC drop layer blobs).
+        self.discard_unpacked_layers = False
 
     @property
     def runc_root(self) -> Path:
         return self.base / "runc"
 
+    def cri_disabled_lines(self) -> str:
+        return ""  # the CRI plugin on
+
     def config_text(self) -> str:
-        """:class:`Containerd`'s config with the CRI plugin left on and configured."""
-        base = super().config_text()
-        disabled = 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-        if disabled not in base:
-            raise HarnessError("Containerd.config_text no longer disables the CRI plugin as CriContainerd expects")
+        """:class:`Containerd`'s config with the CRI plugin left on and configured, in the dialect of the
+        containerd that runs (:meth:`cri_config_v2` for 1.x, :meth:`cri_config_v3` for 2.x)."""
+        cri = self.cri_config_v3() if self.config_dialect() == 3 else self.cri_config_v2()
+        return super().config_text() + cri
+
+    def cri_config_v2(self) -> str:
+        """containerd 1.6 and 1.7 (``version = 2``): one CRI plugin, ``io.containerd.grpc.v1.cri``."""
         cri = 'plugins."io.containerd.grpc.v1.cri"'
-        return base.replace(disabled, "") + f"""
+        return f"""
 [{cri}]
   sandbox_image = "{self.sandbox_image}"
   restrict_oom_score_adj = true
@@ -902,6 +937,7 @@ class CriContainerd(Containerd):
 [{cri}.containerd]
   snapshotter = "{self.cri_snapshotter or self.snapshotter}"
   disable_snapshot_annotations = false
+  discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}
   default_runtime_name = "runc"
 
 [{cri}.containerd.runtimes.runc]
@@ -917,6 +953,50 @@ class CriContainerd(Containerd):
 
 [{cri}.registry]
   config_path = "{self.base / 'certs.d'}"
+"""
+
+    def cri_config_v3(self) -> str:
+        """containerd 2.x (``version = 3``): the CRI plugin split in three. ``io.containerd.cri.v1.images``
+        pulls (snapshotter, snapshot annotations, discarding layers, the sandbox image, registries),
+        ``io.containerd.cri.v1.runtime`` runs pods (runc, CNI, OOM score), ``io.containerd.grpc.v1.cri``
+        serves the API and its streams. ``use_local_image_pull = true`` says what 2.1 does anyway with
+        ``disable_snapshot_annotations = false`` (it logs a warning and falls back): the CRI plugin pulls
+        through containerd's client, which labels the layers, not through the transfer service."""
+        images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
+        return f"""
+[{images}]
+  snapshotter = "{self.cri_snapshotter or self.snapshotter}"
+  disable_snapshot_annotations = false
+  discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}
+  use_local_image_pull = true
+
+[{images}.pinned_images]
+  sandbox = "{self.sandbox_image}"
+
+[{images}.registry]
+  config_path = "{self.base / 'certs.d'}"
+
+[{runtime}]
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+
+[{runtime}.containerd]
+  default_runtime_name = "runc"
+
+[{runtime}.containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+
+[{runtime}.containerd.runtimes.runc.options]
+  Root = "{self.runc_root}"
+
+[{runtime}.cni]
+  bin_dirs = ["{CNI_BIN_DIR}"]
+  conf_dir = "{self.cni_conf_dir}"
+  max_conf_num = 1
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
 """
 
     def cni_config(self) -> dict:
@@ -1059,18 +1139,20 @@ def cri_log_lines(path: Path) -> list[str]:
 class CriStack(Stack):
     """A :class:`Stack` whose containerd runs the CRI plugin (:class:`CriContainerd`), driven by :meth:`cri`.
 
-    Starting it pushes the pause image to its registry before containerd starts (the CRI config names it);
+    ``discard_unpacked_layers``: CRI's setting of that name. Starting it pushes the pause image to its
+    registry before containerd starts (the CRI config names it);
     teardown first stops and removes every pod through CRI (their network namespaces and CNI state go
     with them), then does what :class:`Stack` does, then deletes the stack's CNI bridge.
     """
 
-    def __init__(self, base: Path | None = None, **options):
+    def __init__(self, base: Path | None = None, *, discard_unpacked_layers: bool = False, **options):
         options.setdefault("namespace", CRI_NAMESPACE)
         super().__init__(base, **options)
         if self.registry is None:
             raise HarnessError("a CRI stack needs its registry (the sandbox image is pulled from it)")
         self.containerd = CriContainerd(self.base / "ctrd", self.base / "snap" / "snapshotter.sock",
                                         registry="127.0.0.1:0", sandbox_image="", snapshotter=self.containerd.snapshotter)
+        self.containerd.discard_unpacked_layers = discard_unpacked_layers
         self.pod_logs = self.base / "pods"
         self._pods = 0
         self.pause_image: BuiltImage | None = None  #: the sandbox image, once :meth:`start` built it

@@ -487,6 +487,14 @@ class Usage:
     inodes: int
 
 
+def transfer_unpack_config(snapshotter: str, platform: str = "linux") -> str:
+    """The config lines that let containerd's transfer service (1.7+) unpack ``platform`` images into
+    ``snapshotter`` (``linux``: the host's arch); containerd 2.x pulls through it and refuses to unpack into
+    a snapshotter no ``unpack_config`` names."""
+    return (f'\n[[plugins."io.containerd.transfer.v1.local".unpack_config]]\n'
+            f'  platform = "{platform}"\n  snapshotter = "{snapshotter}"\n')
+
+
 class Containerd:
     """A containerd with its own root/state/sockets, the daemon as proxy snapshotter ``bootseer``."""
 
@@ -909,6 +917,12 @@ class CriContainerd(Containerd):
         self.cri_snapshotter: str | None = None
         #: CRI's ``discard_unpacked_layers`` from the next start (a pull lets containerd's GC drop layer blobs).
         self.discard_unpacked_layers = False
+        #: ``disable_snapshot_annotations = false`` (True) or ``true``, from the next start. On 2.x, False also
+        #: means the 2.x default pull path: through the transfer service (:meth:`cri_config_v3`).
+        self.snapshot_annotations = True
+        #: The proxy plugin's ``exports`` from the next start (2.x's transfer service reads
+        #: ``enable_remote_snapshot_annotations`` there).
+        self.snapshotter_exports: dict[str, str] = {}
 
     @property
     def runc_root(self) -> Path:
@@ -921,7 +935,8 @@ class CriContainerd(Containerd):
         """:class:`Containerd`'s config with the CRI plugin left on and configured, in the dialect of the
         containerd that runs (:meth:`cri_config_v2` for 1.x, :meth:`cri_config_v3` for 2.x)."""
         cri = self.cri_config_v3() if self.config_dialect() == 3 else self.cri_config_v2()
-        return super().config_text() + cri
+        exports = "".join(f'  {name} = "{value}"\n' for name, value in self.snapshotter_exports.items())
+        return super().config_text() + cri + (f"\n[proxy_plugins.{SNAPSHOTTER_NAME}.exports]\n{exports}" if exports else "")
 
     def cri_config_v2(self) -> str:
         """containerd 1.6 and 1.7 (``version = 2``): one CRI plugin, ``io.containerd.grpc.v1.cri``."""
@@ -936,7 +951,7 @@ class CriContainerd(Containerd):
 
 [{cri}.containerd]
   snapshotter = "{self.cri_snapshotter or self.snapshotter}"
-  disable_snapshot_annotations = false
+  disable_snapshot_annotations = {str(not self.snapshot_annotations).lower()}
   discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}
   default_runtime_name = "runc"
 
@@ -959,16 +974,22 @@ class CriContainerd(Containerd):
         """containerd 2.x (``version = 3``): the CRI plugin split in three. ``io.containerd.cri.v1.images``
         pulls (snapshotter, snapshot annotations, discarding layers, the sandbox image, registries),
         ``io.containerd.cri.v1.runtime`` runs pods (runc, CNI, OOM score), ``io.containerd.grpc.v1.cri``
-        serves the API and its streams. ``use_local_image_pull = true`` says what 2.1 does anyway with
+        serves the API and its streams.
+
+        With :attr:`snapshot_annotations`, ``use_local_image_pull = true`` says what 2.1 does anyway with
         ``disable_snapshot_annotations = false`` (it logs a warning and falls back): the CRI plugin pulls
-        through containerd's client, which labels the layers, not through the transfer service."""
+        through containerd's client, which labels the layers. Without, it pulls through the transfer
+        service, whose ``unpack_config`` must name the CRI snapshotter (PullImage fails "no unpack
+        platforms defined" otherwise)."""
         images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
-        return f"""
+        snapshotter = self.cri_snapshotter or self.snapshotter
+        transfer = "" if self.snapshot_annotations else transfer_unpack_config(snapshotter)
+        return f"""{transfer}
 [{images}]
-  snapshotter = "{self.cri_snapshotter or self.snapshotter}"
-  disable_snapshot_annotations = false
+  snapshotter = "{snapshotter}"
+  disable_snapshot_annotations = {str(not self.snapshot_annotations).lower()}
   discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}
-  use_local_image_pull = true
+  use_local_image_pull = {str(self.snapshot_annotations).lower()}
 
 [{images}.pinned_images]
   sandbox = "{self.sandbox_image}"
@@ -1139,13 +1160,14 @@ def cri_log_lines(path: Path) -> list[str]:
 class CriStack(Stack):
     """A :class:`Stack` whose containerd runs the CRI plugin (:class:`CriContainerd`), driven by :meth:`cri`.
 
-    ``discard_unpacked_layers``: CRI's setting of that name. Starting it pushes the pause image to its
-    registry before containerd starts (the CRI config names it);
+    ``discard_unpacked_layers`` and ``snapshot_annotations``: :class:`CriContainerd`'s. Starting it pushes
+    the pause image to its registry before containerd starts (the CRI config names it);
     teardown first stops and removes every pod through CRI (their network namespaces and CNI state go
     with them), then does what :class:`Stack` does, then deletes the stack's CNI bridge.
     """
 
-    def __init__(self, base: Path | None = None, *, discard_unpacked_layers: bool = False, **options):
+    def __init__(self, base: Path | None = None, *, discard_unpacked_layers: bool = False,
+                 snapshot_annotations: bool = True, **options):
         options.setdefault("namespace", CRI_NAMESPACE)
         super().__init__(base, **options)
         if self.registry is None:
@@ -1153,6 +1175,7 @@ class CriStack(Stack):
         self.containerd = CriContainerd(self.base / "ctrd", self.base / "snap" / "snapshotter.sock",
                                         registry="127.0.0.1:0", sandbox_image="", snapshotter=self.containerd.snapshotter)
         self.containerd.discard_unpacked_layers = discard_unpacked_layers
+        self.containerd.snapshot_annotations = snapshot_annotations
         self.pod_logs = self.base / "pods"
         self._pods = 0
         self.pause_image: BuiltImage | None = None  #: the sandbox image, once :meth:`start` built it

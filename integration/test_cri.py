@@ -171,16 +171,21 @@ def test_unconverted_image_falls_back_visibly(cri_stacks: Any) -> None:
     assert stack.output(pod, stack.run_in_pod(pod, "plain", ref, "cat", "/other.txt")) == ["not converted"]
 
 
+def two_layer_image(stack: harness.CriStack, name: str, text: bytes) -> tuple[harness.BuiltImage, str]:
+    """An image of layers no other image of these tests has (busybox as /bin/cat, then /other.txt holding
+    ``text``): its pull unpacks every layer afresh. Pushed, not converted."""
+    cat = harness.File("bin/cat", Path("/bin/busybox").read_bytes(), 0o755)
+    return stack.build_and_push(name=name, layers=[harness.Layer((cat,), "cat"),
+                                                   harness.Layer((harness.File("/other.txt", text),), "other")])
+
+
 def test_discarding_unpacked_layers_keeps_lazy_pulls_and_the_fallback(cri_stacks: Any) -> None:
     """``discard_unpacked_layers = true`` (CRI lets containerd's GC drop a layer's blob once unpacked): a converted
     image still pulls lazily and runs; an unconverted one falls back, is downloaded and unpacked during the pull,
     runs, and its layer blobs leave the content store; the lazy image keeps running meanwhile."""
     stack = cri_stacks(discard_unpacked_layers=True)
     lazy, lazy_ref = converted(stack)
-    # Layers of its own (the lazy image's busybox layer would already be there): busybox as /bin/cat, a file.
-    cat = harness.File("bin/cat", Path("/bin/busybox").read_bytes(), 0o755)
-    plain, plain_ref = stack.build_and_push(name="bootseer/plain", layers=[
-        harness.Layer((cat,), "cat"), harness.Layer((harness.File("/other.txt", b"not converted\n"),), "other")])
+    plain, plain_ref = two_layer_image(stack, "bootseer/plain", b"not converted\n")
     with stack.cri() as cri:
         cri.pull(lazy_ref)
         cri.pull(plain_ref)
@@ -194,6 +199,45 @@ def test_discarding_unpacked_layers_keeps_lazy_pulls_and_the_fallback(cri_stacks
     script = f"cat {APP_FILE}; sha256sum {part_path(3)}"
     lines = stack.output(pod, stack.run_in_pod(pod, "lazy", lazy_ref, "sh", "-c", script))
     assert lines[0] == APP_FILE_DATA.decode().strip() and lines[1].split()[0] == sha(part_data(3))
+
+
+def test_without_snapshot_annotations_pulls_stay_lazy_and_2x_labels_them_by_the_proxys_export(
+        cri_stacks: Any) -> None:
+    """``disable_snapshot_annotations = true`` (every version's default): ``PullImage`` of a converted image is
+    still lazy, each layer's Prepare labelled ``containerd.io/snapshot.ref`` only, and a pod runs. containerd 2.x
+    then pulls through its transfer service (its ``unpack_config`` naming bootseer); there the proxy plugin's
+    ``exports`` ``enable_remote_snapshot_annotations = "true"`` brings the ``cri.*`` labels back."""
+    stack = cri_stacks(snapshot_annotations=False)
+    image, ref = converted(stack)
+    remote = metric_total(stack, r"^bootseer_snapshotter_remote_snapshots_total$")
+    with stack.cri() as cri:
+        cri.pull(ref)
+    assert layer_blob_gets(stack, image) == []
+    assert metric_total(stack, r"^bootseer_snapshotter_remote_snapshots_total$") == remote + len(image.diff_ids)
+    view = harness.snapshotter_view(stack)
+    for key in harness.chain_ids(image.diff_ids):
+        assert view[key]["labels"] == {"containerd.io/snapshot.ref": key}, view[key]
+    pod = stack.run_pod("unlabelled-pod")
+    assert stack.output(pod, stack.run_in_pod(pod, "app", ref, "cat", APP_FILE)) == [APP_FILE_DATA.decode().strip()]
+    if harness.containerd_version() < (2, 0, 0):
+        return  # 1.x's CRI pulls through containerd's client only
+
+    containerd_log = (stack.containerd.base / "containerd.log").read_text()
+    assert f'PullImage \\"{ref}\\" with snapshotter {harness.SNAPSHOTTER_NAME} using transfer service' in containerd_log
+    stack.containerd.stop()
+    stack.containerd.snapshotter_exports = {"enable_remote_snapshot_annotations": "true"}
+    stack.containerd.start()
+    labelled, labelled_ref = two_layer_image(stack, "bootseer/labelled", b"labelled\n")
+    convert(stack, labelled_ref)
+    with stack.cri() as cri:
+        cri.pull(labelled_ref)
+    assert layer_blob_gets(stack, labelled) == []
+    view = harness.snapshotter_view(stack)
+    for depth, key in enumerate(harness.chain_ids(labelled.diff_ids)):
+        assert set(view[key]["labels"]) == LAYER_LABELS, view[key]
+        assert view[key]["labels"]["containerd.io/snapshot/cri.image-ref"] == labelled_ref
+        assert view[key]["labels"]["containerd.io/snapshot/cri.layer-digest"] == labelled.layer_digests[depth]
+    assert stack.output(pod, stack.run_in_pod(pod, "labelled", labelled_ref, "cat", "/other.txt")) == ["labelled"]
 
 
 def test_removal_leaves_nothing_once_gc_ran(cri_stacks: Any) -> None:

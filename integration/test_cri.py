@@ -465,7 +465,8 @@ def test_the_node_example_is_what_containerd_loads_and_what_the_tests_run(tmp_pa
     """The node example of the running containerd's config dialect (ctr_examples/containerd-config-k8s-node.toml
     for 1.6 and 1.7, containerd-config-k8s-node-v3.toml for 2.x) loads into that containerd with BootSeer's
     settings as the CRI stack these tests run sets them (both loaded by the same containerd); 2.x also converts
-    the 1.x example to the same settings (a node upgraded with its old file)."""
+    the 1.x example to the same settings (a node upgraded with its old file), but not a version 2 file whose CRI
+    ``containerd`` table has no ``runtimes`` (containerd's conversion drops BootSeer's settings then)."""
     from bootseer.snapshotter.config import DEFAULTS
 
     tested_config = harness.CriContainerd(tmp_path / "ctrd", tmp_path / "s.sock", registry="r", sandbox_image="p")
@@ -486,3 +487,13 @@ def test_the_node_example_is_what_containerd_loads_and_what_the_tests_run(tmp_pa
         converted_v2 = loaded_config(harness.REPO_ROOT / "ctr_examples" / NODE_EXAMPLES[2])
         assert converted_v2["version"] == 3
         assert bootseer_settings(converted_v2) == {**expected, "use_local_image_pull": False}
+        # But only because that file has a runtimes table: 2.x's conversion (plugins/cri/images/plugin.go,
+        # migrateConfig) returns before it copies snapshotter, disable_snapshot_annotations and
+        # discard_unpacked_layers when [plugins."io.containerd.grpc.v1.cri".containerd] has no runtimes.
+        # A node's version 2 file without one silently pulls onto overlayfs after the upgrade (docs/kubernetes.md).
+        without_runtimes = tmp_path / "v2-without-runtimes.toml"
+        without_runtimes.write_text('version = 2\n[proxy_plugins.bootseer]\n  type = "snapshot"\n  address = "/s"\n'
+                                    '[plugins."io.containerd.grpc.v1.cri".containerd]\n  snapshotter = "bootseer"\n'
+                                    '  disable_snapshot_annotations = false\n')
+        assert bootseer_settings(loaded_config(without_runtimes)) == {
+            **expected, "snapshotter": "overlayfs", "disable_snapshot_annotations": True, "use_local_image_pull": False}

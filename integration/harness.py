@@ -950,17 +950,8 @@ class CriContainerd(Containerd):
   stream_server_port = "0"
 
 [{cri}.containerd]
-  snapshotter = "{self.cri_snapshotter or self.snapshotter}"
-  disable_snapshot_annotations = {str(not self.snapshot_annotations).lower()}
-  discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}
-  default_runtime_name = "runc"
-
-[{cri}.containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-[{cri}.containerd.runtimes.runc.options]
-  Root = "{self.runc_root}"
-
+{self._pull_settings()}  default_runtime_name = "runc"
+{self._runc_runtime(f"{cri}.containerd")}
 [{cri}.cni]
   bin_dir = "{CNI_BIN_DIR}"
   conf_dir = "{self.cni_conf_dir}"
@@ -982,14 +973,10 @@ class CriContainerd(Containerd):
         service, whose ``unpack_config`` must name the CRI snapshotter (PullImage fails "no unpack
         platforms defined" otherwise)."""
         images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
-        snapshotter = self.cri_snapshotter or self.snapshotter
-        transfer = "" if self.snapshot_annotations else transfer_unpack_config(snapshotter)
+        transfer = "" if self.snapshot_annotations else transfer_unpack_config(self.cri_snapshotter or self.snapshotter)
         return f"""{transfer}
 [{images}]
-  snapshotter = "{snapshotter}"
-  disable_snapshot_annotations = {str(not self.snapshot_annotations).lower()}
-  discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}
-  use_local_image_pull = {str(self.snapshot_annotations).lower()}
+{self._pull_settings()}  use_local_image_pull = {str(self.snapshot_annotations).lower()}
 
 [{images}.pinned_images]
   sandbox = "{self.sandbox_image}"
@@ -1003,13 +990,7 @@ class CriContainerd(Containerd):
 
 [{runtime}.containerd]
   default_runtime_name = "runc"
-
-[{runtime}.containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-[{runtime}.containerd.runtimes.runc.options]
-  Root = "{self.runc_root}"
-
+{self._runc_runtime(f"{runtime}.containerd")}
 [{runtime}.cni]
   bin_dirs = ["{CNI_BIN_DIR}"]
   conf_dir = "{self.cni_conf_dir}"
@@ -1019,6 +1000,18 @@ class CriContainerd(Containerd):
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
 """
+
+    def _pull_settings(self) -> str:
+        """BootSeer's pull settings, the same keys in both dialects (1.x: in the CRI plugin's ``containerd``
+        table; 2.x: in ``io.containerd.cri.v1.images``)."""
+        return (f'  snapshotter = "{self.cri_snapshotter or self.snapshotter}"\n'
+                f"  disable_snapshot_annotations = {str(not self.snapshot_annotations).lower()}\n"
+                f"  discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}\n")
+
+    def _runc_runtime(self, containerd_table: str) -> str:
+        """The ``runc`` runtime handler under ``containerd_table``, its state under the stack."""
+        return (f'\n[{containerd_table}.runtimes.runc]\n  runtime_type = "io.containerd.runc.v2"\n'
+                f'\n[{containerd_table}.runtimes.runc.options]\n  Root = "{self.runc_root}"\n')
 
     def cni_config(self) -> dict:
         """The one CNI network: a bridge without gateway or masquerade, IPAM state under the stack."""

@@ -181,8 +181,8 @@ def two_layer_image(stack: harness.CriStack, name: str, text: bytes) -> tuple[ha
 
 def test_discarding_unpacked_layers_keeps_lazy_pulls_and_the_fallback(cri_stacks: Any) -> None:
     """``discard_unpacked_layers = true`` (CRI lets containerd's GC drop a layer's blob once unpacked): a converted
-    image still pulls lazily and runs; an unconverted one falls back, is downloaded and unpacked during the pull,
-    runs, and its layer blobs leave the content store; the lazy image keeps running meanwhile."""
+    image still pulls lazily; an unconverted one falls back, is downloaded and unpacked during the pull, and its
+    layer blobs leave the content store; after that GC, pods of both run (the lazy snapshots were kept)."""
     stack = cri_stacks(discard_unpacked_layers=True)
     lazy, lazy_ref = converted(stack)
     plain, plain_ref = two_layer_image(stack, "bootseer/plain", b"not converted\n")

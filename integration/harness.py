@@ -512,6 +512,15 @@ class ContainerdInstall:
     def describe(self) -> str:
         return f"containerd {'.'.join(map(str, self.version))} ({CONTAINERD_SETTING}={self.choice}, {self.bin_dir})"
 
+    def loaded_config(self, path: Path) -> dict:
+        """``containerd --config PATH config dump``: what this containerd makes of the file (parsed, defaults
+        filled in, and an older ``version`` migrated)."""
+        import tomllib
+
+        dump = subprocess.run([self.containerd, "--config", str(path), "config", "dump"], capture_output=True,
+                              text=True, timeout=60, check=True).stdout
+        return tomllib.loads(dump)
+
 
 #: Where Debian 12's containerd 1.6 Go sources are (golang-github-containerd-containerd-dev, a GOPATH root).
 SYSTEM_GO_SOURCES = Path("/usr/share/gocode")
@@ -648,8 +657,12 @@ class Containerd:
 
     def private_settings(self) -> str:
         """The top-level keys (before any table) that keep this containerd off the host's: its root and state;
-        CRI off (:class:`CriContainerd` takes this exact ``disabled_plugins`` line out)."""
-        return f'root = "{self.root}"\nstate = "{self.state}"\ndisabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
+        CRI off (:meth:`cri_disabled_lines`, which :class:`CriContainerd` overrides)."""
+        return f'root = "{self.root}"\nstate = "{self.state}"\n{self.cri_disabled_lines()}'
+
+    def cri_disabled_lines(self) -> str:
+        """The config's line that switches the CRI plugin off (:class:`CriContainerd` leaves it out)."""
+        return 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
 
     def private_tables(self) -> str:
         """The tables that keep this containerd off the host's: its sockets, debug log level, ``opt`` directory."""
@@ -1070,19 +1083,33 @@ class CriContainerd(Containerd):
         self.cni_conf_dir = base / "cni" / "net.d"
         #: The CRI plugin's snapshotter from the next start, if not :attr:`snapshotter` (a node rolled off BootSeer).
         self.cri_snapshotter: str | None = None
+        #: CRI's ``discard_unpacked_layers`` from the next start (a pull lets containerd's GC drop layer blobs).
+        self.discard_unpacked_layers = False
+        #: ``disable_snapshot_annotations = false`` (True) or ``true``, from the next start. On 2.x, False also
+        #: means the 2.x default pull path: through the transfer service (:meth:`cri_config_v3`).
+        self.snapshot_annotations = True
+        #: The proxy plugin's ``exports`` from the next start (2.x's transfer service reads
+        #: ``enable_remote_snapshot_annotations`` there).
+        self.snapshotter_exports: dict[str, str] = {}
 
     @property
     def runc_root(self) -> Path:
         return self.base / "runc"
 
+    def cri_disabled_lines(self) -> str:
+        return ""  # the CRI plugin on
+
     def config_text(self) -> str:
-        """:class:`Containerd`'s config with the CRI plugin left on and configured."""
-        base = super().config_text()
-        disabled = 'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-        if disabled not in base:
-            raise HarnessError("Containerd.config_text no longer disables the CRI plugin as CriContainerd expects")
+        """:class:`Containerd`'s config with the CRI plugin left on and configured, in the dialect of the
+        containerd that runs (:meth:`cri_config_v2` for 1.x, :meth:`cri_config_v3` for 2.x)."""
+        cri = self.cri_config_v3() if self.config_dialect() == 3 else self.cri_config_v2()
+        exports = "".join(f'  {name} = "{value}"\n' for name, value in self.snapshotter_exports.items())
+        return super().config_text() + cri + (f"\n[proxy_plugins.{SNAPSHOTTER_NAME}.exports]\n{exports}" if exports else "")
+
+    def cri_config_v2(self) -> str:
+        """containerd 1.6 and 1.7 (``version = 2``): one CRI plugin, ``io.containerd.grpc.v1.cri``."""
         cri = 'plugins."io.containerd.grpc.v1.cri"'
-        return base.replace(disabled, "") + f"""
+        return f"""
 [{cri}]
   sandbox_image = "{self.sandbox_image}"
   restrict_oom_score_adj = true
@@ -1091,16 +1118,8 @@ class CriContainerd(Containerd):
   stream_server_port = "0"
 
 [{cri}.containerd]
-  snapshotter = "{self.cri_snapshotter or self.snapshotter}"
-  disable_snapshot_annotations = false
-  default_runtime_name = "runc"
-
-[{cri}.containerd.runtimes.runc]
-  runtime_type = "io.containerd.runc.v2"
-
-[{cri}.containerd.runtimes.runc.options]
-  Root = "{self.runc_root}"
-
+{self._pull_settings()}  default_runtime_name = "runc"
+{self._runc_runtime(f"{cri}.containerd")}
 [{cri}.cni]
   bin_dir = "{CNI_BIN_DIR}"
   conf_dir = "{self.cni_conf_dir}"
@@ -1109,6 +1128,61 @@ class CriContainerd(Containerd):
 [{cri}.registry]
   config_path = "{self.base / 'certs.d'}"
 """
+
+    def cri_config_v3(self) -> str:
+        """containerd 2.x (``version = 3``): the CRI plugin split in three. ``io.containerd.cri.v1.images``
+        pulls (snapshotter, snapshot annotations, discarding layers, the sandbox image, registries),
+        ``io.containerd.cri.v1.runtime`` runs pods (runc, CNI, OOM score), ``io.containerd.grpc.v1.cri``
+        serves the API and its streams.
+
+        With :attr:`snapshot_annotations`, ``use_local_image_pull = true`` says what 2.1 does anyway with
+        ``disable_snapshot_annotations = false`` (it logs a warning and falls back): the CRI plugin pulls
+        through containerd's client, which labels the layers. Without, it pulls through the transfer
+        service, whose ``unpack_config`` must name the CRI snapshotter (PullImage fails "no unpack
+        platforms defined" otherwise)."""
+        images, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
+        pulls_into = self.cri_snapshotter or self.snapshotter
+        # Containerd.config_text names bootseer and overlayfs already (from 1.7 on).
+        named = self.snapshot_annotations or pulls_into in (SNAPSHOTTER_NAME, BUILTIN_OVERLAY)
+        transfer = "" if named else transfer_unpack_config(pulls_into)
+        return f"""{transfer}
+[{images}]
+{self._pull_settings()}  use_local_image_pull = {str(self.snapshot_annotations).lower()}
+
+[{images}.pinned_images]
+  sandbox = "{self.sandbox_image}"
+
+[{images}.registry]
+  config_path = "{self.base / 'certs.d'}"
+
+[{runtime}]
+  restrict_oom_score_adj = true
+  disable_apparmor = true
+
+[{runtime}.containerd]
+  default_runtime_name = "runc"
+{self._runc_runtime(f"{runtime}.containerd")}
+[{runtime}.cni]
+  bin_dirs = ["{CNI_BIN_DIR}"]
+  conf_dir = "{self.cni_conf_dir}"
+  max_conf_num = 1
+
+[plugins.'io.containerd.grpc.v1.cri']
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+"""
+
+    def _pull_settings(self) -> str:
+        """BootSeer's pull settings, the same keys in both dialects (1.x: in the CRI plugin's ``containerd``
+        table; 2.x: in ``io.containerd.cri.v1.images``)."""
+        return (f'  snapshotter = "{self.cri_snapshotter or self.snapshotter}"\n'
+                f"  disable_snapshot_annotations = {str(not self.snapshot_annotations).lower()}\n"
+                f"  discard_unpacked_layers = {str(self.discard_unpacked_layers).lower()}\n")
+
+    def _runc_runtime(self, containerd_table: str) -> str:
+        """The ``runc`` runtime handler under ``containerd_table``, its state under the stack."""
+        return (f'\n[{containerd_table}.runtimes.runc]\n  runtime_type = "io.containerd.runc.v2"\n'
+                f'\n[{containerd_table}.runtimes.runc.options]\n  Root = "{self.runc_root}"\n')
 
     def cni_config(self) -> dict:
         """The one CNI network: a bridge without gateway or masquerade, IPAM state under the stack."""
@@ -1250,18 +1324,22 @@ def cri_log_lines(path: Path) -> list[str]:
 class CriStack(Stack):
     """A :class:`Stack` whose containerd runs the CRI plugin (:class:`CriContainerd`), driven by :meth:`cri`.
 
-    Starting it pushes the pause image to its registry before containerd starts (the CRI config names it);
+    ``discard_unpacked_layers`` and ``snapshot_annotations``: :class:`CriContainerd`'s. Starting it pushes
+    the pause image to its registry before containerd starts (the CRI config names it);
     teardown first stops and removes every pod through CRI (their network namespaces and CNI state go
     with them), then does what :class:`Stack` does, then deletes the stack's CNI bridge.
     """
 
-    def __init__(self, base: Path | None = None, **options):
+    def __init__(self, base: Path | None = None, *, discard_unpacked_layers: bool = False,
+                 snapshot_annotations: bool = True, **options):
         options.setdefault("namespace", CRI_NAMESPACE)
         super().__init__(base, **options)
         if self.registry is None:
             raise HarnessError("a CRI stack needs its registry (the sandbox image is pulled from it)")
         self.containerd = CriContainerd(self.base / "ctrd", self.base / "snap" / "snapshotter.sock",
                                         registry="127.0.0.1:0", sandbox_image="", snapshotter=self.containerd.snapshotter)
+        self.containerd.discard_unpacked_layers = discard_unpacked_layers
+        self.containerd.snapshot_annotations = snapshot_annotations
         self.pod_logs = self.base / "pods"
         self._pods = 0
         self.pause_image: BuiltImage | None = None  #: the sandbox image, once :meth:`start` built it

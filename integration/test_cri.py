@@ -1,20 +1,25 @@
-"""Kubernetes' path, without a kubelet: containerd 1.6's CRI plugin driven over its gRPC API as the kubelet
-drives it (``PullImage``, ``RunPodSandbox``, ``CreateContainer``, ``StartContainer``, ``ExecSync``, the
-removals), with ``snapshotter = "bootseer"``, real runc, CNI bridge networking and a local registry
-(:class:`integration.harness.CriStack`).
+"""Kubernetes' path, without a kubelet: containerd's CRI plugin (1.6, 1.7 or 2.x: the ``containerd`` the
+harness runs) driven over its gRPC API as the kubelet drives it (``PullImage``, ``RunPodSandbox``,
+``CreateContainer``, ``StartContainer``, ``ExecSync``, the removals), with ``snapshotter = "bootseer"``, real
+runc, CNI bridge networking and a local registry (:class:`integration.harness.CriStack`).  Where containerd
+versions differ, the test says which version does what (docs/kubernetes.md lists the differences).
 
 * ``PullImage`` of a converted image is lazy: no layer blob leaves the registry for containerd, every layer
   is a remote snapshot (the daemon's metric), and a pod's container prints the image's bytes (its CRI log);
 * the labels CRI passes to the snapshotter's Prepare, exactly, for image layers, the pod sandbox's
-  snapshot and a container's (docs/kubernetes.md lists them);
-* an unconverted image falls back to download-and-unpack with its log line and metric, and runs;
+  snapshot and a container's (docs/kubernetes.md lists them; from 1.7 on no container annotation reaches
+  a container's snapshot);
+* an unconverted image falls back to download-and-unpack with its log line and metric, and runs; with
+  ``discard_unpacked_layers = true`` both still work and containerd's GC drops the fallen-back blobs;
 * removing container, pod and image leaves no snapshot, mount, served layer or recording once
   containerd's GC ran;
 * a first pod's reads become the image's hot list; on a fresh node ``PullImage`` prefetches it before any
   pod exists, and the prefetch's summary counts what the warmed page cache served;
-* a dependency snapshot reaches a pod's container: by the container annotation CRI passes on, and by the
-  node's ``[depsnap] images`` mapping of the image (what a pod spec, which cannot set that annotation, gets);
-* the snapshotter restarted under a running pod: the pod keeps reading never-read files, a new pod starts.
+* a dependency snapshot reaches a pod's container: by the container annotation CRI passes on (1.6 only),
+  and by the node's ``[depsnap] images`` mapping of the image (what a pod spec, which cannot set that
+  annotation, gets; the only way from 1.7 on);
+* the snapshotter restarted under a running pod: the pod keeps reading never-read files, a new pod starts;
+* the node's example config of the running containerd's version loads into it and sets what the tests run.
 """
 
 from __future__ import annotations
@@ -53,14 +58,26 @@ LAYER_LABELS = {"containerd.io/snapshot.ref", "containerd.io/snapshot/cri.image-
 LONG = "echo started > /run-state; exec sleep 100000"
 
 
+#: The registry's log field of a request containerd made: logfmt quotes the value only when it needs to
+#: (1.6 and 1.7 from Debian send ``containerd/1.7.24~ds1``, quoted for its ``~``; 2.1.9 ``containerd/2.1.9+unknown``).
+CONTAINERD_AGENT = re.compile(r'useragent="?containerd/')
+
+
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def container_annotations_reach_the_snapshot() -> bool:
+    """Whether CRI labels a container's snapshot with its ``containerd.io/snapshot/*`` annotations: containerd
+    1.6 does; 1.7 and 2.x do not (containerd commit 44e12dc5d, "Windows snapshotter touch ups": the kubelet
+    cannot set such annotations anyway). A pod's annotations reach its sandbox's snapshot in every version."""
+    return harness.containerd_version() < (1, 7, 0)
 
 
 def layer_blob_gets(stack: harness.CriStack, image: harness.BuiltImage) -> list[str]:
     """The registry's log lines of containerd fetching one of ``image``'s layer blobs."""
     return [line for line in stack.registry.process.log_text().splitlines()
-            if 'useragent="containerd/' in line and any(f"/blobs/{d}" in line for d in image.layer_digests)]
+            if CONTAINERD_AGENT.search(line) and any(f"/blobs/{d}" in line for d in image.layer_digests)]
 
 
 def converted(stack: harness.CriStack, name: str = "bootseer/lazy") -> tuple[harness.BuiltImage, str]:
@@ -116,9 +133,11 @@ def test_lazy_pull_runs_a_pod_and_the_labels_cri_passes(cri_stacks: Any) -> None
     # The sandbox's snapshot: the pod's annotations under containerd.io/snapshot/, nothing else.
     assert view[sandbox_key]["kind"] == "ACTIVE" and view[sandbox_key]["parent"].endswith(pause_top)
     assert view[sandbox_key]["labels"] == {DEPS_LABEL: "from-the-pod", "containerd.io/snapshot/example.pod": "p"}
-    # The container's: the container config's annotations under containerd.io/snapshot/; none of the pod's.
+    # The container's: in 1.6 the container config's annotations under containerd.io/snapshot/; none of the pod's.
+    # From 1.7 on: nothing at all.
     assert view[container_key]["kind"] == "ACTIVE" and view[container_key]["parent"].endswith(chain[-1])
-    assert view[container_key]["labels"] == {"containerd.io/snapshot/example.container": "c"}
+    expected = {"containerd.io/snapshot/example.container": "c"} if container_annotations_reach_the_snapshot() else {}
+    assert view[container_key]["labels"] == expected
     # Keys are <namespace>/<n>/<id>: the pod sandbox's id and the container's id, in k8s.io.
     assert re.fullmatch(rf"{CRI_NAMESPACE}/\d+/{container}", container_key), container_key
 
@@ -150,6 +169,75 @@ def test_unconverted_image_falls_back_visibly(cri_stacks: Any) -> None:
     assert len(layer_blob_gets(stack, image)) == 2  # downloaded, as containerd does without BootSeer
     pod = stack.run_pod("plain-pod")
     assert stack.output(pod, stack.run_in_pod(pod, "plain", ref, "cat", "/other.txt")) == ["not converted"]
+
+
+def two_layer_image(stack: harness.CriStack, name: str, text: bytes) -> tuple[harness.BuiltImage, str]:
+    """An image of layers no other image of these tests has (busybox as /bin/cat, then /other.txt holding
+    ``text``): its pull unpacks every layer afresh. Pushed, not converted."""
+    cat = harness.File("bin/cat", Path("/bin/busybox").read_bytes(), 0o755)
+    return stack.build_and_push(name=name, layers=[harness.Layer((cat,), "cat"),
+                                                   harness.Layer((harness.File("/other.txt", text),), "other")])
+
+
+def test_discarding_unpacked_layers_keeps_lazy_pulls_and_the_fallback(cri_stacks: Any) -> None:
+    """``discard_unpacked_layers = true`` (CRI lets containerd's GC drop a layer's blob once unpacked): a converted
+    image still pulls lazily; an unconverted one falls back, is downloaded and unpacked during the pull, and its
+    layer blobs leave the content store; after that GC, pods of both run (the lazy snapshots were kept)."""
+    stack = cri_stacks(discard_unpacked_layers=True)
+    lazy, lazy_ref = converted(stack)
+    plain, plain_ref = two_layer_image(stack, "bootseer/plain", b"not converted\n")
+    with stack.cri() as cri:
+        cri.pull(lazy_ref)
+        cri.pull(plain_ref)
+    assert layer_blob_gets(stack, lazy) == [] and len(layer_blob_gets(stack, plain)) == 2
+    # containerd's GC drops the fallen-back layers' blobs (the image keeps its manifest and config).
+    harness.wait_until("containerd's GC to drop the unpacked layers' blobs", lambda: set(plain.layer_digests).isdisjoint(
+        stack.containerd.ctr_out("content", "ls", "-q").split()), 60)
+    assert {plain.manifest_digest, plain.config_digest} <= set(stack.containerd.ctr_out("content", "ls", "-q").split())
+    pod = stack.run_pod("discard-pod")
+    assert stack.output(pod, stack.run_in_pod(pod, "plain", plain_ref, "cat", "/other.txt")) == ["not converted"]
+    script = f"cat {APP_FILE}; sha256sum {part_path(3)}"
+    lines = stack.output(pod, stack.run_in_pod(pod, "lazy", lazy_ref, "sh", "-c", script))
+    assert lines[0] == APP_FILE_DATA.decode().strip() and lines[1].split()[0] == sha(part_data(3))
+
+
+def test_without_snapshot_annotations_pulls_stay_lazy_and_2x_labels_them_by_the_proxys_export(
+        cri_stacks: Any) -> None:
+    """``disable_snapshot_annotations = true`` (every version's default): ``PullImage`` of a converted image is
+    still lazy, each layer's Prepare labelled ``containerd.io/snapshot.ref`` only, and a pod runs. containerd 2.x
+    then pulls through its transfer service (its ``unpack_config`` naming bootseer); there the proxy plugin's
+    ``exports`` ``enable_remote_snapshot_annotations = "true"`` brings the ``cri.*`` labels back."""
+    stack = cri_stacks(snapshot_annotations=False)
+    image, ref = converted(stack)
+    remote = metric_total(stack, r"^bootseer_snapshotter_remote_snapshots_total$")
+    with stack.cri() as cri:
+        cri.pull(ref)
+    assert layer_blob_gets(stack, image) == []
+    assert metric_total(stack, r"^bootseer_snapshotter_remote_snapshots_total$") == remote + len(image.diff_ids)
+    view = harness.snapshotter_view(stack)
+    for key in harness.chain_ids(image.diff_ids):
+        assert view[key]["labels"] == {"containerd.io/snapshot.ref": key}, view[key]
+    pod = stack.run_pod("unlabelled-pod")
+    assert stack.output(pod, stack.run_in_pod(pod, "app", ref, "cat", APP_FILE)) == [APP_FILE_DATA.decode().strip()]
+    if harness.containerd_version() < (2, 0, 0):
+        return  # 1.x's CRI pulls through containerd's client only
+
+    containerd_log = (stack.containerd.base / "containerd.log").read_text()
+    assert f'PullImage \\"{ref}\\" with snapshotter {harness.SNAPSHOTTER_NAME} using transfer service' in containerd_log
+    stack.containerd.stop()
+    stack.containerd.snapshotter_exports = {"enable_remote_snapshot_annotations": "true"}
+    stack.containerd.start()
+    labelled, labelled_ref = two_layer_image(stack, "bootseer/labelled", b"labelled\n")
+    convert(stack, labelled_ref)
+    with stack.cri() as cri:
+        cri.pull(labelled_ref)
+    assert layer_blob_gets(stack, labelled) == []
+    view = harness.snapshotter_view(stack)
+    for depth, key in enumerate(harness.chain_ids(labelled.diff_ids)):
+        assert set(view[key]["labels"]) == LAYER_LABELS, view[key]
+        assert view[key]["labels"]["containerd.io/snapshot/cri.image-ref"] == labelled_ref
+        assert view[key]["labels"]["containerd.io/snapshot/cri.layer-digest"] == labelled.layer_digests[depth]
+    assert stack.output(pod, stack.run_in_pod(pod, "labelled", labelled_ref, "cat", "/other.txt")) == ["labelled"]
 
 
 def test_removal_leaves_nothing_once_gc_ran(cri_stacks: Any) -> None:
@@ -239,33 +327,42 @@ def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_st
     assert f"container={job}" in gone and "hit_rate=None" not in gone, gone
 
 
+PUBLISHED = ["published", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]  # the job installed, captured
+HIT = ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]  # the deps layer was stacked: no install
+
+
 def test_a_dependency_snapshot_reaches_a_pods_container(cri_stacks: Any) -> None:
     stack = cri_stacks()
     image, ref = stack.build_and_push()
     with stack.cri() as cri:
         cri.pull(ref)
     key = compute_key(["sh", "-c", INSTALL], base_chain=harness.chain_ids(image.diff_ids)[-1]).key
-    deps = {DEPS_LABEL: key}  # a container annotation: CRI passes it to the container's snapshot
+    record = stack.store_dir / "v1" / "deps" / f"{container_store_key(key, namespace=CRI_NAMESPACE)}.json"
 
-    pod = stack.run_pod("deps-pod-1")
-    first = stack.output(pod, stack.run_in_pod(pod, "install", ref, "sh", "-c", DEPS_JOB, annotations=deps), 180)
-    assert " ".join(first).split() == ["published", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
-    name = container_store_key(key, namespace=CRI_NAMESPACE)
-    assert (stack.store_dir / "v1" / "deps" / f"{name}.json").is_file()
+    def job(pod_name: str, annotations: dict[str, str] | None = None) -> list[str]:
+        pod = stack.run_pod(pod_name)
+        container = stack.run_in_pod(pod, "install", ref, "sh", "-c", DEPS_JOB, annotations=annotations)
+        return " ".join(stack.output(pod, container, 180)).split()
 
-    pod2 = stack.run_pod("deps-pod-2")
-    second = stack.output(pod2, stack.run_in_pod(pod2, "install", ref, "sh", "-c", DEPS_JOB, annotations=deps), 180)
-    assert " ".join(second).split() == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
+    if container_annotations_reach_the_snapshot():
+        # containerd 1.6: a container annotation (CRI passes it on to the container's snapshot).
+        assert job("deps-pod-1", {DEPS_LABEL: key}) == PUBLISHED
+        assert record.is_file()
+        assert job("deps-pod-2", {DEPS_LABEL: key}) == HIT
 
-    # A pod spec cannot set a container's annotations (the kubelet fills them): the node's [depsnap] images maps
-    # the image reference the layers were pulled by to the key, and a container with no annotation gets it.
+    # A pod spec cannot set a container's annotations (the kubelet fills them), and from 1.7 on CRI passes none to
+    # the container's snapshot: the node's [depsnap] images maps the image reference the layers were pulled by to
+    # the key, and a container with no annotation gets it.
     config = stack.base / "snapshotter.toml"
     config.write_text(f'[depsnap.images]\n"{ref}" = "{key}"\n')
     stack.daemon.process.argv += ["--config", str(config)]
     stack.restart_daemon()
-    pod3 = stack.run_pod("deps-pod-3")
-    third = stack.output(pod3, stack.run_in_pod(pod3, "install", ref, "sh", "-c", DEPS_JOB), 180)
-    assert " ".join(third).split() == ["HIT", "tool-ran", "-rwxr-x---", "../bin/tool", "app-gone"]
+    if not container_annotations_reach_the_snapshot():
+        # containerd 1.7 and 2.x: the mapping's first container installs, and its writable layer is captured.
+        assert not record.exists()
+        assert job("deps-pod-3") == PUBLISHED
+        assert record.is_file()
+    assert job("deps-pod-4") == HIT
     assert "deps key from the node's [depsnap] images" in stack.daemon.process.log_text()
 
 
@@ -338,22 +435,61 @@ def test_a_node_whose_daemon_is_down_starts_pods_on_overlayfs_and_keeps_its_lazy
         key for key in harness.snapshotter_view(stack) if key.endswith(f"/{lazy}")], 60)
 
 
-def test_the_node_example_is_what_containerd_loads_and_what_the_tests_run() -> None:
-    """ctr_examples/containerd-config-k8s-node.toml loads in containerd 1.6 and sets BootSeer's CRI settings as
-    the CRI stack these tests run does."""
-    import subprocess
-    import tomllib
+#: Each config dialect's node example: containerd 1.6 and 1.7 read ``version = 2``, 2.x ``version = 3``.
+NODE_EXAMPLES = {2: "containerd-config-k8s-node.toml", 3: "containerd-config-k8s-node-v3.toml"}
 
-    example = harness.REPO_ROOT / "ctr_examples" / "containerd-config-k8s-node.toml"
-    dump = subprocess.run(["containerd", "--config", str(example), "config", "dump"], capture_output=True, text=True,
-                          timeout=60, check=True).stdout  # fmt: skip
-    loaded = tomllib.loads(dump)
-    tested = tomllib.loads(harness.CriContainerd(Path("/x"), Path("/s"), registry="r",
-                                                 sandbox_image="p").config_text())
+
+def loaded_config(path: Path) -> dict:
+    """What the containerd the tests run makes of the config at ``path``."""
+    return harness.containerd_install().loaded_config(path)
+
+
+def bootseer_settings(loaded: dict) -> dict:
+    """BootSeer's settings in a loaded config (:func:`loaded_config`), wherever its version keeps them: the
+    proxy plugin, and the CRI image settings (2.x: ``io.containerd.cri.v1.images``; 1.x: the CRI plugin's
+    ``containerd`` table)."""
+    plugins = loaded["plugins"]
+    images = plugins.get("io.containerd.cri.v1.images") or plugins["io.containerd.grpc.v1.cri"]["containerd"]
+    proxy = loaded["proxy_plugins"]["bootseer"]
+    names = ["snapshotter", "disable_snapshot_annotations", "discard_unpacked_layers"]
+    if "use_local_image_pull" in images:
+        names.append("use_local_image_pull")
+    return {"type": proxy["type"], **{name: images[name] for name in names}}
+
+
+def test_the_node_example_is_what_containerd_loads_and_what_the_tests_run(tmp_path: Path) -> None:
+    """The node example of the running containerd's config dialect (ctr_examples/containerd-config-k8s-node.toml
+    for 1.6 and 1.7, containerd-config-k8s-node-v3.toml for 2.x) loads into that containerd with BootSeer's
+    settings as the CRI stack these tests run sets them (both loaded by the same containerd); 2.x also converts
+    the 1.x example to the same settings (a node upgraded with its old file), but not a version 2 file whose CRI
+    ``containerd`` table has no ``runtimes`` (containerd's conversion drops BootSeer's settings then)."""
     from bootseer.snapshotter.config import DEFAULTS
 
-    assert loaded["proxy_plugins"]["bootseer"] == {"type": "snapshot", "address": DEFAULTS["address"]}
-    for name in ("snapshotter", "disable_snapshot_annotations"):
-        assert (loaded["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][name]
-                == tested["plugins"]["io.containerd.grpc.v1.cri"]["containerd"][name]), name
-    assert loaded["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["discard_unpacked_layers"] is False
+    tested_config = harness.CriContainerd(tmp_path / "ctrd", tmp_path / "s.sock", registry="r", sandbox_image="p")
+    dialect = tested_config.config_dialect()
+    example = harness.REPO_ROOT / "ctr_examples" / NODE_EXAMPLES[dialect]
+    assert f"\nversion = {dialect}\n" in example.read_text()
+    (tmp_path / "tested.toml").write_text(tested_config.config_text())
+    loaded, tested = loaded_config(example), loaded_config(tmp_path / "tested.toml")
+
+    assert loaded["version"] == tested["version"] == dialect
+    assert loaded["proxy_plugins"]["bootseer"]["address"] == DEFAULTS["address"]
+    expected = {"type": "snapshot", "snapshotter": "bootseer", "disable_snapshot_annotations": False,
+                "discard_unpacked_layers": False}
+    if dialect == 3:
+        expected["use_local_image_pull"] = True
+    assert bootseer_settings(loaded) == bootseer_settings(tested) == expected
+    if dialect == 3:
+        converted_v2 = loaded_config(harness.REPO_ROOT / "ctr_examples" / NODE_EXAMPLES[2])
+        assert converted_v2["version"] == 3
+        assert bootseer_settings(converted_v2) == {**expected, "use_local_image_pull": False}
+        # But only because that file has a runtimes table: 2.x's conversion (plugins/cri/images/plugin.go,
+        # migrateConfig) returns before it copies snapshotter, disable_snapshot_annotations and
+        # discard_unpacked_layers when [plugins."io.containerd.grpc.v1.cri".containerd] has no runtimes.
+        # A node's version 2 file without one silently pulls onto overlayfs after the upgrade (docs/kubernetes.md).
+        without_runtimes = tmp_path / "v2-without-runtimes.toml"
+        without_runtimes.write_text('version = 2\n[proxy_plugins.bootseer]\n  type = "snapshot"\n  address = "/s"\n'
+                                    '[plugins."io.containerd.grpc.v1.cri".containerd]\n  snapshotter = "bootseer"\n'
+                                    '  disable_snapshot_annotations = false\n')
+        assert bootseer_settings(loaded_config(without_runtimes)) == {
+            **expected, "snapshotter": "overlayfs", "disable_snapshot_annotations": True, "use_local_image_pull": False}

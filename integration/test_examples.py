@@ -47,9 +47,7 @@ def test_the_shipped_config_is_what_this_containerd_loads():
     """The example of this containerd's dialect, through its own ``config dump`` (what it parsed and
     migrated), names the daemon's socket and makes bootseer the CRI plugin's snapshotter with labels on."""
     install = chosen_containerd()
-    dump = subprocess.run([install.containerd, "--config", str(example_for(install)), "config", "dump"],
-                          capture_output=True, text=True, timeout=60, check=True).stdout
-    loaded = tomllib.loads(dump)
+    loaded = install.loaded_config(example_for(install))
     proxy = loaded["proxy_plugins"]["bootseer"]
     assert {k: proxy[k] for k in ("type", "address")} == {"type": "snapshot", "address": DEFAULT_SOCKET}
     # Whatever else a containerd reports for a proxy plugin (2.x: platform, capabilities, exports) is its default.

@@ -1,7 +1,7 @@
 """A hostile peer wire against a real layer server: slow heads, connection floods, bad tokens, stalling peers.
 
 Issue 21 cases 3-5.  Each node is a real ``bootseer layer-server`` process with peers on
-(:class:`tests.test_peers.Nodes`); the attacker is plain sockets in the test, or
+(:class:`tests.support.peers.Nodes`); the attacker is plain sockets in the test, or
 :class:`~tests.support.peers.FakePeer` as a member that keeps talking and never
 delivers.  What is proved: a request head must be whole within the head deadline
 however slowly it drips; at the connection cap the connections that never
@@ -28,9 +28,8 @@ import pytest
 from bootseer.blockstore.peers import PeerConfig
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_servers import stop_layer_servers
-from tests.support.peers import FakePeer, block_request, owned_by, read_answer
+from tests.support.peers import BIG, TOKEN, FakePeer, Nodes, block_request, owned_by, read_answer, root_only, scrape
 from tests.support.waiting import wait_until
-from tests.test_peers import BIG, TOKEN, Nodes, built, fake_peer, nodes, root_only, scrape  # noqa: F401 (fixtures)
 
 #: Longer than the head deadline (5 s) with room for a loaded machine; far shorter than a hang.
 HANG_S = 40.0
@@ -122,11 +121,11 @@ def one_node(nodes: Nodes, http: RangeHTTPServer, **settings: Any) -> tuple[Any,
 
 @root_only
 def test_connections_that_drip_a_head_are_closed_by_the_head_deadline_while_a_member_is_served(
-    built: Any, nodes: Nodes
+    peer_layer: Any, nodes: Nodes
 ) -> None:
     """Regression (issue 21, case 3): the head timeout was per receive, so a byte every 25 s kept a connection
     open for ever, without a token; 1,000 such connections were all still open after 70 s."""
-    store, layer = built
+    store, layer = peer_layer
     block = next(b for b in layer.index.blocks if not b.is_zero)
     with RangeHTTPServer(store) as http:
         client, address, metrics = one_node(nodes, http)
@@ -144,10 +143,10 @@ def test_connections_that_drip_a_head_are_closed_by_the_head_deadline_while_a_me
 
 
 @root_only
-def test_at_the_connection_cap_connections_that_never_authenticated_are_dropped_first(built: Any, nodes: Nodes) -> None:
+def test_at_the_connection_cap_connections_that_never_authenticated_are_dropped_first(peer_layer: Any, nodes: Nodes) -> None:
     """Regression (issue 21, case 3): the listener had no connection cap; 1,100 silent connections took
     every file descriptor and a member's request timed out."""
-    store, layer = built
+    store, layer = peer_layer
     block = next(b for b in layer.index.blocks if not b.is_zero)
     with RangeHTTPServer(store) as http:
         client, address, metrics = one_node(nodes, http, max_connections=4)
@@ -179,11 +178,11 @@ def test_at_the_connection_cap_connections_that_never_authenticated_are_dropped_
 
 @root_only
 def test_running_out_of_file_descriptors_is_logged_once_and_the_listener_still_answers(
-    built: Any, nodes: Nodes
+    peer_layer: Any, nodes: Nodes
 ) -> None:
     """Regression (issue 21, case 3): each accept that failed with EMFILE logged a traceback (220 of them),
     and a member's request timed out while the flood held every descriptor."""
-    store, _layer = built
+    store, _layer = peer_layer
     with RangeHTTPServer(store) as http:
         client, address, metrics = one_node(nodes, http)
         pid = int(client.status()["pid"])
@@ -204,10 +203,10 @@ def test_running_out_of_file_descriptors_is_logged_once_and_the_listener_still_a
 
 
 @root_only
-def test_a_wrong_token_closes_its_connection_and_its_address_waits(built: Any, nodes: Nodes) -> None:
+def test_a_wrong_token_closes_its_connection_and_its_address_waits(peer_layer: Any, nodes: Nodes) -> None:
     """Regression (issue 21, case 5): wrong tokens were answered 401 on a connection kept alive, 5,600 tries a
     second, neither throttled nor logged."""
-    store, layer = built
+    store, layer = peer_layer
     block = next(b for b in layer.index.blocks if not b.is_zero)
     wrong = "wrong-token-0123456789abcdef"
     with RangeHTTPServer(store) as http:
@@ -240,12 +239,12 @@ def test_a_wrong_token_closes_its_connection_and_its_address_waits(built: Any, n
 @root_only
 @pytest.mark.parametrize("behaviour", ["processing", "drip"])
 def test_a_peer_that_keeps_talking_without_delivering_is_hedged_and_skipped(
-    built: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str
+    peer_layer: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str
 ) -> None:
     """Regression (issue 21, case 4): a peer answering ``102 Processing`` every 0.1 s, or dripping its body a
     byte every 0.3 s, held each read of its blocks for 60 s and was never skipped (the deadline restarted at
     every byte)."""
-    store, layer = built
+    store, layer = peer_layer
     peer = fake_peer(behaviour)
     me = f"127.0.0.1:{free_port()}"
     members = (me, peer.address)
@@ -302,9 +301,9 @@ def test_a_token_file_shorter_than_16_bytes_is_refused_naming_the_file(tmp_path:
 
 
 @root_only
-def test_a_node_missing_from_its_members_file_warns_once_and_serves(built: Any, nodes: Nodes, tmp_path: Path) -> None:
+def test_a_node_missing_from_its_members_file_warns_once_and_serves(peer_layer: Any, nodes: Nodes, tmp_path: Path) -> None:
     """A members file may list a node later (a Slurm job's prolog writes it): one warning line, not a refusal."""
-    store, layer = built
+    store, layer = peer_layer
     me = f"127.0.0.1:{free_port()}"
     members_file = tmp_path / "members"
     members_file.write_text("127.0.0.1:1\n")

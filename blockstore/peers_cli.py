@@ -3,7 +3,7 @@
 ``bootseer peers status [--root ROOT] [--json]`` asks the node's layer server how
 its peer group looks from here: its members and which are skipped, blocks received
 from and served to peers, late answers, fallbacks to the store, bad blocks, requests
-refused over a peer's fetch budget and the memory held for peers.
+refused over a peer's fetch budget or answered busy, and the memory held for peers.
 Exit status: 0; 1 when the layer server cannot be asked; 3 when peer sharing is off.
 """
 
@@ -148,8 +148,8 @@ def status_command(args: argparse.Namespace) -> int:
         print("this node is not in its member list: it owns no block and asks the members for every one")
     if "over_budget" in answer:
         held = answer["held_for_peers"]
-        print(f"refused over a peer's fetch budget: {answer['over_budget']}  held for peers: {_size(held['bytes'])} "
-              f"(peak {_size(held['peak'])} of {_size(held['limit'])})")  # fmt: skip
+        print(f"refused over a peer's fetch budget: {answer['over_budget']}  busy: {answer.get('busy', 0)}  held for "
+              f"peers: {_size(held['bytes'])} (peak {_size(held['peak'])} of {_size(held['limit'])})")  # fmt: skip
     return 0
 
 

@@ -212,8 +212,9 @@ def test_peer_serving_holds_at_most_its_memory_and_max_uploads_blocks_at_once() 
         await stream.aclose()
 
     async def main() -> PeerServer:
-        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}", max_uploads=8), None, get_block,
-                            PeerStats(), memory=4 * per_request)  # fmt: skip
+        # A deadline whose BUSY_AFTER (90 s) no wait for memory here reaches: every request is served.
+        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}", max_uploads=8, deadline=30), None,
+                            get_block, PeerStats(), memory=4 * per_request)  # fmt: skip
         with trio.fail_after(60):  # a hang detector
             async with trio.open_nursery() as nursery:
                 host, port = await nursery.start(server.run)

@@ -15,6 +15,7 @@ refused at start in one line.
 
 from __future__ import annotations
 
+import os
 import resource
 import socket
 import subprocess
@@ -25,10 +26,14 @@ from typing import Any, Callable
 
 import pytest
 
+from bootseer.blockstore.format import pack_object
 from bootseer.blockstore.peers import PeerConfig
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_servers import stop_layer_servers
-from tests.support.peers import BIG, TOKEN, FakePeer, Nodes, block_request, owned_by, read_answer, root_only, scrape
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+from tests.support.oci import blob_data
+from tests.support.peers import BIG, BLOCK_SIZE, TOKEN, FakePeer, Nodes, block_request, owned_by, read_answer, root_only, scrape
 from tests.support.waiting import wait_until
 
 #: Longer than the head deadline (5 s) with room for a loaded machine; far shorter than a hang.
@@ -266,6 +271,78 @@ def test_a_peer_that_keeps_talking_without_delivering_is_hedged_and_skipped(
     samples = scrape(metrics)
     assert samples['bootseer_peer_fallbacks_total{reason="slow"}'] >= 1
     assert samples['bootseer_peer_requests_total{outcome="slow"}'] >= 1
+
+
+_XY = blob_data(32 * BLOCK_SIZE)
+X_DATA, Y_DATA = _XY[: 16 * BLOCK_SIZE], _XY[16 * BLOCK_SIZE :]  # no block in common: a pack each
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
+    """A store of two layers, so two packs: a read held at the store in one leaves the other's free."""
+    store = tmp_path_factory.mktemp("store")
+    layers = [Layer((File("data/x.bin", X_DATA),)), Layer((File("data/y.bin", Y_DATA),))]
+    return store, build_store(store, layers, block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+
+
+def _block_of(layer: BuiltLayer, data: bytes, members: list[str], owner: str) -> tuple[int, bytes]:
+    """The file offset of the first block of the layer's one file (``data``) that ``owner`` owns among
+    ``members``, and its bytes."""
+    entry = next(e for e in layer.index.entries if e.blocks)
+    owned = set(owned_by(layer.index, members, owner))
+    at = next(n for n, number in enumerate(entry.blocks) if number in owned)
+    return at * BLOCK_SIZE, data[at * BLOCK_SIZE : (at + 1) * BLOCK_SIZE]
+
+
+@root_only
+def test_an_honest_owner_busy_with_its_own_reads_is_asked_around_never_skipped(
+    two_layers: tuple[Path, list[BuiltLayer]], nodes: Nodes
+) -> None:
+    """An owner fetches a peer's block below its own reads, so an owner whose own reads hold its store
+    streams answers a peer late while honestly at work (``102 Processing``).  Regression: the asker's patience
+    (4 deadlines, 102s or not) then raced it with the store and skipped it when the store won, as if it were
+    a peer that keeps talking and never delivers; a group starting at once would skip its busiest owners and
+    send their blocks to the store from every node.  Now the owner answers ``503 Busy`` before the asker's
+    patience runs out: the asker uses the store for that block, and keeps asking the owner for others."""
+    store, (x, y) = two_layers
+    asker_address, owner_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    members = [asker_address, owner_address]
+    deadline = 1.0  # patience 4 s: room for a loaded machine; the owner's own read is held far longer
+    with RangeHTTPServer(store) as http:
+        def start(address: str, **settings: Any) -> Any:
+            return nodes.start(http.url, PeerConfig(listen=address, members=tuple(members), deadline=deadline,
+                                                    token_file=str(nodes.token), skip_seconds=300), **settings)  # fmt: skip
+
+        asker = start(asker_address)
+        owner = start(owner_address, streams=1)  # one stream: its own held read leaves none for a peer
+        asker_y = Path(asker.mount(y.chain_id).lower_dir)
+        owner_x, _ = Path(owner.mount(x.chain_id).lower_dir), owner.mount(y.chain_id)
+        own_at, own_bytes = _block_of(x, X_DATA, members, owner_address)
+        asked_at, asked_bytes = _block_of(y, Y_DATA, members, owner_address)
+        release = http.faults.hold({"/" + pack_object(x.index.packs[0])})
+        own_read: list[bytes] = []
+        reader = threading.Thread(target=lambda: own_read.append(_pread(owner_x / "data/x.bin", own_at)), daemon=True)
+        reader.start()
+        try:
+            wait_until("the owner's own read is held at the store", lambda: http.faults.waiting >= 1, timeout=HANG_S)
+            assert _pread(asker_y / "data/y.bin", asked_at) == asked_bytes
+            status, served = asker.call({"op": "peers.status"}), owner.call({"op": "peers.status"})
+        finally:
+            release.set()
+            reader.join(timeout=HANG_S)
+        assert own_read == [own_bytes]
+        member = next(m for m in status["members"] if m["address"] == owner_address)
+        assert member["state"] != "skipped", member.get("last_error")
+        assert status["slow"] == 0 and status["fallbacks"] >= 1 and served["busy"] >= 1, (status, served)
+        # Its own read done, the owner serves the asker its other blocks.
+        assert (asker_y / "data/y.bin").read_bytes() == Y_DATA
+        assert asker.call({"op": "peers.status"})["received"]["blocks"] >= 1
+
+
+def _pread(path: Path, offset: int) -> bytes:
+    """One block's bytes of ``path`` at ``offset``, read through the mount."""
+    with open(path, "rb", buffering=0) as file:
+        return os.pread(file.fileno(), BLOCK_SIZE, offset)
 
 
 def _layer_server(tmp_path: Path, *peer_args: str) -> subprocess.CompletedProcess[str]:

@@ -180,6 +180,9 @@ class FakePeer(ThreadingHTTPServer):
     """A peer that answers block requests as ``behaviour`` says (see the module docstring)."""
 
     daemon_threads = True
+    #: socketserver's default backlog is 5: an asker's burst of connections beyond it waited for a SYN
+    #: retransmit (1 s), past a short deadline, so the peer failed as "no connection in time" first
+    request_queue_size = 128
 
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
@@ -255,6 +258,7 @@ class _PrintedRequests(list):
 
 class _PrintingPeer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = FakePeer.request_queue_size
 
     def __init__(self, address: tuple[str, int], behaviour: str) -> None:
         self.behaviour = behaviour

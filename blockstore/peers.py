@@ -1254,6 +1254,7 @@ class PeerService:
             "membership": self.membership.describe(),
             "members": self.client.status(),
             "deadline": self.config.deadline,
+            "fetch_budget": self.config.fetch_budget,
             "token": self.config.token_file is not None,
             "tls": self.config.tls_cert is not None,
             "received": {"blocks": stats.received_blocks, "bytes": stats.received_bytes},

@@ -15,6 +15,7 @@ refused at start in one line.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import socket
@@ -25,9 +26,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import trio
 
 from bootseer.blockstore.format import pack_object
-from bootseer.blockstore.peers import PeerConfig
+from bootseer.blockstore import peers
+from bootseer.blockstore.peer_wire import BlockPlace
+from bootseer.blockstore.peers import PeerClient, PeerConfig, PeerStats, rendezvous_score
+from bootseer.fetch.engine import Priority
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
@@ -271,6 +276,42 @@ def test_a_peer_that_keeps_talking_without_delivering_is_hedged_and_skipped(
     samples = scrape(metrics)
     assert samples['bootseer_peer_fallbacks_total{reason="slow"}'] >= 1
     assert samples['bootseer_peer_requests_total{outcome="slow"}'] >= 1
+
+
+def test_a_peer_that_keeps_talking_while_the_store_fails_too_is_skipped_at_the_request_limit(
+    fake_peer: Callable[[str], FakePeer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer answering ``102 Processing`` for ever, with the store failing too (nothing beats it), is given up
+    at REQUEST_LIMIT and skipped.  Regression (issue 21, case 4): that path told the fetcher to use the store
+    but neither counted the request nor skipped the peer, so its next block waited on it again.  A real
+    PeerClient in this process asks a real :class:`FakePeer` over loopback; REQUEST_LIMIT is lowered from 60 s
+    to 3 s (docs/testing.md: a module limit lowered to reach the refusal), past the patience (4 deadlines of
+    0.5 s), so the slow path runs first as it does in a node."""
+    monkeypatch.setattr(peers, "REQUEST_LIMIT", 3.0)
+    peer = fake_peer("processing")
+    me = f"127.0.0.1:{free_port()}"
+    config = PeerConfig(listen=me, members=(me, peer.address), deadline=0.5, skip_seconds=300)
+    digests = (hashlib.sha256(b"block %d" % n).hexdigest() for n in range(1000))
+    owned = next(d for d in digests if max((me, peer.address), key=lambda m: rendezvous_score(m, d)) == peer.address)
+    place = BlockPlace(owned, "b" * 64, 0, 100, 100)
+    late: list[str] = []
+    stats = PeerStats()
+
+    async def main() -> list[dict[str, Any]]:
+        client = PeerClient(config, config.check(), None, trio.CapacityLimiter(1), stats)
+        try:
+            assert client.owner(place.digest) == peer.address
+            with trio.fail_after(HANG_S):  # a hang detector
+                await client.fetch("c" * 32, [place], Priority.DEMAND, lambda *_: None, late.append)
+            return client.status()
+        finally:
+            await client.aclose()
+
+    status = trio.run(main)
+    member = next(m for m in status if m["address"] == peer.address)
+    assert late == [place.digest] and stats.slow == 1, (late, stats)
+    assert member["state"] == "skipped" and "no block within 3 s" in member["last_error"], member
+    assert len(peer.requests) == 1
 
 
 _XY = blob_data(32 * BLOCK_SIZE)

@@ -8,9 +8,11 @@ however slowly it drips; at the connection cap the connections that never
 authenticated go first; running out of file descriptors is one log line, never a
 traceback per accept, and the listener still answers; a wrong token closes its
 connection and refuses its address for a while; a peer that answers ``102 Processing``
-forever or drips its body is hedged to the store after a few deadlines and skipped;
-and a node missing from its static member list, or given a token too short, is
-refused at start in one line.
+forever or drips its body is hedged to the store after a few deadlines and skipped,
+and one that keeps talking while the store fails too is skipped at REQUEST_LIMIT (a
+PeerClient in this process, the limit lowered); an honest owner busy with its own reads
+answers ``503 Busy`` in time and is not skipped; and a node missing from its static
+member list, or given a token too short, is refused at start in one line.
 """
 
 from __future__ import annotations

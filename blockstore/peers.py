@@ -32,7 +32,9 @@ ever making a start slower or wrong:
 The owner serves only blocks it has verified (memory, its verifying node cache, or
 just fetched and checked), ``max_uploads`` at once and at most ``upload_rate``
 bytes per second in all, so serving never starves the node's own start; a request
-beyond what it can queue is answered ``503`` at once (the asker goes to the store).
+beyond what it can queue is answered ``503`` at once, and one whose block it has not
+got within :data:`BUSY_AFTER` deadlines ``503 Busy`` (the asker goes to the store and
+does not skip it: an owner busy with its own reads is not a peer that never delivers).
 What a member can make an owner do is bounded (docs/peers.md, "What a member can
 make an owner do"): a request names at most the bytes its block can take
 (``peer_wire``), a block no larger than the blocks of the layers this node serves,
@@ -97,6 +99,11 @@ REQUEST_LIMIT = 60.0
 PATIENCE = 4
 #: Bytes per second a peer's body must at least arrive at (a peer link is a cluster network: far faster).
 MIN_BODY_RATE = 1 << 20
+#: Deadlines an owner may take to get a peer's block and an upload slot for it before it answers
+#: ``503 Busy`` instead (the asker then uses its store and does not skip it): fewer than PATIENCE, so
+#: that an owner honestly at work below its own reads answers before its asker's patience runs out
+#: (which would skip it as a peer that keeps talking without delivering).  Members share ``deadline``.
+BUSY_AFTER = PATIENCE - 1
 #: Idle connections kept per peer.
 IDLE_PER_PEER = 4
 #: An idle incoming connection is closed after this many seconds.
@@ -153,7 +160,8 @@ PEER_FALLBACKS = prometheus_client.Counter(
 )
 PEER_SERVED = prometheus_client.Counter(
     "bootseer_peer_served",
-    "Block requests peers made of this node, by outcome (ok, missing, unauthorized, busy, bad_request, "
+    "Block requests peers made of this node, by outcome (ok, missing, unauthorized, busy: its queue full or its "
+    "block not got within BUSY_AFTER deadlines, bad_request, "
     "over_budget: the asking peer's fetch_budget is spent, too_large: a block larger than any this node serves)",
     ["outcome"],
 )
@@ -504,6 +512,7 @@ class PeerStats:
     bad_blocks: int = 0
     errors: int = 0
     over_budget: int = 0  #: requests of peers refused because their fetch_budget was spent
+    busy: int = 0  #: requests of peers answered 503 Busy: the queue full, or their block not got in BUSY_AFTER deadlines
     auth_failures: int = 0  #: requests to this node with a wrong or no token
 
 
@@ -1072,18 +1081,26 @@ class PeerServer:
                               "too_large")  # fmt: skip
             return keep
         if self._queued >= self.config.max_uploads * QUEUE_PER_UPLOAD:
+            self.stats.busy += 1
             await self._reply(stream, 503, "Busy", "busy")
             return keep
         held = place.clen + place.rlen  # the most a request holds: the fetched bytes and the raw block
-        taken = False
+        taken = uploading = False
 
         async def get() -> bytes | None:
-            nonlocal taken
-            await self.memory.acquire(held)
-            taken = True
-            async with self._getting:
-                allowance = self.budgets.allowance(_peer_host(stream))
-                return await self._get_block(store, place, _SERVED_AT[priority], allowance)
+            """The block, with an upload slot taken for it; PeerRefused 503 if that takes BUSY_AFTER deadlines."""
+            nonlocal taken, uploading
+            with trio.move_on_after(BUSY_AFTER * self.config.deadline):
+                await self.memory.acquire(held)
+                taken = True
+                async with self._getting:
+                    allowance = self.budgets.allowance(_peer_host(stream))
+                    data = await self._get_block(store, place, _SERVED_AT[priority], allowance)
+                if data is not None:
+                    await self._uploads.acquire_on_behalf_of(stream)
+                    uploading = True  # (no checkpoint between: a cancel cannot leave the slot taken unnoted)
+                return data
+            raise PeerRefused(503, "Busy: the block is not at hand in time", "busy")
 
         self._queued += 1
         try:
@@ -1094,19 +1111,22 @@ class PeerServer:
             if isinstance(data, PeerRefused):
                 if data.outcome == "over_budget":
                     self.stats.over_budget += 1
+                elif data.outcome == "busy":
+                    self.stats.busy += 1
                 await self._reply(stream, data.status, data.reason, data.outcome)
                 return keep
             if data is None:
                 await self._reply(stream, 404, "Not Found", "missing")
                 return keep
-            async with self._uploads:
-                await stream.send(response_head(200, "OK", len(data), kind="application/octet-stream"))
-                view = memoryview(data)
-                for start in range(0, len(view), 256 << 10):
-                    piece = view[start : start + (256 << 10)]
-                    await self._bucket.take(len(piece))
-                    await stream.send(piece)
+            await stream.send(response_head(200, "OK", len(data), kind="application/octet-stream"))
+            view = memoryview(data)
+            for start in range(0, len(view), 256 << 10):
+                piece = view[start : start + (256 << 10)]
+                await self._bucket.take(len(piece))
+                await stream.send(piece)
         finally:
+            if uploading:
+                self._uploads.release_on_behalf_of(stream)
             if taken:
                 self.memory.release(held)
         PEER_SERVED.labels("ok").inc()
@@ -1234,6 +1254,7 @@ class PeerService:
             "membership": self.membership.describe(),
             "members": self.client.status(),
             "deadline": self.config.deadline,
+            "fetch_budget": self.config.fetch_budget,
             "token": self.config.token_file is not None,
             "tls": self.config.tls_cert is not None,
             "received": {"blocks": stats.received_blocks, "bytes": stats.received_bytes},
@@ -1244,6 +1265,7 @@ class PeerService:
             "bad_blocks": stats.bad_blocks,
             "errors": stats.errors,
             "over_budget": stats.over_budget,
+            "busy": stats.busy,
             "held_for_peers": {"bytes": self.server.memory.held, "peak": self.server.memory.peak,
                                "limit": self.server.memory.total},
             "connections": self.server.connections(),

@@ -3,7 +3,7 @@
 ``bootseer peers status [--root ROOT] [--json]`` asks the node's layer server how
 its peer group looks from here: its members and which are skipped, blocks received
 from and served to peers, late answers, fallbacks to the store, bad blocks, requests
-refused over a peer's fetch budget and the memory held for peers.
+refused over a peer's fetch budget or answered busy, and the memory held for peers.
 Exit status: 0; 1 when the layer server cannot be asked; 3 when peer sharing is off.
 """
 
@@ -23,45 +23,47 @@ def _addresses(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+#: The option of each :class:`PeerConfig` setting the layer server takes: the options are made from it
+#: (so none lacks an entry), and a refusal names the option that was (or was not) given.
+OPTIONS = {"listen": "--peer-listen", "advertise": "--peer-advertise", "members": "--peers", "members_file": "--peers-file",
+           "members_dns": "--peers-dns", "token_file": "--peer-token-file", "deadline": "--peer-deadline",
+           "upload_rate": "--peer-upload-rate", "max_uploads": "--peer-max-uploads", "fetch_budget": "--peer-fetch-budget",
+           "max_connections": "--peer-max-connections", "tls_cert": "--peer-tls-cert", "tls_key": "--peer-tls-key",
+           "ca": "--peer-ca"}  # fmt: skip
+
+
 def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``--peer-*`` options to ``bootseer layer-server``."""
     from bootseer.units import parse_size
 
     defaults = PeerConfig()
     group = parser.add_argument_group("peer block sharing (off unless --peer-listen is given; docs/peers.md)")
-    group.add_argument("--peer-listen", metavar="HOST:PORT", help="serve verified blocks to peers on this address")
-    group.add_argument("--peer-advertise", metavar="HOST:PORT",
+    group.add_argument(OPTIONS["listen"], metavar="HOST:PORT", help="serve verified blocks to peers on this address")
+    group.add_argument(OPTIONS["advertise"], metavar="HOST:PORT",
                        help="this node's address as the members list it (default: --peer-listen)")  # fmt: skip
-    group.add_argument("--peers", type=_addresses, default=(), metavar="HOST:PORT,...",
+    group.add_argument(OPTIONS["members"], type=_addresses, default=(), metavar="HOST:PORT,...",
                        help="the peer group's members (this node may be among them)")  # fmt: skip
-    group.add_argument("--peers-file", metavar="FILE",
+    group.add_argument(OPTIONS["members_file"], metavar="FILE",
                        help="members, one HOST:PORT a line, re-read when the file changes")  # fmt: skip
-    group.add_argument("--peers-dns", metavar="NAME:PORT",
+    group.add_argument(OPTIONS["members_dns"], metavar="NAME:PORT",
                        help="members: every address NAME resolves to (a Kubernetes headless Service)")  # fmt: skip
-    group.add_argument("--peer-token-file", metavar="FILE",
+    group.add_argument(OPTIONS["token_file"], metavar="FILE",
                        help="the group's shared token (needed unless --peer-listen is loopback)")  # fmt: skip
-    group.add_argument("--peer-deadline", type=float, default=defaults.deadline, metavar="SECONDS",
+    group.add_argument(OPTIONS["deadline"], type=float, default=defaults.deadline, metavar="SECONDS",
                        help=f"a silent peer is given this long before the store is asked too ({defaults.deadline})")  # fmt: skip
-    group.add_argument("--peer-upload-rate", type=parse_size, default=0, metavar="RATE",
+    group.add_argument(OPTIONS["upload_rate"], type=parse_size, default=0, metavar="RATE",
                        help="bytes per second served to peers in all, e.g. 100M (0: no limit)")  # fmt: skip
-    group.add_argument("--peer-max-uploads", type=int, default=defaults.max_uploads, metavar="N",
+    group.add_argument(OPTIONS["max_uploads"], type=int, default=defaults.max_uploads, metavar="N",
                        help=f"blocks served to peers at once ({defaults.max_uploads})")  # fmt: skip
-    group.add_argument("--peer-fetch-budget", type=parse_size, default=defaults.fetch_budget, metavar="SIZE",
+    group.add_argument(OPTIONS["fetch_budget"], type=parse_size, default=defaults.fetch_budget, metavar="SIZE",
                        help="store bytes one asking peer may make this node fetch per 10 s, e.g. 1G (0: no limit; "
                             "1G)")  # fmt: skip
-    group.add_argument("--peer-max-connections", type=int, default=defaults.max_connections, metavar="N",
+    group.add_argument(OPTIONS["max_connections"], type=int, default=defaults.max_connections, metavar="N",
                        help="connections peers may hold open at once; unauthenticated ones are dropped first "
                             f"({defaults.max_connections}; at most half the file descriptor limit)")  # fmt: skip
-    group.add_argument("--peer-tls-cert", metavar="FILE", help="serve peers over HTTPS with this certificate (PEM)")
-    group.add_argument("--peer-tls-key", metavar="FILE", help="the key of --peer-tls-cert (PEM)")
-    group.add_argument("--peer-ca", metavar="FILE", help="ask peers over HTTPS, trusting this CA (PEM)")
-
-
-#: The option of each :class:`PeerConfig` setting, so a refusal names the flag that was (or was not) given.
-OPTIONS = {"listen": "--peer-listen", "advertise": "--peer-advertise", "members": "--peers", "members_file": "--peers-file",
-           "members_dns": "--peers-dns", "token_file": "--peer-token-file", "deadline": "--peer-deadline",
-           "upload_rate": "--peer-upload-rate", "max_uploads": "--peer-max-uploads", "tls_cert": "--peer-tls-cert",
-           "tls_key": "--peer-tls-key", "ca": "--peer-ca"}  # fmt: skip
+    group.add_argument(OPTIONS["tls_cert"], metavar="FILE", help="serve peers over HTTPS with this certificate (PEM)")
+    group.add_argument(OPTIONS["tls_key"], metavar="FILE", help="the key of --peer-tls-cert (PEM)")
+    group.add_argument(OPTIONS["ca"], metavar="FILE", help="ask peers over HTTPS, trusting this CA (PEM)")
 
 
 def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
@@ -148,8 +150,8 @@ def status_command(args: argparse.Namespace) -> int:
         print("this node is not in its member list: it owns no block and asks the members for every one")
     if "over_budget" in answer:
         held = answer["held_for_peers"]
-        print(f"refused over a peer's fetch budget: {answer['over_budget']}  held for peers: {_size(held['bytes'])} "
-              f"(peak {_size(held['peak'])} of {_size(held['limit'])})")  # fmt: skip
+        print(f"refused over a peer's fetch budget: {answer['over_budget']}  busy: {answer.get('busy', 0)}  held for "
+              f"peers: {_size(held['bytes'])} (peak {_size(held['peak'])} of {_size(held['limit'])})")  # fmt: skip
     return 0
 
 

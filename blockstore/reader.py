@@ -12,7 +12,8 @@ before anyone sees it; one that fails is reported to the engine
 source told, so a store proxy that served it is set aside and the refetch goes to the
 store direct) and fetched once more, and if it fails again the call fails with FetchError (EIO);
 one fetched for a peer's request (:meth:`BlockFetcher.block_for_peer`, whose place and digest
-the peer names) is reported the same way and refused at once, never fetched again.  A corrupt
+the peer names) is dropped and refused at once, never fetched again, and the source is not
+told (a made-up digest says nothing of the route: it must not set a store proxy aside).  A corrupt
 byte is never served and never cached.  Small blocks are decoded on the trio thread
 (a thread hop costs more than the work); verified blocks are written into the node
 cache behind the read by one writer thread (:meth:`BlockFetcher.flush` waits for it),
@@ -764,9 +765,9 @@ class BlockFetcher:
         bad = [number for number, data in enumerate(raw) if data is None]
         if bad and not refetch:
             for number in bad:
-                bad_extent = extents[number]
-                self.engine.corrupt(bad_extent.path, bad_extent.offset, bad_extent.length, bad_extent.version,
-                                    key=bad_extent.key)  # fmt: skip
+                # Dropped, but the source is not told: the peer named the digest, so a failure may be its
+                # made-up block rather than the route's bytes (a store proxy would be set aside for nothing).
+                self.engine.discard(extents[number].key)
             self.stats.corrupt += len(bad)
             counters.failed.inc(len(bad))
             block, extent = blocks[bad[0]], extents[bad[0]]

@@ -16,7 +16,7 @@ The fixtures of tests/support are offered to every test here, so no test module
 imports another one for its fixtures: ``nginx_factory``, ``range_http_factory``
 (:mod:`tests.support.http`), ``moto_s3``, ``s3_bucket`` (:mod:`tests.support.s3`),
 ``webhdfs_factory`` (:mod:`tests.support.webhdfs`), ``snapshotter_factory``, ``snapd``
-(:mod:`tests.support.daemon`).
+(:mod:`tests.support.daemon`), ``nodes``, ``peer_layer``, ``fake_peer`` (:mod:`tests.support.peers`).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.support.daemon import snapd, snapshotter_factory  # noqa: F401  (fixt
 from tests.support.http import nginx_factory, range_http_factory  # noqa: F401  (fixtures)
 from tests.support.layer_servers import fuse_mounts, layer_server_processes, stop_layer_servers
 from tests.support.mounts import force_unmount
+from tests.support.peers import fake_peer, nodes, peer_layer  # noqa: F401  (fixtures)
 from tests.support.s3 import moto_s3, s3_bucket  # noqa: F401  (fixtures)
 from tests.support.webhdfs import webhdfs_factory  # noqa: F401  (a fixture)
 

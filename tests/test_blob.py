@@ -38,7 +38,7 @@ from bootseer.blockstore.format import Entry, LayerIndex, pack_object
 from bootseer.blockstore.layerfs import BLOBS, LayerBlobOpenFile, LayerTree, blob_inode_number
 from bootseer.blockstore.reader import BlockFetcher, LayerReader
 from bootseer.blockstore.store import FileStoreWriter
-from bootseer.fetch.engine import EngineConfig, FetchError, open_engine
+from bootseer.fetch.engine import FetchError, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.fuse.operations import OPENER_PID
@@ -48,6 +48,7 @@ from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.mounts import MountProcess
 from tests.support.oci import rich_layers
+from tests.support.packed_layers import engine_config
 
 BLOCK_SIZE = 16 << 10
 needs_fuse = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
@@ -336,7 +337,7 @@ def _serve_blob(store: str, index_path: str, mountpoint: str) -> None:
     async def run() -> None:
         source = LocalSource(store)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            async with open_engine(source, _config()) as engine:
+            async with open_engine(source, engine_config()) as engine:
                 tree = LayerTree(1, index, LayerReader(index, BlockFetcher(engine, None)), name="layer")
                 tree.observer = Printing()
                 root.layers[1] = tree
@@ -454,21 +455,13 @@ def test_a_blob_opened_from_a_worker_thread_of_the_server_names_no_reader(built:
 # -- the reader --------------------------------------------------------------------------------
 
 
-def _config(**fields: Any) -> EngineConfig:
-    fields.setdefault("stripe_size", 64 << 10)
-    fields.setdefault("streams", 4)
-    fields.setdefault("memory_limit", 4 << 20)
-    fields.setdefault("retry_timeout", 30.0)
-    return EngineConfig(**fields)
-
-
 def test_random_blob_ranges_across_block_boundaries_are_byte_exact(built: Any, blobs: list[bytes], tmp_path: Path) -> None:
     store, layers = built
     rng = random.Random(7)
     source = FaultySource(LocalSource(str(store)))
 
     async def main() -> None:
-        async with open_engine(source, _config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             for readahead_max in (0, 2 << 20):
                 fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / f"cache{readahead_max}"), 64 << 20))
                 for layer, expected in zip(layers, blobs):
@@ -498,7 +491,7 @@ def test_zero_blocks_read_as_zeros_and_fetch_nothing(built: Any, blobs: list[byt
     source = FaultySource(LocalSource(str(store)))
 
     async def main() -> None:
-        async with open_engine(source, _config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             fetcher = BlockFetcher(engine, None)
             reader = LayerReader(index, fetcher, layers[0].chain_id)
             for number in zero:
@@ -520,7 +513,7 @@ def test_a_blob_read_that_misses_reads_the_next_blocks_ahead(built: Any, blobs: 
     source = FaultySource(LocalSource(str(store)))
 
     async def main() -> None:
-        async with open_engine(source, _config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             fetcher = BlockFetcher(engine, None)
             reader = LayerReader(index, fetcher, layers[0].chain_id)
             assert await reader.read_blob(0, BLOCK_SIZE) == blobs[0][:BLOCK_SIZE]
@@ -542,7 +535,7 @@ def test_a_store_that_fails_is_eio_from_the_blob_within_the_retry_timeout(built:
     source = FaultySource(LocalSource(str(store)))
 
     async def main() -> None:
-        async with open_engine(source, _config(retry_timeout=retry_timeout)) as engine:
+        async with open_engine(source, engine_config(retry_timeout=retry_timeout)) as engine:
             fetcher = BlockFetcher(engine, None)
             reader = LayerReader(index, fetcher, layers[0].chain_id, readahead_max=0)
             for outage, number in (("hang", stored[0]), ("errors", stored[1])):

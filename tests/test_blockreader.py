@@ -1,7 +1,7 @@
 """BlockFetcher, LayerReader and the node block cache over real stores.
 
-Stores are built here with ``blockstore/format.py`` (a tiny packer: zstd blocks in
-packs, deduplicated, zero blocks stored nowhere) and served from a directory
+Stores are built with ``blockstore/format.py`` (:func:`tests.support.packed_layers.pack_layer`,
+a tiny packer: zstd blocks in packs, deduplicated, zero blocks stored nowhere) and served from a directory
 (``LocalSource``, wrapped in ``FaultySource`` to count and fail reads) or over HTTP
 (``tests/support/http.py``'s range server, which counts requests).  Trio runs on
 the autojump clock, so retry timeouts pass at once where a source hangs or fails.
@@ -10,7 +10,6 @@ the autojump clock, so retry timeouts pass at once where a source hangs or fails
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import random
 import threading
@@ -20,75 +19,16 @@ import prometheus_client
 import pytest
 import trio
 import trio.testing
-import zstandard
 
 from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex, pack_object
+from bootseer.blockstore.format import Entry, EntryType, LayerIndex, pack_object
 from bootseer.blockstore.reader import BlockFetcher, LayerReader, layer_label
-from bootseer.fetch.engine import EngineConfig, FetchError, Priority, open_engine
+from bootseer.fetch.engine import FetchError, Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.local import LocalSource
 from tests.support.autojump import FAULT_AUTOJUMP, TIMEOUT, run
-
-KiB = 1024
-BLOCK = 4 * KiB  # the format's smallest block size: many blocks from little data
-
-
-
-def config(**fields) -> EngineConfig:
-    fields.setdefault("stripe_size", 64 * KiB)
-    fields.setdefault("streams", 4)
-    fields.setdefault("memory_limit", 4 << 20)
-    fields.setdefault("retry_timeout", 30.0)
-    return EngineConfig(**fields)
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def pack_layer(store: Path, files: dict[str, bytes], links: dict[str, str] | None = None) -> LayerIndex:
-    """Write ``files`` into ``store`` as one layer (two packs, so reads cross packs) and return its index."""
-    entries = [Entry("", EntryType.DIR, 0o755)]
-    blocks: list[Block] = []
-    by_digest: dict[str, int] = {}
-    packs = [bytearray(), bytearray()]
-    compressor = zstandard.ZstdCompressor(level=3)
-    for number, (name, data) in enumerate(files.items()):
-        pack = number % 2  # files alternate between the packs
-        refs = []
-        for offset in range(0, len(data), BLOCK):
-            raw = data[offset : offset + BLOCK]
-            digest = sha(raw)
-            if digest not in by_digest:
-                if raw.count(0) == len(raw):
-                    block = Block(digest, ZERO_PACK, 0, 0, len(raw))
-                else:
-                    stored = compressor.compress(raw)
-                    block = Block(digest, pack, len(packs[pack]), len(stored), len(raw))
-                    packs[pack] += stored
-                by_digest[digest] = len(blocks)
-                blocks.append(block)
-            refs.append(by_digest[digest])
-        entries.append(Entry(name, EntryType.FILE, 0o644, size=len(data), blocks=tuple(refs)))
-    for name, target in (links or {}).items():
-        number = next(n for n, e in enumerate(entries) if e.path == target)
-        entries.append(Entry(name, EntryType.FILE, 0o644, size=entries[number].size, link=number))
-    names = []
-    for pack in packs:
-        names.append(sha(bytes(pack)))
-        path = store / pack_object(names[-1])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(bytes(pack))
-    index = LayerIndex(diff_id="sha256:" + sha(repr(sorted(files)).encode()), block_size=BLOCK, entries=entries,
-                       blocks=blocks, packs=names)  # fmt: skip
-    index.validate()
-    return index
-
-
-def entry(index: LayerIndex, path: str) -> Entry:
-    return next(e for e in index.entries if e.path == path)
+from tests.support.packed_layers import BLOCK, KiB, engine_config, entry, pack_layer, sha
 
 
 @pytest.fixture
@@ -134,7 +74,7 @@ def test_random_reads_are_byte_exact_across_block_boundaries(tmp_path, store, so
     rng = random.Random(11)
 
     async def main():
-        async with open_engine(source, config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20), source_label="test-store")
             layer = LayerReader(index, fetcher, "sha256:" + "c" * 64)
             for path in [*files, "hardlink"]:
@@ -168,7 +108,7 @@ def test_only_the_touched_blocks_are_fetched_neighbours_in_one_request(tmp_path,
     async def main():
         source = HttpSource(server.url)
         try:
-            async with open_engine(source, config()) as engine:
+            async with open_engine(source, engine_config()) as engine:
                 fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20), source_label="http-store")
                 layer = LayerReader(index, fetcher, readahead_max=0)
                 # Bytes 10 KiB .. 22 KiB touch blocks 2..5 of big.bin: four blocks, one range request.
@@ -204,7 +144,7 @@ def test_a_prefetch_list_yields_to_a_read(store, source, files):
     big, text = entry(index, "big.bin"), entry(index, "text.txt")
 
     async def main():
-        async with open_engine(source, config(streams=1, coalesce_gap=0)) as engine:
+        async with open_engine(source, engine_config(streams=1, coalesce_gap=0)) as engine:
             fetcher = BlockFetcher(engine, None)
             # No read-ahead: a layer's first read learns the pack order in a worker
             # thread first, and a task in a thread does not count as blocked below.
@@ -238,7 +178,7 @@ def test_a_block_read_in_pieces_is_got_once_and_concurrent_reads_share_it(tmp_pa
     data = files["big.bin"]
 
     async def main():
-        async with open_engine(source, config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
             fetcher = BlockFetcher(engine, cache)
             layer = LayerReader(index, fetcher, readahead_max=0)
@@ -318,7 +258,7 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
     async def main():
         source = HttpSource(server.url)
         try:
-            async with open_engine(source, config()) as engine:
+            async with open_engine(source, engine_config()) as engine:
                 fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20), source_label="http-store")
                 layer = LayerReader(index, fetcher)
                 window = layer.readahead_window
@@ -369,7 +309,7 @@ def test_read_ahead_beyond_what_rides_with_a_read_goes_in_a_request_of_its_own(s
 
     async def main():
         # Two neighbours' worth may ride with the read; the other seven follow in one READAHEAD request.
-        async with open_engine(source, config(readahead_join=blocks[1].clen + blocks[2].clen)) as engine:
+        async with open_engine(source, engine_config(readahead_join=blocks[1].clen + blocks[2].clen)) as engine:
             fetcher = BlockFetcher(engine, None)
             layer = LayerReader(index, fetcher)
             assert await layer.read(modules[0], 0, 10) == package[modules[0].path][:10]
@@ -414,7 +354,7 @@ def test_a_tampered_read_ahead_block_is_never_served_or_cached(tmp_path, store, 
     source = Tampering(LocalSource(str(store)))
 
     async def main():
-        async with open_engine(source, config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
             fetcher = BlockFetcher(engine, cache)
             layer = LayerReader(index, fetcher)
@@ -439,7 +379,7 @@ def test_a_demand_read_overtakes_read_ahead_and_a_read_of_a_block_read_ahead_wai
 
     async def main():
         # One stream and nothing riding with reads: read-ahead is a request of its own, queued behind.
-        async with open_engine(source, config(streams=1, readahead_join=0)) as engine:
+        async with open_engine(source, engine_config(streams=1, readahead_join=0)) as engine:
             fetcher = BlockFetcher(engine, None)
             layer = LayerReader(index, fetcher)
             source.pause()
@@ -511,7 +451,7 @@ def test_a_block_corrupt_in_transit_is_refetched_once_and_served_right(tmp_path,
     source = CorruptingSource(LocalSource(str(store)), times=1)
 
     async def main():
-        async with open_engine(source, config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
             fetcher = BlockFetcher(engine, cache)
             data = await LayerReader(index, fetcher).read(entry(index, "tiny"), 0, 10)
@@ -536,7 +476,7 @@ def test_a_block_corrupt_in_the_store_fails_with_eio_and_is_never_served_or_cach
     failed_before = sample("bootseer_block_corrupt_total", layer=layer_label(index), source="s", outcome="failed")
 
     async def main():
-        async with open_engine(source, config(retry_timeout=10 * TIMEOUT)) as engine:
+        async with open_engine(source, engine_config(retry_timeout=10 * TIMEOUT)) as engine:
             cache = BlockCache(str(tmp_path / "cache"), 64 << 20)
             fetcher = BlockFetcher(engine, cache, source_label="s")
             layer = LayerReader(index, fetcher, readahead_max=0)
@@ -574,7 +514,7 @@ def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_e
     text = entry(index, "text.txt")
 
     async def read_all(expect_fetched: int) -> BlockFetcher:
-        async with open_engine(source, config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             fetcher = BlockFetcher(engine, BlockCache(cache_dir, 64 << 20))
             assert await LayerReader(index, fetcher, readahead_max=0).read(text, 0, text.size) == files["text.txt"]
             assert fetcher.stats.blocks_fetched == expect_fetched
@@ -610,7 +550,7 @@ def test_the_node_cache_is_written_behind_the_read_and_a_block_on_its_way_is_ser
             super().put(key, payload)
 
     async def main():
-        async with open_engine(source, config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             cache = SlowDisk(str(tmp_path / "cache"), 64 << 20)
             fetcher = BlockFetcher(engine, cache, memory_bytes=0)  # nothing kept in memory but what is being written
             layer = LayerReader(index, fetcher, readahead_max=0)
@@ -653,7 +593,7 @@ def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(tmp_p
     evictions_before = sample("bootseer_fetch_cache_evictions_total", cache="blocks")
 
     async def main():
-        async with open_engine(source, config()) as engine:
+        async with open_engine(source, engine_config()) as engine:
             cache = BlockCache(str(tmp_path / "cache"), limit)
             fetcher = BlockFetcher(engine, cache, memory_bytes=0)  # every read asks the node cache
             layer = LayerReader(index, fetcher)
@@ -682,7 +622,7 @@ def test_a_store_that_stops_answering_gives_eio_after_retry_timeout_then_recover
     retry_timeout = 8.0
 
     async def main():
-        async with open_engine(source, config(retry_timeout=retry_timeout)) as engine:
+        async with open_engine(source, engine_config(retry_timeout=retry_timeout)) as engine:
             fetcher = BlockFetcher(engine, BlockCache(str(tmp_path / "cache"), 64 << 20))
             layer = LayerReader(index, fetcher, readahead_max=0)
             big = entry(index, "big.bin")

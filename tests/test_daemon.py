@@ -121,6 +121,38 @@ def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
     assert "--no-hotlist" not in argv
 
 
+def test_peer_and_proxy_settings_reach_the_layer_server_the_daemon_starts(
+    tmp_path: Path, snapshotter_factory: DaemonFactory
+) -> None:
+    """``[peers] fetch_budget, max_connections, deadline`` and ``[store] proxy_read_timeout`` (issue 21) become
+    the started layer server's options, and the server runs with them (its peers status and start-up log)."""
+    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+
+    me = f"127.0.0.1:{free_port()}"
+    config_file = tmp_path / "snapshotter.toml"
+    config_file.write_text(
+        f'[store]\nurl = "http://127.0.0.1:{free_port()}/"\nproxy = "http://127.0.0.1:{free_port()}"\n'
+        'proxy_read_timeout = 7\n'
+        f'[peers]\nlisten = "{me}"\nmembers = ["{me}"]\nfetch_budget = "64M"\nmax_connections = 16\ndeadline = 2\n'
+    )
+    root = tmp_path / "root"
+    snapshotter_factory("--config", str(config_file), root=root)
+    client = LayerServerClient(ServerPaths(root).socket)
+    argv = [arg.decode() for arg in Path(f"/proc/{client.status()['pid']}/cmdline").read_bytes().split(b"\0")]
+
+    def option(flag: str) -> str:
+        return argv[argv.index(flag) + 1]
+
+    assert (option("--peer-fetch-budget"), option("--peer-max-connections"), option("--peer-deadline")) == (
+        str(64 << 20), "16", "2.0",
+    )  # fmt: skip
+    assert option("--store-proxy-read-timeout") == "7.0"
+    status = client.call({"op": "peers.status"})
+    assert (status["fetch_budget"], status["connections"]["limit"], status["deadline"]) == (64 << 20, 16, 2.0)
+    log = ServerPaths(root).log.read_text(errors="replace")
+    assert "reading http(s) stores through a proxy" in log and "read_timeout=7.0" in log, log[-2000:]
+
+
 def test_layer_server_metrics_address_reaches_the_layer_server_the_daemon_starts(
     tmp_path: Path, snapshotter_factory: DaemonFactory
 ) -> None:

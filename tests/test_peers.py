@@ -17,14 +17,12 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import trio
 
-from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server
 from bootseer.blockstore.format import pack_object
 from bootseer.blockstore.peer_membership import (
     DnsMembers, FileMembers, parse_address,
@@ -37,20 +35,11 @@ from bootseer.fetch.sources import redact_url
 from bootseer.profile.events import read_spool
 from tests.support import autojump
 from tests.support.http import RangeHTTPServer, free_port
-from tests.support.layer_servers import stop_layer_servers
-from tests.support.layer_store import BuiltLayer, build_store
-from tests.support.layers import File, Layer
-from tests.support.oci import blob_data
-from tests.support.peers import FakePeer, owned_by
+from tests.support.peers import (
+    BIG, TOKEN, FakePeer, Nodes, owned_by, pack_bytes_fetched, place_request, root_only, scrape,
+)  # fmt: skip
 from tests.support.tls import self_signed
 from tests.support.waiting import wait_until
-
-BLOCK_SIZE = 64 << 10
-BIG = blob_data(48 * BLOCK_SIZE + 777)  # 49 blocks: every member owns some
-TOKEN = "peer-token-0123456789"
-
-root_only = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
-
 
 # -- membership, ownership and the wire, without processes -----------------------------------------
 
@@ -194,73 +183,15 @@ def test_the_peer_store_name_carries_no_credential() -> None:
 # -- real layer servers ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuiltLayer]:
-    store = tmp_path_factory.mktemp("store")
-    layers = [Layer((File("data/big.bin", BIG), File("data/small.txt", b"hello peers\n")))]
-    (layer,) = build_store(store, layers, block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
-    return store, layer
-
-
-class Nodes:
-    """Layer servers of one test, each with its own root; all stopped at teardown."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.tmp_path = tmp_path
-        self.roots: list[Path] = []
-        self.token = tmp_path / "token"
-        self.token.write_text(TOKEN + "\n")
-        os.chmod(self.token, 0o600)
-
-    def start(self, store: str, peers: PeerConfig | None, **settings: Any) -> LayerServerClient:
-        root = self.tmp_path / f"node{len(self.roots)}"
-        self.roots.append(root)
-        settings.setdefault("retry_timeout", 10)
-        return ensure_server(root, ServerSettings(store=store, peers=peers, log_level="debug", **settings))
-
-    def log(self, number: int) -> str:
-        return ServerPaths(self.roots[number]).log.read_text(errors="replace")
-
-    def stop_all(self) -> None:
-        for root in self.roots:
-            stop_layer_servers(root)
-
-
-@pytest.fixture
-def nodes(tmp_path: Path) -> Iterator[Nodes]:
-    group = Nodes(tmp_path)
-    try:
-        yield group
-    finally:
-        group.stop_all()
-
-
-def pack_bytes_fetched(http: RangeHTTPServer) -> int:
-    """Bytes of pack objects the store served (by the ranges it was asked for)."""
-    total = 0
-    for _method, target, headers in http.requests:
-        if "/packs/" in target:
-            first, last = headers["Range"].removeprefix("bytes=").split("-")
-            total += int(last) - int(first) + 1
-    return total
-
-
-def scrape(address: str) -> dict[str, float]:
-    """The samples of a /metrics page, by their line's name and labels."""
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}  # fmt: skip
-
-
 def read_whole(lower: Path) -> bytes:
     return (lower / "data/big.bin").read_bytes()
 
 
 @root_only
 def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_other(
-    built: Any, nodes: Nodes, monkeypatch: pytest.MonkeyPatch
+    peer_layer: Any, nodes: Nodes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    store, layer = built
+    store, layer = peer_layer
     monkeypatch.setenv("BOOTSEER_PROFILE", "1")  # each server's start-up profile spool: ROOT/profile
     ports = [free_port(), free_port()]
     members = tuple(f"127.0.0.1:{port}" for port in ports)
@@ -314,28 +245,15 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
                    lambda: peer_bytes_sampled() == statuses[0]["received"]["bytes"])  # fmt: skip
 
 
-@pytest.fixture
-def fake_peer() -> Iterator[Callable[[str], FakePeer]]:
-    made: list[FakePeer] = []
-
-    def make(behaviour: str) -> FakePeer:
-        made.append(FakePeer(behaviour))
-        return made[-1]
-
-    yield make
-    for peer in made:
-        peer.close()
-
-
 @root_only
 @pytest.mark.parametrize(
     "behaviour, reason",
     [("corrupt", "bad_blocks"), ("cut", "errors"), ("silent", "late"), ("refuse", "fallbacks")],
 )
 def test_a_peer_that_lies_cuts_hangs_or_refuses_costs_a_store_fetch_never_a_wrong_byte(
-    built: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str, reason: str
+    peer_layer: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str, reason: str
 ) -> None:
-    store, layer = built
+    store, layer = peer_layer
     peer = fake_peer(behaviour)
     me = f"127.0.0.1:{free_port()}"
     members = (me, peer.address)
@@ -358,8 +276,8 @@ def test_a_peer_that_lies_cuts_hangs_or_refuses_costs_a_store_fetch_never_a_wron
 
 
 @root_only
-def test_a_wrong_token_is_refused_and_the_asker_uses_the_store(built: Any, nodes: Nodes, tmp_path: Path) -> None:
-    store, layer = built
+def test_a_wrong_token_is_refused_and_the_asker_uses_the_store(peer_layer: Any, nodes: Nodes, tmp_path: Path) -> None:
+    store, layer = peer_layer
     other = tmp_path / "other-token"
     other.write_text("a-different-token\n")
     ports = [free_port(), free_port()]
@@ -380,8 +298,8 @@ def test_a_wrong_token_is_refused_and_the_asker_uses_the_store(built: Any, nodes
 
 
 @root_only
-def test_an_owner_that_hangs_is_skipped_after_the_deadline(built: Any, nodes: Nodes) -> None:
-    store, layer = built
+def test_an_owner_that_hangs_is_skipped_after_the_deadline(peer_layer: Any, nodes: Nodes) -> None:
+    store, layer = peer_layer
     ports = [free_port(), free_port()]
     members = tuple(f"127.0.0.1:{port}" for port in ports)
     with RangeHTTPServer(store) as http:
@@ -401,8 +319,8 @@ def test_an_owner_that_hangs_is_skipped_after_the_deadline(built: Any, nodes: No
 
 
 @root_only
-def test_peers_over_https_check_the_certificate(built: Any, nodes: Nodes, tmp_path: Path) -> None:
-    store, layer = built
+def test_peers_over_https_check_the_certificate(peer_layer: Any, nodes: Nodes, tmp_path: Path) -> None:
+    store, layer = peer_layer
     cert, key = self_signed(tmp_path)
     ports = [free_port(), free_port()]
     members = tuple(f"127.0.0.1:{port}" for port in ports)
@@ -436,9 +354,9 @@ def test_a_non_loopback_listener_without_a_token_is_refused_at_start(tmp_path: P
 
 
 @root_only
-def test_the_members_file_changing_during_reads_moves_blocks_to_the_new_owners(built: Any, nodes: Nodes,
+def test_the_members_file_changing_during_reads_moves_blocks_to_the_new_owners(peer_layer: Any, nodes: Nodes,
                                                                                 tmp_path: Path) -> None:  # fmt: skip
-    store, layer = built
+    store, layer = peer_layer
     ports = [free_port(), free_port(), free_port()]
     members = [f"127.0.0.1:{port}" for port in ports]
     members_file = tmp_path / "members"
@@ -462,11 +380,11 @@ def test_the_members_file_changing_during_reads_moves_blocks_to_the_new_owners(b
 
 
 @root_only
-def test_an_asker_that_hangs_up_while_the_owner_fetches_costs_that_request_only(built: Any, nodes: Nodes) -> None:
+def test_an_asker_that_hangs_up_while_the_owner_fetches_costs_that_request_only(peer_layer: Any, nodes: Nodes) -> None:
     """Regression: the owner's 102 keepalive to an asker that had gone raised out of the keepalive's nursery as
     an exception group, which the connection's handler did not take for a network error (the benchmark lost 7
     of 8 layer servers to it before that handler caught everything)."""
-    store, layer = built
+    store, layer = peer_layer
     owner_address = f"127.0.0.1:{free_port()}"
     members = (owner_address, "127.0.0.1:1")
     block = next(b for b in layer.index.blocks if not b.is_zero)
@@ -475,9 +393,7 @@ def test_an_asker_that_hangs_up_while_the_owner_fetches_costs_that_request_only(
         release = http.faults.hold({"/" + pack_object(pack)})
         owner = nodes.start(http.url, PeerConfig(listen=owner_address, members=members, token_file=str(nodes.token)))
         owner.mount(layer.chain_id)
-        place = BlockPlace(block.digest, pack, block.offset, block.clen, block.rlen)
-        request = (f"GET {block_target(peer_store_id(redact_url(http.url)), place, 'demand')} HTTP/1.1\r\n"
-                   f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()  # fmt: skip
+        request = place_request(http.url, BlockPlace(block.digest, pack, block.offset, block.clen, block.rlen), TOKEN)
         try:
             host, port = owner_address.split(":")
             with socket.create_connection((host, int(port)), timeout=10) as asker:

@@ -24,21 +24,19 @@ import trio.testing
 
 from bootseer.blockstore.format import max_stored_length, pack_object
 from bootseer.blockstore.peer_wire import BlockPlace, block_target
-from bootseer.blockstore.peers import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats, peer_store_id
+from bootseer.blockstore.peers import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats
 from bootseer.blockstore.reader import BlockFetcher
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.faults import FaultySource
-from bootseer.fetch.sources import redact_url
 from bootseer.fetch.sources.local import LocalSource
 from tests.support.autojump import run as autojump_run
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.oci import blob_data
-from tests.test_blockreader import BLOCK as BLOCK4K
-from tests.test_blockreader import config as blockreader_config
-from tests.test_blockreader import entry, pack_layer
-from tests.test_peers import TOKEN, Nodes, nodes, pack_bytes_fetched, root_only  # noqa: F401 (nodes: a fixture)
+from tests.support.packed_layers import BLOCK as BLOCK4K
+from tests.support.packed_layers import engine_config, entry, pack_layer
+from tests.support.peers import TOKEN, Nodes, pack_bytes_fetched, place_request, read_answer, root_only
 
 BLOCK_SIZE = 64 << 10
 DATA = blob_data(96 * BLOCK_SIZE)  # incompressible: a pack of about 6 MiB
@@ -65,34 +63,16 @@ class Owner:
                             **peer_settings)  # fmt: skip
         self.client = nodes.start(http.url, config)
         self.lower = Path(self.client.mount(layer.chain_id).lower_dir)
-        self.store = peer_store_id(redact_url(http.url))
+        self.url = http.url
         self.pack = layer.index.packs[0]
-
-    def request(self, place: BlockPlace, priority: str = "demand") -> bytes:
-        return (f"GET {block_target(self.store, place, priority)} HTTP/1.1\r\nHost: x\r\n"
-                f"Authorization: Bearer {TOKEN}\r\n\r\n").encode()  # fmt: skip
 
     def ask(self, place: BlockPlace) -> tuple[int, bytes]:
         """The final status of one request for ``place`` and its body (1xx answers skipped)."""
         host, port = self.address.split(":")
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(self.request(place))
-            received = b""
-            while True:
-                while b"\r\n\r\n" not in received:
-                    chunk = sock.recv(65536)
-                    assert chunk, f"the owner closed the connection: {received!r}"
-                    received += chunk
-                head, _, received = received.partition(b"\r\n\r\n")
-                status = int(head.split(b" ", 2)[1])
-                if status >= 200:
-                    break
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-            while len(received) < length:
-                chunk = sock.recv(65536)
-                assert chunk
-                received += chunk
-            return status, received[:length]
+            sock.sendall(place_request(self.url, place, TOKEN))
+            status, _headers, body = read_answer(sock)
+            return status, body
 
 
 @root_only
@@ -232,8 +212,9 @@ def test_peer_serving_holds_at_most_its_memory_and_max_uploads_blocks_at_once() 
         await stream.aclose()
 
     async def main() -> PeerServer:
-        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}", max_uploads=8), None, get_block,
-                            PeerStats(), memory=4 * per_request)  # fmt: skip
+        # A deadline whose BUSY_AFTER (90 s) no wait for memory here reaches: every request is served.
+        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}", max_uploads=8, deadline=30), None,
+                            get_block, PeerStats(), memory=4 * per_request)  # fmt: skip
         with trio.fail_after(60):  # a hang detector
             async with trio.open_nursery() as nursery:
                 host, port = await nursery.start(server.run)
@@ -270,7 +251,7 @@ def test_a_nodes_own_read_of_a_block_a_peer_asked_for_goes_before_the_peers_lowe
     source = FaultySource(LocalSource(str(store)))
 
     async def main() -> None:
-        async with open_engine(source, blockreader_config(streams=1, coalesce_gap=0)) as engine:
+        async with open_engine(source, engine_config(streams=1, coalesce_gap=0)) as engine:
             fetcher = BlockFetcher(engine, None)
             place = BlockPlace(wanted.digest, index.packs[wanted.pack], wanted.offset, wanted.clen, wanted.rlen)
             source.pause()

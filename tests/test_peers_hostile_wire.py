@@ -1,20 +1,24 @@
 """A hostile peer wire against a real layer server: slow heads, connection floods, bad tokens, stalling peers.
 
 Issue 21 cases 3-5.  Each node is a real ``bootseer layer-server`` process with peers on
-(:class:`tests.test_peers.Nodes`); the attacker is plain sockets in the test, or
+(:class:`tests.support.peers.Nodes`); the attacker is plain sockets in the test, or
 :class:`~tests.support.peers.FakePeer` as a member that keeps talking and never
 delivers.  What is proved: a request head must be whole within the head deadline
 however slowly it drips; at the connection cap the connections that never
 authenticated go first; running out of file descriptors is one log line, never a
 traceback per accept, and the listener still answers; a wrong token closes its
 connection and refuses its address for a while; a peer that answers ``102 Processing``
-forever or drips its body is hedged to the store after a few deadlines and skipped;
-and a node missing from its static member list, or given a token too short, is
-refused at start in one line.
+forever or drips its body is hedged to the store after a few deadlines and skipped,
+and one that keeps talking while the store fails too is skipped at REQUEST_LIMIT (a
+PeerClient in this process, the limit lowered); an honest owner busy with its own reads
+answers ``503 Busy`` in time and is not skipped; and a node missing from its static
+member list, or given a token too short, is refused at start in one line.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import resource
 import socket
 import subprocess
@@ -24,13 +28,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import trio
 
-from bootseer.blockstore.peers import PeerConfig
+from bootseer.blockstore.format import pack_object
+from bootseer.blockstore import peers
+from bootseer.blockstore.peer_wire import BlockPlace
+from bootseer.blockstore.peers import PeerClient, PeerConfig, PeerStats, rendezvous_score
+from bootseer.fetch.engine import Priority
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_servers import stop_layer_servers
-from tests.support.peers import FakePeer, block_request, owned_by, read_answer
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+from tests.support.oci import blob_data
+from tests.support.peers import BIG, BLOCK_SIZE, TOKEN, FakePeer, Nodes, block_request, owned_by, read_answer, root_only, scrape
 from tests.support.waiting import wait_until
-from tests.test_peers import BIG, TOKEN, Nodes, built, fake_peer, nodes, root_only, scrape  # noqa: F401 (fixtures)
 
 #: Longer than the head deadline (5 s) with room for a loaded machine; far shorter than a hang.
 HANG_S = 40.0
@@ -122,11 +133,11 @@ def one_node(nodes: Nodes, http: RangeHTTPServer, **settings: Any) -> tuple[Any,
 
 @root_only
 def test_connections_that_drip_a_head_are_closed_by_the_head_deadline_while_a_member_is_served(
-    built: Any, nodes: Nodes
+    peer_layer: Any, nodes: Nodes
 ) -> None:
     """Regression (issue 21, case 3): the head timeout was per receive, so a byte every 25 s kept a connection
     open for ever, without a token; 1,000 such connections were all still open after 70 s."""
-    store, layer = built
+    store, layer = peer_layer
     block = next(b for b in layer.index.blocks if not b.is_zero)
     with RangeHTTPServer(store) as http:
         client, address, metrics = one_node(nodes, http)
@@ -144,10 +155,10 @@ def test_connections_that_drip_a_head_are_closed_by_the_head_deadline_while_a_me
 
 
 @root_only
-def test_at_the_connection_cap_connections_that_never_authenticated_are_dropped_first(built: Any, nodes: Nodes) -> None:
+def test_at_the_connection_cap_connections_that_never_authenticated_are_dropped_first(peer_layer: Any, nodes: Nodes) -> None:
     """Regression (issue 21, case 3): the listener had no connection cap; 1,100 silent connections took
     every file descriptor and a member's request timed out."""
-    store, layer = built
+    store, layer = peer_layer
     block = next(b for b in layer.index.blocks if not b.is_zero)
     with RangeHTTPServer(store) as http:
         client, address, metrics = one_node(nodes, http, max_connections=4)
@@ -179,11 +190,11 @@ def test_at_the_connection_cap_connections_that_never_authenticated_are_dropped_
 
 @root_only
 def test_running_out_of_file_descriptors_is_logged_once_and_the_listener_still_answers(
-    built: Any, nodes: Nodes
+    peer_layer: Any, nodes: Nodes
 ) -> None:
     """Regression (issue 21, case 3): each accept that failed with EMFILE logged a traceback (220 of them),
     and a member's request timed out while the flood held every descriptor."""
-    store, _layer = built
+    store, _layer = peer_layer
     with RangeHTTPServer(store) as http:
         client, address, metrics = one_node(nodes, http)
         pid = int(client.status()["pid"])
@@ -204,10 +215,10 @@ def test_running_out_of_file_descriptors_is_logged_once_and_the_listener_still_a
 
 
 @root_only
-def test_a_wrong_token_closes_its_connection_and_its_address_waits(built: Any, nodes: Nodes) -> None:
+def test_a_wrong_token_closes_its_connection_and_its_address_waits(peer_layer: Any, nodes: Nodes) -> None:
     """Regression (issue 21, case 5): wrong tokens were answered 401 on a connection kept alive, 5,600 tries a
     second, neither throttled nor logged."""
-    store, layer = built
+    store, layer = peer_layer
     block = next(b for b in layer.index.blocks if not b.is_zero)
     wrong = "wrong-token-0123456789abcdef"
     with RangeHTTPServer(store) as http:
@@ -240,12 +251,12 @@ def test_a_wrong_token_closes_its_connection_and_its_address_waits(built: Any, n
 @root_only
 @pytest.mark.parametrize("behaviour", ["processing", "drip"])
 def test_a_peer_that_keeps_talking_without_delivering_is_hedged_and_skipped(
-    built: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str
+    peer_layer: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str
 ) -> None:
     """Regression (issue 21, case 4): a peer answering ``102 Processing`` every 0.1 s, or dripping its body a
     byte every 0.3 s, held each read of its blocks for 60 s and was never skipped (the deadline restarted at
     every byte)."""
-    store, layer = built
+    store, layer = peer_layer
     peer = fake_peer(behaviour)
     me = f"127.0.0.1:{free_port()}"
     members = (me, peer.address)
@@ -267,6 +278,114 @@ def test_a_peer_that_keeps_talking_without_delivering_is_hedged_and_skipped(
     samples = scrape(metrics)
     assert samples['bootseer_peer_fallbacks_total{reason="slow"}'] >= 1
     assert samples['bootseer_peer_requests_total{outcome="slow"}'] >= 1
+
+
+def test_a_peer_that_keeps_talking_while_the_store_fails_too_is_skipped_at_the_request_limit(
+    fake_peer: Callable[[str], FakePeer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer answering ``102 Processing`` for ever, with the store failing too (nothing beats it), is given up
+    at REQUEST_LIMIT and skipped.  Regression (issue 21, case 4): that path told the fetcher to use the store
+    but neither counted the request nor skipped the peer, so its next block waited on it again.  A real
+    PeerClient in this process asks a real :class:`FakePeer` over loopback; REQUEST_LIMIT is lowered from 60 s
+    to 3 s (docs/testing.md: a module limit lowered to reach the refusal), past the patience (4 deadlines of
+    0.5 s), so the slow path runs first as it does in a node."""
+    monkeypatch.setattr(peers, "REQUEST_LIMIT", 3.0)
+    peer = fake_peer("processing")
+    me = f"127.0.0.1:{free_port()}"
+    config = PeerConfig(listen=me, members=(me, peer.address), deadline=0.5, skip_seconds=300)
+    digests = (hashlib.sha256(b"block %d" % n).hexdigest() for n in range(1000))
+    owned = next(d for d in digests if max((me, peer.address), key=lambda m: rendezvous_score(m, d)) == peer.address)
+    place = BlockPlace(owned, "b" * 64, 0, 100, 100)
+    late: list[str] = []
+    stats = PeerStats()
+
+    async def main() -> list[dict[str, Any]]:
+        client = PeerClient(config, config.check(), None, trio.CapacityLimiter(1), stats)
+        try:
+            assert client.owner(place.digest) == peer.address
+            with trio.fail_after(HANG_S):  # a hang detector
+                await client.fetch("c" * 32, [place], Priority.DEMAND, lambda *_: None, late.append)
+            return client.status()
+        finally:
+            await client.aclose()
+
+    status = trio.run(main)
+    member = next(m for m in status if m["address"] == peer.address)
+    assert late == [place.digest] and stats.slow == 1, (late, stats)
+    assert member["state"] == "skipped" and "no block within 3 s" in member["last_error"], member
+    assert len(peer.requests) == 1
+
+
+_XY = blob_data(32 * BLOCK_SIZE)
+X_DATA, Y_DATA = _XY[: 16 * BLOCK_SIZE], _XY[16 * BLOCK_SIZE :]  # no block in common: a pack each
+
+
+@pytest.fixture(scope="module")
+def two_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
+    """A store of two layers, so two packs: a read held at the store in one leaves the other's free."""
+    store = tmp_path_factory.mktemp("store")
+    layers = [Layer((File("data/x.bin", X_DATA),)), Layer((File("data/y.bin", Y_DATA),))]
+    return store, build_store(store, layers, block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+
+
+def _block_of(layer: BuiltLayer, data: bytes, members: list[str], owner: str) -> tuple[int, bytes]:
+    """The file offset of the first block of the layer's one file (``data``) that ``owner`` owns among
+    ``members``, and its bytes."""
+    entry = next(e for e in layer.index.entries if e.blocks)
+    owned = set(owned_by(layer.index, members, owner))
+    at = next(n for n, number in enumerate(entry.blocks) if number in owned)
+    return at * BLOCK_SIZE, data[at * BLOCK_SIZE : (at + 1) * BLOCK_SIZE]
+
+
+@root_only
+def test_an_honest_owner_busy_with_its_own_reads_is_asked_around_never_skipped(
+    two_layers: tuple[Path, list[BuiltLayer]], nodes: Nodes
+) -> None:
+    """An owner fetches a peer's block below its own reads, so an owner whose own reads hold its store
+    streams answers a peer late while honestly at work (``102 Processing``).  Regression: the asker's patience
+    (4 deadlines, 102s or not) then raced it with the store and skipped it when the store won, as if it were
+    a peer that keeps talking and never delivers; a group starting at once would skip its busiest owners and
+    send their blocks to the store from every node.  Now the owner answers ``503 Busy`` before the asker's
+    patience runs out: the asker uses the store for that block, and keeps asking the owner for others."""
+    store, (x, y) = two_layers
+    asker_address, owner_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    members = [asker_address, owner_address]
+    deadline = 1.0  # patience 4 s: room for a loaded machine; the owner's own read is held far longer
+    with RangeHTTPServer(store) as http:
+        def start(address: str, **settings: Any) -> Any:
+            return nodes.start(http.url, PeerConfig(listen=address, members=tuple(members), deadline=deadline,
+                                                    token_file=str(nodes.token), skip_seconds=300), **settings)  # fmt: skip
+
+        asker = start(asker_address)
+        owner = start(owner_address, streams=1)  # one stream: its own held read leaves none for a peer
+        asker_y = Path(asker.mount(y.chain_id).lower_dir)
+        owner_x, _ = Path(owner.mount(x.chain_id).lower_dir), owner.mount(y.chain_id)
+        own_at, own_bytes = _block_of(x, X_DATA, members, owner_address)
+        asked_at, asked_bytes = _block_of(y, Y_DATA, members, owner_address)
+        release = http.faults.hold({"/" + pack_object(x.index.packs[0])})
+        own_read: list[bytes] = []
+        reader = threading.Thread(target=lambda: own_read.append(_pread(owner_x / "data/x.bin", own_at)), daemon=True)
+        reader.start()
+        try:
+            wait_until("the owner's own read is held at the store", lambda: http.faults.waiting >= 1, timeout=HANG_S)
+            assert _pread(asker_y / "data/y.bin", asked_at) == asked_bytes
+            status, served = asker.call({"op": "peers.status"}), owner.call({"op": "peers.status"})
+        finally:
+            release.set()
+            reader.join(timeout=HANG_S)
+        assert own_read == [own_bytes]
+        member = next(m for m in status["members"] if m["address"] == owner_address)
+        assert member["state"] != "skipped", member.get("last_error")
+        assert status["slow"] == 0 and status["fallbacks"] >= 1 and served["busy"] >= 1, (status, served)
+        # Its own read done, the owner serves the asker its other blocks.
+        assert (asker_y / "data/y.bin").read_bytes() == Y_DATA
+        assert asker.call({"op": "peers.status"})["received"]["blocks"] >= 1
+
+
+def _pread(path: Path, offset: int) -> bytes:
+    """One block's bytes of ``path`` at ``offset``, read through the mount."""
+    with open(path, "rb", buffering=0) as file:
+        return os.pread(file.fileno(), BLOCK_SIZE, offset)
 
 
 def _layer_server(tmp_path: Path, *peer_args: str) -> subprocess.CompletedProcess[str]:
@@ -302,9 +421,9 @@ def test_a_token_file_shorter_than_16_bytes_is_refused_naming_the_file(tmp_path:
 
 
 @root_only
-def test_a_node_missing_from_its_members_file_warns_once_and_serves(built: Any, nodes: Nodes, tmp_path: Path) -> None:
+def test_a_node_missing_from_its_members_file_warns_once_and_serves(peer_layer: Any, nodes: Nodes, tmp_path: Path) -> None:
     """A members file may list a node later (a Slurm job's prolog writes it): one warning line, not a refusal."""
-    store, layer = built
+    store, layer = peer_layer
     me = f"127.0.0.1:{free_port()}"
     members_file = tmp_path / "members"
     members_file.write_text("127.0.0.1:1\n")

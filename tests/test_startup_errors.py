@@ -374,11 +374,16 @@ def test_a_missing_peers_setting_is_named_as_the_config_key_to_set(tmp_path: Pat
         (["--peer-listen", "127.0.0.1:7000"], "--peers: no members"),
         (["--peer-listen", "127.0.0.1:7000", "--peers", "127.0.0.1:7000", "--peer-tls-key", "TOKEN"], "--peer-tls-cert: "),
         (["--peer-listen", "127.0.0.1:7000", "--peers", "127.0.0.1:7000", "--peer-deadline", "99"], "--peer-deadline: "),
+        (["--peer-listen", "127.0.0.1:7000", "--peers", "127.0.0.1:7000", "--peer-fetch-budget", "4K"],
+         "--peer-fetch-budget: must be 0 (no limit) or at least"),
+        (["--peer-listen", "127.0.0.1:7000", "--peers", "127.0.0.1:7000", "--peer-max-connections", "0"],
+         "--peer-max-connections: must be at least 1"),
     ],
-    ids=["token_file", "advertise", "members", "tls_cert", "deadline"],
+    ids=["token_file", "advertise", "members", "tls_cert", "deadline", "fetch_budget", "max_connections"],
 )
 def test_a_layer_server_peer_refusal_names_its_flag(tmp_path: Path, args: list[str], expected: str) -> None:
-    """Was: ``peers: token_file: ...``, the config file's name for a setting given as a flag."""
+    """Was: ``peers: token_file: ...``, the config file's name for a setting given as a flag (and, for the
+    settings added beside that fix, ``peers: fetch_budget: ...`` and ``peers: max_connections: ...``)."""
     token = tmp_path / "token"
     token.write_text("a-token-long-enough-for-any-minimum-0123456789abcdef\n")
     token.chmod(0o600)

@@ -19,11 +19,13 @@ logs or status; bad proxy settings refused at start-up in one line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -35,6 +37,9 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from bootseer.blockstore.control import ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.format import max_stored_length
+from bootseer.blockstore.peer_wire import BlockPlace
+from bootseer.blockstore.peers import PeerConfig
 from bootseer.fetch.sources import open_source
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.http_proxy import ProxyConfig
@@ -43,6 +48,7 @@ from tests.support.http import RangeHTTPServer, RangeRequestHandler, free_port, 
 from tests.support.layer_store import build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
+from tests.support.peers import place_request, read_answer
 from tests.support.tls import self_signed
 
 pytestmark = pytest.mark.timeout(300)
@@ -511,6 +517,43 @@ def test_a_proxy_that_answers_ranges_wrong_is_set_aside_and_every_read_is_done_d
         fallbacks = dict(re.findall(r'^bootseer_fetch_proxy_fallbacks_total\{cause="(\w+)"\} (\S+)$', metrics, re.M))
         cause = "corrupt" if fault == "corrupt" else "request"
         assert float(fallbacks[cause]) == 1 and sum(map(float, fallbacks.values())) == 1, fallbacks
+    finally:
+        stop_layer_servers(root)
+        proxy.stop()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+def test_a_peers_request_for_a_made_up_block_never_sets_the_proxy_aside(tmp_path: Path, store: Store) -> None:
+    """Regression (the store proxy's fallback x peer serving, issue 21 cases 1 and 6): bytes an owner fetched
+    for a peer's request that fail the digest the peer named were reported to the engine as corrupt, so the
+    source blamed the proxy that served them and set it aside; one request for a made-up block per check
+    interval kept a healthy proxy down for every read of the node.  The peer names the digest: a failure
+    says nothing about the route.  The request is still refused and never fetched again."""
+    big = BigFile("srv/big.bin", 16 * BLOCK_SIZE, seed=5)
+    [layer] = build_store(store.root, [Layer((big,))], block_size=BLOCK_SIZE, layout=tmp_path / "layout")
+    proxy = RangeHTTPServer(store.root).start()  # a proxy with every file of the store in its cache
+    listen = f"127.0.0.1:{free_port()}"
+    root = tmp_path / "node"
+    settings = ServerSettings(
+        store=store.url, store_proxy=f"http://127.0.0.1:{proxy.port}", store_proxy_check_interval=3600,
+        store_proxy_block_size=PROXY_BLOCK, log_level="debug",
+        peers=PeerConfig(listen=listen, members=(listen, "127.0.0.1:1")),  # loopback: no token
+    )  # fmt: skip
+    try:
+        client = ensure_server(root, settings)
+        client.mount(layer.chain_id)
+        made_up = BlockPlace(hashlib.sha256(b"no such block").hexdigest(), layer.index.packs[0], 0,
+                             max_stored_length(BLOCK_SIZE), BLOCK_SIZE)  # fmt: skip
+        before = range_gets(proxy)
+        with socket.create_connection(("127.0.0.1", int(listen.rsplit(":", 1)[1])), timeout=WAIT_S) as sock:
+            sock.sendall(place_request(store.url, made_up, None))
+            status, _headers, body = read_answer(sock)
+        assert status == 404, (status, body)
+        assert range_gets(proxy) - before == 1  # fetched once, through the proxy
+        [shown] = client.status()["stores"].values()
+        log = ServerPaths(root).log.read_text(errors="replace")
+        assert "not fetched again" in log
+        assert shown["proxy"]["up"] is True and "store proxy down" not in log, shown
     finally:
         stop_layer_servers(root)
         proxy.stop()

@@ -1,15 +1,27 @@
-"""Peer-sharing test helpers: which member owns which block, and a peer that misbehaves on purpose.
+"""Peer-sharing test helpers: real layer servers with peers on, which member owns which block, a member's
+side of the wire, and a peer that misbehaves on purpose.
 
-:class:`FakePeer` answers block requests the way a test asks ("corrupt": the right length, the
-wrong bytes; "cut": half a body, then the connection shut; "silent": nothing; "refuse": 401;
-"processing": ``102 Processing`` every 0.1 s, never an answer; "drip": a 200 head, then the
-body one byte every 0.3 s),
-records each request's path and Authorization header, and runs in a thread of the test, or in
-another network namespace as ``python -m tests.support.peers HOST:PORT BEHAVIOUR`` (which prints
-``listening`` once it is, then each request's path as it gets it).
+The tests of peers (tests/test_peers*.py) share these rather than import each other:
 
-:func:`block_request` and :func:`read_answer` are a member's side of the wire, for tests that
-talk to a real node's peer listener over a plain socket.
+* :class:`Nodes` starts real ``bootseer layer-server`` processes (each its own root) as the
+  snapshotter starts them, and stops them all at teardown; the ``nodes`` fixture gives a
+  test one.  ``peer_layer`` (a module-scoped fixture) is a converted store of one layer
+  holding :data:`BIG` (49 blocks of :data:`BLOCK_SIZE`: every member owns some) and a small
+  file; :data:`TOKEN` is the group's token in :attr:`Nodes.token`.
+* :func:`pack_bytes_fetched` says what a counting store served of pack objects, :func:`scrape`
+  what a node's ``/metrics`` says.
+* :func:`owned_by` says which blocks a member owns; :func:`block_request`,
+  :func:`place_request` and :func:`read_answer` are a member's side of the wire, for tests that
+  talk to a real node's peer listener over a plain socket.
+* :class:`FakePeer` (the ``fake_peer`` fixture makes them) answers block requests the way a test
+  asks ("corrupt": the right length, the wrong bytes; "cut": half a body, then the connection
+  shut; "silent": nothing; "refuse": 401; "processing": ``102 Processing`` every 0.1 s, never an
+  answer; "drip": a 200 head, then the body one byte every 0.3 s), records each request's path
+  and Authorization header, and runs in a thread of the test, or in another network namespace as
+  ``python -m tests.support.peers HOST:PORT BEHAVIOUR`` (which prints ``listening`` once it is,
+  then each request's path as it gets it).
+
+The fixtures are offered to every test by tests/conftest.py.
 """
 
 from __future__ import annotations
@@ -18,13 +30,103 @@ import os
 import socket
 import sys
 import threading
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, Iterator
 
+import pytest
+
+from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server
 from bootseer.blockstore.format import Block, LayerIndex
 from bootseer.blockstore.peer_wire import BlockPlace, block_target, content_length, parse_block_target, parse_head
-from bootseer.blockstore.peers import peer_store_id, rendezvous_score
+from bootseer.blockstore.peers import PeerConfig, peer_store_id, rendezvous_score
 from bootseer.fetch.sources import redact_url
+from tests.support.http import RangeHTTPServer
+from tests.support.layer_servers import stop_layer_servers
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+from tests.support.oci import blob_data
+
+BLOCK_SIZE = 64 << 10  #: the block size of :func:`peer_layer`'s store
+BIG = blob_data(48 * BLOCK_SIZE + 777)  #: ``data/big.bin`` of :func:`peer_layer`: 49 blocks, every member owns some
+TOKEN = "peer-token-0123456789"  #: the group's token (in :attr:`Nodes.token`)
+
+root_only = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+
+
+@pytest.fixture(scope="module")
+def peer_layer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuiltLayer]:
+    """A store directory holding one converted layer: ``data/big.bin`` (:data:`BIG`) and ``data/small.txt``."""
+    store = tmp_path_factory.mktemp("store")
+    layers = [Layer((File("data/big.bin", BIG), File("data/small.txt", b"hello peers\n")))]
+    (layer,) = build_store(store, layers, block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+    return store, layer
+
+
+class Nodes:
+    """Layer servers of one test, each with its own root; all stopped at teardown."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.roots: list[Path] = []
+        self.token = tmp_path / "token"
+        self.token.write_text(TOKEN + "\n")
+        os.chmod(self.token, 0o600)
+
+    def start(self, store: str, peers: PeerConfig | None, **settings: Any) -> LayerServerClient:
+        root = self.tmp_path / f"node{len(self.roots)}"
+        self.roots.append(root)
+        settings.setdefault("retry_timeout", 10)
+        return ensure_server(root, ServerSettings(store=store, peers=peers, log_level="debug", **settings))
+
+    def log(self, number: int) -> str:
+        return ServerPaths(self.roots[number]).log.read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for root in self.roots:
+            stop_layer_servers(root)
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[Nodes]:
+    """The test's :class:`Nodes` (under its ``tmp_path``), all stopped at teardown."""
+    group = Nodes(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
+
+
+@pytest.fixture
+def fake_peer() -> Iterator[Callable[[str], FakePeer]]:
+    """``make(behaviour)``: a :class:`FakePeer`, closed at teardown."""
+    made: list[FakePeer] = []
+
+    def make(behaviour: str) -> FakePeer:
+        made.append(FakePeer(behaviour))
+        return made[-1]
+
+    yield make
+    for peer in made:
+        peer.close()
+
+
+def pack_bytes_fetched(http: RangeHTTPServer) -> int:
+    """Bytes of pack objects the store served (by the ranges it was asked for)."""
+    total = 0
+    for _method, target, headers in http.requests:
+        if "/packs/" in target:
+            first, last = headers["Range"].removeprefix("bytes=").split("-")
+            total += int(last) - int(first) + 1
+    return total
+
+
+def scrape(address: str) -> dict[str, float]:
+    """The samples of a /metrics page, by their line's name and labels."""
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}  # fmt: skip
 
 
 def owned_by(index: LayerIndex, members: list[str], member: str) -> list[int]:
@@ -37,10 +139,16 @@ def owned_by(index: LayerIndex, members: list[str], member: str) -> list[int]:
 
 def block_request(store_url: str, index: LayerIndex, block: Block, token: str | None) -> bytes:
     """The request a member sends for ``block`` of ``index`` in the store at ``store_url``."""
-    place = BlockPlace(block.digest, index.packs[block.pack], block.offset, block.clen, block.rlen)
+    return place_request(store_url, BlockPlace(block.digest, index.packs[block.pack], block.offset, block.clen,
+                                               block.rlen), token)  # fmt: skip
+
+
+def place_request(store_url: str, place: BlockPlace, token: str | None, priority: str = "demand") -> bytes:
+    """A member's request for whatever ``place`` names (a real block or a made-up one) in the store at
+    ``store_url``, at ``priority``."""
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
-    target = block_target(peer_store_id(redact_url(store_url)), place, "demand")
-    return f"GET {target} HTTP/1.1\r\n{auth}\r\n".encode()
+    target = block_target(peer_store_id(redact_url(store_url)), place, priority)
+    return f"GET {target} HTTP/1.1\r\nHost: bootseer-peer\r\n{auth}\r\n".encode()
 
 
 def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
@@ -72,6 +180,9 @@ class FakePeer(ThreadingHTTPServer):
     """A peer that answers block requests as ``behaviour`` says (see the module docstring)."""
 
     daemon_threads = True
+    #: socketserver's default backlog is 5: an asker's burst of connections beyond it waited for a SYN
+    #: retransmit (1 s), past a short deadline, so the peer failed as "no connection in time" first
+    request_queue_size = 128
 
     def __init__(self, behaviour: str) -> None:
         self.behaviour = behaviour
@@ -137,7 +248,6 @@ class FakePeerHandler(BaseHTTPRequestHandler):
         return True
 
 
-
 class _PrintedRequests(list):
     """Requests printed as they come (the namespace's process reports them on stdout)."""
 
@@ -148,6 +258,7 @@ class _PrintedRequests(list):
 
 class _PrintingPeer(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = FakePeer.request_queue_size
 
     def __init__(self, address: tuple[str, int], behaviour: str) -> None:
         self.behaviour = behaviour

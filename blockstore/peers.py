@@ -354,21 +354,38 @@ class PriorityLimiter:
 
 
 class TokenBucket:
-    """Bytes per second, in bursts of at most a second's worth (0: unlimited)."""
+    """``rate`` bytes per second, in bursts of at most ``burst`` bytes (default: a second's worth; rate 0:
+    unlimited).  :meth:`take` waits for the bytes; :meth:`try_take` takes them only if they are there."""
 
-    def __init__(self, rate: int) -> None:
+    def __init__(self, rate: float, burst: float | None = None) -> None:
         self.rate = rate
-        self._level = float(rate)
+        self.burst = float(rate if burst is None else burst)
+        self._level = self.burst
         self._stamp = time.monotonic()
         self._lock = trio.Lock()
+
+    def level(self, now: float) -> float:
+        """The bytes available at ``now`` (a :func:`time.monotonic` reading)."""
+        return min(self.burst, self._level + (now - self._stamp) * self.rate)
+
+    def _refill(self, now: float) -> None:
+        self._level, self._stamp = self.level(now), now
+
+    def try_take(self, amount: int, now: float) -> bool:
+        """Take ``amount`` if the bucket holds it at ``now``; False (nothing taken) if not."""
+        if self.rate <= 0:
+            return True
+        self._refill(now)
+        if self._level < amount:
+            return False
+        self._level -= amount
+        return True
 
     async def take(self, amount: int) -> None:
         if self.rate <= 0:
             return
         async with self._lock:  # one sender at a time: first come, first served
-            now = time.monotonic()
-            self._level = min(float(self.rate), self._level + (now - self._stamp) * self.rate)
-            self._stamp = now
+            self._refill(time.monotonic())
             self._level -= amount
             if self._level < 0:
                 await trio.sleep(-self._level / self.rate)
@@ -396,14 +413,14 @@ class PeerRefused(Exception):
 
 @dataclass
 class _Budget:
-    level: float
-    stamp: float
+    bucket: TokenBucket
     logged: float = -BUDGET_WINDOW
 
 
 class PeerBudgets:
     """Store bytes each asking peer (by its address) may make this node fetch: ``budget`` bytes per
-    :data:`BUDGET_WINDOW` seconds, refilled evenly, a window's worth at most (0: no limit).
+    :data:`BUDGET_WINDOW` seconds, refilled evenly, a window's worth at most (0: no limit) — a
+    :class:`TokenBucket` per peer.
 
     Only store fetches are charged (a block served from memory or the node cache costs
     the store nothing).  A charge beyond what is left raises :class:`PeerRefused` (503),
@@ -416,27 +433,22 @@ class PeerBudgets:
         self._peers: dict[str, _Budget] = {}
         self.refused_bytes = 0
 
-    def _refilled(self, peer: str, now: float) -> _Budget:
+    def _state(self, peer: str, now: float) -> _Budget:
         state = self._peers.get(peer)
         if state is None:
             if len(self._peers) >= BUDGET_PEERS:  # forget the peers whose budget is whole again
-                for other in [p for p, b in self._peers.items() if self._level(b, now) >= self.budget]:
+                for other in [p for p, b in self._peers.items() if b.bucket.level(now) >= self.budget]:
                     del self._peers[other]
-            state = self._peers[peer] = _Budget(float(self.budget), now)
-        state.level = self._level(state, now)
-        state.stamp = now
+            state = self._peers[peer] = _Budget(TokenBucket(self.budget / self.window, burst=self.budget))
         return state
-
-    def _level(self, state: _Budget, now: float) -> float:
-        return min(float(self.budget), state.level + (now - state.stamp) * self.budget / self.window)
 
     def charge(self, peer: str, store_bytes: int) -> None:
         """Count ``store_bytes`` for ``peer``, or PeerRefused (503) if its budget has not that much left."""
         if self.budget <= 0:
             return
         now = time.monotonic()
-        state = self._refilled(peer, now)
-        if state.level < store_bytes:
+        state = self._state(peer, now)
+        if not state.bucket.try_take(store_bytes, now):
             self.refused_bytes += store_bytes
             PEER_BUDGET_REFUSED.inc(store_bytes)
             if now - state.logged >= self.window:
@@ -445,7 +457,6 @@ class PeerBudgets:
                             budget=self.budget, window=self.window)  # fmt: skip
             raise PeerRefused(503, f"Over Budget: this peer's {self.budget} store bytes per {self.window:g} s are spent",
                               "over_budget")  # fmt: skip
-        state.level -= store_bytes
 
     def allowance(self, peer: str) -> _PeerAllowance:
         """What one request of ``peer`` may fetch (a :class:`~bootseer.blockstore.reader.PeerAllowance`)."""

@@ -24,7 +24,7 @@ nginx serves from inside a network namespace behind a veth pair shaped to ``--ra
 two more starts on the same node: ``MODE-again`` (page cache dropped, every block in the node cache)
 and ``MODE-warm`` (not dropped).  The hit modes run once per node data path of ``--data-paths``
 (``erofs,tree``; named ``bootseer-hit@erofs``...): the timed hit starts the node's layer server itself
-(``blockstore.control.ensure_server``, as ``deps run`` would) so that it serves its metrics and gets
+(``blockstore.server.client.ensure_server``, as ``deps run`` would) so that it serves its metrics and gets
 ``--data-path`` when ``bootseer layer-server`` takes it (else the tree path alone, without the flag).
 Per run: the page cache's growth (``nodestats.file_pages``, after minus before) and, for the hits, the
 FUSE requests by operation (the layer server's Prometheus counters before and after).
@@ -51,7 +51,7 @@ from tests.support import netns  # noqa: E402
 from tests.support.nginx import Nginx  # noqa: E402
 from nodestats import file_pages, fuse_requests, scrape_metrics  # noqa: E402
 
-from bootseer.blockstore.control import (  # noqa: E402
+from bootseer.blockstore.server.client import (  # noqa: E402
     LayerServerClient, LayerServerError, ServerPaths, ServerSettings, ensure_server)
 
 REPO = Path(__file__).resolve().parent.parent

@@ -403,7 +403,7 @@ def lazy_node_figures(stack: harness.Stack) -> dict[str, float]:
 
 def layer_server_figures(socket_path: Path) -> dict[str, float]:
     """What the layer server says it fetched, served and cached (``status`` on its control socket)."""
-    from bootseer.blockstore.control import LayerServerClient
+    from bootseer.blockstore.server.client import LayerServerClient
 
     try:
         status = LayerServerClient(socket_path).status()
@@ -451,7 +451,7 @@ def profiled(socket_path: Path, out: Path | None) -> Iterator[None]:
     """
     spy = None
     if out is not None:
-        from bootseer.blockstore.control import LayerServerClient
+        from bootseer.blockstore.server.client import LayerServerClient
 
         try:
             pid = LayerServerClient(socket_path).status()["pid"]
@@ -534,7 +534,7 @@ class PrefetchWatch:
     def __init__(self, socket_path: Path, period: float = 0.2) -> None:
         import threading
 
-        from bootseer.blockstore.control import LayerServerClient
+        from bootseer.blockstore.server.client import LayerServerClient
 
         self.client = LayerServerClient(socket_path, timeout=5)
         self.period = period
@@ -739,7 +739,7 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
         found: dict[str, Any] = {}
 
         def published() -> bool:
-            from bootseer.blockstore.control import LayerServerClient
+            from bootseer.blockstore.server.client import LayerServerClient
 
             status = LayerServerClient(control_socket(stack)).call({"op": "hotlist.status"})
             done = [s for s in status.get("finished", []) if s.get("kind") == "recording"]
@@ -932,7 +932,7 @@ def chroot_start(root: Path, timeout: float, log_path: Path) -> tuple[float, str
 def layer_server_node(base: Path, store_url: str, data_path: str | None = None) -> Iterator[tuple[Path, str]]:
     """``bootseer layer-server --root BASE/root --store URL`` on a fresh root (``--data-path`` if given);
     yields its control socket and its metrics URL."""
-    from bootseer.blockstore.control import LayerServerClient
+    from bootseer.blockstore.server.client import LayerServerClient
 
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
@@ -978,7 +978,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
                       plain_too: bool = True) -> None:
     """The layer server alone (no containerd, no snapshotter) on ``data_path``: cold, local, and (``plain_too``)
     plain overlayfs beside it."""
-    from bootseer.blockstore.control import LayerServerClient
+    from bootseer.blockstore.server.client import LayerServerClient
 
     label = "fuse" + (f"-{data_path}" if data_path else "")
     log_path = work / "logs" / f"{label}{rep}.log"

@@ -41,9 +41,9 @@ from typing import Any, Callable
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bootseer.blockstore.control import LayerServerClient, ServerSettings, ensure_server  # noqa: E402
-from bootseer.blockstore.format import ChainRecord, chain_object, index_object  # noqa: E402
-from bootseer.blockstore.store import FileStoreWriter  # noqa: E402
+from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server  # noqa: E402
+from bootseer.blockstore.objects.format import ChainRecord, chain_object, index_object  # noqa: E402
+from bootseer.blockstore.objects.store import FileStoreWriter  # noqa: E402
 from bootseer.hotlist.format import hotlist_object  # noqa: E402
 from tests.support.bombs import hotlist_bomb, store_index_bomb, valid_hotlist  # noqa: E402
 from tests.support.layer_servers import stop_layer_servers  # noqa: E402

@@ -42,9 +42,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from bootseer.blockstore.control import ServerSettings, ensure_server  # noqa: E402
-from bootseer.blockstore.peer_wire import BlockPlace, block_target  # noqa: E402
-from bootseer.blockstore.peers import PeerConfig, peer_store_id  # noqa: E402
+from bootseer.blockstore.server.client import ServerSettings, ensure_server  # noqa: E402
+from bootseer.blockstore.peers.wire import BlockPlace, block_target  # noqa: E402
+from bootseer.blockstore.peers.service import PeerConfig, peer_store_id  # noqa: E402
 from bootseer.fetch.sources import redact_url  # noqa: E402
 from tests.support import netns  # noqa: E402
 from tests.support.http import free_port  # noqa: E402

@@ -123,7 +123,7 @@ def peers_store_copy(cache: Path) -> Path:
 def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: float) -> dict[str, Any]:
     """The image's first boot on a layer server alone, recorded and published into ``store`` (see the module
     docstring); the list's summary.  Cached: a store holding the list is used as it is."""
-    from bootseer.blockstore.control import LayerServerClient
+    from bootseer.blockstore.server.client import LayerServerClient
 
     found = lazy_bench.read_hot_list(store, image)
     if found is not None:
@@ -163,9 +163,9 @@ def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: 
 
 def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Image:
     """The hot list resolved against the layers' indexes (from ``store``): the replay's reads in its order."""
-    from bootseer.blockstore.convert import verify_layer
-    from bootseer.blockstore.format import EntryType, LayerIndex, index_object
-    from bootseer.blockstore.store import FileStoreWriter
+    from bootseer.blockstore.convert.converter import verify_layer
+    from bootseer.blockstore.objects.format import EntryType, LayerIndex, index_object
+    from bootseer.blockstore.objects.store import FileStoreWriter
     from bootseer.hotlist.format import HotList, hotlist_object, resolve
 
     chains = lazy_bench.harness.chain_ids([layer.diff_id for layer in image.layers])

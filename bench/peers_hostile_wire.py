@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server  # noqa: E402
-from bootseer.blockstore.peers import PeerConfig  # noqa: E402
+from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server  # noqa: E402
+from bootseer.blockstore.peers.service import PeerConfig  # noqa: E402
 from tests.support.http import RangeHTTPServer, free_port  # noqa: E402
 from tests.support.layer_servers import stop_layer_servers  # noqa: E402
 from tests.support.layer_store import BuiltLayer, build_store  # noqa: E402

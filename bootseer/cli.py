@@ -19,11 +19,11 @@ from bootseer.log import FORMATS, LEVELS, setup_logging
 # path should not pay half a second for them.
 SUBCOMMANDS: dict[str, str] = {
     "ckpt": "bootseer.ckptmount.cli",
-    "convert": "bootseer.blockstore.cli",
-    "keys": "bootseer.blockstore.keys_cli",
+    "convert": "bootseer.blockstore.convert.cli",
+    "keys": "bootseer.blockstore.objects.keys_cli",
     "rpull": "bootseer.rpull_cli",
-    "layer-server": "bootseer.blockstore.server_cli",
-    "peers": "bootseer.blockstore.peers_cli",
+    "layer-server": "bootseer.blockstore.server.cli",
+    "peers": "bootseer.blockstore.peers.cli",
     "hotlist": "bootseer.hotlist.cli",
     "profile": "bootseer.profile.cli",
     "deps": "bootseer.depsnap.cli",

@@ -44,7 +44,7 @@ import grpc
 from google.protobuf import field_mask_pb2
 
 from bootseer import images
-from bootseer.blockstore.format import chain_ids
+from bootseer.blockstore.objects.format import chain_ids
 from bootseer.images import Descriptor, ImageSource, ResolvedImage
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced

@@ -14,7 +14,7 @@ Two shapes of "what changed", one code path after them:
 :func:`write_tar` writes the change as an OCI layer tar (PAX: nanosecond mtimes,
 xattrs, ``.wh.`` whiteouts, ``.wh..wh..opq``, hard links), hashing it for its diffID
 on the way; :func:`publish_capture` feeds that tar to the converter's own packer
-(:func:`blockstore.convert.convert_layer`: packs, dedup segment, index, chain record),
+(:func:`blockstore.convert.converter.convert_layer`: packs, dedup segment, index, chain record),
 then **verifies** the layer against the directory (every entry's metadata, every
 block's SHA-256 read again from disk, and a second scan that must equal the first: a
 tree that changed while it was captured is never published), and writes the deps
@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import BinaryIO, Iterable
 
 from bootseer import __version__, confined
-from bootseer.blockstore.convert import ConversionError, DedupTable, convert_layer, verify_layer
-from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, OVERLAY_XATTR_PREFIX, EntryType, LayerIndex, chain_id, index_object
-from bootseer.blockstore.signing import SigningKey
-from bootseer.blockstore.store import StoreWriter
-from bootseer.blockstore.tarlayer import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
+from bootseer.blockstore.convert.converter import ConversionError, DedupTable, convert_layer, verify_layer
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, OVERLAY_XATTR_PREFIX, EntryType, LayerIndex, chain_id, index_object
+from bootseer.blockstore.objects.signing import SigningKey
+from bootseer.blockstore.objects.store import StoreWriter
+from bootseer.blockstore.convert.tarlayer import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX
 from bootseer.log import get_logger
 
 from .record import DepsRecord, deps_object

@@ -176,8 +176,8 @@ def key_command(args: argparse.Namespace) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from bootseer.blockstore.control import ServerSettings
-    from bootseer.blockstore.signing import KeyFileError
+    from bootseer.blockstore.server.client import ServerSettings
+    from bootseer.blockstore.objects.signing import KeyFileError
     from bootseer.hotlist.format import HotListError, check_profile
 
     from .key import KeyError_
@@ -218,8 +218,8 @@ def release_command(args: argparse.Namespace) -> int:
 
 def _records(store: str) -> list[tuple[str, Any]]:
     """(key, DepsRecord or error text) of every record in a listable store."""
-    from bootseer.blockstore.format import FormatError
-    from bootseer.blockstore.store import open_store_writer
+    from bootseer.blockstore.objects.format import FormatError
+    from bootseer.blockstore.objects.store import open_store_writer
 
     from .record import DEPS_PREFIX, DepsRecord, key_of_object
 
@@ -240,7 +240,7 @@ def _records(store: str) -> list[tuple[str, Any]]:
 
 
 def ls_command(args: argparse.Namespace) -> int:
-    from bootseer.blockstore.store import StoreError
+    from bootseer.blockstore.objects.store import StoreError
 
     from .prefix import NodeRoot
 
@@ -279,7 +279,7 @@ def _captured_at(record: Any) -> datetime.datetime:
 
 
 def prune_command(args: argparse.Namespace) -> int:
-    from bootseer.blockstore.store import StoreError, open_store_writer
+    from bootseer.blockstore.objects.store import StoreError, open_store_writer
 
     from .record import deps_object
 
@@ -311,7 +311,7 @@ def prune_command(args: argparse.Namespace) -> int:
 
 
 def rm_command(args: argparse.Namespace) -> int:
-    from bootseer.blockstore.store import StoreError, open_store_writer
+    from bootseer.blockstore.objects.store import StoreError, open_store_writer
 
     from .key import KeyError_, check_key
     from .record import deps_object

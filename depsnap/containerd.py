@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from bootseer import confined
-from bootseer.blockstore.signing import SigningKey, TrustPolicy, load_signing_key
-from bootseer.blockstore.store import StoreError, open_store_writer
+from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, load_signing_key
+from bootseer.blockstore.objects.store import StoreError, open_store_writer
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
 

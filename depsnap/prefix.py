@@ -50,10 +50,10 @@ from typing import Iterator, Mapping, Sequence
 import prometheus_client
 import trio
 
-from bootseer.blockstore import control
-from bootseer.blockstore.format import FormatError
-from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
-from bootseer.blockstore.store import StoreError, open_store, open_store_writer
+from bootseer.blockstore.server import client as control
+from bootseer.blockstore.objects.format import FormatError
+from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
+from bootseer.blockstore.objects.store import StoreError, open_store, open_store_writer
 from bootseer.fetch.engine import EngineConfig, FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.hotlist import hooks as hotlist_hooks

@@ -1,10 +1,10 @@
 """The deps record (``v1/deps/<key>.json``): what makes a dependency snapshot visible in a store.
 
 A record names the layer (a ChainID whose chain record, index and packs are in the
-same store, written by :mod:`blockstore.convert`) holding what an install created,
+same store, written by :mod:`blockstore.convert.converter`) holding what an install created,
 changed or deleted, under the key of everything that decided it
 (:mod:`depsnap.key`).  It is written last, after the layer is published and
-verified, and first writer wins (:meth:`bootseer.blockstore.store.StoreWriter.put_if_absent`):
+verified, and first writer wins (:meth:`bootseer.blockstore.objects.store.StoreWriter.put_if_absent`):
 a capture that fails or is killed never leaves one, and two captures of one key
 leave one whole record.  Only ``bootseer deps rm|prune`` remove records; the layers
 they named stay for the store's garbage collector (FORMAT.md).
@@ -18,8 +18,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from bootseer.blockstore.format import FORMAT_VERSION, FormatError, check_digest, chain_id
-from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
+from bootseer.blockstore.objects.format import FORMAT_VERSION, FormatError, check_digest, chain_id
+from bootseer.blockstore.objects.signing import Signed, SigningKey, sign_document, signatures_of
 
 #: Where deps records live.
 DEPS_PREFIX = f"v{FORMAT_VERSION}/deps"

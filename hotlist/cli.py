@@ -26,8 +26,8 @@ from typing import Any
 
 import trio
 
-from bootseer.blockstore.format import FormatError, chain_ids, check_digest
-from bootseer.blockstore.format import max_blocks as record_max_blocks
+from bootseer.blockstore.objects.format import FormatError, chain_ids, check_digest
+from bootseer.blockstore.objects.format import max_blocks as record_max_blocks
 from bootseer.fetch.sources import redact_url
 from bootseer.hotlist.format import (
     MAX_LAYERS,
@@ -83,7 +83,7 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
 def layer_server_hotlist_config(args: argparse.Namespace) -> HotListConfig:
     """The :class:`HotListConfig` the options ask for; ValueError for a bad one."""
     if args.publish_store:
-        from bootseer.blockstore.store import ReadOnlyStore, open_store_writer
+        from bootseer.blockstore.objects.store import ReadOnlyStore, open_store_writer
 
         try:
             open_store_writer(args.publish_store).close()
@@ -174,7 +174,7 @@ async def _image_blocks(store: Any, top: str) -> int | None:
 
 
 async def _read_lists(url: str, top: str, profiles: list[str] | None) -> dict[str, HotList | Exception | None]:
-    from bootseer.blockstore.store import open_store
+    from bootseer.blockstore.objects.store import open_store
     from bootseer.fetch.source import NotFound
 
     out: dict[str, HotList | Exception | None] = {}
@@ -240,7 +240,7 @@ def show_command(args: argparse.Namespace) -> int:
 
 
 def _clear(args: argparse.Namespace, *, every: bool) -> tuple[str, list[str]]:
-    from bootseer.blockstore.store import open_store_writer
+    from bootseer.blockstore.objects.store import open_store_writer
 
     top = top_chain_id(args.image, plain_http=args.plain_http)
     removed = []
@@ -283,13 +283,13 @@ def record_command(args: argparse.Namespace) -> int:
 
 
 def _client(root: str) -> Any:
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
 
     return LayerServerClient(ServerPaths(__import__("pathlib").Path(root)).socket)
 
 
 def seal_command(args: argparse.Namespace) -> int:
-    from bootseer.blockstore.control import LayerServerError
+    from bootseer.blockstore.server.client import LayerServerError
 
     try:
         answer = _client(args.root).call({"op": "hotlist.seal", "container": args.container})
@@ -302,7 +302,7 @@ def seal_command(args: argparse.Namespace) -> int:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    from bootseer.blockstore.control import LayerServerError
+    from bootseer.blockstore.server.client import LayerServerError
 
     try:
         answer = _client(args.root).call({"op": "hotlist.status"})

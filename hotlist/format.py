@@ -8,7 +8,7 @@ container's writable snapshot was prepared).  It says when and where (node,
 container) it was recorded and why recording ended.
 
 On disk it is a sealed object, as a layer index is
-(:func:`bootseer.blockstore.format.encode_sealed`/``decode_sealed``): a header (magic
+(:func:`bootseer.blockstore.objects.format.encode_sealed`/``decode_sealed``): a header (magic
 ``BSHOTL01``, format version, payload length, payload SHA-256) and a zstd-compressed
 JSON payload.  :meth:`HotList.decode` never trusts the store: a
 truncated, tampered, oversized or malformed object, or one stored under another
@@ -27,10 +27,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from bootseer.blockstore.format import FORMAT_VERSION as STORE_FORMAT_VERSION
-from bootseer.blockstore.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed, sealed_size_bound
-from bootseer.blockstore.jsonstream import ArrayRule, read_document
-from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
+from bootseer.blockstore.objects.format import FORMAT_VERSION as STORE_FORMAT_VERSION
+from bootseer.blockstore.objects.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed, sealed_size_bound
+from bootseer.blockstore.objects.jsonstream import ArrayRule, read_document
+from bootseer.blockstore.objects.signing import Signed, SigningKey, sign_document, signatures_of
 
 HOTLIST_VERSION = 1
 HOTLIST_MAGIC = b"BSHOTL01"
@@ -68,7 +68,7 @@ def max_object_bytes(max_blocks: int | None = None) -> int:
 
 async def read_hot_list_object(store: Any, image: str, profile: str, max_blocks: int | None) -> bytes | None:
     """The stored bytes of ``image``'s hot list for ``profile`` from ``store`` (a
-    :class:`~bootseer.blockstore.store.StoreReader`), None if there is none.
+    :class:`~bootseer.blockstore.objects.store.StoreReader`), None if there is none.
 
     An object larger than ``max_blocks`` rows can take (:func:`max_object_bytes`) is
     refused from its size, unread, with a HotListError naming the bound; the store's

@@ -37,7 +37,7 @@ def _send(root: Any, request: dict[str, Any]) -> dict[str, Any] | None:
     """Send ``request`` to the layer server of ``root`` (None: no lazy layers there); its answer or None."""
     if root is None:
         return None
-    from bootseer.blockstore.control import InvalidRequest, LayerServerClient, LayerServerError, ServerPaths
+    from bootseer.blockstore.server.client import InvalidRequest, LayerServerClient, LayerServerError, ServerPaths
 
     client = LayerServerClient(ServerPaths(Path(root)).socket, timeout=NOTIFY_TIMEOUT)
     try:

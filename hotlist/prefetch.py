@@ -3,7 +3,7 @@
 A :class:`Prefetch` walks the resolved hot list (:func:`bootseer.hotlist.format.resolve`)
 in order, in batches of consecutive blocks of one layer (at most ``batch_bytes``
 compressed), with at most ``concurrency`` batches in flight, each one call of the
-layer's :meth:`BlockFetcher.blocks <bootseer.blockstore.reader.BlockFetcher.blocks>`
+layer's :meth:`BlockFetcher.blocks <bootseer.blockstore.node.reader.BlockFetcher.blocks>`
 at ``Priority.PREFETCH``: the same fetch path as reads (verification, node cache,
 the engine's coalescing of neighbours into range requests, retries).  Because each
 batch is small, the engine always holds only a few MiB of prefetch in its queue, so
@@ -47,7 +47,7 @@ from typing import Any, Callable, Protocol, Sequence
 import prometheus_client
 import trio
 
-from bootseer.blockstore.format import LayerIndex
+from bootseer.blockstore.objects.format import LayerIndex
 from bootseer.fetch.engine import Priority
 from bootseer.hotlist.format import ResolvedBlock
 from bootseer.log import get_logger
@@ -115,7 +115,7 @@ class Warmer(Protocol):
 
 
 class Fetcher(Protocol):
-    """What a prefetch fetches through: ``blockstore.reader.BlockFetcher``."""
+    """What a prefetch fetches through: ``blockstore.node.reader.BlockFetcher``."""
 
     async def blocks(self, index: LayerIndex, refs: Sequence[int], priority: Priority = Priority.DEMAND) -> list[bytes]:
         """The raw, verified blocks ``refs`` of ``index`` (OSError, EIO, when they cannot be had)."""
@@ -412,7 +412,7 @@ class Prefetch:
 
 
 def cache_checker(cache: Any) -> Callable[[str], bool] | None:
-    """A cheap "is this block in the node cache" test for ``blockstore.cache.BlockCache`` (its file exists)."""
+    """A cheap "is this block in the node cache" test for ``blockstore.node.block_cache.BlockCache`` (its file exists)."""
     if cache is None or not hasattr(cache, "path_of"):
         return None
     return lambda digest: os.path.exists(cache.path_of(digest))

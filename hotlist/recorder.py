@@ -33,7 +33,7 @@ from typing import Sequence
 import trio
 
 from bootseer import __version__, confined
-from bootseer.blockstore.format import LayerIndex
+from bootseer.blockstore.objects.format import LayerIndex
 from bootseer.hotlist.format import HotBlock, HotList
 
 #: Why a recording ended (the hot list's ``sealed_by``).

@@ -1,6 +1,6 @@
 """Hot lists inside the layer server: record first boots, prefetch later ones, account for every read.
 
-One :class:`HotListService` lives in the layer server (:mod:`bootseer.blockstore.server`)
+One :class:`HotListService` lives in the layer server (:mod:`bootseer.blockstore.server.layer_server`)
 and is that server's only hot-list code.  It is told three things:
 
 * ``layer_mounted(chain_id)`` (the server mounted a layer: rpull or containerd's
@@ -22,12 +22,12 @@ and is that server's only hot-list code.  It is told three things:
   its recording seals; a prefetch whose containers are all gone stops, with a
   summary line.
 
-And, as the layers' read observer (:class:`~bootseer.blockstore.layerfs.ReadObserver`),
+And, as the layers' read observer (:class:`~bootseer.blockstore.datapath.tree.ReadObserver`),
 every FUSE open and read of a served layer's files (:meth:`opened`, :meth:`read`)
 and every read of its blob (:meth:`blob_read`).  A file read is attributed at its
 open, through the opener's pid and cgroup (:mod:`bootseer.hotlist.attribution`); a
 blob read, which has no open of its own, at the read, through the reader's pid and
-cgroup (0 when unknown: see :class:`~bootseer.blockstore.layerfs.LayerBlobOpenFile`).
+cgroup (0 when unknown: see :class:`~bootseer.blockstore.datapath.tree.LayerBlobOpenFile`).
 Both record first touches in the order reads arrive and classify them for prefetches
 alike.  A blob read of a block that a page-cache warmer is reading through the
 layer's EROFS mount at that moment (:class:`~bootseer.hotlist.warm.WarmReads`) is the
@@ -49,10 +49,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 import prometheus_client
 import trio
 
-from bootseer.blockstore.format import Entry, FormatError, LayerIndex
-from bootseer.blockstore.datapath import EROFS_PATHS
-from bootseer.blockstore.layerfs import LayerTree
-from bootseer.blockstore.signing import Untrusted
+from bootseer.blockstore.objects.format import Entry, FormatError, LayerIndex
+from bootseer.blockstore.datapath.choice import EROFS_PATHS
+from bootseer.blockstore.datapath.tree import LayerTree
+from bootseer.blockstore.objects.signing import Untrusted
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.fuse.operations import OPENER_PID
@@ -122,11 +122,11 @@ class _Container:
 
 
 if TYPE_CHECKING:
-    from bootseer.blockstore.cache import BlockCache
-    from bootseer.blockstore.control_ops import ControlOps
-    from bootseer.blockstore.control import ServerPaths
-    from bootseer.blockstore.reader import BlockFetcher
-    from bootseer.blockstore.server import Layer, LayerServerConfig
+    from bootseer.blockstore.node.block_cache import BlockCache
+    from bootseer.blockstore.server.ops import ControlOps
+    from bootseer.blockstore.server.client import ServerPaths
+    from bootseer.blockstore.node.reader import BlockFetcher
+    from bootseer.blockstore.server.layer_server import Layer, LayerServerConfig
     from bootseer.fetch.engine import Engine
     from bootseer.fuse.mount import FuseSession
 
@@ -176,7 +176,7 @@ class HotListService:
 
     async def _read_hot_list(self, image: str, profile: str) -> HotList | None:
         """The store's hot list for (image, profile): None if there is none; HotListError if it is bad."""
-        from bootseer.blockstore.store import StoreReader
+        from bootseer.blockstore.objects.store import StoreReader
 
         store = self.server.layers[image].store
         engine, _fetcher = await self.server.fetcher(store)
@@ -411,7 +411,7 @@ class HotListService:
         log.debug("recording discarded", container=recording.container, why=why)
 
     async def _publish(self, recording: Recording) -> None:
-        from bootseer.blockstore.store import StoreError
+        from bootseer.blockstore.objects.store import StoreError
 
         if self.recordings.get(recording.container) is recording:
             del self.recordings[recording.container]
@@ -491,7 +491,7 @@ class HotListService:
 
     async def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
         """Answer a ``hotlist.*`` control request."""
-        from bootseer.blockstore.control import InvalidRequest
+        from bootseer.blockstore.server.client import InvalidRequest
 
         def text(name: str, required: bool = True) -> str:
             value = request.get(name, "")
@@ -521,7 +521,7 @@ class HotListService:
             raise InvalidRequest(str(exc)) from None
         raise InvalidRequest(f"unknown operation {op!r} (hotlist.prepared, hotlist.removed, hotlist.seal, hotlist.status)")
 
-    # -- the read observer (blockstore.layerfs.ReadObserver: every open and read of a served layer) --
+    # -- the read observer (blockstore.datapath.tree.ReadObserver: every open and read of a served layer) --
 
     def opened(self, tree: LayerTree) -> OpenTag | None:
         """Who opened a file of ``tree``'s layer; None when nothing records or prefetches that layer."""
@@ -605,7 +605,7 @@ class HotListService:
 
 
 def _publish_blocking(url: str, name: str, data: bytes) -> bool:
-    from bootseer.blockstore.store import open_store_writer
+    from bootseer.blockstore.objects.store import open_store_writer
 
     with open_store_writer(url) as writer:
         return writer.put_if_absent(name, data)  # first writer wins

@@ -23,7 +23,7 @@ warmer is told per layer by a :data:`WarmTarget`:
   licence in many packages) is stored into each of them, up to :data:`MAX_PLACEMENTS`
   files (the page cache is per file).
 * :class:`ErofsTarget` (EROFS answers the tree, its files' chunks in the layer's blob):
-  EROFS reads the blob with direct I/O (see :mod:`bootseer.blockstore.erofs_mount`), so
+  EROFS reads the blob with direct I/O (see :mod:`bootseer.blockstore.datapath.erofs_mount`), so
   the only page cache a block lands in is that of the EROFS files that hold it, and a
   store notification into the blob would be seen by no one.  The warmer reads the
   block's range of each such file through the EROFS mount instead (from its worker
@@ -62,8 +62,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
 from bootseer import confined
-from bootseer.blockstore.format import EntryType, LayerIndex
-from bootseer.blockstore.layerfs import inode_number
+from bootseer.blockstore.objects.format import EntryType, LayerIndex
+from bootseer.blockstore.datapath.tree import inode_number
 from bootseer.hotlist.format import ResolvedBlock
 from bootseer.log import get_logger
 

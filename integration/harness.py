@@ -268,7 +268,7 @@ def bootseer_rpull(stack: "Stack", ref: str) -> str:
 
 def layer_server(stack: "Stack"):
     """A control client of the layer server the stack's daemon started."""
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
 
     return LayerServerClient(ServerPaths(stack.daemon.root).socket)
 

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bootseer.blockstore.control import ServerPaths
+from bootseer.blockstore.server.client import ServerPaths
 from bootseer.depsnap.containerd import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, container_store_key
 from integration import harness

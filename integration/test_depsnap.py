@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 
-from bootseer.blockstore.format import chain_ids
+from bootseer.blockstore.objects.format import chain_ids
 from bootseer.depsnap.containerd import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, container_store_key
 from bootseer.depsnap.record import DepsRecord

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.format import chain_ids
-from bootseer.blockstore.store import open_store_writer
+from bootseer.blockstore.objects.format import chain_ids
+from bootseer.blockstore.objects.store import open_store_writer
 from bootseer.depsnap.capture import publish_capture, scan, upper_change
 from bootseer.depsnap.containerd import DEPS_LABEL, EXCLUDED
 from bootseer.depsnap.key import compute_key, container_store_key

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.signing import generate_key
+from bootseer.blockstore.objects.signing import generate_key
 from integration import harness
 from integration.harness import bootseer_convert as convert
 from integration.harness import bootseer_rpull as rpull
@@ -94,6 +94,6 @@ def test_a_node_trusting_a_node_key_stacks_its_signed_capture_and_installs_over_
 
 
 def _key_id(private_key: Path) -> str:
-    from bootseer.blockstore.signing import load_signing_key
+    from bootseer.blockstore.objects.signing import load_signing_key
 
     return load_signing_key(private_key).public.id

@@ -4,7 +4,7 @@
 ``snapshot.go`` takes a ``FileSystem``: the snapshot logic decides *when* a layer is
 served lazily (Prepare with ``containerd.io/snapshot.ref``, parent checked, two-phase
 mount, Remove, restore) and the backend knows *how* (the store's chain records, the
-FUSE layer server).  The daemon's backend is :class:`~.layer_server.LayerServerBackend`;
+FUSE layer server).  The daemon's backend is :class:`~.layer_backend.LayerServerBackend`;
 tests use small real ones.
 
 Every method is blocking and thread-safe (gRPC threads call them).  A failure is a

@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
-from bootseer.blockstore.peers import PeerConfig, PeerConfigError
-from bootseer.blockstore.signing import KeyFileError, TrustPolicy
+from bootseer.blockstore.peers.service import PeerConfig, PeerConfigError
+from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import check_local_root, check_url, redact_url
@@ -262,7 +262,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             raise invalid("fuse.metrics_address", str(exc)) from None
         if layer_server_metrics == merged["metrics_address"]:
             raise invalid("fuse.metrics_address", f"is the daemon's own metrics_address ({layer_server_metrics}); give each its own port")
-    from bootseer.blockstore.datapath import DATA_PATHS
+    from bootseer.blockstore.datapath.choice import DATA_PATHS
 
     if merged["fuse.data_path"] not in DATA_PATHS:
         raise invalid("fuse.data_path", f"must be one of {', '.join(DATA_PATHS)}, not {merged['fuse.data_path']!r}")

@@ -6,7 +6,7 @@ containerd's config points a ``proxy_plugins`` entry at the daemon's socket::
       type = "snapshot"
       address = "/run/bootseer/snapshotter.sock"
 
-The daemon serves containerd's Snapshots API (:mod:`.service`) over a unix socket
+The daemon serves containerd's Snapshots API (:mod:`.grpc_service`) over a unix socket
 from a thread pool; the :class:`~.snapshots.Snapshotter` below it is thread-safe.
 
 Lifecycle:
@@ -66,15 +66,15 @@ from bootseer import __version__
 from bootseer.log import FORMATS, LEVELS, get_logger, setup_logging
 from bootseer.metrics import serve_metrics
 
-from bootseer.blockstore.cache import check_cache_dir
-from bootseer.blockstore.control import LayerServerError, ServerPaths, ServerSettings, ServerStartError
+from bootseer.blockstore.node.block_cache import check_cache_dir
+from bootseer.blockstore.server.client import LayerServerError, ServerPaths, ServerSettings, ServerStartError
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import carries_secret, redact_url
 
-from . import config, service
+from . import config, grpc_service
 from .backend import LayerBackend
 from .errors import CorruptMetadata, RootLocked, SchemaTooNew
-from .layer_server import LayerServerBackend
+from .layer_backend import LayerServerBackend
 from .snapshots import Snapshotter
 
 log = get_logger(__name__)
@@ -208,12 +208,12 @@ class Daemon:
                 self._watch_layer_server(backend, cleanup)
             snapshotter.restore()  # logs what it restored and any damage it found
 
-            collector = service.SnapshotCountCollector(snapshotter)
+            collector = grpc_service.SnapshotCountCollector(snapshotter)
             prometheus_client.REGISTRY.register(collector)
             cleanup.callback(prometheus_client.REGISTRY.unregister, collector)
             metrics_address = self._serve_metrics()
 
-            self._server = service.create_server(snapshotter, GRPC_WORKERS)
+            self._server = grpc_service.create_server(snapshotter, GRPC_WORKERS)
             cleanup.callback(self._server.stop, None)  # on the way out after a failure; else a no-op
             bound = listen(self._server, address)
             cleanup.callback(remove_socket, address, bound)

@@ -3,7 +3,7 @@
 containerd's proxy client maps gRPC status codes back to its ``errdefs`` kinds, and
 its callers branch on them (an ALREADY_EXISTS from Prepare means "the layer is
 already there, skip the download").  The snapshot logic raises these kinds and knows
-nothing of gRPC; the service edge (:mod:`.service`) maps each kind to its status code,
+nothing of gRPC; the service edge (:mod:`.grpc_service`) maps each kind to its status code,
 and the daemon turns the start-up kinds (:class:`RootLocked`, :class:`SchemaTooNew`,
 :class:`CorruptMetadata`) into a one-line refusal.
 """

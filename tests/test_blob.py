@@ -32,12 +32,12 @@ import trio
 if __name__ == "__main__":  # the mount program (see _serve_blob): make the repository's tests package importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server
-from bootseer.blockstore.format import Entry, LayerIndex, pack_object
-from bootseer.blockstore.layerfs import BLOBS, LayerBlobOpenFile, LayerTree, blob_inode_number
-from bootseer.blockstore.reader import BlockFetcher, LayerReader
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.node.block_cache import BlockCache
+from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.objects.format import Entry, LayerIndex, pack_object
+from bootseer.blockstore.datapath.tree import BLOBS, LayerBlobOpenFile, LayerTree, blob_inode_number
+from bootseer.blockstore.node.reader import BlockFetcher, LayerReader
+from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.fetch.engine import FetchError, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
@@ -222,8 +222,8 @@ def test_a_tampered_pack_block_is_eio_from_the_blob_never_wrong_bytes(
 @needs_fuse
 def test_an_erofs_image_with_the_blob_file_as_its_device_serves_the_layer(built: Any, server: Any, tmp_path: Path) -> None:
     """The kernel reads files' chunks from ``blobs/<slot>``: the EROFS view equals the per-file FUSE view."""
-    erofs = pytest.importorskip("bootseer.blockstore.erofs", reason="the EROFS writer (branch h/erofs) is not merged here")
-    erofs_mount = pytest.importorskip("bootseer.blockstore.erofs_mount", reason="EROFS mounting (branch h/erofs) is not merged here")
+    erofs = pytest.importorskip("bootseer.blockstore.datapath.erofs_image", reason="the EROFS writer (branch h/erofs) is not merged here")
+    erofs_mount = pytest.importorskip("bootseer.blockstore.datapath.erofs_mount", reason="EROFS mounting (branch h/erofs) is not merged here")
     from tests.support.trees import disk_tree
 
     store, layers = built
@@ -318,7 +318,7 @@ def test_blob_reads_are_attributed_to_the_reading_process_and_recorded_in_first_
 
 def _serve_blob(store: str, index_path: str, mountpoint: str) -> None:
     """The mount program: a LayersRoot serving one layer in slot 1, its observer printing every blob read."""
-    from bootseer.blockstore.layerfs import LayersRoot
+    from bootseer.blockstore.datapath.tree import LayersRoot
     from bootseer.fuse import ReadOnlyOperations, end_on_signals, mount_options, serve
 
     class Printing:

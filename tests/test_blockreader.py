@@ -1,6 +1,6 @@
 """BlockFetcher, LayerReader and the node block cache over real stores.
 
-Stores are built with ``blockstore/format.py`` (:func:`tests.support.packed_layers.pack_layer`,
+Stores are built with ``blockstore/objects/format.py`` (:func:`tests.support.packed_layers.pack_layer`,
 a tiny packer: zstd blocks in packs, deduplicated, zero blocks stored nowhere) and served from a directory
 (``LocalSource``, wrapped in ``FaultySource`` to count and fail reads) or over HTTP
 (``tests/support/http.py``'s range server, which counts requests).  Trio runs on
@@ -20,9 +20,9 @@ import pytest
 import trio
 import trio.testing
 
-from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.format import Entry, EntryType, LayerIndex, pack_object
-from bootseer.blockstore.reader import BlockFetcher, LayerReader, layer_label
+from bootseer.blockstore.node.block_cache import BlockCache
+from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex, pack_object
+from bootseer.blockstore.node.reader import BlockFetcher, LayerReader, layer_label
 from bootseer.fetch.engine import FetchError, Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.cache import BlockCache
+from bootseer.blockstore.node.block_cache import BlockCache
 
 BLOCK = 4 << 20  # a large block: 1,024 pages that would all stay resident
 

@@ -1,4 +1,4 @@
-"""The layer server's table of control operations (``blockstore/control_ops.py``): names, families, refusals."""
+"""The layer server's table of control operations (``blockstore/server/ops.py``): names, families, refusals."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import trio
 
-from bootseer.blockstore.control import InvalidRequest
-from bootseer.blockstore.control_ops import ControlOps
+from bootseer.blockstore.server.client import InvalidRequest
+from bootseer.blockstore.server.ops import ControlOps
 
 
 def test_an_operation_is_answered_by_its_handler_and_a_family_by_its_prefix() -> None:

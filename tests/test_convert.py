@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.convert import ConversionError, Progress, convert_image, verify_layer
-from bootseer.blockstore.format import LayerIndex, chain_object, index_object, pack_object
-from bootseer.blockstore.store import FileStoreWriter
-from bootseer.blockstore.tarlayer import TarLimits
+from bootseer.blockstore.convert.converter import ConversionError, Progress, convert_image, verify_layer
+from bootseer.blockstore.objects.format import LayerIndex, chain_object, index_object, pack_object
+from bootseer.blockstore.objects.store import FileStoreWriter
+from bootseer.blockstore.convert.tarlayer import TarLimits
 from bootseer import cli
 from bootseer.images import DigestMismatch, open_image
 from tests.support import layers as L
@@ -334,7 +334,7 @@ def test_cli_converts_and_prints_progress_and_a_summary(rich_image, tmp_path, ca
 def test_progress_on_a_terminal_is_one_live_line():
     stream = io.StringIO()
     progress = Progress(stream, live=True, interval=0)
-    from bootseer.blockstore.convert import BlockStats
+    from bootseer.blockstore.convert.converter import BlockStats
 
     stats = BlockStats(blocks=10, raw_bytes=10 << 20, stored=4)
     progress.start_layer("layer 1/1", stats, lambda: 5 << 20)
@@ -449,7 +449,7 @@ def test_a_conversion_killed_midway_publishes_nothing_and_a_rerun_completes(tmp_
 
 def test_pack_writer_output_does_not_depend_on_its_threads(tmp_path):
     """Blocks are compressed on threads but written in order: same packs, same index, with 1 or 4 workers."""
-    from bootseer.blockstore.convert import DedupTable, PackWriter
+    from bootseer.blockstore.convert.converter import DedupTable, PackWriter
 
     blocks = [blob_data(BLOCK)[i:] + bytes(i) for i in range(0, 40 * 997, 997)] + [bytes(BLOCK), b"short tail"]
     results = []
@@ -472,7 +472,7 @@ def test_a_layers_index_does_not_depend_on_when_its_dedup_references_are_checked
     """A layer that references a block of another layer's pack and stores new ones: the packs are numbered by
     first block, whether the reference is checked at once (a batch of one block) or after the new blocks
     were written (one batch at the end), so a conversion gives the same index, and one digest, every time."""
-    from bootseer.blockstore.convert import DedupTable, PackWriter
+    from bootseer.blockstore.convert.converter import DedupTable, PackWriter
 
     store = tmp_path / "store"
     shared, new = blob_data(BLOCK), blob_data(3 * BLOCK)[BLOCK:]

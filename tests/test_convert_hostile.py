@@ -11,7 +11,7 @@
   checks the blocks it trusts in a few coalesced range reads.
 
 Conversions run through the real converter into real file stores; reads go through
-:class:`blockstore.reader.LayerReader` over the store's fetch engine, as a node reads.
+:class:`blockstore.node.reader.LayerReader` over the store's fetch engine, as a node reads.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from bootseer.blockstore.convert import ConversionError, DedupTable, PackWriter, convert_image, verify_layer
-from bootseer.blockstore.format import (
+from bootseer.blockstore.convert.converter import ConversionError, DedupTable, PackWriter, convert_image, verify_layer
+from bootseer.blockstore.objects.format import (
     Block,
     ChainRecord,
     DedupSegment,
@@ -38,9 +38,9 @@ from bootseer.blockstore.format import (
     index_object,
     pack_object,
 )
-from bootseer.blockstore.reader import BlockFetcher, LayerReader
-from bootseer.blockstore.store import FileStoreWriter, open_store
-from bootseer.blockstore.tarlayer import LayerError, TarLimits, read_layer
+from bootseer.blockstore.node.reader import BlockFetcher, LayerReader
+from bootseer.blockstore.objects.store import FileStoreWriter, open_store
+from bootseer.blockstore.convert.tarlayer import LayerError, TarLimits, read_layer
 from bootseer.fetch.engine import EngineConfig, FetchError
 from bootseer.images import open_image
 from tests.support import layers as L
@@ -264,7 +264,7 @@ def test_a_poisoned_dedup_segment_is_checked_and_the_block_stored_anew(tmp_path,
     x_digest = hashlib.sha256(X_DATA).hexdigest()
     poison = _put_segment(store, DedupSegment(packs={p.pack: (store / pack_object(p.pack)).stat().st_size},
                                               blocks=[StoredBlock(x_digest, p.pack, p.offset, p.clen, BLOCK)]))  # fmt: skip
-    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.convert"):
+    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.convert.converter"):
         result = convert(b.ref, store)
     stats = result.layers[0].stats
     assert (stats.in_store, stats.stored) == (0, 2)  # X stored anew (and B's tail)
@@ -397,7 +397,7 @@ def test_when_a_blocks_first_place_fails_the_next_place_a_segment_gives_is_used(
     table.add(DedupSegment(packs=sizes, blocks=[x]), "v1/dedup/honest")
     spool = tmp_path / "spool"
     spool.mkdir()
-    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.convert"):
+    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.convert.converter"):
         with PackWriter(BLOCK, table, spool, workers=1) as packs:
             number = packs.add(X_DATA)
             packs.finish()

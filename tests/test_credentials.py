@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server
 from tests.support.daemon import DaemonFactory
 from tests.support.http import RangeHTTPServer
 from tests.support.layer_store import BuiltLayer, build_store
@@ -92,7 +92,7 @@ def test_a_credentialed_store_url_is_in_no_argv_log_table_or_status(
     _no_secret("server.log", paths.log.read_text())
     _no_secret("the daemon's log", daemon.log)
     _no_secret("the daemon's command line", _cmdline(daemon.process.pid))
-    from bootseer.blockstore.server import store_id
+    from bootseer.blockstore.server.layer_server import store_id
 
     row = json.loads(paths.table.read_text())["layers"][0]
     assert row["store_id"] == store_id(url) and row["store"] == status["store"]
@@ -132,7 +132,7 @@ def test_a_row_whose_store_is_not_configured_is_reported(tmp_path: Path, http_st
     assert "is not one this layer server was given" in layers[0]["error"]
     _no_secret("the status answer", json.dumps(client.status()))
     # load_table resolves a row against the URLs it is given, and saving keeps the id.
-    from bootseer.blockstore.server import load_table, save_table, store_id
+    from bootseer.blockstore.server.layer_server import load_table, save_table, store_id
 
     rows = load_table(paths.table, [url])
     assert rows[0].store == url

@@ -79,7 +79,7 @@ def test_example_config_sets_every_key_to_its_default() -> None:
 
 def test_fetch_memory_limit_reaches_the_layer_server_command_line() -> None:
     """``[fetch] memory_limit`` is the layer server's ``--memory-limit`` (its RSS follows it)."""
-    from bootseer.blockstore.control import ServerSettings
+    from bootseer.blockstore.server.client import ServerSettings
 
     settings = config.resolve({"fetch.memory_limit": "256M", "store.url": "file:///store"}, {})
     assert settings.fetch_memory_limit == 256 << 20
@@ -93,7 +93,7 @@ def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
     tmp_path: Path, snapshotter_factory: DaemonFactory
 ) -> None:
     """``[hotlist]`` keys and ``--publish-store`` become the started layer server's options."""
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
 
     store, publish = tmp_path / "store", tmp_path / "publish"
     store.mkdir()
@@ -126,7 +126,7 @@ def test_peer_and_proxy_settings_reach_the_layer_server_the_daemon_starts(
 ) -> None:
     """``[peers] fetch_budget, max_connections, deadline`` and ``[store] proxy_read_timeout`` (issue 21) become
     the started layer server's options, and the server runs with them (its peers status and start-up log)."""
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
 
     me = f"127.0.0.1:{free_port()}"
     config_file = tmp_path / "snapshotter.toml"
@@ -160,7 +160,7 @@ def test_layer_server_metrics_address_reaches_the_layer_server_the_daemon_starts
     server's ``--metrics-address``, and it answers there with the FUSE metrics."""
     import urllib.request
 
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
 
     assert config.resolve({"fuse.metrics_address": "127.0.0.1:9309"}, {}).layer_server_metrics_address == "127.0.0.1:9309"
     assert config.resolve({}, {}).layer_server_metrics_address == ""
@@ -177,7 +177,7 @@ def test_layer_server_metrics_address_reaches_the_layer_server_the_daemon_starts
 
 
 def test_hotlist_can_be_turned_off_for_the_layer_server() -> None:
-    from bootseer.blockstore.control import ServerSettings
+    from bootseer.blockstore.server.client import ServerSettings
 
     settings = config.resolve({"hotlist.enabled": False, "store.url": "file:///store"}, {})
     assert settings.hotlist_enabled is False

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from bootseer.blockstore.control import ServerStartError
-from bootseer.blockstore.datapath import DataPathProbe, DataPathUnavailable
+from bootseer.blockstore.server.client import ServerStartError
+from bootseer.blockstore.datapath.choice import DataPathProbe, DataPathUnavailable
 from tests.support.http import free_port
 from tests.support.mounts import mount_entry
 from tests.test_layer_server import built, extracted, node_factory, rich_big_bin  # noqa: F401 (fixtures)
@@ -85,7 +85,7 @@ def test_auto_picks_erofs_here_with_its_log_line(built: Any, node_factory: Any) 
     assert chosen(node.log()) == "erofs"
     lower = client.mount(built[1][0].chain_id).lower_dir
     assert erofs_mounts(node.root) == [lower] and (Path(lower) / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
-    assert "directio" in mount_entry(lower).options  # the blob is read with direct I/O (blockstore.erofs_mount)
+    assert "directio" in mount_entry(lower).options  # the blob is read with direct I/O (blockstore.datapath.erofs_mount)
     assert not list(node.paths.layers.glob(".data-path-probe-*"))  # the probe leaves nothing behind
     # The mount's own read-ahead is the FUSE tree's 1 MiB: its backing device is the one the server named,
     # which goes with the mount.
@@ -250,9 +250,9 @@ def test_a_full_read_on_erofs_makes_no_per_file_fuse_requests(built: Any, node_f
 def test_a_cached_image_of_the_wrong_size_is_built_again(built: Any, tmp_path: Path) -> None:
     import trio
 
-    from bootseer.blockstore.control import ServerPaths
-    from bootseer.blockstore.datapath import ErofsLayers
-    from bootseer.blockstore.erofs import build_image
+    from bootseer.blockstore.server.client import ServerPaths
+    from bootseer.blockstore.datapath.choice import ErofsLayers
+    from bootseer.blockstore.datapath.erofs_image import build_image
 
     layer = built[1][0]
     erofs = ErofsLayers(ServerPaths(tmp_path), "erofs", trio.CapacityLimiter(1))
@@ -267,7 +267,7 @@ def test_a_cached_image_of_the_wrong_size_is_built_again(built: Any, tmp_path: P
 
 
 def test_the_data_path_setting_reaches_the_layer_server_and_a_bad_one_is_refused() -> None:
-    from bootseer.blockstore.control import ServerSettings
+    from bootseer.blockstore.server.client import ServerSettings
     from bootseer.snapshotter import config
 
     assert config.resolve({}, {}).data_path == "auto"  # EROFS where the kernel has it, else the tree

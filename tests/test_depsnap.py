@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.format import FormatError
-from bootseer.blockstore.store import open_store_writer
+from bootseer.blockstore.objects.format import FormatError
+from bootseer.blockstore.objects.store import open_store_writer
 from bootseer.depsnap.capture import diff, publish_capture, scan
 from bootseer.depsnap.key import KeyError_, compute_key, strip_credentials
 from bootseer.depsnap.record import DepsRecord, deps_object
@@ -285,7 +285,7 @@ def test_a_snapshot_that_cannot_be_restored_falls_back_to_installing(work: Path,
 
 
 def _layer_server_status(root: Path) -> dict:
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
 
     return LayerServerClient(ServerPaths(root).socket, timeout=10).call({"op": "hotlist.status"})
 
@@ -459,7 +459,7 @@ def test_capture_refuses_a_tree_that_changes_under_it(tmp_path: Path) -> None:
 def test_an_overlay_upper_directory_is_captured_in_overlay_form(tmp_path: Path) -> None:
     """A container's writable layer: deletions (0/0 devices) become whiteouts, a directory made again is opaque,
     hard links, symlinks and xattrs are kept, the overlay's own xattrs are not."""
-    from bootseer.blockstore.format import EntryType, LayerIndex, index_object
+    from bootseer.blockstore.objects.format import EntryType, LayerIndex, index_object
     from bootseer.depsnap.capture import upper_change
 
     lower, upper, work_dir, merged = (tmp_path / n for n in ("lower", "upper", "work", "merged"))
@@ -561,9 +561,9 @@ def test_deps_command_line_loads_no_checkpoint_or_fuse_code() -> None:
 def test_container_captures_go_to_the_daemons_publish_store(tmp_path: Path) -> None:
     """One publish store for what a node writes: the daemon's [hotlist] publish_store / --publish-store
     (the layer server's setting) takes captures too; without it, the daemon's store."""
-    from bootseer.blockstore.control import ServerSettings
+    from bootseer.blockstore.server.client import ServerSettings
     from bootseer.depsnap.containerd import publish_store
-    from bootseer.snapshotter.layer_server import LayerServerBackend
+    from bootseer.snapshotter.layer_backend import LayerServerBackend
 
     front = "http://127.0.0.1:1/"
     writable = str(tmp_path / "store")

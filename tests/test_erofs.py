@@ -1,4 +1,4 @@
-"""blockstore.erofs: EROFS metadata images of layer indexes, checked by erofs-utils and by the kernel.
+"""blockstore.datapath.erofs_image: EROFS metadata images of layer indexes, checked by erofs-utils and by the kernel.
 
 Images of the converted test layers (tests/support/oci.rich_layers) and of hand-made
 hostile-but-valid indexes go through ``fsck.erofs`` (with the blob as ``--device``,
@@ -25,16 +25,16 @@ from typing import Iterator
 
 import pytest
 
-from bootseer.blockstore import erofs, erofs_mount
-from bootseer.blockstore.erofs import (
+from bootseer.blockstore.datapath import erofs_image as erofs, erofs_mount
+from bootseer.blockstore.datapath.erofs_image import (
     BLOCK_SIZE,
     ErofsError,
     build_image,
     image_cache_name,
     write_image,
 )
-from bootseer.blockstore.erofs_mount import ErofsMount, ErofsMountError, mount_erofs, unmount_erofs
-from bootseer.blockstore.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex
+from bootseer.blockstore.datapath.erofs_mount import ErofsMount, ErofsMountError, mount_erofs, unmount_erofs
+from bootseer.blockstore.objects.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.mounts import force_unmount, mount_entry
 from tests.support.oci import (
@@ -685,7 +685,7 @@ def test_a_kernel_whose_erofs_refuses_directio_gets_a_buffered_mount_with_a_warn
     image, blob = images[0]
     point = tmp_path / "m"
     point.mkdir()
-    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.erofs_mount"):
+    with caplog.at_level(logging.WARNING, logger="bootseer.blockstore.datapath.erofs_mount"):
         mounted = mount_erofs(image, point, device=blob)
     mounts.append(point)
     assert (mounted.mode, mounted.direct) == ("file", False)

@@ -14,7 +14,7 @@ import prometheus_client
 import pytest
 import trio
 
-from bootseer.fetch.cache import StripeCache, VerifiedFileCache
+from bootseer.fetch.file_cache import StripeCache, VerifiedFileCache
 from bootseer.fetch.engine import EngineConfig, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
@@ -120,7 +120,7 @@ def test_processes_sharing_a_cache_never_see_a_bad_entry(tmp_path):
     script = textwrap.dedent(
         f"""
         import random, sys
-        from bootseer.fetch.cache import StripeCache
+        from bootseer.fetch.file_cache import StripeCache
         cache = StripeCache({str(tmp_path)!r}, 6 * ({HEADER} + {STRIPE}))
         seed = int(sys.argv[1])
         rng = random.Random(seed)

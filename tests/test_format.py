@@ -22,7 +22,7 @@ import tarfile
 import pytest
 import zstandard
 
-from bootseer.blockstore.format import (
+from bootseer.blockstore.objects.format import (
     FORMAT_VERSION,
     ZERO_PACK,
     Block,
@@ -42,7 +42,7 @@ from bootseer.blockstore.format import (
     index_object,
     pack_object,
 )
-from bootseer.blockstore.tarlayer import LayerError, read_layer
+from bootseer.blockstore.convert.tarlayer import LayerError, read_layer
 from tests.support import layers as L
 from tests.support.sealed import same_sealed_object
 from tests.support.oci import chain_ids as reference_chain_ids
@@ -188,7 +188,7 @@ def test_a_zstd_bomb_is_refused_in_bounded_memory(monkeypatch):
     import struct
     import tracemalloc
 
-    from bootseer.blockstore import format as fmt
+    from bootseer.blockstore.objects import format as fmt
 
     monkeypatch.setattr(fmt, "MAX_INDEX_BYTES", 1 << 20)
     compressed = zstandard.ZstdCompressor().compress(b"{" + b" " * (32 << 20) + b"}")

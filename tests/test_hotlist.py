@@ -2,9 +2,9 @@
 through the real layer server objects (layer trees and their read hook, BlockFetcher, the fetch
 engine over a converted ``file://`` store, the node block cache).
 
-The service tests run a :class:`~bootseer.blockstore.server.LayerServer` in-process without its
+The service tests run a :class:`~bootseer.blockstore.server.layer_server.LayerServer` in-process without its
 FUSE session: mounts load real chain records and indexes from the store, and reads go through the
-same :class:`~bootseer.blockstore.layerfs.LayerOpenFile` the FUSE mount serves, with the opener's pid
+same :class:`~bootseer.blockstore.datapath.tree.LayerOpenFile` the FUSE mount serves, with the opener's pid
 set as the FUSE ``open`` handler sets it.  Attribution reads real ``cgroup`` files under a
 ``/proc``-shaped directory the test writes (the test process cannot be moved into containers' cgroups).
 Timers run on trio's autojump clock.
@@ -22,10 +22,10 @@ import prometheus_client
 import pytest
 import trio
 
-from bootseer.blockstore.format import LayerIndex, pack_object
-from bootseer.blockstore.layerfs import LayerFile
-from bootseer.blockstore.server import LayerServer, LayerServerConfig
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.objects.format import LayerIndex, pack_object
+from bootseer.blockstore.datapath.tree import LayerFile
+from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig
+from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.fuse.operations import OPENER_PID
 from bootseer.hotlist import attribution
 from bootseer.hotlist.format import (
@@ -153,7 +153,7 @@ def test_first_writer_wins_on_a_directory_store(tmp_path: Path) -> None:
 
 
 def test_first_writer_wins_on_s3(s3_bucket: Any) -> None:
-    from bootseer.blockstore.store import open_store_writer
+    from bootseer.blockstore.objects.store import open_store_writer
 
     name = hotlist_object(IMAGE, "p")
     with open_store_writer(s3_bucket.url("store"), **s3_bucket.options) as writer:
@@ -171,7 +171,7 @@ class _Index:
     """Enough of a LayerIndex for Recording.touch: blocks and packs."""
 
     def __init__(self, count: int) -> None:
-        from bootseer.blockstore.format import Block
+        from bootseer.blockstore.objects.format import Block
 
         self.packs = ["ee" * 32]
         self.blocks = [Block(hashlib.sha256(bytes([n])).hexdigest(), 0, n * 10, 10, 100) for n in range(count)]
@@ -780,7 +780,7 @@ def test_the_page_cache_warmer_places_each_block_in_every_file_that_holds_it(tmp
     import os
     import random
 
-    from bootseer.blockstore.layerfs import inode_number
+    from bootseer.blockstore.datapath.tree import inode_number
     from bootseer.hotlist.format import HotBlock, ResolvedBlock
     from bootseer.hotlist.warm import PageCacheWarmer, TreeTarget
 

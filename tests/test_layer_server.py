@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from bootseer.blockstore.control import (
+from bootseer.blockstore.server.client import (
     InvalidRequest,
     LayerNotConverted,
     LayerNotMounted,
@@ -39,13 +39,13 @@ from bootseer.blockstore.control import (
     StoreUnavailable,
     ensure_server,
 )
-from bootseer.blockstore.format import pack_object
-from bootseer.blockstore.reader import READAHEAD_INITIAL
+from bootseer.blockstore.objects.format import pack_object
+from bootseer.blockstore.node.reader import READAHEAD_INITIAL
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
-from bootseer.blockstore.reader import CACHE_WRITE_QUEUE_BYTES
+from bootseer.blockstore.node.reader import CACHE_WRITE_QUEUE_BYTES
 from tests.support.memory import MiB, peak_rss_under_readers, rss_bound
 from tests.support.trees import apply_layers, as_whiteouts, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
@@ -170,7 +170,7 @@ def mount_overlay(node: Node, lowers: list[str], target: Path) -> None:
 # -- the FUSE view against tar -x ------------------------------------------------------------------
 
 
-DATA_PATHS = ["erofs", "loop", "tree"]  #: every forced data path (blockstore.datapath)
+DATA_PATHS = ["erofs", "loop", "tree"]  #: every forced data path (blockstore.datapath.choice)
 
 
 def on_data_path(node_factory: Any, built: Any, data_path: str) -> tuple[Node, LayerServerClient]:
@@ -299,7 +299,7 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
             covered.update(range(first, last + 1))
         assert covered.issuperset(range(block.offset, block.offset + block.clen))
         # The block's neighbourhood, not the layer: a stripe either side at most, and
-        # the read-ahead beyond it (blockstore/reader.py: the first window of a miss).
+        # the read-ahead beyond it (blockstore/node/reader.py: the first window of a miss).
         assert fetched <= block.clen + 2 * BLOCK_SIZE + READAHEAD_INITIAL < pack_size, (fetched, pack_size)
         # Opened and read again: the kernel's page cache (keep_cache) answers; nothing
         # is fetched twice (the kernel may read ahead into blocks not fetched yet).
@@ -622,7 +622,7 @@ def test_the_local_index_copy_is_the_stores_object_byte_for_byte(built: Any, nod
 
     import zstandard
 
-    from bootseer.blockstore.format import INDEX_MAGIC, LayerIndex, chain_object, index_object
+    from bootseer.blockstore.objects.format import INDEX_MAGIC, LayerIndex, chain_object, index_object
 
     store = tmp_path / "store"
     shutil.copytree(built[0], store)
@@ -698,7 +698,7 @@ def test_chain_locks_do_not_outlive_their_requests(built: Any, tmp_path: Path) -
     table of them must not keep one for every ChainID ever asked for (unbounded growth)."""
     import trio
 
-    from bootseer.blockstore.server import LayerServer, LayerServerConfig
+    from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig
 
     store = f"file://{built[0]}"
     layer = built[1][0].chain_id
@@ -737,7 +737,7 @@ def test_a_store_that_takes_the_request_and_never_answers_fails_the_mount_in_its
     import trio
     import trio.testing
 
-    from bootseer.blockstore.server import LayerServer, LayerServerConfig
+    from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig
     from bootseer.fetch.engine import EngineConfig
 
     held: list[socket.socket] = []

@@ -1,4 +1,4 @@
-"""The layer server's table (``blockstore/layer_table.py``): rows and table.json change together."""
+"""The layer server's table (``blockstore/server/layer_table.py``): rows and table.json change together."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from bootseer.blockstore.format import ChainRecord, chain_id
-from bootseer.blockstore.layer_table import Layer, LayerTable, load_table
+from bootseer.blockstore.objects.format import ChainRecord, chain_id
+from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table
 
 
 def _layer(n: int, slot: int) -> Layer:

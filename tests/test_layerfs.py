@@ -1,4 +1,4 @@
-"""blockstore.layerfs: the nodes a layer server shows, from a layer index, without a mount.
+"""blockstore.datapath.tree: the nodes a layer server shows, from a layer index, without a mount.
 
 What the kernel sees through them (a real FUSE mount, overlayfs over it, against
 ``tar -x``) is tests/test_layer_server.py; here: inode numbers, link counts, device
@@ -15,8 +15,8 @@ import stat
 import pytest
 import trio
 
-from bootseer.blockstore.format import ZERO_PACK, Block, Entry, EntryType, FormatError, LayerIndex
-from bootseer.blockstore.layerfs import (
+from bootseer.blockstore.objects.format import ZERO_PACK, Block, Entry, EntryType, FormatError, LayerIndex
+from bootseer.blockstore.datapath.tree import (
     SLOT_SHIFT,
     LayerDirectory,
     LayerFile,
@@ -249,7 +249,7 @@ def test_negative_entries_only_where_the_directory_is_immutable() -> None:
 
 
 def test_an_index_too_large_to_number_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bootseer.blockstore.layerfs as layerfs
+    import bootseer.blockstore.datapath.tree as layerfs
 
     monkeypatch.setattr(layerfs, "MAX_ENTRIES", 5)
     with pytest.raises(FormatError, match="at most 5"):

@@ -23,10 +23,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from bootseer.blockstore.control import LayerCorrupt, LayerServerClient, ServerSettings, ensure_server
-from bootseer.blockstore.format import ChainRecord, Entry, FormatError, LayerIndex, chain_object
-from bootseer.blockstore.server import LayerServerConfig, run_server
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.server.client import LayerCorrupt, LayerServerClient, ServerSettings, ensure_server
+from bootseer.blockstore.objects.format import ChainRecord, Entry, FormatError, LayerIndex, chain_object
+from bootseer.blockstore.server.layer_server import LayerServerConfig, run_server
+from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.hotlist.format import HotList, HotListError, hotlist_object
 from bootseer.hotlist.service import HotListConfig
 from tests.support import autojump
@@ -251,7 +251,7 @@ def test_a_document_cut_into_pieces_anywhere_reads_as_json_loads_reads_it() -> N
     """Numbers, strings and literals cut by a piece's end ("1.|5", "2e|+3", "tr|ue") are read whole."""
     import json
 
-    from bootseer.blockstore.jsonstream import ArrayRule, read_document
+    from bootseer.blockstore.objects.jsonstream import ArrayRule, read_document
 
     document = {"rows": [[1.5, -2e3, 12345678901234567890, "a\u00e9\"b", True, None, {"k": [0.25]}]] * 5,
                 "duration": 0.125, "n": -7, "s": "x" * 40}  # fmt: skip

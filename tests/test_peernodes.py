@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.control import ServerTimedOut, ServerUnavailable
+from bootseer.blockstore.server.client import ServerTimedOut, ServerUnavailable
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.oci import rich_layers
 from tests.support.peernodes import PeerCluster, leftovers, peer_args, write_token

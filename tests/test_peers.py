@@ -23,12 +23,12 @@ from typing import Any, Callable
 import pytest
 import trio
 
-from bootseer.blockstore.format import pack_object
-from bootseer.blockstore.peer_membership import (
+from bootseer.blockstore.objects.format import pack_object
+from bootseer.blockstore.peers.membership import (
     DnsMembers, FileMembers, parse_address,
 )  # fmt: skip
-from bootseer.blockstore.peer_wire import BlockPlace, parse_block_target, block_target
-from bootseer.blockstore.peers import (
+from bootseer.blockstore.peers.wire import BlockPlace, parse_block_target, block_target
+from bootseer.blockstore.peers.service import (
     PeerConfig, PeerConfigError, PriorityLimiter, peer_store_id, rendezvous_score,
 )  # fmt: skip
 from bootseer.fetch.sources import redact_url

@@ -22,10 +22,10 @@ import pytest
 import trio
 import trio.testing
 
-from bootseer.blockstore.format import max_stored_length, pack_object
-from bootseer.blockstore.peer_wire import BlockPlace, block_target
-from bootseer.blockstore.peers import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats
-from bootseer.blockstore.reader import BlockFetcher
+from bootseer.blockstore.objects.format import max_stored_length, pack_object
+from bootseer.blockstore.peers.wire import BlockPlace, block_target
+from bootseer.blockstore.peers.service import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats
+from bootseer.blockstore.node.reader import BlockFetcher
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
@@ -283,8 +283,8 @@ def test_a_nodes_own_read_of_a_block_a_peer_asked_for_goes_before_the_peers_lowe
 def test_the_fetch_budget_reaches_the_layer_server_and_one_smaller_than_a_block_is_refused_naming_it(
     tmp_path: Path,
 ) -> None:
-    from bootseer.blockstore.control import ServerSettings
-    from bootseer.blockstore.peers import PeerConfigError
+    from bootseer.blockstore.server.client import ServerSettings
+    from bootseer.blockstore.peers.service import PeerConfigError
     from bootseer.snapshotter import config
 
     token = tmp_path / "token"

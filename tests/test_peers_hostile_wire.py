@@ -30,10 +30,10 @@ from typing import Any, Callable
 import pytest
 import trio
 
-from bootseer.blockstore.format import pack_object
-from bootseer.blockstore import peers
-from bootseer.blockstore.peer_wire import BlockPlace
-from bootseer.blockstore.peers import PeerClient, PeerConfig, PeerStats, rendezvous_score
+from bootseer.blockstore.objects.format import pack_object
+from bootseer.blockstore.peers import service as peers
+from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.peers.service import PeerClient, PeerConfig, PeerStats, rendezvous_score
 from bootseer.fetch.engine import Priority
 from tests.support.http import RangeHTTPServer, free_port
 from tests.support.layer_servers import stop_layer_servers

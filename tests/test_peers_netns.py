@@ -37,12 +37,12 @@ from typing import Any, Callable, Iterator, Sequence
 import pytest
 import trio
 
-from bootseer.blockstore.control import MountedLayer, ServerSettings
-from bootseer.blockstore.format import LayerIndex
-from bootseer.blockstore.peer_wire import BlockPlace
-from bootseer.blockstore.peers import rendezvous_score
-from bootseer.blockstore.reader import BlockFetcher
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.server.client import MountedLayer, ServerSettings
+from bootseer.blockstore.objects.format import LayerIndex
+from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.peers.service import rendezvous_score
+from bootseer.blockstore.node.reader import BlockFetcher
+from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.hotlist.format import HotBlock, HotList, hotlist_object
@@ -420,7 +420,7 @@ class Crossing:
 
 @dataclasses.dataclass
 class CrossedPeers:
-    """Fetcher ``me``'s peers in a :class:`Crossing` (a :class:`~bootseer.blockstore.reader.PeerBlocks`)."""
+    """Fetcher ``me``'s peers in a :class:`Crossing` (a :class:`~bootseer.blockstore.node.reader.PeerBlocks`)."""
 
     crossing: Crossing
     me: int

@@ -5,7 +5,7 @@ The layers come from :class:`tests.support.snapshots.DirectoryLayers`, a real
 as a read-only bind mount (the FUSE layer server has its own tests; here what is
 tested is what the snapshotter does with a backend: Prepare with
 ``containerd.io/snapshot.ref``, the two phases and a crash between them, fallbacks,
-Remove/Cleanup/restore).  :class:`~bootseer.snapshotter.layer_server.LayerServerBackend`'s
+Remove/Cleanup/restore).  :class:`~bootseer.snapshotter.layer_backend.LayerServerBackend`'s
 store lookup is tested against real ``file://`` and ``http://`` stores.
 """
 
@@ -26,11 +26,11 @@ import grpc
 import prometheus_client
 import pytest
 
-from bootseer.blockstore.control import LayerServerClient, LayerServerError, ServerPaths, ServerSettings
-from bootseer.blockstore.format import ChainRecord, chain_id, chain_object
+from bootseer.blockstore.server.client import LayerServerClient, LayerServerError, ServerPaths, ServerSettings
+from bootseer.blockstore.objects.format import ChainRecord, chain_id, chain_object
 from bootseer.fetch.engine import EngineConfig
 from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, LayerUnavailable, NotFound
-from bootseer.snapshotter.layer_server import LayerServerBackend
+from bootseer.snapshotter.layer_backend import LayerServerBackend
 from bootseer.snapshotter.snapshots import REF_LABEL, Snapshotter
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.snapshotter.types import Kind, Mount, Usage

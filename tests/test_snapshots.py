@@ -639,7 +639,7 @@ def test_chain_locks_do_not_outlive_their_prepares(tmp_path: Path) -> None:
     """Each ChainID a Prepare names (containerd.io/snapshot.ref) is locked while its layer is
     looked up, mounted or released; the snapshotter must not keep a lock for every ChainID
     it was ever asked about (every layer of every image pulled in the daemon's life)."""
-    from bootseer.blockstore.format import chain_id
+    from bootseer.blockstore.objects.format import chain_id
     from bootseer.snapshotter.snapshots import REF_LABEL
     from tests.support.snapshots import DirectoryLayers
 

@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.control import ServerSettings
-from bootseer.blockstore.signing import generate_key, load_signing_key
+from bootseer.blockstore.node.block_cache import BlockCache
+from bootseer.blockstore.server.client import ServerSettings
+from bootseer.blockstore.objects.signing import generate_key, load_signing_key
 from bootseer.fetch.engine import EngineConfig
 from bootseer.snapshotter import config
 from bootseer.snapshotter.errors import LayerUnavailable
-from bootseer.snapshotter.layer_server import LayerServerBackend
+from bootseer.snapshotter.layer_backend import LayerServerBackend
 from tests.support.daemon import BINARY, DaemonFactory
 
 CHAIN_ID = "sha256:" + "ab" * 32
@@ -155,17 +155,17 @@ def _store_up() -> float | None:
 def test_cache_write_failures_are_one_line_and_a_count(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cache = BlockCache(str(tmp_path / "cache"), 1 << 30)
     (tmp_path / "cache" / "ab").write_bytes(b"")  # the shard directory of every key below is a file
-    caplog.set_level(logging.INFO, logger="bootseer.fetch.cache")
+    caplog.set_level(logging.INFO, logger="bootseer.fetch.file_cache")
     keys = [("ab" + f"{n:062x}") for n in range(137)]
     for key in keys:
         cache.put(key, b"block")
     assert cache.stats().errors == 137
-    failures = [r for r in caplog.records if r.name == "bootseer.fetch.cache"]
+    failures = [r for r in caplog.records if r.name == "bootseer.fetch.file_cache"]
     assert len(failures) == 1, [r.getMessage() for r in failures]
     assert "cache write failed" in failures[0].getMessage()
 
     cache.put("cd" + "0" * 62, b"block")  # writes work again: one line saying how many failed
-    recovered = [r for r in caplog.records if r.name == "bootseer.fetch.cache"][1:]
+    recovered = [r for r in caplog.records if r.name == "bootseer.fetch.file_cache"][1:]
     assert len(recovered) == 1 and "work again" in recovered[0].getMessage()
     assert recovered[0].fields["failed_since_last_report"] == 136
 

@@ -22,9 +22,9 @@ import functools
 import trio
 import trio.testing
 
-from bootseer.blockstore.convert import convert_image
-from bootseer.blockstore.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
-from bootseer.blockstore.store import (
+from bootseer.blockstore.convert.converter import convert_image
+from bootseer.blockstore.objects.format import ChainRecord, FormatError, LayerIndex, chain_object, index_object
+from bootseer.blockstore.objects.store import (
     FileStoreWriter,
     HdfsStoreWriter,
     ReadOnlyStore,

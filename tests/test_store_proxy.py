@@ -36,10 +36,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from bootseer.blockstore.control import ServerPaths, ServerSettings, ensure_server
-from bootseer.blockstore.format import max_stored_length
-from bootseer.blockstore.peer_wire import BlockPlace
-from bootseer.blockstore.peers import PeerConfig
+from bootseer.blockstore.server.client import ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.objects.format import max_stored_length
+from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.peers.service import PeerConfig
 from bootseer.fetch.sources import open_source
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.http_proxy import ProxyConfig

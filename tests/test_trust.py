@@ -27,12 +27,12 @@ import prometheus_client
 import pytest
 import trio
 
-from bootseer.blockstore.control import LayerUntrusted, ServerSettings
-from bootseer.blockstore.convert import convert_image
-from bootseer.blockstore.format import ChainRecord, chain_id, chain_object, decode_sealed, encode_sealed
-from bootseer.blockstore.server import LayerServer, LayerServerConfig
-from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted, generate_key
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.server.client import LayerUntrusted, ServerSettings
+from bootseer.blockstore.convert.converter import convert_image
+from bootseer.blockstore.objects.format import ChainRecord, chain_id, chain_object, decode_sealed, encode_sealed
+from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig
+from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted, generate_key
+from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.depsnap.prefix import lookup as deps_lookup
 from bootseer.depsnap.record import DepsRecord, deps_object
 from bootseer.hotlist.recorder import Recording
@@ -173,7 +173,7 @@ def test_a_forged_index_is_served_without_keys_and_refused_with_them(
 
 
 def _layer_server_pid(root: Path) -> int:
-    from bootseer.blockstore.control import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
 
     return int(LayerServerClient(ServerPaths(root).socket).status()["pid"])
 

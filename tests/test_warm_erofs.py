@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import trio
 
-from bootseer.blockstore.server import LayerServerConfig
+from bootseer.blockstore.server.layer_server import LayerServerConfig
 from bootseer.hotlist.format import HotBlock
 from bootseer.hotlist.warm import PageCacheWarmer
 from tests.support import autojump
@@ -135,7 +135,7 @@ def test_warm_reads_are_announced_per_layer_and_block_while_any_warmer_reads_the
 def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path: Path) -> None:
     """A layer row's ``data_path`` (the layer server's table) decides: its EROFS mount on erofs and loop, its
     FUSE files on tree."""
-    from bootseer.blockstore.server import LayerServer
+    from bootseer.blockstore.server.layer_server import LayerServer
     from bootseer.hotlist.warm import ErofsTarget, TreeTarget
 
     store, layers = built

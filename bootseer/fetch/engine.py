@@ -21,7 +21,7 @@ those next to a DEMAND extent ride in its request, up to ``readahead_join`` byte
 the rest go in requests of their own behind every demand fetch, and once fetched
 they are loose buffers that a later ``fetch_extents`` of the same key takes without
 a fetch.  Extents skip the stripe disk cache: the caller
-verifies and caches what it asked for (``blockstore/cache.py``), keyed by content
+verifies and caches what it asked for (``blockstore/node/block_cache.py``), keyed by content
 rather than by place.
 
 Who wants a stripe is recorded as *holds*: a read holds the stripes it is copying
@@ -84,7 +84,7 @@ from typing import Any, TypeVar
 import prometheus_client
 import trio
 
-from bootseer.fetch.cache import StripeCache
+from bootseer.fetch.file_cache import StripeCache
 from bootseer.fetch.source import (
     Connection, Entry, NotADirectory, NotFound, PermanentError, RangeSource, TransientError,
 )  # fmt: skip

@@ -63,7 +63,7 @@ _EXPECTED_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EROFS, errn
 #: pyfuse3 (3.5) gives ``read`` no request context (its ``fuse_read`` never asks libfuse for
 #: it), so no read can learn its own caller: hot-list recording attributes a layer file's reads
 #: to its opener, and a layer blob's to the opener unless that is the layer server itself
-#: (``blockstore.layerfs.LayerBlobOpenFile``).
+#: (``blockstore.datapath.tree.LayerBlobOpenFile``).
 OPENER_PID: contextvars.ContextVar[int] = contextvars.ContextVar("bootseer_fuse_opener_pid", default=0)
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT

@@ -1,7 +1,7 @@
 """Many nodes: each node's trace published under the job in the store; a job's traces merged.
 
 A node publishes its trace as ``v1/profiles/<job>/<node>.json`` with the store's own writers
-(:func:`bootseer.blockstore.store.open_store_writer`: a directory, S3 or HDFS; each put is
+(:func:`bootseer.blockstore.objects.store.open_store_writer`: a directory, S3 or HDFS; each put is
 atomic, so a reader sees a node's whole trace or none; a node that publishes again replaces
 its own). :func:`job_report` merges a job's traces: per phase, the median, p90 and maximum
 across nodes; the job's start is gated by its slowest node (a training job's first step
@@ -37,7 +37,7 @@ def object_name(job: str, node: str) -> str:
 
 def publish(trace: Trace, store_url: str, job: str | None = None) -> str:
     """Put ``trace`` into the store under its job; returns the object's name."""
-    from bootseer.blockstore.store import open_store_writer
+    from bootseer.blockstore.objects.store import open_store_writer
 
     job = job or trace.job
     if not job:
@@ -52,7 +52,7 @@ def fetch_job(store_url: str, job: str) -> list[Trace]:
     """Every node's trace of ``job`` in the store (TraceError if there is none, or one is damaged)."""
     import json
 
-    from bootseer.blockstore.store import open_store_writer
+    from bootseer.blockstore.objects.store import open_store_writer
 
     prefix = f"{PREFIX}/{_checked('job', job)}/"
     traces = []

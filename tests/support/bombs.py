@@ -15,8 +15,8 @@ from typing import Iterator
 
 import zstandard
 
-from bootseer.blockstore.format import ChainRecord, chain_id, chain_object, index_object
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.objects.format import ChainRecord, chain_id, chain_object, index_object
+from bootseer.blockstore.objects.store import FileStoreWriter
 
 _HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256 (docs/FORMAT.md)
 _PIECE = 1 << 20

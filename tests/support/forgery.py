@@ -14,9 +14,9 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
-from bootseer.blockstore.format import ChainRecord, LayerIndex, chain_object, index_object
-from bootseer.blockstore.signing import SigningKey
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.objects.format import ChainRecord, LayerIndex, chain_object, index_object
+from bootseer.blockstore.objects.signing import SigningKey
+from bootseer.blockstore.objects.store import FileStoreWriter
 
 
 def _layer(writer: FileStoreWriter, chain: str) -> tuple[ChainRecord, LayerIndex]:

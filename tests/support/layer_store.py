@@ -2,7 +2,7 @@
 
 :func:`build_store` writes :class:`~tests.support.layers.Layer` specs as an OCI layout
 (:func:`tests.support.oci.build_oci_layout`, uncompressed blobs) and converts it with
-the real converter (:func:`blockstore.convert.convert_image`) into a store directory,
+the real converter (:func:`blockstore.convert.converter.convert_image`) into a store directory,
 then reads back what the server will read: each layer's chain record and index.
 """
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from bootseer.blockstore.convert import convert_image, verify_layer
-from bootseer.blockstore.format import ChainRecord, LayerIndex, index_object
-from bootseer.blockstore.signing import SigningKey
-from bootseer.blockstore.store import FileStoreWriter
+from bootseer.blockstore.convert.converter import convert_image, verify_layer
+from bootseer.blockstore.objects.format import ChainRecord, LayerIndex, index_object
+from bootseer.blockstore.objects.signing import SigningKey
+from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.images import open_image
 from tests.support.layers import Layer
 from tests.support.oci import build_oci_layout

@@ -1,6 +1,6 @@
 """Layers hand-packed into a store directory, for tests of the block fetcher and what uses it.
 
-:func:`pack_layer` is a tiny packer over ``blockstore/format.py``: the files' :data:`BLOCK`
+:func:`pack_layer` is a tiny packer over ``blockstore/objects/format.py``: the files' :data:`BLOCK`
 (4 KiB, the format's smallest block size: many blocks from little data) blocks compressed
 with zstd into two packs (files alternate between them, so reads cross packs), deduplicated,
 zero blocks stored nowhere, hard links as the converter writes them.  It is not the converter
@@ -16,7 +16,7 @@ from typing import Any
 
 import zstandard
 
-from bootseer.blockstore.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex, pack_object
+from bootseer.blockstore.objects.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex, pack_object
 from bootseer.fetch.engine import EngineConfig
 
 KiB = 1024

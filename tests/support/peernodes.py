@@ -8,7 +8,7 @@ link-local ``/24`` behind a bridge, each node's link optionally shaped with ``tb
 node's store reads share.  In each node namespace runs that node's own ``bootseer
 layer-server`` (its own ``--root`` and ``--cache-dir`` under ``base``, ``--store`` the
 nginx, ``--metrics-address`` its own address) with the extra arguments the caller gives
-per node (peer flags: :func:`peer_args`); the command line is :class:`~blockstore.control.ServerSettings`'s,
+per node (peer flags: :func:`peer_args`); the command line is :class:`~blockstore.server.client.ServerSettings`'s,
 run through ``nsenter --net`` so its FUSE mounts are the host's to read.
 
 A :class:`PeerNode` mounts layers through the server's control socket, reads files
@@ -37,8 +37,8 @@ from typing import Any, Callable, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bootseer.blockstore.control import LayerServerClient, MountedLayer, ServerPaths, ServerSettings
-from bootseer.blockstore.format import EntryType, LayerIndex
+from bootseer.blockstore.server.client import LayerServerClient, MountedLayer, ServerPaths, ServerSettings
+from bootseer.blockstore.objects.format import EntryType, LayerIndex
 from tests.support import netns
 from tests.support.layer_servers import fuse_mounts, layer_server_processes, stop_layer_servers
 from tests.support.nginx import Nginx

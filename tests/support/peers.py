@@ -37,10 +37,10 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from bootseer.blockstore.control import LayerServerClient, ServerPaths, ServerSettings, ensure_server
-from bootseer.blockstore.format import Block, LayerIndex
-from bootseer.blockstore.peer_wire import BlockPlace, block_target, content_length, parse_block_target, parse_head
-from bootseer.blockstore.peers import PeerConfig, peer_store_id, rendezvous_score
+from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.objects.format import Block, LayerIndex
+from bootseer.blockstore.peers.wire import BlockPlace, block_target, content_length, parse_block_target, parse_head
+from bootseer.blockstore.peers.service import PeerConfig, peer_store_id, rendezvous_score
 from bootseer.fetch.sources import redact_url
 from tests.support.http import RangeHTTPServer
 from tests.support.layer_servers import stop_layer_servers

@@ -1,4 +1,4 @@
-"""Comparing sealed store objects (``blockstore.format.encode_sealed``) with bytes stored by older code."""
+"""Comparing sealed store objects (``blockstore.objects.format.encode_sealed``) with bytes stored by older code."""
 
 from __future__ import annotations
 

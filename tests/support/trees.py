@@ -3,7 +3,7 @@
 * :func:`disk_tree` -- the metadata of a directory tree as ``tar -x`` left it (``lstat``
   only: nothing is followed), in overlayfs lower-dir form when ``overlay=True``
   (``.wh.NAME`` files become 0/0 character devices, ``.wh..wh..opq`` an opaque xattr).
-* :func:`index_tree` -- the same view of a :class:`~blockstore.format.LayerIndex`, reading
+* :func:`index_tree` -- the same view of a :class:`~blockstore.objects.format.LayerIndex`, reading
   file contents from the packs of a store directory with :func:`read_file` (a FUSE-free
   consumer: blocks verified against their digests, symlinks never resolved).
 * :func:`extract_with_tar` -- GNU tar as root with xattrs, the reference extraction.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import zstandard
 
-from bootseer.blockstore.format import EntryType, LayerIndex, pack_object
+from bootseer.blockstore.objects.format import EntryType, LayerIndex, pack_object
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"

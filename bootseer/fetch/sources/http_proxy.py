@@ -59,7 +59,7 @@ DEFAULT_CHECK_INTERVAL = 5.0  #: seconds between health checks (nydus's default 
 #: proxy on or near the node sends 1 MiB in milliseconds, and fetches it from the store on a miss in well
 #: under a second; past this the read is done direct.  Raise it with a large ``block_size`` or a slow store.
 DEFAULT_READ_TIMEOUT = 5.0
-#: The grid of range requests through the proxy: one raw block of a layer (blockstore.format's default)
+#: The grid of range requests through the proxy: one raw block of a layer (blockstore.objects.format's default)
 #: compresses to at most about this, so a block costs at most two of these over the node's link.
 DEFAULT_BLOCK_SIZE = 1 << 20
 MIN_BLOCK_SIZE = 4 << 10

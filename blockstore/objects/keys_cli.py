@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bootseer.blockstore.signing import KeyFileError, generate_key, show_key
+from bootseer.blockstore.objects.signing import KeyFileError, generate_key, show_key
 
 EXIT_USAGE = 2
 

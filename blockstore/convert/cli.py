@@ -13,11 +13,11 @@ import argparse
 import os
 import sys
 
-from bootseer.blockstore.convert import ConversionError, Progress, check_block_size, convert_image
-from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE
-from bootseer.blockstore.signing import KeyFileError, load_signing_key
-from bootseer.blockstore.store import ReadOnlyStore, StoreError, open_store_writer
-from bootseer.blockstore.tarlayer import DEFAULT_MAX_LAYER_BYTES, TarLimits
+from bootseer.blockstore.convert.converter import ConversionError, Progress, check_block_size, convert_image
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE
+from bootseer.blockstore.objects.signing import KeyFileError, load_signing_key
+from bootseer.blockstore.objects.store import ReadOnlyStore, StoreError, open_store_writer
+from bootseer.blockstore.convert.tarlayer import DEFAULT_MAX_LAYER_BYTES, TarLimits
 from bootseer.units import parse_size
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url

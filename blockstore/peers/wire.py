@@ -12,7 +12,7 @@ Everything read is bounded: a head by :data:`HEAD_LIMIT`, a body by the length t
 reader expects (never by what the other side claims), each receive by a deadline
 the caller gives, and a whole head, if the caller asks, by a deadline of its own.
 Nothing here knows about blocks beyond :class:`BlockPlace`'s fields; the service
-(``blockstore/peers.py``) does the rest.
+(``blockstore/peers/service.py``) does the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import trio
 
-from bootseer.blockstore.format import MAX_BLOCK_SIZE, max_stored_length
+from bootseer.blockstore.objects.format import MAX_BLOCK_SIZE, max_stored_length
 
 #: The longest request or response head read (request line or status line and headers).
 HEAD_LIMIT = 8 << 10

@@ -1,16 +1,16 @@
 """The layer server: one long-lived process per node serving converted layers over FUSE.
 
-``bootseer layer-server --root ROOT`` (see :mod:`blockstore.server_cli`) runs
+``bootseer layer-server --root ROOT`` (see :mod:`blockstore.server.cli`) runs
 :func:`run_server`: one trio run, one nursery holding
 
-* the FUSE session on ``ROOT/layers/mnt`` (:mod:`blockstore.layerfs`: the root lists
+* the FUSE session on ``ROOT/layers/mnt`` (:mod:`blockstore.datapath.tree`: the root lists
   one directory per mounted layer, named by its slot, each an overlayfs lower dir);
 * one fetch :class:`~bootseer.fetch.engine.Engine` per store URL, opened when a layer
   of that store is first mounted, and one block fetcher per engine over the one
   node-local block cache that every layer shares;
 * the control API on ``ROOT/layers/control.sock`` (JSON lines, see
-  :mod:`blockstore.control`): ``mount``, ``check``, ``unmount``, ``status``;
-* on the ``erofs`` and ``loop`` data paths (:mod:`blockstore.datapath`, chosen at
+  :mod:`blockstore.server.client`): ``mount``, ``check``, ``unmount``, ``status``;
+* on the ``erofs`` and ``loop`` data paths (:mod:`blockstore.datapath.choice`, chosen at
   start), one EROFS mount per layer at ``ROOT/layers/lower/<slot>`` over its FUSE blob
   ``ROOT/layers/mnt/blobs/<slot>``: that mount is the layer's lower dir, and FUSE
   serves only block reads.
@@ -51,7 +51,7 @@ import prometheus_client
 import pyfuse3
 import trio
 
-from bootseer.blockstore.control import (
+from bootseer.blockstore.server.client import (
     MAX_MESSAGE,
     MOUNT_TIMEOUT,
     InvalidRequest,
@@ -63,17 +63,17 @@ from bootseer.blockstore.control import (
     ServerPaths,
     StoreUnavailable,
 )
-from bootseer.blockstore.control_ops import ControlOps
-from bootseer.blockstore.datapath import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
-from bootseer.blockstore.erofs import ErofsError
-from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
-from bootseer.blockstore.layer_table import Layer, LayerTable, load_table, save_table, store_id, write_atomically  # noqa: F401 (re-exported)
-from bootseer.blockstore.layerfs import LayersRoot, LayerTree
-from bootseer.blockstore.peer_wire import BlockPlace
-from bootseer.blockstore.peers import PeerConfig, PeerService, peer_memory_share
-from bootseer.blockstore.reader import BlockFetcher, PeerAllowance
-from bootseer.blockstore.signing import SigningKey, TrustPolicy, Untrusted
-from bootseer.blockstore.store_registry import StoreRegistry
+from bootseer.blockstore.server.ops import ControlOps
+from bootseer.blockstore.datapath.choice import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
+from bootseer.blockstore.datapath.erofs_image import ErofsError
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
+from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id, write_atomically  # noqa: F401 (re-exported)
+from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
+from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.peers.service import PeerConfig, PeerService, peer_memory_share
+from bootseer.blockstore.node.reader import BlockFetcher, PeerAllowance
+from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
+from bootseer.blockstore.server.store_registry import StoreRegistry
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, Priority
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
@@ -120,7 +120,7 @@ class LayerServerConfig:
     hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
-    data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath)
+    data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath.choice)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
 
@@ -136,7 +136,7 @@ class LayerServer:
     """The layers, their stores and the control operations; runs inside :func:`run_server`."""
 
     def __init__(self, config: LayerServerConfig, nursery: trio.Nursery, data_path: DataPathChoice | None = None) -> None:
-        from bootseer.blockstore.cache import BlockCache
+        from bootseer.blockstore.node.block_cache import BlockCache
 
         self.config = config
         self.paths = config.paths
@@ -152,7 +152,7 @@ class LayerServer:
             negative_timeout=CACHE_TIMEOUT,
             statfs=self._statfs,
             # (EROFS reads the blobs with direct I/O, which no read-ahead of this mount touches:
-            # blockstore.erofs_mount.)
+            # blockstore.datapath.erofs_mount.)
         )
         #: The served layers by ChainID, their slots and table.json.
         self.layers = LayerTable(self.paths.table)
@@ -239,7 +239,7 @@ class LayerServer:
     ) -> tuple[ChainRecord, LayerIndex, bytes]:
         """The chain record and index of ``chain_id`` from ``store`` (verified, and trusted: see
         :meth:`_check_trust`), and the index's bytes as stored."""
-        from bootseer.blockstore.store import StoreReader
+        from bootseer.blockstore.objects.store import StoreReader
 
         engine, _fetcher = await self.fetcher(store)
         reader = StoreReader(engine, threads=self.decode_threads)  # the index decodes off the trio thread
@@ -286,7 +286,7 @@ class LayerServer:
         write_atomically(path, data)
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
-        from bootseer.blockstore.reader import LayerReader
+        from bootseer.blockstore.node.reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
         reader = LayerReader(index, fetcher, layer.chain_id)
@@ -527,7 +527,7 @@ class LayerServer:
             "root": str(self.config.root),
             "mountpoint": str(self.paths.mountpoint),
             "uptime_s": round(time.time() - self.started, 3),
-            # Redacted: the whole URLs came on pipes, not argv (blockstore.control.ensure_server).
+            # Redacted: the whole URLs came on pipes, not argv (blockstore.server.client.ensure_server).
             "store": redact_url(self.config.store) if self.config.store else "",
             "publish_store": redact_url(self.hotlist.config.publish_store or ""),
             "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},

@@ -1,6 +1,6 @@
 """``bootseer layer-server``: the node's long-lived FUSE server of converted layers.
 
-Started by the snapshotter daemon (``blockstore.control.ensure_server``) in a session
+Started by the snapshotter daemon (``blockstore.server.client.ensure_server``) in a session
 of its own, or by hand or a systemd unit.  Runs in the foreground until SIGTERM or
 SIGINT (then it unmounts and exits 0) or until its mount is unmounted from outside.
 
@@ -19,18 +19,18 @@ from pathlib import Path
 
 import trio
 
-from bootseer.blockstore.cache import check_cache_dir
-from bootseer.blockstore.control import ServerPaths, read_secret_file
-from bootseer.blockstore.datapath import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
-from bootseer.blockstore.signing import KeyFileError, TrustPolicy
-from bootseer.blockstore.server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
+from bootseer.blockstore.node.block_cache import check_cache_dir
+from bootseer.blockstore.server.client import ServerPaths, read_secret_file
+from bootseer.blockstore.datapath.choice import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
+from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
+from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.sources import carries_secret, check_local_root, check_url, redact_url
 from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, DEFAULT_READ_TIMEOUT, ProxyConfig
 from bootseer.fuse import MountError
-from bootseer.blockstore.peers_cli import add_layer_server_arguments as add_peer_arguments, layer_server_peer_config
+from bootseer.blockstore.peers.cli import add_layer_server_arguments as add_peer_arguments, layer_server_peer_config
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
 from bootseer.log import get_logger
 from bootseer.metrics import serve_metrics
@@ -131,7 +131,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # reads, so a test can show a node without EROFS on a kernel that has it built in.
     parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
     add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
-    add_peer_arguments(parser)  # --peer-*, --peers* (bootseer.blockstore.peers_cli)
+    add_peer_arguments(parser)  # --peer-*, --peers* (bootseer.blockstore.peers.cli)
     parser.set_defaults(func=layer_server_command)
 
 

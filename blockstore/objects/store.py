@@ -42,7 +42,7 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
-from bootseer.blockstore.format import (
+from bootseer.blockstore.objects.format import (
     ChainRecord,
     FormatError,
     LayerIndex,

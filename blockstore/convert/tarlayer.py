@@ -5,7 +5,7 @@ by their magic bytes), decompresses and parses it in one pass and hands every
 regular file's contents, ``block_size`` bytes at a time, to a :class:`BlockSink` (the
 converter's pack writer), so memory stays bounded whatever the layer's size: what it
 keeps is one record per entry and one block number per block.  It returns the layer's
-tree in the form an overlayfs lower directory has (:class:`blockstore.format.Entry`)
+tree in the form an overlayfs lower directory has (:class:`blockstore.objects.format.Entry`)
 and the diffID (SHA-256 of the uncompressed tar) it computed on the way.
 
 Tar semantics, as containerd's applier (``archive/tar.go``) and GNU tar extract:
@@ -58,7 +58,7 @@ from typing import BinaryIO, Protocol
 
 import zstandard
 
-from bootseer.blockstore.format import OPAQUE_XATTR, Entry, EntryType, overlay_xattr_allowed
+from bootseer.blockstore.objects.format import OPAQUE_XATTR, Entry, EntryType, overlay_xattr_allowed
 
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
@@ -118,7 +118,7 @@ class BlockSink(Protocol):
 class ParsedLayer:
     """What :func:`read_layer` found: the tree, the diffID and how much it read."""
 
-    entries: list[Entry]  #: root first, parents before children (see :class:`blockstore.format.LayerIndex`)
+    entries: list[Entry]  #: root first, parents before children (see :class:`blockstore.objects.format.LayerIndex`)
     diff_id: str  #: ``sha256:`` of the uncompressed tar, every byte of it
     tar_bytes: int  #: length of the uncompressed tar
     file_bytes: int  #: bytes of regular file contents (each inode once)

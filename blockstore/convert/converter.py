@@ -7,7 +7,7 @@ For each layer of the image, bottom up, :func:`convert_image`:
    ``verify_existing`` is off): a second run uploads nothing, and a layer that cannot
    serve one of its blocks is converted again (repaired) rather than skipped;
 2. streams the layer blob (verified against its digest by :mod:`bootseer.images`)
-   through :func:`blockstore.tarlayer.read_layer`, which refuses hostile tars, and
+   through :func:`blockstore.convert.tarlayer.read_layer`, which refuses hostile tars, and
    checks the diffID it computed against the config's;
 3. cuts file contents into blocks; a block already in the store (the store-wide
    dedup table, whose place is read and checked first: :class:`BlockVerifier`) or
@@ -23,7 +23,7 @@ For each layer of the image, bottom up, :func:`convert_image`:
 Memory is bounded by the block size, one record per entry and per block reference,
 the dedup table (one row per block in the store), the verdicts of the places checked
 and :data:`VERIFY_BATCH_BYTES` of blocks waiting to be checked, never by a layer's
-size; a layer's size itself is bounded (:class:`~blockstore.tarlayer.TarLimits`).
+size; a layer's size itself is bounded (:class:`~blockstore.convert.tarlayer.TarLimits`).
 Progress goes to stderr (a live line on a terminal, plain lines otherwise).
 """
 
@@ -46,7 +46,7 @@ from typing import BinaryIO, Callable, Sequence, TextIO
 
 import zstandard
 
-from bootseer.blockstore.format import (
+from bootseer.blockstore.objects.format import (
     DEDUP_PREFIX,
     DEFAULT_BLOCK_SIZE,
     FORMAT_VERSION,
@@ -67,9 +67,9 @@ from bootseer.blockstore.format import (
     max_stored_length,
     pack_object,
 )
-from bootseer.blockstore.signing import SigningKey
-from bootseer.blockstore.store import StoreWriter
-from bootseer.blockstore.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
+from bootseer.blockstore.objects.signing import SigningKey
+from bootseer.blockstore.objects.store import StoreWriter
+from bootseer.blockstore.convert.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
 from bootseer import __version__
 from bootseer.images import ImageSource, layer_compression
 from bootseer.log import get_logger
@@ -130,7 +130,7 @@ class BlockVerifier:
     so is a layer index once its packs may have been changed, so the converter reads
     what it references: the ``clen`` bytes at ``offset`` of the pack must decompress to
     ``rlen`` bytes (never more are decompressed) with the block's SHA-256
-    (:func:`blockstore.format.decode_block`, the readers' own check).  Reads are
+    (:func:`blockstore.objects.format.decode_block`, the readers' own check).  Reads are
     batched: the places asked about at once are grouped by pack and neighbours closer
     than ``max_gap`` bytes are one range read of at most ``max_read`` bytes.  Each
     place is read once; its verdict is kept for the rest of the run (measured: about 230 bytes
@@ -327,7 +327,7 @@ class BlockStats:
 
 
 class PackWriter:
-    """The :class:`~blockstore.tarlayer.BlockSink` of one layer: dedup, compress, spool into packs.
+    """The :class:`~blockstore.convert.tarlayer.BlockSink` of one layer: dedup, compress, spool into packs.
 
     Digests and dedup decisions are made in the caller's thread, in order; only
     compression runs on ``workers`` threads (zstd releases the GIL), and compressed

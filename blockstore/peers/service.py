@@ -1,18 +1,18 @@
 """Peer-assisted block sharing: a group of nodes fetches each block from the store about once.
 
 Every node of a group (a training job's nodes, a node pool) runs a layer server with
-the same members (:mod:`~bootseer.blockstore.peer_membership`).  For each block a
+the same members (:mod:`~bootseer.blockstore.peers.membership`).  For each block a
 node must fetch, one member is its *owner*: the member with the highest rendezvous
 score ``blake2b(member, digest)`` among those not being skipped.  A node that owns
 a block fetches it from the store itself; any other node asks the owner, which
 serves it from memory or its node cache, or fetches it from the store once however
-many members ask (its :class:`~bootseer.blockstore.reader.BlockFetcher` joins
+many members ask (its :class:`~bootseer.blockstore.node.reader.BlockFetcher` joins
 concurrent requests), and then serves it.  So in a group of N nodes each block
 crosses the store's link about once, and rendezvous hashing moves only the blocks
 of a member that comes or goes.
 
 :class:`PeerClient` (the node asking) and :class:`PeerServer` (the node answering)
-speak the protocol of :mod:`~bootseer.blockstore.peer_wire`.  What keeps a peer from
+speak the protocol of :mod:`~bootseer.blockstore.peers.wire`.  What keeps a peer from
 ever making a start slower or wrong:
 
 * every block from a peer is checked against its SHA-256 and length before it is
@@ -75,16 +75,16 @@ from typing import Any
 import prometheus_client
 import trio
 
-from bootseer.blockstore.control_ops import ControlOps
-from bootseer.blockstore.peer_membership import (
+from bootseer.blockstore.server.ops import ControlOps
+from bootseer.blockstore.peers.membership import (
     DnsMembers, FileMembers, Membership, StaticMembers, is_loopback, parse_address, split_address,
 )  # fmt: skip
-from bootseer.blockstore.peer_wire import (
+from bootseer.blockstore.peers.wire import (
     BLOCKS_PATH, PING_PATH, PROCESSING, BlockPlace, HttpStream, WireError, block_target, client_tls_context,
     content_length, parse_block_target, parse_head, response_head, server_tls_context,
 )  # fmt: skip
-from bootseer.blockstore.format import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, max_stored_length
-from bootseer.blockstore.reader import PeerAllowance
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, max_stored_length
+from bootseer.blockstore.node.reader import PeerAllowance
 from bootseer.fetch.engine import EngineConfig, Priority
 from bootseer.log import get_logger
 
@@ -459,7 +459,7 @@ class PeerBudgets:
                               "over_budget")  # fmt: skip
 
     def allowance(self, peer: str) -> _PeerAllowance:
-        """What one request of ``peer`` may fetch (a :class:`~bootseer.blockstore.reader.PeerAllowance`)."""
+        """What one request of ``peer`` may fetch (a :class:`~bootseer.blockstore.node.reader.PeerAllowance`)."""
         return _PeerAllowance(self, peer)
 
 

@@ -1,6 +1,6 @@
 """An EROFS metadata image of a layer, built from its index: the kernel serves the tree, a blob the data.
 
-:func:`write_image` turns a verified :class:`~blockstore.format.LayerIndex` into the
+:func:`write_image` turns a verified :class:`~blockstore.objects.format.LayerIndex` into the
 bytes of an EROFS filesystem (``docs/FORMAT.md``, "EROFS image of a layer") that holds
 the layer's whole tree in overlayfs lower-directory form -- directories, symlinks,
 devices, fifos, whiteouts, opaque directories, hard links, xattrs, owners, modes, ns
@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO, Iterator
 
-from bootseer.blockstore.format import Entry, EntryType, LayerIndex
+from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
 
 #: The image's block size (``blkszbits`` 12): what erofs-utils 1.5 reads and every page-size kernel mounts.
 BLOCK_BITS = 12

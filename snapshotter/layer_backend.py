@@ -1,11 +1,11 @@
 """The daemon's :class:`~.backend.LayerBackend`: the store's chain records and the FUSE layer server.
 
 ``lookup`` reads the chain record straight from the store through the fetch engine
-(:class:`bootseer.blockstore.store.StoreReader`), so the snapshot logic can check the
+(:class:`bootseer.blockstore.objects.store.StoreReader`), so the snapshot logic can check the
 parent before anything is mounted.  ``mount``/``check``/``unmount``/``mounted`` go to
 the long-lived layer server (``bootseer layer-server``) over its control socket
-(:mod:`bootseer.blockstore.control`), which the daemon starts at start-up with
-:func:`~bootseer.blockstore.control.ensure_server` and finds again after its own
+(:mod:`bootseer.blockstore.server.client`), which the daemon starts at start-up with
+:func:`~bootseer.blockstore.server.client.ensure_server` and finds again after its own
 restart.  A server that died is started again by the next call that finds it gone
 (once per call), so new containers work again without a daemon restart.
 
@@ -22,10 +22,10 @@ from typing import Callable, Sequence, TypeVar
 import prometheus_client
 import trio
 
-from bootseer.blockstore import control
-from bootseer.blockstore.format import FormatError
-from bootseer.blockstore.signing import TrustPolicy, Untrusted
-from bootseer.blockstore.store import open_store
+from bootseer.blockstore.server import client as control
+from bootseer.blockstore.objects.format import FormatError
+from bootseer.blockstore.objects.signing import TrustPolicy, Untrusted
+from bootseer.blockstore.objects.store import open_store
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
@@ -175,7 +175,7 @@ class LayerServerBackend:
     def _call(self, operation: Callable[[control.LayerServerClient], T]) -> T:
         """Run ``operation``; a server found gone is started again once, then the call retried.
 
-        One that is running but did not answer in time (:class:`~bootseer.blockstore.control.ServerTimedOut`)
+        One that is running but did not answer in time (:class:`~bootseer.blockstore.server.client.ServerTimedOut`)
         is not asked again: that would double the caller's wait, and a second server cannot start.
         """
         try:

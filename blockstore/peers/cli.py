@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 
-from bootseer.blockstore.peers import PeerConfig, PeerConfigError
+from bootseer.blockstore.peers.service import PeerConfig, PeerConfigError
 
 EXIT_ERROR = 1
 EXIT_OFF = 3
@@ -94,7 +94,7 @@ def layer_server_peer_config(args: argparse.Namespace) -> PeerConfig:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from bootseer.blockstore.server_cli import DEFAULT_ROOT
+    from bootseer.blockstore.server.cli import DEFAULT_ROOT
 
     peers = subparsers.add_parser("peers", help="the node's peer group (block sharing between nodes)")
     commands = peers.add_subparsers(dest="peers_command", required=True, metavar="COMMAND")
@@ -113,7 +113,7 @@ def _size(count: int) -> str:
 
 
 def status_command(args: argparse.Namespace) -> int:
-    from bootseer.blockstore.control import LayerServerClient, LayerServerError, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient, LayerServerError, ServerPaths
     from pathlib import Path
 
     try:

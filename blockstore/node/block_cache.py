@@ -3,7 +3,7 @@
 Blocks are named by their content hash (the SHA-256 of their raw bytes, as the layer
 index names them), so one entry serves every layer and image that holds the block
 and every store or mirror it came from.  The cache is the fetch engine's verified
-file cache (:class:`~bootseer.fetch.cache.VerifiedFileCache`: atomic writes,
+file cache (:class:`~bootseer.fetch.file_cache.VerifiedFileCache`: atomic writes,
 checksummed entries, LRU eviction down from ``max_bytes`` by whichever process finds
 it full, safe for many processes) with one more check: an entry is served only if
 its bytes hash to the name it is stored under, so a disk that flips a bit, or
@@ -31,7 +31,7 @@ import hashlib
 import os
 import tempfile
 
-from bootseer.fetch.cache import CacheStats, VerifiedFileCache
+from bootseer.fetch.file_cache import CacheStats, VerifiedFileCache
 
 __all__ = ["BlockCache", "CacheStats", "check_cache_dir"]
 

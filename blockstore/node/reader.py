@@ -1,7 +1,7 @@
 """Verified blocks of converted layers, and file reads over them: the read path below the FUSE layer server.
 
-:class:`BlockFetcher` turns block references of a :class:`~bootseer.blockstore.format.LayerIndex`
-into raw bytes: first from the node's :class:`~bootseer.blockstore.cache.BlockCache`,
+:class:`BlockFetcher` turns block references of a :class:`~bootseer.blockstore.objects.format.LayerIndex`
+into raw bytes: first from the node's :class:`~bootseer.blockstore.node.block_cache.BlockCache`,
 the rest with one :meth:`Engine.fetch_extents <bootseer.fetch.engine.Engine.fetch_extents>`
 call on the store's engine (each block is an extent of its pack, so neighbours in a
 pack go out as one range request, and priorities, retries, EIO after
@@ -70,9 +70,9 @@ from typing import NamedTuple, Protocol
 import prometheus_client
 import trio
 
-from bootseer.blockstore.cache import BlockCache
-from bootseer.blockstore.format import Block, Entry, EntryType, LayerIndex, decode_block, max_stored_length, pack_object
-from bootseer.blockstore.peer_wire import BlockPlace
+from bootseer.blockstore.node.block_cache import BlockCache
+from bootseer.blockstore.objects.format import Block, Entry, EntryType, LayerIndex, decode_block, max_stored_length, pack_object
+from bootseer.blockstore.peers.wire import BlockPlace
 from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
 from bootseer.log import get_logger
 
@@ -179,7 +179,7 @@ def _pack_path(name: str) -> str:
 class PackList(Protocol):
     """What fetching a stored block needs of its layer: the pack names its blocks refer to, and a name.
 
-    A :class:`~bootseer.blockstore.format.LayerIndex`, or the one pack of a peer's request.
+    A :class:`~bootseer.blockstore.objects.format.LayerIndex`, or the one pack of a peer's request.
     """
 
     @property
@@ -197,7 +197,7 @@ class _PeerRequest(NamedTuple):
 
 
 class PeerAllowance(Protocol):
-    """What one peer's request may make this node fetch from the store (:class:`bootseer.blockstore.peers.PeerServer`)."""
+    """What one peer's request may make this node fetch from the store (:class:`bootseer.blockstore.peers.service.PeerServer`)."""
 
     def charge(self, store_bytes: int) -> None:
         """Count ``store_bytes`` about to be fetched from the store for the peer; raises to refuse them."""
@@ -214,7 +214,7 @@ _UNCHARGED = _Uncharged()
 
 
 class PeerBlocks(Protocol):
-    """Other nodes that may hold a block (:class:`bootseer.blockstore.peers.PeerClient`), asked before the store."""
+    """Other nodes that may hold a block (:class:`bootseer.blockstore.peers.service.PeerClient`), asked before the store."""
 
     def owner(self, digest: str) -> str | None:
         """The member to ask for block ``digest``, or None when this node gets it from the store itself."""

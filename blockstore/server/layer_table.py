@@ -22,9 +22,9 @@ from typing import Any, Callable, Iterable
 
 import trio
 
-from bootseer.blockstore.control import LayerServerError
-from bootseer.blockstore.format import ChainRecord, FormatError
-from bootseer.blockstore.layerfs import MAX_SLOT, LayerTree
+from bootseer.blockstore.server.client import LayerServerError
+from bootseer.blockstore.objects.format import ChainRecord, FormatError
+from bootseer.blockstore.datapath.tree import MAX_SLOT, LayerTree
 from bootseer.fetch.sources import redact_url
 
 TABLE_VERSION = 1

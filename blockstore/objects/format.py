@@ -30,8 +30,8 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import zstandard
 
-from bootseer.blockstore.jsonstream import ArrayRule, read_document
-from bootseer.blockstore.signing import Signed, SigningKey, sign_document, signatures_of
+from bootseer.blockstore.objects.jsonstream import ArrayRule, read_document
+from bootseer.blockstore.objects.signing import Signed, SigningKey, sign_document, signatures_of
 
 FORMAT_VERSION = 1
 DEFAULT_BLOCK_SIZE = 1 << 20
@@ -463,7 +463,7 @@ def open_sealed(
 ) -> Iterator[bytes]:
     """The payload of a sealed object as it is decompressed, piece by piece: what
     :func:`decode_sealed` joins, for a reader that parses as it goes
-    (:func:`bootseer.blockstore.jsonstream.read_document`).
+    (:func:`bootseer.blockstore.objects.jsonstream.read_document`).
 
     The header, length and checksum are checked before this returns; the size bound
     while the pieces are read (``because`` says where ``max_payload`` comes from, for
@@ -681,7 +681,7 @@ class ChainRecord:
         return dataclasses.replace(self, signatures=tuple(document["signatures"]), signed=None)
 
     def signature_check(self) -> Signed:
-        """The signed message and signatures a :class:`~blockstore.signing.TrustPolicy` checks."""
+        """The signed message and signatures a :class:`~blockstore.objects.signing.TrustPolicy` checks."""
         return self.signed if self.signed is not None else Signed.of("chain", self._document())
 
     @classmethod

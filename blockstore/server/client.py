@@ -1,7 +1,7 @@
 """The layer server's control API, from the caller's side: a blocking client and ``ensure_server``.
 
 The snapshotter daemon (its gRPC threads) talks to the long-lived layer server
-(:mod:`blockstore.server`, ``bootseer layer-server``) over ``ROOT/layers/control.sock``,
+(:mod:`blockstore.server.layer_server`, ``bootseer layer-server``) over ``ROOT/layers/control.sock``,
 a unix socket only root may open (0600 in a 0700 directory).  The protocol is JSON
 lines: one request object per connection, ``{"op": "mount", "chain_id": ...}``, and one
 answer, ``{"ok": true, ...}`` or ``{"ok": false, "error": {"kind": ..., "message": ...}}``.
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 if TYPE_CHECKING:  # the peer service pulls in trio: not for every client of the control socket
-    from bootseer.blockstore.peers import PeerConfig
+    from bootseer.blockstore.peers.service import PeerConfig
 
 #: Longest request or answer line; a peer sending more is cut off.
 MAX_MESSAGE = 1 << 20
@@ -99,7 +99,7 @@ class ServerPaths:
 
     def blob(self, slot: int) -> Path:
         """The FUSE blob file of the layer in ``slot`` (``mnt/blobs/<slot>``: its EROFS image's device)."""
-        return self.mountpoint / "blobs" / str(slot)  # blockstore.layerfs.BLOBS (not imported: this module is the light client)
+        return self.mountpoint / "blobs" / str(slot)  # blockstore.datapath.tree.BLOBS (not imported: this module is the light client)
 
     def lower_dir(self, slot: int, data_path: str = "tree") -> str:
         """The lower dir of the layer in ``slot`` on ``data_path``: its EROFS mount (``erofs``, ``loop``)
@@ -136,7 +136,7 @@ class ServerStartError(LayerServerError):
     """:func:`ensure_server` could not start a layer server; the message says why.
 
     ``exit_status`` is the server's, if it exited (2: it refused its settings, see
-    :mod:`blockstore.server_cli`), and ``reason`` the last line it logged.
+    :mod:`blockstore.server.cli`), and ``reason`` the last line it logged.
     """
 
     kind = "start_failed"
@@ -329,7 +329,7 @@ class ServerSettings:
     retry_timeout: float | None = None  #: seconds a failing fetch is retried before EIO
     memory_limit: int | None = None  #: stripe bytes each store's engine holds in memory
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
-    data_path: str | None = None  #: auto, erofs, loop or tree (blockstore.datapath); None: the server's default (auto)
+    data_path: str | None = None  #: auto, erofs, loop or tree (blockstore.datapath.choice); None: the server's default (auto)
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     store_proxy: str | None = None  #: HTTP proxy URL http(s) stores are read through (may carry credentials)
     store_proxy_ping_url: str | None = None  #: the proxy's health check URL (never credentials)

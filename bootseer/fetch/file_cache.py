@@ -12,7 +12,7 @@ returned.
 :class:`StripeCache` is the fetch engine's: each stripe is named by a hash of
 everything that identifies its bytes: the source URL, the path, the file's size and
 version (the source's content validator: ETag, inode + mtime in ns, ...), the stripe
-index and the stripe size.  ``blockstore/cache.py``'s ``BlockCache`` names blocks by
+index and the stripe size.  ``blockstore/node/block_cache.py``'s ``BlockCache`` names blocks by
 their content hash instead, so every store and mirror shares its entries.
 
 Writes go to a temporary file in the same directory and are renamed into place, so

@@ -1,6 +1,6 @@
 """Converted layers as FUSE nodes: one directory per layer over its :class:`LayerIndex`, and one blob file.
 
-The layer server (:mod:`blockstore.server`) mounts one FUSE filesystem whose root,
+The layer server (:mod:`blockstore.server.layer_server`) mounts one FUSE filesystem whose root,
 :class:`LayersRoot`, lists one directory per mounted layer, named by its slot number;
 each of those is a :class:`LayerTree`'s root and is an overlayfs lower directory as
 it stands (whiteouts are character devices 0/0, opaque directories carry
@@ -9,7 +9,7 @@ it stands (whiteouts are character devices 0/0, opaque directories carry
 Beside them the root holds ``blobs/``, one file per mounted layer named by its slot
 (:class:`LayerBlobFile`): the layer's blob, every block of the index end to end,
 block ``i`` at offset ``i * block_size`` padded with zeros, zero blocks as holes
-(``blockstore.reader.LayerReader.read_blob``).  It is the extra device an EROFS
+(``blockstore.node.reader.LayerReader.read_blob``).  It is the extra device an EROFS
 image of the layer names its files' chunks in (``mount -t erofs -o device=...``), so
 the kernel answers the tree and this filesystem only block data.  Root-only
 (0400 in a 0500 directory), read-only, cached across opens; its inode number is
@@ -22,7 +22,7 @@ whoever mounts EROFS on it, for every reader).
 
 Everything but file contents comes from the index, which is in memory: ``stat``,
 ``readdir``, ``readlink``, ``getxattr`` and ``listxattr`` never fetch a block.  A
-read goes to the layer's reader (``blockstore.reader.LayerReader``: verified blocks
+read goes to the layer's reader (``blockstore.node.reader.LayerReader``: verified blocks
 through the node cache and the fetch engine), which fetches only the blocks the read
 covers.
 
@@ -43,7 +43,7 @@ import os
 import stat
 from typing import Any, Mapping, Protocol, Sequence, TypeVar
 
-from bootseer.blockstore.format import Entry, EntryType, FormatError, LayerIndex
+from bootseer.blockstore.objects.format import Entry, EntryType, FormatError, LayerIndex
 from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, Special, Symlink
 from bootseer.fuse.inodes import ROOT_INODE
 from bootseer.fuse.operations import OPENER_PID
@@ -82,7 +82,7 @@ def blob_inode_number(slot: int) -> int:
 
 
 class BlockReader(Protocol):
-    """What reads a layer's file contents and blob (``blockstore.reader.LayerReader``)."""
+    """What reads a layer's file contents and blob (``blockstore.node.reader.LayerReader``)."""
 
     async def read(self, entry: Entry, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of ``entry`` from ``offset``; fewer only at its end.

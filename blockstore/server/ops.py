@@ -5,7 +5,7 @@ its handler and returns the handler's answer (a JSON object).  The server regist
 ``mount``, ``check``, ``unmount``, ``status`` and ``shutdown``; an extension registers a
 family of operations under a prefix (the hot-list service: ``hotlist.*``), so adding
 one touches neither the server's table nor the socket code.  Handlers raise
-:class:`~bootseer.blockstore.control.InvalidRequest` (or another ``LayerServerError``)
+:class:`~bootseer.blockstore.server.client.InvalidRequest` (or another ``LayerServerError``)
 for a request they refuse.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Awaitable, Callable
 
-from bootseer.blockstore.control import InvalidRequest
+from bootseer.blockstore.server.client import InvalidRequest
 
 #: Answers one request (the whole JSON object) of an operation registered by name.
 Handler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]

@@ -36,9 +36,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server  # noqa: E402
+from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server  # noqa: E402
+
+from bootseer.paths import ServerPaths  # noqa: E402
 from bootseer.blockstore.peers.service import PeerConfig  # noqa: E402
-from tests.support.http import RangeHTTPServer, free_port  # noqa: E402
+from tests.support.http import RangeHTTPServer  # noqa: E402
+from tests.support.waiting import free_port  # noqa: E402
 from tests.support.layer_servers import stop_layer_servers  # noqa: E402
 from tests.support.layer_store import BuiltLayer, build_store  # noqa: E402
 from tests.support.layers import File, Layer  # noqa: E402

@@ -38,7 +38,8 @@ from typing import BinaryIO, Iterable
 
 from bootseer import __version__, confined
 from bootseer.blockstore.convert.converter import ConversionError, DedupTable, convert_layer, verify_layer
-from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, OVERLAY_XATTR_PREFIX, EntryType, LayerIndex, chain_id, index_object
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, OVERLAY_XATTR_PREFIX, EntryType, LayerIndex, index_object
+from bootseer.images.chains import chain_id
 from bootseer.blockstore.objects.signing import SigningKey
 from bootseer.blockstore.objects.store import StoreWriter
 from bootseer.blockstore.convert.tarlayer import OPAQUE_MARKER, OPAQUE_XATTR, WHITEOUT_PREFIX

@@ -57,7 +57,7 @@ def _error(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from .prefix import DEFAULT_ROOT
+    from bootseer.paths import DEFAULT_DEPS_ROOT as DEFAULT_ROOT
 
     parser = subparsers.add_parser("deps", help="dependency snapshots: install once, restore on every later start",
                                    description="Dependency snapshots: what an install step leaves behind, captured "
@@ -144,7 +144,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def key_command(args: argparse.Namespace) -> int:
-    from .key import KeyError_, check_scope, compute_key, container_store_key
+    from .key import DepsKeyError, check_scope, compute_key, container_store_key
 
     argv = _command(args)
     if args.namespace is not None and not args.base:
@@ -164,7 +164,7 @@ def key_command(args: argparse.Namespace) -> int:
         if args.base and args.namespace is not None:
             scope = check_scope(args.scope) if args.scope else ""
             record_name = container_store_key(key.key, namespace=args.namespace, scope=scope)
-    except KeyError_ as exc:
+    except DepsKeyError as exc:
         return _error(str(exc))
     if args.json:
         print(json.dumps({"key": key.key, "inputs": key.inputs, "record": record_name}, indent=1))
@@ -180,7 +180,7 @@ def run_command(args: argparse.Namespace) -> int:
     from bootseer.blockstore.objects.signing import KeyFileError
     from bootseer.hotlist.format import HotListError, check_profile
 
-    from .key import KeyError_
+    from .key import DepsKeyError
     from .prefix import DepsError, run
 
     argv = _command(args)
@@ -197,7 +197,7 @@ def run_command(args: argparse.Namespace) -> int:
         outcome = run(argv, prefix=args.prefix, store=args.store, publish_store=args.publish_store, root=args.root,
                       python=args.python, extra_files=args.input, settings=settings, publish=not args.no_publish,
                       hotlist_profile=args.hotlist_profile, scope=args.scope)  # fmt: skip
-    except (KeyError_, DepsError, KeyFileError) as exc:
+    except (DepsKeyError, DepsError, KeyFileError) as exc:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"{exc.filename or ''}: {exc.strerror or exc}")
@@ -313,14 +313,14 @@ def prune_command(args: argparse.Namespace) -> int:
 def rm_command(args: argparse.Namespace) -> int:
     from bootseer.blockstore.objects.store import StoreError, open_store_writer
 
-    from .key import KeyError_, check_key
+    from .key import DepsKeyError, check_key
     from .record import deps_object
 
     try:
         key = check_key(args.key)
         with open_store_writer(args.store) as writer:
             removed = writer.remove(deps_object(key))
-    except (KeyError_, StoreError, ValueError) as exc:
+    except (DepsKeyError, StoreError, ValueError) as exc:
         return _error(f"rm: {exc}")
     if not removed:
         print(f"bootseer deps: no snapshot {key} in {redact_url(args.store)}", file=sys.stderr)

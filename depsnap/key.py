@@ -26,7 +26,7 @@ inputs named by ``extra_files``) and collects its inputs as named, printable val
 The key is the SHA-256 of the canonical JSON of the inputs.  Everything here is
 read-only and fast (a ``python -c`` probe of the interpreter, hashing the files);
 bad input (a requirement file that is missing or nests too deep) raises
-:class:`KeyError_`.
+:class:`DepsKeyError`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from bootseer.profile import hooks as profile_hooks, traced
+from bootseer.profile import traced
 
 from .content import TreeError, file_digest, tree_digest
 
@@ -122,7 +122,7 @@ print(json.dumps({
 """
 
 
-class KeyError_(ValueError):  # noqa: N801 - KeyError is Python's own
+class DepsKeyError(ValueError):
     """The key cannot be computed: a missing or unreadable input, a bad command."""
 
 
@@ -172,11 +172,11 @@ def strip_credentials(url: str) -> str:
 
 
 def _tree(path: Path, *, skip: Iterable[str] = ()) -> str:
-    """:func:`tree_digest` with its errors as KeyError_ (what the key's callers report)."""
+    """:func:`tree_digest` with its errors as DepsKeyError (what the key's callers report)."""
     try:
         return tree_digest(path, skip=skip)
     except TreeError as exc:
-        raise KeyError_(str(exc)) from None
+        raise DepsKeyError(str(exc)) from None
 
 
 def find_links_digest(path: Path) -> str:
@@ -236,7 +236,7 @@ def _options(args: Sequence[str], value_options: frozenset[str]) -> list[tuple[s
             out.append((name, value))
         elif arg in value_options:
             if i + 1 >= len(args):
-                raise KeyError_(f"option {arg} needs a value")
+                raise DepsKeyError(f"option {arg} needs a value")
             out.append((arg, args[i + 1]))
             i += 1
         elif len(arg) > 2 and arg[0] == "-" and arg[1] != "-" and arg[:2] in value_options:
@@ -311,16 +311,16 @@ def probe_interpreter(python: str) -> dict[str, str]:
     try:
         out = subprocess.run([python, "-I", "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True)
     except FileNotFoundError:
-        raise KeyError_(f"interpreter {python} does not exist (give --python)") from None
+        raise DepsKeyError(f"interpreter {python} does not exist (give --python)") from None
     except subprocess.CalledProcessError as exc:
-        raise KeyError_(f"interpreter {python} failed: {exc.stderr.strip()[-500:]}") from None
+        raise DepsKeyError(f"interpreter {python} failed: {exc.stderr.strip()[-500:]}") from None
     return json.loads(out.stdout)
 
 
 def _uv_version(env: Mapping[str, str], argv0: str) -> str:
     uv = _which(argv0, env)
     if uv is None:
-        raise KeyError_(f"{argv0} is not on PATH")
+        raise DepsKeyError(f"{argv0} is not on PATH")
     out = subprocess.run([uv, "--version"], capture_output=True, text=True, timeout=60)
     return out.stdout.strip() or f"unknown ({file_digest(Path(uv))})"
 
@@ -352,15 +352,15 @@ def _read_requirement_file(c: _Collector, path: Path, what: str, depth: int, whe
         return
     path = path.resolve()
     if depth > MAX_NESTING:
-        raise KeyError_(f"{where}: requirement files nest deeper than {MAX_NESTING}")
+        raise DepsKeyError(f"{where}: requirement files nest deeper than {MAX_NESTING}")
     if path in c.seen_files:
         return  # pip follows a file once per chain; its contents are in the key already
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise KeyError_(f"{where}: {what} file {path} does not exist") from None
+        raise DepsKeyError(f"{where}: {what} file {path} does not exist") from None
     except OSError as exc:
-        raise KeyError_(f"{where}: cannot read {what} file {path}: {exc.strerror}") from None
+        raise DepsKeyError(f"{where}: cannot read {what} file {path}: {exc.strerror}") from None
     c.seen_files.add(path)
     c.add(f"{what}:{path}", "sha256:" + hashlib.sha256(data).hexdigest())
     text = data.decode("utf-8", errors="replace")
@@ -375,7 +375,7 @@ def _read_requirement_file(c: _Collector, path: Path, what: str, depth: int, whe
         try:
             words = shlex.split(line)
         except ValueError as exc:
-            raise KeyError_(f"{here}: {exc}") from None
+            raise DepsKeyError(f"{here}: {exc}") from None
         for option, value in _options(words, _PIP_VALUE_OPTIONS | _UV_VALUE_OPTIONS):
             _option(c, option, value, depth + 1, here, path.parent)
 
@@ -454,7 +454,7 @@ def _pip_config(c: _Collector, path: Path) -> None:
     try:
         parser.read(path)
     except configparser.Error as exc:
-        raise KeyError_(f"{path}: unreadable pip configuration: {exc}") from None
+        raise DepsKeyError(f"{path}: unreadable pip configuration: {exc}") from None
     for section in ("global", "install"):
         if not parser.has_section(section):
             continue
@@ -484,7 +484,7 @@ def _environment(c: _Collector, kind: str) -> None:
 # -- the key ----------------------------------------------------------------------------------
 
 
-@traced("deps.key", phase="dependencies", attrs=profile_hooks.deps_key_attrs)  # start-up profiler
+@traced("deps.key", phase="dependencies", attrs=lambda key: {"key": key.key, "inputs": len(key.inputs)})  # start-up profiler
 def compute_key(
     argv: Sequence[str],
     *,
@@ -508,16 +508,16 @@ def compute_key(
     (:func:`container_store_key`), so a scope here is refused.
     """
     if not argv:
-        raise KeyError_("no install command given")
+        raise DepsKeyError("no install command given")
     if (prefix is None) == (base_chain is None):
-        raise KeyError_("a key is computed for a prefix (bare metal) or a base ChainID (a container), exactly one")
+        raise DepsKeyError("a key is computed for a prefix (bare metal) or a base ChainID (a container), exactly one")
     if env is None:
         # In a container the install sees the container's environment and configuration files, not
         # this process's: there only what the caller passes counts (``bootseer deps key --env``).
         env = dict(os.environ) if prefix is not None else {}
     env = dict(env)
     if scope and base_chain is not None:
-        raise KeyError_("a container's key is scoped by the snapshotter (its [depsnap] scope and the containerd "
+        raise DepsKeyError("a container's key is scoped by the snapshotter (its [depsnap] scope and the containerd "
                         "namespace), not here")  # fmt: skip
     c = _Collector(cwd=Path(cwd or os.getcwd()).absolute(), env=env)
     c.add("format", str(KEY_VERSION))
@@ -566,13 +566,13 @@ def compute_key(
             path = project / name
             if not path.exists():
                 if name == "pyproject.toml":
-                    raise KeyError_(f"uv sync: {path} does not exist")
+                    raise DepsKeyError(f"uv sync: {path} does not exist")
                 continue
             c.add(f"lock:{path}", file_digest(path))
     for extra in extra_files:
         path = c.resolve(extra)
         if not path.exists():
-            raise KeyError_(f"input file {path} does not exist")
+            raise DepsKeyError(f"input file {path} does not exist")
         c.add(f"input:{path}", _tree(path))
     if kind != "other" and prefix is not None:  # a container's configuration files are in its image (the base)
         for path in _config_files("pip" if kind == "pip" else "uv", env, c.cwd, python_prefix):
@@ -586,9 +586,9 @@ def compute_key(
 
 
 def check_scope(text: str) -> str:
-    """``text`` as a scope (1-128 of letters, digits and ``._:/@+-``, starting with a letter or digit), else KeyError_."""
+    """``text`` as a scope (1-128 of letters, digits and ``._:/@+-``, starting with a letter or digit), else DepsKeyError."""
     if not _SCOPE.fullmatch(text):
-        raise KeyError_(f"not a scope (1-128 letters, digits and ._:/@+-, starting with a letter or digit): {text!r}")
+        raise DepsKeyError(f"not a scope (1-128 letters, digits and ._:/@+-, starting with a letter or digit): {text!r}")
     return text
 
 
@@ -607,8 +607,8 @@ def container_store_key(request_key: str, *, namespace: str, scope: str = "") ->
 
 
 def check_key(text: str) -> str:
-    """``text`` as a key (64 lowercase hex digits; a ``sha256:`` prefix is accepted), else KeyError_."""
+    """``text`` as a key (64 lowercase hex digits; a ``sha256:`` prefix is accepted), else DepsKeyError."""
     key = text.removeprefix("sha256:")
     if not re.fullmatch(r"[0-9a-f]{64}", key):
-        raise KeyError_(f"not a dependency snapshot key (64 hex digits): {text!r}")
+        raise DepsKeyError(f"not a dependency snapshot key (64 hex digits): {text!r}")
     return key

@@ -42,7 +42,6 @@ import os
 import shutil
 import subprocess
 import sys
-import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
@@ -50,6 +49,8 @@ from typing import Iterator, Mapping, Sequence
 import prometheus_client
 import trio
 
+from bootseer.atomic import write_atomically
+from bootseer.blockstore.datapath.overlay import overlay_options
 from bootseer.blockstore.server import client as control
 from bootseer.blockstore.objects.format import FormatError
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
@@ -64,10 +65,10 @@ from bootseer.profile import hooks as profile_hooks, traced
 from .capture import CaptureError, CaptureResult, Tree, diff, publish_capture, scan
 from .key import DepsKey, compute_key, tree_digest
 from .record import MAX_RECORD_BYTES, DepsRecord, deps_object
+from bootseer.paths import DEFAULT_DEPS_ROOT, ServerPaths
 
 log = get_logger(__name__)
 
-DEFAULT_ROOT = "/var/lib/bootseer/deps"
 PREFIX_ENV = "BOOTSEER_DEPS_PREFIX"
 #: Seconds a store look-up may take (retries included) before the run installs as on a miss.
 LOOKUP_TIMEOUT = 20.0
@@ -148,12 +149,7 @@ class NodeRoot:
     def save_state(self, state: PrefixState) -> None:
         path = self.state_path(Path(state.prefix))
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        with open(temp, "w") as f:
-            json.dump(asdict(state), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
+        write_atomically(path, json.dumps(asdict(state), indent=1).encode())
 
     def drop_state(self, prefix: Path) -> None:
         self.state_path(prefix).unlink(missing_ok=True)
@@ -264,8 +260,7 @@ def restore(node: NodeRoot, prefix: Path, record: DepsRecord, store: str, prior_
     os.utime(upper, ns=(below.st_atime_ns, below.st_mtime_ns))  # so the restored root's mtime is the captured one
     prefix.mkdir(parents=True, exist_ok=True)
     lowers = [mounted.lower_dir] + ([str(prefix)] if prior_content not in ("absent", "empty") else [])
-    options = ["index=off"] if os.path.exists("/sys/module/overlay/parameters/index") else []
-    options += [f"lowerdir={':'.join(lowers)}", f"upperdir={upper}", f"workdir={work}"]
+    options = overlay_options(lowers, upper=str(upper), work=str(work))
     _run_mount(["mount", "-t", "overlay", "overlay", "-o", ",".join(options), str(prefix)], "overlay mount")
     state = PrefixState(prefix=str(prefix), key=record.key, state="restored", prior_content=prior_content,
                         chain_id=record.chain_id, store=store, upper=str(upper), at=_now())  # fmt: skip
@@ -302,7 +297,7 @@ def release(node: NodeRoot, prefix: Path, *, lazy: bool = False) -> str:
         still_used = any(s.chain_id == state.chain_id and s.state == "restored" for s in node.states())
         if not still_used:
             try:
-                control.LayerServerClient(control.ServerPaths(node.root).socket).unmount(state.chain_id)
+                control.LayerServerClient(ServerPaths(node.root).socket).unmount(state.chain_id)
             except control.LayerNotMounted:
                 pass
             except control.LayerServerError as exc:
@@ -333,7 +328,7 @@ def run(
     prefix: str | os.PathLike[str],
     store: str | None,
     publish_store: str | None = None,
-    root: str | os.PathLike[str] = DEFAULT_ROOT,
+    root: str | os.PathLike[str] = DEFAULT_DEPS_ROOT,
     python: str | None = None,
     extra_files: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
@@ -452,4 +447,4 @@ def _capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, be
                       detail=f"captured {result.files} entries ({result.bytes} bytes) as {result.chain_id}")  # fmt: skip
 
 
-__all__ = ["DEFAULT_ROOT", "DepsError", "NodeRoot", "RunOutcome", "lookup", "release", "restore", "run", "tree_digest"]
+__all__ = ["DepsError", "NodeRoot", "RunOutcome", "lookup", "release", "restore", "run", "tree_digest"]

@@ -18,7 +18,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from bootseer.blockstore.objects.format import FORMAT_VERSION, FormatError, check_digest, chain_id
+from bootseer.blockstore.objects.format import FORMAT_VERSION, FormatError, check_digest
+
+from bootseer.images.chains import chain_id
 from bootseer.blockstore.objects.signing import Signed, SigningKey, sign_document, signatures_of
 
 #: Where deps records live.

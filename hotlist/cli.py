@@ -26,7 +26,9 @@ from typing import Any
 
 import trio
 
-from bootseer.blockstore.objects.format import FormatError, chain_ids, check_digest
+from bootseer.blockstore.objects.format import FormatError, check_digest
+
+from bootseer.images.chains import chain_ids
 from bootseer.blockstore.objects.format import max_blocks as record_max_blocks
 from bootseer.fetch.sources import redact_url
 from bootseer.hotlist.format import (
@@ -43,8 +45,8 @@ from bootseer.hotlist.format import (
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.hotlist.service import HotListConfig
+from bootseer.paths import DEFAULT_ROOT
 
-DEFAULT_ROOT = "/var/lib/bootseer"
 EXIT_MISSING = 1
 EXIT_ERROR = 2
 
@@ -144,7 +146,7 @@ def top_chain_id(image: str, *, plain_http: bool = False) -> str:
     """The top ChainID of ``image`` (a ChainID, an image reference or ``oci:DIR[:TAG]``)."""
     if image.startswith("sha256:"):
         return check_digest(image, "ChainID")
-    from bootseer.images import open_image
+    from bootseer.images.registry import open_image
 
     with open_image(image, plain_http=plain_http) as source:
         resolved = source.resolve()
@@ -283,7 +285,8 @@ def record_command(args: argparse.Namespace) -> int:
 
 
 def _client(root: str) -> Any:
-    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient
+    from bootseer.paths import ServerPaths
 
     return LayerServerClient(ServerPaths(__import__("pathlib").Path(root)).socket)
 

@@ -1,7 +1,7 @@
 """The clients' side of hot lists: tell the layer server when a container's snapshot (or a prefix) comes and goes.
 
-:class:`~bootseer.snapshotter.snapshots.Snapshotter` calls :func:`container_prepared`
-after it prepares an ordinary active snapshot (a container's writable layer: ctr and
+The snapshotter's :class:`~bootseer.snapshotter.observers.HotListObserver` calls
+:func:`container_prepared` after it prepares an ordinary active snapshot (a container's writable layer: ctr and
 CRI name it by the container ID) and :func:`container_removed` after it removes one.
 Each sends one control request to the layer server under the backend's root
 (``hotlist.prepared`` with the key, the parent ChainID, the labels and the upper
@@ -18,6 +18,7 @@ the same two requests, naming the prefix instead of a container (``readers: any`
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +30,10 @@ log = get_logger(__name__)
 NOTIFY_TIMEOUT = 2.0
 
 
-def _root(snapshotter: Any) -> Any | None:
-    return getattr(getattr(snapshotter, "backend", None), "root", None)
-
-
-def _send(root: Any, request: dict[str, Any]) -> dict[str, Any] | None:
-    """Send ``request`` to the layer server of ``root`` (None: no lazy layers there); its answer or None."""
-    if root is None:
-        return None
-    from bootseer.blockstore.server.client import InvalidRequest, LayerServerClient, LayerServerError, ServerPaths
+def _send(root: str | os.PathLike[str], request: dict[str, Any]) -> dict[str, Any] | None:
+    """Send ``request`` to the layer server of node root ``root``; its answer or None."""
+    from bootseer.blockstore.server.client import InvalidRequest, LayerServerClient, LayerServerError
+    from bootseer.paths import ServerPaths
 
     client = LayerServerClient(ServerPaths(Path(root)).socket, timeout=NOTIFY_TIMEOUT)
     try:
@@ -51,19 +47,20 @@ def _send(root: Any, request: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str, str] | None, upper: str) -> None:
-    """An active snapshot ``key`` was prepared on ``parent`` (possibly a container's rootfs)."""
+def container_prepared(root: str | os.PathLike[str], key: str, parent: str, labels: dict[str, str] | None,
+                       upper: str) -> None:  # fmt: skip
+    """An active snapshot ``key`` was prepared on ``parent`` (possibly a container's rootfs) on the node ``root``."""
     if not parent:
         return
-    answer = _send(_root(snapshotter), {"op": "hotlist.prepared", "key": key, "parent": parent,
+    answer = _send(root, {"op": "hotlist.prepared", "key": key, "parent": parent,
                                         "labels": dict(labels or {}), "upper": upper})  # fmt: skip
     if answer is not None and answer.get("action") not in (None, "none", "disabled"):
         log.info("hot list for container", key=key, parent=parent, action=answer.get("action"))
 
 
-def container_removed(snapshotter: Any, key: str) -> None:
-    """The active snapshot ``key`` was removed."""
-    _send(_root(snapshotter), {"op": "hotlist.removed", "key": key})
+def container_removed(root: str | os.PathLike[str], key: str) -> None:
+    """The active snapshot ``key`` was removed on the node ``root``."""
+    _send(root, {"op": "hotlist.removed", "key": key})
 
 
 def prefix_name(prefix_id: str) -> str:
@@ -71,7 +68,7 @@ def prefix_name(prefix_id: str) -> str:
     return f"deps-prefix-{prefix_id}"
 
 
-def prefix_restored(root: Any, prefix_id: str, chain_id: str, upper: str, labels: dict[str, str] | None = None) -> str:
+def prefix_restored(root: str | os.PathLike[str], prefix_id: str, chain_id: str, upper: str, labels: dict[str, str] | None = None) -> str:
     """A bare-metal prefix was restored from the deps layer ``chain_id``: record or prefetch its first reads.
 
     What the layer server chose (``record``, ``prefetch``, ``none``...) or ``unknown`` if it did not answer.
@@ -81,6 +78,6 @@ def prefix_restored(root: Any, prefix_id: str, chain_id: str, upper: str, labels
     return str(answer.get("action")) if answer is not None else "unknown"
 
 
-def prefix_released(root: Any, prefix_id: str) -> None:
+def prefix_released(root: str | os.PathLike[str], prefix_id: str) -> None:
     """The restored prefix is released: its recording seals (and publishes), its prefetch ends."""
     _send(root, {"op": "hotlist.removed", "key": prefix_name(prefix_id)})

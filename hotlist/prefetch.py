@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -51,6 +52,8 @@ from bootseer.blockstore.objects.format import LayerIndex
 from bootseer.fetch.engine import Priority
 from bootseer.hotlist.format import ResolvedBlock
 from bootseer.log import get_logger
+from bootseer.profile import events as profile_events
+from bootseer.profile.hooks import SAMPLE_INTERVAL
 
 log = get_logger(__name__)
 
@@ -416,3 +419,27 @@ def cache_checker(cache: Any) -> Callable[[str], bool] | None:
     if cache is None or not hasattr(cache, "path_of"):
         return None
     return lambda digest: os.path.exists(cache.path_of(digest))
+
+async def sample_prefetch(prefetch: Prefetch, interval: float = SAMPLE_INTERVAL) -> None:
+    """The start-up profiler's view of a prefetch: its start, progress (``prefetch.bytes``) and end (a background
+    span).  Returns when the prefetch has ended (its ``ended`` event), at once when profiling is off."""
+    if not profile_events.enabled():
+        return
+    started = time.time()
+    attrs = {"image": prefetch.image, "profile": prefetch.profile}
+    profile_events.emit("prefetch.start", phase="image", background=True, planned_bytes=prefetch.stats.planned_bytes,
+                        planned_blocks=prefetch.stats.planned_blocks, **attrs)  # fmt: skip
+    last = -1
+    try:
+        while not prefetch.ended.is_set():
+            if prefetch.stats.fetched_bytes != last:
+                last = prefetch.stats.fetched_bytes
+                profile_events.counter("prefetch.bytes", last, phase="image", **attrs)
+            with trio.move_on_after(interval):
+                await prefetch.ended.wait()
+    finally:
+        stats = prefetch.stats
+        profile_events.counter("prefetch.bytes", stats.fetched_bytes, phase="image", **attrs)
+        profile_events.emit("prefetch", "span", start=started, end=time.time(), phase="image", bytes=stats.fetched_bytes,
+                            background=True, blocks=stats.fetched_blocks, cached_blocks=stats.cached_blocks,
+                            failed_blocks=stats.failed_blocks, finished=stats.finished, **attrs)  # fmt: skip

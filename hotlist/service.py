@@ -1,7 +1,9 @@
 """Hot lists inside the layer server: record first boots, prefetch later ones, account for every read.
 
-One :class:`HotListService` lives in the layer server (:mod:`bootseer.blockstore.server.layer_server`)
-and is that server's only hot-list code.  It is told three things:
+One :class:`HotListService` lives in the layer server as its extension
+(:class:`~bootseer.blockstore.server.extension.ServerExtension`: the ``bootseer layer-server``
+main plugs it in; the server never imports this package) and sees the server only as a
+:class:`~bootseer.blockstore.server.extension.LayerHost`.  It is told three things:
 
 * ``layer_mounted(chain_id)`` (the server mounted a layer: rpull or containerd's
   unpacker prepared it): if the store holds a default-profile hot list keyed by that
@@ -44,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import Any, Sequence
 
 import prometheus_client
 import trio
@@ -53,8 +55,11 @@ from bootseer.blockstore.objects.format import Entry, FormatError, LayerIndex
 from bootseer.blockstore.datapath.choice import EROFS_PATHS
 from bootseer.blockstore.datapath.tree import LayerTree
 from bootseer.blockstore.objects.signing import Untrusted
+from bootseer.blockstore.server.extension import LayerHost
+from bootseer.blockstore.server.ops import ControlOps
 from bootseer.fetch.engine import FetchError
 from bootseer.fetch.source import SourceError
+from bootseer.fetch.sources import redact_url
 from bootseer.fuse.operations import OPENER_PID
 from bootseer.hotlist.attribution import cgroup_paths, container_id, container_of
 from bootseer.hotlist.format import (
@@ -66,7 +71,7 @@ from bootseer.hotlist.format import (
     profile_of_labels,
     resolve,
 )
-from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker
+from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker, sample_prefetch
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
 from bootseer.hotlist.warm import ErofsTarget, PageCacheWarmer, TreeTarget, WarmReads, WarmTarget
 from bootseer.log import get_logger
@@ -121,32 +126,6 @@ class _Container:
     upper: str | None
 
 
-if TYPE_CHECKING:
-    from bootseer.blockstore.node.block_cache import BlockCache
-    from bootseer.blockstore.server.ops import ControlOps
-    from bootseer.blockstore.server.client import ServerPaths
-    from bootseer.blockstore.node.reader import BlockFetcher
-    from bootseer.blockstore.server.layer_server import Layer, LayerServerConfig
-    from bootseer.fetch.engine import Engine
-    from bootseer.fuse.mount import FuseSession
-
-
-class LayerHost(Protocol):
-    """What the hot-list service uses of the layer server that registers it (``LayerServer``)."""
-
-    config: LayerServerConfig  #: its ``trust`` and ``sign_key``
-    paths: ServerPaths  #: where a layer's lower dir is, per data path
-    layers: Mapping[str, Layer]  #: the served layers, by ChainID (their slot, store, tree and data path)
-    cache: BlockCache | None  #: the node cache (prefetch skips what it holds)
-    decode_threads: trio.CapacityLimiter  #: the limiter for CPU work off the FUSE loop
-    nursery: trio.Nursery  #: where the service's tasks run, for the server's lifetime
-    session: FuseSession | None  #: the FUSE session (None: no page cache to warm)
-
-    async def fetcher(self, store: str) -> tuple[Engine, BlockFetcher]:
-        """The engine and the block fetcher of store ``store``."""
-        ...
-
-
 class HotListService:
     """See the module docstring.  ``server`` is the layer server that registers the service (:class:`LayerHost`)."""
 
@@ -188,7 +167,7 @@ class HotListService:
         data = await read_hot_list_object(StoreReader(engine), image, profile, max_blocks)
         if data is None:
             return None
-        trust = self.server.config.trust
+        trust = self.server.trust
 
         def decode_and_check() -> HotList:
             hot = HotList.decode(data, expected_image=image, expected_profile=profile, max_blocks=max_blocks)
@@ -263,14 +242,14 @@ class HotListService:
             IGNORED.labels("mismatch").inc()
             log.warning("hot list ignored: it does not match the image's layers", image=hot.image, profile=hot.profile, error=str(exc))
             return None
-        fetchers = {}
+        engines, fetchers = {}, {}
         for layer in layers:
-            _engine, fetchers[layer] = await self.server.fetcher(self.server.layers[layer].store)
+            engines[layer], fetchers[layer] = await self.server.fetcher(self.server.layers[layer].store)
         running = self.prefetches.get((hot.image, hot.profile))
         if running is not None:  # started by another trigger while we waited for a fetcher
             return running
         # Never more batches in flight than half an engine's streams: a read always finds a free one.
-        streams = min(int(getattr(getattr(f, "engine", None), "streams", 2)) for f in fetchers.values())
+        streams = min(engine.streams for engine in engines.values())
         limits = self.config.prefetch
         limits = dataclasses.replace(limits, concurrency=max(1, min(limits.concurrency, streams // 2)))
         warmer = None
@@ -289,7 +268,7 @@ class HotListService:
         log.info("hot-list prefetch started", image=hot.image, profile=hot.profile, blocks=len(plan),
                  bytes=prefetch.stats.planned_bytes, recorded_on=hot.node, recorded_at=hot.recorded_at)  # fmt: skip
         self._spawn(self._run_prefetch, prefetch)
-        self._spawn(profile_hooks.sample_prefetch, prefetch)  # start-up profiler: start, progress, end
+        self._spawn(sample_prefetch, prefetch)  # start-up profiler: start, progress, end
         return prefetch
 
     def warm_target(self, chain_id: str) -> WarmTarget:
@@ -424,7 +403,7 @@ class HotListService:
             try:
                 if not url:
                     raise StoreError("the image's layers have no store and no --publish-store is set")
-                published = await trio.to_thread.run_sync(functools.partial(_publish_blocking, url, name, hot.encode(self.server.config.sign_key)))
+                published = await trio.to_thread.run_sync(functools.partial(_publish_blocking, url, name, hot.encode(self.server.sign_key)))
                 outcome = "published" if published else "lost_race"
             except (StoreError, ValueError, OSError) as exc:
                 outcome, error = "failed", str(exc)
@@ -484,6 +463,10 @@ class HotListService:
             ],
             "finished": self.finished,
         }  # fmt: skip
+
+    def status_fields(self) -> dict[str, Any]:
+        """The server's status answer names where hot lists are published (redacted)."""
+        return {"publish_store": redact_url(self.config.publish_store or "")}
 
     def register_ops(self, control: ControlOps) -> None:
         """Answer the layer server's ``hotlist.*`` control operations (:meth:`dispatch`)."""

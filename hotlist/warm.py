@@ -2,8 +2,8 @@
 
 Prefetching a hot list puts its blocks in the node cache, but a read of one still costs a
 FUSE request: in the layer server a round trip through the kernel, pyfuse3 and trio, a
-node-cache read and a SHA-256 check.  Measured on a restored torch environment whose every
-hot block was already in the node cache: 3,240 FUSE reads took 9.5 s of a 16.7 s import.
+node-cache read and a SHA-256 check: on a restored torch environment whose every hot block
+was already in the node cache, most of the import's time (bench/results/deps.md).
 The kernel can serve those reads from its page cache instead, with no request at all, if
 the pages are there: the layer server's files are opened with ``keep_cache``.
 

@@ -51,6 +51,9 @@ import uuid
 from pathlib import Path
 from typing import Sequence
 
+from tests.support import waiting
+from tests.support.waiting import WaitFailed, free_port
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 #: The name containerd knows the daemon by (``[proxy_plugins.bootseer]``).
@@ -67,6 +70,11 @@ TEARDOWN_CALL_TIMEOUT = 10
 
 class HarnessError(RuntimeError):
     """A component did not start, stop or answer as expected; the message says which and why."""
+
+
+#: The tests' one wait (``tests.support.waiting``), polling every 0.1 s here: a check of the
+#: integration tests often runs ``ctr`` or reads a daemon's status.
+wait_until = functools.partial(waiting.wait_until, interval=0.1)
 
 
 # --------------------------------------------------------------------------- images
@@ -129,30 +137,6 @@ def add_platform_index(image: BuiltImage, other: BuiltImage, tag: str = "multi")
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(what: str, check, timeout: float, interval: float = 0.1, alive=None):
-    """Poll ``check()`` until it returns a true value and return it.
-
-    ``alive`` (a :class:`ManagedProcess`) makes the wait fail at once if that process exits.
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if alive is not None and not alive.running:
-            raise HarnessError(f"{alive.name} exited (status {alive.returncode}) while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise HarnessError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 class ManagedProcess:
@@ -268,7 +252,8 @@ def bootseer_rpull(stack: "Stack", ref: str) -> str:
 
 def layer_server(stack: "Stack"):
     """A control client of the layer server the stack's daemon started."""
-    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient
+    from bootseer.paths import ServerPaths
 
     return LayerServerClient(ServerPaths(stack.daemon.root).socket)
 
@@ -299,19 +284,6 @@ def hotlist_show(stack: "Stack", ref_or_chain: str, *extra: str) -> list[dict]:
     done = run([BOOTSEER, "hotlist", "show", "--json", "--plain-http", "--store", stack.store_url, ref_or_chain, *extra],
                timeout=120)  # fmt: skip
     return json.loads(done.stdout)
-
-
-def wait_for(what: str, check, timeout: float = 60):
-    """Poll ``check()`` until it returns something true, and return that (HarnessError after ``timeout``)."""
-    result = None
-
-    def probe() -> bool:
-        nonlocal result
-        result = check()
-        return bool(result)
-
-    wait_until(what, probe, timeout, interval=0.2)
-    return result
 
 
 def _output(stdout: bytes | None, stderr: bytes | None) -> str:
@@ -361,9 +333,9 @@ class Registry:
                                           self.base / "registry.log")
             self.process.start()
             try:
-                wait_until(f"registry on {self.address}", self._answers, timeout, alive=self.process)
+                wait_until(f"registry on {self.address}", self._answers, timeout, interval=0.1, alive=self.process)
                 return
-            except HarnessError:
+            except WaitFailed:
                 self.process.stop(signal.SIGKILL)
                 if attempt == 2:
                     raise
@@ -1289,7 +1261,7 @@ class CriClient:
             status = self.container_status(container_id)
             return status if status.state == self.api.CONTAINER_EXITED else None
 
-        return wait_for(f"container {container_id} to exit", exited, timeout)
+        return wait_until(f"container {container_id} to exit", exited, timeout, interval=0.2)
 
     def exec_sync(self, container_id: str, argv: Sequence[str], timeout: int = 60) -> str:
         """``ExecSync``; its stdout (HarnessError with stderr if it exits non-zero)."""

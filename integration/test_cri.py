@@ -34,13 +34,13 @@ from typing import Any
 import grpc
 import pytest
 
-from bootseer.blockstore.server.client import ServerPaths
-from bootseer.depsnap.containerd import DEPS_LABEL
+from bootseer.paths import ServerPaths
+from bootseer.snapshotter.deps_hooks import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, container_store_key
 from integration import harness
 from integration.harness import (
     APP_FILE, APP_FILE_DATA, CRI_NAMESPACE, PATCH_FILE, PATCH_FILE_DATA, hotlist_status, layer_server, lazy_layers,
-    part_data, part_path, wait_for,
+    part_data, part_path, wait_until,
 )
 from integration.harness import bootseer_convert as convert
 from integration.harness import hotlist_show as show
@@ -88,7 +88,7 @@ def converted(stack: harness.CriStack, name: str = "bootseer/lazy") -> tuple[har
 
 def wait_running(stack: harness.CriStack, container: str) -> None:
     with stack.cri() as cri:
-        wait_for(f"container {container} to write /run-state", lambda: cri.exec_sync(
+        wait_until(f"container {container} to write /run-state", lambda: cri.exec_sync(
             container, ["sh", "-c", "cat /run-state 2>/dev/null; true"]).strip() == "started", 30)
 
 
@@ -283,7 +283,7 @@ def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_st
         cri.pull(ref)
     pod = first.run_pod("hot-pod")
     container = first.run_in_pod(pod, "job", ref, "sh", "-c", HOT_JOB + "; exec sleep 100000")
-    finished = wait_for("the recording to be published", lambda: [
+    finished = wait_until("the recording to be published", lambda: [
         f for f in hotlist_status(first)["finished"] if f["kind"] == "recording"])
     assert finished[0]["outcome"] == "published" and finished[0]["sealed_by"] == "marker", finished
     [listed] = show(first, ref)
@@ -299,7 +299,7 @@ def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_st
     with second.cri() as cri:
         cri.pull(ref2)
     # PullImage alone (no pod yet) started the prefetch, and it finished, page cache included.
-    prefetch = wait_for("the prefetch to finish, page cache included", lambda: [
+    prefetch = wait_until("the prefetch to finish, page cache included", lambda: [
         p for p in hotlist_status(second)["prefetches"] if p["image"] == top and p["finished"] and p["warm_finished"]])[0]
     assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"]
     assert prefetch["warmed_bytes"] >= 2 * harness.PART_SIZE
@@ -311,7 +311,7 @@ def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_st
     assert blocks(second)[0] - fetched_before <= 1  # what it read was there already
     with second.cri() as cri:
         cri.remove_container(job)
-    summary = wait_for("the prefetch's summary", lambda: [
+    summary = wait_until("the prefetch's summary", lambda: [
         f for f in hotlist_status(second)["finished"] if f["kind"] == "prefetch"])[0]
     # The pod's reads came from the page cache the prefetch filled: the summary says so, not "unread".
     # The pod's reads came from the page cache the prefetch filled: the summary says so (issue 17: it said

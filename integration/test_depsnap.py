@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 
-from bootseer.blockstore.objects.format import chain_ids
-from bootseer.depsnap.containerd import DEPS_LABEL
+from bootseer.images.chains import chain_ids
+from bootseer.snapshotter.deps_hooks import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, container_store_key
 from bootseer.depsnap.record import DepsRecord
 from integration import harness
@@ -111,7 +111,7 @@ def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
     from integration.harness import bootseer_convert as convert
     from integration.harness import bootseer_rpull as rpull
     from integration.harness import hotlist_show as show
-    from integration.harness import hotlist_status, wait_for
+    from integration.harness import hotlist_status, wait_until
 
     stack = stacks()
     image, ref = stack.build_and_push()
@@ -126,7 +126,7 @@ def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
                                    stack.snapshotter_name, "--snapshotter-label", f"{DEPS_LABEL}={key}", ref,
                                    "deps-lazy-2", "sh", "-c", JOB, timeout=180)  # fmt: skip  (its removal seals the recording)
     assert out.split()[0] == "HIT"
-    wait_for("the deps start's recording", lambda: [
+    wait_until("the deps start's recording", lambda: [
         f for f in hotlist_status(stack)["finished"] if f["kind"] == "recording" and f["image"] == record.chain_id])
     [listed] = show(stack, record.chain_id)
     layers = {layer["chain_id"]: layer for layer in listed["layers"]}

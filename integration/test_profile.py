@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.objects.format import chain_ids
+from bootseer.images.chains import chain_ids
 from bootseer.blockstore.objects.store import open_store_writer
 from bootseer.depsnap.capture import publish_capture, scan, upper_change
-from bootseer.depsnap.containerd import DEPS_LABEL, EXCLUDED
+from bootseer.snapshotter.deps_hooks import DEPS_LABEL, EXCLUDED
 from bootseer.depsnap.key import compute_key, container_store_key
 from bootseer.profile.cluster import fetch_job, job_report, publish
 from bootseer.profile.events import read_spool
@@ -304,8 +304,10 @@ def check_merge(store_url: str, trace: Trace) -> None:
         # Its first checkpoint bytes came on time (the read began where the real node's did).
         moved.append(Event("checkpoint.bytes", "counter", checkpoint.start + 0.01, phase="checkpoint", node=node,
                            value=baseline + 1))
-        publish(Trace(node=node, job=trace.job, events=sorted(moved, key=lambda e: e.start)), store_url)
-    traces = fetch_job(store_url, JOB)
+        with open_store_writer(store_url) as store:
+            publish(Trace(node=node, job=trace.job, events=sorted(moved, key=lambda e: e.start)), store)
+    with open_store_writer(store_url) as store:
+        traces = fetch_job(store, JOB)
     assert sorted(t.node for t in traces) == sorted([NODE, *delays])
     merged = job_report(traces, JOB)
     assert merged.gated_by == "sim-3"

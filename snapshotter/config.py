@@ -49,6 +49,7 @@ from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.log import FORMATS, LEVELS
 from bootseer.metrics import parse_address
+from bootseer.paths import DEFAULT_ROOT
 
 
 class ConfigError(ValueError):
@@ -67,8 +68,8 @@ class Config:
     cache_dir: Path | None = None  #: the node's block cache; None: ``ROOT/cache``
     cache_size: int = 16 << 30  #: bytes the block cache may hold
     fetch_streams: int = 16  #: parallel range requests per store
-    fetch_retry_timeout: float = 60.0  #: seconds a failing fetch is retried before the read fails (EIO)
-    fetch_memory_limit: int = 1 << 30  #: stripe bytes the layer server holds in memory per store
+    fetch_retry_timeout: float = EngineConfig.retry_timeout  #: seconds a failing fetch is retried before the read fails (EIO)
+    fetch_memory_limit: int = EngineConfig.memory_limit  #: stripe bytes the layer server holds in memory per store
     hotlist_enabled: bool = True  #: record first boots and prefetch later ones
     publish_store: str = ""  #: writable store hot lists are written to; empty: the layers' store
     hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
@@ -91,7 +92,7 @@ class Config:
 
 
 DEFAULTS: dict[str, Any] = {
-    "root": "/var/lib/bootseer",
+    "root": DEFAULT_ROOT,
     "address": "/run/bootseer/snapshotter.sock",
     "log_level": "info",
     "log_format": "text",
@@ -105,16 +106,16 @@ DEFAULTS: dict[str, Any] = {
     "cache.dir": "",
     "cache.size": "16G",
     "fetch.streams": 16,
-    "fetch.retry_timeout": 60.0,
-    "fetch.memory_limit": "1G",
+    "fetch.retry_timeout": EngineConfig.retry_timeout,
+    "fetch.memory_limit": EngineConfig.memory_limit,
     "hotlist.enabled": True,
     "hotlist.publish_store": "",
     "hotlist.quiet": RecordingLimits.quiet,
     "hotlist.window": RecordingLimits.window,
     "hotlist.marker": RecordingLimits.marker,
     "hotlist.prefetch_concurrency": PrefetchLimits.concurrency,
-    "hotlist.prefetch_batch": "4M",
-    "hotlist.prefetch_cold_rate": "0",
+    "hotlist.prefetch_batch": PrefetchLimits.batch_bytes,
+    "hotlist.prefetch_cold_rate": PrefetchLimits.cold_rate,
     "hotlist.prefetch_page_cache": True,
     "fuse.metrics_address": "",
     "fuse.data_path": "auto",
@@ -129,9 +130,9 @@ DEFAULTS: dict[str, Any] = {
     "peers.members_dns": "",
     "peers.token_file": "",
     "peers.deadline": PeerConfig.deadline,
-    "peers.upload_rate": "0",
+    "peers.upload_rate": PeerConfig.upload_rate,
     "peers.max_uploads": PeerConfig.max_uploads,
-    "peers.fetch_budget": "1G",
+    "peers.fetch_budget": PeerConfig.fetch_budget,
     "peers.max_connections": PeerConfig.max_connections,
     "peers.tls_cert": "",
     "peers.tls_key": "",
@@ -340,11 +341,11 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
             raise invalid("trust.sign_key", str(exc)) from None
     deps_scope = merged["depsnap.scope"]
     if deps_scope:
-        from bootseer.depsnap.key import KeyError_, check_scope
+        from bootseer.depsnap.key import DepsKeyError, check_scope
 
         try:
             check_scope(deps_scope)
-        except KeyError_ as exc:
+        except DepsKeyError as exc:
             raise invalid("depsnap.scope", str(exc)) from None
     peers = _peer_config(merged, invalid)
     deps_images = _deps_images(merged["depsnap.images"], invalid)
@@ -422,7 +423,7 @@ def _peer_config(merged: dict[str, Any], invalid: Callable[[str, str], ConfigErr
 
 def _deps_images(table: Mapping[str, Any], invalid: Callable[[str, str], ConfigError]) -> dict[str, str]:
     """``[depsnap] images`` checked: each image reference (or ``sha256:`` top ChainID) names a valid deps key."""
-    from bootseer.depsnap.key import KeyError_, check_key
+    from bootseer.depsnap.key import DepsKeyError, check_key
 
     images = {}
     for image, key in table.items():
@@ -430,7 +431,7 @@ def _deps_images(table: Mapping[str, Any], invalid: Callable[[str, str], ConfigE
             raise invalid("depsnap.images", f"{image!r} must map an image reference to a deps key (a string)")
         try:
             images[image] = check_key(key)
-        except KeyError_ as exc:
+        except DepsKeyError as exc:
             raise invalid("depsnap.images", f"{image!r}: {exc}") from None
     return images
 

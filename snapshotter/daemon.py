@@ -67,7 +67,8 @@ from bootseer.log import FORMATS, LEVELS, get_logger, setup_logging
 from bootseer.metrics import serve_metrics
 
 from bootseer.blockstore.node.block_cache import check_cache_dir
-from bootseer.blockstore.server.client import LayerServerError, ServerPaths, ServerSettings, ServerStartError
+from bootseer.blockstore.server.client import LayerServerError, ServerSettings, ServerStartError
+from bootseer.paths import ServerPaths
 from bootseer.fetch.engine import EngineConfig
 from bootseer.fetch.sources import carries_secret, redact_url
 
@@ -75,6 +76,8 @@ from . import config, grpc_service
 from .backend import LayerBackend
 from .errors import CorruptMetadata, RootLocked, SchemaTooNew
 from .layer_backend import LayerServerBackend
+from .deps_hooks import DepsContext, DepsObserver
+from .observers import HotListObserver
 from .snapshots import Snapshotter
 
 log = get_logger(__name__)
@@ -200,9 +203,12 @@ class Daemon:
                 except ValueError as exc:
                     raise StartupError(f"--cache-dir: {exc}") from None
             backend = self._layer_backend()
-            snapshotter = open_snapshotter(root, backend, deps_scope=self.settings.deps_scope,
-                                           deps_images=self.settings.deps_images)
+            snapshotter = open_snapshotter(root, backend)
             cleanup.callback(self._close_snapshotter, snapshotter)
+            if backend is not None:  # containers on lazy layers: dependency snapshots, then their hot lists
+                snapshotter.observe(DepsObserver(backend, snapshotter.snapshots_dir, snapshotter.stat,
+                                                 deps_context(self.settings)))  # fmt: skip
+                snapshotter.observe(HotListObserver(backend.root))
             if backend is not None:  # after the root's lock: one daemon per root starts its server
                 self._start_layer_server(backend)
                 self._watch_layer_server(backend, cleanup)
@@ -377,11 +383,19 @@ def _ignore_signal(signum: int, frame: FrameType | None) -> None:
     (exit at once) from running."""
 
 
-def open_snapshotter(root: Path, backend: LayerBackend | None = None, *, deps_scope: str = "",
-                     deps_images: dict[str, str] | None = None) -> Snapshotter:
+def deps_context(settings: config.Config) -> DepsContext:
+    """What dependency snapshots need of the daemon's settings: one publish store for what a node writes
+    (``[hotlist] publish_store``, the setting the layer server publishes hot lists with, takes captures too;
+    without it, the store of layers)."""
+    return DepsContext(store_url=settings.store_url, publish_store=settings.publish_store or settings.store_url,
+                       trust=settings.trust, sign_key_path=settings.sign_key, scope=settings.deps_scope,
+                       images=dict(settings.deps_images))  # fmt: skip
+
+
+def open_snapshotter(root: Path, backend: LayerBackend | None = None) -> Snapshotter:
     """The Snapshotter of ``root``; it locks the root (``ROOT/lock``), one daemon per root."""
     try:
-        return Snapshotter(root, backend, deps_scope=deps_scope, deps_images=deps_images)
+        return Snapshotter(root, backend)
     except RootLocked as exc:
         raise StartupError(
             f"{exc}; two daemons must never share a root: stop the other one or choose another --root"

@@ -20,7 +20,7 @@ containerd's config; this daemon serves one snapshotter and ignores it.  A clien
 gRPC metadata ``containerd-namespace``, if the request has it, is passed on by
 Prepare (dependency snapshots are scoped to the namespace, docs/depsnap.md);
 containerd 1.6 itself sends none to a proxy snapshotter, whose keys it names
-``NS/N/name`` instead (:func:`bootseer.depsnap.containerd.snapshot_namespace`).
+``NS/N/name`` instead (:func:`bootseer.snapshotter.deps_hooks.snapshot_namespace`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.server import client as control
+from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import FormatError
 from bootseer.blockstore.objects.signing import TrustPolicy, Untrusted
 from bootseer.blockstore.objects.store import open_store
@@ -83,7 +84,7 @@ class LayerServerBackend:
         self.lookup_timeout = lookup_timeout
         self._engine = dataclasses.replace(engine, retry_timeout=min(engine.retry_timeout, lookup_timeout))
         #: every call but mount (which waits up to control.MOUNT_TIMEOUT) waits ``call_timeout`` for its answer
-        self._client = control.LayerServerClient(control.ServerPaths(root).socket, timeout=call_timeout)
+        self._client = control.LayerServerClient(ServerPaths(root).socket, timeout=call_timeout)
 
     def start(self) -> None:
         """Find the running layer server or start one (daemon start-up); ServerStartError if it cannot."""

@@ -12,26 +12,14 @@ them.  The shapes, from ``snapshots/overlay/overlay.go``:
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
+
+from bootseer.blockstore.datapath.overlay import overlay_options
 
 from .types import Kind, Mount
 
-_OVERLAY_INDEX_PARAMETER = "/sys/module/overlay/parameters/index"
 
-
-def supports_index_off() -> bool:
-    """Whether the kernel knows overlayfs's ``index`` option, so ``index=off`` may be passed.
-
-    containerd turns the index off: with it on, remounting a lower directory under a
-    different upper fails, and snapshots share lower directories all the time.
-    """
-    return os.path.exists(_OVERLAY_INDEX_PARAMETER)
-
-
-def snapshot_mounts(
-    kind: Kind, upper: str, work: str, lowers: Sequence[str], index_off: bool
-) -> list[Mount]:
+def snapshot_mounts(kind: Kind, upper: str, work: str, lowers: Sequence[str]) -> list[Mount]:
     """The mounts of an active or view snapshot.
 
     ``upper``/``work`` are the snapshot's own directories (unused by a view with
@@ -41,8 +29,6 @@ def snapshot_mounts(
         return [Mount(type="bind", source=upper, options=("ro" if kind is Kind.VIEW else "rw", "rbind"))]
     if kind is Kind.VIEW and len(lowers) == 1:
         return [Mount(type="bind", source=lowers[0], options=("ro", "rbind"))]
-    options = ["index=off"] if index_off else []
-    if kind is Kind.ACTIVE:
-        options += [f"workdir={work}", f"upperdir={upper}"]
-    options.append("lowerdir=" + ":".join(lowers))
+    writable = kind is Kind.ACTIVE
+    options = overlay_options(lowers, upper=upper if writable else None, work=work if writable else None)
     return [Mount(type="overlay", source="overlay", options=tuple(options))]

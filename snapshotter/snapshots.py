@@ -32,16 +32,18 @@ import os
 import shutil
 import stat
 import tempfile
+import functools
+import time
 import uuid
 from pathlib import Path
+from typing import Any, Callable
 
 import prometheus_client
 
 from bootseer import confined
-from bootseer.depsnap import containerd as deps_hooks
-from bootseer.hotlist import hooks as hotlist_hooks
+from bootseer.atomic import fsync_directory
 from bootseer.locks import KeyedLocks
-from bootseer.profile import hooks as profile_hooks
+from bootseer.profile import events as profile_events, hooks as profile_hooks
 from bootseer.log import get_logger
 
 from .backend import LayerBackend, RemoteLayer
@@ -49,7 +51,8 @@ from .errors import AlreadyExists, FailedPrecondition, LayerUnavailable, NotFoun
 from .filters import parse_all as parse_filters
 from .filters import snapshot_adaptor
 from .metastore import BACKING_DIR, BACKING_REMOTE, STATE_MOUNTING, Layer, MetaStore, Record, Snapshot
-from .mounts import snapshot_mounts, supports_index_off
+from .mounts import snapshot_mounts
+from .observers import PreparedContainer, ProfileObserver, SnapshotObserver
 from .types import Info, Kind, Mount, Usage
 
 log = get_logger(__name__)
@@ -76,6 +79,34 @@ REMOTE_PREPARES = prometheus_client.Counter(
 )
 
 
+def profiled_remote_prepare(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate :meth:`Snapshotter._prepare_remote` for the start-up profiler: each layer's Prepare a span.
+
+    It lives beside the method whose arguments it reads (the profiler knows no snapshotter).  Each layer containerd's unpacker (``ctr pull``, CRI) or rpull prepares becomes an
+    ``image.layer_prepare`` span: ``lazy`` when it is answered ALREADY_EXISTS (served from the
+    store), ``downloaded`` when it falls back to an ordinary snapshot to unpack into.
+    """
+    @functools.wraps(function)
+    def wrapper(self: Any, key: str, parent: str, labels: dict[str, str], chain_id: str) -> Any:
+        if not profile_events.enabled():
+            return function(self, key, parent, labels, chain_id)
+
+        started, state = time.time(), "downloaded"
+        try:
+            return function(self, key, parent, labels, chain_id)
+        except AlreadyExists:
+            state = "lazy"
+            raise
+        except BaseException:
+            state = "failed"
+            raise
+        finally:
+            profile_events.emit("image.layer_prepare", "span", start=started, end=time.time(), phase="image",
+                        chain_id=chain_id, state=state)
+
+    return wrapper
+
+
 class Snapshotter:
     """Thread-safe: the gRPC server calls it from many threads.
 
@@ -84,13 +115,12 @@ class Snapshotter:
     one every snapshot is a plain directory, exactly as before.
     """
 
-    def __init__(self, root: str | os.PathLike, backend: LayerBackend | None = None, *, deps_scope: str = "",
-                 deps_images: dict[str, str] | None = None) -> None:
+    def __init__(self, root: str | os.PathLike, backend: LayerBackend | None = None) -> None:
         self.root = Path(root).absolute()
         self.backend = backend
-        self.deps_scope = deps_scope  #: ``[depsnap] scope``: dependency snapshots are scoped to it (depsnap/containerd.py)
-        #: ``[depsnap] images``: the deps key of a container without a deps label, by its image (depsnap/containerd.py)
-        self.deps_images = dict(deps_images or {})
+        #: Told when containers' snapshots come and go (:mod:`.observers`): the profiler always,
+        #: and what the daemon registers with :meth:`observe` (dependency snapshots, hot lists).
+        self._observers: list[SnapshotObserver] = [ProfileObserver()]
         # One lock per ChainID: a mount and the unmount of the same layer never interleave.
         # Kept only while held or waited for: Prepares name every ChainID of every image.
         self._chain_locks = KeyedLocks()
@@ -118,7 +148,6 @@ class Snapshotter:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        self._index_off = supports_index_off()
 
     # -- containerd's Snapshotter interface -------------------------------------
 
@@ -141,14 +170,22 @@ class Snapshotter:
         if self.backend is not None and chain_id:
             return self._prepare_remote(key, parent, labels or {}, chain_id)
         snapshot, mounts = self._create(Kind.ACTIVE, key, parent, labels)
-        profile_hooks.container_prepared(key, parent, labels, self._upper_path(snapshot.id))  # profiler: marks dir, event
-        if self.backend is not None:  # a container's rootfs on lazy layers: record or prefetch its hot list
-            if deps_hooks.container_prepared(self, key, parent, labels, str(self._upper_path(snapshot.id)),
-                                             namespace=namespace):  # fmt: skip
-                mounts = self._mounts(snapshot)  # a dependency snapshot is stacked under it (depsnap/containerd.py)
-            hot_parent = deps_hooks.stacked_chain(str(self._upper_path(snapshot.id))) or parent  # deps layer on top
-            hotlist_hooks.container_prepared(self, key, hot_parent, labels, str(self._upper_path(snapshot.id)))
+        container = PreparedContainer(key, parent, dict(labels or {}), str(self._upper_path(snapshot.id)), namespace,
+                                      reads_start_at=parent)  # fmt: skip
+        for observer in self._observers:
+            observer.container_prepared(container)
+        if container.mounts_changed:
+            mounts = self._mounts(snapshot)  # a dependency snapshot is stacked under it (.deps_hooks)
         return mounts
+
+    @property
+    def snapshots_dir(self) -> Path:
+        """Where each snapshot's directory is (``ROOT/snapshots/<id>``)."""
+        return self._snapshots_dir
+
+    def observe(self, observer: SnapshotObserver) -> None:
+        """Tell ``observer`` of every container's snapshot from now on, after those registered before it."""
+        self._observers.append(observer)
 
     def view(self, key: str, parent: str = "", labels: dict[str, str] | None = None) -> list[Mount]:
         """Create the read-only view ``key`` of the committed ``parent``."""
@@ -188,12 +225,9 @@ class Snapshotter:
                 os.rename(aside, self._snapshot_dir(id_))
             raise
         log.debug("snapshot removed", key=key, id=id_, kind=kind.name.lower())
-        if self.backend is not None and kind is Kind.ACTIVE:
-            hotlist_hooks.container_removed(self, key)
+        for observer in reversed(self._observers):
+            observer.snapshot_removed(key, kind is Kind.ACTIVE, aside)
         if aside is not None:
-            profile_hooks.container_removed(key, aside)  # profiler: the container's marks, before they go
-            if self.backend is not None and kind is Kind.ACTIVE:
-                deps_hooks.container_removed(self, aside)  # unmount its dependency layer if it was the last user
             _remove_tree(aside)
         if chain_id:
             self._release_remote(chain_id)
@@ -241,7 +275,7 @@ class Snapshotter:
                 trash = self._snapshots_dir / f"{_REMOVED_PREFIX}{entry}-{uuid.uuid4().hex[:8]}"
                 os.rename(self._snapshots_dir / entry, trash)
                 garbage.append(trash)
-            _fsync_dir(self._snapshots_dir)
+            fsync_directory(self._snapshots_dir)
         for path in garbage:
             log.info("removing unreferenced snapshot directory", path=str(path))
             _remove_tree(path)
@@ -365,14 +399,16 @@ class Snapshotter:
                     raise NotFound(f"snapshot {key!r} was removed while its usage was measured") from None
             raise
 
+    def _observed_lowers(self, upper: str) -> list[str]:
+        return [lower for observer in self._observers for lower in observer.lowers(upper)]
+
     def _mounts(self, snapshot: Snapshot) -> list[Mount]:
         return snapshot_mounts(
             snapshot.kind,
             upper=str(self._upper_path(snapshot.id)),
             work=str(self._work_path(snapshot.id)),
-            lowers=(deps_hooks.lowers(self, str(self._upper_path(snapshot.id))) if snapshot.kind is Kind.ACTIVE else [])
+            lowers=(self._observed_lowers(str(self._upper_path(snapshot.id))) if snapshot.kind is Kind.ACTIVE else [])
             + [self.lower_dir(layer) for layer in snapshot.parents],
-            index_off=self._index_off,
         )
 
     # -- directory changes inside transactions -------------------------------------
@@ -402,7 +438,7 @@ class Snapshotter:
                     _remove_tree(target)
                 os.rename(new, target)
                 new, placed = None, target
-                _fsync_dir(self._snapshots_dir)
+                fsync_directory(self._snapshots_dir)
         except BaseException:
             for path in (new, placed):
                 if path is not None:
@@ -415,7 +451,7 @@ class Snapshotter:
 
     # -- remote snapshots ----------------------------------------------------------------
 
-    @profile_hooks.remote_prepare  # start-up profiler: each layer's Prepare, lazy or downloaded
+    @profiled_remote_prepare  # start-up profiler: each layer's Prepare, lazy or downloaded
     def _prepare_remote(self, key: str, parent: str, labels: dict[str, str], chain_id: str) -> list[Mount]:
         """Prepare ``key`` as containerd's unpacker asks, committing ``chain_id`` lazily if the store has it.
 
@@ -534,7 +570,7 @@ class Snapshotter:
         with self._chain_locks.hold(chain_id):
             with self._ms.read() as tx:
                 users = tx.remote_users(chain_id)
-            if users or deps_hooks.in_use(self, chain_id):  # a dependency layer stacked under a snapshot
+            if users or any(observer.holds_layer(chain_id) for observer in self._observers):  # a stacked deps layer
                 return
             try:
                 self.backend.unmount(chain_id)
@@ -568,7 +604,7 @@ class Snapshotter:
         except FileNotFoundError:
             log.warning("removed snapshot had no directory", id=id_, path=str(source))
             return None
-        _fsync_dir(self._snapshots_dir)
+        fsync_directory(self._snapshots_dir)
         return aside
 
     def _recover_interrupted_removals(self, ids: dict[str, str]) -> None:
@@ -585,7 +621,7 @@ class Snapshotter:
                 continue  # the snapshot has its directory; this one is garbage
             log.warning("recovering directory of a snapshot whose removal did not complete", key=ids[id_], id=id_)
             os.rename(self._snapshots_dir / entry, target)
-            _fsync_dir(self._snapshots_dir)
+            fsync_directory(self._snapshots_dir)
 
 
 def _remote_usage(layer: RemoteLayer) -> Usage:
@@ -622,15 +658,6 @@ def disk_usage(root: str | os.PathLike) -> Usage:
     finally:
         os.close(fd)
     return Usage(size=size, inodes=len(seen))
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make renames in ``path`` durable before the metadata that depends on them commits."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_tree(path: str | os.PathLike) -> None:

@@ -33,7 +33,8 @@ if __name__ == "__main__":  # the mount program (see _serve_blob): make the repo
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bootseer.blockstore.node.block_cache import BlockCache
-from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server
+from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import Entry, LayerIndex, pack_object
 from bootseer.blockstore.datapath.tree import BLOBS, LayerBlobOpenFile, LayerTree, blob_inode_number
 from bootseer.blockstore.node.reader import BlockFetcher, LayerReader

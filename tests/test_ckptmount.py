@@ -30,7 +30,9 @@ from typing import Iterator
 
 import pytest
 
-from tests.support.http import NginxServer, RangeHTTPServer, SilentRangeHandler, free_port, range_gets
+from tests.support.http import NginxServer, RangeHTTPServer, SilentRangeHandler, range_gets
+
+from tests.support.waiting import free_port
 from tests.support.memory import peak_rss_under_readers, rss_bound
 from tests.support.mounts import MountProcess, mount_entry, wait_unmounted
 from tests.support.s3 import REGION, MotoS3, S3Bucket

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Iterator
 
 import pytest
@@ -188,15 +187,15 @@ def marks_dir_to_host(upper: Path, tmp_path: Path) -> Path:
 def test_the_capture_marker_is_not_written_through_a_symlinked_marks_dir(tmp_path: Path, resolution: str) -> None:
     """``/.bootseer`` -> a host directory: the deps-captured marker lands nowhere outside the upper dir,
     and a deps-done there is no marker."""
-    from bootseer.depsnap import containerd
+    from bootseer.snapshotter import deps_hooks as containerd
 
     upper = tmp_path / "snap" / "fs"
     (upper / "pkg").mkdir(parents=True)
     (upper / "pkg" / "mod.py").write_text("x = 1\n")
     host = marks_dir_to_host(upper, tmp_path)
     before = sorted(os.listdir(host))
-    snapshotter = SimpleNamespace(backend=SimpleNamespace(store_url=str(tmp_path / "store")))
-    watch = containerd._Watch(snapshotter, "ns/1/job", "e" * 64, "sha256:" + "a" * 64, str(upper), {})
+    context = containerd.DepsContext(store_url=str(tmp_path / "store"), publish_store=str(tmp_path / "store"))
+    watch = containerd._Watch(context, "ns/1/job", "e" * 64, "sha256:" + "a" * 64, str(upper), {})
     assert containerd.capture_container(watch) == "published"
     assert sorted(os.listdir(host)) == before
     assert (upper / ".bootseer").is_symlink()

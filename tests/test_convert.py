@@ -24,7 +24,7 @@ from bootseer.blockstore.objects.format import LayerIndex, chain_object, index_o
 from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.blockstore.convert.tarlayer import TarLimits
 from bootseer import cli
-from bootseer.images import DigestMismatch, open_image
+from bootseer.images.registry import DigestMismatch, open_image
 from tests.support import layers as L
 from tests.support.oci import (
     MEDIA_LAYER_GZIP,

@@ -42,7 +42,7 @@ from bootseer.blockstore.node.reader import BlockFetcher, LayerReader
 from bootseer.blockstore.objects.store import FileStoreWriter, open_store
 from bootseer.blockstore.convert.tarlayer import LayerError, TarLimits, read_layer
 from bootseer.fetch.engine import EngineConfig, FetchError
-from bootseer.images import open_image
+from bootseer.images.registry import open_image
 from tests.support import layers as L
 from tests.support.autojump import FAULT_AUTOJUMP, run
 from tests.support.oci import blob_data, build_oci_layout, chain_ids

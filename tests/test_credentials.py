@@ -20,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server
+
+from bootseer.paths import ServerPaths
 from tests.support.daemon import DaemonFactory
 from tests.support.http import RangeHTTPServer
 from tests.support.layer_store import BuiltLayer, build_store

@@ -27,7 +27,7 @@ from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2_grpc a
 from bootseer.snapshotter import config
 from bootseer.snapshotter.metastore import SCHEMA_VERSION
 from tests.support.daemon import BINARY, START_TIMEOUT, DaemonFactory, SnapshotterDaemon, scrape, started_record
-from tests.support.http import free_port
+from tests.support.waiting import free_port
 
 
 # --- command line and configuration --------------------------------------------------------
@@ -93,7 +93,8 @@ def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
     tmp_path: Path, snapshotter_factory: DaemonFactory
 ) -> None:
     """``[hotlist]`` keys and ``--publish-store`` become the started layer server's options."""
-    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient
+    from bootseer.paths import ServerPaths
 
     store, publish = tmp_path / "store", tmp_path / "publish"
     store.mkdir()
@@ -126,7 +127,8 @@ def test_peer_and_proxy_settings_reach_the_layer_server_the_daemon_starts(
 ) -> None:
     """``[peers] fetch_budget, max_connections, deadline`` and ``[store] proxy_read_timeout`` (issue 21) become
     the started layer server's options, and the server runs with them (its peers status and start-up log)."""
-    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient
+    from bootseer.paths import ServerPaths
 
     me = f"127.0.0.1:{free_port()}"
     config_file = tmp_path / "snapshotter.toml"
@@ -160,7 +162,9 @@ def test_layer_server_metrics_address_reaches_the_layer_server_the_daemon_starts
     server's ``--metrics-address``, and it answers there with the FUSE metrics."""
     import urllib.request
 
-    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient
+
+    from bootseer.paths import ServerPaths
 
     assert config.resolve({"fuse.metrics_address": "127.0.0.1:9309"}, {}).layer_server_metrics_address == "127.0.0.1:9309"
     assert config.resolve({}, {}).layer_server_metrics_address == ""

@@ -23,7 +23,7 @@ import pytest
 
 from bootseer.blockstore.server.client import ServerStartError
 from bootseer.blockstore.datapath.choice import DataPathProbe, DataPathUnavailable
-from tests.support.http import free_port
+from tests.support.waiting import free_port
 from tests.support.mounts import mount_entry
 from tests.test_layer_server import built, extracted, node_factory, rich_big_bin  # noqa: F401 (fixtures)
 from tests.support.trees import disk_tree
@@ -250,7 +250,7 @@ def test_a_full_read_on_erofs_makes_no_per_file_fuse_requests(built: Any, node_f
 def test_a_cached_image_of_the_wrong_size_is_built_again(built: Any, tmp_path: Path) -> None:
     import trio
 
-    from bootseer.blockstore.server.client import ServerPaths
+    from bootseer.paths import ServerPaths
     from bootseer.blockstore.datapath.choice import ErofsLayers
     from bootseer.blockstore.datapath.erofs_image import build_image
 

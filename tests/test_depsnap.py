@@ -24,7 +24,7 @@ import pytest
 from bootseer.blockstore.objects.format import FormatError
 from bootseer.blockstore.objects.store import open_store_writer
 from bootseer.depsnap.capture import diff, publish_capture, scan
-from bootseer.depsnap.key import KeyError_, compute_key, strip_credentials
+from bootseer.depsnap.key import DepsKeyError, compute_key, strip_credentials
 from bootseer.depsnap.record import DepsRecord, deps_object
 from tests.support.mounts import force_unmount, mount_entry
 from tests.support.waiting import wait_until
@@ -181,7 +181,7 @@ def test_key_uv_and_errors(tmp_path: Path, wheels: Path) -> None:
     assert compute_key(argv, prefix=tmp_path / "env", env={**env, "UV_RESOLUTION": "lowest"}, cwd=tmp_path).key != key.key
     assert compute_key(argv, prefix=tmp_path / "env", env={**env, "UV_CONCURRENT_DOWNLOADS": "2"}, cwd=tmp_path).key == key.key
     (tmp_path / "req.txt").write_text("-r missing.txt\n")
-    with pytest.raises(KeyError_, match="missing.txt does not exist"):
+    with pytest.raises(DepsKeyError, match="missing.txt does not exist"):
         compute_key(argv, prefix=tmp_path / "env", env=env, cwd=tmp_path)
     (tmp_path / "req.txt").write_text("-r req.txt\nbeta\n")  # a file including itself is read once
     compute_key(argv, prefix=tmp_path / "env", env=env, cwd=tmp_path)
@@ -285,7 +285,8 @@ def test_a_snapshot_that_cannot_be_restored_falls_back_to_installing(work: Path,
 
 
 def _layer_server_status(root: Path) -> dict:
-    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient
+    from bootseer.paths import ServerPaths
 
     return LayerServerClient(ServerPaths(root).socket, timeout=10).call({"op": "hotlist.status"})
 
@@ -561,18 +562,17 @@ def test_deps_command_line_loads_no_checkpoint_or_fuse_code() -> None:
 def test_container_captures_go_to_the_daemons_publish_store(tmp_path: Path) -> None:
     """One publish store for what a node writes: the daemon's [hotlist] publish_store / --publish-store
     (the layer server's setting) takes captures too; without it, the daemon's store."""
-    from bootseer.blockstore.server.client import ServerSettings
-    from bootseer.depsnap.containerd import publish_store
-    from bootseer.snapshotter.layer_backend import LayerServerBackend
+    from bootseer.snapshotter.config import Config
+    from bootseer.snapshotter.daemon import deps_context
 
     front = "http://127.0.0.1:1/"
     writable = str(tmp_path / "store")
-    with_publish = LayerServerBackend(tmp_path, front, ServerSettings(store=front, publish_store=writable))
-    assert publish_store(with_publish) == writable
-    without = LayerServerBackend(tmp_path, writable, ServerSettings(store=writable))
-    assert publish_store(without) == writable
+    with_publish = Config(root=tmp_path, address=tmp_path / "sock", store_url=front, publish_store=writable)
+    assert deps_context(with_publish).publish_store == writable
+    without = Config(root=tmp_path, address=tmp_path / "sock", store_url=writable)
+    assert deps_context(without).publish_store == writable
     os.environ["BOOTSEER_PUBLISH_STORE"] = "/elsewhere"  # the daemon's setting, not a variable of its environment
     try:
-        assert publish_store(with_publish) == writable
+        assert deps_context(with_publish).publish_store == writable
     finally:
         del os.environ["BOOTSEER_PUBLISH_STORE"]

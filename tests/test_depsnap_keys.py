@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bootseer.depsnap.containerd import DEPS_LABEL
+from bootseer.snapshotter.deps_hooks import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, tree_digest
 from bootseer.depsnap.record import DepsRecord
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
@@ -288,7 +288,7 @@ def test_a_capture_of_namespace_a_is_never_stacked_for_namespace_b(tmp_path: Pat
 def test_the_namespace_is_the_first_component_of_containerds_key() -> None:
     """containerd names a proxy's snapshots ``NS/N/name`` and chooses NS; a name with slashes cannot change it. The
     ``containerd-namespace`` header counts only for a key not of that form (a client calling directly)."""
-    from bootseer.depsnap.containerd import snapshot_namespace
+    from bootseer.snapshotter.deps_hooks import snapshot_namespace
 
     assert snapshot_namespace("team-a/12/job") == "team-a"
     assert snapshot_namespace("team-b/3/team-a/7/job", "team-a") == "team-b"
@@ -314,7 +314,7 @@ def test_the_nodes_image_mapping_is_checked_and_gives_a_container_its_key(tmp_pa
     """``[depsnap] images`` (image reference or top ChainID -> deps key) is checked at start-up, naming the key; a
     container snapshot without a deps label gets the key of its image's top ChainID, else of the reference its
     parent layer was pulled by (CRI's ``cri.image-ref`` label), and an explicit label is not overridden."""
-    from bootseer.depsnap.containerd import mapped_key
+    from bootseer.snapshotter.deps_hooks import mapped_key
     from bootseer.snapshotter.config import ConfigError, read_file, resolve
     from bootseer.snapshotter.errors import NotFound
     from bootseer.snapshotter.types import Info, Kind
@@ -339,10 +339,10 @@ def test_the_nodes_image_mapping_is_checked_and_gives_a_container_its_key(tmp_pa
             raise NotFound(key)
 
     node = Node()
-    assert mapped_key(node, "k8s.io/9/ctr", chain) == good  # by top ChainID
-    assert mapped_key(node, "k8s.io/9/ctr", "k8s.io/4/sha256:" + "c" * 64) == good  # by the parent's image reference
-    assert mapped_key(node, "k8s.io/9/ctr", "sha256:" + "d" * 64) is None  # another image
-    assert mapped_key(node, "k8s.io/9/ctr", "sha256:" + "e" * 64) is None  # parent gone
-    assert mapped_key(node, "k8s.io/9/ctr", "") is None  # not over an image layer
+    assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", chain) == good  # by top ChainID
+    assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", "k8s.io/4/sha256:" + "c" * 64) == good  # by the parent's image reference
+    assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", "sha256:" + "d" * 64) is None  # another image
+    assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", "sha256:" + "e" * 64) is None  # parent gone
+    assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", "") is None  # not over an image layer
     node.deps_images = {}
-    assert mapped_key(node, "k8s.io/9/ctr", chain) is None
+    assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", chain) is None

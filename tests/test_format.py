@@ -33,8 +33,6 @@ from bootseer.blockstore.objects.format import (
     FormatError,
     LayerIndex,
     StoredBlock,
-    chain_id,
-    chain_ids,
     chain_object,
     decode_sealed,
     dedup_object,
@@ -42,6 +40,7 @@ from bootseer.blockstore.objects.format import (
     index_object,
     pack_object,
 )
+from bootseer.images.chains import chain_id, chain_ids
 from bootseer.blockstore.convert.tarlayer import LayerError, read_layer
 from tests.support import layers as L
 from tests.support.sealed import same_sealed_object

@@ -38,7 +38,7 @@ from bootseer.hotlist.format import (
 )
 from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
-from bootseer.hotlist.service import HotListConfig
+from bootseer.hotlist.service import HotListConfig, HotListService
 from tests.support import autojump
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
@@ -324,10 +324,10 @@ class NodeUnderTest:
     """One node's layer server objects (no FUSE session) over the shared store."""
 
     def __init__(self, root: Path, store_url: str, nursery: trio.Nursery, proc: Proc, **hotlist: Any) -> None:
-        config = LayerServerConfig(root=root, store=store_url, hotlist=HotListConfig(**hotlist))
+        config = LayerServerConfig(root=root, store=store_url)
         config.paths.indexes.mkdir(parents=True, exist_ok=True)
-        self.server = LayerServer(config, nursery)
-        self.server.hotlist.proc = str(proc.root)
+        self.server = LayerServer(config, nursery, extension=lambda host: HotListService(host, HotListConfig(**hotlist)))
+        self.server.extension.proc = str(proc.root)
         self.proc = proc
 
     async def pull(self, built: list[BuiltLayer]) -> None:
@@ -345,7 +345,7 @@ class NodeUnderTest:
 
     @property
     def hotlist(self) -> Any:
-        return self.server.hotlist
+        return self.server.extension
 
 
 def _expected(built: list[BuiltLayer], layer: int, path: str) -> bytes:

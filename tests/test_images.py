@@ -1,4 +1,4 @@
-"""bootseer.images: OCI layouts and a real registry (Debian's docker-registry), read and verified.
+"""bootseer.images.registry: OCI layouts and a real registry (Debian's docker-registry), read and verified.
 
 Registry tests push OCI layouts with skopeo into a ``docker-registry`` on 127.0.0.1
 (integration/harness.py's :class:`Registry`), then read them back: by tag and by digest,
@@ -25,8 +25,8 @@ from typing import Iterator
 
 import pytest
 
-from bootseer import images
-from bootseer.images import (
+from bootseer.images import registry as images
+from bootseer.images.registry import (
     AuthError, BadReference, Descriptor, DigestMismatch, ImageNotFound, MalformedImage, Platform,
     RegistryReference, UnsupportedMediaType, open_image,
 )

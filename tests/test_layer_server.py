@@ -41,7 +41,8 @@ from bootseer.blockstore.server.client import (
 )
 from bootseer.blockstore.objects.format import pack_object
 from bootseer.blockstore.node.reader import READAHEAD_INITIAL
-from tests.support.http import RangeHTTPServer, free_port
+from tests.support.http import RangeHTTPServer
+from tests.support.waiting import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer

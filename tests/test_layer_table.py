@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from bootseer.blockstore.objects.format import ChainRecord, chain_id
+from bootseer.blockstore.objects.format import ChainRecord
+
+from bootseer.images.chains import chain_id
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table
 
 

@@ -28,7 +28,7 @@ from bootseer.blockstore.objects.format import ChainRecord, Entry, FormatError, 
 from bootseer.blockstore.server.layer_server import LayerServerConfig, run_server
 from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.hotlist.format import HotList, HotListError, hotlist_object
-from bootseer.hotlist.service import HotListConfig
+from bootseer.hotlist.service import HotListConfig, HotListService
 from tests.support import autojump
 from tests.support.forgery import rewrite_index
 from tests.support.bombs import hotlist_bomb, index_bomb, store_index_bomb, valid_hotlist
@@ -195,7 +195,7 @@ def test_an_unrelated_layer_is_read_through_fuse_while_a_hot_list_decodes(
 
     monkeypatch.setattr(HotList, "decode", classmethod(held_decode))
     FileStoreWriter(store).put(hotlist_object(image[-1].chain_id), hotlist_bomb(image[-1].chain_id, [layer.chain_id for layer in image]))
-    config = LayerServerConfig(root=tmp_path / "root", store=f"file://{store}", hotlist=HotListConfig())
+    config = LayerServerConfig(root=tmp_path / "root", store=f"file://{store}")
     read: list[bytes] = []
 
     async def drive(server: Any) -> None:
@@ -215,7 +215,7 @@ def test_an_unrelated_layer_is_read_through_fuse_while_a_hot_list_decodes(
             server.session.terminate()
 
     async def main() -> None:
-        await run_server(config, on_ready=drive)
+        await run_server(config, on_ready=drive, extension=lambda host: HotListService(host, HotListConfig()))
 
     try:
         autojump.run(main)

@@ -27,14 +27,16 @@ from bootseer.blockstore.objects.format import pack_object
 from bootseer.blockstore.peers.membership import (
     DnsMembers, FileMembers, parse_address,
 )  # fmt: skip
-from bootseer.blockstore.peers.wire import BlockPlace, parse_block_target, block_target
+from bootseer.blockstore.peers.wire import parse_block_target, block_target
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import (
     PeerConfig, PeerConfigError, PriorityLimiter, peer_store_id, rendezvous_score,
 )  # fmt: skip
 from bootseer.fetch.sources import redact_url
 from bootseer.profile.events import read_spool
 from tests.support import autojump
-from tests.support.http import RangeHTTPServer, free_port
+from tests.support.http import RangeHTTPServer
+from tests.support.waiting import free_port
 from tests.support.peers import (
     BIG, TOKEN, FakePeer, Nodes, owned_by, pack_bytes_fetched, place_request, root_only, scrape,
 )  # fmt: skip

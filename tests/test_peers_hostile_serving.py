@@ -23,14 +23,16 @@ import trio
 import trio.testing
 
 from bootseer.blockstore.objects.format import max_stored_length, pack_object
-from bootseer.blockstore.peers.wire import BlockPlace, block_target
+from bootseer.blockstore.peers.wire import block_target
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats
 from bootseer.blockstore.node.reader import BlockFetcher
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
 from tests.support.autojump import run as autojump_run
-from tests.support.http import RangeHTTPServer, free_port
+from tests.support.http import RangeHTTPServer
+from tests.support.waiting import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.oci import blob_data

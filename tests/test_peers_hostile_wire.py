@@ -32,10 +32,11 @@ import trio
 
 from bootseer.blockstore.objects.format import pack_object
 from bootseer.blockstore.peers import service as peers
-from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import PeerClient, PeerConfig, PeerStats, rendezvous_score
 from bootseer.fetch.engine import Priority
-from tests.support.http import RangeHTTPServer, free_port
+from tests.support.http import RangeHTTPServer
+from tests.support.waiting import free_port
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer

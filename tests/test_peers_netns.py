@@ -39,7 +39,7 @@ import trio
 
 from bootseer.blockstore.server.client import MountedLayer, ServerSettings
 from bootseer.blockstore.objects.format import LayerIndex
-from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import rendezvous_score
 from bootseer.blockstore.node.reader import BlockFetcher
 from bootseer.blockstore.objects.store import FileStoreWriter

@@ -20,6 +20,7 @@ import trio
 import trio.testing
 
 from bootseer.profile import events, hooks
+from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.profile.cluster import fetch_job, job_report, job_table, percentile, publish
 from bootseer.profile.events import Event, EventError, Spool, read_marks, read_spool
 from bootseer.profile.render import chrome_trace, compare_table, html_page, table
@@ -262,7 +263,7 @@ def test_counter_sampler_on_the_autojump_clock(spool: Path) -> None:
 
 
 def test_prefetch_sampler_start_progress_end(spool: Path) -> None:
-    from bootseer.hotlist.prefetch import PrefetchStats
+    from bootseer.hotlist.prefetch import PrefetchStats, sample_prefetch
 
     class FakePrefetch:  # the three attributes sample_prefetch reads, as hotlist.prefetch.Prefetch has them
         image, profile = "sha256:top", ""
@@ -275,7 +276,7 @@ def test_prefetch_sampler_start_progress_end(spool: Path) -> None:
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(hooks.sample_prefetch, prefetch)
+            nursery.start_soon(sample_prefetch, prefetch)
             for fetched in (100, 200, 300):
                 await trio.sleep(0.5)
                 prefetch.stats.fetched_bytes = fetched
@@ -431,7 +432,7 @@ def test_percentiles() -> None:
 
 
 def test_nodes_publish_and_the_merge_finds_the_straggler(tmp_path: Path) -> None:
-    store = f"file://{tmp_path / 'store'}"
+    store = FileStoreWriter(tmp_path / "store")
     for i in range(5):
         slow = i == 3
         publish(demo_trace(f"node-{i}", t0=1000.0 + i * 0.01, checkpoint_s=9.0 if slow else 2.0 + i * 0.05), store)
@@ -499,12 +500,11 @@ def test_report_compare_and_job_report_commands(tmp_path: Path) -> None:
                    "--html", str(tmp_path / "c.html"))
     assert done.returncode == 0 and "0.50x" in done.stdout, done.stdout + done.stderr
     assert (tmp_path / "c.html").read_text().count("<svg") == 2
-    store = f"file://{tmp_path / 'store'}"
     for i in range(3):
-        publish(demo_trace(f"n{i}", checkpoint_s=2.0 + 5 * (i == 1)), store)
-    done = run_cli("profile", "report", "--job", "job-1", "--store", store, "--html", str(tmp_path / "j.html"))
+        publish(demo_trace(f"n{i}", checkpoint_s=2.0 + 5 * (i == 1)), FileStoreWriter(tmp_path / "store"))
+    done = run_cli("profile", "report", "--job", "job-1", "--store", f"file://{tmp_path / 'store'}", "--html", str(tmp_path / "j.html"))
     assert done.returncode == 0 and "start gated by n1" in done.stdout, done.stdout + done.stderr
-    assert run_cli("profile", "report", "--job", "nope", "--store", store).returncode == 1
+    assert run_cli("profile", "report", "--job", "nope", "--store", f"file://{tmp_path / 'store'}").returncode == 1
     bad = run_cli("profile", "report", str(tmp_path / "absent.json"))
     assert bad.returncode == 2 and "no such trace" in bad.stderr
     assert run_cli("profile", "report").returncode == 2
@@ -584,13 +584,14 @@ def test_a_ctr_pull_start_is_found_by_its_layer_prepares(spool: Path) -> None:
 
 def test_layer_prepares_through_the_snapshotter_are_lazy_or_downloaded(spool: Path) -> None:
     from bootseer.snapshotter.errors import AlreadyExists
+    from bootseer.snapshotter.snapshots import profiled_remote_prepare
 
     class Backend:  # the decorator only sees the method's outcome: a lazy layer raises ALREADY_EXISTS
         pass
 
     calls = []
 
-    @hooks.remote_prepare
+    @profiled_remote_prepare
     def prepare(self, key, parent, labels, chain_id):
         calls.append(chain_id)
         if chain_id == "sha256:lazy":

@@ -19,8 +19,8 @@ from typing import Iterator
 
 import pytest
 
-from bootseer import images
-from bootseer.images import Descriptor, Platform, RegistryReference, RegistrySource
+from bootseer.images import registry as images
+from bootseer.images.registry import Descriptor, Platform, RegistryReference, RegistrySource
 
 pytest.importorskip("cryptography", reason="makes the servers' certificate")
 

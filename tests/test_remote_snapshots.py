@@ -26,8 +26,11 @@ import grpc
 import prometheus_client
 import pytest
 
-from bootseer.blockstore.server.client import LayerServerClient, LayerServerError, ServerPaths, ServerSettings
-from bootseer.blockstore.objects.format import ChainRecord, chain_id, chain_object
+from bootseer.blockstore.server.client import LayerServerClient, LayerServerError, ServerSettings
+
+from bootseer.paths import ServerPaths
+from bootseer.blockstore.objects.format import ChainRecord, chain_object
+from bootseer.images.chains import chain_id
 from bootseer.fetch.engine import EngineConfig
 from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, LayerUnavailable, NotFound
 from bootseer.snapshotter.layer_backend import LayerServerBackend
@@ -35,7 +38,7 @@ from bootseer.snapshotter.snapshots import REF_LABEL, Snapshotter
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.snapshotter.types import Kind, Mount, Usage
 from tests.support.daemon import scrape, started_record
-from tests.support.http import free_port
+from tests.support.waiting import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File
 from tests.support.snapshots import DirectoryLayers, is_mountpoint, mounted, read_tree, snapshot_dirs

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from bootseer import images
-from bootseer.images import Descriptor
-from bootseer.rpull import (
+from bootseer.images import registry as images
+from bootseer.images.registry import Descriptor
+from bootseer.images.rpull import (
     LABEL_CRI_IMAGE_LAYERS, MAX_LABEL_BYTES, child_gc_labels, distribution_source, layer_digest_list,
 )
 from integration import harness
@@ -236,7 +236,7 @@ def test_errors_are_clear(stack: harness.Stack):
 
 def test_an_interrupted_ingest_is_resumed(stack: harness.Stack):
     """A blob write cut off mid-way (a killed rpull) leaves an ingest; the next pull resumes it at its offset."""
-    from bootseer.rpull import Containerd, _blob_ref
+    from bootseer.images.rpull import Containerd, _blob_ref
 
     image, ref = stack.build_and_push()
     source = images.open_image(ref, plain_http=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from bootseer.blockstore.datapath.overlay import INDEX_PARAMETER
 from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from bootseer.snapshotter.snapshots import Snapshotter
 from bootseer.snapshotter.types import Info, Kind, Mount, Usage
@@ -105,7 +106,7 @@ def test_layers_whiteouts_and_opaque_dirs_through_real_mounts(sn: Snapshotter, r
 
 
 def test_mount_shapes_match_containerd_overlay(sn: Snapshotter, root: Path):
-    index = ("index=off",) if os.path.exists("/sys/module/overlay/parameters/index") else ()
+    index = ("index=off",) if os.path.exists(INDEX_PARAMETER) else ()
     snaps = root / "snapshots"
     assert sn.prepare("a") == [Mount("bind", f"{snaps}/1/fs", ("rw", "rbind"))]
     assert sn.view("v0") == [Mount("bind", f"{snaps}/2/fs", ("ro", "rbind"))]
@@ -639,7 +640,7 @@ def test_chain_locks_do_not_outlive_their_prepares(tmp_path: Path) -> None:
     """Each ChainID a Prepare names (containerd.io/snapshot.ref) is locked while its layer is
     looked up, mounted or released; the snapshotter must not keep a lock for every ChainID
     it was ever asked about (every layer of every image pulled in the daemon's life)."""
-    from bootseer.blockstore.objects.format import chain_id
+    from bootseer.images.chains import chain_id
     from bootseer.snapshotter.snapshots import REF_LABEL
     from tests.support.snapshots import DirectoryLayers
 

@@ -36,7 +36,7 @@ from bootseer.blockstore.objects.store import (
 )
 from bootseer.fetch.engine import EngineConfig, FetchError, open_engine
 from bootseer.fetch.sources import open_source
-from bootseer.images import open_image
+from bootseer.images.registry import open_image
 from tests.support.mounts import force_unmount
 from tests.support.s3 import ACCESS_KEY, REGION, SECRET_KEY
 from tests.support import layers as L

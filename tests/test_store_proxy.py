@@ -36,15 +36,18 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from bootseer.blockstore.server.client import ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.server.client import ServerSettings, ensure_server
+
+from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import max_stored_length
-from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import PeerConfig
 from bootseer.fetch.sources import open_source
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.http_proxy import ProxyConfig
 from tests.support.daemon import BINARY
-from tests.support.http import RangeHTTPServer, RangeRequestHandler, free_port, range_gets, wait_for_port
+from tests.support.http import RangeHTTPServer, RangeRequestHandler, range_gets, wait_for_port
+from tests.support.waiting import free_port, wait_until
 from tests.support.layer_store import build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
@@ -59,15 +62,6 @@ USER, PASSWORD = "node", "pr0xy-s3cret"
 BLOCK_SIZE = 64 << 10  #: the layer's raw block size
 PROXY_BLOCK = 256 << 10  #: the proxy grid of these tests
 WAIT_S = 30.0  #: deadline of every wait on a condition
-
-
-def wait_until(condition: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not {what} after {timeout:g}s")
-        time.sleep(0.05)
-    return value
 
 
 class Tinyproxy:
@@ -318,7 +312,7 @@ def test_a_proxy_that_hangs_is_found_down_by_its_check_and_the_read_in_flight_go
         assert source.proxy is not None and not source.proxy.up
         assert [(client, r) for client, _via, _t, r in store.since(start)] == [("127.0.0.1", f"bytes={PROXY_BLOCK + 1}-{PROXY_BLOCK + 99}")]
         proxy.process.send_signal(signal.SIGCONT)
-        wait_until(lambda: source.proxy.up, "the proxy healthy again")
+        wait_until("the proxy healthy again", lambda: source.proxy.up, WAIT_S, interval=0.05)
         start = len(store.access)
         assert connection.read_range("file.bin", 5, 5) == data[5:10]
         # Through the proxy only; the woken proxy may still relay a request (a health check's range
@@ -342,12 +336,12 @@ def test_a_ping_url_that_fails_sends_reads_direct_and_one_that_answers_brings_th
         connection = source.connect()
         assert source.proxy is not None
         source.proxy.usable()  # starts the checker
-        wait_until(lambda: not source.proxy.up, "the proxy found down by its ping URL")
+        wait_until("the proxy found down by its ping URL", lambda: not source.proxy.up, WAIT_S, interval=0.05)
         start = len(store.access)
         assert connection.read_range("file.bin", 10, 10) == data[10:20]
         assert [(client, r) for client, _v, target, r in store.since(start) if "file.bin" in target] == [("127.0.0.1", "bytes=10-19")]
         (store.root / "healthz").write_text("ok\n")
-        wait_until(lambda: source.proxy.up, "the proxy healthy again")
+        wait_until("the proxy healthy again", lambda: source.proxy.up, WAIT_S, interval=0.05)
         start = len(store.access)
         assert connection.read_range("file.bin", 10, 10) == data[10:20]
         assert [client for client, _v, target, _r in store.since(start) if "file.bin" in target] == [PROXY_OUT]
@@ -431,7 +425,7 @@ def test_layer_blocks_go_through_the_proxy_direct_while_it_is_down_and_back_when
 
         proxy.start()  # the same port
         log = ServerPaths(root).log
-        wait_until(lambda: "store proxy healthy again" in log.read_text(errors="replace"), "back to the proxy")
+        wait_until("back to the proxy", lambda: "store proxy healthy again" in log.read_text(errors="replace"), WAIT_S, interval=0.05)
         start = len(store.access)
         read(*third_part)
         packs = store.since(start, part="/packs/")

@@ -29,16 +29,17 @@ import trio
 
 from bootseer.blockstore.server.client import LayerUntrusted, ServerSettings
 from bootseer.blockstore.convert.converter import convert_image
-from bootseer.blockstore.objects.format import ChainRecord, chain_id, chain_object, decode_sealed, encode_sealed
+from bootseer.blockstore.objects.format import ChainRecord, chain_object, decode_sealed, encode_sealed
+from bootseer.images.chains import chain_id
 from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted, generate_key
 from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.depsnap.prefix import lookup as deps_lookup
 from bootseer.depsnap.record import DepsRecord, deps_object
 from bootseer.hotlist.recorder import Recording
-from bootseer.hotlist.service import HotListConfig
+from bootseer.hotlist.service import HotListConfig, HotListService
 from bootseer.hotlist.format import HOTLIST_MAGIC, HOTLIST_VERSION, HotBlock, HotList, HotListUntrusted, hotlist_object
-from bootseer.images import open_image
+from bootseer.images.registry import open_image
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.snapshotter import config
 from bootseer.snapshotter.types import Mount
@@ -173,7 +174,8 @@ def test_a_forged_index_is_served_without_keys_and_refused_with_them(
 
 
 def _layer_server_pid(root: Path) -> int:
-    from bootseer.blockstore.server.client import LayerServerClient, ServerPaths
+    from bootseer.blockstore.server.client import LayerServerClient
+    from bootseer.paths import ServerPaths
 
     return int(LayerServerClient(ServerPaths(root).socket).status()["pid"])
 
@@ -190,9 +192,9 @@ def run_server(tmp_path: Path, store: Store, trust: TrustPolicy, body: Any, sign
     async def main() -> Any:
         async with trio.open_nursery() as nursery:
             settings = LayerServerConfig(root=tmp_path / "node", store=store.url, cache_dir=tmp_path / "cache", trust=trust,
-                                         sign_key=sign_key, hotlist=HotListConfig(enabled=False))  # fmt: skip
+                                         sign_key=sign_key)  # fmt: skip
             settings.paths.indexes.mkdir(parents=True, exist_ok=True)
-            server = LayerServer(settings, nursery)
+            server = LayerServer(settings, nursery, extension=lambda host: HotListService(host, HotListConfig(enabled=False)))
             try:
                 return await body(server)
             finally:
@@ -266,11 +268,11 @@ def test_a_hot_list_no_trusted_writer_signed_is_ignored(tmp_path: Path, store: S
             store.writer.put(name, data)
             before = ignored("untrusted")
             with pytest.raises(HotListUntrusted):
-                await server.hotlist._lookup(top, "")
+                await server.extension._lookup(top, "")
             outcomes.append(f"ignored {ignored('untrusted') - before:g}")
         # The node's own list, signed with its key as it publishes: used.
         store.writer.put(name, _hot_list(store.victim).encode(keys.writer))
-        hot = await server.hotlist._lookup(top, "")
+        hot = await server.extension._lookup(top, "")
         outcomes.append(f"used {len(hot.blocks)}")
         return outcomes
 
@@ -285,7 +287,7 @@ def test_the_layer_server_signs_the_hot_lists_it_publishes_with_the_node_key(tmp
         recording = Recording(container="job", image=layers[-1], profile="", layers=layers, started=trio.current_time(),
                               publish_to=store.url)  # fmt: skip
         recording.blocks = list(recorded.blocks)
-        await server.hotlist._publish(recording)
+        await server.extension._publish(recording)
         return recording.outcome
 
     assert run_server(tmp_path, store, TrustPolicy(), body, sign_key=keys.writer) == "published"

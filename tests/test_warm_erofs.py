@@ -20,6 +20,7 @@ import trio
 
 from bootseer.blockstore.server.layer_server import LayerServerConfig
 from bootseer.hotlist.format import HotBlock
+from bootseer.hotlist.service import HotListService
 from bootseer.hotlist.warm import PageCacheWarmer
 from tests.support import autojump
 from tests.support.layer_store import BuiltLayer, build_store
@@ -145,16 +146,16 @@ def test_each_layer_is_warmed_where_its_data_path_reads_it(built: Any, tmp_path:
         async with trio.open_nursery() as nursery:
             config = LayerServerConfig(root=tmp_path / "root", store=str(store))
             config.paths.indexes.mkdir(parents=True)
-            server = LayerServer(config, nursery)  # no data path given: tree
+            server = LayerServer(config, nursery, extension=HotListService)  # no data path given: tree
             for layer in layers:
                 await server.mount(layer.chain_id)
             slots = {layer.chain_id: server.layers[layer.chain_id].slot for layer in layers}
             assert server.layers[bottom.chain_id].data_path == "tree"
-            assert server.hotlist.warm_target(bottom.chain_id) == TreeTarget(
+            assert server.extension.warm_target(bottom.chain_id) == TreeTarget(
                 slots[bottom.chain_id], server.paths.lower_dir(slots[bottom.chain_id], "tree"))  # fmt: skip
             for path in ("erofs", "loop"):
                 server.layers[top.chain_id].data_path = path  # as a row served on that path says
-                assert server.hotlist.warm_target(top.chain_id) == ErofsTarget(
+                assert server.extension.warm_target(top.chain_id) == ErofsTarget(
                     server.paths.lower_dir(slots[top.chain_id], path))  # fmt: skip
             nursery.cancel_scope.cancel()
 

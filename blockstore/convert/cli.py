@@ -46,7 +46,7 @@ def _layer_size(text: str) -> int:
 
 
 def _platform(text: str) -> str:
-    from bootseer.images import ImageError, Platform
+    from bootseer.images.registry import ImageError, Platform
 
     try:
         Platform.parse(text)
@@ -89,7 +89,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from bootseer.images import BadReference, ImageError, open_image
+    from bootseer.images.registry import BadReference, ImageError, open_image
 
     if args.spool_dir is not None and not os.path.isdir(args.spool_dir):
         print(f"bootseer convert: --spool-dir {args.spool_dir}: not a directory", file=sys.stderr)

@@ -6,7 +6,7 @@ For each layer of the image, bottom up, :func:`convert_image`:
    packs present, and every block the index references read back and checked, unless
    ``verify_existing`` is off): a second run uploads nothing, and a layer that cannot
    serve one of its blocks is converted again (repaired) rather than skipped;
-2. streams the layer blob (verified against its digest by :mod:`bootseer.images`)
+2. streams the layer blob (verified against its digest by :mod:`bootseer.images.registry`)
    through :func:`blockstore.convert.tarlayer.read_layer`, which refuses hostile tars, and
    checks the diffID it computed against the config's;
 3. cuts file contents into blocks; a block already in the store (the store-wide
@@ -59,7 +59,6 @@ from bootseer.blockstore.objects.format import (
     FormatError,
     LayerIndex,
     StoredBlock,
-    chain_ids,
     chain_object,
     decode_block,
     dedup_object,
@@ -71,7 +70,8 @@ from bootseer.blockstore.objects.signing import SigningKey
 from bootseer.blockstore.objects.store import StoreWriter
 from bootseer.blockstore.convert.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
 from bootseer import __version__
-from bootseer.images import ImageSource, layer_compression
+from bootseer.images.chains import chain_ids
+from bootseer.images.registry import ImageSource, layer_compression
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -133,7 +133,7 @@ class BlockVerifier:
     (:func:`blockstore.objects.format.decode_block`, the readers' own check).  Reads are
     batched: the places asked about at once are grouped by pack and neighbours closer
     than ``max_gap`` bytes are one range read of at most ``max_read`` bytes.  Each
-    place is read once; its verdict is kept for the rest of the run (measured: about 230 bytes
+    place is read once; its verdict is kept for the rest of the run (a few hundred bytes
     per block).
     """
 
@@ -713,7 +713,7 @@ def _upload_pack(writer: StoreWriter, pack: SpooledPack) -> None:
 def convert_layer(
     writer: StoreWriter,
     table: DedupTable,
-    blob: BinaryIO,  # the layer blob, verified against its digest by its reader (bootseer.images.VerifiedBlob)
+    blob: BinaryIO,  # the layer blob, verified against its digest by its reader (bootseer.images.registry.VerifiedBlob)
     *,
     chain: str,
     parent: str,
@@ -826,7 +826,7 @@ def convert_image(
     repair: blocks that do not verify are stored anew).
 
     Raises ConversionError naming the layer for a refused or inconsistent layer,
-    StoreError when the store fails, and :mod:`bootseer.images` errors when the image
+    StoreError when the store fails, and :mod:`bootseer.images.registry` errors when the image
     cannot be read.  Layers converted before the failure stay published (each one
     is complete and verified); the failed one is not.
 

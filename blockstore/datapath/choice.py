@@ -36,11 +36,12 @@ from pathlib import Path
 import prometheus_client
 import trio
 
-from bootseer.blockstore.server.client import ServerPaths
+from bootseer.paths import ServerPaths
 from bootseer.blockstore.datapath.erofs_image import build_image, image_cache_name, image_size, write_image
 from bootseer.blockstore.datapath.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
 from bootseer.blockstore.datapath.tree import LayersRoot
+from bootseer.atomic import replacing
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -181,16 +182,8 @@ class ErofsLayers:
             if cached == image_size(index):
                 return path
             log.warning("cached EROFS image has the wrong size; building it again", image=str(path))
-        temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(temp, "wb") as out:
-                write_image(index, out)
-                out.flush()
-                os.fsync(out.fileno())
-            os.rename(temp, path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
+        with replacing(path, durable=False) as out:  # a cache: a lost image is built again
+            write_image(index, out)
         return path
 
     def _mount(self, slot: int, image: Path) -> str:

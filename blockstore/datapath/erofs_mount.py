@@ -13,17 +13,16 @@ EROFS reads a layer's blob with **direct I/O**: ``-o directio`` on a file-backed
 second page cache of every byte (beside the EROFS files' own), and its read-ahead
 would run past the chunk EROFS asked for into the next block of the blob, which
 belongs to another file: fetched from the store, and recorded in a hot list, though
-nothing read it (measured: each read spilled about 128 KiB, the FUSE read-ahead window,
-into its neighbour).  Direct, the blob is read exactly where the EROFS file's pages
+nothing read it (each read spilled up to the FUSE read-ahead window into its
+neighbour).  Direct, the blob is read exactly where the EROFS file's pages
 map, and those pages are the one copy.  A kernel whose EROFS has no ``directio`` option
 refuses it (EINVAL): the mount is then made buffered, with a warning.
 The image itself (the metadata) is read through its own page cache either way.
 
 Given ``read_ahead_kb``, the mount's own read-ahead (how much of a file EROFS asks the
 blob for at once, on a read in order or a page fault of a mapped library) is raised to
-it, as the FUSE tree's is: the kernel's 128 KiB made a sequential read of a 424 MB
-library 1,658 blob reads of 256 KiB, and mapping it 3,314 of 128 KiB; at 1 MiB, 421 and
-429 (measured).  A file-backed mount's read-ahead lives in a backing device of its own
+it, as the FUSE tree's is: at the kernel's 128 KiB a sequential read or a mapping of a
+large library takes several times the blob reads it takes at 1 MiB.  A file-backed mount's read-ahead lives in a backing device of its own
 (``/sys/class/bdi/erofs-N``), which nothing maps to the mount: the one that appears
 during the mount is taken (mounts of this process are made one at a time for it; when
 another process mounted EROFS meanwhile and two appear, the read-ahead is left as it

@@ -58,6 +58,8 @@ the same for reads and prefetch.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import os
 import threading
@@ -72,7 +74,7 @@ import trio
 
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.objects.format import Block, Entry, EntryType, LayerIndex, decode_block, max_stored_length, pack_object
-from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
 from bootseer.log import get_logger
 
@@ -85,9 +87,9 @@ OFF_THREAD_BYTES = 256 << 10
 
 #: A layer's read-ahead window (compressed bytes beyond a read that misses) starts at
 #: READAHEAD_INITIAL, doubles up to READAHEAD_MAX while reads land on blocks read
-#: ahead, and halves down to READAHEAD_MIN when a read misses without one.  2 MiB
-#: is 17 ms of a 1 Gbit/s link; on the torch benchmark 4 MiB fetched 15% more for no
-#: faster start (bench/results/lazy.md).
+#: ahead, and halves down to READAHEAD_MIN when a read misses without one.  The
+#: ceiling was chosen on the torch benchmark: a larger one fetched more for no faster
+#: start (bench/results/lazy.md).
 READAHEAD_MIN = 128 << 10
 READAHEAD_INITIAL = 512 << 10
 READAHEAD_MAX = 2 << 20
@@ -346,7 +348,7 @@ class BlockFetcher:
     all is fetched from the store (hedged: both may run, the first answer wins).
     Read-ahead then takes only the blocks this node owns (into the engine's buffer, as
     without peers): reading ahead another owner's blocks moved raw blocks that were
-    never read (measured: 1.3x the hot set per node, and 0.6 CPU s more per start).
+    never read (bench/results/peers.md).
     """
 
     def __init__(
@@ -380,6 +382,10 @@ class BlockFetcher:
         self.peers = peers
         self.peer_store = peer_store
         self._peer_counters = _Counters("peers", self.source_label)  # blocks this node got for its peers
+
+    def statistics(self) -> FetcherStats:
+        """A copy of the fetcher's counters (callers never read the live ones)."""
+        return dataclasses.replace(self.stats)
 
     @property
     def threads(self) -> trio.CapacityLimiter:
@@ -658,7 +664,7 @@ class BlockFetcher:
             if own:
                 self._read_ahead(index, own, counters)
         # A block stored larger than zstd's worst case for it (only a hand-made index has one) is
-        # never asked of a peer: owners refuse such a request (peer_wire), and it would cost a skip.
+        # never asked of a peer: owners refuse such a request (peers.wire), and it would cost a skip.
         theirs = [block for block in blocks
                   if block.clen <= max_stored_length(block.rlen) and peers.owner(block.digest) is not None]  # fmt: skip
         if not theirs:

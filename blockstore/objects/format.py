@@ -30,6 +30,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 
 import zstandard
 
+from bootseer.images.chains import chain_id
 from bootseer.blockstore.objects.jsonstream import ArrayRule, read_document
 from bootseer.blockstore.objects.signing import Signed, SigningKey, sign_document, signatures_of
 
@@ -85,23 +86,34 @@ def check_digest(value: Any, what: str) -> str:
     return value
 
 
-def chain_id(parent_chain_id: str, diff_id: str) -> str:
-    """containerd's (and the OCI image spec's) ChainID of a layer over ``parent_chain_id``."""
-    if not parent_chain_id:
-        return diff_id
-    return "sha256:" + hashlib.sha256(f"{parent_chain_id} {diff_id}".encode()).hexdigest()
-
-
-def chain_ids(diff_ids: Iterable[str]) -> list[str]:
-    """The ChainID of every layer of an image, bottom first, from its config's ``diff_ids``."""
-    result: list[str] = []
-    for diff_id in diff_ids:
-        result.append(chain_id(result[-1] if result else "", diff_id))
-    return result
-
-
 def _hex_of(digest: str) -> str:
     return check_digest(digest, "digest")[len("sha256:") :]
+
+
+@dataclass(frozen=True)
+class BlockPlace:
+    """A block as a peer asks for it: its digest and where its compressed bytes lie in the store."""
+
+    digest: str  #: SHA-256 of the raw bytes, 64 lowercase hex digits
+    pack: str  #: the pack's name, as the layer index names it
+    offset: int  #: of the compressed bytes in the pack
+    clen: int  #: compressed length
+    rlen: int  #: raw length: exactly what the answer's body must hold
+
+    def check(self) -> BlockPlace:
+        """Itself, or ValueError naming the bad field (a peer's request is hostile until checked)."""
+        if len(self.digest) != 64 or self.digest.strip("0123456789abcdef"):
+            raise ValueError("digest is not 64 lowercase hex digits")
+        if len(self.pack) != 64 or self.pack.strip("0123456789abcdef"):
+            raise ValueError("pack is not a pack name")
+        if not 0 <= self.offset < 1 << 48:
+            raise ValueError("offset out of range")
+        if not 0 < self.rlen <= MAX_BLOCK_SIZE:
+            raise ValueError(f"rlen is not in 1..{MAX_BLOCK_SIZE} (the format's largest block)")
+        # The store bytes an owner may fetch for this request: never more than the block can take.
+        if not 0 < self.clen <= max_stored_length(self.rlen):
+            raise ValueError(f"clen is not in 1..{max_stored_length(self.rlen)} (the most a block of rlen bytes takes)")
+        return self
 
 
 def chain_object(chain: str) -> str:

@@ -54,6 +54,7 @@ from bootseer.blockstore.objects.format import (
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
 from bootseer.fetch.source import Entry, NotADirectory, NotFound, SourceError
 from bootseer.fetch.sources import check_range, open_source, redact_url, split_path
+from bootseer.atomic import fsync_directory
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -192,15 +193,6 @@ def _link(source: str | os.PathLike[str], temp: Path) -> bool:
     return True
 
 
-def _fsync_directory(path: Path) -> None:
-    """Make a rename or link in ``path`` durable."""
-    directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
 class FileStoreWriter(StoreWriter):
     """A store in a local (or NFS) directory: temp file, fsync, rename, fsync of the directory.
 
@@ -262,7 +254,7 @@ class FileStoreWriter(StoreWriter):
     def _put(self, name: str, data: bytes | Path) -> None:
         with self._temp_file(name, data) as (temp, target):
             os.replace(temp, target)
-            _fsync_directory(target.parent)
+            fsync_directory(target.parent)
 
     def _put_if_absent(self, name: str, data: bytes) -> bool:
         with self._temp_file(name, data) as (temp, target):
@@ -270,7 +262,7 @@ class FileStoreWriter(StoreWriter):
                 os.link(temp, target)  # EEXIST for every writer but the first; the temp name goes below
             except FileExistsError:
                 return False
-            _fsync_directory(target.parent)
+            fsync_directory(target.parent)
             return True
 
     @contextmanager

@@ -75,15 +75,14 @@ from typing import Any
 import prometheus_client
 import trio
 
-from bootseer.blockstore.server.ops import ControlOps
 from bootseer.blockstore.peers.membership import (
     DnsMembers, FileMembers, Membership, StaticMembers, is_loopback, parse_address, split_address,
 )  # fmt: skip
 from bootseer.blockstore.peers.wire import (
-    BLOCKS_PATH, PING_PATH, PROCESSING, BlockPlace, HttpStream, WireError, block_target, client_tls_context,
+    BLOCKS_PATH, PING_PATH, PROCESSING, HttpStream, WireError, block_target, client_tls_context,
     content_length, parse_block_target, parse_head, response_head, server_tls_context,
 )  # fmt: skip
-from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, max_stored_length
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, BlockPlace, max_stored_length
 from bootseer.blockstore.node.reader import PeerAllowance
 from bootseer.fetch.engine import EngineConfig, Priority
 from bootseer.log import get_logger
@@ -1251,9 +1250,6 @@ class PeerService:
     def received_bytes(self) -> int:
         """Raw block bytes received from peers so far (verified)."""
         return self.stats.received_bytes
-
-    def register_ops(self, control: ControlOps) -> None:
-        control.register("peers.status", lambda request: self.status())
 
     async def status(self) -> dict[str, Any]:
         stats = self.stats

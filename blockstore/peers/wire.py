@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import trio
 
-from bootseer.blockstore.objects.format import MAX_BLOCK_SIZE, max_stored_length
+from bootseer.blockstore.objects.format import BlockPlace
 
 #: The longest request or response head read (request line or status line and headers).
 HEAD_LIMIT = 8 << 10
@@ -35,32 +35,6 @@ PRIORITIES = ("demand", "readahead", "prefetch")
 
 class WireError(Exception):
     """The other end broke the protocol or the connection (the message says how)."""
-
-
-@dataclass(frozen=True)
-class BlockPlace:
-    """A block as a peer asks for it: its digest and where its compressed bytes lie in the store."""
-
-    digest: str  #: SHA-256 of the raw bytes, 64 lowercase hex digits
-    pack: str  #: the pack's name, as the layer index names it
-    offset: int  #: of the compressed bytes in the pack
-    clen: int  #: compressed length
-    rlen: int  #: raw length: exactly what the answer's body must hold
-
-    def check(self) -> BlockPlace:
-        """Itself, or ValueError naming the bad field (a peer's request is hostile until checked)."""
-        if len(self.digest) != 64 or self.digest.strip("0123456789abcdef"):
-            raise ValueError("digest is not 64 lowercase hex digits")
-        if len(self.pack) != 64 or self.pack.strip("0123456789abcdef"):
-            raise ValueError("pack is not a pack name")
-        if not 0 <= self.offset < 1 << 48:
-            raise ValueError("offset out of range")
-        if not 0 < self.rlen <= MAX_BLOCK_SIZE:
-            raise ValueError(f"rlen is not in 1..{MAX_BLOCK_SIZE} (the format's largest block)")
-        # The store bytes an owner may fetch for this request: never more than the block can take.
-        if not 0 < self.clen <= max_stored_length(self.rlen):
-            raise ValueError(f"clen is not in 1..{max_stored_length(self.rlen)} (the most a block of rlen bytes takes)")
-        return self
 
 
 def block_target(store: str, place: BlockPlace, priority: str) -> str:
@@ -264,7 +238,6 @@ def client_tls_context(ca: str | None) -> ssl.SSLContext:
 
 __all__ = [
     "BLOCKS_PATH",
-    "BlockPlace",
     "HttpStream",
     "PING_PATH",
     "PROCESSING",

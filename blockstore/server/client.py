@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
+from bootseer.paths import ServerPaths
+
 if TYPE_CHECKING:  # the peer service pulls in trio: not for every client of the control socket
     from bootseer.blockstore.peers.service import PeerConfig
 
@@ -41,72 +43,6 @@ MAX_MESSAGE = 1 << 20
 #: Seconds a call waits for its answer (mount fetches a chain record and an index).
 DEFAULT_TIMEOUT = 10.0
 MOUNT_TIMEOUT = 300.0
-
-
-# -- where things are ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServerPaths:
-    """The layer server's files under a node's ``--root``."""
-
-    root: Path
-
-    @property
-    def layers(self) -> Path:
-        return self.root / "layers"
-
-    @property
-    def socket(self) -> Path:
-        return self.layers / "control.sock"
-
-    @property
-    def table(self) -> Path:
-        return self.layers / "table.json"
-
-    @property
-    def mountpoint(self) -> Path:
-        return self.layers / "mnt"
-
-    @property
-    def indexes(self) -> Path:
-        """Local copies of mounted layers' indexes, so a restart needs no store."""
-        return self.layers / "indexes"
-
-    @property
-    def log(self) -> Path:
-        return self.layers / "server.log"
-
-    @property
-    def server_lock(self) -> Path:
-        """Held by the running server for its whole life (one server per root)."""
-        return self.layers / "server.lock"
-
-    @property
-    def start_lock(self) -> Path:
-        """Held by whoever is starting a server (one starter at a time)."""
-        return self.layers / "start.lock"
-
-    @property
-    def erofs_images(self) -> Path:
-        """The EROFS images of the mounted layers' indexes (``erofs`` and ``loop`` data paths)."""
-        return self.layers / "erofs"
-
-    @property
-    def erofs_lowers(self) -> Path:
-        """Where the layers' EROFS mounts are, one directory per slot."""
-        return self.layers / "lower"
-
-    def blob(self, slot: int) -> Path:
-        """The FUSE blob file of the layer in ``slot`` (``mnt/blobs/<slot>``: its EROFS image's device)."""
-        return self.mountpoint / "blobs" / str(slot)  # blockstore.datapath.tree.BLOBS (not imported: this module is the light client)
-
-    def lower_dir(self, slot: int, data_path: str = "tree") -> str:
-        """The lower dir of the layer in ``slot`` on ``data_path``: its EROFS mount (``erofs``, ``loop``)
-        or its per-file FUSE tree (``tree``, which every data path also serves)."""
-        if data_path in ("erofs", "loop"):
-            return str(self.erofs_lowers / str(slot))
-        return str(self.mountpoint / str(slot))
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -136,7 +72,7 @@ class ServerStartError(LayerServerError):
     """:func:`ensure_server` could not start a layer server; the message says why.
 
     ``exit_status`` is the server's, if it exited (2: it refused its settings, see
-    :mod:`blockstore.server.cli`), and ``reason`` the last line it logged.
+    :mod:`snapshotter.layer_daemon`), and ``reason`` the last line it logged.
     """
 
     kind = "start_failed"

@@ -1,6 +1,6 @@
 """The layer server: one long-lived process per node serving converted layers over FUSE.
 
-``bootseer layer-server --root ROOT`` (see :mod:`blockstore.server.cli`) runs
+``bootseer layer-server --root ROOT`` (see :mod:`snapshotter.layer_daemon`) runs
 :func:`run_server`: one trio run, one nursery holding
 
 * the FUSE session on ``ROOT/layers/mnt`` (:mod:`blockstore.datapath.tree`: the root lists
@@ -34,6 +34,7 @@ the server too (its layers stay in the table for the next start).
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import json
@@ -63,13 +64,15 @@ from bootseer.blockstore.server.client import (
     ServerPaths,
     StoreUnavailable,
 )
+from bootseer.blockstore.server.extension import ExtensionFactory, ServerExtension
 from bootseer.blockstore.server.ops import ControlOps
 from bootseer.blockstore.datapath.choice import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
 from bootseer.blockstore.datapath.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
-from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id, write_atomically  # noqa: F401 (re-exported)
+from bootseer.atomic import write_atomically
+from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
-from bootseer.blockstore.peers.wire import BlockPlace
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import PeerConfig, PeerService, peer_memory_share
 from bootseer.blockstore.node.reader import BlockFetcher, PeerAllowance
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
@@ -117,7 +120,6 @@ class LayerServerConfig:
     #: a mount that has not got its chain record and index by then fails (StoreUnavailable),
     #: answered before the client's own MOUNT_TIMEOUT, so it gets the reason, not a timeout
     load_timeout: float = MOUNT_TIMEOUT - 30
-    hotlist: Any = None  #: hot-list settings (bootseer.hotlist.service.HotListConfig); None: the defaults
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
     data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath.choice)
@@ -135,7 +137,8 @@ class LayerServerConfig:
 class LayerServer:
     """The layers, their stores and the control operations; runs inside :func:`run_server`."""
 
-    def __init__(self, config: LayerServerConfig, nursery: trio.Nursery, data_path: DataPathChoice | None = None) -> None:
+    def __init__(self, config: LayerServerConfig, nursery: trio.Nursery, data_path: DataPathChoice | None = None,
+                 *, extension: ExtensionFactory | None = None) -> None:
         from bootseer.blockstore.node.block_cache import BlockCache
 
         self.config = config
@@ -178,19 +181,20 @@ class LayerServer:
         self._chain_locks = TrioKeyedLocks()
         self.session: FuseSession | None = None
         self.started = time.time()
-        from bootseer.hotlist.service import HotListService
-
-        self.hotlist = HotListService(self, config.hotlist)  #: records first boots, prefetches later ones
-        #: The control socket's operations: the server's own, and the hot-list service's ``hotlist.*``.
+        #: What the runner plugged in (the hot-list service: records first boots, prefetches
+        #: later ones), built now that the server it looks at exists; None: no extension.
+        self.extension: ServerExtension | None = extension(self) if extension is not None else None
+        #: The control socket's operations: the server's own, and the extension's (``hotlist.*``).
         self.control = ControlOps()
         self.control.register("status", lambda request: self.status())
         self.control.register("mount", self._mount_request)
         self.control.register("check", lambda request: self.check(_checked_chain_id(request)))
         self.control.register("unmount", lambda request: self.unmount(_checked_chain_id(request)))
         self.control.register("shutdown", lambda request: self.shutdown())
-        self.hotlist.register_ops(self.control)
+        if self.extension is not None:
+            self.extension.register_ops(self.control)
         if self.peers is not None:
-            self.peers.register_ops(self.control)
+            self.control.register("peers.status", lambda request, peers=self.peers: peers.status())
         else:
             self.control.register("peers.status", lambda request: _peers_off())
 
@@ -293,8 +297,18 @@ class LayerServer:
         # O(entries): in a thread, so a large layer's mount does not stall the FUSE requests of others.
         build = functools.partial(LayerTree, layer.slot, index, reader, name=layer.chain_id)
         tree = await trio.to_thread.run_sync(build, limiter=self._block_threads)
-        tree.observer = self.hotlist
+        tree.observer = self.extension
         return tree
+
+    @property
+    def trust(self) -> TrustPolicy:
+        """The node's trust policy (:class:`~bootseer.blockstore.server.extension.LayerHost`)."""
+        return self.config.trust
+
+    @property
+    def sign_key(self) -> SigningKey | None:
+        """The node's signing key (:class:`~bootseer.blockstore.server.extension.LayerHost`)."""
+        return self.config.sign_key
 
     def _slot_referenced(self, slot: int) -> bool:
         """Whether the kernel still holds an inode of ``slot`` (a freed slot's files may be open)."""
@@ -447,7 +461,8 @@ class LayerServer:
             LAYERS.set(len(self.root.layers))
             log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=redact_url(store),
                  data_path=layer.data_path, lower_dir=self.lower_dir(layer.slot))  # fmt: skip
-            self.hotlist.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
+            if self.extension is not None:
+                self.extension.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
 
     async def _mount_request(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -515,13 +530,10 @@ class LayerServer:
                 "failures": stats.failures,
                 "in_flight": stats.in_flight,
             }
-            fetcher_stats = getattr(fetcher, "stats", None)
-            if fetcher_stats is not None:
-                stores[engine.url]["blocks"] = _plain(fetcher_stats)
+            stores[engine.url]["blocks"] = dataclasses.asdict(fetcher.statistics())
             proxy = getattr(engine.source, "proxy", None)  # an http store's [store] proxy (fetch/sources/http_proxy.py)
             if proxy is not None:
                 stores[engine.url]["proxy"] = {"proxy": proxy.config.display_url, "up": proxy.up}
-        cache_stats = getattr(self.cache, "stats", None)
         return {
             "pid": os.getpid(),
             "root": str(self.config.root),
@@ -529,7 +541,8 @@ class LayerServer:
             "uptime_s": round(time.time() - self.started, 3),
             # Redacted: the whole URLs came on pipes, not argv (blockstore.server.client.ensure_server).
             "store": redact_url(self.config.store) if self.config.store else "",
-            "publish_store": redact_url(self.hotlist.config.publish_store or ""),
+            "publish_store": "",
+            **(self.extension.status_fields() if self.extension is not None else {}),
             "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},
             "data_path": {"path": self.data_path.path, "reason": self.data_path.reason},
             "layers": [
@@ -539,18 +552,9 @@ class LayerServer:
                 for layer in self.layers.by_slot()
             ],  # fmt: skip
             "stores": stores,
-            "cache": _plain(cache_stats() if callable(cache_stats) else cache_stats) if cache_stats is not None else {},
+            "cache": dataclasses.asdict(self.cache.stats()),
             "peers": await self.peers.status() if self.peers is not None else {"enabled": False},
         }
-
-
-def _plain(stats: Any) -> Any:
-    """A stats object as JSON-able data (a dataclass, a mapping or a number)."""
-    if hasattr(stats, "__dataclass_fields__"):
-        return {name: getattr(stats, name) for name in stats.__dataclass_fields__}
-    if isinstance(stats, dict):
-        return dict(stats)
-    return stats
 
 
 # -- the control socket -------------------------------------------------------------------------
@@ -684,6 +688,7 @@ async def run_server(
     config: LayerServerConfig,
     *,
     on_ready: Callable[[LayerServer], Awaitable[None] | None] | None = None,
+    extension: ExtensionFactory | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT or an external unmount; the mount is gone when this returns.
 
@@ -708,7 +713,7 @@ async def run_server(
         # Opened before mounting, so a signal at any moment after the mount unmounts cleanly.
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
-                server = LayerServer(config, nursery, data_path)
+                server = LayerServer(config, nursery, data_path, extension=extension)
                 if server.erofs is not None:
                     await trio.to_thread.run_sync(server.erofs.prepare)  # a killed server's mounts: detached
                 await server.restore(saved)

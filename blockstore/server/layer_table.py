@@ -6,7 +6,7 @@ record and the data path it is served on.  :class:`LayerTable` holds the rows an
 changes them and the file together, as containerd's snapshotters change metadata and
 on-disk state in one transaction: a row added or removed is put back when the table
 cannot be written.  The file is written to a temp name, fsynced and renamed
-(:func:`write_atomically`), so it is always a whole table; a restarted server reads it
+(:func:`bootseer.atomic.write_atomically`), so it is always a whole table; a restarted server reads it
 back (:func:`load_table`) and puts every layer in the slot it had.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import trio
 from bootseer.blockstore.server.client import LayerServerError
 from bootseer.blockstore.objects.format import ChainRecord, FormatError
 from bootseer.blockstore.datapath.tree import MAX_SLOT, LayerTree
+from bootseer.atomic import write_atomically
 from bootseer.fetch.sources import redact_url
 
 TABLE_VERSION = 1
@@ -80,25 +80,6 @@ class Layer:
 
 
 # -- the saved table -----------------------------------------------------------------------
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data``: temp name, fsync, rename, fsync the directory."""
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(temp, "wb") as out:
-            out.write(data)
-            out.flush()
-            os.fsync(out.fileno())
-        os.rename(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)  # (a kill -9 can still leave one: the next write replaces it)
-        raise
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
 
 
 def load_table(path: Path, stores: Iterable[str] = ()) -> list[Layer]:
@@ -220,4 +201,4 @@ class LayerTable(Mapping[str, Layer]):
         return layer
 
 
-__all__ = ["Layer", "LayerTable", "TABLE_VERSION", "load_table", "save_table", "store_id", "write_atomically"]
+__all__ = ["Layer", "LayerTable", "TABLE_VERSION", "load_table", "save_table", "store_id"]

@@ -46,7 +46,7 @@ class StoreRegistry:
         if peers is not None:
             # A member fetches from the store only the blocks it owns, about one in N of them: a gap
             # between two of them is other owners' blocks, which bridging would fetch a second time
-            # (measured: 26 MB of 120 MB the store sent to 8 nodes were such gaps).
+            # (bench/results/peers.md: the store's egress with peers).
             # Serving peers holds its buffers within peer_memory_share(engine) of memory_limit: the
             # engine gets the rest, so a node's buffers stay within memory_limit however many ask.
             engine = dataclasses.replace(engine, coalesce_gap=0,

@@ -7,8 +7,8 @@ system on ``free``, but only below its *dynamic* mmap threshold: the first large
 block freed raises that threshold to its size (up to 32 MiB), and from then on
 stripes come from the per-thread malloc arenas, where freed blocks stay resident
 to be reused by the arena that owns them.  With tens of worker threads (each may
-get an arena), a mount with ``--memory-limit 64M`` was measured at about 270 MiB
-of RSS above idle under 8 concurrent readers (issue 10).
+get an arena), a mount with ``--memory-limit 64M`` held several times that in
+RSS above idle under 8 concurrent readers (issue 10).
 
 :func:`return_large_blocks` fixes the threshold (which also turns off its dynamic
 adjustment), so every block of at least :data:`LARGE_BLOCK` bytes is mapped on

@@ -15,7 +15,7 @@ is what overlayfs expects when it asks a lower directory for
 negative entry the kernel keeps for ``negative_timeout`` seconds.
 
 A start-up sends tens of thousands of requests, each a round trip through pyfuse3's
-loop (roughly 0.1-0.3 ms here, most of it outside these handlers), so the cheapest
+loop (most of its cost outside these handlers), so the cheapest
 request is one the kernel stops sending: ``flush`` is answered ENOSYS once and never
 comes again.  The rest are answered with as little as possible on top: labelled
 metric children looked up once, expected errors neither logged nor formatted unless

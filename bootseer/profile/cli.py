@@ -20,8 +20,8 @@ from pathlib import Path
 
 from bootseer.profile import events
 from bootseer.profile.trace import Trace, TraceError, collect
+from bootseer.paths import DEFAULT_ROOT
 
-DEFAULT_ROOT = "/var/lib/bootseer"
 
 
 def _spool_dir(args: argparse.Namespace) -> Path:
@@ -80,6 +80,7 @@ def _write_outputs(args: argparse.Namespace, traces: list[Trace], titles: list[s
 
 
 def collect_command(args: argparse.Namespace) -> int:
+    from bootseer.blockstore.objects.store import open_store_writer
     from bootseer.profile.cluster import publish
     from bootseer.profile.render import table
 
@@ -94,7 +95,8 @@ def collect_command(args: argparse.Namespace) -> int:
     print(f"trace: {output} ({len(trace.events)} events)")
     if args.publish:
         try:
-            name = publish(trace, args.publish, args.job)
+            with open_store_writer(args.publish) as store:
+                name = publish(trace, store, args.job)
         except (ValueError, OSError) as exc:
             return _fail(f"cannot publish to the store: {exc}")
         print(f"published: {name}")
@@ -103,6 +105,7 @@ def collect_command(args: argparse.Namespace) -> int:
 
 
 def report_command(args: argparse.Namespace) -> int:
+    from bootseer.blockstore.objects.store import open_store_writer
     from bootseer.profile.cluster import fetch_job, job_report, job_table
     from bootseer.profile.render import table
 
@@ -112,7 +115,8 @@ def report_command(args: argparse.Namespace) -> int:
         if args.job_id:
             if not args.store:
                 return _fail("report --job needs --store URL (where the nodes published their traces)")
-            traces = fetch_job(args.store, args.job_id)
+            with open_store_writer(args.store) as store:
+                traces = fetch_job(store, args.job_id)
             merged = job_report(traces, args.job_id)
             text = job_table(merged)
             print(text)

@@ -1,9 +1,9 @@
 """Many nodes: each node's trace published under the job in the store; a job's traces merged.
 
-A node publishes its trace as ``v1/profiles/<job>/<node>.json`` with the store's own writers
-(:func:`bootseer.blockstore.objects.store.open_store_writer`: a directory, S3 or HDFS; each put is
-atomic, so a reader sees a node's whole trace or none; a node that publishes again replaces
-its own). :func:`job_report` merges a job's traces: per phase, the median, p90 and maximum
+A node publishes its trace as ``v1/profiles/<job>/<node>.json`` into a :class:`TraceStore`
+(the command hands it the block store's writer, ``open_store_writer``: a directory, S3 or
+HDFS; each put is atomic, so a reader sees a node's whole trace or none; a node that
+publishes again replaces its own).  This module knows no store: it is handed one. :func:`job_report` merges a job's traces: per phase, the median, p90 and maximum
 across nodes; the job's start is gated by its slowest node (a training job's first step
 waits for every rank), so the *stragglers* are the nodes whose start ended latest, each with
 the phase that put it most behind the median node.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Protocol, Sequence
 
 from bootseer.profile.events import PHASES
 from bootseer.profile.trace import Trace, TraceError, phases, start_window
@@ -35,38 +35,42 @@ def object_name(job: str, node: str) -> str:
     return f"{PREFIX}/{_checked('job', job)}/{_checked('node', node)}.json"
 
 
-def publish(trace: Trace, store_url: str, job: str | None = None) -> str:
-    """Put ``trace`` into the store under its job; returns the object's name."""
-    from bootseer.blockstore.objects.store import open_store_writer
+class TraceStore(Protocol):
+    """Where a job's traces are shared: the block store's writer (``open_store_writer``) serves."""
 
+    def put(self, name: str, data: bytes) -> None: ...
+
+    def get(self, name: str) -> bytes | None: ...
+
+    def list(self, prefix: str) -> Iterable[str]: ...
+
+
+def publish(trace: Trace, store: TraceStore, job: str | None = None) -> str:
+    """Put ``trace`` into ``store`` under its job; returns the object's name."""
     job = job or trace.job
     if not job:
         raise ValueError("publishing needs a job ID (--job, or BOOTSEER_JOB when the events were written)")
     name = object_name(job, trace.node)
-    with open_store_writer(store_url) as writer:
-        writer.put(name, trace.dumps().encode())
+    store.put(name, trace.dumps().encode())
     return name
 
 
-def fetch_job(store_url: str, job: str) -> list[Trace]:
-    """Every node's trace of ``job`` in the store (TraceError if there is none, or one is damaged)."""
+def fetch_job(store: TraceStore, job: str) -> list[Trace]:
+    """Every node's trace of ``job`` in ``store`` (TraceError if there is none, or one is damaged)."""
     import json
-
-    from bootseer.blockstore.objects.store import open_store_writer
 
     prefix = f"{PREFIX}/{_checked('job', job)}/"
     traces = []
-    with open_store_writer(store_url) as writer:
-        for full in writer.list(prefix.rstrip("/")):
-            if not full.endswith(".json"):
-                continue
-            data = writer.get(full)
-            if data is None:
-                continue
-            try:
-                traces.append(Trace.from_json(json.loads(data), full))
-            except ValueError as exc:
-                raise TraceError(f"{full}: {exc}") from None
+    for full in store.list(prefix.rstrip("/")):
+        if not full.endswith(".json"):
+            continue
+        data = store.get(full)
+        if data is None:
+            continue
+        try:
+            traces.append(Trace.from_json(json.loads(data), full))
+        except ValueError as exc:
+            raise TraceError(f"{full}: {exc}") from None
     if not traces:
         raise TraceError(f"no traces of job {job!r} in the store (each node runs bootseer profile collect --publish)")
     return traces

@@ -22,11 +22,14 @@ import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from bootseer import confined
 from bootseer.profile import events
 from bootseer.profile.events import use_root  # noqa: F401 - daemons call hooks.use_root(ROOT)
+
+if TYPE_CHECKING:
+    import trio
 
 #: How often counters (bytes fetched) are sampled; a sample is written only when the value moved.
 SAMPLE_INTERVAL = 0.1
@@ -51,7 +54,7 @@ def container_prepared(key: str, parent: str, labels: dict[str, str] | None, upp
     A layer's extraction snapshot (labelled with :data:`REF_LABEL`) is not a container's: it
     gets no marks directory (that would end up in the layer) and no event.
     """
-    if events._spool is None or not parent or REF_LABEL in (labels or {}):
+    if not events.enabled() or not parent or REF_LABEL in (labels or {}):
         return
     try:
         # Sticky and world-writable, as /tmp: a job running as any uid can leave marks. Made beneath a
@@ -70,7 +73,7 @@ def container_prepared(key: str, parent: str, labels: dict[str, str] | None, upp
 
 def container_removed(key: str, snapshot_dir: str | os.PathLike[str] | None) -> None:
     """Read the marks the container left in its upper directory into the spool before it is deleted."""
-    if events._spool is None or snapshot_dir is None:
+    if not events.enabled() or snapshot_dir is None:
         return
     harvest_marks(Path(snapshot_dir) / "fs" / events.CONTAINER_MARKS_DIR.lstrip("/"), container_name(key))
     events.emit("container.removed", container=container_name(key))
@@ -86,14 +89,14 @@ def harvest_marks(directory: str | os.PathLike[str], container: str = "") -> int
 
 def armed_first_read(key: str) -> None:
     """The layer server was told of container ``key``: its first read of a layer is an event."""
-    if events._spool is None:
+    if not events.enabled():
         return
     _awaiting_first_read[container_name(key)] = time.time()
 
 
 def layer_read(container: str | None, layer: str) -> None:
     """A FUSE read of ``layer``, by ``container`` when the hot-list attribution knows it."""
-    if events._spool is None or not _awaiting_first_read:
+    if not events.enabled() or not _awaiting_first_read:
         return
     if container is None or container not in _awaiting_first_read:
         # Unattributed: the container announced first is the likeliest reader.
@@ -104,14 +107,14 @@ def layer_read(container: str | None, layer: str) -> None:
 
 
 async def sample_counter(name: str, read: Callable[[], int], *, phase: str = "", interval: float = SAMPLE_INTERVAL,
-                         until: Any = None, **attrs: Any) -> None:
+                         until: trio.Event | None = None, **attrs: Any) -> None:
     """Sample ``read()`` (a cumulative byte count) every ``interval`` s, writing a counter when it moved.
 
     Runs until cancelled (in the caller's nursery) or until the trio.Event ``until`` is set (a
     FUSE session's ``ended``: the mount's nursery must not wait on us); returns at once when
     profiling is off. A final sample is written at the end, so the last bytes are never lost.
     """
-    if events._spool is None:
+    if not events.enabled():
         return
     import trio
 
@@ -148,46 +151,11 @@ def layer_attrs(result: Any) -> dict[str, Any]:
     return {"layer": result.digest, "chain_id": result.chain_id, "state": result.state, "bytes": result.fetched_bytes}
 
 
-async def sample_prefetch(prefetch: Any, interval: float = SAMPLE_INTERVAL) -> None:
-    """A hot-list prefetch's start, progress (``prefetch.bytes``) and end (a background span).
-
-    ``prefetch`` is a :class:`bootseer.hotlist.prefetch.Prefetch`; this returns when it has
-    ended (its ``ended`` event), at once when profiling is off.
-    """
-    if events._spool is None:
-        return
-    import trio
-
-    started = time.time()
-    attrs = {"image": prefetch.image, "profile": prefetch.profile}
-    events.emit("prefetch.start", phase="image", background=True, planned_bytes=prefetch.stats.planned_bytes,
-                planned_blocks=prefetch.stats.planned_blocks, **attrs)
-    last = -1
-    try:
-        while not prefetch.ended.is_set():
-            if prefetch.stats.fetched_bytes != last:
-                last = prefetch.stats.fetched_bytes
-                events.counter("prefetch.bytes", last, phase="image", **attrs)
-            with trio.move_on_after(interval):
-                await prefetch.ended.wait()
-    finally:
-        stats = prefetch.stats
-        events.counter("prefetch.bytes", stats.fetched_bytes, phase="image", **attrs)
-        events.emit("prefetch", "span", start=started, end=time.time(), phase="image", bytes=stats.fetched_bytes,
-                    background=True, blocks=stats.fetched_blocks, cached_blocks=stats.cached_blocks,
-                    failed_blocks=stats.failed_blocks, finished=stats.finished, **attrs)
-
-
 def hotlist_sealed(summary: dict[str, Any]) -> None:
     """A hot-list recording ended (the layer server's summary of it)."""
-    if events._spool is None:
+    if not events.enabled():
         return
     events.emit("hotlist.sealed", **{("recording_kind" if k == "kind" else k): v for k, v in summary.items()})
-
-
-def deps_key_attrs(key: Any) -> dict[str, Any]:
-    """``deps.key``: the dependency key computed (depsnap's DepsKey)."""
-    return {"key": key.key, "inputs": len(key.inputs)}
 
 
 def deps_run_attrs(outcome: Any) -> dict[str, Any]:
@@ -201,37 +169,6 @@ def deps_run_attrs(outcome: Any) -> dict[str, Any]:
 
 def deps_container(event: str, key: str, deps: str, **attrs: Any) -> None:
     """A container's dependency snapshot, at its Prepare: ``hit`` (a layer stacked) or ``miss`` (to capture)."""
-    if events._spool is None:
+    if not events.enabled():
         return
     events.emit(f"deps.{event}", phase="dependencies", container=container_name(key), key=deps, **attrs)
-
-
-def remote_prepare(function: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate the snapshotter's layer Prepare (``_prepare_remote(key, parent, labels, chain_id)``).
-
-    Each layer containerd's unpacker (``ctr pull``, CRI) or rpull prepares becomes an
-    ``image.layer_prepare`` span: ``lazy`` when it is answered ALREADY_EXISTS (served from the
-    store), ``downloaded`` when it falls back to an ordinary snapshot to unpack into.
-    """
-    import functools
-
-    @functools.wraps(function)
-    def wrapper(self: Any, key: str, parent: str, labels: dict[str, str], chain_id: str) -> Any:
-        if events._spool is None:
-            return function(self, key, parent, labels, chain_id)
-        from bootseer.snapshotter.errors import AlreadyExists
-
-        started, state = time.time(), "downloaded"
-        try:
-            return function(self, key, parent, labels, chain_id)
-        except AlreadyExists:
-            state = "lazy"
-            raise
-        except BaseException:
-            state = "failed"
-            raise
-        finally:
-            events.emit("image.layer_prepare", "span", start=started, end=time.time(), phase="image",
-                        chain_id=chain_id, state=state)
-
-    return wrapper

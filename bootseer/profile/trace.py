@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from bootseer.atomic import write_atomically
 from bootseer.profile.events import PHASES, Event, EventError, read_marks, read_spool
 from bootseer.profile.hooks import SAMPLE_INTERVAL
 
@@ -65,10 +66,7 @@ class Trace:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        target = Path(path)
-        temp = target.with_name(f".{target.name}.tmp")
-        temp.write_text(self.dumps())
-        os.replace(temp, target)
+        write_atomically(path, self.dumps().encode())
 
     @classmethod
     def from_json(cls, data: Any, origin: str = "trace") -> "Trace":

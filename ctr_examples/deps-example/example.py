@@ -20,8 +20,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
 
-from bootseer.blockstore.objects.format import chain_ids  # noqa: E402
-from bootseer.depsnap.containerd import DEPS_LABEL  # noqa: E402
+from bootseer.images.chains import chain_ids  # noqa: E402
+from bootseer.snapshotter.deps_hooks import DEPS_LABEL  # noqa: E402
 from integration import harness  # noqa: E402
 from tests.support.layers import File, Layer  # noqa: E402
 from tests.support.oci import demo_layers  # noqa: E402

@@ -15,7 +15,9 @@ from typing import Iterator
 
 import zstandard
 
-from bootseer.blockstore.objects.format import ChainRecord, chain_id, chain_object, index_object
+from bootseer.blockstore.objects.format import ChainRecord, chain_object, index_object
+
+from bootseer.images.chains import chain_id
 from bootseer.blockstore.objects.store import FileStoreWriter
 
 _HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256 (docs/FORMAT.md)

@@ -47,17 +47,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from tests.support.waiting import free_port
+
 import pytest
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 START_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for_port(port: int, process: subprocess.Popen | None = None, timeout: float = START_TIMEOUT_S) -> None:

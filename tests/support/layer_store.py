@@ -15,7 +15,7 @@ from bootseer.blockstore.convert.converter import convert_image, verify_layer
 from bootseer.blockstore.objects.format import ChainRecord, LayerIndex, index_object
 from bootseer.blockstore.objects.signing import SigningKey
 from bootseer.blockstore.objects.store import FileStoreWriter
-from bootseer.images import open_image
+from bootseer.images.registry import open_image
 from tests.support.layers import Layer
 from tests.support.oci import build_oci_layout
 

@@ -37,7 +37,9 @@ from typing import Any, Callable, Sequence
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from bootseer.blockstore.server.client import LayerServerClient, MountedLayer, ServerPaths, ServerSettings
+from bootseer.blockstore.server.client import LayerServerClient, MountedLayer, ServerSettings
+
+from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
 from tests.support import netns
 from tests.support.layer_servers import fuse_mounts, layer_server_processes, stop_layer_servers

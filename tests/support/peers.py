@@ -37,9 +37,12 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ensure_server
+from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server
+
+from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import Block, LayerIndex
-from bootseer.blockstore.peers.wire import BlockPlace, block_target, content_length, parse_block_target, parse_head
+from bootseer.blockstore.peers.wire import block_target, content_length, parse_block_target, parse_head
+from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import PeerConfig, peer_store_id, rendezvous_score
 from bootseer.fetch.sources import redact_url
 from tests.support.http import RangeHTTPServer

@@ -8,25 +8,52 @@ passes (a deadline is a hang detector, never a speed assertion).
 
 from __future__ import annotations
 
+import socket
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Protocol, TypeVar
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 60.0  #: long enough for a loaded CI machine; only a hang reaches it
 
 
-def wait_until(what: str, check: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, interval: float = 0.01) -> T:
+class WaitFailed(AssertionError):
+    """What was waited for never happened (or the process it depended on exited first)."""
+
+
+class Process(Protocol):
+    """A process a wait depends on (``alive=``): the wait fails at once when it exits."""
+
+    name: str
+
+    @property
+    def running(self) -> bool: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+
+def wait_until(what: str, check: Callable[[], T], timeout: float = DEFAULT_TIMEOUT_S, interval: float = 0.01,
+               alive: Process | None = None) -> T:
     """Poll ``check()`` until it returns a true value, and return that value.
 
-    Raises AssertionError ``"timed out after Ns waiting for WHAT"`` once ``timeout``
-    seconds pass without it.
+    Raises :class:`WaitFailed` ``"timed out after Ns waiting for WHAT"`` once ``timeout``
+    seconds pass without it, or at once if the process ``alive`` exits meanwhile.
     """
     deadline = time.monotonic() + timeout
     while True:
         result = check()
         if result:
             return result
+        if alive is not None and not alive.running:
+            raise WaitFailed(f"{alive.name} exited (status {alive.returncode}) while waiting for {what}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+            raise WaitFailed(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

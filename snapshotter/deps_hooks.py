@@ -1,7 +1,8 @@
 """Dependency snapshots in containerd: stack a deps layer under a container's writable layer, or capture one.
 
-The snapshotter (:mod:`bootseer.snapshotter.snapshots`) calls these hooks; all the
-logic is here.  A container asks for a snapshot with the label
+The daemon registers a :class:`DepsObserver` with the Snapshotter
+(:mod:`bootseer.snapshotter.observers`), built from a :class:`DepsContext` of the node's
+settings; all the logic is here.  A container asks for a snapshot with the label
 ``containerd.io/snapshot/bootseer.deps=KEY`` on its writable snapshot (``ctr run
 --snapshotter-label ...``; containerd passes a proxy snapshotter only labels under
 ``containerd.io/snapshot/``, so the short ``bootseer.io/deps`` works only for clients
@@ -16,10 +17,10 @@ snapshot's key, which containerd's metadata store makes ``NS/N/name``) and the
 daemon's ``[depsnap] scope``, neither of which the container chooses.  A container of namespace B with the label of a snapshot
 captured in namespace A misses, installs, and its capture is B's own record.
 
-* **Hit** (:func:`container_prepared`): the store has a record of KEY made on this
+* **Hit** (:meth:`DepsObserver.container_prepared`): the store has a record of KEY made on this
   very image (its ``parent`` is the Prepare's parent, the image's top ChainID): the
   layer server mounts the deps layer and it goes into the overlay's ``lowerdir`` just
-  under the writable layer, on every Mounts call (:func:`lowers`, from
+  under the writable layer, on every Mounts call (:meth:`DepsObserver.lowers`, from
   ``SNAPSHOT_DIR/deps.json``).  ``/.bootseer/deps-hit`` (holding KEY) appears in the
   container: the entry point's guard line skips the install when it is there.
 * **Miss**: the snapshot is watched (every 0.5 s) for ``/.bootseer/deps-done``, which
@@ -34,7 +35,7 @@ captured in namespace A misses, installs, and its capture is B's own record.
   during the capture is never published.  The job reads it with ``ls /.bootseer``
   (the snapshotter writes it into the upper directory behind overlayfs's back; a
   readdir of that upper-only directory sees it, a lookup cached as negative may not).
-* The deps layer stays mounted while a snapshot stacks it (:func:`in_use`, so Cleanup
+* The deps layer stays mounted while a snapshot stacks it (:meth:`DepsObserver.holds_layer`, so Cleanup
   and Remove of other snapshots leave it), and is unmounted with the last one.
 
 A daemon restart keeps stacked layers (``deps.json`` and the layer server's own
@@ -50,19 +51,26 @@ import re
 import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from bootseer import confined
+from bootseer.atomic import write_atomically
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, load_signing_key
 from bootseer.blockstore.objects.store import StoreError, open_store_writer
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
 
-from .capture import CaptureError, publish_capture, scan, upper_change
-from .key import KeyError_, check_key, container_store_key
-from .prefix import StoreUnreachable, lookup
+from bootseer.depsnap.capture import CaptureError, publish_capture, scan, upper_change
+from bootseer.depsnap.key import DepsKeyError, check_key, container_store_key
+from bootseer.depsnap.prefix import StoreUnreachable, lookup
+
+from .backend import LayerBackend
+from .errors import FailedPrecondition, LayerUnavailable, SnapshotError
+from .observers import PreparedContainer
+from .snapshots import CRI_IMAGE_REF_LABEL
+from .types import Info
 
 log = get_logger(__name__)
 
@@ -113,7 +121,7 @@ def key_of(labels: dict[str, str] | None) -> str | None:
         return None
     try:
         return check_key(text)
-    except KeyError_ as exc:
+    except DepsKeyError as exc:
         log.warning("ignoring a malformed deps label", error=str(exc))
         return None
 
@@ -133,10 +141,7 @@ def _read_state(snapshot_dir: Path) -> dict[str, Any] | None:
 
 
 def _write_state(upper: str, state: dict[str, Any]) -> None:
-    path = _state_path(upper)
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(state))
-    os.replace(temp, path)
+    write_atomically(_state_path(upper), json.dumps(state).encode())
 
 
 def _marker(upper: str, name: str, text: str) -> None:
@@ -178,24 +183,24 @@ def _neither(upper: str, reason: str) -> None:
         log.warning("cannot write the deps marker", upper=upper, error=str(exc))
 
 
-def node_sign_key(backend: Any) -> SigningKey | None:
-    """The node's key (``[trust] sign_key``, which the layer server signs hot lists with) or None."""
-    path = getattr(getattr(backend, "server", None), "sign_key", None)
-    return load_signing_key(path) if path else None
+@dataclass(frozen=True)
+class DepsContext:
+    """What dependency snapshots need of the node, built once by the daemon from its settings."""
+
+    store_url: str  #: where deps records are looked up (the daemon's store of layers)
+    publish_store: str  #: where captures are written: ``[hotlist] publish_store`` if set, else the store
+    trust: TrustPolicy = field(default_factory=TrustPolicy)  #: whose records are stacked (``[trust]``)
+    sign_key_path: Path | None = None  #: ``[trust] sign_key``: captures are signed with it
+    scope: str = ""  #: ``[depsnap] scope``: records are found and published only within it
+    #: ``[depsnap] images``: image reference or top ChainID -> deps key, for snapshots without a deps label
+    images: Mapping[str, str] = field(default_factory=dict)
+
+    def sign_key(self) -> SigningKey | None:
+        """The node's key (loaded when a capture is signed), or None."""
+        return load_signing_key(self.sign_key_path) if self.sign_key_path else None
 
 
-def publish_store(backend: Any) -> str:
-    """Where a capture is written: the daemon's publish store, else its store of layers.
-
-    One publish store for everything the node writes: the daemon's ``[hotlist] publish_store`` /
-    ``--publish-store`` (the setting the layer server it starts publishes hot lists with) serves
-    captures too, so an ``http`` front as ``[store] url`` needs one writable store, not two.
-    """
-    server = getattr(backend, "server", None)  # a LayerServerBackend's control.ServerSettings
-    return getattr(server, "publish_store", None) or backend.store_url
-
-
-def mapped_key(snapshotter: Any, key: str, parent: str) -> str | None:
+def mapped_key(images: Mapping[str, str], stat: Callable[[str], Info], key: str, parent: str) -> str | None:
     """The deps key the node's ``[depsnap] images`` gives a container snapshot without a deps label; None if none.
 
     The mapping is looked up by the image's top ChainID (the parent's name) and then by the image reference
@@ -204,17 +209,13 @@ def mapped_key(snapshotter: Any, key: str, parent: str) -> str | None:
     It is what a cluster operator can set for Kubernetes pods, whose annotations CRI passes only to the pod
     sandbox's snapshot, never to a container's (docs/kubernetes.md).
     """
-    images = getattr(snapshotter, "deps_images", None)
     base = base_chain(parent)
     if not images or base is None:
         return None
-    from bootseer.snapshotter.errors import SnapshotError
-    from bootseer.snapshotter.snapshots import CRI_IMAGE_REF_LABEL  # here: snapshots.py imports this module
-
     found = images.get(base)
     if found is None:
         try:
-            reference = snapshotter.stat(parent).labels.get(CRI_IMAGE_REF_LABEL, "")
+            reference = stat(parent).labels.get(CRI_IMAGE_REF_LABEL, "")
         except SnapshotError:  # the parent went meanwhile: prepare itself fails on it
             return None
         found = images.get(reference) if reference else None
@@ -223,88 +224,131 @@ def mapped_key(snapshotter: Any, key: str, parent: str) -> str | None:
     return found
 
 
-# -- hooks -------------------------------------------------------------------------------------
+# -- the observer ------------------------------------------------------------------------------
 
 
-def container_prepared(snapshotter: Any, key: str, parent: str, labels: dict[str, str] | None, upper: str, *,
-                       namespace: str = "") -> bool:  # fmt: skip
-    """An active snapshot was prepared; True if a deps layer is now stacked under it (its mounts changed).
+class DepsObserver:
+    """Dependency snapshots as the Snapshotter's lifecycle observer (:class:`~.observers.SnapshotObserver`).
 
-    ``namespace``: the request's ``containerd-namespace`` header, if it had one.  The
-    snapshot's namespace (:func:`snapshot_namespace`) and the snapshotter's
-    ``deps_scope`` scope the label's key (:func:`store_key`).
+    ``backend`` serves the deps layers, ``snapshots_dir`` is where the Snapshotter keeps
+    each snapshot's directory (their ``deps.json`` say which stack a layer), ``stat``
+    the Snapshotter's own (a parent's labels), ``context`` the node's settings.
     """
-    requested = key_of(labels)
-    if requested is None:
-        requested = mapped_key(snapshotter, key, parent)
-    backend = snapshotter.backend
-    if requested is None or backend is None:
-        return False
-    namespace = snapshot_namespace(key, namespace)
-    deps_key = store_key(snapshotter, requested, namespace)
-    base = base_chain(parent)
-    if base is None:
-        log.warning("deps label on a snapshot that is not over an image layer; ignored", key=key, parent=parent)
-        _neither(upper, "the snapshot is not over an image layer")
-        return False
-    try:
-        record = lookup(backend.store_url, deps_key, timeout=LOOKUP_TIMEOUT, trust=getattr(backend, "trust", TrustPolicy()))
-    except StoreUnreachable as exc:
-        log.warning("deps lookup failed; the container installs as on a miss", key=key, deps=deps_key, error=str(exc))
-        record = None
-    if record is not None:
-        if record.mode != "container" or record.parent != base:
-            log.warning("deps record is of another image; not stacked, not captured", key=key, deps=deps_key,
-                        parent=parent, record_parent=record.parent)  # fmt: skip
-            _neither(upper, "the key's snapshot was captured on another image")
-            return False
-        from bootseer.snapshotter.errors import LayerUnavailable
 
+    def __init__(self, backend: LayerBackend, snapshots_dir: Path, stat: Callable[[str], Info], context: DepsContext) -> None:
+        self.backend = backend
+        self.snapshots_dir = snapshots_dir
+        self.stat = stat
+        self.context = context
+
+    def container_prepared(self, container: PreparedContainer) -> None:
+        """Stack the deps layer of the container's key under it (a hit), or watch it for a capture (a miss)."""
+        if self._prepared(container.key, container.parent, container.labels, container.upper, namespace=container.namespace):
+            container.mounts_changed = True
+        container.reads_start_at = stacked_chain(container.upper) or container.reads_start_at  # deps layer on top
+
+    def _prepared(self, key: str, parent: str, labels: dict[str, str] | None, upper: str, *, namespace: str = "") -> bool:
+        """True if a deps layer is now stacked under the snapshot (its mounts changed).
+
+        ``namespace``: the request's ``containerd-namespace`` header, if it had one.  The
+        snapshot's namespace (:func:`snapshot_namespace`) and the node's ``[depsnap] scope``
+        scope the label's key (:meth:`store_key`).
+        """
+        requested = key_of(labels)
+        if requested is None:
+            requested = mapped_key(self.context.images, self.stat, key, parent)
+        if requested is None:
+            return False
+        namespace = snapshot_namespace(key, namespace)
+        deps_key = self.store_key(requested, namespace)
+        base = base_chain(parent)
+        if base is None:
+            log.warning("deps label on a snapshot that is not over an image layer; ignored", key=key, parent=parent)
+            _neither(upper, "the snapshot is not over an image layer")
+            return False
         try:
-            lower = backend.mount(record.chain_id, deps_index=record.index)  # the record is trusted: its index stands
+            record = lookup(self.context.store_url, deps_key, timeout=LOOKUP_TIMEOUT, trust=self.context.trust)
+        except StoreUnreachable as exc:
+            log.warning("deps lookup failed; the container installs as on a miss", key=key, deps=deps_key, error=str(exc))
+            record = None
+        if record is not None:
+            if record.mode != "container" or record.parent != base:
+                log.warning("deps record is of another image; not stacked, not captured", key=key, deps=deps_key,
+                            parent=parent, record_parent=record.parent)  # fmt: skip
+                _neither(upper, "the key's snapshot was captured on another image")
+                return False
+            try:
+                lower = self.backend.mount(record.chain_id, deps_index=record.index)  # the record is trusted: its index stands
+            except LayerUnavailable as exc:
+                log.warning("deps layer cannot be served; the container installs", key=key, deps=deps_key, error=str(exc))
+                _neither(upper, f"the snapshot cannot be served: {exc}")
+                return False
+            _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "index": record.index,
+                                 "lower_dir": lower})  # fmt: skip
+            _marker(upper, HIT_MARKER, requested)
+            log.info("dependency snapshot stacked", key=key, deps=deps_key, label=requested, namespace=namespace,
+                     chain_id=record.chain_id)  # fmt: skip
+            profile_hooks.deps_container("hit", key, requested, chain_id=record.chain_id)  # start-up profiler
+            return True
+        _write_state(upper, {"key": deps_key, "state": "watching", "parent": base})
+        _marks_dir(upper)
+        WATCHER.watch(self.context, key, deps_key, base, upper, {"container": key, "label": requested,
+                                                                 "namespace": namespace, "scope": self.context.scope})
+        profile_hooks.deps_container("miss", key, requested)  # start-up profiler
+        log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key, label=requested,
+                 namespace=namespace, scope=self.context.scope,
+                 marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
+        return False
+
+    def store_key(self, requested: str, namespace: str) -> str:
+        """The record name of the label's key ``requested`` for a Prepare in ``namespace`` on this node."""
+        return container_store_key(requested, namespace=namespace, scope=self.context.scope)
+
+    def lowers(self, upper: str) -> list[str]:
+        """The deps layer's lower directory, if one is stacked under this snapshot (asked again on every Mounts)."""
+        state = _read_state(Path(upper).parent)
+        if state is None or state.get("state") != "stacked":
+            return []
+        chain = str(state["chain_id"])
+        try:
+            try:
+                return [self.backend.check(chain)]
+            except LayerUnavailable:
+                return [self.backend.mount(chain, deps_index=state.get("index"))]
         except LayerUnavailable as exc:
-            log.warning("deps layer cannot be served; the container installs", key=key, deps=deps_key, error=str(exc))
-            _neither(upper, f"the snapshot cannot be served: {exc}")
-            return False
-        _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "index": record.index,
-                             "lower_dir": lower})  # fmt: skip
-        _marker(upper, HIT_MARKER, requested)
-        log.info("dependency snapshot stacked", key=key, deps=deps_key, label=requested, namespace=namespace,
-                 chain_id=record.chain_id)  # fmt: skip
-        profile_hooks.deps_container("hit", key, requested, chain_id=record.chain_id)  # start-up profiler
-        return True
-    _write_state(upper, {"key": deps_key, "state": "watching", "parent": base})
-    _marks_dir(upper)
-    WATCHER.watch(snapshotter, key, deps_key, base, upper, {"container": key, "label": requested,
-                                                            "namespace": namespace, "scope": snapshotter.deps_scope})
-    profile_hooks.deps_container("miss", key, requested)  # start-up profiler
-    log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key, label=requested,
-             namespace=namespace, scope=snapshotter.deps_scope,
-             marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
-    return False
+            # Without it the container would see /.bootseer/deps-hit and no packages: fail loudly instead.
+            raise FailedPrecondition(f"the dependency layer {chain} of this snapshot cannot be served: {exc}") from None
 
-
-def store_key(snapshotter: Any, requested: str, namespace: str) -> str:
-    """The record name of the label's key ``requested`` for a Prepare in ``namespace`` on this snapshotter."""
-    return container_store_key(requested, namespace=namespace, scope=getattr(snapshotter, "deps_scope", ""))
-
-
-def lowers(snapshotter: Any, upper: str) -> list[str]:
-    """The deps layer's lower directory, if one is stacked under this snapshot (asked again on every Mounts)."""
-    state = _read_state(Path(upper).parent)
-    if state is None or state.get("state") != "stacked" or snapshotter.backend is None:
-        return []
-    from bootseer.snapshotter.errors import FailedPrecondition, LayerUnavailable
-
-    chain = str(state["chain_id"])
-    try:
+    def holds_layer(self, chain_id: str, *, besides: Path | None = None) -> bool:
+        """Whether a snapshot (other than the directory ``besides``) stacks the deps layer ``chain_id``."""
         try:
-            return [snapshotter.backend.check(chain)]
-        except LayerUnavailable:
-            return [snapshotter.backend.mount(chain, deps_index=state.get("index"))]
-    except LayerUnavailable as exc:
-        # Without it the container would see /.bootseer/deps-hit and no packages: fail loudly instead.
-        raise FailedPrecondition(f"the dependency layer {chain} of this snapshot cannot be served: {exc}") from None
+            directories = list(self.snapshots_dir.iterdir())
+        except FileNotFoundError:
+            return False
+        for directory in directories:
+            if directory == besides or directory.name.startswith(("rm-", "new-")):
+                continue
+            state = _read_state(directory)
+            if state is not None and state.get("state") == "stacked" and state.get("chain_id") == chain_id:
+                return True
+        return False
+
+    def snapshot_removed(self, key: str, active: bool, snapshot_dir: Path | None) -> None:
+        """Unmount the snapshot's deps layer if it was the last to stack it."""
+        if not active or snapshot_dir is None:
+            return
+        state = _read_state(snapshot_dir)
+        WATCHER.forget_upper(snapshot_dir)
+        if state is None or state.get("state") != "stacked":
+            return
+        chain = str(state["chain_id"])
+        if self.holds_layer(chain, besides=snapshot_dir):
+            return
+        try:
+            self.backend.unmount(chain)
+            log.info("unused dependency layer unmounted", chain_id=chain)
+        except LayerUnavailable as exc:
+            log.warning("cannot unmount an unused dependency layer", chain_id=chain, error=str(exc))
 
 
 def stacked_chain(upper: str) -> str | None:
@@ -321,46 +365,12 @@ def stacked_chain(upper: str) -> str | None:
     return str(state["chain_id"])
 
 
-def in_use(snapshotter: Any, chain_id: str, *, besides: Path | None = None) -> bool:
-    """Whether a snapshot (other than the directory ``besides``) stacks the deps layer ``chain_id``."""
-    snapshots = Path(snapshotter.root) / "snapshots"
-    try:
-        directories = list(snapshots.iterdir())
-    except FileNotFoundError:
-        return False
-    for directory in directories:
-        if directory == besides or directory.name.startswith(("rm-", "new-")):
-            continue
-        state = _read_state(directory)
-        if state is not None and state.get("state") == "stacked" and state.get("chain_id") == chain_id:
-            return True
-    return False
-
-
-def container_removed(snapshotter: Any, snapshot_dir: Path) -> None:
-    """The snapshot whose directory is now ``snapshot_dir`` (set aside, about to go) was removed."""
-    state = _read_state(snapshot_dir)
-    WATCHER.forget_upper(snapshot_dir)
-    if state is None or state.get("state") != "stacked" or snapshotter.backend is None:
-        return
-    chain = str(state["chain_id"])
-    if in_use(snapshotter, chain, besides=snapshot_dir):
-        return
-    from bootseer.snapshotter.errors import LayerUnavailable
-
-    try:
-        snapshotter.backend.unmount(chain)
-        log.info("unused dependency layer unmounted", chain_id=chain)
-    except LayerUnavailable as exc:
-        log.warning("cannot unmount an unused dependency layer", chain_id=chain, error=str(exc))
-
-
 # -- capture on a miss -------------------------------------------------------------------------
 
 
 @dataclass
 class _Watch:
-    snapshotter: Any
+    context: DepsContext
     key: str  #: the snapshot's key (containerd's)
     deps_key: str
     parent: str  #: the image's top ChainID
@@ -377,9 +387,9 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self.captures: list[threading.Thread] = []
 
-    def watch(self, snapshotter: Any, key: str, deps_key: str, parent: str, upper: str, inputs: dict[str, str]) -> None:
+    def watch(self, context: DepsContext, key: str, deps_key: str, parent: str, upper: str, inputs: dict[str, str]) -> None:
         with self._lock:
-            self._watches[upper] = _Watch(snapshotter, key, deps_key, parent, upper, inputs)
+            self._watches[upper] = _Watch(context, key, deps_key, parent, upper, inputs)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="deps marker watch", daemon=True)
                 self._thread.start()
@@ -420,11 +430,11 @@ def capture_container(watch: _Watch) -> str:
     outcome = "failed: unknown"
     try:
         tree = scan(watch.upper, exclude=EXCLUDED)
-        with open_store_writer(publish_store(watch.snapshotter.backend)) as writer:
+        with open_store_writer(watch.context.publish_store) as writer:
             result = publish_capture(writer, key=watch.deps_key, root=watch.upper, tree=tree, change=upper_change(tree),
                                      mode="container", parent=watch.parent, overlay_upper=True, exclude=EXCLUDED,
                                      command=[], inputs=watch.inputs,
-                                     sign_key=node_sign_key(watch.snapshotter.backend))  # fmt: skip
+                                     sign_key=watch.context.sign_key())  # fmt: skip
         outcome = "published" if result.published else "exists"
         _write_state(watch.upper, {"key": watch.deps_key, "state": "captured", "chain_id": result.chain_id})
         log.info("dependency snapshot captured", key=watch.key, deps=watch.deps_key, chain_id=result.chain_id,

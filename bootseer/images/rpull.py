@@ -22,7 +22,7 @@ does what containerd's Go client does when it pulls with unpack (``client.Pull``
    ``ctr run``'s "is it unpacked?" check and the garbage collector follow), the image
    record (``Images.Create``/``Update``), and the lease is released.
 
-Image reading (registry, auth, verification) is :mod:`bootseer.images`'; this module is the
+Image reading (registry, auth, verification) is :mod:`bootseer.images.registry`'; this module is the
 containerd side.  gRPC failures become :class:`ContainerdError` kinds at :class:`Containerd`,
 the one place that calls containerd.
 """
@@ -43,9 +43,9 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence, TextIO
 import grpc
 from google.protobuf import field_mask_pb2
 
-from bootseer import images
-from bootseer.blockstore.objects.format import chain_ids
-from bootseer.images import Descriptor, ImageSource, ResolvedImage
+from bootseer.images import registry as images
+from bootseer.images.chains import chain_ids
+from bootseer.images.registry import Descriptor, ImageSource, ResolvedImage
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
 from bootseer.proto.containerd.services.content.v1 import content_pb2, content_pb2_grpc
@@ -607,7 +607,7 @@ def rpull(ref: str, *, address: str = DEFAULT_ADDRESS, namespace: str = DEFAULT_
           progress: Progress | None = None) -> PullResult:
     """Pull ``ref`` into containerd and unpack it on ``snapshotter``, remote snapshots first.
 
-    Raises :class:`bootseer.images.ImageError` for image problems and :class:`RpullError`
+    Raises :class:`bootseer.images.registry.ImageError` for image problems and :class:`RpullError`
     (:class:`ContainerdError`) for containerd's; whatever was written under the pull's lease
     is released for garbage collection when the pull fails.
     """

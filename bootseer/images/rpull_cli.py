@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from bootseer import images
+from bootseer.images import registry as images
 from bootseer.log import get_logger
-from bootseer.rpull import DEFAULT_ADDRESS, DEFAULT_NAMESPACE, DEFAULT_SNAPSHOTTER, Progress, RpullError, rpull
+from bootseer.images.rpull import DEFAULT_ADDRESS, DEFAULT_NAMESPACE, DEFAULT_SNAPSHOTTER, Progress, RpullError, rpull
 
 log = get_logger(__name__)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import trio
 
 from bootseer.blockstore.node.block_cache import check_cache_dir
-from bootseer.blockstore.server.client import ServerPaths, read_secret_file
+from bootseer.blockstore.server.client import read_secret_file
+from bootseer.paths import ServerPaths
 from bootseer.blockstore.datapath.choice import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
 from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
@@ -30,16 +31,17 @@ from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.sources import carries_secret, check_local_root, check_url, redact_url
 from bootseer.fetch.sources.http_proxy import DEFAULT_BLOCK_SIZE, DEFAULT_CHECK_INTERVAL, DEFAULT_READ_TIMEOUT, ProxyConfig
 from bootseer.fuse import MountError
-from bootseer.blockstore.peers.cli import add_layer_server_arguments as add_peer_arguments, layer_server_peer_config
+from bootseer.blockstore.peers.options import add_layer_server_arguments as add_peer_arguments, layer_server_peer_config
 from bootseer.hotlist.cli import add_layer_server_arguments, layer_server_hotlist_config
+from bootseer.hotlist.service import HotListService
 from bootseer.log import get_logger
 from bootseer.metrics import serve_metrics
+from bootseer.paths import DEFAULT_ROOT
 
 log = get_logger(__name__)
 
 EXIT_USAGE = 2
 EXIT_FAILURE = 1
-DEFAULT_ROOT = "/var/lib/bootseer"
 
 
 def _positive_int(text: str) -> int:
@@ -131,7 +133,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     # reads, so a test can show a node without EROFS on a kernel that has it built in.
     parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
     add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
-    add_peer_arguments(parser)  # --peer-*, --peers* (bootseer.blockstore.peers.cli)
+    add_peer_arguments(parser)  # --peer-*, --peers* (bootseer.blockstore.peers.options)
     parser.set_defaults(func=layer_server_command)
 
 
@@ -246,8 +248,8 @@ def layer_server_command(args: argparse.Namespace) -> int:
         filesystems=args.kernel_filesystems,
     )
     try:
-        config = dataclasses.replace(config, hotlist=layer_server_hotlist_config(args),
-                                     peers=layer_server_peer_config(args))  # fmt: skip
+        hotlist = layer_server_hotlist_config(args)
+        config = dataclasses.replace(config, peers=layer_server_peer_config(args))
     except ValueError as exc:
         return _usage_error(str(exc))
     try:
@@ -271,7 +273,7 @@ def layer_server_command(args: argparse.Namespace) -> int:
 
     status = 0
     try:
-        trio.run(lambda: run_server(config, on_ready=announce))
+        trio.run(lambda: run_server(config, on_ready=announce, extension=lambda host: HotListService(host, hotlist)))
     except* (ServerAlreadyRunning, MountError, ValueError, DataPathUnavailable) as group:
         log.error("cannot start the layer server", root=str(config.root), error=str(_first_error(group)))
         status = EXIT_USAGE

@@ -1,0 +1,98 @@
+"""The Snapshotter's lifecycle observers: what it tells the parts the daemon plugs in.
+
+containerd's snapshotter knows snapshots; the extensions that care when a container's
+snapshot comes and goes -- the start-up profiler, dependency snapshots
+(:class:`~bootseer.snapshotter.deps_hooks.DepsObserver`), hot lists
+(:class:`HotListObserver`) -- are registered by the daemon
+(:meth:`~bootseer.snapshotter.snapshots.Snapshotter.observe`) and seen by the
+Snapshotter only as :class:`SnapshotObserver`.  The Snapshotter calls them in the order
+they were registered when a container's snapshot is prepared, and in the reverse order
+when a snapshot is removed (what was set up last is torn down first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from bootseer.hotlist import hooks as hotlist_hooks
+from bootseer.profile import hooks as profile_hooks
+
+
+@dataclass
+class PreparedContainer:
+    """An active snapshot just prepared on ``parent`` (a container's rootfs, if containerd made it for one)."""
+
+    key: str
+    parent: str
+    labels: dict[str, str]
+    upper: str  #: its writable directory
+    namespace: str  #: the request's ``containerd-namespace`` header ("" if it had none)
+    #: The layer the container's reads start at: its parent, or a dependency layer an observer stacked on it.
+    reads_start_at: str
+    #: Set by an observer that changed what the snapshot mounts (stacked a layer under it).
+    mounts_changed: bool = False
+
+
+class SnapshotObserver(Protocol):
+    """What the Snapshotter tells (and asks) a part the daemon registered.  No method may fail the operation
+    except :meth:`lowers`, whose errors are the Snapshotter's own kinds (``bootseer.snapshotter.errors``)."""
+
+    def container_prepared(self, container: PreparedContainer) -> None:
+        """An active snapshot was prepared (not a layer's: those are remote or unpacked)."""
+        ...
+
+    def snapshot_removed(self, key: str, active: bool, snapshot_dir: Path | None) -> None:
+        """Snapshot ``key`` was removed; its directory, set aside, is ``snapshot_dir`` until this returns."""
+        ...
+
+    def lowers(self, upper: str) -> list[str]:
+        """Lower directories to stack right under the active snapshot whose writable directory is ``upper``."""
+        ...
+
+    def holds_layer(self, chain_id: str) -> bool:
+        """Whether layer ``chain_id`` must stay mounted for this observer (no snapshot references it)."""
+        ...
+
+
+class ProfileObserver:
+    """The start-up profiler's view of containers: each container's prepare and its marks (``docs/profile.md``)."""
+
+    def container_prepared(self, container: PreparedContainer) -> None:
+        profile_hooks.container_prepared(container.key, container.parent, container.labels, Path(container.upper))
+
+    def snapshot_removed(self, key: str, active: bool, snapshot_dir: Path | None) -> None:
+        if snapshot_dir is not None:
+            profile_hooks.container_removed(key, snapshot_dir)  # the container's marks, before they go
+
+    def lowers(self, upper: str) -> list[str]:
+        return []
+
+    def holds_layer(self, chain_id: str) -> bool:
+        return False
+
+
+class HotListObserver:
+    """Tells the layer server under ``root`` when a container on lazy layers comes and goes (it records or
+    prefetches the container's hot list: :mod:`bootseer.hotlist.hooks`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def container_prepared(self, container: PreparedContainer) -> None:
+        hotlist_hooks.container_prepared(self.root, container.key, container.reads_start_at, container.labels,
+                                         container.upper)  # fmt: skip
+
+    def snapshot_removed(self, key: str, active: bool, snapshot_dir: Path | None) -> None:
+        if active:
+            hotlist_hooks.container_removed(self.root, key)
+
+    def lowers(self, upper: str) -> list[str]:
+        return []
+
+    def holds_layer(self, chain_id: str) -> bool:
+        return False
+
+
+__all__ = ["HotListObserver", "PreparedContainer", "ProfileObserver", "SnapshotObserver"]

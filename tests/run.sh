@@ -4,7 +4,7 @@
 # and containerd's own snapshotter conformance suite.
 #
 #   tests/run.sh              CI: the whole suite on containerd $BOOTSEER_CONTAINERD (default 2.1),
-#                             then the tests that face containerd (integration/ and tests/test_rpull.py,
+#                             then the tests that face containerd (integration/,
 #                             -m "integration or conformance": CRI and this version's conformance
 #                             suite included)
 #                             once more on each of $BOOTSEER_OTHER_CONTAINERDS (default "1.6 1.7");
@@ -30,7 +30,7 @@ fi
 
 runs=("$main:")
 for other in ${BOOTSEER_OTHER_CONTAINERDS-1.6 1.7}; do
-    [[ $other == "$main" ]] || runs+=("$other:integration tests/test_rpull.py")
+    [[ $other == "$main" ]] || runs+=("$other:integration")
 done
 summary=()
 failed=0

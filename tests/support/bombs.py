@@ -2,7 +2,7 @@
 
 Written independently of the code under test (the sealed header as docs/FORMAT.md
 defines it, zstd streamed so the test process never holds the payload): what a
-hostile store writer would put there.  Used by ``tests/test_object_bombs.py`` and
+hostile store writer would put there.  Used by ``tests/blockstore/test_object_bombs.py`` and
 ``bench/object_bombs.py``.
 """
 

@@ -1,7 +1,7 @@
 """Peer-sharing test helpers: real layer servers with peers on, which member owns which block, a member's
 side of the wire, and a peer that misbehaves on purpose.
 
-The tests of peers (tests/test_peers*.py) share these rather than import each other:
+The tests of peers (tests/blockstore/test_peers*.py) share these rather than import each other:
 
 * :class:`Nodes` starts real ``bootseer layer-server`` processes (each its own root) as the
   snapshotter starts them, and stops them all at teardown; the ``nodes`` fixture gives a

@@ -24,7 +24,7 @@ import zstandard
 from bootseer import confined
 from bootseer.blockstore.objects.store import open_store_writer
 from bootseer.depsnap.capture import CaptureError, publish_capture, scan, upper_change
-from tests.test_profile import spool  # noqa: F401 - the fixture: profiling on, into a fresh spool
+from tests.profile.test_profile import spool  # noqa: F401 - the fixture: profiling on, into a fresh spool
 
 FILES = 64
 SIZE = 4096

@@ -28,7 +28,7 @@ from bootseer.profile.screenshot import png_size
 from bootseer.profile.trace import Trace, TraceError, collect, phases, start_window
 from tests.support.chromium import render, require_chromium
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BOOTSEER = [sys.executable, "-m", "bootseer.cli"]
 
 

@@ -55,7 +55,7 @@ from tests.support.oci import (
 from tests.support.trees import Meta, apply_layers, as_whiteouts, disk_tree, extract_with_tar, read_block
 
 LAYER_BLOCK_SIZE = 64 << 10
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OPAQUE = "trusted.overlay.opaque"
 XATTR_PREFIXES = ("user.", "trusted.", "security.")
 DIFF_ID = "sha256:" + "d" * 64

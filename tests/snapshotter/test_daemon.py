@@ -73,7 +73,7 @@ def test_config_file_with_flag_override(tmp_path: Path, snapshotter_factory: Dae
 
 
 def test_example_config_sets_every_key_to_its_default() -> None:
-    example = Path(__file__).parent.parent / "ctr_examples" / "bootseer-snapshotter.toml"
+    example = Path(__file__).resolve().parents[2] / "ctr_examples" / "bootseer-snapshotter.toml"
     assert config.read_file(example) == config.DEFAULTS
 
 

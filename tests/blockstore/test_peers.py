@@ -6,7 +6,7 @@ counting HTTP server, so that what crosses the store's link is seen request by
 request.  A misbehaving peer is a small HTTP server in the test that answers block
 requests the way the test asks (wrong bytes, half a body, nothing at all, 401).
 The same behaviour across network namespaces, and a peer killed in the middle of a
-prefetch, are in tests/test_peers_netns.py.
+prefetch, are in tests/blockstore/test_peers_netns.py.
 """
 
 from __future__ import annotations

@@ -328,7 +328,7 @@ Snapshotter(Path(sys.argv[1]), layers).prepare("extract-1", "", {REF_LABEL: sys.
 def test_killed_at_the_mount_step_then_restore_forgets_the_half_made_snapshot(root: Path, layers: DirectoryLayers):
     child = subprocess.run(
         [sys.executable, "-c", CRASH_AT_MOUNT, str(root), str(layers.store), str(layers.mnt),
-         str(Path(__file__).parent.parent), CHAIN_A],
+         str(Path(__file__).resolve().parents[2]), CHAIN_A],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr

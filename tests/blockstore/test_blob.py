@@ -30,7 +30,7 @@ import pytest
 import trio
 
 if __name__ == "__main__":  # the mount program (see _serve_blob): make the repository's tests package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server

@@ -1,7 +1,7 @@
 """blockstore.datapath.tree: the nodes a layer server shows, from a layer index, without a mount.
 
 What the kernel sees through them (a real FUSE mount, overlayfs over it, against
-``tar -x``) is tests/test_layer_server.py; here: inode numbers, link counts, device
+``tar -x``) is tests/blockstore/test_layer_server.py; here: inode numbers, link counts, device
 numbers, xattrs, names and reads, checked node by node on an index built by hand.
 """
 

@@ -1,7 +1,7 @@
 """bootseer.fuse against the kernel: a small in-memory tree mounted for real.
 
 pyfuse3 allows one FUSE session per process, so the filesystem runs in a child
-process: this file doubles as that program (``python tests/test_fuse_plumbing.py
+process: this file doubles as that program (``python tests/fuse/test_fuse_plumbing.py
 MOUNTPOINT``).  The helpers for running and always cleaning up a mount process
 (:class:`MountProcess`, :func:`mount_entry`) live in :mod:`tests.support.mounts`.
 """
@@ -24,7 +24,7 @@ from typing import Iterator
 import pytest
 
 if __name__ == "__main__":  # the mount program: make the repository's tests package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.support.mounts import (  # noqa: E402
     STOP_TIMEOUT_S,

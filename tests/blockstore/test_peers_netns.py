@@ -17,7 +17,7 @@ for, never after a guessed time: an owner hung once the asker has read a block f
 killed once it has served its first block (its uploads slowed with ``--peer-upload-rate``, so
 that most of its share is still to come), a members file rewritten once a prefetch has fetched
 its first batch (small batches, one at a time, so that each later batch finds the new owners).
-The loopback versions of these cases, and the protocol's own units, are in tests/test_peers.py.
+The loopback versions of these cases, and the protocol's own units, are in tests/blockstore/test_peers.py.
 
 The last test is a regression test of the block fetcher without processes: two fetchers, each
 the other's peer, reading the same two blocks at once used to wait on each other for good.
@@ -59,7 +59,7 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"),
 ]
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 64 << 10
 LAYER_BYTES = 4 << 20
 DATA = blob_data(2 * LAYER_BYTES)  # A's half and B's half share no block

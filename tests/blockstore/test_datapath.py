@@ -1,7 +1,7 @@
 """The node's data path for real: which one a layer server picks and why, and the EROFS mounts it keeps.
 
 Each test starts ``bootseer layer-server`` the way the snapshotter does (``ensure_server``,
-tests/test_layer_server.py's ``Node``) over the converted :func:`tests.support.oci.rich_layers`,
+tests/blockstore/test_layer_server.py's ``Node``) over the converted :func:`tests.support.oci.rich_layers`,
 and checks what the kernel shows: ``/proc/self/mountinfo``, the files through the lower
 dirs, the server's log line and metrics.  A node without EROFS is shown with the
 server's ``--kernel-filesystems`` seam (EROFS is built into this kernel and cannot be
@@ -25,7 +25,7 @@ from bootseer.blockstore.server.client import ServerStartError
 from bootseer.blockstore.datapath.choice import DataPathProbe, DataPathUnavailable
 from tests.support.waiting import free_port
 from tests.support.mounts import mount_entry
-from tests.test_layer_server import built, extracted, node_factory, rich_big_bin  # noqa: F401 (fixtures)
+from tests.blockstore.test_layer_server import built, extracted, node_factory, rich_big_bin  # noqa: F401 (fixtures)
 from tests.support.trees import disk_tree
 
 pytestmark = [

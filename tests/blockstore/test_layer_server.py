@@ -58,7 +58,7 @@ pytestmark = [
 ]
 
 BLOCK_SIZE = 64 << 10
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 OPAQUE = "trusted.overlay.opaque"
 
 

@@ -1,0 +1,232 @@
+"""docs/architecture.md matches the code: its package list, and no import runs against its arrows.
+
+The page holds one table of the project's packages, each with the packages it may import
+directly (``may import``); what a package may import is that relation's transitive
+closure, so a package may use anything below what it names.  These tests read the table
+from the page and every import of every module from the source (``ast``: module level,
+inside functions and under ``TYPE_CHECKING`` alike), and check that
+
+* every folder of Python code the page covers is in the table, and every package in the
+  table exists;
+* the table itself runs one way (no package may, through others, import itself);
+* every import of one package's module by another's is allowed by the table;
+* no module imports another package's private name (``from pkg.mod import _name``) or
+  reads one off another package's module (``mod._name``).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = REPO / "docs" / "architecture.md"
+#: The repository's folders as the installed package sees them (setup.cfg's package_dir).
+FOLDERS = {"snapshotter": "bootseer.snapshotter", "blockstore": "bootseer.blockstore", "hotlist": "bootseer.hotlist",
+           "depsnap": "bootseer.depsnap", "ckptmount": "bootseer.ckptmount", "proto": "bootseer.proto",
+           "bootseer": "bootseer"}
+
+
+def declared() -> dict[str, set[str]]:
+    """The table of docs/architecture.md: package -> the packages it may import directly."""
+    text = PAGE.read_text()
+    block = re.search(r"<!-- packages -->\n```text\n(.*?)```", text, re.S)
+    assert block, "docs/architecture.md has no ```text block after <!-- packages -->"
+    table: dict[str, set[str]] = {}
+    for line in block.group(1).splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, _, allowed = line.partition("->")
+        table[name.strip()] = set(allowed.split())
+    return table
+
+
+def forbidden() -> list[tuple[str, str]]:
+    """The page's forbidden arrows, each (importer prefix, imported prefix): narrower than the table."""
+    block = re.search(r"<!-- forbidden -->\n```text\n(.*?)```", PAGE.read_text(), re.S)
+    assert block, "docs/architecture.md has no ```text block after <!-- forbidden -->"
+    pairs = []
+    for line in block.group(1).splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        source, _, targets = line.partition("-/->")
+        pairs += [(source.strip(), target) for target in targets.split()]
+    return pairs
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    top = FOLDERS[parts[0]]
+    return ".".join([top, *parts[1:]])
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for folder in FOLDERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if folder == "proto" and path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            found[module_name(path)] = path
+    return found
+
+
+def package_of(module: str, packages: set[str]) -> str | None:
+    """The longest declared package ``module`` lies in."""
+    best = None
+    for package in packages:
+        if (module == package or module.startswith(package + ".")) and (best is None or len(package) > len(best)):
+            best = package
+    return best
+
+
+def closure(table: dict[str, set[str]]) -> dict[str, set[str]]:
+    reach: dict[str, set[str]] = {}
+
+    def visit(package: str, path: tuple[str, ...]) -> set[str]:
+        assert package not in path, f"the table runs in a circle: {' -> '.join(path + (package,))}"
+        if package not in reach:
+            below: set[str] = set()
+            for target in table.get(package, ()):
+                below |= {target} | visit(target, path + (package,))
+            reach[package] = below
+        return reach[package]
+
+    for package in table:
+        visit(package, ())
+    return reach
+
+
+def imports(module: str, path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, imported module, names imported from it) for every import of the project in ``path``."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names if alias.name.startswith("bootseer")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("bootseer"):
+                found.append((node.lineno, target, [alias.name for alias in node.names]))
+    return found
+
+
+def test_every_package_in_the_table_exists_and_every_code_folder_is_in_it():
+    table = declared()
+    known = modules()
+    for package in table:
+        assert any(m == package or m.startswith(package + ".") for m in known), f"{package} is in the table but not in the code"
+    folders = {m for m, p in known.items() if p.name == "__init__.py"} | {"bootseer"}
+    for folder in folders:
+        assert package_of(folder, set(table)) is not None, f"{folder} is in no package of docs/architecture.md"
+
+
+def test_the_table_runs_one_way():
+    closure(declared())
+
+
+def test_no_import_runs_against_the_tables_arrows():
+    table = declared()
+    allowed = closure(table)
+    known = modules()
+    wrong = []
+    for module, path in known.items():
+        source = package_of(module, set(table))
+        for line, target, names in imports(module, path):
+            candidates = [target] + [f"{target}.{n}" for n in names]
+            for candidate in candidates:
+                dest = package_of(candidate, set(table))
+                if dest and dest != source and dest not in allowed[source]:
+                    wrong.append(f"{path.relative_to(REPO)}:{line}: {source} -> {dest} ({candidate})")
+                    break
+    assert not wrong, "imports against docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_no_import_takes_a_forbidden_arrow():
+    """The seams: what the table allows at package level, narrowed (an extension sees the layer server
+    only through its extension seam and control client, never its internals)."""
+    rules = forbidden()
+    assert rules
+    wrong = []
+    for module, path in modules().items():
+        for line, target, names in imports(module, path):
+            for candidate in [target] + [f"{target}.{n}" for n in names]:
+                for source, dest in rules:
+                    if (module == source or module.startswith(source + ".")) and (
+                            candidate == dest or candidate.startswith(dest + ".")):
+                        wrong.append(f"{path.relative_to(REPO)}:{line}: {module} -> {candidate}")
+    assert not wrong, "forbidden arrows:\n" + "\n".join(sorted(set(wrong)))
+
+
+def test_no_module_uses_another_packages_private_names():
+    table = set(declared())
+    known = modules()
+    wrong = []
+    for module, path in known.items():
+        source = package_of(module, table)
+        tree = ast.parse(path.read_text(), str(path))
+        aliases: dict[str, str] = {}
+        for line, target, names in imports(module, path):
+            if package_of(target, table) == source:
+                continue
+            for name in names:
+                if name.startswith("_") and not name.startswith("__"):
+                    wrong.append(f"{path.relative_to(REPO)}:{line}: imports {target}.{name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("bootseer") and not node.level:
+                for alias in node.names:
+                    if f"{node.module}.{alias.name}" in known:
+                        aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name in known:
+                        aliases[alias.asname] = alias.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and package_of(aliases[node.value.id], table) != source):
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: reads {aliases[node.value.id]}.{node.attr}")
+    assert not wrong, "private names used across packages:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("folder", ["tests/support", "bench", "integration"])
+def test_nothing_of_the_product_imports_tests_bench_or_integration(folder):
+    dotted = folder.replace("/", ".")
+    wrong = [f"{path.relative_to(REPO)}:{line}" for module, path in modules().items()
+             for line, target, _ in imports(module, path) if target.startswith(dotted)]
+    for module, path in modules().items():
+        text = path.read_text()
+        if re.search(rf"^\s*(from|import) {re.escape(dotted)}\b", text, re.M):
+            wrong.append(str(path.relative_to(REPO)))
+    assert not wrong
+
+
+def arrows() -> dict[tuple[str, str], int]:
+    """The package graph as the code has it: (importer, imported) -> number of imports."""
+    table = set(declared())
+    found: dict[tuple[str, str], int] = {}
+    known = modules()
+    for module, path in known.items():
+        source = package_of(module, table)
+        for _line, target, names in imports(module, path):
+            named = [f"{target}.{n}" for n in names if f"{target}.{n}" in known]
+            for candidate in named or [target]:
+                dest = package_of(candidate, table)
+                if source and dest and dest != source:
+                    found[(source, dest)] = found.get((source, dest), 0) + 1
+    return found
+
+
+if __name__ == "__main__":  # python tests/test_architecture.py: the arrows, one a line, with their import counts
+    for (source, dest), count in sorted(arrows().items()):
+        print(f"{source:30} -> {dest:30} {count}")

@@ -39,6 +39,7 @@ from bootseer.fetch.sources.http import HttpSource, index_links, parse_json_inde
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.fetch.sources.s3 import S3Source
 from bootseer.fetch.sources.webhdfs import WebHdfsSource, remote_error
+from tests.support.waiting import wait_until
 from tests.support.http import Faults, content_etag
 from tests.support.webhdfs import WebHdfsServer
 
@@ -230,7 +231,7 @@ def test_source_rooted_at_one_file(backend: Backend) -> None:
         source.close()
 
 
-def test_many_connections_read_in_parallel(backend: Backend) -> None:
+def test_stripes_read_over_many_connections_assemble_the_file(backend: Backend) -> None:
     import concurrent.futures
 
     source = backend.source
@@ -248,6 +249,34 @@ def test_many_connections_read_in_parallel(backend: Backend) -> None:
         for connection in connections:
             connection.close()
     assert assembled == (backend.root / "a.bin").read_bytes()
+
+
+def test_many_connections_read_in_parallel(range_http_factory, tree: Path) -> None:
+    """Four connections of one source, each reading in its own thread: the server holds every GET of the
+    file until four are waiting at once, so the test passes only if the reads are in flight together (a
+    source that serialised its connections would leave one waiting, and the wait below would time out)."""
+    import concurrent.futures
+
+    server = range_http_factory(tree)
+    source = open_source(server.url)
+    size = source.stat("a.bin").size
+    release = server.faults.hold({"/a.bin"})
+    connections = [source.connect() for _ in range(4)]
+    quarter = size // 4
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(connection.read_range, "a.bin", index * quarter, quarter)
+                       for index, connection in enumerate(connections)]  # fmt: skip
+            try:
+                wait_until("four reads held at the server at once", lambda: server.faults.waiting == 4, 30)
+            finally:
+                release.set()
+            pieces = [future.result(timeout=60) for future in futures]
+    finally:
+        for connection in connections:
+            connection.close()
+        source.close()
+    assert b"".join(pieces) == (tree / "a.bin").read_bytes()[: 4 * quarter]
 
 
 def files_of(entries: list[Entry], directory: str) -> dict[str, Entry]:

@@ -74,12 +74,26 @@ def test_a_failed_block_leaves_no_trace(ms: MetaStore):
             tx.get_info("a")
 
 
-def test_ids_are_never_reused(ms: MetaStore):
-    with ms.write() as tx:
-        first = tx.create_snapshot(Kind.ACTIVE, "a", "", None).id
-        tx.remove("a")
-    with ms.write() as tx:
-        assert tx.create_snapshot(Kind.ACTIVE, "a", "", None).id != first
+def test_ids_are_never_reused(tmp_path: Path):
+    """Not after a remove, and not after the store is closed and opened again (a new process): an id is the
+    name of a snapshot's directory, and a reused one could meet a directory a crash left behind."""
+    store = MetaStore(tmp_path / "metadata.db")
+    with store.write() as tx:
+        tx.create_snapshot(Kind.ACTIVE, "a", "", None)
+        last = tx.create_snapshot(Kind.ACTIVE, "b", "", None).id
+        tx.remove("b")  # the newest: an id taken as "the largest one in use, plus one" would come back
+    with store.write() as tx:
+        again = tx.create_snapshot(Kind.ACTIVE, "c", "", None).id
+        tx.remove("c")
+    store.close()
+    reopened = MetaStore(tmp_path / "metadata.db")
+    try:
+        with reopened.write() as tx:
+            after = tx.create_snapshot(Kind.ACTIVE, "d", "", None).id
+    finally:
+        reopened.close()
+    assert len({last, again, after}) == 3
+    assert int(after) > int(again) > int(last)
 
 
 def test_errors_like_bolt(ms: MetaStore):

@@ -106,7 +106,7 @@ def test_the_shipped_config_pulls_and_runs_on_bootseer(runnable):
 
 
 def test_systemd_unit_starts_before_containerd_and_waits_for_the_socket():
-    unit = (EXAMPLES / "bootseer-snapshotter.grpc_service").read_text()
+    unit = (EXAMPLES / "bootseer-snapshotter.service").read_text()
     assert re.search(r"^Before=.*\bcontainerd\.service\b", unit, re.M)
     exec_start = re.search(r"^ExecStart=(\S+) (.*)$", unit, re.M)
     assert exec_start and exec_start.group(1).endswith("/bootseer-snapshotter")

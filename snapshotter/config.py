@@ -117,7 +117,7 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_concurrency": PrefetchLimits.concurrency,
     "hotlist.prefetch_batch": PrefetchLimits.batch_bytes,
     "hotlist.prefetch_cold_rate": PrefetchLimits.cold_rate,
-    "hotlist.prefetch_page_cache": True,
+    "hotlist.prefetch_page_cache": PrefetchLimits.page_cache,
     "fuse.metrics_address": "",
     "fuse.data_path": "auto",
     "trust.converter_keys": [],

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.fetch.sources import redact_url
 from bootseer.paths import DEFAULT_DEPS_ROOT
 from bootseer.units import parse_size
@@ -96,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--no-publish", action="store_true", help="restore on a hit, but never publish a capture")
     run.add_argument("--root", default=DEFAULT_DEPS_ROOT, help=f"this node's state and layer server ({DEFAULT_DEPS_ROOT})")
     run.add_argument("--cache-dir", metavar="DIR", help="the layer server's block cache (default ROOT/cache)")
-    run.add_argument("--cache-size", type=parse_size, metavar="SIZE", help="block cache size (16G)")
+    run.add_argument("--cache-size", type=parse_size, metavar="SIZE", help=f"block cache size ({DEFAULT_CACHE_SIZE >> 30}G)")
     run.add_argument("--python", metavar="PATH", help="the interpreter the install runs with (default: found from CMD)")
     run.add_argument("--input", action="append", default=[], metavar="FILE", help="another file CMD reads (repeatable)")
     run.add_argument("--scope", default=scope_default, metavar="NAME",

@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.fetch.sources import redact_url
+from bootseer.paths import DEFAULT_DEPS_ROOT
 from bootseer.units import parse_size
 
 EXIT_MISSING = 1
@@ -57,8 +59,6 @@ def _error(text: str) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from bootseer.paths import DEFAULT_DEPS_ROOT as DEFAULT_ROOT
-
     parser = subparsers.add_parser("deps", help="dependency snapshots: install once, restore on every later start",
                                    description="Dependency snapshots: what an install step leaves behind, captured "
                                                "once as a layer and stacked under every later run.")  # fmt: skip
@@ -95,9 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--publish-store", default=publish_default, metavar="URL",
                      help="writable store to publish to, where --store is read-only; default $BOOTSEER_PUBLISH_STORE")  # fmt: skip
     run.add_argument("--no-publish", action="store_true", help="restore on a hit, but never publish a capture")
-    run.add_argument("--root", default=DEFAULT_ROOT, help=f"this node's state and layer server ({DEFAULT_ROOT})")
+    run.add_argument("--root", default=DEFAULT_DEPS_ROOT, help=f"this node's state and layer server ({DEFAULT_DEPS_ROOT})")
     run.add_argument("--cache-dir", metavar="DIR", help="the layer server's block cache (default ROOT/cache)")
-    run.add_argument("--cache-size", type=parse_size, metavar="SIZE", help="block cache size (16G)")
+    run.add_argument("--cache-size", type=parse_size, metavar="SIZE", help=f"block cache size ({DEFAULT_CACHE_SIZE >> 30}G)")
     run.add_argument("--python", metavar="PATH", help="the interpreter the install runs with (default: found from CMD)")
     run.add_argument("--input", action="append", default=[], metavar="FILE", help="another file CMD reads (repeatable)")
     run.add_argument("--scope", default=scope_default, metavar="NAME",
@@ -117,14 +117,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     rel = commands.add_parser("release", help="unmount a restored DIR (what the job wrote there is dropped)")
     rel.add_argument("prefix", metavar="DIR")
-    rel.add_argument("--root", default=DEFAULT_ROOT)
+    rel.add_argument("--root", default=DEFAULT_DEPS_ROOT)
     rel.add_argument("--lazy", action="store_true", help="detach now even if a process still uses DIR")
     rel.set_defaults(func=release_command)
 
     ls = commands.add_parser("ls", help="the store's dependency snapshots and this node's prefixes")
     ls.add_argument("--store", default=publish_default or store_default, metavar="URL",
                     help="a listable store (a directory, s3://, hdfs://; not http)")  # fmt: skip
-    ls.add_argument("--root", default=DEFAULT_ROOT)
+    ls.add_argument("--root", default=DEFAULT_DEPS_ROOT)
     ls.add_argument("--json", action="store_true")
     ls.set_defaults(func=ls_command)
 

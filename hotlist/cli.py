@@ -67,16 +67,16 @@ def add_layer_server_arguments(parser: argparse.ArgumentParser) -> None:
                             "command line)")  # fmt: skip
     group.add_argument("--no-hotlist", action="store_true", help="neither record nor prefetch hot lists")
     group.add_argument("--hotlist-quiet", type=float, default=RecordingLimits.quiet, metavar="SECONDS",
-                       help="end a recording after this long without a new block (10)")  # fmt: skip
+                       help=f"end a recording after this long without a new block ({RecordingLimits.quiet:g})")  # fmt: skip
     group.add_argument("--hotlist-window", type=float, default=RecordingLimits.window, metavar="SECONDS",
-                       help="end a recording this long after the container's snapshot was prepared (120)")  # fmt: skip
+                       help=f"end a recording this long after the container's snapshot was prepared ({RecordingLimits.window:g})")  # fmt: skip
     group.add_argument("--hotlist-marker", default=RecordingLimits.marker, metavar="NAME",
-                       help="a file of this name at the container's root ends its recording (.bootseer-seal)")  # fmt: skip
+                       help=f"a file of this name at the container's root ends its recording ({RecordingLimits.marker})")  # fmt: skip
     group.add_argument("--prefetch-concurrency", type=int, default=PrefetchLimits.concurrency, metavar="N",
-                       help="prefetch batches in flight (4)")  # fmt: skip
+                       help=f"prefetch batches in flight ({PrefetchLimits.concurrency})")  # fmt: skip
     group.add_argument("--prefetch-batch", type=parse_size, default=PrefetchLimits.batch_bytes, metavar="SIZE",
-                       help="compressed bytes per prefetch batch (4M)")  # fmt: skip
-    group.add_argument("--prefetch-cold-rate", type=parse_size, default=0, metavar="SIZE",
+                       help=f"compressed bytes per prefetch batch ({PrefetchLimits.batch_bytes >> 20}M)")  # fmt: skip
+    group.add_argument("--prefetch-cold-rate", type=parse_size, default=PrefetchLimits.cold_rate, metavar="SIZE",
                        help="after the hot blocks, fetch the rest of the image at this many bytes/s (0: off)")  # fmt: skip
     group.add_argument("--no-prefetch-page-cache", action="store_true",
                        help="prefetch hot blocks into the node cache only, not also into the kernel's page cache")  # fmt: skip

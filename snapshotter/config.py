@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
+from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.peers.service import PeerConfig, PeerConfigError
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
 from bootseer.units import parse_size
@@ -66,7 +67,7 @@ class Config:
     store_url: str = ""  #: where converted layers are; empty: no remote snapshots
     store_proxy: ProxyConfig | None = None  #: ``[store] proxy`` and its ``proxy_*`` keys; None: read the store direct
     cache_dir: Path | None = None  #: the node's block cache; None: ``ROOT/cache``
-    cache_size: int = 16 << 30  #: bytes the block cache may hold
+    cache_size: int = DEFAULT_CACHE_SIZE  #: bytes the block cache may hold
     fetch_streams: int = 16  #: parallel range requests per store
     fetch_retry_timeout: float = EngineConfig.retry_timeout  #: seconds a failing fetch is retried before the read fails (EIO)
     fetch_memory_limit: int = EngineConfig.memory_limit  #: stripe bytes the layer server holds in memory per store
@@ -101,10 +102,10 @@ DEFAULTS: dict[str, Any] = {
     "store.proxy": "",
     "store.proxy_ping_url": "",
     "store.proxy_check_interval": DEFAULT_CHECK_INTERVAL,
-    "store.proxy_block_size": "1M",
+    "store.proxy_block_size": DEFAULT_BLOCK_SIZE,
     "store.proxy_read_timeout": DEFAULT_READ_TIMEOUT,
     "cache.dir": "",
-    "cache.size": "16G",
+    "cache.size": f"{DEFAULT_CACHE_SIZE >> 30}G",
     "fetch.streams": 16,
     "fetch.retry_timeout": EngineConfig.retry_timeout,
     "fetch.memory_limit": EngineConfig.memory_limit,
@@ -116,7 +117,7 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_concurrency": PrefetchLimits.concurrency,
     "hotlist.prefetch_batch": PrefetchLimits.batch_bytes,
     "hotlist.prefetch_cold_rate": PrefetchLimits.cold_rate,
-    "hotlist.prefetch_page_cache": True,
+    "hotlist.prefetch_page_cache": PrefetchLimits.page_cache,
     "fuse.metrics_address": "",
     "fuse.data_path": "auto",
     "trust.converter_keys": [],

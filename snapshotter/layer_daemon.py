@@ -101,7 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"seconds a request of one block through the proxy may take, all of it; past it the read "
                              f"is done direct and the proxy set aside ({DEFAULT_READ_TIMEOUT:g})")  # fmt: skip
     parser.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (ROOT/cache)")
-    parser.add_argument("--cache-size", type=parse_size, default=16 << 30, metavar="SIZE", help="block cache size (16G)")
+    parser.add_argument("--cache-size", type=parse_size, default=LayerServerConfig.cache_size, metavar="SIZE",
+                        help=f"block cache size ({LayerServerConfig.cache_size >> 30}G)")
     parser.add_argument("--streams", type=_positive_int, metavar="N", help="parallel range requests per store (16)")
     parser.add_argument(
         "--retry-timeout", type=_seconds, metavar="SECONDS",
@@ -114,8 +115,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument("--metrics-address", metavar="HOST:PORT", help="serve Prometheus metrics on /metrics")
     parser.add_argument(
-        "--shutdown-grace", type=_seconds, default=10.0, metavar="SECONDS",
-        help="on SIGTERM, how long requests in flight may take to finish (10)",
+        "--shutdown-grace", type=_seconds, default=LayerServerConfig.shutdown_grace, metavar="SECONDS",
+        help=f"on SIGTERM, how long requests in flight may take to finish ({LayerServerConfig.shutdown_grace:g})",
     )  # fmt: skip
     parser.add_argument("--converter-key", action="append", default=[], metavar="FILE",
                         help="serve only layers whose chain record this converter key (a .pub file) signed; repeatable")  # fmt: skip
@@ -123,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prefetch only hot lists this node key (a .pub file) signed; repeatable")  # fmt: skip
     parser.add_argument("--sign-key", metavar="FILE", help="the node's private key: signs the hot lists it publishes")
     parser.add_argument(
-        "--data-path", choices=DATA_PATHS, default="auto",
+        "--data-path", choices=DATA_PATHS, default=LayerServerConfig.data_path,
         help="how overlayfs gets a layer's tree: auto (the default: EROFS where the kernel has it, probed at "
              "start), erofs (file-backed EROFS over the layer's FUSE blob), loop (EROFS over loop devices), "
              "tree (the per-file FUSE tree; see docs/lazy-layers.md, 'Data paths'); "

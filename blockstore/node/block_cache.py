@@ -53,6 +53,10 @@ def check_cache_dir(directory: str | os.PathLike[str]) -> None:
         what = "is not a directory" if isinstance(exc, (NotADirectoryError, FileExistsError)) else "cannot be written"
         raise ValueError(f"cache directory {path!r} {what}: {exc.strerror or exc}") from None
 
+#: Bytes the node's block cache may hold unless told otherwise (``bootseer layer-server --cache-size``,
+#: the snapshotter's ``[cache] size``).
+DEFAULT_CACHE_SIZE = 16 << 30
+
 
 class BlockCache(VerifiedFileCache):
     """Raw blocks under ``directory`` keyed by their SHA-256 (64 hex digits), at most ``max_bytes`` (LRU).

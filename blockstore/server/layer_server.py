@@ -52,6 +52,7 @@ import prometheus_client
 import pyfuse3
 import trio
 
+from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.server.client import (
     MAX_MESSAGE,
     MOUNT_TIMEOUT,
@@ -113,7 +114,7 @@ class LayerServerConfig:
     root: Path
     store: str | None = None  #: default store URL of a mount that names none
     cache_dir: Path | None = None  #: default ``ROOT/cache``
-    cache_size: int = 16 << 30
+    cache_size: int = DEFAULT_CACHE_SIZE  #: bytes the block cache may hold
     engine: EngineConfig = field(default_factory=EngineConfig)
     source_options: dict[str, Any] = field(default_factory=dict)  #: passed to open_source for every store
     shutdown_grace: float = 10.0

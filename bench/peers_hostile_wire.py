@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server  # noqa: E402
 
 from bootseer.paths import ServerPaths  # noqa: E402
-from bootseer.blockstore.peers.service import PeerConfig  # noqa: E402
+from bootseer.blockstore.peers.config import PeerConfig  # noqa: E402
 from tests.support.http import RangeHTTPServer  # noqa: E402
 from tests.support.waiting import free_port  # noqa: E402
 from tests.support.layer_servers import stop_layer_servers  # noqa: E402

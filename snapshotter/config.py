@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
-from bootseer.blockstore.peers.service import PeerConfig, PeerConfigError
+from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
 from bootseer.units import parse_size
 from bootseer.fetch.engine import EngineConfig

@@ -23,7 +23,6 @@ the list current in the nursery of the service that owns it.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from collections.abc import Iterable
@@ -32,6 +31,7 @@ from typing import Protocol
 
 import trio
 
+from bootseer.blockstore.peers.config import is_loopback, parse_address, split_address
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -40,47 +40,6 @@ log = get_logger(__name__)
 MAX_MEMBERS = 100_000
 #: A membership file larger than this is refused (a line per member: 100k short lines fit).
 MAX_FILE_BYTES = 8 << 20
-
-
-def parse_address(text: str) -> str:
-    """``HOST:PORT`` normalised (an IPv6 host in brackets), or ValueError naming what is wrong."""
-    text = text.strip()
-    if text.startswith("["):
-        host, sep, port = text[1:].partition("]:")
-        if not sep:
-            raise ValueError(f"peer address {text!r}: an IPv6 address is written [ADDR]:PORT")
-    else:
-        host, sep, port = text.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"peer address {text!r} is not HOST:PORT")
-        if ":" in host:
-            raise ValueError(f"peer address {text!r}: an IPv6 address is written [ADDR]:PORT")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"peer address {text!r}: port {port!r} is not a number from 1 to 65535")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        if not host or any(c.isspace() or c in "/@[]" for c in host) or ":" in host:
-            raise ValueError(f"peer address {text!r}: {host!r} is neither an IP address nor a host name") from None
-        return f"{host.lower()}:{int(port)}"
-    return f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """The host (without brackets) and port of a normalised address."""
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def is_loopback(address: str) -> bool:
-    """Whether ``HOST:PORT`` names a loopback address (``localhost`` included)."""
-    host, _ = split_address(parse_address(address))
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class Membership(Protocol):
@@ -238,8 +197,5 @@ __all__ = [
     "FileMembers",
     "Membership",
     "StaticMembers",
-    "is_loopback",
-    "parse_address",
     "read_members_file",
-    "split_address",
 ]

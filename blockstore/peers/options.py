@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from bootseer.blockstore.peers.service import PeerConfig, PeerConfigError
+from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError
 
 def _addresses(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())

@@ -30,12 +30,11 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
+from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.paths import ServerPaths
 
-if TYPE_CHECKING:  # the peer service pulls in trio: not for every client of the control socket
-    from bootseer.blockstore.peers.service import PeerConfig
 
 #: Longest request or answer line; a peer sending more is cut off.
 MAX_MESSAGE = 1 << 20

@@ -74,7 +74,8 @@ from bootseer.atomic import write_atomically
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import PeerConfig, PeerService, peer_memory_share
+from bootseer.blockstore.peers.service import PeerService, peer_memory_share
+from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.blockstore.node.reader import BlockFetcher, PeerAllowance
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.server.store_registry import StoreRegistry

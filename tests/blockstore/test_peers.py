@@ -24,14 +24,11 @@ import pytest
 import trio
 
 from bootseer.blockstore.objects.format import pack_object
-from bootseer.blockstore.peers.membership import (
-    DnsMembers, FileMembers, parse_address,
-)  # fmt: skip
+from bootseer.blockstore.peers.membership import DnsMembers, FileMembers
 from bootseer.blockstore.peers.wire import parse_block_target, block_target
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import (
-    PeerConfig, PeerConfigError, PriorityLimiter, peer_store_id, rendezvous_score,
-)  # fmt: skip
+from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError, parse_address
+from bootseer.blockstore.peers.service import PriorityLimiter, peer_store_id, rendezvous_score
 from bootseer.fetch.sources import redact_url
 from bootseer.profile.events import read_spool
 from tests.support import autojump
@@ -408,3 +405,11 @@ def test_an_asker_that_hangs_up_while_the_owner_fetches_costs_that_request_only(
             release.set()
         assert "serving a peer failed" not in nodes.log(0)
         assert owner.status()["health"]["fuse"] == "serving"
+
+
+def test_the_peer_config_and_the_control_client_load_without_trio() -> None:
+    """The daemon and every control client hold a PeerConfig; neither may pull in the trio peer service."""
+    code = ("import sys; import bootseer.blockstore.peers.config, bootseer.blockstore.server.client; "
+            "print(sorted(m for m in ('trio', 'pyfuse3', 'bootseer.blockstore.peers.service') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

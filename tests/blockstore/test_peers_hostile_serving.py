@@ -25,7 +25,8 @@ import trio.testing
 from bootseer.blockstore.objects.format import max_stored_length, pack_object
 from bootseer.blockstore.peers.wire import block_target
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import BUDGET_WINDOW, PeerConfig, PeerServer, PeerStats
+from bootseer.blockstore.peers.service import PeerServer, PeerStats
+from bootseer.blockstore.peers.config import BUDGET_WINDOW, PeerConfig
 from bootseer.blockstore.node.reader import BlockFetcher
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.faults import FaultySource
@@ -286,7 +287,7 @@ def test_the_fetch_budget_reaches_the_layer_server_and_one_smaller_than_a_block_
     tmp_path: Path,
 ) -> None:
     from bootseer.blockstore.server.client import ServerSettings
-    from bootseer.blockstore.peers.service import PeerConfigError
+    from bootseer.blockstore.peers.config import PeerConfigError
     from bootseer.snapshotter import config
 
     token = tmp_path / "token"

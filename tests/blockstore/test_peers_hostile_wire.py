@@ -33,7 +33,8 @@ import trio
 from bootseer.blockstore.objects.format import pack_object
 from bootseer.blockstore.peers import service as peers
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import PeerClient, PeerConfig, PeerStats, rendezvous_score
+from bootseer.blockstore.peers.service import PeerClient, PeerStats, rendezvous_score
+from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.fetch.engine import Priority
 from tests.support.http import RangeHTTPServer
 from tests.support.waiting import free_port

@@ -41,7 +41,7 @@ from bootseer.blockstore.server.client import ServerSettings, ensure_server
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import max_stored_length
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import PeerConfig
+from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.fetch.sources import open_source
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.http_proxy import ProxyConfig

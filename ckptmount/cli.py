@@ -19,7 +19,7 @@ import trio
 from bootseer.ckptmount.mount import SourceUnavailable, mount_checkpoint
 from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.engine import EngineConfig, display_url
-from bootseer.fetch.source import SourceError
+from bootseer.fetch.source import RangeSource, SourceError
 from bootseer.fetch.sources import open_source, source_class, source_options
 from bootseer.fuse import MountError, check_mountpoint
 from bootseer.log import get_logger
@@ -236,7 +236,7 @@ def _usage_error(message: str) -> int:
 
 
 async def _mount_and_announce(
-    source: Any, mountpoint: str, config: EngineConfig, listing_ttl: float, allow_other: bool
+    source: RangeSource, mountpoint: str, config: EngineConfig, listing_ttl: float, allow_other: bool
 ) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(

@@ -12,16 +12,19 @@ from __future__ import annotations
 import functools
 import os
 import signal
-from typing import Any
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
 
-from bootseer.ckptmount.tree import CheckpointTree
+from bootseer.ckptmount.tree import CheckpointFile, CheckpointTree
 from bootseer.fetch.engine import EngineConfig, display_url, open_engine
 from bootseer.fuse import ReadOnlyOperations, end_on_signals, mount_options, serve
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks
+
+if TYPE_CHECKING:
+    from bootseer.fetch.source import RangeSource
 
 log = get_logger(__name__)
 
@@ -33,7 +36,7 @@ class SourceUnavailable(Exception):
 
 
 async def mount_checkpoint(
-    source: Any,
+    source: RangeSource,
     mountpoint: str,
     *,
     config: EngineConfig,
@@ -68,7 +71,7 @@ async def mount_checkpoint(
                 task_status.started()
 
 
-def _forget_in_kernel(ops: ReadOnlyOperations, nursery: trio.Nursery, node: Any) -> None:
+def _forget_in_kernel(ops: ReadOnlyOperations, nursery: trio.Nursery, node: CheckpointFile) -> None:
     """Drop the kernel's cached pages and name of a file whose version is gone at the source.
 
     The pages are of that version only (reads are pinned to it), so this is not

@@ -27,7 +27,7 @@ import os
 import stat
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 from urllib.parse import unquote, urlsplit
 
 import trio
@@ -35,6 +35,9 @@ import trio
 from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, SourceError
 from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, StaticDirectory
 from bootseer.log import get_logger
+
+if TYPE_CHECKING:
+    from bootseer.fetch.engine import Engine, Reader
 
 log = get_logger(__name__)
 
@@ -88,7 +91,7 @@ class _Listing:
 class CheckpointTree:
     """Stat and listings of the source through ``engine``, cached for ``listing_ttl`` seconds."""
 
-    def __init__(self, engine: Any, *, listing_ttl: float) -> None:
+    def __init__(self, engine: Engine, *, listing_ttl: float) -> None:
         self.engine = engine
         self.listing_ttl = listing_ttl
         self._listings: dict[str, _Listing] = {}
@@ -220,7 +223,7 @@ class CheckpointOpenFile(OpenFile):
     # across opens; a new version is a new inode with a page cache of its own.
     keep_cache = True
 
-    def __init__(self, reader: Any, path: str, size: int, node: CheckpointFile | None = None) -> None:
+    def __init__(self, reader: Reader, path: str, size: int, node: CheckpointFile | None = None) -> None:
         self.reader = reader
         self.path = path
         self.size = size

@@ -23,12 +23,15 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.fetch.sources import redact_url
 from bootseer.paths import DEFAULT_DEPS_ROOT
 from bootseer.units import parse_size
+
+if TYPE_CHECKING:
+    from .record import DepsRecord
 
 EXIT_MISSING = 1
 EXIT_ERROR = 2
@@ -271,7 +274,7 @@ def ls_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _captured_at(record: Any) -> datetime.datetime:
+def _captured_at(record: DepsRecord) -> datetime.datetime:
     try:
         return datetime.datetime.fromisoformat(record.captured_at)
     except (TypeError, ValueError):

@@ -22,7 +22,8 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import trio
 
@@ -46,6 +47,10 @@ from bootseer.hotlist.prefetch import PrefetchLimits
 from bootseer.hotlist.recorder import RecordingLimits
 from bootseer.hotlist.service import HotListConfig
 from bootseer.paths import DEFAULT_ROOT
+
+if TYPE_CHECKING:
+    from bootseer.blockstore.objects.store import StoreReader
+    from bootseer.blockstore.server.client import LayerServerClient
 
 EXIT_MISSING = 1
 EXIT_ERROR = 2
@@ -111,7 +116,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                "which every later boot prefetches.")  # fmt: skip
     commands = parser.add_subparsers(dest="hotlist_command", metavar="ACTION", required=True)
 
-    def image_command(name: str, help_text: str, func: Any) -> argparse.ArgumentParser:
+    def image_command(name: str, help_text: str, func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("image", metavar="REF|CHAINID", help="image reference, oci:DIR[:TAG], or the top ChainID")
         store = os.environ.get("BOOTSEER_STORE") or None
@@ -159,7 +164,7 @@ def _profiles(args: argparse.Namespace) -> list[str] | None:
     return None if args.profile is None else [check_profile(args.profile)]
 
 
-async def _image_blocks(store: Any, top: str) -> int | None:
+async def _image_blocks(store: StoreReader, top: str) -> int | None:
     """The most blocks the image ``top`` can have, from its layers' chain records (what
     bounds its hot lists' rows, as the layer server bounds them by the indexes it serves);
     None if a record is missing or the chain is longer than a hot list may name."""
@@ -284,11 +289,11 @@ def record_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _client(root: str) -> Any:
+def _client(root: str) -> LayerServerClient:
     from bootseer.blockstore.server.client import LayerServerClient
     from bootseer.paths import ServerPaths
 
-    return LayerServerClient(ServerPaths(__import__("pathlib").Path(root)).socket)
+    return LayerServerClient(ServerPaths(Path(root)).socket)
 
 
 def seal_command(args: argparse.Namespace) -> int:

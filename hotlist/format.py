@@ -25,12 +25,15 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from bootseer.blockstore.objects.format import FORMAT_VERSION as STORE_FORMAT_VERSION
 from bootseer.blockstore.objects.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed, sealed_size_bound
 from bootseer.blockstore.objects.jsonstream import ArrayRule, read_document
 from bootseer.blockstore.objects.signing import Signed, SigningKey, sign_document, signatures_of
+
+if TYPE_CHECKING:
+    from bootseer.blockstore.objects.store import StoreReader
 
 HOTLIST_VERSION = 1
 HOTLIST_MAGIC = b"BSHOTL01"
@@ -66,7 +69,7 @@ def max_object_bytes(max_blocks: int | None = None) -> int:
     return min(MAX_OBJECT_BYTES, sealed_size_bound(HOTLIST_FIXED_BYTES + rows * HOTLIST_ROW_BYTES))
 
 
-async def read_hot_list_object(store: Any, image: str, profile: str, max_blocks: int | None) -> bytes | None:
+async def read_hot_list_object(store: StoreReader, image: str, profile: str, max_blocks: int | None) -> bytes | None:
     """The stored bytes of ``image``'s hot list for ``profile`` from ``store`` (a
     :class:`~bootseer.blockstore.objects.store.StoreReader`), None if there is none.
 

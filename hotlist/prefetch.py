@@ -48,6 +48,7 @@ from typing import Any, Callable, Protocol, Sequence
 import prometheus_client
 import trio
 
+from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.objects.format import LayerIndex
 from bootseer.fetch.engine import Priority
 from bootseer.hotlist.format import ResolvedBlock
@@ -414,9 +415,9 @@ class Prefetch:
         await trio.sleep_until(started + size / self.limits.cold_rate)
 
 
-def cache_checker(cache: Any) -> Callable[[str], bool] | None:
-    """A cheap "is this block in the node cache" test for ``blockstore.node.block_cache.BlockCache`` (its file exists)."""
-    if cache is None or not hasattr(cache, "path_of"):
+def cache_checker(cache: BlockCache | None) -> Callable[[str], bool] | None:
+    """A cheap "is this block in the node cache" test (its file exists); None without a node cache."""
+    if cache is None:
         return None
     return lambda digest: os.path.exists(cache.path_of(digest))
 

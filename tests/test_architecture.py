@@ -57,21 +57,21 @@ def forbidden() -> list[tuple[str, str]]:
     return pairs
 
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(REPO).with_suffix("").parts)
+def module_name(path: Path, repo: Path = REPO) -> str:
+    parts = list(path.relative_to(repo).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     top = FOLDERS[parts[0]]
     return ".".join([top, *parts[1:]])
 
 
-def modules() -> dict[str, Path]:
+def modules(repo: Path = REPO) -> dict[str, Path]:
     found = {}
     for folder in FOLDERS:
-        for path in sorted((REPO / folder).rglob("*.py")):
+        for path in sorted((repo / folder).rglob("*.py")):
             if folder == "proto" and path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
                 continue
-            found[module_name(path)] = path
+            found[module_name(path, repo)] = path
     return found
 
 
@@ -211,6 +211,31 @@ def test_nothing_of_the_product_imports_tests_bench_or_integration(folder):
     assert not wrong
 
 
+#: Parameter names that, in this code, hold one of the project's own objects (a store, an engine, a
+#: server, a client, ...): annotated ``Any``, such a parameter hides which object it takes, and a
+#: caller can hand it anything.  A heuristic by name, kept in step with the code: the issue behind
+#: it was ``snapshotter: Any`` walking ``snapshotter.backend.server.sign_key``.
+PROJECT_OBJECT_NAMES = frozenset({
+    "backend", "cache", "client", "engine", "fetcher", "host", "layer", "observer", "prefetch", "reader",
+    "record", "server", "service", "session", "snapshotter", "source", "store", "tree", "writer",
+})
+
+
+def test_no_function_takes_a_project_object_as_any():
+    wrong = []
+    for module, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            arguments = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+            for argument in arguments:
+                annotation = argument.annotation
+                if (isinstance(annotation, ast.Name) and annotation.id == "Any"
+                        and argument.arg in PROJECT_OBJECT_NAMES):
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.name}({argument.arg}: Any)")
+    assert not wrong, "project objects taken as Any (name their type, or a Protocol of what is used):\n" + "\n".join(wrong)
+
+
 def arrows() -> dict[tuple[str, str], int]:
     """The package graph as the code has it: (importer, imported) -> number of imports."""
     table = set(declared())
@@ -227,6 +252,79 @@ def arrows() -> dict[tuple[str, str], int]:
     return found
 
 
-if __name__ == "__main__":  # python tests/test_architecture.py: the arrows, one a line, with their import counts
-    for (source, dest), count in sorted(arrows().items()):
-        print(f"{source:30} -> {dest:30} {count}")
+def folder_arrows(repo: Path) -> dict[tuple[str, str], int]:
+    """The graph of any checkout ``repo`` (this one's table not needed): each module's folder is its
+    package; (importer folder, imported folder) -> number of imports."""
+    known = modules(repo)
+    folders = {module: module if path.name == "__init__.py" else module.rpartition(".")[0]
+               for module, path in known.items()}
+    # containerd's generated code is one package, however deep its folders
+    folders = {module: "bootseer.proto" if folder.startswith("bootseer.proto") else folder
+               for module, folder in folders.items()}
+    found: dict[tuple[str, str], int] = {}
+    for module, path in known.items():
+        for _line, target, names in imports(module, path):
+            named = [f"{target}.{n}" for n in names if f"{target}.{n}" in known]
+            for candidate in named or [target]:
+                dest = folders.get(candidate) or (candidate if candidate in folders.values() else None)
+                if dest and dest != folders[module]:
+                    found[(folders[module], dest)] = found.get((folders[module], dest), 0) + 1
+    return found
+
+
+def circles(graph: dict[tuple[str, str], int]) -> list[list[str]]:
+    """The graph's strongly connected parts of more than one package (each a circle of imports)."""
+    edges: dict[str, set[str]] = {}
+    for source, dest in graph:
+        edges.setdefault(source, set()).add(dest)
+        edges.setdefault(dest, set())
+    order: list[str] = []
+    seen: set[str] = set()
+
+    def forward(node: str) -> None:
+        seen.add(node)
+        for nxt in sorted(edges[node]):
+            if nxt not in seen:
+                forward(nxt)
+        order.append(node)
+
+    for node in sorted(edges):
+        if node not in seen:
+            forward(node)
+    back: dict[str, set[str]] = {node: set() for node in edges}
+    for source, targets in edges.items():
+        for dest in targets:
+            back[dest].add(source)
+    parts: list[list[str]] = []
+    placed: set[str] = set()
+    for node in reversed(order):
+        if node in placed:
+            continue
+        part, stack = [], [node]
+        placed.add(node)
+        while stack:
+            current = stack.pop()
+            part.append(current)
+            for prev in back[current] - placed:
+                placed.add(prev)
+                stack.append(prev)
+        if len(part) > 1:
+            parts.append(sorted(part))
+    return parts
+
+
+if __name__ == "__main__":
+    # python tests/test_architecture.py            the arrows between the table's packages, with import counts
+    # python tests/test_architecture.py --folders [CHECKOUT]
+    #                                              the arrows between folders of any checkout (an older one too),
+    #                                              then the circles among them
+    import sys
+
+    if sys.argv[1:2] == ["--folders"]:
+        graph = folder_arrows(Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else REPO)
+    else:
+        graph = arrows()
+    for (source, dest), count in sorted(graph.items()):
+        print(f"{source:34} -> {dest:34} {count}")
+    for part in circles(graph):
+        print("circle: " + " <-> ".join(part))

@@ -22,6 +22,7 @@ from typing import Any, Iterator
 import trio
 
 from bootseer.blockstore.server.client import InvalidRequest
+from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.node.reader import BlockFetcher, PeerBlocks
 from bootseer.fetch.engine import Engine, EngineConfig
 from bootseer.fetch.source import SourceError
@@ -38,7 +39,7 @@ class StoreRegistry:
     configured with, that peers may ask for before a layer of them is mounted here.
     """
 
-    def __init__(self, nursery: trio.Nursery, engine: EngineConfig, source_options: dict[str, Any], cache: Any,
+    def __init__(self, nursery: trio.Nursery, engine: EngineConfig, source_options: dict[str, Any], cache: BlockCache | None,
                  threads: trio.CapacityLimiter, *, peers: PeerBlocks | None = None,
                  known: Iterable[str] = ()) -> None:  # fmt: skip
         self._nursery = nursery

@@ -109,7 +109,7 @@ class Event:
         return record
 
     @classmethod
-    def from_json(cls, record: Any) -> "Event":
+    def from_json(cls, record: object) -> "Event":
         """The event a spool line or trace entry describes; :class:`EventError` says what is wrong."""
         if not isinstance(record, dict):
             raise EventError("an event is a JSON object")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -236,81 +237,54 @@ def test_no_function_takes_a_project_object_as_any():
     assert not wrong, "project objects taken as Any (name their type, or a Protocol of what is used):\n" + "\n".join(wrong)
 
 
-def arrows() -> dict[tuple[str, str], int]:
-    """The package graph as the code has it: (importer, imported) -> number of imports."""
-    table = set(declared())
+def graph(known: dict[str, Path], package: Callable[[str], str | None]) -> dict[tuple[str, str], int]:
+    """(importer package, imported package) -> number of imports, for modules ``known`` sorted
+    into packages by ``package`` (None: outside every package)."""
     found: dict[tuple[str, str], int] = {}
-    known = modules()
     for module, path in known.items():
-        source = package_of(module, table)
+        source = package(module)
         for _line, target, names in imports(module, path):
             named = [f"{target}.{n}" for n in names if f"{target}.{n}" in known]
             for candidate in named or [target]:
-                dest = package_of(candidate, table)
+                dest = package(candidate)
                 if source and dest and dest != source:
                     found[(source, dest)] = found.get((source, dest), 0) + 1
     return found
 
 
+def arrows() -> dict[tuple[str, str], int]:
+    """The package graph as the code has it, by the page's table of packages."""
+    table = set(declared())
+    return graph(modules(), lambda module: package_of(module, table))
+
+
 def folder_arrows(repo: Path) -> dict[tuple[str, str], int]:
-    """The graph of any checkout ``repo`` (this one's table not needed): each module's folder is its
-    package; (importer folder, imported folder) -> number of imports."""
+    """The graph of any checkout ``repo`` (an older one too: no table needed), each module's folder
+    its package (containerd's generated code one package, however deep its folders)."""
     known = modules(repo)
     folders = {module: module if path.name == "__init__.py" else module.rpartition(".")[0]
                for module, path in known.items()}
-    # containerd's generated code is one package, however deep its folders
     folders = {module: "bootseer.proto" if folder.startswith("bootseer.proto") else folder
                for module, folder in folders.items()}
-    found: dict[tuple[str, str], int] = {}
-    for module, path in known.items():
-        for _line, target, names in imports(module, path):
-            named = [f"{target}.{n}" for n in names if f"{target}.{n}" in known]
-            for candidate in named or [target]:
-                dest = folders.get(candidate) or (candidate if candidate in folders.values() else None)
-                if dest and dest != folders[module]:
-                    found[(folders[module], dest)] = found.get((folders[module], dest), 0) + 1
-    return found
+    return graph(known, lambda module: folders.get(module) or (module if module in folders.values() else None))
 
 
-def circles(graph: dict[tuple[str, str], int]) -> list[list[str]]:
-    """The graph's strongly connected parts of more than one package (each a circle of imports)."""
+def circles(arrows_: dict[tuple[str, str], int]) -> list[list[str]]:
+    """The circles of a graph: each set of two or more packages that all reach one another."""
     edges: dict[str, set[str]] = {}
-    for source, dest in graph:
+    for source, dest in arrows_:
         edges.setdefault(source, set()).add(dest)
-        edges.setdefault(dest, set())
-    order: list[str] = []
-    seen: set[str] = set()
-
-    def forward(node: str) -> None:
-        seen.add(node)
-        for nxt in sorted(edges[node]):
-            if nxt not in seen:
-                forward(nxt)
-        order.append(node)
-
-    for node in sorted(edges):
-        if node not in seen:
-            forward(node)
-    back: dict[str, set[str]] = {node: set() for node in edges}
-    for source, targets in edges.items():
-        for dest in targets:
-            back[dest].add(source)
-    parts: list[list[str]] = []
-    placed: set[str] = set()
-    for node in reversed(order):
-        if node in placed:
-            continue
-        part, stack = [], [node]
-        placed.add(node)
-        while stack:
-            current = stack.pop()
-            part.append(current)
-            for prev in back[current] - placed:
-                placed.add(prev)
-                stack.append(prev)
-        if len(part) > 1:
-            parts.append(sorted(part))
-    return parts
+    reach: dict[str, set[str]] = {}
+    for start in edges:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        reach[start] = seen
+    parts = {frozenset({node} | {other for other in reach[node] if node in reach.get(other, ())}) for node in edges}
+    return sorted(sorted(part) for part in parts if len(part) > 1)
 
 
 if __name__ == "__main__":
@@ -321,10 +295,10 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1:2] == ["--folders"]:
-        graph = folder_arrows(Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else REPO)
+        found = folder_arrows(Path(sys.argv[2]).resolve() if len(sys.argv) > 2 else REPO)
     else:
-        graph = arrows()
-    for (source, dest), count in sorted(graph.items()):
+        found = arrows()
+    for (source, dest), count in sorted(found.items()):
         print(f"{source:34} -> {dest:34} {count}")
-    for part in circles(graph):
+    for part in circles(found):
         print("circle: " + " <-> ".join(part))

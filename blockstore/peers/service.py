@@ -6,7 +6,7 @@ node must fetch, one member is its *owner*: the member with the highest rendezvo
 score ``blake2b(member, digest)`` among those not being skipped.  A node that owns
 a block fetches it from the store itself; any other node asks the owner, which
 serves it from memory or its node cache, or fetches it from the store once however
-many members ask (its :class:`~bootseer.blockstore.node.reader.BlockFetcher` joins
+many members ask (its :class:`~bootseer.blockstore.node.fetcher.BlockFetcher` joins
 concurrent requests), and then serves it.  So in a group of N nodes each block
 crosses the store's link about once, and rendezvous hashing moves only the blocks
 of a member that comes or goes.
@@ -81,7 +81,7 @@ from bootseer.blockstore.peers.wire import (
     content_length, parse_block_target, parse_head, response_head, server_tls_context,
 )  # fmt: skip
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE, BlockPlace, max_stored_length
-from bootseer.blockstore.node.reader import PeerAllowance
+from bootseer.blockstore.node.peers import PeerAllowance
 from bootseer.blockstore.peers.config import (
     BUDGET_WINDOW, PeerConfig, PeerConfigError, parse_address, read_token_file, split_address,
 )  # fmt: skip
@@ -332,7 +332,7 @@ class PeerBudgets:
                               "over_budget")  # fmt: skip
 
     def allowance(self, peer: str) -> _PeerAllowance:
-        """What one request of ``peer`` may fetch (a :class:`~bootseer.blockstore.node.reader.PeerAllowance`)."""
+        """What one request of ``peer`` may fetch (a :class:`~bootseer.blockstore.node.peers.PeerAllowance`)."""
         return _PeerAllowance(self, peer)
 
 

@@ -76,7 +76,8 @@ from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
 from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import PeerService, peer_memory_share
 from bootseer.blockstore.peers.config import PeerConfig
-from bootseer.blockstore.node.reader import BlockFetcher, PeerAllowance
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.peers import PeerAllowance
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.server.store_registry import StoreRegistry
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, Priority
@@ -292,7 +293,7 @@ class LayerServer:
         write_atomically(path, data)
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
-        from bootseer.blockstore.node.reader import LayerReader
+        from bootseer.blockstore.node.layer_reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
         reader = LayerReader(index, fetcher, layer.chain_id)

@@ -2,7 +2,7 @@
 
 Layers name their store by URL (the node's default, or the one a mount request gave);
 every layer of one store shares its engine (so range requests coalesce and one
-``memory_limit`` bounds them) and its :class:`~bootseer.blockstore.node.reader.BlockFetcher`
+``memory_limit`` bounds them) and its :class:`~bootseer.blockstore.node.fetcher.BlockFetcher`
 (so a block is fetched once whichever layer or prefetch asks).  Engines run in the
 nursery the registry is given, for the server's lifetime; a store's source is closed
 when its engine ends.
@@ -23,7 +23,8 @@ import trio
 
 from bootseer.blockstore.server.client import InvalidRequest
 from bootseer.blockstore.node.block_cache import BlockCache
-from bootseer.blockstore.node.reader import BlockFetcher, PeerBlocks
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.peers import PeerBlocks
 from bootseer.fetch.engine import Engine, EngineConfig
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, redact_url

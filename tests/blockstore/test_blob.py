@@ -37,7 +37,8 @@ from bootseer.blockstore.server.client import LayerServerClient, ServerSettings,
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import Entry, LayerIndex, pack_object
 from bootseer.blockstore.datapath.tree import BLOBS, LayerBlobOpenFile, LayerTree, blob_inode_number
-from bootseer.blockstore.node.reader import BlockFetcher, LayerReader
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.layer_reader import LayerReader
 from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.fetch.engine import FetchError, open_engine
 from bootseer.fetch.faults import FaultySource

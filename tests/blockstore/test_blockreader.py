@@ -22,7 +22,9 @@ import trio.testing
 
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex, pack_object
-from bootseer.blockstore.node.reader import BlockFetcher, LayerReader, layer_label
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.layer_reader import LayerReader
+from bootseer.blockstore.node.metrics import layer_label
 from bootseer.fetch.engine import FetchError, Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource

@@ -27,7 +27,7 @@ from bootseer.blockstore.peers.wire import block_target
 from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.service import PeerServer, PeerStats
 from bootseer.blockstore.peers.config import BUDGET_WINDOW, PeerConfig
-from bootseer.blockstore.node.reader import BlockFetcher
+from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource

@@ -40,7 +40,7 @@ import trio
 from bootseer.blockstore.server.client import MountedLayer, ServerSettings
 from bootseer.blockstore.objects.format import LayerIndex
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import rendezvous_score
+from bootseer.blockstore.peers.ownership import rendezvous_score
 from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.fetch.engine import Priority, open_engine

@@ -56,9 +56,9 @@ PEER_SKIPPED = prometheus_client.Gauge("bootseer_peer_skipped", "Peers being ski
 PEER_MEMBERS = prometheus_client.Gauge("bootseer_peer_members", "Members of this node's peer group, itself included")
 
 
-@dataclass
-class PeerCounters:
-    """The live counters of a node's peer sharing (this package's own: callers read :class:`PeerStatistics`)."""
+@dataclass(frozen=True)
+class PeerCounts:
+    """What a node's peer sharing counted: the part of :class:`PeerStatistics` that only goes up."""
 
     received_blocks: int = 0  #: blocks peers served this node, verified
     received_bytes: int = 0  #: their raw bytes
@@ -73,35 +73,39 @@ class PeerCounters:
     busy: int = 0  #: requests of peers answered 503 Busy: the queue full, or their block not got in BUSY_AFTER deadlines
     auth_failures: int = 0  #: requests to this node with a wrong or no token
 
-    def frozen(self, **held: int) -> PeerStatistics:
-        """A :class:`PeerStatistics` of the counters now, with ``held`` (its fields beyond the counters)."""
-        return PeerStatistics(**dataclasses.asdict(self), **held)
-
 
 @dataclass(frozen=True)
-class PeerStatistics:
+class PeerStatistics(PeerCounts):
     """A node's peer sharing at one moment (:meth:`PeerService.statistics
     <bootseer.blockstore.peers.service.PeerService.statistics>`): what it counted, and what it holds.
 
-    A :class:`~bootseer.blockstore.peers.client.PeerClient` alone reports its counters and
+    A :class:`~bootseer.blockstore.peers.client.PeerClient` alone reports its counts and
     zeros for what only a server holds.
     """
 
-    received_blocks: int = 0  #: blocks peers served this node, verified
-    received_bytes: int = 0  #: their raw bytes
-    served_blocks: int = 0  #: blocks this node served peers
-    served_bytes: int = 0  #: their raw bytes
-    late: int = 0  #: receives from a peer that waited past the deadline (the store asked too)
-    slow: int = 0  #: requests whose peer kept talking without delivering (the store asked too)
-    fallbacks: int = 0  #: blocks asked of a peer that the store was asked for too
-    bad_blocks: int = 0  #: blocks from peers that failed verification
-    errors: int = 0  #: requests to peers that failed on the connection or the protocol
-    over_budget: int = 0  #: requests of peers refused because their fetch_budget was spent
-    busy: int = 0  #: requests of peers answered 503 Busy
-    auth_failures: int = 0  #: requests to this node with a wrong or no token
     held_bytes: int = 0  #: bytes held for peers' requests now (fetched and raw)
     held_peak: int = 0  #: the most held at once
     held_limit: int = 0  #: the most that may be held (the peers' share of memory_limit)
     connections_open: int = 0  #: connections open to this node's peer listener
     connections_authenticated: int = 0  #: of them, those that made a request with the group's token
     connections_limit: int = 0  #: the cap on open connections in force
+
+
+class PeerCounters:
+    """The live :class:`PeerCounts` of a node's client and server, counted up in place.
+
+    This package's own: callers read a frozen :class:`PeerStatistics` (:meth:`frozen`).
+    """
+
+    __slots__ = tuple(counted.name for counted in dataclasses.fields(PeerCounts))
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+
+    def __repr__(self) -> str:
+        return f"<PeerCounters {self.frozen()}>"
+
+    def frozen(self, **held: int) -> PeerStatistics:
+        """A :class:`PeerStatistics` of the counts now, with ``held`` (its fields beyond the counts)."""
+        return PeerStatistics(**{name: getattr(self, name) for name in self.__slots__}, **held)

@@ -117,8 +117,7 @@ class LayerReader:
                 self._read_seconds.observe(time.perf_counter() - started)
         if self._next is None:
             await self._order_blocks()
-        stats = self.fetcher.stats
-        before = (stats.readahead_read, stats.blocks_fetched)
+        landed_before, fetched_before = self.fetcher.read_ahead_progress()
         started = time.perf_counter()
         try:
             data = await self.fetcher.blocks(
@@ -126,7 +125,8 @@ class LayerReader:
             )
         finally:
             self._read_seconds.observe(time.perf_counter() - started)
-        landed, fetched = stats.readahead_read - before[0], stats.blocks_fetched - before[1]
+        landed, fetched = self.fetcher.read_ahead_progress()
+        landed, fetched = landed - landed_before, fetched - fetched_before
         if landed:  # the last guess was right: guess further
             self.readahead_window = min(self.readahead_max, self.readahead_window * 2)
         elif fetched:  # a read the last guess missed

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bootseer.blockstore.server.client import ServerSettings, ensure_server  # noqa: E402
 from bootseer.blockstore.peers.wire import block_target  # noqa: E402
 from bootseer.blockstore.objects.format import BlockPlace  # noqa: E402
-from bootseer.blockstore.peers.service import peer_store_id  # noqa: E402
+from bootseer.blockstore.peers.ownership import peer_store_id  # noqa: E402
 from bootseer.blockstore.peers.config import PeerConfig  # noqa: E402
 from bootseer.fetch.sources import redact_url  # noqa: E402
 from tests.support import netns  # noqa: E402

@@ -3,7 +3,7 @@
 A :class:`Prefetch` walks the resolved hot list (:func:`bootseer.hotlist.format.resolve`)
 in order, in batches of consecutive blocks of one layer (at most ``batch_bytes``
 compressed), with at most ``concurrency`` batches in flight, each one call of the
-layer's :meth:`BlockFetcher.blocks <bootseer.blockstore.node.reader.BlockFetcher.blocks>`
+layer's :meth:`BlockFetcher.blocks <bootseer.blockstore.node.fetcher.BlockFetcher.blocks>`
 at ``Priority.PREFETCH``: the same fetch path as reads (verification, node cache,
 the engine's coalescing of neighbours into range requests, retries).  Because each
 batch is small, the engine always holds only a few MiB of prefetch in its queue, so
@@ -119,7 +119,7 @@ class Warmer(Protocol):
 
 
 class Fetcher(Protocol):
-    """What a prefetch fetches through: ``blockstore.node.reader.BlockFetcher``."""
+    """What a prefetch fetches through: ``blockstore.node.fetcher.BlockFetcher``."""
 
     async def blocks(self, index: LayerIndex, refs: Sequence[int], priority: Priority = Priority.DEMAND) -> list[bytes]:
         """The raw, verified blocks ``refs`` of ``index`` (OSError, EIO, when they cannot be had)."""

@@ -9,7 +9,7 @@ it stands (whiteouts are character devices 0/0, opaque directories carry
 Beside them the root holds ``blobs/``, one file per mounted layer named by its slot
 (:class:`LayerBlobFile`): the layer's blob, every block of the index end to end,
 block ``i`` at offset ``i * block_size`` padded with zeros, zero blocks as holes
-(``blockstore.node.reader.LayerReader.read_blob``).  It is the extra device an EROFS
+(``blockstore.node.layer_reader.LayerReader.read_blob``).  It is the extra device an EROFS
 image of the layer names its files' chunks in (``mount -t erofs -o device=...``), so
 the kernel answers the tree and this filesystem only block data.  Root-only
 (0400 in a 0500 directory), read-only, cached across opens; its inode number is
@@ -22,7 +22,7 @@ whoever mounts EROFS on it, for every reader).
 
 Everything but file contents comes from the index, which is in memory: ``stat``,
 ``readdir``, ``readlink``, ``getxattr`` and ``listxattr`` never fetch a block.  A
-read goes to the layer's reader (``blockstore.node.reader.LayerReader``: verified blocks
+read goes to the layer's reader (``blockstore.node.layer_reader.LayerReader``: verified blocks
 through the node cache and the fetch engine), which fetches only the blocks the read
 covers.
 
@@ -82,7 +82,7 @@ def blob_inode_number(slot: int) -> int:
 
 
 class BlockReader(Protocol):
-    """What reads a layer's file contents and blob (``blockstore.node.reader.LayerReader``)."""
+    """What reads a layer's file contents and blob (``blockstore.node.layer_reader.LayerReader``)."""
 
     async def read(self, entry: Entry, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of ``entry`` from ``offset``; fewer only at its end.

@@ -1,7 +1,7 @@
 """Who a node's peers are: a static list, a file re-read when it changes, or a DNS name.
 
 Every node of a group must see the same members to agree on each block's owner
-(rendezvous hashing over the members, :mod:`bootseer.blockstore.peers.service`), so the list
+(rendezvous hashing over the members, :mod:`bootseer.blockstore.peers.ownership`), so the list
 includes the node itself: it is left out only where a node would ask itself.  A
 member is an address ``HOST:PORT`` (``[v6]:PORT`` for IPv6), compared as text after
 normalisation, so every node must list a member the same way (the same IP, or the

@@ -1,4 +1,4 @@
-"""The layer server's ``--peer-*`` options, parsed into a :class:`~.service.PeerConfig` (docs/peers.md).
+"""The layer server's ``--peer-*`` options, parsed into a :class:`~.config.PeerConfig` (docs/peers.md).
 
 The ``bootseer layer-server`` command adds these to its parser and builds its peer
 configuration from them; the configuration file's ``[peers]`` section reaches the same

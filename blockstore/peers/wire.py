@@ -11,15 +11,14 @@ from a hung one.  Connections are kept alive and reused.
 Everything read is bounded: a head by :data:`HEAD_LIMIT`, a body by the length the
 reader expects (never by what the other side claims), each receive by a deadline
 the caller gives, and a whole head, if the caller asks, by a deadline of its own.
-Nothing here knows about blocks beyond :class:`BlockPlace`'s fields; the service
-(``blockstore/peers/service.py``) does the rest.
+Nothing here knows about blocks beyond :class:`BlockPlace`'s fields; the client
+(``blockstore/peers/client.py``) and the server (``blockstore/peers/server.py``) do the rest.
 """
 
 from __future__ import annotations
 
 import ssl
 import urllib.parse
-from dataclasses import dataclass
 
 import trio
 
@@ -31,6 +30,13 @@ HEAD_LIMIT = 8 << 10
 BLOCKS_PATH = "/v1/blocks/"
 PING_PATH = "/v1/ping"
 PRIORITIES = ("demand", "readahead", "prefetch")
+
+# The protocol's timing, which both ends count on (``deadline`` is the group's, shared by its members).
+#: An owner fetching a block from the store tells its asker it is at work this often.
+KEEPALIVE = 0.1
+#: Deadlines a peer that keeps talking may take before the store is asked too: to answer (its
+#: ``102 Processing`` keepalives do not extend it), and to send a body beyond its length at MIN_BODY_RATE.
+PATIENCE = 4
 
 
 class WireError(Exception):

@@ -18,7 +18,7 @@ import trio
 
 from bootseer.blockstore.datapath.tree import ReadObserver
 from bootseer.blockstore.node.block_cache import BlockCache
-from bootseer.blockstore.node.reader import BlockFetcher
+from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy
 from bootseer.blockstore.server.layer_table import Layer
 from bootseer.blockstore.server.ops import ControlOps

@@ -74,9 +74,11 @@ from bootseer.atomic import write_atomically
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import PeerService, peer_memory_share
+from bootseer.blockstore.peers.limits import peer_memory_share
+from bootseer.blockstore.peers.service import PeerService
 from bootseer.blockstore.peers.config import PeerConfig
-from bootseer.blockstore.node.reader import BlockFetcher, PeerAllowance
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.peers import PeerAllowance
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.server.store_registry import StoreRegistry
 from bootseer.fetch.engine import Engine, EngineConfig, FetchError, Priority
@@ -292,7 +294,7 @@ class LayerServer:
         write_atomically(path, data)
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
-        from bootseer.blockstore.node.reader import LayerReader
+        from bootseer.blockstore.node.layer_reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
         reader = LayerReader(index, fetcher, layer.chain_id)
@@ -726,7 +728,8 @@ async def run_server(
                 await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there
                 nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", server.stores.bytes_fetched, phase="image"))  # profiler: bytes over time
                 if server.peers is not None:  # profiler: the bytes that came from peers instead of the store
-                    nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.peer_bytes", server.peers.received_bytes, phase="image"))
+                    peers = server.peers
+                    nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.peer_bytes", lambda: peers.statistics().received_bytes, phase="image"))
                 try:
                     await nursery.start(_serve_control, server, paths.socket)
                     log.info("layer server ready", root=str(config.root), mountpoint=str(paths.mountpoint),

@@ -2,13 +2,13 @@
 
 Layers name their store by URL (the node's default, or the one a mount request gave);
 every layer of one store shares its engine (so range requests coalesce and one
-``memory_limit`` bounds them) and its :class:`~bootseer.blockstore.node.reader.BlockFetcher`
+``memory_limit`` bounds them) and its :class:`~bootseer.blockstore.node.fetcher.BlockFetcher`
 (so a block is fetched once whichever layer or prefetch asks).  Engines run in the
 nursery the registry is given, for the server's lifetime; a store's source is closed
 when its engine ends.
 
 With peer sharing on, every fetcher asks the group's members first (``peers``), and
-names its store to them by :func:`~bootseer.blockstore.peers.service.peer_store_id`; a
+names its store to them by :func:`~bootseer.blockstore.peers.ownership.peer_store_id`; a
 peer's request names a store the same way, and :meth:`StoreRegistry.for_peer` finds
 (or starts) the store of that name among the node's own, never one a peer made up.
 """
@@ -23,11 +23,13 @@ import trio
 
 from bootseer.blockstore.server.client import InvalidRequest
 from bootseer.blockstore.node.block_cache import BlockCache
-from bootseer.blockstore.node.reader import BlockFetcher, PeerBlocks
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.peers import PeerBlocks
 from bootseer.fetch.engine import Engine, EngineConfig
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import open_source, redact_url
-from bootseer.blockstore.peers.service import peer_memory_share, peer_store_id
+from bootseer.blockstore.peers.limits import peer_memory_share
+from bootseer.blockstore.peers.ownership import peer_store_id
 
 
 class StoreRegistry:

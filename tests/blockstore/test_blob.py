@@ -37,7 +37,8 @@ from bootseer.blockstore.server.client import LayerServerClient, ServerSettings,
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import Entry, LayerIndex, pack_object
 from bootseer.blockstore.datapath.tree import BLOBS, LayerBlobOpenFile, LayerTree, blob_inode_number
-from bootseer.blockstore.node.reader import BlockFetcher, LayerReader
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.layer_reader import LayerReader
 from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.fetch.engine import FetchError, open_engine
 from bootseer.fetch.faults import FaultySource
@@ -476,7 +477,7 @@ def test_random_blob_ranges_across_block_boundaries_are_byte_exact(built: Any, b
                     assert await reader.read_blob(0, len(expected) + 1) == expected
                     with pytest.raises(ValueError, match="invalid read"):
                         await reader.read_blob(-1, 10)
-            assert fetcher.stats.corrupt == 0
+            assert fetcher.statistics().corrupt == 0
 
     try:
         run(main)
@@ -497,8 +498,8 @@ def test_zero_blocks_read_as_zeros_and_fetch_nothing(built: Any, blobs: list[byt
             reader = LayerReader(index, fetcher, layers[0].chain_id)
             for number in zero:
                 assert await reader.read_blob(number * BLOCK_SIZE, BLOCK_SIZE) == bytes(BLOCK_SIZE)
-            assert fetcher.stats.blocks_fetched == 0 and source.bytes_read() == 0
-            assert fetcher.stats.zero_blocks == len(zero)
+            assert fetcher.statistics().blocks_fetched == 0 and source.bytes_read() == 0
+            assert fetcher.statistics().zero_blocks == len(zero)
 
     try:
         run(main)
@@ -518,9 +519,9 @@ def test_a_blob_read_that_misses_reads_the_next_blocks_ahead(built: Any, blobs: 
             fetcher = BlockFetcher(engine, None)
             reader = LayerReader(index, fetcher, layers[0].chain_id)
             assert await reader.read_blob(0, BLOCK_SIZE) == blobs[0][:BLOCK_SIZE]
-            assert fetcher.stats.readahead_blocks > 0
+            assert fetcher.statistics().readahead_blocks > 0
             assert await reader.read_blob(BLOCK_SIZE, BLOCK_SIZE) == blobs[0][BLOCK_SIZE : 2 * BLOCK_SIZE]
-            assert fetcher.stats.readahead_read >= 1
+            assert fetcher.statistics().readahead_read >= 1
 
     try:
         run(main)

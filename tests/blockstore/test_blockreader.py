@@ -22,7 +22,9 @@ import trio.testing
 
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex, pack_object
-from bootseer.blockstore.node.reader import BlockFetcher, LayerReader, layer_label
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.layer_reader import LayerReader
+from bootseer.blockstore.node.metrics import layer_label
 from bootseer.fetch.engine import FetchError, Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource
@@ -93,8 +95,8 @@ def test_random_reads_are_byte_exact_across_block_boundaries(tmp_path, store, so
                 await fetcher.blocks(index, [len(index.blocks)])
             # Every stored block was fetched once: later reads came from the cache.
             stored = {b.digest for b in index.blocks if not b.is_zero}
-            assert fetcher.stats.blocks_fetched == len(stored)
-            assert fetcher.stats.corrupt == 0
+            assert fetcher.statistics().blocks_fetched == len(stored)
+            assert fetcher.statistics().corrupt == 0
 
     run(main)
 
@@ -114,17 +116,17 @@ def test_only_the_touched_blocks_are_fetched_neighbours_in_one_request(tmp_path,
                 # Bytes 10 KiB .. 22 KiB touch blocks 2..5 of big.bin: four blocks, one range request.
                 data = await layer.read(big, 10 * KiB, 12 * KiB)
                 assert data == files["big.bin"][10 * KiB : 22 * KiB]
-                assert fetcher.stats.blocks_fetched == 4
+                assert fetcher.statistics().blocks_fetched == 4
                 assert engine.stats.extent_requests == 1 and engine.stats.coalesced_requests == 1
                 # The sparse file's zero blocks cost nothing; its one stored block is fetched.
                 sparse = files["sparse.bin"]
                 assert await layer.read(entry(index, "sparse.bin"), 0, len(sparse)) == sparse
-                assert fetcher.stats.zero_blocks >= 18 and fetcher.stats.blocks_fetched == 4 + 2
+                assert fetcher.statistics().zero_blocks >= 18 and fetcher.statistics().blocks_fetched == 4 + 2
                 assert await layer.read(entry(index, "sparse.bin"), 10 * BLOCK, 5 * BLOCK) == bytes(5 * BLOCK)
                 # Read again: the fetcher's memory answers, the store is not asked.
                 requests = len(server.requests)
                 assert await layer.read(big, 10 * KiB, 12 * KiB) == data
-                assert len(server.requests) == requests and fetcher.stats.blocks_from_memory == 4
+                assert len(server.requests) == requests and fetcher.statistics().blocks_from_memory == 4
         finally:
             source.close()
 
@@ -187,7 +189,7 @@ def test_a_block_read_in_pieces_is_got_once_and_concurrent_reads_share_it(tmp_pa
             for piece in range(4):
                 offset = 5 * BLOCK + piece * BLOCK // 4
                 assert await layer.read(big, offset, BLOCK // 4) == data[offset : offset + BLOCK // 4]
-            assert (fetcher.stats.blocks_fetched, fetcher.stats.blocks_from_memory) == (1, 3)
+            assert (fetcher.statistics().blocks_fetched, fetcher.statistics().blocks_from_memory) == (1, 3)
             assert cache.stats().hits == 0
             # Eight reads of one cold block at once: one fetch, one decode, seven waiters.
             source.pause()
@@ -202,7 +204,7 @@ def test_a_block_read_in_pieces_is_got_once_and_concurrent_reads_share_it(tmp_pa
                 await trio.testing.wait_all_tasks_blocked()
                 source.resume()
             assert results == [True] * 8
-            assert fetcher.stats.blocks_fetched == 2 and fetcher.stats.blocks_joined == 7
+            assert fetcher.statistics().blocks_fetched == 2 and fetcher.statistics().blocks_joined == 7
             assert len(source.reads) == 2
             # The one getting it is cancelled: a waiter gets it itself.
             source.pause()
@@ -223,7 +225,7 @@ def test_a_block_read_in_pieces_is_got_once_and_concurrent_reads_share_it(tmp_pa
                 first.cancel()
                 await trio.testing.wait_all_tasks_blocked()
                 source.resume()
-            assert results[-1] is True and fetcher.stats.blocks_fetched == 3
+            assert results[-1] is True and fetcher.statistics().blocks_fetched == 3
             with pytest.raises(ValueError, match="memory_bytes"):
                 BlockFetcher(engine, None, memory_bytes=-1)
 
@@ -265,9 +267,9 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
                 # The first module misses: the nine after it in the pack come in the same request.
                 assert await layer.read(modules[0], 0, 100) == package[modules[0].path][:100]
                 assert engine.stats.extent_requests == 1 and engine.stats.coalesced_requests == 1
-                assert fetcher.stats.blocks_fetched == 1
-                assert (fetcher.stats.readahead_blocks, fetcher.stats.readahead_bytes) == (9, sum(b.clen for b in blocks[1:]))
-                assert fetcher.stats.readahead_read == 0
+                assert fetcher.statistics().blocks_fetched == 1
+                assert (fetcher.statistics().readahead_blocks, fetcher.statistics().readahead_bytes) == (9, sum(b.clen for b in blocks[1:]))
+                assert fetcher.statistics().readahead_read == 0
                 # Nothing read ahead is verified or cached before it is read.
                 await fetcher.flush()
                 assert not any(fetcher.cache.contains(b.digest) for b in blocks[1:])
@@ -275,13 +277,13 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
                 for module in modules[1:7]:
                     assert await layer.read(module, 0, module.size) == package[module.path]
                 assert engine.stats.extent_requests == 1
-                assert (fetcher.stats.blocks_fetched, fetcher.stats.readahead_read) == (7, 6)
-                assert fetcher.stats.readahead_read_bytes == sum(b.clen for b in blocks[1:7])
+                assert (fetcher.statistics().blocks_fetched, fetcher.statistics().readahead_read) == (7, 6)
+                assert fetcher.statistics().readahead_read_bytes == sum(b.clen for b in blocks[1:7])
                 await fetcher.flush()  # the node cache is written behind the reads
                 assert all(fetcher.cache.contains(b.digest) for b in blocks[:7])
                 assert layer.readahead_window > window  # reads keep landing on blocks read ahead: the window grows
                 # Three were read ahead and never read; they are counted.
-                unread = fetcher.stats.readahead_bytes - fetcher.stats.readahead_read_bytes
+                unread = fetcher.statistics().readahead_bytes - fetcher.statistics().readahead_read_bytes
                 assert unread == sum(b.clen for b in blocks[7:])
                 # A file of the other pack misses and reads its own pack ahead; nothing is fetched twice.
                 other = pack_files(index, 1)
@@ -316,7 +318,7 @@ def test_read_ahead_beyond_what_rides_with_a_read_goes_in_a_request_of_its_own(s
             await trio.testing.wait_all_tasks_blocked()
             for module in modules:
                 assert await layer.read(module, 0, module.size) == package[module.path]
-            assert fetcher.stats.readahead_read == 9 and fetcher.stats.blocks_fetched == 10
+            assert fetcher.statistics().readahead_read == 9 and fetcher.statistics().blocks_fetched == 10
 
     run(main)
     assert sorted((r.offset, r.length) for r in source.reads) == [
@@ -359,12 +361,12 @@ def test_a_tampered_read_ahead_block_is_never_served_or_cached(tmp_path, store, 
             fetcher = BlockFetcher(engine, cache)
             layer = LayerReader(index, fetcher)
             assert await layer.read(modules[0], 0, 10) == package[modules[0].path][:10]
-            assert tampered == [0] and fetcher.stats.readahead_blocks == 9 and fetcher.stats.corrupt == 0
+            assert tampered == [0] and fetcher.statistics().readahead_blocks == 9 and fetcher.statistics().corrupt == 0
             await fetcher.flush()
             assert not cache.contains(victim.digest)
             # The read of the victim finds the bad copy, drops it and fetches the block alone: right bytes.
             assert await layer.read(victim_file, 0, victim_file.size) == package[victim_file.path]
-            assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 0 and engine.stats.discards == 1
+            assert fetcher.statistics().corrupt == 1 and fetcher.statistics().failed == 0 and engine.stats.discards == 1
             await fetcher.flush()
             assert cache.get(victim.digest) == package[victim_file.path]
             assert [(r.offset, r.length) for r in source.reads][-1] == (victim.offset, victim.clen)
@@ -397,7 +399,7 @@ def test_a_demand_read_overtakes_read_ahead_and_a_read_of_a_block_read_ahead_wai
                 nursery.start_soon(read, first[5])  # read ahead and queued: raised to DEMAND, not fetched again
                 await trio.testing.wait_all_tasks_blocked()
                 source.resume()
-            assert fetcher.stats.readahead_read == 1
+            assert fetcher.statistics().readahead_read == 1
             assert engine.stats.extents_raised == 1
             # Pack 0's read-ahead is queued behind the reads and nobody waits for it: closing the
             # engine now could drop it before its worker took it (the test raced: 3 reads, not 4).
@@ -456,7 +458,7 @@ def test_a_block_corrupt_in_transit_is_refetched_once_and_served_right(tmp_path,
             fetcher = BlockFetcher(engine, cache)
             data = await LayerReader(index, fetcher).read(entry(index, "tiny"), 0, 10)
             assert data == files["tiny"]
-            assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 0
+            assert fetcher.statistics().corrupt == 1 and fetcher.statistics().failed == 0
             assert len([r for r in source.reads if r.outcome == "ok"]) == 2
             assert engine.stats.discards == 1
 
@@ -486,7 +488,7 @@ def test_a_block_corrupt_in_the_store_fails_with_eio_and_is_never_served_or_cach
             # Fetched twice (one request for the three blocks, then the bad one alone), never retried more.
             ranges = [(r.offset, r.length) for r in source.reads]
             assert ranges[-1] == (victim.offset, victim.clen) and len(ranges) == 2
-            assert fetcher.stats.corrupt == 1 and fetcher.stats.failed == 1
+            assert fetcher.statistics().corrupt == 1 and fetcher.statistics().failed == 1
             # Its good neighbours were cached; the bad block was not.
             await fetcher.flush()
             assert cache.get(victim.digest) is None
@@ -517,16 +519,16 @@ def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_e
         async with open_engine(source, engine_config()) as engine:
             fetcher = BlockFetcher(engine, BlockCache(cache_dir, 64 << 20))
             assert await LayerReader(index, fetcher, readahead_max=0).read(text, 0, text.size) == files["text.txt"]
-            assert fetcher.stats.blocks_fetched == expect_fetched
+            assert fetcher.statistics().blocks_fetched == expect_fetched
             await fetcher.flush()
             return fetcher
 
     stored = len({index.blocks[ref].digest for ref in text.blocks})
     first = run(read_all, stored)
-    assert first.stats.blocks_cached == 0
+    assert first.statistics().blocks_cached == 0
     reads = len(source.reads)
     second = run(read_all, 0)  # a new engine, fetcher and cache object: a restarted server
-    assert second.stats.blocks_cached == stored and len(source.reads) == reads
+    assert second.statistics().blocks_cached == stored and len(source.reads) == reads
     # Damage one entry on disk: it is deleted and its block fetched again, never served.
     victim = index.blocks[text.blocks[3]]
     path = Path(BlockCache(cache_dir, 64 << 20).path_of(victim.digest))
@@ -534,7 +536,7 @@ def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_e
     raw[-1] ^= 0xFF
     path.write_bytes(bytes(raw))
     third = run(read_all, 1)
-    assert third.stats.blocks_cached == stored - 1
+    assert third.statistics().blocks_cached == stored - 1
     assert [(r.offset, r.length) for r in source.reads[reads:]] == [(victim.offset, victim.clen)]
 
 
@@ -559,7 +561,7 @@ def test_the_node_cache_is_written_behind_the_read_and_a_block_on_its_way_is_ser
             assert not cache.contains(digest)
             # Read again meanwhile: served from the write queue, not fetched again nor looked up.
             assert await layer.read(tiny, 2, 3) == files["tiny"][2:5]
-            assert (fetcher.stats.blocks_fetched, fetcher.stats.blocks_from_memory, fetcher.stats.blocks_cached) == (1, 1, 0)
+            assert (fetcher.statistics().blocks_fetched, fetcher.statistics().blocks_from_memory, fetcher.statistics().blocks_cached) == (1, 1, 0)
             disk.set()
             await fetcher.flush()
             assert cache.get(digest) == files["tiny"]
@@ -604,11 +606,11 @@ def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(tmp_p
                 assert on_disk <= limit
             assert cache.stats().evictions > 0
             # The latest blocks are still there; the first ones were evicted and are fetched again.
-            fetched = fetcher.stats.blocks_fetched
+            fetched = fetcher.statistics().blocks_fetched
             assert await layer.read(big, 39 * BLOCK, BLOCK) == files["big.bin"][39 * BLOCK : 40 * BLOCK]
-            assert fetcher.stats.blocks_fetched == fetched
+            assert fetcher.statistics().blocks_fetched == fetched
             assert await layer.read(big, 0, BLOCK) == files["big.bin"][:BLOCK]
-            assert fetcher.stats.blocks_fetched == fetched + 1
+            assert fetcher.statistics().blocks_fetched == fetched + 1
 
     run(main)
     assert sample("bootseer_fetch_cache_evictions_total", cache="blocks") > evictions_before

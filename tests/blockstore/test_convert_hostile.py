@@ -11,7 +11,7 @@
   checks the blocks it trusts in a few coalesced range reads.
 
 Conversions run through the real converter into real file stores; reads go through
-:class:`blockstore.node.reader.LayerReader` over the store's fetch engine, as a node reads.
+:class:`blockstore.node.layer_reader.LayerReader` over the store's fetch engine, as a node reads.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from bootseer.blockstore.objects.format import (
     index_object,
     pack_object,
 )
-from bootseer.blockstore.node.reader import BlockFetcher, LayerReader
+from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.layer_reader import LayerReader
 from bootseer.blockstore.objects.store import FileStoreWriter, open_store
 from bootseer.blockstore.convert.tarlayer import LayerError, TarLimits, read_layer
 from bootseer.fetch.engine import EngineConfig, FetchError

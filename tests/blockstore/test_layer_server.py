@@ -40,13 +40,13 @@ from bootseer.blockstore.server.client import (
     ensure_server,
 )
 from bootseer.blockstore.objects.format import pack_object
-from bootseer.blockstore.node.reader import READAHEAD_INITIAL
+from bootseer.blockstore.node.readahead import READAHEAD_INITIAL
 from tests.support.http import RangeHTTPServer
 from tests.support.waiting import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
-from bootseer.blockstore.node.reader import CACHE_WRITE_QUEUE_BYTES
+from bootseer.blockstore.node.cache_writer import CACHE_WRITE_QUEUE_BYTES
 from tests.support.memory import MiB, peak_rss_under_readers, rss_bound
 from tests.support.trees import apply_layers, as_whiteouts, disk_tree, extract_with_tar
 from tests.support.oci import NON_UTF8_NAME, rich_layers
@@ -300,7 +300,7 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
             covered.update(range(first, last + 1))
         assert covered.issuperset(range(block.offset, block.offset + block.clen))
         # The block's neighbourhood, not the layer: a stripe either side at most, and
-        # the read-ahead beyond it (blockstore/node/reader.py: the first window of a miss).
+        # the read-ahead beyond it (blockstore/node/readahead.py: the first window of a miss).
         assert fetched <= block.clen + 2 * BLOCK_SIZE + READAHEAD_INITIAL < pack_size, (fetched, pack_size)
         # Opened and read again: the kernel's page cache (keep_cache) answers; nothing
         # is fetched twice (the kernel may read ahead into blocks not fetched yet).

@@ -28,7 +28,8 @@ from bootseer.blockstore.peers.membership import DnsMembers, FileMembers
 from bootseer.blockstore.peers.wire import parse_block_target, block_target
 from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError, parse_address
-from bootseer.blockstore.peers.service import PriorityLimiter, peer_store_id, rendezvous_score
+from bootseer.blockstore.peers.limits import PriorityLimiter
+from bootseer.blockstore.peers.ownership import peer_store_id, rendezvous_score
 from bootseer.fetch.sources import redact_url
 from bootseer.profile.events import read_spool
 from tests.support import autojump

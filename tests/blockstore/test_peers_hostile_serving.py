@@ -25,9 +25,9 @@ import trio.testing
 from bootseer.blockstore.objects.format import max_stored_length, pack_object
 from bootseer.blockstore.peers.wire import block_target
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import PeerServer, PeerStats
+from bootseer.blockstore.peers.server import PeerServer
 from bootseer.blockstore.peers.config import BUDGET_WINDOW, PeerConfig
-from bootseer.blockstore.node.reader import BlockFetcher
+from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
@@ -157,7 +157,7 @@ def test_an_owner_fetches_a_peers_block_below_its_own_reads_whatever_priority_th
         return b"x" * place.rlen
 
     async def main() -> None:
-        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}"), None, get_block, PeerStats())
+        server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}"), None, get_block)
         with trio.fail_after(60):  # a hang detector: on the old code the getter's call fails and nothing answers
             await ask_each(server)
 
@@ -217,7 +217,7 @@ def test_peer_serving_holds_at_most_its_memory_and_max_uploads_blocks_at_once() 
     async def main() -> PeerServer:
         # A deadline whose BUSY_AFTER (90 s) no wait for memory here reaches: every request is served.
         server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}", max_uploads=8, deadline=30), None,
-                            get_block, PeerStats(), memory=4 * per_request)  # fmt: skip
+                            get_block, memory=4 * per_request)  # fmt: skip
         with trio.fail_after(60):  # a hang detector
             async with trio.open_nursery() as nursery:
                 host, port = await nursery.start(server.run)
@@ -232,7 +232,9 @@ def test_peer_serving_holds_at_most_its_memory_and_max_uploads_blocks_at_once() 
 
     server = trio.run(main)
     assert answered == 16
-    assert most == 4 and server.memory.peak <= 4 * per_request and server.memory.held == 0
+    stats = server.statistics()
+    assert most == 4 and stats.held_peak <= 4 * per_request and stats.held_bytes == 0
+    assert stats.held_limit == 4 * per_request and stats.served_blocks == 16
 
 
 # -- a real BlockFetcher over a paused store: a peer's fetch never holds up the node's own read ------------

@@ -31,9 +31,11 @@ import pytest
 import trio
 
 from bootseer.blockstore.objects.format import pack_object
-from bootseer.blockstore.peers import service as peers
+from bootseer.blockstore.peers import client as peer_client
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import PeerClient, PeerStats, rendezvous_score
+from bootseer.blockstore.peers.client import PeerClient
+from bootseer.blockstore.peers.ownership import rendezvous_score
+from bootseer.blockstore.peers.stats import PeerStatistics
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.fetch.engine import Priority
 from tests.support.http import RangeHTTPServer
@@ -291,7 +293,7 @@ def test_a_peer_that_keeps_talking_while_the_store_fails_too_is_skipped_at_the_r
     PeerClient in this process asks a real :class:`FakePeer` over loopback; REQUEST_LIMIT is lowered from 60 s
     to 3 s (docs/testing.md: a module limit lowered to reach the refusal), past the patience (4 deadlines of
     0.5 s), so the slow path runs first as it does in a node."""
-    monkeypatch.setattr(peers, "REQUEST_LIMIT", 3.0)
+    monkeypatch.setattr(peer_client, "REQUEST_LIMIT", 3.0)
     peer = fake_peer("processing")
     me = f"127.0.0.1:{free_port()}"
     config = PeerConfig(listen=me, members=(me, peer.address), deadline=0.5, skip_seconds=300)
@@ -299,19 +301,18 @@ def test_a_peer_that_keeps_talking_while_the_store_fails_too_is_skipped_at_the_r
     owned = next(d for d in digests if max((me, peer.address), key=lambda m: rendezvous_score(m, d)) == peer.address)
     place = BlockPlace(owned, "b" * 64, 0, 100, 100)
     late: list[str] = []
-    stats = PeerStats()
 
-    async def main() -> list[dict[str, Any]]:
-        client = PeerClient(config, config.check(), None, trio.CapacityLimiter(1), stats)
+    async def main() -> tuple[list[dict[str, Any]], PeerStatistics]:
+        client = PeerClient(config, config.check(), None, trio.CapacityLimiter(1))
         try:
             assert client.owner(place.digest) == peer.address
             with trio.fail_after(HANG_S):  # a hang detector
                 await client.fetch("c" * 32, [place], Priority.DEMAND, lambda *_: None, late.append)
-            return client.status()
+            return client.status(), client.statistics()
         finally:
             await client.aclose()
 
-    status = trio.run(main)
+    status, stats = trio.run(main)
     member = next(m for m in status if m["address"] == peer.address)
     assert late == [place.digest] and stats.slow == 1, (late, stats)
     assert member["state"] == "skipped" and "no block within 3 s" in member["last_error"], member

@@ -40,8 +40,8 @@ import trio
 from bootseer.blockstore.server.client import MountedLayer, ServerSettings
 from bootseer.blockstore.objects.format import LayerIndex
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import rendezvous_score
-from bootseer.blockstore.node.reader import BlockFetcher
+from bootseer.blockstore.peers.ownership import rendezvous_score
+from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.fetch.engine import Priority, open_engine
 from bootseer.fetch.sources.local import LocalSource
@@ -420,7 +420,7 @@ class Crossing:
 
 @dataclasses.dataclass
 class CrossedPeers:
-    """Fetcher ``me``'s peers in a :class:`Crossing` (a :class:`~bootseer.blockstore.node.reader.PeerBlocks`)."""
+    """Fetcher ``me``'s peers in a :class:`Crossing` (a :class:`~bootseer.blockstore.node.peers.PeerBlocks`)."""
 
     crossing: Crossing
     me: int

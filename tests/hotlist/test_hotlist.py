@@ -426,7 +426,7 @@ def test_first_boot_records_and_a_fresh_node_prefetches_before_the_reads(clean_s
         stats = prefetch.stats
         assert (stats.hits, stats.waited, stats.misses) == (len(hot.blocks), 0, 1)
         fetcher = second.server.stores.opened_fetcher(str(directory))
-        assert fetcher.stats.blocks_fetched == len(hot.blocks) + 1  # every hot block once, by prefetch
+        assert fetcher.statistics().blocks_fetched == len(hot.blocks) + 1  # every hot block once, by prefetch
         await second.hotlist.container_removed("job-2")
         assert (top, "") not in second.hotlist.prefetches
         summary = second.hotlist.finished[-1]
@@ -594,7 +594,7 @@ def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
             assert (prefetch.stats.misses, prefetch.stats.waited) == (1, 1)
             assert prefetch.stats.fetched_blocks == len(hot_blocks)
             fetcher = n.server.stores.opened_fetcher(front.url)
-            assert fetcher.stats.blocks_fetched == len(hot_blocks) + 1  # the waited-on block was fetched once
+            assert fetcher.statistics().blocks_fetched == len(hot_blocks) + 1  # the waited-on block was fetched once
             await n.hotlist.container_removed("j")
             nursery.cancel_scope.cancel()
 

@@ -43,7 +43,7 @@ from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import Block, LayerIndex
 from bootseer.blockstore.peers.wire import block_target, content_length, parse_block_target, parse_head
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.service import peer_store_id, rendezvous_score
+from bootseer.blockstore.peers.ownership import peer_store_id, rendezvous_score
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.fetch.sources import redact_url
 from tests.support.http import RangeHTTPServer

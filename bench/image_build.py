@@ -24,7 +24,7 @@ opaque directories with the ``trusted.overlay.opaque`` xattr, which become OCI
 CA bundle, resolv.conf and wheel directories are mounted into the chroot (on tmpfs or
 bind mounts) and never land in a layer.
 
-Run alone: ``python bench/image_build.py [--cache-dir DIR]`` prints the layout.
+Run alone (from the checkout's root): ``python -m bench.image_build [--cache-dir DIR]`` prints the layout.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from tests.support.oci import MEDIA_LAYER_GZIP, LayerRef, write_image
+
 DEFAULT_CACHE_DIR = Path("/var/tmp/bootseer-bench")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 SUITE = "bookworm"
@@ -62,9 +64,6 @@ MARKS_DIR = "/.bootseer"
 IMPORT_DONE_MARK = "import.end"
 FIRST_STEP_MARK = "first_step"
 
-MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MEDIA_CONFIG = "application/vnd.oci.image.config.v1+json"
-MEDIA_LAYER_GZIP = "application/vnd.oci.image.layer.v1.tar+gzip"
 WHITEOUT_PREFIX = ".wh."
 OPAQUE_MARKER = ".wh..wh..opq"
 OPAQUE_XATTR = "trusted.overlay.opaque"
@@ -351,48 +350,22 @@ def make_blob(name: str, root: Path, blobs: Path, recipe: str, jobs: int) -> Lay
 # --------------------------------------------------------------------------- the image
 
 
-def _put_json(blobs: Path, obj: object) -> tuple[str, int]:
-    data = json.dumps(obj, sort_keys=True).encode()
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    (blobs / digest.removeprefix("sha256:")).write_bytes(data)
-    return digest, len(data)
-
-
 def write_layout(layout: Path, blobs: Path, layers: list[LayerBlob], tag: str) -> Image:
-    """An OCI image layout at ``layout`` whose blobs are hard links to the cached ones."""
+    """An OCI image layout at ``layout`` whose blobs are hard links to the cached ones (written whole in
+    ``layout.partial`` and renamed into place; config, manifest and index by :func:`tests.support.oci.write_image`)."""
     partial = layout.with_name(layout.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     out_blobs = partial / "blobs" / "sha256"
     out_blobs.mkdir(parents=True)
     for layer in layers:
         os.link(blobs / layer.digest.removeprefix("sha256:"), out_blobs / layer.digest.removeprefix("sha256:"))
-    config = {
-        "architecture": "amd64",
-        "os": "linux",
-        "created": "2026-01-01T00:00:00Z",
-        "config": {"Cmd": ["python3", "/app/train.py"], "WorkingDir": "/app",
-                   "Env": [f"PATH={CHROOT_PATH}", "LANG=C.UTF-8"]},
-        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
-        "history": [{"created": "2026-01-01T00:00:00Z", "created_by": f"bootseer bench: {layer.name}"}
-                    for layer in layers],
-    }
-    config_digest, config_size = _put_json(out_blobs, config)
-    manifest = {
-        "schemaVersion": 2,
-        "mediaType": MEDIA_MANIFEST,
-        "config": {"mediaType": MEDIA_CONFIG, "digest": config_digest, "size": config_size},
-        "layers": [{"mediaType": MEDIA_LAYER_GZIP, "digest": layer.digest, "size": layer.size} for layer in layers],
-    }
-    manifest_digest, manifest_size = _put_json(out_blobs, manifest)
-    index = {"schemaVersion": 2, "manifests": [{
-        "mediaType": MEDIA_MANIFEST, "digest": manifest_digest, "size": manifest_size,
-        "annotations": {"org.opencontainers.image.ref.name": tag},
-        "platform": {"architecture": "amd64", "os": "linux"}}]}
-    (partial / "index.json").write_text(json.dumps(index, sort_keys=True))
-    (partial / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+    refs = [LayerRef(MEDIA_LAYER_GZIP, layer.digest, layer.size, layer.diff_id, f"bootseer bench: {layer.name}")
+            for layer in layers]
+    built = write_image(partial, refs, tag=tag, cmd=["python3", "/app/train.py"], workdir="/app",
+                        env=[f"PATH={CHROOT_PATH}", "LANG=C.UTF-8"], created="2026-01-01T00:00:00Z")
     shutil.rmtree(layout, ignore_errors=True)
     partial.rename(layout)
-    return Image(layout=layout, tag=tag, manifest_digest=manifest_digest, layers=tuple(layers))
+    return Image(layout=layout, tag=tag, manifest_digest=built.manifest_digest, layers=tuple(layers))
 
 
 def build_image(cache_dir: Path = DEFAULT_CACHE_DIR, jobs: int = 2) -> Image:

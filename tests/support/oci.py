@@ -5,7 +5,7 @@ manifest, config with ``rootfs.diff_ids``, layer blobs) from :class:`~tests.supp
 specs, no docker needed.  Layers are streamed through temp files, so a multi-GB layer
 costs disk, not memory.  Blobs are gzip (the default), zstd or uncompressed tar, each
 with its OCI media type; the same specs give the same digests.  Push a layout to a
-registry with ``skopeo copy oci:DIR:TAG docker://...`` (see ``integration/harness.py``).
+registry with ``skopeo copy oci:DIR:TAG docker://...`` (:class:`tests.support.registry.Registry` does).
 
 Images:
 
@@ -24,6 +24,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import tarfile
 import tempfile
@@ -160,51 +161,59 @@ def write_layer_blob(layer: Layer | RawBlob, blobs: Path, compression: str = "gz
             os.unlink(spool)
 
 
-def build_oci_layout(
-    layout: Path,
-    layers: Sequence[Layer | RawBlob],
-    *,
-    tag: str = "latest",
-    cmd: Sequence[str] = ("/bin/sh",),
-    env: Sequence[str] = ("PATH=/bin:/usr/bin",),
-    compression: str | Sequence[str] = "gzip",
-    architecture: str = "amd64",
-) -> BuiltImage:
-    """Write an OCI image layout at ``layout`` holding one image of ``layers`` tagged ``tag``.
+#: The creation time every test image's config and history carry (fixed: the same specs give the same digests).
+TEST_IMAGE_CREATED = "2023-11-14T22:13:20Z"
 
-    ``compression`` is ``"gzip"``, ``"zstd"`` or ``"none"``, for every layer or one per
-    layer.  A layout that already exists gets the image added under ``tag`` (a tag
-    named before is replaced), so one layout can hold several images.
+
+@dataclass(frozen=True)
+class LayerRef:
+    """A layer blob already in a layout's ``blobs/sha256``, as its image's manifest and config name it."""
+
+    media_type: str
+    digest: str  #: of the blob as stored (compressed)
+    size: int
+    diff_id: str  #: of the uncompressed tar
+    created_by: str  #: the config's history line for it
+
+
+def write_image(
+    layout: Path,
+    layers: Sequence[LayerRef],
+    *,
+    tag: str,
+    cmd: Sequence[str],
+    env: Sequence[str],
+    workdir: str = "/",
+    architecture: str = "amd64",
+    created: str = TEST_IMAGE_CREATED,
+) -> BuiltImage:
+    """Write the config and manifest of an image of ``layers`` (blobs already under ``layout``) and tag it.
+
+    The one writer of configs, manifests, ``index.json`` and ``oci-layout`` (tests and benchmarks alike).
+    An ``index.json`` that exists gets the image added under ``tag`` (a tag named before is replaced), so
+    one layout can hold several images.  JSON is written with sorted keys: the same inputs give the same
+    digests.
     """
     layout = Path(layout)
     blobs = layout / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
-    compressions = [compression] * len(layers) if isinstance(compression, str) else list(compression)
-    if len(compressions) != len(layers):
-        raise ValueError(f"{len(compressions)} compressions for {len(layers)} layers")
 
     def put(data: bytes) -> str:
         digest = sha256_digest(data)
         (blobs / digest.removeprefix("sha256:")).write_bytes(data)
         return digest
 
-    layer_descs, diff_ids, history = [], [], []
-    for layer, how in zip(layers, compressions):
-        digest, diff_id, size = write_layer_blob(layer, blobs, how)
-        diff_ids.append(diff_id)
-        media_type = layer.media_type if isinstance(layer, RawBlob) else LAYER_MEDIA[how]
-        layer_descs.append({"mediaType": media_type, "digest": digest, "size": size})
-        history.append({"created": "2023-11-14T22:13:20Z", "created_by": layer.comment or "bootseer test image"})
     config = {
         "architecture": architecture,
         "os": "linux",
-        "created": "2023-11-14T22:13:20Z",
-        "config": {"Cmd": list(cmd), "Env": list(env), "WorkingDir": "/"},
-        "rootfs": {"type": "layers", "diff_ids": diff_ids},
-        "history": history,
+        "created": created,
+        "config": {"Cmd": list(cmd), "Env": list(env), "WorkingDir": workdir},
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id for layer in layers]},
+        "history": [{"created": created, "created_by": layer.created_by} for layer in layers],
     }
     config_bytes = json.dumps(config, sort_keys=True).encode()
     config_digest = put(config_bytes)
+    layer_descs = [{"mediaType": layer.media_type, "digest": layer.digest, "size": layer.size} for layer in layers]
     manifest = {
         "schemaVersion": 2,
         "mediaType": MEDIA_MANIFEST,
@@ -234,11 +243,66 @@ def build_oci_layout(
         tag=tag,
         manifest_digest=manifest_digest,
         config_digest=config_digest,
-        layer_digests=tuple(d["digest"] for d in layer_descs),
-        diff_ids=tuple(diff_ids),
-        layer_sizes=tuple(d["size"] for d in layer_descs),
-        media_types=tuple(d["mediaType"] for d in layer_descs),
+        layer_digests=tuple(layer.digest for layer in layers),
+        diff_ids=tuple(layer.diff_id for layer in layers),
+        layer_sizes=tuple(layer.size for layer in layers),
+        media_types=tuple(layer.media_type for layer in layers),
     )
+
+
+def build_oci_layout(
+    layout: Path,
+    layers: Sequence[Layer | RawBlob],
+    *,
+    tag: str = "latest",
+    cmd: Sequence[str] = ("/bin/sh",),
+    env: Sequence[str] = ("PATH=/bin:/usr/bin",),
+    compression: str | Sequence[str] = "gzip",
+    architecture: str = "amd64",
+) -> BuiltImage:
+    """Write an OCI image layout at ``layout`` holding one image of ``layers`` tagged ``tag``.
+
+    ``compression`` is ``"gzip"``, ``"zstd"`` or ``"none"``, for every layer or one per
+    layer.  A layout that already exists gets the image added under ``tag`` (a tag
+    named before is replaced), so one layout can hold several images.
+    """
+    layout = Path(layout)
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    compressions = [compression] * len(layers) if isinstance(compression, str) else list(compression)
+    if len(compressions) != len(layers):
+        raise ValueError(f"{len(compressions)} compressions for {len(layers)} layers")
+    refs = []
+    for layer, how in zip(layers, compressions):
+        digest, diff_id, size = write_layer_blob(layer, blobs, how)
+        media_type = layer.media_type if isinstance(layer, RawBlob) else LAYER_MEDIA[how]
+        refs.append(LayerRef(media_type, digest, size, diff_id, layer.comment or "bootseer test image"))
+    return write_image(layout, refs, tag=tag, cmd=cmd, env=env, architecture=architecture)
+
+
+def add_platform_index(image: BuiltImage, other: BuiltImage, tag: str = "multi") -> dict:
+    """Add to ``image.layout`` an image index tagged ``tag``: ``image`` as linux/amd64 and ``other``
+    (built in another layout; its blobs are copied over) as linux/arm64/v8.  Returns its descriptor."""
+    blobs = image.layout / "blobs" / "sha256"
+    for blob in (other.layout / "blobs" / "sha256").iterdir():
+        shutil.copy(blob, blobs / blob.name)
+
+    def entry(built: BuiltImage, platform: dict) -> dict:
+        size = (blobs / built.manifest_digest.removeprefix("sha256:")).stat().st_size
+        return {"mediaType": MEDIA_MANIFEST, "digest": built.manifest_digest, "size": size, "platform": platform}
+
+    index = json.dumps({"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": [
+        entry(image, {"os": "linux", "architecture": "amd64"}),
+        entry(other, {"os": "linux", "architecture": "arm64", "variant": "v8"}),
+    ]}).encode()
+    digest = sha256_digest(index)
+    (blobs / digest.removeprefix("sha256:")).write_bytes(index)
+    desc = {"mediaType": MEDIA_INDEX, "digest": digest, "size": len(index),
+            "annotations": {"org.opencontainers.image.ref.name": tag}}
+    top = json.loads((image.layout / "index.json").read_text())
+    top["manifests"].append(desc)
+    (image.layout / "index.json").write_text(json.dumps(top))
+    return desc
 
 
 def expected_inodes(layer: Layer) -> int:

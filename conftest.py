@@ -13,12 +13,13 @@ import os
 
 import pytest
 
+from tests.support.containerd import containerd_install, containerd_unavailable
+
+
 def pytest_report_header(config) -> str:
     """The containerd the integration tests run (``BOOTSEER_CONTAINERD``), named on every run's header."""
-    from integration import harness
-
-    why = harness.containerd_unavailable()
-    return f"containerd: {why}" if why else f"containerd: {harness.containerd_install().describe()}"
+    why = containerd_unavailable()
+    return f"containerd: {why}" if why else f"containerd: {containerd_install().describe()}"
 
 
 SKIPS_FAIL = os.environ.get("CI", "").lower() in ("1", "true", "yes")

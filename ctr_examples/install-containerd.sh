@@ -9,7 +9,7 @@
 # /etc/apt/sources.list), with a private apt state under DIR/apt (its own sources list, lists and
 # cache), and verifies it against the archive's signed index (debian-archive-keyring); dpkg-deb
 # unpacks it into DIR/SERIES, whose usr/bin then holds containerd, ctr and containerd-shim-runc-v2
-# (integration/harness.py runs them with BOOTSEER_CONTAINERD=SERIES).  The packages need only libc6
+# (tests/support/containerd.py runs them with BOOTSEER_CONTAINERD=SERIES).  The packages need only libc6
 # (>= 2.34) and runc from the system.  For containerd's snapshotter conformance suite of that
 # version (integration/test_conformance.py), DIR/SERIES-go gets the same version's Go sources
 # (golang-github-containerd-containerd-dev, pinned alike) with every golang-* package they depend

@@ -1,1 +1,1 @@
-"""Real-component tests (containerd, registry, runc, overlay mounts), containerd's conformance suite and the demo, all driven by :mod:`.harness`."""
+"""Real-component tests (containerd, registry, runc, overlay mounts), containerd's conformance suite and the demo, driven by tests/support (:mod:`tests.support.stack` and the modules below it) and :mod:`.harness`."""

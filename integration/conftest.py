@@ -1,7 +1,7 @@
 """Fixtures for the real-component tests: a private containerd + bootseer-snapshotter + registry.
 
 ``BOOTSEER_CONTAINERD`` (``1.6``, ``1.7``, ``2.1`` (the default) or a directory) chooses the containerd
-(:func:`harness.containerd_install`; the run's header line names it: the root conftest.py).
+(:func:`tests.support.containerd.containerd_install`; the run's header line names it: the root conftest.py).
 ``BOOTSEER_IT_SNAPSHOTTER=overlayfs`` runs the same tests against containerd's built-in
 overlayfs snapshotter (no daemon): the check that a failure is the daemon's and not the
 harness's.  ``BOOTSEER_KEEP_TMP=1`` keeps each stack's temp dir for a post-mortem.
@@ -17,8 +17,11 @@ from typing import Iterator
 import pytest
 
 from integration import harness
+from tests.support.containerd import SNAPSHOTTER_NAME, containerd_unavailable
+from tests.support.oci import BuiltImage
+from tests.support.stack import Stack, snapshotter_available
 
-SNAPSHOTTER = os.environ.get("BOOTSEER_IT_SNAPSHOTTER", harness.SNAPSHOTTER_NAME)
+SNAPSHOTTER = os.environ.get("BOOTSEER_IT_SNAPSHOTTER", SNAPSHOTTER_NAME)
 #: What the stacks run from PATH; containerd, ctr and the shim come from the chosen containerd's directory.
 TOOLS = ("runc", "docker-registry", "skopeo", "umount")
 
@@ -29,11 +32,11 @@ def _why_not_runnable() -> str | None:
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         return f"missing tools {missing}: run ctr_examples/install-deps.sh"
-    why = harness.containerd_unavailable()
+    why = containerd_unavailable()
     if why:
         return why
-    if SNAPSHOTTER == harness.SNAPSHOTTER_NAME:
-        return harness.snapshotter_available()
+    if SNAPSHOTTER == SNAPSHOTTER_NAME:
+        return snapshotter_available()
     return None
 
 
@@ -45,9 +48,9 @@ def runnable() -> None:
 
 
 @pytest.fixture
-def stack(runnable) -> Iterator[harness.Stack]:
+def stack(runnable) -> Iterator[Stack]:
     """A started stack, torn down after the test; its logs land in the failure report."""
-    s = harness.Stack(snapshotter=SNAPSHOTTER)
+    s = Stack(snapshotter=SNAPSHOTTER)
     try:
         with s:
             yield s
@@ -58,7 +61,7 @@ def stack(runnable) -> Iterator[harness.Stack]:
 
 
 @pytest.fixture
-def pulled(stack: harness.Stack) -> tuple[harness.BuiltImage, str]:
+def pulled(stack: Stack) -> tuple[BuiltImage, str]:
     """The demo image, built, pushed to the stack's registry and pulled into the snapshotter."""
     image, ref = stack.build_and_push()
     stack.pull(ref)
@@ -66,11 +69,11 @@ def pulled(stack: harness.Stack) -> tuple[harness.BuiltImage, str]:
 
 
 @contextlib.contextmanager
-def _stack_factory(kind: type[harness.Stack]):
+def _stack_factory(kind: type[Stack]):
     """``make(**options)``: one more started ``kind`` with a local store; all torn down (logs printed) at the end."""
-    made: list[harness.Stack] = []
+    made: list[Stack] = []
 
-    def make(**options) -> harness.Stack:
+    def make(**options) -> Stack:
         stack = kind(store=True, **options)
         made.append(stack)
         stack.start()
@@ -90,7 +93,7 @@ def _stack_factory(kind: type[harness.Stack]):
 def stacks(runnable):
     """A factory of started stacks with a local store (``stacks(**Stack options)``: one more node; the option
     ``namespace=NS`` is its containerd namespace, else a new one), all torn down after the test."""
-    with _stack_factory(harness.Stack) as make:
+    with _stack_factory(Stack) as make:
         yield make
 
 

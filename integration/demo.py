@@ -31,6 +31,10 @@ from pathlib import Path
 from typing import Iterator
 
 from integration import harness
+from tests.support.oci import APP_FILE, DELETED_FILE, OPAQUE_DIR, PATCH_FILE
+from tests.support.processes import HarnessError, run
+from tests.support.stack import Stack, snapshotter_available
+from tests.support.waiting import wait_for_component
 
 BOOTSEER = harness.BOOTSEER
 
@@ -54,10 +58,10 @@ def show(text: str) -> None:
 
 
 def bootseer(*args: str) -> str:
-    return harness.run([BOOTSEER, *args], timeout=300).stdout.decode()
+    return run([BOOTSEER, *args], timeout=300).stdout.decode()
 
 
-def fetched(stack: harness.Stack) -> int:
+def fetched(stack: Stack) -> int:
     """Compressed bytes of the blocks the layer server fetched from the store so far."""
     status = harness.layer_server(stack).status()
     return sum(store.get("blocks", {}).get("bytes_fetched", 0) for store in status["stores"].values())
@@ -75,7 +79,7 @@ def demo(keep: bool, profile_dir: Path) -> None:
     if keep:
         os.environ["BOOTSEER_KEEP_TMP"] = "1"
     os.environ["BOOTSEER_PROFILE"] = "1"  # the start-up profiler: the daemon's spool is ROOT/profile (docs/profile.md)
-    stack = harness.Stack(store=True)
+    stack = Stack(store=True)
     os.environ["BOOTSEER_PROFILE"] = str(stack.daemon.root / "profile")  # and rpull's, convert's: the same spool
     try:
         with step(f"start registry, bootseer-snapshotter --store and containerd under {stack.base}"):
@@ -102,8 +106,8 @@ def demo(keep: bool, profile_dir: Path) -> None:
             show(stack.containerd.ctr_out("snapshots", "--snapshotter", "bootseer", "ls"))
 
         with step("ctr run --rm --snapshotter bootseer: the container reads a few files"):
-            script = (f"/app/run.sh; cat {harness.PATCH_FILE}; echo '$ ls {harness.OPAQUE_DIR}'; ls {harness.OPAQUE_DIR}; "
-                      f"echo '$ cat {harness.DELETED_FILE}  (deleted by layer 2)'; cat {harness.DELETED_FILE} 2>&1; "
+            script = (f"/app/run.sh; cat {PATCH_FILE}; echo '$ ls {OPAQUE_DIR}'; ls {OPAQUE_DIR}; "
+                      f"echo '$ cat {DELETED_FILE}  (deleted by layer 2)'; cat {DELETED_FILE} 2>&1; "
                       f"echo '$ sha256sum {harness.part_path(0)}'; sha256sum {harness.part_path(0)}; touch /.bootseer/first_step")
             show(stack.run_container(ref, "demo-run", "sh", "-c", script))
             profiled_until = time.time()
@@ -111,14 +115,14 @@ def demo(keep: bool, profile_dir: Path) -> None:
             # containerd's garbage collector does after `run --rm` returns, on its next pass: the daemon is
             # killed below, so run a pass now and wait until the removal reached it.
             stack.containerd.collect_garbage()
-            harness.wait_until("containerd to remove demo-run's snapshot from the daemon", lambda: not any(
+            wait_for_component("containerd to remove demo-run's snapshot from the daemon", lambda: not any(
                 key.endswith("/demo-run") for key in harness.snapshotter_view(stack)), 60)
             store = sum(p.stat().st_size for p in stack.store_dir.rglob("*") if p.is_file())
             show(f"fetched from the store: {mib(fetched(stack))} of {mib(store)} it holds")
 
         with step("start a long-running container, SIGKILL the snapshotter, read a never-read file"):
             stack.start_container(ref, "demo-long", "sh", "-c", "echo alive > /state; exec sleep 100000")
-            harness.wait_until("the container to start", lambda: stack.exec(
+            wait_for_component("the container to start", lambda: stack.exec(
                 "demo-long", "sh", "-c", "cat /state 2>/dev/null; true").strip() == "alive", 30)
             stack.daemon.stop(signal.SIGKILL)
             before = fetched(stack)
@@ -131,13 +135,13 @@ def demo(keep: bool, profile_dir: Path) -> None:
             stack.daemon.start()
             stack.wait_for_snapshotter()
             show(stack.containerd.ctr_out("snapshots", "--snapshotter", "bootseer", "ls"))
-            show(stack.exec("demo-long", "cat", "/state", harness.APP_FILE))
+            show(stack.exec("demo-long", "cat", "/state", APP_FILE))
 
         with step("remove container and image; containerd's GC removes the lazy snapshots"):
             stack.remove_container("demo-long")
             stack.containerd.ctr("images", "rm", "--sync", ref)
-            harness.wait_until("snapshots to go", lambda: not stack.containerd.snapshots(), 60)
-            harness.wait_until("the daemon's snapshot directories to go", lambda: not stack.daemon.snapshot_dirs(), 60)
+            wait_for_component("snapshots to go", lambda: not stack.containerd.snapshots(), 60)
+            wait_for_component("the daemon's snapshot directories to go", lambda: not stack.daemon.snapshot_dirs(), 60)
             show(f"snapshots left: {len(stack.containerd.snapshots())}, "
                  f"directories under {stack.daemon.root}/snapshots: {len(stack.daemon.snapshot_dirs())}")
 
@@ -152,7 +156,7 @@ def demo(keep: bool, profile_dir: Path) -> None:
     with step("tear down (tasks, containerd, snapshotter, layer server, registry, mounts, temp dir)"):
         stack.close()
     if stack.teardown_errors:
-        raise harness.HarnessError(f"teardown: {stack.teardown_errors}")
+        raise HarnessError(f"teardown: {stack.teardown_errors}")
     print(f"==> the start's profile: {profile_dir / 'profile.html'} (timeline), {profile_dir / 'profile.json'} (trace)")
     print("==> demo finished" + (f"; files kept in {stack.base}" if keep else ""))
 
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         print("demo: needs root (containerd, runc, overlay and FUSE mounts)", file=sys.stderr)
         return 2
-    why = harness.snapshotter_available()
+    why = snapshotter_available()
     if why:
         print(f"demo: {why}", file=sys.stderr)
         return 2
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("demo: interrupted; everything was cleaned up", file=sys.stderr)
         return 130
-    except harness.HarnessError as e:
+    except HarnessError as e:
         print(f"demo: FAILED: {e}", file=sys.stderr)
         return 1
     return 0

@@ -3,7 +3,7 @@
 Builds ``integration/conformance`` (a Go test calling containerd's
 ``snapshots/testsuite.SnapshotterSuite`` through the ``snapshots/proxy`` client, a
 fresh daemon per case) offline in GOPATH mode from Debian's Go sources of the containerd
-``BOOTSEER_CONTAINERD`` chooses (:func:`harness.containerd_go_sources`: 1.6's from
+``BOOTSEER_CONTAINERD`` chooses (:func:`containerd_go_sources`: 1.6's from
 golang-github-containerd-containerd-dev with the system's Go 1.19; 1.7's and 2.1's, with
 Go 1.24 and 1.27, unpacked by ``ctr_examples/install-containerd.sh``), runs it, and
 fails naming the failing subtests with their messages.  The ``overlay-baseline`` case
@@ -23,7 +23,11 @@ from typing import Iterator
 
 import pytest
 
-from integration import harness
+from tests.support.containerd import (
+    ContainerdGoSources, containerd_go_sources, containerd_install, containerd_unavailable,
+)
+from tests.support.processes import HarnessError
+from tests.support.stack import snapshotter_available, snapshotter_binary
 
 pytestmark = [pytest.mark.conformance, pytest.mark.timeout(1500)]
 
@@ -33,7 +37,7 @@ SUITE_TIMEOUT_S = 1200  #: the suite runs its cases in parallel; 128LayersMount 
 TOP_TEST = "TestBootseerSnapshotter"
 
 
-def go_test_env(gopath: Path, sources: harness.ContainerdGoSources) -> dict[str, str]:
+def go_test_env(gopath: Path, sources: ContainerdGoSources) -> dict[str, str]:
     env = sources.env(gopath)
     if "GOCACHE" not in env and not os.environ.get("HOME"):
         env["GOCACHE"] = str(gopath / "cache")
@@ -47,18 +51,18 @@ SUITE_SKIPS = {"1.6": {"Rename"}}
 
 
 @pytest.fixture(scope="module")
-def go_sources() -> harness.ContainerdGoSources:
-    why = harness.containerd_unavailable()
+def go_sources() -> ContainerdGoSources:
+    why = containerd_unavailable()
     if why:
         pytest.skip(why)
     try:
-        return harness.containerd_go_sources(harness.containerd_install())
-    except harness.HarnessError as e:
+        return containerd_go_sources(containerd_install())
+    except HarnessError as e:
         pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
-def suite_binary(tmp_path_factory, go_sources: harness.ContainerdGoSources) -> Path:
+def suite_binary(tmp_path_factory, go_sources: ContainerdGoSources) -> Path:
     if os.geteuid() != 0:
         pytest.skip("the suite mounts overlayfs: needs root")
     gopath = tmp_path_factory.mktemp("gopath")
@@ -116,10 +120,10 @@ def short_tmp() -> Iterator[Path]:
 def test_containerd_snapshotter_suite(suite_binary: Path, target: str, short_tmp: Path):
     env = dict(os.environ, TMPDIR=str(short_tmp))
     if target == "bootseer":
-        why = harness.snapshotter_available()
+        why = snapshotter_available()
         if why:
             pytest.skip(why)
-        env["BOOTSEER_SNAPSHOTTER"] = harness.snapshotter_binary()
+        env["BOOTSEER_SNAPSHOTTER"] = snapshotter_binary()
         env.pop("BOOTSEER_BASELINE", None)
     else:
         env["BOOTSEER_BASELINE"] = "overlay"
@@ -139,5 +143,5 @@ def test_containerd_snapshotter_suite(suite_binary: Path, target: str, short_tmp
     assert results, f"no subtest results in the output:\n{output[-20000:]}"
     # Only the suite's own skips (SUITE_SKIPS); any other would hide a subtest.
     skipped = {name for name, (status, _) in results.items() if status == "SKIP"}
-    allowed = SUITE_SKIPS.get(harness.containerd_install().series, set())
+    allowed = SUITE_SKIPS.get(containerd_install().series, set())
     assert skipped <= allowed, f"unexpected skips: {sorted(skipped - allowed)}"

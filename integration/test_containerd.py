@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from integration import harness
-from integration.harness import (
-    APP_FILE, APP_FILE_DATA, BLOB_FILE, BLOB_SIZE, DELETED_FILE, OPAQUE_DIR, OPAQUE_NEW, PATCH_FILE,
-    PATCH_FILE_DATA, blob_data,
+from tests.support.containerd import CONTAINERD_SETTING, containerd_install, containerd_unavailable
+from tests.support.oci import (
+    APP_FILE, APP_FILE_DATA, BLOB_FILE, BLOB_SIZE, DELETED_FILE, OPAQUE_DIR, OPAQUE_NEW, PATCH_FILE, PATCH_FILE_DATA,
+    blob_data, chain_ids, demo_layers, expected_inodes,
 )
+from tests.support.processes import HarnessError
+from tests.support.stack import Stack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -44,11 +46,11 @@ def parse_report(output: str) -> dict[str, str]:
     return report
 
 
-def test_pull_commits_one_snapshot_per_layer_named_by_chain_id(stack: harness.Stack, pulled):
+def test_pull_commits_one_snapshot_per_layer_named_by_chain_id(stack: Stack, pulled):
     image, ref = pulled
     assert ref in stack.containerd.ctr_out("images", "ls", "-q").split()
 
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     snapshots = {row["key"]: row for row in stack.containerd.snapshots()}
     assert set(snapshots) == set(chain)
     for depth, key in enumerate(chain):
@@ -56,9 +58,9 @@ def test_pull_commits_one_snapshot_per_layer_named_by_chain_id(stack: harness.St
         assert snapshots[key]["parent"] == (chain[depth - 1] if depth else "")
 
 
-def test_snapshot_info_and_usage(stack: harness.Stack, pulled):
+def test_snapshot_info_and_usage(stack: Stack, pulled):
     image, _ = pulled
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     for depth, key in enumerate(chain):
         info = stack.containerd.snapshot_info(key)
         assert info["Name"] == key
@@ -66,12 +68,12 @@ def test_snapshot_info_and_usage(stack: harness.Stack, pulled):
         assert info.get("Parent", "") == (chain[depth - 1] if depth else "")
 
     # Usage counts what each layer holds, not the layers below (as containerd's overlayfs does).
-    for key, layer in zip(chain, harness.demo_layers()):
-        assert stack.containerd.snapshot_usage(key).inodes == harness.expected_inodes(layer), key
+    for key, layer in zip(chain, demo_layers()):
+        assert stack.containerd.snapshot_usage(key).inodes == expected_inodes(layer), key
     assert stack.containerd.snapshot_usage(chain[1]).approx_bytes >= BLOB_SIZE * 0.95  # ctr rounds
 
 
-def test_run_sees_the_union_of_all_layers(stack: harness.Stack, pulled):
+def test_run_sees_the_union_of_all_layers(stack: Stack, pulled):
     _, ref = pulled
     report = parse_report(stack.run_container(ref, "view", "sh", "-c", VIEW_SCRIPT))
     assert report == {
@@ -87,7 +89,7 @@ def test_run_sees_the_union_of_all_layers(stack: harness.Stack, pulled):
     }
 
 
-def test_container_writes_stay_in_the_container(stack: harness.Stack, pulled):
+def test_container_writes_stay_in_the_container(stack: Stack, pulled):
     image, ref = pulled
     stack.run_container(ref, "writer", "sh", "-c", f"echo scribble > {PATCH_FILE}; rm {APP_FILE}; touch /app/extra")
     # A second container from the same image starts from the committed layers, untouched.
@@ -97,13 +99,13 @@ def test_container_writes_stay_in_the_container(stack: harness.Stack, pulled):
         "run.sh",
     ]
     # `run --rm` removed both containers' active snapshots: only the layers remain.
-    assert {row["key"] for row in stack.containerd.snapshots()} == set(harness.chain_ids(image.diff_ids))
+    assert {row["key"] for row in stack.containerd.snapshots()} == set(chain_ids(image.diff_ids))
 
 
-def test_running_container_has_an_active_snapshot_whose_usage_grows(stack: harness.Stack, pulled):
+def test_running_container_has_an_active_snapshot_whose_usage_grows(stack: Stack, pulled):
     image, ref = pulled
     stack.start_container(ref, "long", "sleep", "100000")
-    top = harness.chain_ids(image.diff_ids)[-1]
+    top = chain_ids(image.diff_ids)[-1]
     active = {row["key"]: row for row in stack.containerd.snapshots()}["long"]
     assert active == {"key": "long", "parent": top, "kind": "Active"}
     assert stack.containerd.snapshot_info("long")["Kind"] == "Active"
@@ -122,21 +124,21 @@ def test_the_containerd_setting_refuses_what_it_cannot_run_in_one_line(monkeypat
     for value, says in (("2.0", "give one of ['1.6', '1.7', '2.1'] or an absolute directory"),
                         ("usr/bin", "give one of"),
                         (str(tmp_path), f"containerd, ctr, containerd-shim-runc-v2 missing in {tmp_path}")):
-        monkeypatch.setenv(harness.CONTAINERD_SETTING, value)
-        with pytest.raises(harness.HarnessError) as failure:
-            harness.containerd_install()
+        monkeypatch.setenv(CONTAINERD_SETTING, value)
+        with pytest.raises(HarnessError) as failure:
+            containerd_install()
         assert says in str(failure.value) and "\n" not in str(failure.value), str(failure.value)
-        assert harness.containerd_unavailable() == str(failure.value)
+        assert containerd_unavailable() == str(failure.value)
 
 
 def test_a_directory_setting_runs_that_directorys_binaries(monkeypatch):
     """A directory is taken as it is: its containerd's own version decides the series and the config dialect."""
-    monkeypatch.delenv(harness.CONTAINERD_SETTING, raising=False)
-    chosen = harness.containerd_unavailable() or harness.containerd_install()
+    monkeypatch.delenv(CONTAINERD_SETTING, raising=False)
+    chosen = containerd_unavailable() or containerd_install()
     if isinstance(chosen, str):
         pytest.skip(chosen)
-    monkeypatch.setenv(harness.CONTAINERD_SETTING, str(chosen.bin_dir))
-    install = harness.containerd_install()
+    monkeypatch.setenv(CONTAINERD_SETTING, str(chosen.bin_dir))
+    install = containerd_install()
     assert (install.bin_dir, install.version, install.config_version) == (
         chosen.bin_dir, chosen.version, chosen.config_version)
     assert install.ctr == str(chosen.bin_dir / "ctr")

@@ -39,11 +39,15 @@ from bootseer.snapshotter.deps_hooks import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, container_store_key
 from integration import harness
 from integration.harness import (
-    APP_FILE, APP_FILE_DATA, CRI_NAMESPACE, PATCH_FILE, PATCH_FILE_DATA, hotlist_status, layer_server, lazy_layers,
-    part_data, part_path, wait_until,
+    CRI_NAMESPACE, bootseer_convert as convert, hotlist_show as show, hotlist_status, layer_server, lazy_layers,
+    part_data, part_path,
 )
-from integration.harness import bootseer_convert as convert
-from integration.harness import hotlist_show as show
+from tests.support.containerd import BUILTIN_OVERLAY, SNAPSHOTTER_NAME, containerd_install, containerd_version
+from tests.support.layers import File, Layer
+from tests.support.oci import APP_FILE, APP_FILE_DATA, PATCH_FILE, PATCH_FILE_DATA, BuiltImage, busybox_layer, chain_ids
+from tests.support.processes import mounts_under
+from tests.support.stack import REPO_ROOT
+from tests.support.waiting import wait_for_component
 from integration.test_depsnap import INSTALL
 from integration.test_depsnap import JOB as DEPS_JOB
 from integration.test_hotlist import JOB as HOT_JOB
@@ -71,16 +75,16 @@ def container_annotations_reach_the_snapshot() -> bool:
     """Whether CRI labels a container's snapshot with its ``containerd.io/snapshot/*`` annotations: containerd
     1.6 does; 1.7 and 2.x do not (containerd commit 44e12dc5d, "Windows snapshotter touch ups": the kubelet
     cannot set such annotations anyway). A pod's annotations reach its sandbox's snapshot in every version."""
-    return harness.containerd_version() < (1, 7, 0)
+    return containerd_version() < (1, 7, 0)
 
 
-def layer_blob_gets(stack: harness.CriStack, image: harness.BuiltImage) -> list[str]:
+def layer_blob_gets(stack: harness.CriStack, image: BuiltImage) -> list[str]:
     """The registry's log lines of containerd fetching one of ``image``'s layer blobs."""
     return [line for line in stack.registry.process.log_text().splitlines()
             if CONTAINERD_AGENT.search(line) and any(f"/blobs/{d}" in line for d in image.layer_digests)]
 
 
-def converted(stack: harness.CriStack, name: str = "bootseer/lazy") -> tuple[harness.BuiltImage, str]:
+def converted(stack: harness.CriStack, name: str = "bootseer/lazy") -> tuple[BuiltImage, str]:
     image, ref = stack.build_and_push(name=name, layers=lazy_layers())
     convert(stack, ref)
     return image, ref
@@ -88,7 +92,7 @@ def converted(stack: harness.CriStack, name: str = "bootseer/lazy") -> tuple[har
 
 def wait_running(stack: harness.CriStack, container: str) -> None:
     with stack.cri() as cri:
-        wait_until(f"container {container} to write /run-state", lambda: cri.exec_sync(
+        wait_for_component(f"container {container} to write /run-state", lambda: cri.exec_sync(
             container, ["sh", "-c", "cat /run-state 2>/dev/null; true"]).strip() == "started", 30)
 
 
@@ -100,7 +104,7 @@ def test_lazy_pull_runs_a_pod_and_the_labels_cri_passes(cri_stacks: Any) -> None
         assert cri.pull(ref) == image.config_digest
     assert layer_blob_gets(stack, image) == []  # the registry sent containerd no layer blob
     assert metric_total(stack, r"^bootseer_snapshotter_remote_snapshots_total$") == remote + len(image.diff_ids)
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     view = harness.snapshotter_view(stack)
     for depth, key in enumerate(chain):
         layer = view[key]
@@ -129,7 +133,7 @@ def test_lazy_pull_runs_a_pod_and_the_labels_cri_passes(cri_stacks: Any) -> None
     view = harness.snapshotter_view(stack)
     [sandbox_key] = [k for k in view if k.endswith(f"/{pod[0]}")]
     [container_key] = [k for k in view if k.endswith(f"/{container}")]
-    pause_top = harness.chain_ids(stack.pause_image.diff_ids)[-1]
+    pause_top = chain_ids(stack.pause_image.diff_ids)[-1]
     # The sandbox's snapshot: the pod's annotations under containerd.io/snapshot/, nothing else.
     assert view[sandbox_key]["kind"] == "ACTIVE" and view[sandbox_key]["parent"].endswith(pause_top)
     assert view[sandbox_key]["labels"] == {DEPS_LABEL: "from-the-pod", "containerd.io/snapshot/example.pod": "p"}
@@ -156,14 +160,14 @@ def test_lazy_pull_runs_a_pod_and_the_labels_cri_passes(cri_stacks: Any) -> None
 
 def test_unconverted_image_falls_back_visibly(cri_stacks: Any) -> None:
     stack = cri_stacks()
-    layers = [harness.busybox_layer(), harness.Layer((harness.File("/other.txt", b"not converted\n"),), "other")]
+    layers = [busybox_layer(), Layer((File("/other.txt", b"not converted\n"),), "other")]
     image, ref = stack.build_and_push(name="bootseer/plain", layers=layers)
     not_converted = r'fallbacks_total\{.*reason="not_converted"'
     fallbacks = metric_total(stack, not_converted)
     with stack.cri() as cri:
         cri.pull(ref)
     assert metric_total(stack, not_converted) == fallbacks + 2  # one per layer
-    for chain_id in harness.chain_ids(image.diff_ids):
+    for chain_id in chain_ids(image.diff_ids):
         assert re.search(rf"not served lazily.*chain_id={chain_id}.*reason=not_converted",
                          stack.daemon.process.log_text()), chain_id
     assert len(layer_blob_gets(stack, image)) == 2  # downloaded, as containerd does without BootSeer
@@ -171,12 +175,12 @@ def test_unconverted_image_falls_back_visibly(cri_stacks: Any) -> None:
     assert stack.output(pod, stack.run_in_pod(pod, "plain", ref, "cat", "/other.txt")) == ["not converted"]
 
 
-def two_layer_image(stack: harness.CriStack, name: str, text: bytes) -> tuple[harness.BuiltImage, str]:
+def two_layer_image(stack: harness.CriStack, name: str, text: bytes) -> tuple[BuiltImage, str]:
     """An image of layers no other image of these tests has (busybox as /bin/cat, then /other.txt holding
     ``text``): its pull unpacks every layer afresh. Pushed, not converted."""
-    cat = harness.File("bin/cat", Path("/bin/busybox").read_bytes(), 0o755)
-    return stack.build_and_push(name=name, layers=[harness.Layer((cat,), "cat"),
-                                                   harness.Layer((harness.File("/other.txt", text),), "other")])
+    cat = File("bin/cat", Path("/bin/busybox").read_bytes(), 0o755)
+    return stack.build_and_push(name=name, layers=[Layer((cat,), "cat"),
+                                                   Layer((File("/other.txt", text),), "other")])
 
 
 def test_discarding_unpacked_layers_keeps_lazy_pulls_and_the_fallback(cri_stacks: Any) -> None:
@@ -191,7 +195,7 @@ def test_discarding_unpacked_layers_keeps_lazy_pulls_and_the_fallback(cri_stacks
         cri.pull(plain_ref)
     assert layer_blob_gets(stack, lazy) == [] and len(layer_blob_gets(stack, plain)) == 2
     # containerd's GC drops the fallen-back layers' blobs (the image keeps its manifest and config).
-    harness.wait_until("containerd's GC to drop the unpacked layers' blobs", lambda: set(plain.layer_digests).isdisjoint(
+    wait_for_component("containerd's GC to drop the unpacked layers' blobs", lambda: set(plain.layer_digests).isdisjoint(
         stack.containerd.ctr_out("content", "ls", "-q").split()), 60)
     assert {plain.manifest_digest, plain.config_digest} <= set(stack.containerd.ctr_out("content", "ls", "-q").split())
     pod = stack.run_pod("discard-pod")
@@ -215,15 +219,15 @@ def test_without_snapshot_annotations_pulls_stay_lazy_and_2x_labels_them_by_the_
     assert layer_blob_gets(stack, image) == []
     assert metric_total(stack, r"^bootseer_snapshotter_remote_snapshots_total$") == remote + len(image.diff_ids)
     view = harness.snapshotter_view(stack)
-    for key in harness.chain_ids(image.diff_ids):
+    for key in chain_ids(image.diff_ids):
         assert view[key]["labels"] == {"containerd.io/snapshot.ref": key}, view[key]
     pod = stack.run_pod("unlabelled-pod")
     assert stack.output(pod, stack.run_in_pod(pod, "app", ref, "cat", APP_FILE)) == [APP_FILE_DATA.decode().strip()]
-    if harness.containerd_version() < (2, 0, 0):
+    if containerd_version() < (2, 0, 0):
         return  # 1.x's CRI pulls through containerd's client only
 
     containerd_log = (stack.containerd.base / "containerd.log").read_text()
-    assert f'PullImage \\"{ref}\\" with snapshotter {harness.SNAPSHOTTER_NAME} using transfer service' in containerd_log
+    assert f'PullImage \\"{ref}\\" with snapshotter {SNAPSHOTTER_NAME} using transfer service' in containerd_log
     stack.containerd.stop()
     stack.containerd.snapshotter_exports = {"enable_remote_snapshot_annotations": "true"}
     stack.containerd.start()
@@ -233,7 +237,7 @@ def test_without_snapshot_annotations_pulls_stay_lazy_and_2x_labels_them_by_the_
         cri.pull(labelled_ref)
     assert layer_blob_gets(stack, labelled) == []
     view = harness.snapshotter_view(stack)
-    for depth, key in enumerate(harness.chain_ids(labelled.diff_ids)):
+    for depth, key in enumerate(chain_ids(labelled.diff_ids)):
         assert set(view[key]["labels"]) == LAYER_LABELS, view[key]
         assert view[key]["labels"]["containerd.io/snapshot/cri.image-ref"] == labelled_ref
         assert view[key]["labels"]["containerd.io/snapshot/cri.layer-digest"] == labelled.layer_digests[depth]
@@ -249,7 +253,7 @@ def test_removal_leaves_nothing_once_gc_ran(cri_stacks: Any) -> None:
     container = stack.run_in_pod(pod, "app", ref, "sh", "-c", f"cat {APP_FILE} {part_path(1)} > /dev/null; {LONG}")
     wait_running(stack, container)
     assert layer_server(stack).status()["layers"] and hotlist_status(stack)["recordings"]
-    pause_chain = set(harness.chain_ids(stack.pause_image.diff_ids))
+    pause_chain = set(chain_ids(stack.pause_image.diff_ids))
 
     with stack.cri() as cri:
         cri.remove_container(container)
@@ -257,16 +261,16 @@ def test_removal_leaves_nothing_once_gc_ran(cri_stacks: Any) -> None:
         cri.remove_image(ref)
         assert cri.pods() == []
     # containerd's GC runs after the removals: then only the pause image's snapshot is left, everywhere.
-    harness.wait_until("containerd to collect the image's snapshots",
+    wait_for_component("containerd to collect the image's snapshots",
                        lambda: {row["key"] for row in stack.containerd.snapshots()} == pause_chain, 60)
-    harness.wait_until("the daemon to drop them", lambda: all(
+    wait_for_component("the daemon to drop them", lambda: all(
         key.rsplit("/", 1)[-1] in pause_chain for key in harness.snapshotter_view(stack)), 60)
-    harness.wait_until("the daemon's snapshot directories to go",
+    wait_for_component("the daemon's snapshot directories to go",
                        lambda: len(stack.daemon.snapshot_dirs()) == len(pause_chain), 60)
-    harness.wait_until("the layer server to unmount the layers", lambda: not layer_server(stack).status()["layers"], 60)
+    wait_for_component("the layer server to unmount the layers", lambda: not layer_server(stack).status()["layers"], 60)
     assert hotlist_status(stack)["recordings"] == []
     # No rootfs, shm or layer mount is left: only the layer server's own FUSE mount, which serves whatever comes next.
-    assert harness._mounts_under(stack.base) == [str(ServerPaths(stack.daemon.root).mountpoint)]
+    assert mounts_under(stack.base) == [str(ServerPaths(stack.daemon.root).mountpoint)]
     assert {*image.layer_digests, image.manifest_digest, image.config_digest}.isdisjoint(
         stack.containerd.ctr_out("content", "ls", "-q").split())
     # And it pulls again, lazily.
@@ -278,12 +282,12 @@ def test_removal_leaves_nothing_once_gc_ran(cri_stacks: Any) -> None:
 def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_stacks: Any) -> None:
     first = cri_stacks()
     image, ref = converted(first, "bootseer/hot")
-    top = harness.chain_ids(image.diff_ids)[-1]
+    top = chain_ids(image.diff_ids)[-1]
     with first.cri() as cri:
         cri.pull(ref)
     pod = first.run_pod("hot-pod")
     container = first.run_in_pod(pod, "job", ref, "sh", "-c", HOT_JOB + "; exec sleep 100000")
-    finished = wait_until("the recording to be published", lambda: [
+    finished = wait_for_component("the recording to be published", lambda: [
         f for f in hotlist_status(first)["finished"] if f["kind"] == "recording"])
     assert finished[0]["outcome"] == "published" and finished[0]["sealed_by"] == "marker", finished
     [listed] = show(first, ref)
@@ -299,7 +303,7 @@ def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_st
     with second.cri() as cri:
         cri.pull(ref2)
     # PullImage alone (no pod yet) started the prefetch, and it finished, page cache included.
-    prefetch = wait_until("the prefetch to finish, page cache included", lambda: [
+    prefetch = wait_for_component("the prefetch to finish, page cache included", lambda: [
         p for p in hotlist_status(second)["prefetches"] if p["image"] == top and p["finished"] and p["warm_finished"]])[0]
     assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"]
     assert prefetch["warmed_bytes"] >= 2 * harness.PART_SIZE
@@ -311,7 +315,7 @@ def test_hot_list_recorded_on_a_first_pod_then_prefetched_on_a_fresh_node(cri_st
     assert blocks(second)[0] - fetched_before <= 1  # what it read was there already
     with second.cri() as cri:
         cri.remove_container(job)
-    summary = wait_until("the prefetch's summary", lambda: [
+    summary = wait_for_component("the prefetch's summary", lambda: [
         f for f in hotlist_status(second)["finished"] if f["kind"] == "prefetch"])[0]
     # The pod's reads came from the page cache the prefetch filled: the summary says so, not "unread".
     # The pod's reads came from the page cache the prefetch filled: the summary says so (issue 17: it said
@@ -336,7 +340,7 @@ def test_a_dependency_snapshot_reaches_a_pods_container(cri_stacks: Any) -> None
     image, ref = stack.build_and_push()
     with stack.cri() as cri:
         cri.pull(ref)
-    key = compute_key(["sh", "-c", INSTALL], base_chain=harness.chain_ids(image.diff_ids)[-1]).key
+    key = compute_key(["sh", "-c", INSTALL], base_chain=chain_ids(image.diff_ids)[-1]).key
     record = stack.store_dir / "v1" / "deps" / f"{container_store_key(key, namespace=CRI_NAMESPACE)}.json"
 
     def job(pod_name: str, annotations: dict[str, str] | None = None) -> list[str]:
@@ -366,7 +370,7 @@ def test_a_dependency_snapshot_reaches_a_pods_container(cri_stacks: Any) -> None
     assert "deps key from the node's [depsnap] images" in stack.daemon.process.log_text()
 
 
-def running_lazy_pod(stack: harness.CriStack) -> tuple[harness.BuiltImage, str, tuple[str, object], str]:
+def running_lazy_pod(stack: harness.CriStack) -> tuple[BuiltImage, str, tuple[str, object], str]:
     """A converted image pulled through CRI and a pod whose container runs :data:`LONG` from it:
     (image, reference, pod, container id)."""
     image, ref = converted(stack)
@@ -416,7 +420,7 @@ def test_a_node_whose_daemon_is_down_starts_pods_on_overlayfs_and_keeps_its_lazy
 
     assert stack.daemon.stop(signal.SIGTERM) == 0
     stack.containerd.stop()
-    stack.containerd.cri_snapshotter = harness.BUILTIN_OVERLAY
+    stack.containerd.cri_snapshotter = BUILTIN_OVERLAY
     stack.containerd.start()
     with stack.cri() as cri:
         assert cri.container_status(lazy).state == cri.api.CONTAINER_RUNNING
@@ -431,7 +435,7 @@ def test_a_node_whose_daemon_is_down_starts_pods_on_overlayfs_and_keeps_its_lazy
     with stack.cri() as cri:
         cri.remove_container(lazy)
         cri.remove_pod(pod[0])
-    harness.wait_until("the lazy pod's snapshot to go", lambda: not [
+    wait_for_component("the lazy pod's snapshot to go", lambda: not [
         key for key in harness.snapshotter_view(stack) if key.endswith(f"/{lazy}")], 60)
 
 
@@ -441,7 +445,7 @@ NODE_EXAMPLES = {2: "containerd-config-k8s-node.toml", 3: "containerd-config-k8s
 
 def loaded_config(path: Path) -> dict:
     """What the containerd the tests run makes of the config at ``path``."""
-    return harness.containerd_install().loaded_config(path)
+    return containerd_install().loaded_config(path)
 
 
 def bootseer_settings(loaded: dict) -> dict:
@@ -467,7 +471,7 @@ def test_the_node_example_is_what_containerd_loads_and_what_the_tests_run(tmp_pa
 
     tested_config = harness.CriContainerd(tmp_path / "ctrd", tmp_path / "s.sock", registry="r", sandbox_image="p")
     dialect = tested_config.config_dialect()
-    example = harness.REPO_ROOT / "ctr_examples" / NODE_EXAMPLES[dialect]
+    example = REPO_ROOT / "ctr_examples" / NODE_EXAMPLES[dialect]
     assert f"\nversion = {dialect}\n" in example.read_text()
     (tmp_path / "tested.toml").write_text(tested_config.config_text())
     loaded, tested = loaded_config(example), loaded_config(tmp_path / "tested.toml")
@@ -480,7 +484,7 @@ def test_the_node_example_is_what_containerd_loads_and_what_the_tests_run(tmp_pa
         expected["use_local_image_pull"] = True
     assert bootseer_settings(loaded) == bootseer_settings(tested) == expected
     if dialect == 3:
-        converted_v2 = loaded_config(harness.REPO_ROOT / "ctr_examples" / NODE_EXAMPLES[2])
+        converted_v2 = loaded_config(REPO_ROOT / "ctr_examples" / NODE_EXAMPLES[2])
         assert converted_v2["version"] == 3
         assert bootseer_settings(converted_v2) == {**expected, "use_local_image_pull": False}
         # But only because that file has a runtimes table: 2.x's conversion (plugins/cri/images/plugin.go,

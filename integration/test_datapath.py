@@ -16,10 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from integration import harness
-from integration.harness import APP_FILE, APP_FILE_DATA, BLOB_FILE, PATCH_FILE, PATCH_FILE_DATA, layer_server, lazy_layers, part_data, part_path
-from integration.harness import bootseer_convert as convert
-from integration.harness import bootseer_rpull as rpull
+from integration.harness import (
+    bootseer_convert as convert, bootseer_rpull as rpull, layer_server, lazy_layers, part_data, part_path,
+)
+from tests.support.oci import APP_FILE, APP_FILE_DATA, BLOB_FILE, PATCH_FILE, PATCH_FILE_DATA, blob_data
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for_component
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -28,7 +30,7 @@ SCRIPT = f"cat {APP_FILE} {PATCH_FILE}; sha256sum {BLOB_FILE} {part_path(3)} | c
 
 def expected() -> list[str]:
     return [APP_FILE_DATA.decode().strip(), PATCH_FILE_DATA.decode().strip(),
-            hashlib.sha256(harness.blob_data()).hexdigest(), hashlib.sha256(part_data(3)).hexdigest()]  # fmt: skip
+            hashlib.sha256(blob_data()).hexdigest(), hashlib.sha256(part_data(3)).hexdigest()]  # fmt: skip
 
 
 def erofs_mounts(under: Path) -> list[str]:
@@ -39,12 +41,12 @@ def erofs_mounts(under: Path) -> list[str]:
 
 
 @pytest.fixture
-def on_erofs(stacks) -> harness.Stack:
+def on_erofs(stacks) -> Stack:
     """A started stack with a local store whose layer server serves every layer on the erofs path."""
     return stacks(daemon_args=["--data-path", "erofs"])
 
 
-def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount(on_erofs: harness.Stack) -> None:
+def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount(on_erofs: Stack) -> None:
     stack = on_erofs
     image, ref = stack.build_and_push(name="bootseer/erofs", layers=lazy_layers())
     convert(stack, ref)
@@ -64,7 +66,7 @@ def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount
 
     pid = int(layer_server(stack).status()["pid"])
     os.kill(pid, signal.SIGKILL)
-    harness.wait_until("the layer server to die", lambda: not Path(f"/proc/{pid}/cmdline").exists()
+    wait_for_component("the layer server to die", lambda: not Path(f"/proc/{pid}/cmdline").exists()
                        or Path(f"/proc/{pid}/cmdline").read_bytes() == b"", 30)  # fmt: skip
     # The daemon's start finds the server gone and starts it; it mounts its layers again (the
     # stale mounts' device was the dead session) at the same lower dirs, before it answers.
@@ -75,7 +77,7 @@ def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount
     assert sorted(row["lower_dir"] for row in status["layers"]) == lowers == erofs_mounts(root)
 
     stack.containerd.ctr("images", "rm", "--sync", ref)
-    harness.wait_until("containerd to drop every snapshot", lambda: not stack.containerd.snapshots(), 60)
-    harness.wait_until("the layer server to unmount every layer", lambda: not layer_server(stack).status()["layers"], 60)
+    wait_for_component("containerd to drop every snapshot", lambda: not stack.containerd.snapshots(), 60)
+    wait_for_component("the layer server to unmount every layer", lambda: not layer_server(stack).status()["layers"], 60)
     assert erofs_mounts(root) == []
     assert os.listdir(root / "layers/erofs") == []

@@ -20,9 +20,10 @@ from bootseer.images.chains import chain_ids
 from bootseer.snapshotter.deps_hooks import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, container_store_key
 from bootseer.depsnap.record import DepsRecord
-from integration import harness
-from integration.harness import APP_FILE
 from integration.harness import layer_server
+from tests.support.oci import APP_FILE, demo_layers
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for_component
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -35,7 +36,7 @@ JOB = ("[ -e /.bootseer/deps-hit ] && echo HIT || { " + INSTALL + " && touch /.b
        f"[ -e {APP_FILE} ] && echo app-present || echo app-gone")  # fmt: skip
 
 
-def run_with_deps(stack: harness.Stack, ref: str, name: str, key: str) -> list[str]:
+def run_with_deps(stack: Stack, ref: str, name: str, key: str) -> list[str]:
     out = stack.containerd.ctr_out("run", "--rm", "--fifo-dir", str(stack.fifo_dir), "--snapshotter",
                                    stack.snapshotter_name, "--snapshotter-label", f"{DEPS_LABEL}={key}",
                                    ref, name, "sh", "-c", JOB, timeout=180)  # fmt: skip
@@ -62,11 +63,11 @@ def test_miss_captures_the_writable_layer_and_a_hit_stacks_it(stacks) -> None:
     # may be tens of seconds away on a loaded machine), and with it the last user of the deps layer, which is
     # then no longer served.
     first.containerd.collect_garbage()
-    harness.wait_until("the deps layer to be unmounted", lambda: record.chain_id not in [
+    wait_for_component("the deps layer to be unmounted", lambda: record.chain_id not in [
         layer["chain_id"] for layer in layer_server(first).status()["layers"]], 30)
 
     # The key on another image (its first two layers only): neither stacked nor captured; the job installs.
-    other, other_ref = first.build_and_push(name="bootseer/other", layers=harness.demo_layers()[:2])
+    other, other_ref = first.build_and_push(name="bootseer/other", layers=demo_layers()[:2])
     first.pull(other_ref)
     out = run_with_deps(first, other_ref, "deps-other", key)
     assert out[0] == "skipped:" and "another image" in " ".join(out) and out[-4:] == ["tool-ran", "-rwxr-x---",
@@ -111,7 +112,7 @@ def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
     from integration.harness import bootseer_convert as convert
     from integration.harness import bootseer_rpull as rpull
     from integration.harness import hotlist_show as show
-    from integration.harness import hotlist_status, wait_until
+    from integration.harness import hotlist_status
 
     stack = stacks()
     image, ref = stack.build_and_push()
@@ -126,7 +127,7 @@ def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
                                    stack.snapshotter_name, "--snapshotter-label", f"{DEPS_LABEL}={key}", ref,
                                    "deps-lazy-2", "sh", "-c", JOB, timeout=180)  # fmt: skip  (its removal seals the recording)
     assert out.split()[0] == "HIT"
-    wait_until("the deps start's recording", lambda: [
+    wait_for_component("the deps start's recording", lambda: [
         f for f in hotlist_status(stack)["finished"] if f["kind"] == "recording" and f["image"] == record.chain_id])
     [listed] = show(stack, record.chain_id)
     layers = {layer["chain_id"]: layer for layer in listed["layers"]}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import tomllib
 from pathlib import Path
@@ -18,11 +17,13 @@ from pathlib import Path
 import pytest
 
 from bootseer.snapshotter import config as daemon_config
-from integration import harness
+from tests.support.containerd import Containerd, ContainerdInstall, containerd_install, containerd_unavailable
+from tests.support.oci import APP_FILE, APP_FILE_DATA, chain_ids
+from tests.support.stack import REPO_ROOT, Stack, snapshotter_available
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = harness.REPO_ROOT / "ctr_examples"
+EXAMPLES = REPO_ROOT / "ctr_examples"
 DEFAULT_SOCKET = daemon_config.DEFAULTS["address"]
 
 
@@ -32,14 +33,14 @@ EXAMPLE_CONFIGS = {2: EXAMPLES / "containerd-config-v2.toml", 3: EXAMPLES / "con
 PROXY_FIELDS_2X = {"platform", "capabilities", "exports"}
 
 
-def chosen_containerd() -> harness.ContainerdInstall:
-    why = harness.containerd_unavailable()
+def chosen_containerd() -> ContainerdInstall:
+    why = containerd_unavailable()
     if why:
         pytest.skip(why)
-    return harness.containerd_install()
+    return containerd_install()
 
 
-def example_for(install: harness.ContainerdInstall) -> Path:
+def example_for(install: ContainerdInstall) -> Path:
     return EXAMPLE_CONFIGS[install.config_version]
 
 
@@ -77,7 +78,7 @@ def test_v3_config_names_the_daemon_in_the_2x_sections():
     assert "io.containerd.grpc.v1.cri" not in loaded["plugins"]  # the 1.x section has no effect in 2.x
 
 
-class ExampleContainerd(harness.Containerd):
+class ExampleContainerd(Containerd):
     """A containerd running the shipped config of its dialect as a node would, with only what must be private
     here (root, state, sockets) added and the daemon's socket the stack's; CRI stays off (no kubelet here)."""
 
@@ -92,14 +93,14 @@ class ExampleContainerd(harness.Containerd):
 def test_the_shipped_config_pulls_and_runs_on_bootseer(runnable):
     """The README's commands against a containerd running the shipped config: ``ctr images pull --snapshotter
     bootseer`` (2.x: through its transfer service) unpacks into the daemon, ``ctr run`` sees the image."""
-    stack = harness.Stack()
+    stack = Stack()
     stack.containerd = ExampleContainerd(stack.containerd.base, stack.containerd.snapshotter_socket, stack.namespace)
     try:
         with stack:
             image, ref = stack.build_and_push()
             stack.pull(ref)
-            assert {row["key"] for row in stack.containerd.snapshots()} == set(harness.chain_ids(image.diff_ids))
-            assert stack.run_container(ref, "example", "cat", harness.APP_FILE) == harness.APP_FILE_DATA.decode()
+            assert {row["key"] for row in stack.containerd.snapshots()} == set(chain_ids(image.diff_ids))
+            assert stack.run_container(ref, "example", "cat", APP_FILE) == APP_FILE_DATA.decode()
     finally:
         print(stack.logs())
     assert not stack.teardown_errors, stack.teardown_errors
@@ -116,8 +117,8 @@ def test_systemd_unit_starts_before_containerd_and_waits_for_the_socket():
 
 @pytest.mark.timeout(300)
 def test_demo_runs_and_cleans_up(runnable, tmp_path):
-    if harness.snapshotter_available():
-        pytest.skip(harness.snapshotter_available())
+    if snapshotter_available():
+        pytest.skip(snapshotter_available())
     profile_dir = tmp_path / "profile"
     done = subprocess.run([str(EXAMPLES / "demo.sh"), "--profile-dir", str(profile_dir)],
                           env=dict(os.environ, BOOTSEER_SKIP_INSTALL="1"),

@@ -20,11 +20,13 @@ from typing import Any
 import pytest
 
 from integration import harness
-from integration.harness import lazy_layers, part_data, part_path
-from integration.harness import BOOTSEER, hotlist_status, layer_server, wait_until
-from integration.harness import bootseer_convert as convert
-from integration.harness import bootseer_rpull as rpull
-from integration.harness import hotlist_show as show
+from integration.harness import (
+    BOOTSEER, bootseer_convert as convert, bootseer_rpull as rpull, hotlist_show as show, hotlist_status, layer_server,
+    lazy_layers, part_data, part_path,
+)
+from tests.support.oci import chain_ids
+from tests.support.processes import run
+from tests.support.waiting import wait_for_component
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -42,13 +44,13 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any, data_pa
     first = stacks(daemon_args=["--data-path", data_path])
     image, ref = first.build_and_push(name="bootseer/hot", layers=lazy_layers())
     convert(first, ref)
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     top = chain[-1]
     rpull(first, ref)
     harness.assert_served_on(first, data_path)
     # It keeps running until its recording is published: sealed by the marker, not by its removal.
     first.start_container(ref, "rec-1", "sh", "-c", JOB + "; exec sleep 100000")
-    finished = wait_until("the recording to be published", lambda: [
+    finished = wait_for_component("the recording to be published", lambda: [
         f for f in hotlist_status(first)["finished"] if f["kind"] == "recording"])
     first.remove_container("rec-1")
     assert finished[0]["outcome"] == "published" and finished[0]["sealed_by"] == "marker", finished
@@ -64,7 +66,7 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any, data_pa
         "run", "--rm", "--fifo-dir", str(first.fifo_dir), "--snapshotter", first.snapshotter_name,
         "--snapshotter-label", "containerd.io/snapshot/bootseer.profile=eval", ref, "rec-eval", "sh", "-c",
         f"cat {part_path(5)} > /dev/null; touch /.bootseer-seal; echo done").strip() == "done"
-    wait_until("the eval recording", lambda: [f for f in hotlist_status(first)["finished"]
+    wait_for_component("the eval recording", lambda: [f for f in hotlist_status(first)["finished"]
                                             if f["kind"] == "recording" and f["profile"] == "eval"])
     [evaluation] = show(first, ref, "--profile", "eval")
     assert evaluation["profile"] == "eval" and evaluation["container"] == "rec-eval"
@@ -74,9 +76,9 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any, data_pa
     first.containerd.ctr("run", "-d", "--fifo-dir", str(first.fifo_dir), "--snapshotter", first.snapshotter_name,
                          "--snapshotter-label", "containerd.io/snapshot/bootseer.profile=sealed", ref, "rec-sealed",
                          "sh", "-c", f"cat {part_path(6)} > /dev/null; sleep 120", timeout=60)
-    wait_until("the sealed-profile recording to see its read", lambda: [
+    wait_for_component("the sealed-profile recording to see its read", lambda: [
         r for r in hotlist_status(first)["recordings"] if r["container"] == "rec-sealed" and r["blocks"] >= 1])
-    sealed = harness.run([BOOTSEER, "hotlist", "seal", "--root", str(first.daemon.root), "rec-sealed"], timeout=60)
+    sealed = run([BOOTSEER, "hotlist", "seal", "--root", str(first.daemon.root), "rec-sealed"], timeout=60)
     assert "sealed the recording of rec-sealed" in sealed.stdout.decode()
     [by_seal] = show(first, ref, "--profile", "sealed")
     assert by_seal["sealed_by"] == "seal" and by_seal["container"] == "rec-sealed"
@@ -90,7 +92,7 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any, data_pa
     _image2, ref2 = second.build_and_push(name="bootseer/hot", layers=lazy_layers())
     rpull(second, ref2)
     harness.assert_served_on(second, data_path)
-    prefetch = wait_until("the prefetch to finish, page cache included", lambda: [
+    prefetch = wait_for_component("the prefetch to finish, page cache included", lambda: [
         p for p in hotlist_status(second)["prefetches"] if p["image"] == top and p["finished"] and p["warm_finished"]])[0]
     assert prefetch["fetched_blocks"] + prefetch["cached_blocks"] == listed["blocks"]
     assert prefetch["warmed_bytes"] >= 2 * harness.PART_SIZE  # parts 1 and 3 (and busybox) are in the page cache
@@ -99,7 +101,7 @@ def test_record_on_first_boot_then_prefetch_on_a_fresh_node(stacks: Any, data_pa
     sums = second.run_container(ref2, "job-2", "sh", "-c", f"sha256sum {part_path(1)} {part_path(3)}; {JOB}; echo done")
     assert [line.split()[0] for line in sums.splitlines()[:2]] == [hashlib.sha256(part_data(i)).hexdigest() for i in (1, 3)]
     assert sums.strip().endswith("done")
-    summary = wait_until("the prefetched container's summary", lambda: [
+    summary = wait_for_component("the prefetched container's summary", lambda: [
         f for f in hotlist_status(second)["finished"] if f["kind"] == "prefetch"])[0]
     # The same job reads what its first boot read: from the page cache, so (almost) no read reaches FUSE.
     assert summary["misses"] <= 1 and summary["hits"] + summary["waited"] + summary["misses"] <= 2, summary

@@ -26,19 +26,25 @@ import pytest
 
 from integration import harness
 from integration.harness import (
-    APP_FILE, APP_FILE_DATA, BLOB_FILE, OPAQUE_DIR, PART_SIZE, PARTS, PATCH_FILE, PATCH_FILE_DATA, lazy_layers, layer_server,
-    part_data, part_path,
+    PART_SIZE, PARTS, bootseer_convert as convert, bootseer_rpull as rpull, layer_server, lazy_layers, part_data,
+    part_path,
 )
-from integration.harness import bootseer_convert as convert
-from integration.harness import bootseer_rpull as rpull
+from tests.support.containerd import containerd_version
+from tests.support.layers import File, Layer, Whiteout
+from tests.support.oci import (
+    APP_FILE, APP_FILE_DATA, BLOB_FILE, BLOB_SIZE, DELETED_FILE, OPAQUE_DIR, PATCH_FILE, PATCH_FILE_DATA, BuiltImage,
+    blob_data, busybox_layer, chain_ids, demo_layers,
+)
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for_component
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 @pytest.fixture(params=["auto", "tree"])
-def lazy(runnable, request) -> Iterator[harness.Stack]:
+def lazy(runnable, request) -> Iterator[Stack]:
     """A started stack with a local store; its layer server on the node's default data path (EROFS where the
     kernel has it) or forced to the per-file FUSE tree: each test runs on both."""
-    s = harness.Stack(store=True, daemon_args=["--data-path", request.param])
+    s = Stack(store=True, daemon_args=["--data-path", request.param])
     try:
         with s:
             yield s
@@ -47,7 +53,7 @@ def lazy(runnable, request) -> Iterator[harness.Stack]:
         assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
 
 
-def blocks(stack: harness.Stack) -> tuple[int, int]:
+def blocks(stack: Stack) -> tuple[int, int]:
     """(blocks, compressed bytes) the layer server has fetched from its stores since it started.
 
     Chain records and indexes (read at mount) are not blocks: they are not counted here.
@@ -61,7 +67,7 @@ def blocks(stack: harness.Stack) -> tuple[int, int]:
 METADATA_SLACK = 4096
 
 
-def readahead(stack: harness.Stack) -> tuple[int, int, int]:
+def readahead(stack: Stack) -> tuple[int, int, int]:
     """(blocks read ahead, their compressed bytes, bytes everything fetched from the store: blocks, read-ahead, gaps),
     once no fetch is in flight (read-ahead may still be on its way when a container exits); a fetch
     still in flight after 30 s fails the test (the counts would not be final)."""
@@ -69,17 +75,17 @@ def readahead(stack: harness.Stack) -> tuple[int, int, int]:
         stores = list(layer_server(stack).status()["stores"].values())
         return (stores,) if not any(s.get("in_flight", 0) for s in stores) else None
 
-    [stores] = harness.wait_until("the layer server's fetches in flight to end", settled, 30, interval=0.05)
+    [stores] = wait_for_component("the layer server's fetches in flight to end", settled, 30, interval=0.05)
     return (sum(s.get("blocks", {}).get("readahead_blocks", 0) for s in stores),
             sum(s.get("blocks", {}).get("readahead_bytes", 0) for s in stores),
             sum(s.get("bytes_fetched", 0) for s in stores))  # fmt: skip
 
 
-def store_bytes(stack: harness.Stack) -> int:
+def store_bytes(stack: Stack) -> int:
     return sum(p.stat().st_size for p in stack.store_dir.rglob("*") if p.is_file())
 
 
-def metric_total(stack: harness.Stack, pattern: str) -> float:
+def metric_total(stack: Stack, pattern: str) -> float:
     """Sum of the daemon's Prometheus samples whose name and labels (``name{k="v"}``) match ``pattern``."""
     with urllib.request.urlopen(f"http://{stack.metrics_address}/metrics", timeout=10) as resp:
         text = resp.read().decode()
@@ -96,19 +102,19 @@ def sha(data: bytes) -> str:
 
 
 @pytest.fixture
-def converted(lazy: harness.Stack) -> tuple[harness.BuiltImage, str]:
+def converted(lazy: Stack) -> tuple[BuiltImage, str]:
     image, ref = lazy.build_and_push(name="bootseer/lazy", layers=lazy_layers())
     convert(lazy, ref)
     return image, ref
 
 
-def test_rpull_is_lazy_and_ctr_run_sees_the_image(lazy: harness.Stack, converted, request):
+def test_rpull_is_lazy_and_ctr_run_sees_the_image(lazy: Stack, converted, request):
     image, ref = converted
     out = rpull(lazy, ref)
     assert f"{len(image.diff_ids)} layers on bootseer: {len(image.diff_ids)} lazy, 0 downloaded" in out, out
     harness.assert_served_on(lazy, request.node.callspec.params["lazy"])
 
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     snapshots = {row["key"]: row for row in lazy.containerd.snapshots()}
     assert set(snapshots) == set(chain)
     for depth, key in enumerate(chain):
@@ -117,15 +123,15 @@ def test_rpull_is_lazy_and_ctr_run_sees_the_image(lazy: harness.Stack, converted
     content = set(lazy.containerd.ctr_out("content", "ls", "-q").split())
     assert content == {image.manifest_digest, image.config_digest}
 
-    script = (f"cat {APP_FILE} {PATCH_FILE}; ls {OPAQUE_DIR}; [ -e {harness.DELETED_FILE} ] && echo present; "
+    script = (f"cat {APP_FILE} {PATCH_FILE}; ls {OPAQUE_DIR}; [ -e {DELETED_FILE} ] && echo present; "
               f"sha256sum {BLOB_FILE} {part_path(0)}")
     lines = lazy.run_container(ref, "lazy-run", "sh", "-c", script).splitlines()
     assert lines[:3] == [APP_FILE_DATA.decode().strip(), PATCH_FILE_DATA.decode().strip(), "c.conf"]
-    assert lines[3].split()[0] == sha(harness.blob_data())
+    assert lines[3].split()[0] == sha(blob_data())
     assert lines[4].split()[0] == sha(part_data(0))
 
 
-def test_only_touched_blocks_are_fetched(lazy: harness.Stack, converted):
+def test_only_touched_blocks_are_fetched(lazy: Stack, converted):
     image, ref = converted
     rpull(lazy, ref)
     assert blocks(lazy) == (0, 0), "no block is fetched before a container reads one"
@@ -150,7 +156,7 @@ def test_only_touched_blocks_are_fetched(lazy: harness.Stack, converted):
 
     # The other six parts were neither read nor read ahead: never fetched; of the 3 MiB blob, at
     # most what the start read ahead.
-    untouched = (PARTS - 2) * PART_SIZE + harness.BLOB_SIZE
+    untouched = (PARTS - 2) * PART_SIZE + BLOB_SIZE
     assert from_store <= store_bytes(lazy) - untouched * 0.95 + ahead_bytes
 
     # Blocks already fetched are served from the node's cache: reading them again fetches nothing.
@@ -166,11 +172,11 @@ def test_only_touched_blocks_are_fetched(lazy: harness.Stack, converted):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_running_container_reads_untouched_files_while_the_daemon_is_down(lazy: harness.Stack, converted, sig):
+def test_running_container_reads_untouched_files_while_the_daemon_is_down(lazy: Stack, converted, sig):
     image, ref = converted
     rpull(lazy, ref)
     lazy.start_container(ref, "long", "sh", "-c", "echo started > /run-state; exec sleep 100000")
-    harness.wait_until("the container to start",
+    wait_for_component("the container to start",
                        lambda: lazy.exec("long", "sh", "-c", "cat /run-state 2>/dev/null; true").strip() == "started", 30)
     before = {row["key"]: row for row in lazy.containerd.snapshots()}
 
@@ -193,39 +199,39 @@ def test_running_container_reads_untouched_files_while_the_daemon_is_down(lazy: 
     assert "0 downloaded" in rpull(lazy, ref)
 
 
-def test_unconverted_image_falls_back_visibly(lazy: harness.Stack):
-    other_layers = [harness.busybox_layer(), harness.Layer((harness.File("/other.txt", b"not converted\n"),), "other")]
+def test_unconverted_image_falls_back_visibly(lazy: Stack):
+    other_layers = [busybox_layer(), Layer((File("/other.txt", b"not converted\n"),), "other")]
     image, ref = lazy.build_and_push(name="bootseer/plain", layers=other_layers)
     not_converted = r'fallbacks_total\{.*reason="not_converted"'
     fallbacks = metric_total(lazy, not_converted)
     out = rpull(lazy, ref)
     assert "0 lazy, 2 downloaded" in out, out
     assert metric_total(lazy, not_converted) == fallbacks + 2  # one per layer
-    for chain_id in harness.chain_ids(image.diff_ids):
+    for chain_id in chain_ids(image.diff_ids):
         assert re.search(rf"not served lazily.*chain_id={chain_id}.*reason=not_converted",
                          lazy.daemon.process.log_text()), chain_id
     assert lazy.run_container(ref, "plain", "cat", "/other.txt").strip() == "not converted"
     assert set(lazy.containerd.ctr_out("content", "ls", "-q").split()) >= set(image.layer_digests)
 
 
-def test_gc_removes_lazy_snapshots(lazy: harness.Stack, converted):
+def test_gc_removes_lazy_snapshots(lazy: Stack, converted):
     image, ref = converted
     rpull(lazy, ref)
     lazy.run_container(ref, "once", "cat", APP_FILE)
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     assert {row["key"] for row in lazy.containerd.snapshots()} == set(chain)
 
     lazy.containerd.ctr("images", "rm", "--sync", ref)
-    harness.wait_until("containerd to drop every snapshot", lambda: not lazy.containerd.snapshots(), 60)
-    harness.wait_until("the daemon's snapshot directories to go", lambda: not lazy.daemon.snapshot_dirs(), 60)
-    harness.wait_until("the layer server to unmount the layers",
+    wait_for_component("containerd to drop every snapshot", lambda: not lazy.containerd.snapshots(), 60)
+    wait_for_component("the daemon's snapshot directories to go", lambda: not lazy.daemon.snapshot_dirs(), 60)
+    wait_for_component("the layer server to unmount the layers",
                        lambda: not layer_server(lazy).status()["layers"], 60)
     assert lazy.containerd.ctr_out("content", "ls", "-q").split() == []
     # And the image can be pulled again, lazily.
     assert "0 downloaded" in rpull(lazy, ref)
 
 
-def test_ctr_pull_is_lazy_through_the_transfer_service_of_2x_and_downloads_on_1x(lazy: harness.Stack, converted):
+def test_ctr_pull_is_lazy_through_the_transfer_service_of_2x_and_downloads_on_1x(lazy: Stack, converted):
     """``ctr images pull --snapshotter bootseer`` of a converted image: containerd 2.x's ctr pulls through its
     transfer service, whose unpacker offers each layer to the snapshotter before fetching it (lazy: only the
     manifest and the config reach the content store); 1.6's and 1.7's ctr fetch every blob first and unpack
@@ -233,11 +239,11 @@ def test_ctr_pull_is_lazy_through_the_transfer_service_of_2x_and_downloads_on_1x
     lets containerd's GC remove every snapshot (2.x: the GC references the transfer service's unpack set)."""
     image, ref = converted
     lazy.pull(ref)
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     assert {row["key"] for row in lazy.containerd.snapshots()} == set(chain)
     content = set(lazy.containerd.ctr_out("content", "ls", "-q").split())
     served = {row["chain_id"] for row in layer_server(lazy).status()["layers"]}
-    if harness.containerd_version() >= (2, 0):
+    if containerd_version() >= (2, 0):
         assert content == {image.manifest_digest, image.config_digest}
         assert served == set(chain)
     else:
@@ -247,18 +253,18 @@ def test_ctr_pull_is_lazy_through_the_transfer_service_of_2x_and_downloads_on_1x
     assert lines[0] == APP_FILE_DATA.decode().strip() and lines[1].split()[0] == sha(part_data(0))
 
     lazy.containerd.ctr("images", "rm", "--sync", ref)
-    harness.wait_until("containerd to drop every snapshot", lambda: not lazy.containerd.snapshots(), 60)
-    harness.wait_until("the daemon's snapshot directories to go", lambda: not lazy.daemon.snapshot_dirs(), 60)
+    wait_for_component("containerd to drop every snapshot", lambda: not lazy.containerd.snapshots(), 60)
+    wait_for_component("the daemon's snapshot directories to go", lambda: not lazy.daemon.snapshot_dirs(), 60)
     assert lazy.containerd.ctr_out("content", "ls", "-q").split() == []
 
 
-def test_a_layer_added_on_a_converted_base_is_downloaded_onto_lazy_layers(lazy: harness.Stack):
+def test_a_layer_added_on_a_converted_base_is_downloaded_onto_lazy_layers(lazy: Stack):
     """The common case of an image built FROM a converted one: its base layers are lazy, its own
     layer is downloaded and unpacked on top of them (an overlay whose lower dirs are FUSE)."""
-    base_layers = harness.demo_layers()
+    base_layers = demo_layers()
     _, base_ref = lazy.build_and_push(name="bootseer/base", layers=base_layers)
     convert(lazy, base_ref)
-    extra = harness.Layer((harness.File("/app/extra.txt", b"added on top\n"), harness.Whiteout(APP_FILE)), "top")
+    extra = Layer((File("/app/extra.txt", b"added on top\n"), Whiteout(APP_FILE)), "top")
     image, ref = lazy.build_and_push(name="bootseer/derived", layers=[*base_layers, extra])
 
     out = rpull(lazy, ref)

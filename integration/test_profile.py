@@ -35,6 +35,10 @@ from bootseer.profile.trace import Trace, phases
 from integration import harness
 from integration.harness import PARTS, lazy_layers, part_path
 from tests.support.chromium import render
+from tests.support.containerd import SNAPSHOTTER_NAME
+from tests.support.processes import run
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for_component
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -65,7 +69,7 @@ class Background:
         self.file = open(log, "wb")
         self.process = subprocess.Popen(argv, stdout=self.file, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True)
-        harness.wait_until(f"{argv[1:3]} to be ready", lambda: ready in log.read_text(errors="replace"), 60,
+        wait_for_component(f"{argv[1:3]} to be ready", lambda: ready in log.read_text(errors="replace"), 60,
                            interval=0.1, alive=self)
 
     @property
@@ -73,7 +77,7 @@ class Background:
         return self.process.poll() is None
 
     @property
-    def returncode(self) -> int | None:  # for harness.wait_until's liveness check
+    def returncode(self) -> int | None:  # for wait_for_component's liveness check
         return self.process.poll()
 
     def stop(self) -> int:
@@ -97,7 +101,7 @@ def base(runnable):
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def publish_deps(stack: harness.Stack, source: Path, key: str, top: str) -> None:
+def publish_deps(stack: Stack, source: Path, key: str, top: str) -> None:
     """A dependency snapshot made earlier (as a first boot's capture makes it), published to the stack's store."""
     (source / "opt" / "deps" / "bin").mkdir(parents=True)
     (source / "opt" / "deps" / "lib").mkdir()
@@ -120,12 +124,12 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("BOOTSEER_PROFILE", str(spool))
     monkeypatch.setenv("BOOTSEER_NODE", NODE)
     env = dict(os.environ, BOOTSEER_JOB=JOB)
-    stack = harness.Stack(base / "stack", store=True)
+    stack = Stack(base / "stack", store=True)
     background: list[Background] = []
     try:
         stack.start()
         image, ref = stack.build_and_push(name="bootseer/profiled", layers=lazy_layers())
-        harness.run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300)
+        run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300)
         top = chain_ids(image.diff_ids)[-1]
         key = compute_key(INSTALL, base_chain=top).key
         publish_deps(stack, base / "deps-src", key, top)
@@ -138,13 +142,13 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
                                       "--namespace", stack.namespace], "watching containerd", base / "watch.log", env))
         background.append(Background([BOOTSEER, "ckpt", "mount", str(ckpt_src), str(ckpt_mnt), "--allow-other"],
                                      "mounted", base / "ckpt.log", env))
-        harness.wait_until("the checkpoint mount's first sample in the spool",
+        wait_for_component("the checkpoint mount's first sample in the spool",
                            lambda: any(e.name == "checkpoint.bytes" for e in read_spool(spool)[0]), 60)
         started = time.time()  # after that first sample: the checkpoint's bytes are all counted after it
 
         # The start: pull (lazy), run the job.
         pulled = subprocess.run([BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace",
-                                 stack.namespace, "--plain-http", "--snapshotter", harness.SNAPSHOTTER_NAME, ref],
+                                 stack.namespace, "--plain-http", "--snapshotter", SNAPSHOTTER_NAME, ref],
                                 capture_output=True, text=True, timeout=300, env=env)
         assert pulled.returncode == 0, pulled.stderr
         out = stack.containerd.ctr_out(
@@ -155,7 +159,7 @@ def test_demo_job_through_every_phase(base: Path, monkeypatch: pytest.MonkeyPatc
         assert out.split() == ["tool-ran", str(CKPT_SIZE), "STEP-1"], out
         # containerd's last event of the job and the layer server's bytes reach the spool; the
         # checkpoint mount and the watcher write their final samples as they stop, below.
-        harness.wait_until("the job's task.exit and the layer server's bytes in the spool",
+        wait_for_component("the job's task.exit and the layer server's bytes in the spool",
                            lambda: job_settled(read_spool(spool)[0], "profiled-1", started), 60)
         for process in reversed(background):
             assert process.stop() == 0, process.log.read_text()
@@ -192,7 +196,7 @@ def job_settled(events: list, container: str, since: float) -> bool:
     return exited and any(e.name == "layers.bytes" and e.value > 0 for e in events)
 
 
-def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, key: str, spool: Path, env: dict[str, str]) -> None:
+def check_prefetch_of_a_later_start(stack: Stack, ref: str, key: str, spool: Path, env: dict[str, str]) -> None:
     """The first boot's hot list (sealed when its container went) is prefetched at the job's next start.
 
     The first boot ran on a stacked deps layer, so its list is keyed by the deps layer's ChainID
@@ -202,10 +206,10 @@ def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, key: str, sp
     sealed = [e for e in read_spool(spool)[0] if e.name == "hotlist.sealed"]
     assert sealed and sealed[0].attrs["outcome"] == "published", sealed
     stack.containerd.ctr("images", "rm", "--sync", ref)
-    harness.wait_until("the image's snapshots to go", lambda: not stack.containerd.snapshots(), 60)
+    wait_for_component("the image's snapshots to go", lambda: not stack.containerd.snapshots(), 60)
     again = time.time()
     pulled = subprocess.run([BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace",
-                             stack.namespace, "--plain-http", "--snapshotter", harness.SNAPSHOTTER_NAME, ref],
+                             stack.namespace, "--plain-http", "--snapshotter", SNAPSHOTTER_NAME, ref],
                             capture_output=True, text=True, timeout=300, env=env)
     assert pulled.returncode == 0, pulled.stderr
     # Left running until the prefetch has ended: a container removed earlier would cut it short.
@@ -216,7 +220,7 @@ def check_prefetch_of_a_later_start(stack: harness.Stack, ref: str, key: str, sp
         return [e for e in read_spool(spool)[0] if e.name == "prefetch" and e.start >= again]
 
     try:
-        spans = harness.wait_until("the prefetch to end", prefetch_ended, 60)
+        spans = wait_for_component("the prefetch to end", prefetch_ended, 60)
     finally:
         stack.remove_container("profiled-2")
     found = [e for e in read_spool(spool)[0] if e.start >= again]
@@ -316,7 +320,7 @@ def check_merge(store_url: str, trace: Trace) -> None:
     assert merged.stragglers[0]["phase_behind_s"] == pytest.approx(30.0, abs=0.5)
 
 
-def test_profile_run_takes_a_containers_marks_through_a_bind_mount(stack: harness.Stack, pulled, tmp_path: Path) -> None:
+def test_profile_run_takes_a_containers_marks_through_a_bind_mount(stack: Stack, pulled, tmp_path: Path) -> None:
     """Outside the snapshotter's marks dir (any snapshotter): ``bootseer profile run -- ctr run`` with
     ``$BOOTSEER_MARKS`` bind-mounted at ``/.bootseer``; the container's ``touch`` is the mark."""
     _, ref = pulled
@@ -344,12 +348,12 @@ def test_compare_a_start_on_overlayfs_with_one_on_bootseer(base: Path, monkeypat
     spool = base / "spool"
     monkeypatch.setenv("BOOTSEER_PROFILE", str(spool))
     monkeypatch.setenv("BOOTSEER_NODE", NODE)
-    stack = harness.Stack(base / "stack", store=True)
+    stack = Stack(base / "stack", store=True)
     watcher = None
     try:
         stack.start()
         image, ref = stack.build_and_push(name="bootseer/compare", layers=lazy_layers())
-        harness.run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300)
+        run([BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, ref], timeout=300)
         env = dict(os.environ)
         watcher = Background([BOOTSEER, "profile", "containerd", "--address", str(stack.containerd.address),
                               "--namespace", stack.namespace], "watching containerd", base / "watch.log", env)

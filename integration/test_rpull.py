@@ -1,4 +1,4 @@
-"""``bootseer rpull`` against a real containerd and registry (integration/harness.py), on containerd's
+"""``bootseer rpull`` against a real containerd and registry (tests/support/stack.py), on containerd's
 own overlayfs snapshotter: every layer is "downloaded" there, so this checks the client-side pull
 itself -- the content, labels, snapshots and image record it leaves are what ``ctr images pull``
 leaves, ``ctr run`` starts the image, and ``ctr images rm`` + GC removes everything.  The lazy path
@@ -20,8 +20,15 @@ from bootseer.images.registry import Descriptor
 from bootseer.images.rpull import (
     LABEL_CRI_IMAGE_LAYERS, MAX_LABEL_BYTES, child_gc_labels, distribution_source, layer_digest_list,
 )
-from integration import harness
-from integration.harness import APP_FILE, APP_FILE_DATA, BLOB_FILE, OPAQUE_DIR, PATCH_FILE, PATCH_FILE_DATA
+from tests.support.containerd import BUILTIN_OVERLAY, containerd_unavailable
+from tests.support.layers import File, Layer
+from tests.support.oci import (
+    APP_FILE, APP_FILE_DATA, BLOB_FILE, OPAQUE_DIR, PATCH_FILE, PATCH_FILE_DATA, add_platform_index, blob_data,
+    build_oci_layout, chain_ids, demo_layers,
+)
+from tests.support.processes import run
+from tests.support.stack import Stack
+from tests.support.waiting import wait_for_component
 
 #: Real containerd (BOOTSEER_CONTAINERD's): CI runs this file on every containerd version (tests/run.sh).
 pytestmark = pytest.mark.integration
@@ -77,7 +84,7 @@ def _why_not_runnable() -> str | None:
         return "needs root (containerd, mounts)"
     missing = [t for t in ("runc", "docker-registry", "skopeo") if shutil.which(t) is None]
     # containerd, ctr and the shim: the ones BOOTSEER_CONTAINERD chooses (the harness's)
-    return f"missing {missing}: run ctr_examples/install-deps.sh" if missing else harness.containerd_unavailable()
+    return f"missing {missing}: run ctr_examples/install-deps.sh" if missing else containerd_unavailable()
 
 
 @pytest.fixture
@@ -85,7 +92,7 @@ def stack():
     why = _why_not_runnable()
     if why:
         pytest.skip(why)
-    s = harness.Stack(snapshotter=harness.BUILTIN_OVERLAY)
+    s = Stack(snapshotter=BUILTIN_OVERLAY)
     try:
         with s:
             yield s
@@ -94,23 +101,23 @@ def stack():
         assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
 
 
-def rpull(stack: harness.Stack, ref: str, *extra: str, namespace: str | None = None,
+def rpull(stack: Stack, ref: str, *extra: str, namespace: str | None = None,
           check: bool = True) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [BOOTSEER, "rpull", "--address", str(stack.containerd.address), "--namespace", namespace or stack.namespace,
-         "--plain-http", "--snapshotter", harness.BUILTIN_OVERLAY, *extra, ref],
+         "--plain-http", "--snapshotter", BUILTIN_OVERLAY, *extra, ref],
         capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     if check and done.returncode != 0:
         raise AssertionError(f"rpull failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return done
 
 
-def ctr(stack: harness.Stack, namespace: str, *args: str) -> str:
-    return harness.run([stack.containerd.install.ctr, "-a", str(stack.containerd.address), "-n", namespace, *args]
+def ctr(stack: Stack, namespace: str, *args: str) -> str:
+    return run([stack.containerd.install.ctr, "-a", str(stack.containerd.address), "-n", namespace, *args]
                        ).stdout.decode()
 
 
-def content_labels(stack: harness.Stack, namespace: str) -> dict[str, dict[str, str]]:
+def content_labels(stack: Stack, namespace: str) -> dict[str, dict[str, str]]:
     """``ctr content ls``: digest -> labels."""
     out = {}
     for line in ctr(stack, namespace, "content", "ls").splitlines()[1:]:
@@ -120,14 +127,14 @@ def content_labels(stack: harness.Stack, namespace: str) -> dict[str, dict[str, 
     return out
 
 
-def test_rpull_then_ctr_run(stack: harness.Stack):
+def test_rpull_then_ctr_run(stack: Stack):
     image, ref = stack.build_and_push()
     done = rpull(stack, ref)
     assert "3 layers on overlayfs: 0 lazy, 3 downloaded" in done.stdout
     assert "already unpacked" in done.stdout
 
     assert ref in stack.containerd.ctr_out("images", "ls", "-q").split()
-    chain = harness.chain_ids(image.diff_ids)
+    chain = chain_ids(image.diff_ids)
     snapshots = {row["key"]: row for row in stack.containerd.snapshots()}
     assert set(snapshots) == set(chain)
     for depth, key in enumerate(chain):
@@ -144,19 +151,19 @@ def test_rpull_then_ctr_run(stack: harness.Stack):
                               f"cat {APP_FILE} {PATCH_FILE}; ls {OPAQUE_DIR}; sha256sum {BLOB_FILE}")
     lines = out.splitlines()
     assert lines[:3] == [APP_FILE_DATA.decode().strip(), PATCH_FILE_DATA.decode().strip(), "c.conf"]
-    assert lines[3].split()[0] == hashlib.sha256(harness.blob_data()).hexdigest()
+    assert lines[3].split()[0] == hashlib.sha256(blob_data()).hexdigest()
 
     again = rpull(stack, ref)
     assert "0 lazy, 0 downloaded (0 B), 3 already unpacked" in again.stdout
 
 
-def test_rpull_leaves_what_ctr_pull_leaves(stack: harness.Stack):
+def test_rpull_leaves_what_ctr_pull_leaves(stack: Stack):
     """Same content, same labels, same snapshots, same image target as ``ctr images pull`` (in another namespace)."""
     image, ref = stack.build_and_push()
     rpull(stack, ref)
     theirs = f"{stack.namespace}-ctr"
     try:
-        ctr(stack, theirs, "images", "pull", "--plain-http", "--snapshotter", harness.BUILTIN_OVERLAY, ref)
+        ctr(stack, theirs, "images", "pull", "--plain-http", "--snapshotter", BUILTIN_OVERLAY, ref)
         assert content_labels(stack, stack.namespace) == content_labels(stack, theirs)
         mine_images = ctr(stack, stack.namespace, "images", "ls").splitlines()[1:]
         their_images = ctr(stack, theirs, "images", "ls").splitlines()[1:]
@@ -164,30 +171,30 @@ def test_rpull_leaves_what_ctr_pull_leaves(stack: harness.Stack):
         mine_snaps = ctr(stack, stack.namespace, "snapshots", "--snapshotter", "overlayfs", "ls")
         assert mine_snaps == ctr(stack, theirs, "snapshots", "--snapshotter", "overlayfs", "ls")
     finally:
-        harness.run([stack.containerd.install.ctr, "-a", str(stack.containerd.address), "-n", theirs, "images", "rm",
+        run([stack.containerd.install.ctr, "-a", str(stack.containerd.address), "-n", theirs, "images", "rm",
                      "--sync", ref], check=False)
 
 
-def test_gc_after_images_rm_removes_content_and_snapshots(stack: harness.Stack):
+def test_gc_after_images_rm_removes_content_and_snapshots(stack: Stack):
     image, ref = stack.build_and_push()
     rpull(stack, ref)
     stack.run_container(ref, "once", "true")
     assert len(content_labels(stack, stack.namespace)) == 2 + len(image.layer_digests)
     stack.containerd.ctr("images", "rm", "--sync", ref)
-    harness.wait_until("containerd to drop every snapshot", lambda: not stack.containerd.snapshots(), 60)
+    wait_for_component("containerd to drop every snapshot", lambda: not stack.containerd.snapshots(), 60)
     assert stack.containerd.ctr_out("content", "ls", "-q").split() == []
     overlay = stack.containerd.root / "io.containerd.snapshotter.v1.overlayfs" / "snapshots"
-    harness.wait_until("the overlayfs directories to go",
+    wait_for_component("the overlayfs directories to go",
                        lambda: not overlay.is_dir() or not list(overlay.iterdir()), 60)
 
 
-def test_index_with_platforms(stack: harness.Stack, tmp_path: Path):
-    amd = harness.build_oci_layout(tmp_path / "amd", harness.demo_layers(), tag="v1")
-    arm = harness.build_oci_layout(tmp_path / "arm", [harness.Layer((harness.File("/arm.txt", b"arm\n"),))], tag="v1")
-    harness.add_platform_index(amd, arm)  # one layout holding an index of both, tagged "multi"
+def test_index_with_platforms(stack: Stack, tmp_path: Path):
+    amd = build_oci_layout(tmp_path / "amd", demo_layers(), tag="v1")
+    arm = build_oci_layout(tmp_path / "arm", [Layer((File("/arm.txt", b"arm\n"),))], tag="v1")
+    add_platform_index(amd, arm)  # one layout holding an index of both, tagged "multi"
 
     ref = f"{stack.registry.address}/bootseer/multi:v1"
-    harness.run(["skopeo", "copy", "--quiet", "--all", "--dest-tls-verify=false",
+    run(["skopeo", "copy", "--quiet", "--all", "--dest-tls-verify=false",
                  f"oci:{amd.layout}:multi", f"docker://{ref}"])
     done = rpull(stack, ref, "--platform", "linux/amd64")
     assert "3 downloaded" in done.stdout
@@ -199,7 +206,7 @@ def test_index_with_platforms(stack: harness.Stack, tmp_path: Path):
     assert stack.run_container(ref, "multi", "cat", APP_FILE).strip() == APP_FILE_DATA.decode().strip()
 
 
-def test_corrupt_layer_fails_cleanly(stack: harness.Stack):
+def test_corrupt_layer_fails_cleanly(stack: Stack):
     image, ref = stack.build_and_push()
     digest = image.layer_digests[1]
     stored = (stack.registry.base / "storage/docker/registry/v2/blobs/sha256" / digest[7:9] / digest[7:] / "data")
@@ -219,7 +226,7 @@ def test_corrupt_layer_fails_cleanly(stack: harness.Stack):
     assert digest not in stack.containerd.ctr_out("content", "ls", "-q").split()
 
 
-def test_errors_are_clear(stack: harness.Stack):
+def test_errors_are_clear(stack: Stack):
     image, ref = stack.build_and_push()
     missing = rpull(stack, ref.rsplit(":", 1)[0] + ":nope", check=False)
     assert missing.returncode == 1 and "not found" in missing.stderr
@@ -234,7 +241,7 @@ def test_errors_are_clear(stack: harness.Stack):
     assert wrong.returncode == 1 and "nosuch" in wrong.stderr
 
 
-def test_an_interrupted_ingest_is_resumed(stack: harness.Stack):
+def test_an_interrupted_ingest_is_resumed(stack: Stack):
     """A blob write cut off mid-way (a killed rpull) leaves an ingest; the next pull resumes it at its offset."""
     from bootseer.images.rpull import Containerd, _blob_ref
 
@@ -262,4 +269,4 @@ def test_an_interrupted_ingest_is_resumed(stack: harness.Stack):
     assert "resuming an interrupted content write" in done.stderr and "offset=1048576" in done.stderr
     assert stack.containerd.ctr_out("content", "active").splitlines()[1:] == []
     assert stack.run_container(ref, "resumed", "sha256sum", BLOB_FILE).split()[0] == \
-        hashlib.sha256(harness.blob_data()).hexdigest()
+        hashlib.sha256(blob_data()).hexdigest()

@@ -22,11 +22,14 @@ import pytest
 
 from bootseer.blockstore.objects.signing import generate_key
 from integration import harness
-from integration.harness import bootseer_convert as convert
-from integration.harness import bootseer_rpull as rpull
+from integration.harness import bootseer_convert as convert, bootseer_rpull as rpull
+from tests.support.forgery import forge_file
+from tests.support.layers import File, Layer
+from tests.support.oci import busybox_layer, chain_ids
+from tests.support.processes import run
+from tests.support.stack import Stack
 from integration.test_depsnap import run_with_deps
 from integration.test_lazy import metric_total
-from tests.support.forgery import forge_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -39,18 +42,18 @@ def test_a_node_that_trusts_the_converter_downloads_a_forged_layer_and_runs_the_
 ) -> None:
     key = tmp_path / "converter"
     generate_key(key)
-    stack = harness.Stack(store=True, daemon_args=["--converter-key", f"{key}.pub"])
+    stack = Stack(store=True, daemon_args=["--converter-key", f"{key}.pub"])
     try:
         with stack:
             image, ref = stack.build_and_push(
-                name="bootseer/trusted", layers=[harness.busybox_layer(), harness.Layer((harness.File("/app/tool", GENUINE),), "app")]
+                name="bootseer/trusted", layers=[busybox_layer(), Layer((File("/app/tool", GENUINE),), "app")]
             )
-            harness.run([harness.BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, "--sign-key", str(key), ref],
+            run([harness.BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, "--sign-key", str(key), ref],
                         timeout=300)  # fmt: skip
-            evil, evil_ref = stack.build_and_push(name="bootseer/evil", layers=[harness.Layer((harness.File("/payload", EVIL),), "evil")])
+            evil, evil_ref = stack.build_and_push(name="bootseer/evil", layers=[Layer((File("/payload", EVIL),), "evil")])
             convert(stack, evil_ref)  # the attacker's own image, unsigned: where the forgery's blocks come from
-            chains = harness.chain_ids(image.diff_ids)
-            forge_file(stack.store_dir, chains[1], "app/tool", harness.chain_ids(evil.diff_ids)[0], "payload")
+            chains = chain_ids(image.diff_ids)
+            forge_file(stack.store_dir, chains[1], "app/tool", chain_ids(evil.diff_ids)[0], "payload")
 
             out = rpull(stack, ref)
             assert "2 layers on bootseer: 1 lazy, 1 downloaded" in out, out

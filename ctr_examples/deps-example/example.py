@@ -22,9 +22,10 @@ sys.path.insert(0, str(REPO))
 
 from bootseer.images.chains import chain_ids  # noqa: E402
 from bootseer.snapshotter.deps_hooks import DEPS_LABEL  # noqa: E402
-from integration import harness  # noqa: E402
 from tests.support.layers import File, Layer  # noqa: E402
 from tests.support.oci import demo_layers  # noqa: E402
+from tests.support.processes import run  # noqa: E402
+from tests.support.stack import Stack  # noqa: E402
 
 BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer")
 
@@ -60,12 +61,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.keep:
         os.environ["BOOTSEER_KEEP_TMP"] = "1"
-    with harness.Stack(store=True) as stack:
+    with Stack(store=True) as stack:
         image, ref = timed("build and push the image", lambda: stack.build_and_push(
             name="bootseer/deps-example", layers=[*demo_layers(), app_layer()]))
         timed(f"pull {ref} through the bootseer snapshotter", lambda: stack.pull(ref))
         top = chain_ids(image.diff_ids)[-1]
-        key_out = harness.run([BOOTSEER, "deps", "key", "--base", top, "--input", str(HERE / "install.sh"), "--",
+        key_out = run([BOOTSEER, "deps", "key", "--base", top, "--input", str(HERE / "install.sh"), "--",
                                "sh", "/app/install.sh"]).stdout.decode()  # fmt: skip
         key = key_out.split()[1]
         print(key_out)
@@ -76,7 +77,7 @@ def main() -> int:
                 "--snapshotter-label", f"{DEPS_LABEL}={key}", ref, f"deps-example-{n}", "/app/entrypoint.sh",
                 timeout=300))  # fmt: skip
             print("    " + out.strip().replace("\n", "\n    "))
-        print(harness.run([BOOTSEER, "deps", "ls", "--store", stack.store_url.removeprefix("file://"),
+        print(run([BOOTSEER, "deps", "ls", "--store", stack.store_url.removeprefix("file://"),
                            "--root", str(stack.base / "no-node-state")]).stdout.decode())  # fmt: skip
     return 0
 

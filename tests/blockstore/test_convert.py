@@ -27,14 +27,9 @@ from bootseer import cli
 from bootseer.images.registry import DigestMismatch, open_image
 from tests.support import layers as L
 from tests.support.oci import (
-    MEDIA_LAYER_GZIP,
-    SHARED_BLOCKS,
-    RawBlob,
-    blob_data,
-    build_oci_layout,
-    chain_ids,
-    rich_layers,
+    MEDIA_LAYER_GZIP, SHARED_BLOCKS, RawBlob, blob_data, build_oci_layout, chain_ids, rich_layers,
 )
+from tests.support.registry import Registry
 from tests.support.trees import disk_tree, extract_with_tar, index_tree
 
 BLOCK = 1 << 20
@@ -375,9 +370,7 @@ def test_cli_errors(argv, code, message, rich_image, tmp_path, capsys):
 
 
 def test_cli_converts_from_a_registry_over_plain_http(rich_image, tmp_path, capsys):
-    from integration import harness
-
-    registry = harness.Registry(tmp_path / "registry")
+    registry = Registry(tmp_path / "registry")
     registry.start()
     try:
         ref = registry.push(rich_image, "bootseer/rich")

@@ -1,7 +1,7 @@
 """bootseer.images.registry: OCI layouts and a real registry (Debian's docker-registry), read and verified.
 
 Registry tests push OCI layouts with skopeo into a ``docker-registry`` on 127.0.0.1
-(integration/harness.py's :class:`Registry`), then read them back: by tag and by digest,
+(:class:`tests.support.registry.Registry`), then read them back: by tag and by digest,
 through an index with several platforms, with basic auth (htpasswd) and bearer tokens
 (the registry's own token verification against a token service this file runs), and
 with blobs corrupted in the registry's storage.
@@ -30,19 +30,22 @@ from bootseer.images.registry import (
     AuthError, BadReference, Descriptor, DigestMismatch, ImageNotFound, MalformedImage, Platform,
     RegistryReference, UnsupportedMediaType, open_image,
 )
-from integration import harness
+from tests.support.layers import Dir, File, Layer
+from tests.support.oci import BuiltImage, add_platform_index, blob_data, build_oci_layout
+from tests.support.processes import run
+from tests.support.registry import Registry
 from tests.support.tls import self_signed
 
 # --------------------------------------------------------------------------- helpers
 
 LAYERS = [
-    harness.Layer((harness.File("/a.txt", b"layer zero\n"), harness.Dir("/etc")), "zero"),
-    harness.Layer((harness.File("/b.bin", harness.blob_data(300_000)),), "one"),
+    Layer((File("/a.txt", b"layer zero\n"), Dir("/etc")), "zero"),
+    Layer((File("/b.bin", blob_data(300_000)),), "one"),
 ]
 
 
-def build(tmp: Path, name: str = "img", tag: str = "v1", layers=LAYERS) -> harness.BuiltImage:
-    return harness.build_oci_layout(tmp / name, layers, tag=tag)
+def build(tmp: Path, name: str = "img", tag: str = "v1", layers=LAYERS) -> BuiltImage:
+    return build_oci_layout(tmp / name, layers, tag=tag)
 
 
 def blob_path(layout: Path, digest: str) -> Path:
@@ -59,7 +62,7 @@ def set_index(layout: Path, manifests: list[dict]) -> None:
     (layout / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": manifests}))
 
 
-def rewrite_manifest(image: harness.BuiltImage, change) -> None:
+def rewrite_manifest(image: BuiltImage, change) -> None:
     """Apply ``change(manifest_dict)`` and point index.json at the new manifest."""
     manifest = json.loads(blob_path(image.layout, image.manifest_digest).read_bytes())
     change(manifest)
@@ -134,8 +137,8 @@ def test_resolve_oci_layout(tmp_path):
 
 def test_index_picks_the_platform(tmp_path):
     image = build(tmp_path)
-    other = build(tmp_path, "arm", layers=[harness.Layer((harness.File("/arm", b"arm\n"),))])
-    index_desc = harness.add_platform_index(image, other)
+    other = build(tmp_path, "arm", layers=[Layer((File("/arm", b"arm\n"),))])
+    index_desc = add_platform_index(image, other)
     amd = open_image(f"oci:{image.layout}:multi", platform="linux/amd64").resolve()
     assert amd.manifest_descriptor.digest == image.manifest_digest
     assert amd.index is not None and amd.index.digest == index_desc["digest"]
@@ -246,8 +249,8 @@ def tools() -> None:
 
 
 @pytest.fixture
-def registry(tools, tmp_path) -> Iterator[harness.Registry]:
-    reg = harness.Registry(tmp_path / "registry")
+def registry(tools, tmp_path) -> Iterator[Registry]:
+    reg = Registry(tmp_path / "registry")
     reg.start()
     try:
         yield reg
@@ -274,11 +277,11 @@ def test_registry_by_tag_and_by_digest(registry, tmp_path):
 
 def test_registry_docker_schema2_and_manifest_list(registry, tmp_path):
     image = build(tmp_path)
-    other = build(tmp_path, "arm", layers=[harness.Layer((harness.File("/arm", b"arm\n"),))])
-    harness.add_platform_index(image, other)
+    other = build(tmp_path, "arm", layers=[Layer((File("/arm", b"arm\n"),))])
+    add_platform_index(image, other)
     ref = f"{registry.address}/bootseer/multi:v2"
     # skopeo converts to Docker's formats on request: a manifest list of schema 2 manifests.
-    harness.run(["skopeo", "copy", "--quiet", "--all", "--dest-tls-verify=false", "--format", "v2s2",
+    run(["skopeo", "copy", "--quiet", "--all", "--dest-tls-verify=false", "--format", "v2s2",
                  f"oci:{image.layout}:multi", f"docker://{ref}"])
     arm = open_image(ref, plain_http=True, platform="linux/arm64/v8").resolve()
     assert arm.index is not None and arm.index.media_type == images.MEDIA_DOCKER_LIST

@@ -1,33 +1,26 @@
-"""Shared test support: build layer tars and OCI image layouts for BootSeer's tests.
+"""The one support package of the tests, the integration tests and the benchmarks.
 
-Import what you need from the two modules (or from here, which re-exports both)::
+Everything the three share lives here, one idea per module, and this package imports nothing
+back from ``tests/<package>/``, ``integration/`` or ``bench/`` (only the product, ``bootseer``, and
+itself; ``tests/test_architecture.py`` checks it). Import from the module that holds a name::
 
-    from tests.support import layers, oci
-    from tests.support.layers import Dir, File, Hardlink, Layer, layer_tar
-    from tests.support.oci import build_oci_layout, busybox_layer, demo_layers, rich_layers
+    from tests.support.oci import build_oci_layout, demo_layers
+    from tests.support.stack import Stack
 
-* :mod:`tests.support.layers` -- entry specs for every kind of tar entry (files with
-  modes, owners, ns mtimes and xattrs; directories; symlinks, absolute ones included;
-  hardlinks; character/block devices; fifos; whiteouts and opaque markers; GNU sparse
-  files; raw headers for hostile tars) and :func:`~tests.support.layers.layer_tar` /
-  :func:`~tests.support.layers.write_layer_tar` to write them, deterministically (same
-  specs, same bytes, same digests).
-* :mod:`tests.support.oci` -- :func:`~tests.support.oci.build_oci_layout` (an OCI image
-  layout: ``oci-layout``, ``index.json``, manifest, config with ``diff_ids``, layer blobs
-  gzip, zstd or uncompressed), the busybox base layer (runnable with ``busybox-static``),
-  the three-layer demo image the integration tests run, and :func:`~tests.support.oci.rich_layers`,
-  a multi-layer image with one entry of every kind for format round trips;
-  :class:`~tests.support.oci.RawBlob` puts exact blob bytes (truncated, corrupt) in a layout.
-* :mod:`tests.support.trees` -- compare a converted layer with a plain extraction:
-  :func:`~tests.support.trees.extract_with_tar` (GNU tar as root, xattrs kept),
-  :func:`~tests.support.trees.disk_tree` (lstat only, in overlayfs lower-dir form),
-  :func:`~tests.support.trees.index_tree` and :func:`~tests.support.trees.read_file`
-  (contents from a local store's packs, every block verified; symlinks never followed).
-
-Everything here is plain files and bytes: no registry, no containerd, no root (except
-where a test extracts device nodes itself).
+* Images: :mod:`~tests.support.layers` (entry specs of every kind, a deterministic tar writer),
+  :mod:`~tests.support.oci` (the one OCI layout writer, the demo and rich images),
+  :mod:`~tests.support.layer_store`, :mod:`~tests.support.packed_layers` (converted layers in a store),
+  :mod:`~tests.support.trees` (a converted layer against a plain extraction), :mod:`~tests.support.wheels`.
+* Processes and components: :mod:`~tests.support.processes` (a managed child, a command run to completion),
+  :mod:`~tests.support.registry` (``docker-registry``), :mod:`~tests.support.containerd` (which containerd,
+  and a private one), :mod:`~tests.support.stack` (registry + daemon + containerd: a node),
+  :mod:`~tests.support.daemon` (the daemon as unit tests meet it), :mod:`~tests.support.layer_servers`,
+  :mod:`~tests.support.mounts` (FUSE mount programs), :mod:`~tests.support.peernodes`,
+  :mod:`~tests.support.peers`, :mod:`~tests.support.netns` (network namespaces, shaped links).
+* Servers a test reads from: :mod:`~tests.support.http`, :mod:`~tests.support.nginx`,
+  :mod:`~tests.support.s3`, :mod:`~tests.support.webhdfs`, :mod:`~tests.support.tls`.
+* Hostile input: :mod:`~tests.support.bombs`, :mod:`~tests.support.forgery`, :mod:`~tests.support.sealed`.
+* Time and measurement: :mod:`~tests.support.waiting` (the one ``wait_until``, ``free_port``),
+  :mod:`~tests.support.autojump` (trio's mock clock), :mod:`~tests.support.memory`,
+  :mod:`~tests.support.chromium`, :mod:`~tests.support.snapshots`.
 """
-
-from tests.support import layers, oci  # noqa: F401
-
-__all__ = ["layers", "oci"]

@@ -41,11 +41,10 @@ from typing import Any, Iterator
 
 from bootseer.units import parse_size
 
-import netcap
+from bench import netcap
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH_DIR.parent))
-from tests.support.nginx import Nginx  # noqa: E402
+from tests.support.nginx import Nginx
 READERS = BENCH_DIR / "readers.py"
 MB = 1_000_000  # rates are in decimal megabytes per second, as tc and curl count them
 MiB = 1 << 20
@@ -335,7 +334,7 @@ def report(args: argparse.Namespace, methods: dict[str, Method], context: dict[s
         "",
         f"- Date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
         f"- Machine: {_machine()}",
-        f"- Command: `{shlex.join(['python', 'bench/ckpt_bench.py', *sys.argv[1:]])}`",
+        f"- Command: `{shlex.join(['python', '-m', 'bench.ckpt_bench', *sys.argv[1:]])}`",
         f"- Server: nginx (sendfile, Range, keep-alive) on 127.0.0.1 in a private network namespace; "
         f"**{args.conn_rate:g} MB/s per connection, {args.aggregate_rate:g} MB/s aggregate** "
         f"(kernel HTB on the namespace's loopback; 1 MB = 10⁶ bytes)",

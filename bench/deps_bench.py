@@ -1,6 +1,6 @@
 """Dependency snapshots against installing: time from the start of the step until the imports have returned.
 
-    .venv/bin/python bench/deps_bench.py [--reps 3] [--workdir /var/tmp/deps-bench] [--wheels DIR]
+    .venv/bin/python -m bench.deps_bench [--reps 3] [--workdir /var/tmp/deps-bench] [--wheels DIR]
 
 Needs root (drops the page cache, mounts overlayfs and FUSE).  The requirement set: the CPU build of
 torch 2.13.0, numpy, transformers and a dozen pure-Python packages with their dependencies, from a local
@@ -45,13 +45,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.support import netns  # noqa: E402
-from tests.support.nginx import Nginx  # noqa: E402
-from nodestats import file_pages, fuse_requests, scrape_metrics  # noqa: E402
+from tests.support import netns
+from tests.support.nginx import Nginx
+from bench.nodestats import file_pages, fuse_requests, scrape_metrics
 
-from bootseer.blockstore.server.client import (  # noqa: E402
+from bootseer.blockstore.server.client import (
     LayerServerClient, LayerServerError, ServerPaths, ServerSettings, ensure_server)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -354,7 +352,7 @@ def report(args: argparse.Namespace, wheels: Path, installed_bytes: int, capture
         "# Dependency snapshots: benchmark results", "",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- Machine: {os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}",
-        f"- Command: `python bench/deps_bench.py --reps {args.reps} --modes {args.modes} --data-paths "
+        f"- Command: `python -m bench.deps_bench --reps {args.reps} --modes {args.modes} --data-paths "
         f"{','.join(args.data_paths)}`",
         f"- Set: {', '.join(REQUIREMENTS)} and their dependencies ({len(list(wheels.glob('*.whl')))} wheels, "
         f"{sum(p.stat().st_size for p in wheels.glob('*.whl')) / 2**20:.0f} MiB), installed "

@@ -8,7 +8,7 @@ image's size, bytes per entry and the writer's peak Python memory, runs ``fsck.e
 on it (against a sparse blob of the right size) and, as root, mounts it and checks that
 a stat walk of the mount sees every entry with the tree's metadata.
 
-    .venv/bin/python bench/erofs_image.py [--root /usr] [--block-size 1048576] [--reps 3]
+    .venv/bin/python -m bench.erofs_image [--root /usr] [--block-size 1048576] [--reps 3]
 """
 
 from __future__ import annotations

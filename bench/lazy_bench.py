@@ -1,6 +1,6 @@
 """Benchmark of lazy image layers: time to a container's first useful output, overlayfs vs BootSeer.
 
-One command (as root): ``.venv/bin/python bench/lazy_bench.py``.  It
+One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
 
 1. builds (once, cached under ``--cache-dir``) a 1.2 GB, four-layer image: Debian
    bookworm minbase, python3 + pip, the CPU build of torch, and an app whose command
@@ -63,8 +63,6 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import platform
-import selectors
 import shlex
 import shutil
 import signal
@@ -75,17 +73,25 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from bench import image_build
+from bench.common import (
+    BenchError, bootseer_argv, code_version, drop_caches, log, machine, run_checked, run_until_marker,
+)
+from bench.node import (
+    chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, read_hot_list,
+)
+from bench.nodestats import file_pages, fuse_requests
+from bench.nodestats import scrape_metrics as _scrape
+from tests.support import netns
+from tests.support.containerd import BUILTIN_OVERLAY, SNAPSHOTTER_NAME, ContainerdInstall, containerd_install
+from tests.support.nginx import Nginx
+from tests.support.oci import chain_ids
+from tests.support.processes import HarnessError, ManagedProcess, pids_mentioning
+from tests.support.stack import Snapshotter, Stack, snapshotter_binary
+from tests.support.waiting import free_port, wait_for_component
+
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-import image_build  # noqa: E402
-from tests.support import netns  # noqa: E402
-from nodestats import file_pages, fuse_requests  # noqa: E402
-from nodestats import scrape_metrics as _scrape  # noqa: E402
-from tests.support.nginx import Nginx  # noqa: E402
-
-from integration import harness  # noqa: E402
 
 MB = 1_000_000
 REGISTRY_PORT = 5000
@@ -152,15 +158,11 @@ def data_path_support() -> dict[str, bool]:
     """Whether the installed ``bootseer-snapshotter`` and ``bootseer layer-server`` take ``--data-path``
     (asked once, from their ``--help``)."""
     found = {}
-    for what, argv in (("snapshotter", [harness.snapshotter_binary(), "--help"]),
+    for what, argv in (("snapshotter", [snapshotter_binary(), "--help"]),
                        ("layer-server", bootseer_argv("layer-server", "--help"))):
         done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         found[what] = "--data-path" in done.stdout
     return found
-
-
-class BenchError(RuntimeError):
-    """A step of the benchmark failed; the message says which and why."""
 
 
 @dataclasses.dataclass
@@ -190,83 +192,9 @@ class Scenario:
 # --------------------------------------------------------------------------- helpers
 
 
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def drop_caches() -> None:
-    """Write dirty pages back, then drop the page cache, dentries and inodes (a cold node)."""
-    subprocess.run(["sync"], check=True)
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def bootseer_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "bootseer.cli", *args]
-
-
-def run_checked(argv: list[str], what: str, timeout: float, log_path: Path | None = None) -> str:
-    """Run a command; its output goes to ``log_path``; a failure raises with the output's tail."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as e:
-        raise BenchError(f"{what}: timed out after {timeout:.0f} s: {shlex.join(argv)}") from e
-    if log_path is not None:
-        with open(log_path, "a") as f:
-            f.write(f"$ {shlex.join(argv)}\n{done.stdout}{done.stderr}\n[exit {done.returncode}]\n")
-    if done.returncode != 0:
-        tail = (done.stderr.strip() or done.stdout.strip())[-1500:]
-        raise BenchError(f"{what}: exit status {done.returncode}: {shlex.join(argv)}\n{tail}")
-    return done.stdout
-
-
-def run_until_marker(argv: list[str], marker: str, timeout: float, log_path: Path) -> tuple[float, str]:
-    """Start ``argv``; seconds until a line containing ``marker`` appears on its stdout, and that line.
-
-    The process is then waited for (it exits after printing) and must exit 0.
-    """
-    start = time.perf_counter()
-    with open(log_path, "a") as out_log:
-        out_log.write(f"$ {shlex.join(argv)}\n")
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        found: tuple[float, str] | None = None
-        buffered = b""
-        deadline = start + timeout
-        try:
-            with selectors.DefaultSelector() as selector:
-                selector.register(process.stdout, selectors.EVENT_READ)
-                while True:
-                    left = deadline - time.perf_counter()
-                    if left <= 0:
-                        raise BenchError(f"no {marker!r} within {timeout:.0f} s: {shlex.join(argv)}")
-                    if not selector.select(left):
-                        continue
-                    chunk = os.read(process.stdout.fileno(), 65536)
-                    if not chunk:
-                        break
-                    buffered += chunk
-                    out_log.write(chunk.decode(errors="replace"))
-                    if found is None:
-                        for line in buffered.decode(errors="replace").splitlines():
-                            if marker in line:
-                                found = (time.perf_counter() - start, line.strip())
-                                break
-            status = process.wait(timeout=max(1.0, deadline - time.perf_counter()))
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        out_log.write(f"[exit {process.returncode}]\n")
-    tail = buffered.decode(errors="replace").strip()[-1500:]
-    if status != 0:
-        raise BenchError(f"exit status {status}: {shlex.join(argv)}\n{tail}")
-    if found is None:
-        raise BenchError(f"the container exited without printing {marker!r}:\n{tail}")
-    return found
-
-
 def _pids_under(path: Path) -> list[int]:
     """Processes whose command line names ``path`` (this run's private directory): the ones it started."""
-    return harness._pids_mentioning(str(path))
+    return pids_mentioning(str(path))
 
 
 # --------------------------------------------------------------------------- servers
@@ -278,7 +206,7 @@ class NetnsRegistry:
     def __init__(self, link: netns.ShapedLink, storage: Path, work: Path) -> None:
         self.link, self.storage, self.work = link, storage, work
         self.address = f"{link.server_ip}:{REGISTRY_PORT}"
-        self.process: harness.ManagedProcess | None = None
+        self.process: ManagedProcess | None = None
 
     def __enter__(self) -> "NetnsRegistry":
         self.storage.mkdir(parents=True, exist_ok=True)
@@ -289,12 +217,12 @@ class NetnsRegistry:
             f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n"
             f"http:\n  addr: {self.address}\n"
         )
-        self.process = harness.ManagedProcess(
+        self.process = ManagedProcess(
             "docker-registry", [*self.link.launcher(), "docker-registry", "serve", str(config)],
             self.work / "registry.log")
         self.process.start()
         try:
-            harness.wait_until(f"the registry on {self.address}", self._answers, 30, alive=self.process)
+            wait_for_component(f"the registry on {self.address}", self._answers, 30, alive=self.process)
         except BaseException:
             self.__exit__()
             raise
@@ -319,31 +247,13 @@ class NetnsRegistry:
             self.process.stop()
 
 
-def convert_store(image: image_build.Image, store: Path, log_path: Path) -> float | None:
-    """``bootseer convert`` the image into ``store`` unless already done; the seconds it took (None: cached)."""
-    marker = store.parent / "store.converted"
-    if marker.exists() and marker.read_text().strip() == image.manifest_digest and store.is_dir():
-        return None
-    store.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)
-    log(f"bootseer convert {image.oci_ref} --store {store}")
-    start = time.perf_counter()
-    run_checked(bootseer_argv("convert", image.oci_ref, "--store", str(store)), "bootseer convert",
-                timeout=3600, log_path=log_path)
-    seconds = time.perf_counter() - start
-    # nginx's worker runs unprivileged: the store must be world-readable.
-    subprocess.run(["chmod", "-R", "a+rX", str(store)], check=True)
-    marker.write_text(image.manifest_digest + "\n")
-    return seconds
-
-
 # --------------------------------------------------------------------------- one node
 
 
 @contextlib.contextmanager
 def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
                publish_store: Path | None = None, data_path: str | None = None,
-               containerd: harness.ContainerdInstall | None = None) -> Iterator[harness.Stack]:
+               containerd: ContainerdInstall | None = None) -> Iterator[Stack]:
     """A fresh containerd (``containerd``: which; default the one ``BOOTSEER_CONTAINERD`` chooses) and, for
     ``lazy``, bootseer-snapshotter with ``--store``, under ``base``.
 
@@ -353,13 +263,13 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
     """
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    stack = harness.Stack(base, namespace=NAMESPACE, with_registry=False,
-                          snapshotter=harness.SNAPSHOTTER_NAME if lazy else harness.BUILTIN_OVERLAY,
+    stack = Stack(base, namespace=NAMESPACE, with_registry=False,
+                          snapshotter=SNAPSHOTTER_NAME if lazy else BUILTIN_OVERLAY,
                           snapshotter_log_level="info", containerd=containerd)
     if lazy:
         # The daemon's layer server serves its metrics too, so lazy runs show FUSE requests.
-        metrics = f"127.0.0.1:{harness.free_port()}"
-        stack.daemon = harness.Snapshotter(base / "snap", log_level="info", extra_args=[
+        metrics = f"127.0.0.1:{free_port()}"
+        stack.daemon = Snapshotter(base / "snap", log_level="info", extra_args=[
             "--store", store_url, "--layer-server-metrics-address", metrics,
             *(["--publish-store", str(publish_store)] if publish_store is not None else []),
             *(["--data-path", data_path] if data_path is not None else [])])
@@ -373,8 +283,8 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
         for pid in _pids_under(base):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-        with contextlib.suppress(harness.HarnessError):
-            harness.wait_until("this node's processes to exit", lambda: not _pids_under(base), 15)
+        with contextlib.suppress(HarnessError):
+            wait_for_component("this node's processes to exit", lambda: not _pids_under(base), 15)
         for pid in _pids_under(base):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -390,12 +300,12 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
         shutil.rmtree(base, ignore_errors=True)
 
 
-def control_socket(stack: harness.Stack) -> Path:
+def control_socket(stack: Stack) -> Path:
     """The layer server's control socket of a node whose daemon has ``--root ROOT``."""
     return stack.daemon.root / "layers" / "control.sock"
 
 
-def lazy_node_figures(stack: harness.Stack) -> dict[str, float]:
+def lazy_node_figures(stack: Stack) -> dict[str, float]:
     """The layer server's ``status`` figures and its Prometheus metrics, on a lazy node."""
     return {**layer_server_figures(control_socket(stack)),
             **scrape_metrics(getattr(stack, "layer_server_metrics_url", None))}
@@ -503,17 +413,17 @@ def summarize_profile(path: Path, top: int = 12) -> list[str]:
     return rows
 
 
-def ctr_argv(stack: harness.Stack, *args: str) -> list[str]:
+def ctr_argv(stack: Stack, *args: str) -> list[str]:
     """The node's own ``ctr`` (from its containerd's directory) against it."""
     return stack.containerd.ctr_argv(*args)
 
 
-def run_argv(stack: harness.Stack, ref: str, name: str, options: tuple[str, ...] = ()) -> list[str]:
+def run_argv(stack: Stack, ref: str, name: str, options: tuple[str, ...] = ()) -> list[str]:
     return ctr_argv(stack, "run", "--rm", "--fifo-dir", str(stack.fifo_dir), "--snapshotter",
                     stack.snapshotter_name, *options, ref, name)
 
 
-def pull_argv(stack: harness.Stack, ref: str, lazy: bool) -> list[str]:
+def pull_argv(stack: Stack, ref: str, lazy: bool) -> list[str]:
     """``bootseer rpull`` onto the node's snapshotter (lazy), else ``ctr images pull`` onto overlayfs."""
     if lazy:
         return bootseer_argv("rpull", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
@@ -593,7 +503,7 @@ class PrefetchWatch:
         return figures
 
 
-def timed_start(stack: harness.Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
+def timed_start(stack: Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
                 timeout: float, log_path: Path, lazy: bool, profile: Path | None = None,
                 watch_prefetch: bool = False, marks: Path | None = None, drop: bool = True) -> Run:
     """Drop caches (unless not ``drop``), then (pull and) run the container; time to its marker line,
@@ -645,7 +555,7 @@ def run_fuse_requests(run: Run) -> dict[str, float]:
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
                  scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
                  data_path: str | None = None, pass_data_path: bool = False,
-                 containerd: harness.ContainerdInstall | None = None) -> None:
+                 containerd: ContainerdInstall | None = None) -> None:
     """One fresh node: a cold start, a local start (page cache dropped), then a warm one (not dropped), of
     ``kind`` (overlay or lazy); a lazy node on ``data_path`` (passed as ``--data-path`` if ``pass_data_path``);
     its containerd ``containerd``."""
@@ -679,7 +589,7 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
                 log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
                     f"link {run.link_bytes / MB:7.1f} MB, page cache +{run.page_cache_bytes / MB:.0f} MB"
                     + (f", FUSE requests {sum(requests.values()):.0f}" if lazy else "") + extra)
-    except (BenchError, harness.HarnessError) as e:
+    except (BenchError, HarnessError) as e:
         for scenario in (cold, local, warm):
             scenario.errors.append(f"run {rep}: node did not start: {e}")
         log(f"  {label} node {rep}: FAILED: {e}")
@@ -688,36 +598,9 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
 # --------------------------------------------------------------------------- hot lists (issue 7)
 
 
-def hot_store_copy(store: Path, hot_store: Path) -> None:
-    """``hot_store``: a fresh copy of the converted ``store`` without hot lists (hard links: instant).
-
-    The hot-list scenario records into and reads from this copy, so the plain lazy runs
-    read a store that never holds a hot list.  Publishing only ever creates new files
-    (temp + link(2)), so no file shared with ``store`` is written to.
-    """
-    shutil.rmtree(hot_store, ignore_errors=True)
-    run_checked(["cp", "-al", str(store), str(hot_store)], "copy of the store", timeout=300)
-    shutil.rmtree(hot_store / "v1" / "hotlists", ignore_errors=True)
-    (hot_store / "v1" / "hotlists").mkdir()
-    hot_store.chmod(0o755)
-    # The layer server publishes as root with a private umask; nginx's worker must read the list.
-    (hot_store / "v1" / "hotlists").chmod(0o777)
-
-
-def read_hot_list(hot_store: Path, image: image_build.Image) -> dict[str, Any] | None:
-    """``bootseer hotlist show``'s summary of the image's default hot list in ``hot_store`` (None: none)."""
-    from bootseer.hotlist.format import HotList, hotlist_object, summary
-
-    top = harness.chain_ids([layer.diff_id for layer in image.layers])[-1]
-    path = hot_store / hotlist_object(top)
-    if not path.is_file():
-        return None
-    return summary(HotList.decode(path.read_bytes(), expected_image=top, expected_profile=""))
-
-
 def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: image_build.Image,
                     timeout: float, data_path: str | None = None,
-                    containerd: harness.ContainerdInstall | None = None) -> dict[str, Any]:
+                    containerd: ContainerdInstall | None = None) -> dict[str, Any]:
     """The image's first boot on a fresh node, which records its hot list into ``hot_store``.
 
     The node reads the store through nginx (``hot_url``, read-only) and publishes to the
@@ -747,7 +630,7 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
                 found.update(done[-1])
             return bool(done)
 
-        harness.wait_until("the recording to seal and publish", published, 150)
+        wait_for_component("the recording to seal and publish", published, 150)
     if found.get("outcome") != "published":
         raise BenchError(f"the recording boot did not publish a hot list: {found}")
     hot = read_hot_list(hot_store, image)
@@ -760,7 +643,7 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
 def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot_url: str, hot_store: Path,
                      scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
                      data_path: str | None = None, pass_data_path: bool = False,
-                     containerd: harness.ContainerdInstall | None = None) -> None:
+                     containerd: ContainerdInstall | None = None) -> None:
     """A fresh node (new roots, empty cache; its containerd ``containerd``) whose store holds the hot list:
     rpull prefetches, then the job."""
     scenario = scenarios[named("hot-cold", data_path)]
@@ -774,7 +657,7 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
             profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
             run = timed_start(stack, link, ref, f"hot-cold-{rep}", pull, timeout, log_path, True, profile,
                               watch_prefetch=True)
-    except (BenchError, harness.HarnessError) as e:
+    except (BenchError, HarnessError) as e:
         scenario.errors.append(f"run {rep}: {e}")
         log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
         return
@@ -814,25 +697,25 @@ def profiling_on(spool: Path, node: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def containerd_watcher(stack: harness.Stack, spool: Path, log_path: Path) -> Iterator[None]:
+def containerd_watcher(stack: Stack, spool: Path, log_path: Path) -> Iterator[None]:
     """``bootseer profile containerd`` on the node's containerd, writing its events to ``spool``,
     for the body (containerd keeps no history: it must be watching before the pull)."""
-    watcher = harness.ManagedProcess("profile containerd", bootseer_argv(
+    watcher = ManagedProcess("profile containerd", bootseer_argv(
         "profile", "containerd", "--address", str(stack.containerd.address), "--namespace", NAMESPACE,
         "--spool", str(spool)), log_path, python=True)
     watcher.start()
     try:
-        harness.wait_until("the containerd watcher to connect",
+        wait_for_component("the containerd watcher to connect",
                            lambda: "watching containerd" in log_path.read_text(errors="replace"), 30, alive=watcher)
         yield
     finally:
-        with contextlib.suppress(harness.HarnessError):
+        with contextlib.suppress(HarnessError):
             watcher.stop()
 
 
 def profiled_start(name: str, scenario: str, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
                    hot_store: Path | None, out: Path, timeout: float,
-                   containerd: harness.ContainerdInstall | None = None) -> tuple[Run, Path]:
+                   containerd: ContainerdInstall | None = None) -> tuple[Run, Path]:
     """One cold start of ``scenario`` (overlay-cold, lazy-cold or hot-cold) on a fresh node with the
     start-up profiler on for every process of the node; its trace, collected, is ``out/NAME.json``."""
     from bootseer.profile import events, hooks
@@ -871,7 +754,7 @@ def profiled_start(name: str, scenario: str, work: Path, link: netns.ShapedLink,
 
 def record_timeline(out: Path, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
                     hot_url: str | None, hot_store: Path | None, kinds: list[str], timeout: float,
-                    containerd: harness.ContainerdInstall | None = None) -> dict[str, Any]:
+                    containerd: ContainerdInstall | None = None) -> dict[str, Any]:
     """``--timeline``: a profiled overlayfs cold start and a profiled BootSeer one (hot-list cold start when
     the hot mode ran, else lazy cold), each on a fresh node, then ``bootseer profile compare`` of the two
     into ``out`` (the traces, compare.html, compare.png, compare.trace.json, compare.txt)."""
@@ -901,77 +784,6 @@ def record_timeline(out: Path, work: Path, link: netns.ShapedLink, ref: str, sto
 # --------------------------------------------------------------------------- the layer server alone
 
 
-@contextlib.contextmanager
-def overlay_root(lowers: list[str], base: Path, name: str) -> Iterator[Path]:
-    """An overlay of ``lowers`` (topmost first) with a fresh upper dir and /proc, for a chroot."""
-    upper, work, merged = base / f"{name}.up", base / f"{name}.work", base / f"{name}.root"
-    for path in (upper, work, merged):
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-    options = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
-    run_checked(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)], "overlay mount", timeout=60)
-    try:
-        run_checked(["mount", "-t", "proc", "proc", str(merged / "proc")], "proc mount", timeout=60)
-        try:
-            yield merged
-        finally:
-            subprocess.run(["umount", str(merged / "proc")], capture_output=True)
-    finally:
-        if subprocess.run(["umount", str(merged)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(merged)], capture_output=True)
-
-
-def chroot_start(root: Path, timeout: float, log_path: Path) -> tuple[float, str]:
-    """Run the image's command in a chroot of ``root``; seconds to its marker line."""
-    argv = ["chroot", str(root), "/usr/bin/env", "-i", f"PATH={image_build.CHROOT_PATH}", "LANG=C.UTF-8",
-            "python3", "/app/train.py"]
-    return run_until_marker(argv, image_build.FIRST_OUTPUT_MARKER, timeout, log_path)
-
-
-@contextlib.contextmanager
-def layer_server_node(base: Path, store_url: str, data_path: str | None = None) -> Iterator[tuple[Path, str]]:
-    """``bootseer layer-server --root BASE/root --store URL`` on a fresh root (``--data-path`` if given);
-    yields its control socket and its metrics URL."""
-    from bootseer.blockstore.server.client import LayerServerClient
-
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
-    root = base / "root"
-    metrics = f"127.0.0.1:{harness.free_port()}"
-    server = harness.ManagedProcess("layer-server", bootseer_argv("layer-server", "--root", str(root), "--store",
-                                                                  store_url, "--metrics-address", metrics,
-                                                                  *(["--data-path", data_path] if data_path else [])),
-                                    base / "layer-server.log", python=True)
-    socket_path = root / "layers" / "control.sock"
-
-    def answers() -> bool:
-        with contextlib.suppress(Exception):
-            LayerServerClient(socket_path).status()
-            return True
-        return False
-
-    server.start()
-    try:
-        harness.wait_until("the layer server to answer", answers, 60, alive=server)
-        yield socket_path, f"http://{metrics}/metrics"
-    finally:
-        with contextlib.suppress(harness.HarnessError):
-            server.stop()
-        with contextlib.suppress(Exception):
-            for point in harness._mounts_under(base):
-                subprocess.run(["umount", "-l", point], capture_output=True)
-        keep_logs = base.parent / "logs"
-        keep_logs.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            shutil.copy(base / "layer-server.log", keep_logs / f"{base.name}-layer-server.log")
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def _lower_dir(mounted: Any) -> str:
-    """The lower dir from ``LayerServerClient.mount``'s answer (a MountedLayer, or its path)."""
-    return mounted if isinstance(mounted, str) else mounted.lower_dir
-
-
 def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image_build.Image, store_url: str,
                       scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
                       cache_dir: Path, data_path: str | None = None, pass_data_path: bool = False,
@@ -983,7 +795,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
     label = "fuse" + (f"-{data_path}" if data_path else "")
     log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    chains = harness.chain_ids([layer.diff_id for layer in image.layers])
+    chains = chain_ids([layer.diff_id for layer in image.layers])
     cold, local, plain = (scenarios[named(name, data_path)] for name in KINDS["fuse"])
     base = work / f"f{data_path or ''}{rep}"
     try:
@@ -1000,7 +812,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
                     with profiled(socket_path, profile):
                         start = time.perf_counter()
                         if not lowers:  # what the snapshotter does when rpull prepares the layers
-                            lowers = [_lower_dir(client.mount(chain)) for chain in chains][::-1]
+                            lowers = [lower_dir(client.mount(chain)) for chain in chains][::-1]
                         mounted = time.perf_counter() - start
                         with overlay_root(lowers, base, scenario.name) as root:
                             seconds, line = chroot_start(root, timeout, log_path)
@@ -1016,7 +828,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
                                          server=server, page_cache_bytes=page_cache))
                 log(f"  {scenario.name:14} run {rep}: {total:6.2f} s (mounts {mounted:5.2f} s), "
                     f"link {fetched / MB:7.1f} MB")
-    except (BenchError, harness.HarnessError) as e:
+    except (BenchError, HarnessError) as e:
         cold.errors.append(f"run {rep}: layer server did not start: {e}")
         log(f"  {label} node {rep}: FAILED: {e}")
     if not plain_too:
@@ -1042,28 +854,6 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
 
 
 # --------------------------------------------------------------------------- report
-
-
-def _machine(containerd: harness.ContainerdInstall) -> str:
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return (f"{os.cpu_count()} × {cpu}, {memory:.0f} GiB RAM, Linux {platform.release()}, "
-            f"{containerd.describe()}, Python {platform.python_version()}")
-
-
-def _code_version() -> str:
-    """The commit measured, and the files changed on top of it (the tree is shared while work goes on)."""
-    head = subprocess.run(["git", "-C", str(REPO_ROOT), "log", "-1", "--format=%h %s"], capture_output=True,
-                          text=True).stdout.strip()
-    changed = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no", "--",
-                              "bootseer", "blockstore", "snapshotter"], capture_output=True, text=True).stdout.split()
-    dirty = [name for name in changed if "/" in name]
-    return f"`{head[:90]}`" + (f" plus uncommitted changes to {', '.join(dirty)}" if dirty else "")
 
 
 def _f(value: float | None, spec: str = ".2f") -> str:
@@ -1158,7 +948,7 @@ def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None]
 def containerd_section(scenarios: dict[str, Scenario], context: dict[str, Any]) -> list[str]:
     """The same starts on each containerd of ``--containerds``, side by side: median seconds, and the ratio to
     the overlayfs cold start on the same containerd (the hot list recorded once, on the first)."""
-    others: list[tuple[harness.ContainerdInstall, dict[str, Scenario]]] = context.get("other_containerds") or []
+    others: list[tuple[ContainerdInstall, dict[str, Scenario]]] = context.get("other_containerds") or []
     if not others:
         return []
     columns = [(context["containerds"][0], scenarios), *others]
@@ -1310,9 +1100,9 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         "# Lazy image layers: benchmark results",
         "",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- Machine: {_machine(context['containerds'][0])}",
-        f"- Command: `{shlex.join(['python', 'bench/lazy_bench.py', *sys.argv[1:]])}`",
-        f"- Code: {_code_version()}",
+        f"- Machine: {machine(context['containerds'][0])}",
+        f"- Command: `{shlex.join(['python', '-m', 'bench.lazy_bench', *sys.argv[1:]])}`",
+        f"- Code: {code_version()}",
         f"- Data paths: {', '.join(paths)} (each BootSeer scenario once per data path, `name@path`; `--data-path` "
         f"passed to the snapshotter: {'yes' if support.get('snapshotter') else 'no, it takes none'})",
         f"- Image: {len(image.layers)} layers, {image.unpacked_bytes / MB:.0f} MB unpacked, "
@@ -1452,7 +1242,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
     for path in (args.cache_dir, args.cache_dir / "runs", work):
         path.chmod(0o755)  # nginx's worker (www-data) must reach the store below the cache dir
     context: dict[str, Any] = {"notes": []}
-    installs: list[harness.ContainerdInstall] = [harness.containerd_install(c) for c in args.containerds]
+    installs: list[ContainerdInstall] = [containerd_install(c) for c in args.containerds]
     context["containerds"] = installs
     log("containerd: " + "; ".join(install.describe() for install in installs))
     kinds = [k for k in KINDS if k in args.modes]
@@ -1524,7 +1314,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                 context["hot"]["data_path"] = paths[0]
                 log(f"  hot list: {context['hot']['blocks']} blocks, {context['hot']['bytes'] / MB:.1f} MB "
                     f"(sealed by {context['hot']['sealed_by']}; the boot took {context['hot']['boot_seconds']:.1f} s)")
-            except (BenchError, harness.HarnessError) as e:
+            except (BenchError, HarnessError) as e:
                 kinds.remove("hot")
                 for path in paths:
                     scenarios[named("hot-cold", path)].errors.append(f"no hot list recorded: {e}")
@@ -1552,7 +1342,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
             try:
                 context["timeline"] = record_timeline(args.timeline, work, link, ref, store_url, hot_url, hot_store,
                                                       kinds, args.timeout, installs[0])
-            except (BenchError, harness.HarnessError) as e:
+            except (BenchError, HarnessError) as e:
                 context["notes"].append(f"--timeline: not recorded: {e}")
                 log(f"timeline FAILED: {e}")
         context["tc"] = link.describe()
@@ -1621,17 +1411,17 @@ def main(argv: list[str] | None = None) -> int:
                                  "debootstrap", "pigz") if not shutil.which(tool)]
     if missing:
         sys.exit(f"error: missing {', '.join(missing)} (run ctr_examples/install-deps.sh)")
-    for choice in args.containerds:  # each the way the tests choose theirs (harness.containerd_install)
+    for choice in args.containerds:  # each the way the tests choose theirs (containerd_install)
         try:
-            harness.containerd_install(choice)
-        except harness.HarnessError as e:
+            containerd_install(choice)
+        except HarnessError as e:
             sys.exit(f"error: {e}")
     # SIGTERM and SIGHUP unwind like Ctrl-C, so every context manager tears its part down.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGHUP, _interrupt)
     try:
         image, scenarios, context = run_benchmark(args)
-    except (image_build.BuildError, BenchError, harness.HarnessError, netns.NetnsError) as e:
+    except (image_build.BuildError, BenchError, HarnessError, netns.NetnsError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt as e:
         log(f"interrupted ({str(e) or 'Ctrl-C'}); everything it started is torn down")

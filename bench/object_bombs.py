@@ -1,6 +1,6 @@
 """What a small store object costs a layer server: peak RSS and the FUSE stall for other layers.
 
-One command (as root): ``.venv/bin/python bench/object_bombs.py [--output bench/results/object_bombs.md]``.
+One command (as root): ``.venv/bin/python -m bench.object_bombs [--output bench/results/object_bombs.md]``.
 For each case it starts a real ``bootseer layer-server`` on a fresh root over a
 ``file://`` store holding a three-layer image (``tests.support.oci.rich_layers``) and an
 unrelated one-layer image, serves the unrelated layer, and then, while a reader thread
@@ -39,17 +39,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
-from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server  # noqa: E402
-from bootseer.blockstore.objects.format import ChainRecord, chain_object, index_object  # noqa: E402
-from bootseer.blockstore.objects.store import FileStoreWriter  # noqa: E402
-from bootseer.hotlist.format import hotlist_object  # noqa: E402
-from tests.support.bombs import hotlist_bomb, store_index_bomb, valid_hotlist  # noqa: E402
-from tests.support.layer_servers import stop_layer_servers  # noqa: E402
-from tests.support.layer_store import build_store  # noqa: E402
-from tests.support.layers import File, Layer  # noqa: E402
-from tests.support.oci import blob_data, rich_layers  # noqa: E402
+from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server
+from bootseer.blockstore.objects.format import ChainRecord, chain_object, index_object
+from bootseer.blockstore.objects.store import FileStoreWriter
+from bootseer.hotlist.format import hotlist_object
+from tests.support.bombs import hotlist_bomb, store_index_bomb, valid_hotlist
+from tests.support.layer_servers import stop_layer_servers
+from tests.support.layer_store import build_store
+from tests.support.layers import File, Layer
+from tests.support.oci import blob_data, rich_layers
 
 BLOCK_SIZE = 64 << 10
 UNRELATED_PATH = "data/unrelated.bin"

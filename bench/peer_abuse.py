@@ -1,6 +1,6 @@
 """What a hostile member of a peer group costs an owner: store bytes, the node's own read latency and RSS.
 
-One command (as root): ``.venv/bin/python bench/peer_abuse.py [--label after] [--output bench/results/peer_abuse.md]``.
+One command (as root): ``.venv/bin/python -m bench.peer_abuse [--label after] [--output bench/results/peer_abuse.md]``.
 The store is nginx in a network namespace behind a ``tbf`` link of ``--rate`` (200 MB/s,
 issue 21's setting: tests/support/netns.py), holding one converted layer of 1 MiB blocks:
 ``data/target.bin`` (160 MiB, one pack with ``own.bin``) that requests name, and
@@ -33,27 +33,23 @@ import random
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-from bootseer.blockstore.server.client import ServerSettings, ensure_server  # noqa: E402
-from bootseer.blockstore.peers.wire import block_target  # noqa: E402
-from bootseer.blockstore.objects.format import BlockPlace  # noqa: E402
-from bootseer.blockstore.peers.ownership import peer_store_id  # noqa: E402
-from bootseer.blockstore.peers.config import PeerConfig  # noqa: E402
-from bootseer.fetch.sources import redact_url  # noqa: E402
-from tests.support import netns  # noqa: E402
-from tests.support.waiting import free_port  # noqa: E402
-from tests.support.layer_servers import stop_layer_servers  # noqa: E402
-from tests.support.layer_store import build_store  # noqa: E402
-from tests.support.layers import File, Layer  # noqa: E402
-from tests.support.nginx import Nginx  # noqa: E402
+from bootseer.blockstore.server.client import ServerSettings, ensure_server
+from bootseer.blockstore.peers.wire import block_target
+from bootseer.blockstore.objects.format import BlockPlace
+from bootseer.blockstore.peers.ownership import peer_store_id
+from bootseer.blockstore.peers.config import PeerConfig
+from bootseer.fetch.sources import redact_url
+from tests.support import netns
+from tests.support.waiting import free_port
+from tests.support.layer_servers import stop_layer_servers
+from tests.support.layer_store import build_store
+from tests.support.layers import File, Layer
+from tests.support.nginx import Nginx
 
 MiB = 1 << 20
 BLOCK = MiB

@@ -1,9 +1,9 @@
 """Benchmark of peer-assisted block sharing (issue 16): a job start on N nodes at once, with and without peers.
 
-One command (as root): ``.venv/bin/python bench/peers_bench.py``.  It
+One command (as root): ``.venv/bin/python -m bench.peers_bench``.  It
 
-1. builds (once, cached) the lazy-layers benchmark's image (``image_build.py``: Debian, python3,
-   CPU torch, a training step) and converts it (``lazy_bench.convert_store``), into
+1. builds (once, cached) the lazy-layers benchmark's image (``bench/image_build.py``: Debian, python3,
+   CPU torch, a training step) and converts it (``bench.node.convert_store``), into
    ``--cache-dir`` (``/var/tmp/bootseer-bench``, shared with ``lazy_bench.py``);
 2. records the image's hot list once, into a copy of the store of its own (``store-peers``;
    ``lazy_bench.py`` clears the hot lists of ``store`` and ``store-hot``): one layer server alone on
@@ -60,15 +60,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import image_build
+from bench.common import BenchError, bootseer_argv, code_version, drop_caches, log, machine
+from bench.node import chroot_start, convert_store, hot_store_copy, layer_server_node, overlay_root, read_hot_list
+from tests.support.oci import chain_ids
+from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token
+from tests.support.waiting import wait_for_component
+
 BENCH_DIR = Path(__file__).resolve().parent
-REPO_ROOT = BENCH_DIR.parent
-sys.path.insert(0, str(REPO_ROOT))
-
-import image_build  # noqa: E402
-import lazy_bench  # noqa: E402
-from lazy_bench import BenchError, bootseer_argv, drop_caches, log  # noqa: E402
-
-from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token  # noqa: E402
 
 MB = 1_000_000
 #: The issue's targets.
@@ -115,7 +114,7 @@ def peers_store_copy(cache: Path) -> Path:
     source = (store.parent / "store.converted").read_text()
     if copy.is_dir() and marker.exists() and marker.read_text() == source:
         return copy
-    lazy_bench.hot_store_copy(store, copy)  # cp -al, its hot lists cleared, hotlists/ writable
+    hot_store_copy(store, copy)  # cp -al, its hot lists cleared, hotlists/ writable
     marker.write_text(source)
     return copy
 
@@ -125,23 +124,23 @@ def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: 
     docstring); the list's summary.  Cached: a store holding the list is used as it is."""
     from bootseer.blockstore.server.client import LayerServerClient
 
-    found = lazy_bench.read_hot_list(store, image)
+    found = read_hot_list(store, image)
     if found is not None:
         return found
-    chains = lazy_bench.harness.chain_ids([layer.diff_id for layer in image.layers])
+    chains = chain_ids([layer.diff_id for layer in image.layers])
     base = work / "record"
     log_path = work / "logs" / "record.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"recording the hot list: a layer server alone on file://{store}, the job in a chroot")
-    with lazy_bench.layer_server_node(base, f"file://{store}") as (socket_path, _metrics):
+    with layer_server_node(base, f"file://{store}") as (socket_path, _metrics):
         client = LayerServerClient(socket_path)
         lowers = [client.mount(chain).lower_dir for chain in chains][::-1]
-        with lazy_bench.overlay_root(lowers, base, "rec") as root:
+        with overlay_root(lowers, base, "rec") as root:
             answer = client.call({"op": "hotlist.prepared", "key": RECORD_KEY, "parent": chains[-1],
                                   "upper": str(base / "rec.up"), "readers": "any", "labels": {}})
             if answer.get("action") != "record":
                 raise BenchError(f"hotlist.prepared did not start a recording: {answer}")
-            seconds, _line = lazy_bench.chroot_start(root, timeout, log_path)
+            seconds, _line = chroot_start(root, timeout, log_path)
             log(f"  the job printed its first output after {seconds:.1f} s")
             summary: dict[str, Any] = {}
 
@@ -151,10 +150,10 @@ def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: 
                 summary.update(done[-1] if done else {})
                 return bool(done)
 
-            lazy_bench.harness.wait_until("the recording to seal and publish", published, 150)
+            wait_for_component("the recording to seal and publish", published, 150)
     if summary.get("outcome") != "published":
         raise BenchError(f"the recording did not publish a hot list: {summary}")
-    hot = lazy_bench.read_hot_list(store, image)
+    hot = read_hot_list(store, image)
     if hot is None:
         raise BenchError(f"the recording says it published, but {store} holds no hot list for the image")
     subprocess.run(["chmod", "-R", "a+rX", str(store / "v1" / "hotlists")], check=True)
@@ -168,7 +167,7 @@ def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Im
     from bootseer.blockstore.objects.store import FileStoreWriter
     from bootseer.hotlist.format import HotList, hotlist_object, resolve
 
-    chains = lazy_bench.harness.chain_ids([layer.diff_id for layer in image.layers])
+    chains = chain_ids([layer.diff_id for layer in image.layers])
     writer = FileStoreWriter(store)
     indexes = {}
     for chain in chains:
@@ -841,7 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True)
     for path in (args.cache_dir, args.cache_dir / "runs-peers", work):
         path.chmod(0o755)
-    lazy_bench.convert_store(image_built, args.cache_dir / "store", work / "convert.log")
+    convert_store(image_built, args.cache_dir / "store", work / "convert.log")
     store = peers_store_copy(args.cache_dir)
     hot = record_hot_list(image_built, store, work, args.timeout)
     image = load_image(image_built, store, hot)
@@ -850,8 +849,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "kill_at", "timeout")}
     context: dict[str, Any] = {"settings": settings, "notes": [], "not_run": {}, "load": load,
                                "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                               "argv": ["bench/peers_bench.py", *(argv if argv is not None else sys.argv[1:])],
-                               "machine": lazy_bench._machine(), "code": lazy_bench._code_version(),
+                               "argv": ["python", "-m", "bench.peers_bench", *(argv if argv is not None else sys.argv[1:])],
+                               "machine": machine(), "code": code_version(),
                                "rates": rates}
     with_peers = peers_supported()
     if not with_peers:

@@ -17,8 +17,8 @@ layer behind a local HTTP store), does one hostile thing to it, and prints what 
 
 Run as root from a worktree, one case at a time or all::
 
-    .venv/bin/python bench/peers_hostile_wire.py all
-    .venv/bin/python bench/peers_hostile_wire.py slowloris --connections 1000
+    .venv/bin/python -m bench.peers_hostile_wire all
+    .venv/bin/python -m bench.peers_hostile_wire slowloris --connections 1000
 
 Results: bench/results/peers-hostile-wire.md.
 """
@@ -34,19 +34,18 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server  # noqa: E402
+from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server
 
-from bootseer.paths import ServerPaths  # noqa: E402
-from bootseer.blockstore.peers.config import PeerConfig  # noqa: E402
-from tests.support.http import RangeHTTPServer  # noqa: E402
-from tests.support.waiting import free_port  # noqa: E402
-from tests.support.layer_servers import stop_layer_servers  # noqa: E402
-from tests.support.layer_store import BuiltLayer, build_store  # noqa: E402
-from tests.support.layers import File, Layer  # noqa: E402
-from tests.support.oci import blob_data  # noqa: E402
-from tests.support.peers import FakePeer, owned_by  # noqa: E402
+from bootseer.paths import ServerPaths
+from bootseer.blockstore.peers.config import PeerConfig
+from tests.support.http import RangeHTTPServer
+from tests.support.waiting import free_port
+from tests.support.layer_servers import stop_layer_servers
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
+from tests.support.oci import blob_data
+from tests.support.peers import FakePeer, owned_by
 
 BLOCK = 64 << 10
 TOKEN = "peer-token-0123456789"

@@ -1,6 +1,6 @@
 """The timed readers of the checkpoint benchmark, one per method, each run in a fresh process.
 
-``python bench/readers.py METHOD ARGS...`` reads once, the way the method reads,
+``python -m bench.readers METHOD ARGS...`` reads once, the way the method reads,
 and prints one JSON object: ``bytes`` read, ``seconds`` the read took (the clock
 starts after imports, before the first byte is asked for, and stops when the last
 byte is in memory, before any verification) and ``digest`` of what was read, which

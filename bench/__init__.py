@@ -1,0 +1,6 @@
+"""The benchmarks: each script a module run from the checkout's root (``python -m bench.lazy_bench``).
+
+Shared parts are modules of their own (:mod:`bench.common`, :mod:`bench.node`, :mod:`bench.image_build`,
+:mod:`bench.nodestats`, :mod:`bench.netcap`); no benchmark script imports another, and the machinery they
+share with the tests (containerd, registry, processes, OCI layouts) is ``tests.support``'s.
+"""

@@ -302,3 +302,93 @@ if __name__ == "__main__":
         print(f"{source:34} -> {dest:34} {count}")
     for part in circles(found):
         print("circle: " + " <-> ".join(part))
+
+
+# --------------------------------------------------------------------------- tests, integration and bench
+
+#: The bench modules other bench modules may import (bench/__init__.py): shared parts, not benchmarks.
+BENCH_SHARED = frozenset({"bench.common", "bench.node", "bench.image_build", "bench.nodestats", "bench.netcap"})
+
+
+def support_side_modules() -> dict[str, Path]:
+    """Every module of tests/, integration/ and bench/, by the dotted name it is imported as."""
+    found = {}
+    for top in ("tests", "integration", "bench"):
+        for path in sorted((REPO / top).rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def first_party_imports(path: Path) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every import of tests, integration or bench in ``path``, anywhere in it."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append((node.lineno, node.module, [alias.name for alias in node.names]))
+    return [(line, target, names) for line, target, names in found
+            if target.split(".")[0] in ("tests", "integration", "bench")]
+
+
+def support_violations(known: dict[str, Path]) -> list[str]:
+    """The rules of one support package, broken: where, and which.
+
+    * tests/support imports nothing from ``tests/<package>``, integration or bench;
+    * the unit tests (``tests/<package>``) import no integration module;
+    * a bench module imports no other bench module but the shared ones (:data:`BENCH_SHARED`);
+    * integration/harness.py is imported only for its own names (it re-exports none of tests/support's);
+    * no module of tests, integration or bench patches ``sys.path``.
+    """
+    harness = known.get("integration.harness")
+    own = set()
+    if harness is not None:
+        for node in ast.parse(harness.read_text()).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Assign):
+                own.update(target.id for target in node.targets if isinstance(target, ast.Name))
+    wrong = []
+    for module, path in known.items():
+        where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
+        if re.search(r"^\s*sys\.path\.(insert|append)\(", path.read_text(), re.M):
+            wrong.append(f"{where}: patches sys.path")
+        for line, target, names in first_party_imports(path):
+            if module.startswith("tests.support") and not target.startswith("tests.support"):
+                wrong.append(f"{where}:{line}: tests/support imports {target}")
+            elif module.startswith("tests.") and not module.startswith("tests.support") and target.startswith("integration"):
+                wrong.append(f"{where}:{line}: a unit test imports {target}")
+            elif module.startswith("bench.") and target.startswith("bench.") and target not in BENCH_SHARED:
+                wrong.append(f"{where}:{line}: a benchmark imports the benchmark {target}")
+            if target == "integration.harness":
+                wrong += [f"{where}:{line}: {name} is not integration/harness.py's own" for name in names
+                          if name.split(" ")[0] not in own]
+        imports_harness = any(target == "integration" and "harness" in names
+                              for _, target, names in first_party_imports(path))
+        if imports_harness:
+            for match in re.finditer(r"(?<![\w.])harness\.([A-Za-z_]\w*)", path.read_text()):
+                if match.group(1) not in own and match.group(1) != "py":
+                    wrong.append(f"{where}: harness.{match.group(1)} is not integration/harness.py's own")
+    return wrong
+
+
+def test_tests_integration_and_bench_share_one_support_package_that_imports_none_of_them():
+    wrong = support_violations(support_side_modules())
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("module, text, rule", [
+    ("tests.support.bad", "from tests.blockstore.test_blob import built\n", "tests/support imports"),
+    ("tests.images.bad", "from integration import harness\n", "a unit test imports"),
+    ("bench.bad", "from bench.lazy_bench import main\n", "imports the benchmark"),
+    ("bench.bad", "import sys\nsys.path.insert(0, '.')\n", "patches sys.path"),
+    ("integration.bad", "from integration import harness\nharness.build_oci_layout\n", "not integration/harness.py's own"),
+    ("integration.bad", "from integration.harness import Stack\n", "not integration/harness.py's own"),
+])
+def test_the_support_rules_catch_each_way_of_breaking_them(tmp_path: Path, module: str, text: str, rule: str):
+    """Each rule, broken once by a module added beside the real ones: seen to fail, naming the rule."""
+    path = tmp_path / "bad.py"
+    path.write_text(text)
+    found = support_violations(dict(support_side_modules(), **{module: path}))
+    assert [line for line in found if line.startswith("bad.py") and rule in line], found

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -40,11 +42,7 @@ def test_service_is_containerds_on_the_wire() -> None:
 
 def test_vendoring_reproduces_the_committed_protos(tmp_path: Path) -> None:
     """``generate.py --vendor`` from containerd's Go sources gives exactly the committed ``.proto`` files."""
-    sys.path.insert(0, str(PROTO))
-    try:
-        import generate
-    finally:
-        sys.path.remove(str(PROTO))
+    generate = _generate()
     if not generate.GO_API_DIR.is_dir():
         pytest.skip(f"{generate.GO_API_DIR} missing: apt-get install golang-github-containerd-containerd-dev")
     generate.vendor(generate.GO_API_DIR, tmp_path)
@@ -55,11 +53,7 @@ def test_vendoring_reproduces_the_committed_protos(tmp_path: Path) -> None:
 
 
 def test_strip_gogoproto_refuses_what_it_cannot_strip() -> None:
-    sys.path.insert(0, str(PROTO))
-    try:
-        import generate
-    finally:
-        sys.path.remove(str(PROTO))
+    generate = _generate()
     text = "/*\nlicence\n*/\n\nsyntax = \"proto3\";\nmessage M {\n\tstring a = 1 [json_name = \"x\", (gogoproto.nullable) = false];\n}\n"
     with pytest.raises(ValueError, match="gogoproto left"):
         generate.strip_gogoproto(text, "api/x.proto")
@@ -128,11 +122,7 @@ def test_events_service_and_task_events_are_containerds_on_the_wire() -> None:
 
 
 def test_strip_gogoproto_removes_containerds_fieldpath_plugin() -> None:
-    sys.path.insert(0, str(PROTO))
-    try:
-        import generate
-    finally:
-        sys.path.remove(str(PROTO))
+    generate = _generate()
     text = ('/*\nlicence\n*/\n\nsyntax = "proto3";\n'
             'import weak "github.com/containerd/containerd/protobuf/plugin/fieldpath.proto";\n'
             'option (containerd.plugin.fieldpath_all) = true;\n'
@@ -141,13 +131,13 @@ def test_strip_gogoproto_removes_containerds_fieldpath_plugin() -> None:
     assert "fieldpath" not in out and "\tstring a = 1;" in out
 
 
-def _generate():
-    sys.path.insert(0, str(PROTO))
-    try:
-        import generate
-    finally:
-        sys.path.remove(str(PROTO))
-    return generate
+def _generate() -> ModuleType:
+    """proto/generate.py (a tool, not a package's module), loaded from its file."""
+    spec = importlib.util.spec_from_file_location("generate", PROTO / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_cri_vendoring_takes_only_the_pinned_upstream_file(tmp_path: Path) -> None:

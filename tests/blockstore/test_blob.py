@@ -21,16 +21,12 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 import trio
-
-if __name__ == "__main__":  # the mount program (see _serve_blob): make the repository's tests package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server
@@ -51,6 +47,7 @@ from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.mounts import MountProcess
 from tests.support.oci import rich_layers
 from tests.support.packed_layers import engine_config
+from tests.support.processes import wait_process_gone
 
 BLOCK_SIZE = 16 << 10
 needs_fuse = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
@@ -122,18 +119,6 @@ def server(tmp_path: Path) -> Iterator[_Servers]:
         servers.stop_all()
 
 
-def _wait_gone(pid: int, timeout: float = 30.0) -> None:
-    """Until process ``pid`` has exited (a zombie counts: PID 1 reaps it late)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return
-        if state == "Z":
-            return
-        assert time.monotonic() < deadline, f"process {pid} still running after {timeout}s"
-        time.sleep(0.05)
 
 
 def blob_path(client: LayerServerClient, chain_id: str) -> Path:
@@ -184,7 +169,7 @@ def test_a_blob_keeps_its_inode_number_and_bytes_across_a_server_restart(built: 
     assert path.read_bytes() == blobs[1]
     pid = int(client.status()["pid"])
     os.kill(pid, signal.SIGKILL)
-    _wait_gone(pid)
+    wait_process_gone(pid)
     with pytest.raises(OSError):  # the dead mount answers nothing until a server takes it over
         path.read_bytes()
     client = server.restart()
@@ -362,7 +347,8 @@ def test_the_observer_gets_the_pid_of_the_process_that_reads_the_blob(built: Any
     index_path.write_bytes(index.encode())
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
-    mount = MountProcess([sys.executable, __file__, str(store), str(index_path), str(mountpoint)], mountpoint, tmp_path, "ready")
+    mount = MountProcess([sys.executable, "-m", "tests.blockstore.test_blob", str(store), str(index_path), str(mountpoint)],
+                         mountpoint, tmp_path, "ready", cwd=Path(__file__).resolve().parents[2])
     try:
         mount.wait_ready()
         stored = [n for n, block in enumerate(index.blocks) if not block.is_zero]

@@ -27,6 +27,7 @@ from tests.support.daemon import DaemonFactory
 from tests.support.http import RangeHTTPServer
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import Dir, File, Layer
+from tests.support.processes import wait_process_gone
 
 PASSWORD = "PASSWORD-7e1f"
 TOKEN = "TOKEN-93ab"
@@ -53,12 +54,6 @@ def _no_secret(where: str, text: str) -> None:
         assert secret not in text, f"{where} shows a credential: {text[:2000]}"
 
 
-def _wait_exited(pid: int) -> None:
-    """Until process ``pid`` (a child of this process: its reaper thread waits for it) is gone."""
-    deadline = time.monotonic() + RESTART_TIMEOUT
-    while os.path.exists(f"/proc/{pid}"):
-        assert time.monotonic() < deadline, f"layer server {pid} did not exit"
-        time.sleep(0.05)
 
 
 def _cmdline(pid: int) -> str:
@@ -126,7 +121,7 @@ def test_a_row_whose_store_is_not_configured_is_reported(tmp_path: Path, http_st
     paths = ServerPaths(root)
     client = ensure_server(root, ServerSettings(store=url))
     client.mount(built[0].chain_id)
-    _wait_exited(client.shutdown())
+    wait_process_gone(client.shutdown(), RESTART_TIMEOUT)
     other = url.replace(PASSWORD, "another-password")
     client = ensure_server(root, ServerSettings(store=other))
     layers = client.status()["layers"]

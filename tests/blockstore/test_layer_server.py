@@ -42,6 +42,7 @@ from bootseer.blockstore.server.client import (
 from bootseer.blockstore.objects.format import pack_object
 from bootseer.blockstore.node.readahead import READAHEAD_INITIAL
 from tests.support.http import RangeHTTPServer
+from tests.support.processes import wait_process_gone
 from tests.support.waiting import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layer_servers import stop_layer_servers
@@ -104,7 +105,7 @@ class Node:
     def stop(self, signum: int = signal.SIGTERM, timeout: float = 30) -> None:
         pid = self.pid()
         os.kill(pid, signum)
-        wait_gone(pid, timeout)
+        wait_process_gone(pid, timeout)
 
     def log(self) -> str:
         return self.paths.log.read_text(errors="replace") if self.paths.log.exists() else ""
@@ -117,23 +118,8 @@ class Node:
         stop_layer_servers(self.root)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as proc:
-            zombie = proc.read().rsplit(")", 1)[1].split()[0] == "Z"
-        # A zombie is gone (PID 1 reaps late) -- but a leader shows Z while its other threads are
-        # still exiting, and their descriptors (the control socket) are open until the last one has.
-        return not zombie or len(os.listdir(f"/proc/{pid}/task")) > 1
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
-def wait_gone(pid: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while _alive(pid):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"process {pid} still running after {timeout}s")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -448,7 +434,7 @@ def test_restart_after_sigterm_and_sigkill_restores_slots_and_inodes(node_factor
     assert "unmounting a dead FUSE mount" in node.log()
     assert ("unmounting a stale EROFS mount" in node.log()) == (data_path == "erofs")
 
-    wait_gone(client.shutdown(), 30)  # the control API's stop: as SIGTERM
+    wait_process_gone(client.shutdown(), 30)  # the control API's stop: as SIGTERM
     assert mount_entry(node.paths.mountpoint) is None
     assert "layer server stopped" in node.log()
     assert {x["chain_id"]: x["slot"] for x in node.ensure().status()["layers"]} == slots
@@ -493,7 +479,6 @@ def test_a_second_server_on_one_root_is_refused(node: Node) -> None:
 
 _STORE_PROGRAM = """
 import sys, time
-sys.path.insert(0, {repo!r})
 from tests.support.http import RangeHTTPServer
 server = RangeHTTPServer({root!r}).start()
 print(server.port, flush=True)
@@ -504,8 +489,8 @@ while True:
 
 def test_a_store_that_stops_answering_gives_eio_in_bounded_time_then_recovers(built: Any, node_factory: Any) -> None:
     store, layers = built
-    program = _STORE_PROGRAM.format(repo=str(REPO), root=str(store))
-    http = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True)
+    program = _STORE_PROGRAM.format(root=str(store))  # run from the checkout's root: tests.support imports
+    http = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
         port = int(http.stdout.readline())  # type: ignore[union-attr]
         node = node_factory(f"http://127.0.0.1:{port}/", retry_timeout=3,
@@ -599,7 +584,7 @@ def test_a_layer_that_cannot_be_restored_keeps_its_slot(built: Any, node_factory
     client = node.ensure()
     first, second = (client.mount(layer.chain_id) for layer in built[1][:2])
     client.unmount(first.chain_id)  # slot 1 free, slot 2 held
-    wait_gone(client.shutdown(), 30)
+    wait_process_gone(client.shutdown(), 30)
     # Neither the local copy of the index nor the store is there at the restart.
     for copy in node.paths.indexes.iterdir():
         copy.unlink()
@@ -644,7 +629,7 @@ def test_the_local_index_copy_is_the_stores_object_byte_for_byte(built: Any, nod
     copy = node.paths.indexes / name
     assert copy.read_bytes() == other  # not layer.index.encode(), which is `original`
 
-    wait_gone(client.shutdown(), 30)
+    wait_process_gone(client.shutdown(), 30)
     copy.write_bytes(original)  # a valid index, but not the object the chain record names
     client = node.ensure()
     [row] = client.status()["layers"]

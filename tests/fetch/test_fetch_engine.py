@@ -17,6 +17,7 @@ from bootseer.fetch.engine import Engine, EngineConfig, Extent, FetchError, Prio
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.source import TransientError
 from bootseer.fetch.sources.local import LocalSource
+from tests.support.waiting import wait_until_async
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -59,12 +60,6 @@ def config(**fields) -> EngineConfig:
     fields.setdefault("memory_limit", 64 * STRIPE)
     fields.setdefault("readahead_max", 8 * STRIPE)
     return EngineConfig(**fields)
-
-
-async def wait_until(predicate) -> None:
-    """Poll ``predicate`` until true (the test's fail_after bounds the wait)."""
-    while not predicate():
-        await trio.sleep(0.005)
 
 
 async def scan(engine: Engine, path: str, size: int, chunk: int) -> bytes:
@@ -206,7 +201,8 @@ def test_readahead_window_grows_while_sequential_and_resets_on_random_access(sou
             # Two reads per stripe: the window doubles on entering each new stripe, up to 8.
             assert windows == [2, 2, 4, 4, 8, 8, 8, 8, 8, 8, 8, 8]
             # The window's stripes are fetched without being asked for.
-            await wait_until(lambda: {r.offset for r in source.reads} >= {i * STRIPE for i in range(6, 14)})
+            await wait_until_async("stripes 6..13 to be asked for",
+                                   lambda: {r.offset for r in source.reads} >= {i * STRIPE for i in range(6, 14)})
             far = 18 * STRIPE + 5
             assert await reader.read(far, 10) == data[far : far + 10]
             assert reader.window == 0
@@ -450,7 +446,7 @@ def test_a_source_that_stays_down_gives_eio_and_other_files_are_served(source, f
             async with trio.open_nursery() as nursery:
                 for reader in broken:
                     nursery.start_soon(read_broken, reader)
-                await wait_until(lambda: engine.stats.retries >= 2)  # both broken reads are retrying now
+                await wait_until_async("both broken reads to retry", lambda: engine.stats.retries >= 2)  # both broken reads are retrying now
                 assert await good.read(0, len(files["c.bin"])) == files["c.bin"]
             assert len(errors) == 2
             assert all(error.errno == errno.EIO and "still failing" in str(error) for error in errors)
@@ -632,14 +628,14 @@ def test_stopping_the_engine_fails_pending_reads(source, files):
             try:
                 with trio.fail_after(10):
                     engine_scope.cancel()
-                    await wait_until(lambda: len(outcome) == 2)
+                    await wait_until_async("both reads to end", lambda: len(outcome) == 2)
             finally:
                 source.resume()
         assert sorted(name for name, _ in outcome) == ["a.bin", "b.bin"]
         assert all("stopped" in str(error) for _, error in outcome)
         assert engine.stats.held_bytes == 0
         # The abandoned read's connection was closed from another thread.
-        await wait_until(lambda: source.closed == set(source.opened))
+        await wait_until_async("every opened stream to be closed", lambda: source.closed == set(source.opened))
         with pytest.raises(FetchError):
             engine.open("a.bin", 10)
 

@@ -23,10 +23,7 @@ from typing import Iterator
 
 import pytest
 
-if __name__ == "__main__":  # the mount program: make the repository's tests package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tests.support.mounts import (  # noqa: E402
+from tests.support.mounts import (
     STOP_TIMEOUT_S,
     MountProcess,
     mount_entry,
@@ -38,8 +35,10 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"),
 ]
 
-HERE = Path(__file__).resolve()
+#: The checkout's root: the mount program is this module, run with ``python -m`` from there.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
+MOUNT_PROGRAM = [PYTHON, "-m", "tests.fuse.test_fuse_plumbing"]
 
 HELLO = b"hello world\n"
 BIG = random.Random(1).randbytes(3 * 1024 * 1024 + 17)
@@ -212,7 +211,8 @@ def _main() -> int:
 
 
 def start_test_fs(mountpoint: Path, logdir: Path, *extra: str) -> MountProcess:
-    return MountProcess([PYTHON, str(HERE), str(mountpoint), *extra], mountpoint, logdir, "ready")
+    return MountProcess([*MOUNT_PROGRAM, str(mountpoint), *extra], mountpoint, logdir,
+                        "ready", cwd=REPO_ROOT)
 
 
 @pytest.fixture
@@ -504,22 +504,22 @@ def test_unmount_with_open_file_when_signalled(fs: MountProcess) -> None:
 
 
 def _run_to_exit(argv: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
 
 
 def test_bad_mountpoints_are_refused_clearly(tmp_path: Path) -> None:
     missing = tmp_path / "missing"
-    result = _run_to_exit([PYTHON, str(HERE), str(missing)], tmp_path)
+    result = _run_to_exit([*MOUNT_PROGRAM, str(missing)], tmp_path)
     assert result.returncode == 2 and "does not exist" in result.stderr
 
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    result = _run_to_exit([PYTHON, str(HERE), str(a_file)], tmp_path)
+    result = _run_to_exit([*MOUNT_PROGRAM, str(a_file)], tmp_path)
     assert result.returncode == 2 and "is not a directory" in result.stderr
 
 
 def test_an_existing_mount_is_refused(fs: MountProcess, tmp_path: Path) -> None:
-    result = _run_to_exit([PYTHON, str(HERE), str(fs.mountpoint)], tmp_path)
+    result = _run_to_exit([*MOUNT_PROGRAM, str(fs.mountpoint)], tmp_path)
     assert result.returncode == 2 and "already a mount point" in result.stderr
     # The first mount is untouched.
     assert (fs.mountpoint / "hello.txt").read_bytes() == HELLO
@@ -533,7 +533,7 @@ def test_a_dead_mount_is_reported(tmp_path: Path) -> None:
         mount.wait_ready()
         mount.process.kill()  # no unmount: leaves a dead FUSE mount behind
         mount.process.wait(STOP_TIMEOUT_S)
-        result = _run_to_exit([PYTHON, str(HERE), str(mountpoint)], tmp_path)
+        result = _run_to_exit([*MOUNT_PROGRAM, str(mountpoint)], tmp_path)
         assert result.returncode == 2
         assert "dead FUSE mount" in result.stderr or "already a mount point" in result.stderr
     finally:

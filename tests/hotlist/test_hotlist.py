@@ -43,6 +43,7 @@ from tests.support import autojump
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File, Layer
 from tests.support.sealed import same_sealed_object
+from tests.support.waiting import wait_until_async
 
 BLOCK_SIZE = 64 << 10
 IMAGE = "sha256:" + "ab" * 32
@@ -546,14 +547,6 @@ def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
     front = range_http_factory(directory)
     release = front.faults.hold(base_packs)
 
-    async def until(what: str, check: Any) -> None:
-        """Poll ``check()`` until true; a hang detector (60 s), never a speed assertion."""
-        with trio.move_on_after(60):
-            while not check():
-                await trio.sleep(0.01)
-            return
-        raise AssertionError(f"timed out waiting for {what}")
-
     async def main() -> None:
         proc = Proc(tmp_path / "proc")
         async with trio.open_nursery() as nursery:
@@ -562,9 +555,9 @@ def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
             n = NodeUnderTest(tmp_path / "n", front.url, nursery, proc,
                               prefetch=PrefetchLimits(concurrency=64, batch_bytes=BLOCK_SIZE))
             await n.pull(built)
-            await until("the prefetch to start", lambda: (top, "") in n.hotlist.prefetches)
+            await wait_until_async("the prefetch to start", lambda: (top, "") in n.hotlist.prefetches)
             prefetch = n.hotlist.prefetches[(top, "")]
-            await until("a prefetch request held by the front", lambda: front.faults.waiting > 0)
+            await wait_until_async("a prefetch request held by the front", lambda: front.faults.waiting > 0)
             pid = proc.process("/default/j")
             assert (await n.hotlist.container_prepared("j", top, {}, None)) == {"action": "prefetch"}
             with trio.fail_after(60):
@@ -584,12 +577,12 @@ def test_reads_overtake_a_long_prefetch_through_a_read_only_http_front(
                 read.append(await n.read(built[0], entry.path, pid, number * BLOCK_SIZE, BLOCK_SIZE))
 
             nursery.start_soon(read_in_flight)
-            await until("the read to wait on the in-flight block", lambda: prefetch.stats.waited == 1)
+            await wait_until_async("the read to wait on the in-flight block", lambda: prefetch.stats.waited == 1)
             assert not read
             release.set()
             with trio.fail_after(60):
                 await prefetch.ended.wait()
-            await until("the waiting read to be served", lambda: read)
+            await wait_until_async("the waiting read to be served", lambda: read)
             assert read == [_expected(built, 0, entry.path)[number * BLOCK_SIZE:(number + 1) * BLOCK_SIZE]]
             assert (prefetch.stats.misses, prefetch.stats.waited) == (1, 1)
             assert prefetch.stats.fetched_blocks == len(hot_blocks)

@@ -38,6 +38,7 @@ from bootseer.snapshotter.snapshots import REF_LABEL, Snapshotter
 from bootseer.proto.containerd.services.snapshots.v1 import snapshots_pb2 as api
 from bootseer.snapshotter.types import Kind, Mount, Usage
 from tests.support.daemon import scrape, started_record
+from tests.support.processes import wait_process_gone
 from tests.support.waiting import free_port
 from tests.support.layer_store import BuiltLayer, build_store
 from tests.support.layers import File
@@ -315,21 +316,20 @@ def test_restore_mounts_every_remote_snapshot_again(root: Path, layers: Director
 
 CRASH_AT_MOUNT = """
 import sys
-sys.path.insert(0, sys.argv[4])
 from pathlib import Path
 from bootseer.snapshotter.snapshots import Snapshotter, REF_LABEL
 from tests.support.snapshots import DirectoryLayers
 layers = DirectoryLayers(Path(sys.argv[2]), Path(sys.argv[3]))
 layers.crash_on_mount = True
-Snapshotter(Path(sys.argv[1]), layers).prepare("extract-1", "", {REF_LABEL: sys.argv[5]})
+Snapshotter(Path(sys.argv[1]), layers).prepare("extract-1", "", {REF_LABEL: sys.argv[4]})
 """
 
 
 def test_killed_at_the_mount_step_then_restore_forgets_the_half_made_snapshot(root: Path, layers: DirectoryLayers):
     child = subprocess.run(
         [sys.executable, "-c", CRASH_AT_MOUNT, str(root), str(layers.store), str(layers.mnt),
-         str(Path(__file__).resolve().parents[2]), CHAIN_A],
-        capture_output=True, text=True, timeout=120,
+         CHAIN_A],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],  # tests.support imports
     )  # fmt: skip
     assert child.returncode == -signal.SIGKILL, child.stderr
     # Between the phases: the row says "mounting", the layer is mounted, nothing is committed.
@@ -430,17 +430,6 @@ def test_a_server_too_slow_to_answer_is_asked_once(tmp_path: Path, monkeypatch: 
 # them and unmounts their FUSE mounts, pass or fail (tests/conftest.py: layer_server_reaper).
 
 
-def wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as proc:
-                if proc.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 BIG = "".join(f"line {n} of a file of several blocks\n" for n in range(10_000)).encode()
@@ -520,7 +509,7 @@ def test_daemon_starts_a_killed_layer_server_again(tmp_path: Path, snapshotter_f
     client = LayerServerClient(ServerPaths(root).socket)
     first_pid = client.status()["pid"]
     os.kill(first_pid, signal.SIGKILL)
-    assert wait_gone(first_pid, 30)
+    wait_process_gone(first_pid, 30)
 
     # The daemon's watch notices and starts a server that restores the same layers.  The
     # new server answers before the daemon's watch logs that it started it: wait for both.

@@ -61,7 +61,8 @@ class MountProcess:
     """
 
     def __init__(
-        self, argv: Sequence[str], mountpoint: Path, logdir: Path, ready_text: str, env: dict[str, str] | None = None
+        self, argv: Sequence[str], mountpoint: Path, logdir: Path, ready_text: str, env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> None:
         self.mountpoint = mountpoint
         self.ready_text = ready_text
@@ -69,7 +70,7 @@ class MountProcess:
         self.stderr_path = logdir / f"mount-{os.getpid()}-{id(self)}.err"
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.process = subprocess.Popen(
-                list(argv), stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env
+                list(argv), stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=cwd
             )
 
     @property

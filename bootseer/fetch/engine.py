@@ -49,7 +49,8 @@ Faults: a failed fetch (TransientError, OSError, anything unexpected, a short re
 before the end of the file) closes that worker's connection and puts the stripe
 back in the queue after a backoff, so the retry runs on another connection.
 NotFound, PermanentError (``Changed`` included) and a file whose size changed fail
-at once.  A stripe not fetched ``retry_timeout`` seconds after its first attempt
+at once (when to retry, how long to wait, when to give up: :class:`~bootseer.fetch.retry.RetryPolicy`,
+shared with the registry client).  A stripe not fetched ``retry_timeout`` seconds after its first attempt
 began fails, even if that attempt is still waiting on a source that never answers:
 the blocked call is abandoned and its connection closed from another thread, which
 aborts it where the backend allows.  Either way the tasks waiting on it get
@@ -73,7 +74,6 @@ import heapq
 import itertools
 import logging
 import platform
-import random
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
@@ -85,6 +85,7 @@ import prometheus_client
 import trio
 
 from bootseer.fetch.file_cache import StripeCache
+from bootseer.fetch.retry import RetryPolicy, is_permanent
 from bootseer.fetch.source import (
     Connection, Entry, NotADirectory, NotFound, PermanentError, RangeSource, TransientError,
 )  # fmt: skip
@@ -422,10 +423,6 @@ async def _run_abandoning(function: Callable[..., T], *args: Any, on_abandon: Ca
         raise
 
 
-def _is_permanent(exc: BaseException) -> bool:
-    return isinstance(exc, (NotFound, NotADirectory, PermanentError))
-
-
 def _span(stripes: list[_Stripe]) -> int:
     """Bytes from the first of ``stripes`` (in offset order) to the end of the last."""
     return stripes[-1].offset + stripes[-1].length - stripes[0].offset
@@ -510,6 +507,8 @@ class Engine:
         #: a new attempt: long enough for the kernel's retry of a failed read, short
         #: enough that a source that comes back serves again soon
         self.failure_memory = min(config.retry_timeout or FAILURE_MEMORY_S, FAILURE_MEMORY_S)
+        #: When a failing stripe or metadata call is tried again, and when it fails (EIO).
+        self.retry = RetryPolicy(timeout=config.retry_timeout)
         # Read-ahead and prefetch leave this much memory for demand reads.
         self._demand_reserve = config.stripe_size if stripes_in_memory >= 4 else 0
         self._cache = StripeCache(config.cache_dir, config.cache_size) if config.cache_dir else None
@@ -582,13 +581,6 @@ class Engine:
         """The entries of directory ``path`` (with their versions), retried like a stripe."""
         return await self._call_retrying(f"list {path or '.'}", self.source.listdir, path)
 
-    def _deadline(self, first_attempt: float) -> float:
-        """When something first tried at ``first_attempt`` fails, however its attempts are doing.
-
-        A ``retry_timeout`` of 0 means a single attempt, bounded only by the source's
-        own timeouts."""
-        return first_attempt + self.config.retry_timeout if self.config.retry_timeout > 0 else float("inf")
-
     async def _call_retrying(self, what: str, function: Callable[..., T], *args: Any) -> T:
         """``function(*args)`` in a thread, retried with backoff until ``retry_timeout``
         after the first attempt began (a call still waiting on the source then is abandoned)."""
@@ -598,7 +590,7 @@ class Engine:
         while True:
             attempts += 1
             try:
-                with trio.move_on_at(self._deadline(first_attempt)):
+                with trio.move_on_at(self.retry.deadline(first_attempt)):
                     return await _run_abandoning(function, *args)
                 error: Exception = TimeoutError(f"no answer in {self.config.retry_timeout:g}s")
             except (NotFound, NotADirectory):
@@ -608,14 +600,14 @@ class Engine:
             except Exception as exc:
                 error = exc
             now = trio.current_time()
-            if now >= self._deadline(first_attempt) or self.config.retry_timeout == 0:
+            if self.retry.gives_up(error, attempts, first_attempt, now):
                 raise FetchError(
                     f"{self.url}: {what}: still failing after {now - first_attempt:.1f}s "
                     f"and {attempts} attempts: {error!r}"
                 ) from error
             log.warning("source call failed; retrying", url=self.url, call=what, attempt=attempts,
                         error=repr(error))  # fmt: skip
-            await trio.sleep(min(self._backoff_delay(attempts), self._deadline(first_attempt) - now))
+            await trio.sleep(self.retry.wait(attempts, first_attempt, now))
 
     # -- reading -------------------------------------------------------------------
 
@@ -1166,7 +1158,7 @@ class Engine:
             # Past the deadline the attempt is abandoned and its connection closed: a
             # source that accepts and never answers fails the stripe after
             # retry_timeout, not after the backend's read timeout on top.
-            deadline_at = min(self._deadline(member.first_attempt) for member in group if member.first_attempt is not None)
+            deadline_at = min(self.retry.deadline(member.first_attempt) for member in group if member.first_attempt is not None)
             with trio.move_on_at(deadline_at) as deadline:
                 if stripe.extent is None:
                     data, cached, cache_key = await _run_abandoning(
@@ -1333,8 +1325,8 @@ class Engine:
         stripe.holders.pop(self._speculative, None)
         self._unreserve(stripe.length)
         stripe.state = _State.BACKOFF  # no longer fetching; the bytes are no longer counted
-        if _is_permanent(exc) or now >= self._deadline(stripe.first_attempt) or self.config.retry_timeout == 0:
-            reason = str(exc) if _is_permanent(exc) else (
+        if self.retry.gives_up(exc, stripe.attempts, stripe.first_attempt, now):
+            reason = str(exc) if is_permanent(exc) else (
                 f"still failing after {failing_for:.1f}s and {stripe.attempts} attempts: {exc!r}"
             )  # fmt: skip
             message = f"{self.url}: {stripe.describe()}: {reason}"
@@ -1352,7 +1344,7 @@ class Engine:
             return
         self.stats.retries += 1
         RETRIES.inc()
-        delay = min(self._backoff_delay(stripe.attempts), self._deadline(stripe.first_attempt) - now)
+        delay = self.retry.wait(stripe.attempts, stripe.first_attempt, now)
         # Attempts 1, 2, 4, 8...: a source that is down for a minute must not flood the log.
         level = logging.WARNING if stripe.attempts & (stripe.attempts - 1) == 0 else logging.DEBUG
         log.log(level, "stripe fetch failed; retrying on a new connection", url=self.url, path=stripe.path,
@@ -1360,11 +1352,6 @@ class Engine:
         stripe.state = _State.BACKOFF
         heapq.heappush(self._backoff, (now + delay, next(self._seq), stripe))
         self._notify()
-
-    @staticmethod
-    def _backoff_delay(attempts: int) -> float:
-        """Exponential backoff with jitter: about 50 ms, 100 ms, ... up to 2 s."""
-        return min(0.05 * 2 ** (attempts - 1), 2.0) * random.uniform(0.5, 1.0)
 
     # -- what a Reader uses ------------------------------------------------------------
     #

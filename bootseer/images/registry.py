@@ -15,8 +15,12 @@ are parsed.  Blobs come as streams (:meth:`ImageSource.open_blob`) that hash wha
 through and raise :class:`DigestMismatch` instead of reporting the end of a blob whose bytes
 or length are wrong, so no caller can take unverified bytes for a complete blob.
 
-Every failure is an :class:`ImageError` subclass saying what and where.  This module is
-synchronous (stdlib ``http.client``); trio callers run it with ``trio.to_thread``.
+Every failure is an :class:`ImageError` subclass saying what and where.  Requests go through the
+fetch layer's HTTP connections (:class:`~bootseer.fetch.sources.http.HttpEndpoint`,
+:class:`~bootseer.fetch.sources.http.HttpChannel`: connect and read timeouts, TLS) and are retried by
+its policy (:class:`~bootseer.fetch.retry.RetryPolicy`, :data:`HTTP_RETRY`); redirects, the auth
+challenge and what the distribution API answers are this module's.  It is synchronous; trio callers
+run it with ``trio.to_thread``.
 """
 
 from __future__ import annotations
@@ -31,13 +35,15 @@ import os
 import platform as _platform
 import re
 import socket
-import ssl
 import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping, Sequence
 
+from bootseer.fetch.retry import RetryPolicy
+from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
+from bootseer.fetch.sources.http import HttpChannel, HttpEndpoint, make_ssl_context
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -81,8 +87,9 @@ MAX_INDEX_DEPTH = 4
 HTTP_TIMEOUT_S = 60.0
 #: Redirects followed for one request (blob GETs are often redirected to object storage).
 MAX_REDIRECTS = 5
-#: Attempts of an idempotent request that failed before any body byte (connection reset, 5xx, 429).
-HTTP_ATTEMPTS = 3
+#: The retries of a request that failed before any body byte (connection refused or reset, 5xx, 429):
+#: three attempts in all, about 0.2-0.4 s and 0.4-0.8 s apart (the fetch layer's policy, with its numbers).
+HTTP_RETRY = RetryPolicy(timeout=HTTP_TIMEOUT_S, max_attempts=3, first_delay=0.4)
 #: Chunk size blobs are read in.
 CHUNK = 1024 * 1024
 
@@ -677,14 +684,18 @@ def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
 
 
 class _Response:
-    """An HTTP response with its connection, closed together."""
+    """An HTTP response with its channel (one connection), closed together."""
 
-    def __init__(self, conn: http.client.HTTPConnection, resp: http.client.HTTPResponse, url: str):
-        self.conn, self.resp, self.url = conn, resp, url
+    def __init__(self, channel: HttpChannel, resp: http.client.HTTPResponse, url: str):
+        self.channel, self.resp, self.url = channel, resp, url
 
     @property
     def status(self) -> int:
         return self.resp.status
+
+    @property
+    def reason(self) -> str:
+        return self.resp.reason
 
     def header(self, name: str) -> str | None:
         return self.resp.getheader(name)
@@ -705,7 +716,7 @@ class _Response:
         try:
             self.resp.close()
         finally:
-            self.conn.close()
+            self.channel.close()
 
 
 class RegistrySource(ImageSource):
@@ -720,7 +731,7 @@ class RegistrySource(ImageSource):
         self.timeout = timeout
         self._credentials = credentials if credentials is not None else docker_credentials(ref.domain)
         self._authorization: str | None = None  # what the last challenge led to; never logged
-        self._ssl = None if plain_http else ssl.create_default_context()
+        self._ssl = make_ssl_context(verify=True, ca_file=None)  # for https, plain_http or not (a redirect)
 
     @property
     def base_url(self) -> str:
@@ -728,22 +739,28 @@ class RegistrySource(ImageSource):
 
     # -- HTTP ----------------------------------------------------------------
 
-    def _connect(self, url: str) -> tuple[http.client.HTTPConnection, str]:
+    def _open(self, method: str, url: str, headers: Mapping[str, str]) -> _Response:
+        """One request to ``url`` on a new connection (the fetch layer's :class:`HttpChannel`)."""
         parts = urllib.parse.urlsplit(url)
-        if parts.scheme == "https":
-            conn: http.client.HTTPConnection = http.client.HTTPSConnection(
-                parts.hostname, parts.port, timeout=self.timeout, context=self._ssl or ssl.create_default_context())
-        elif parts.scheme == "http":
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=self.timeout)
-        else:
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.hostname:
             raise RegistryError(f"{self.reference}: refusing to follow a {parts.scheme!r} URL")
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        return conn, target
+        try:
+            port = parts.port or {"https": 443, "http": 80}[scheme]
+        except ValueError as e:
+            raise RegistryError(f"{self.reference}: {redact_url(url)}: bad port: {e}") from None
+        endpoint = HttpEndpoint(scheme, parts.hostname, port, connect_timeout=self.timeout, read_timeout=self.timeout,
+                                ssl_context=self._ssl if scheme == "https" else None)  # fmt: skip
+        channel = HttpChannel(endpoint)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        try:
+            return _Response(channel, channel.request(method, target, headers), url)
+        except BaseException:
+            channel.close()
+            raise
 
     def _send(self, method: str, url: str, headers: Mapping[str, str]) -> _Response:
-        """One request, retried on connection failures, 429 and 5xx; the response is open.
+        """One request, retried on connection failures, 429 and 5xx (:data:`HTTP_RETRY`); the response is open.
 
         Redirects are followed, up to :data:`MAX_REDIRECTS`, with two rules for every
         request (manifests, blobs, token services): a redirect from ``https`` to
@@ -754,21 +771,18 @@ class RegistrySource(ImageSource):
         signature.
         """
         origin = _origin(url)
-        for attempt in range(HTTP_ATTEMPTS):
+        first_attempt, attempts = time.monotonic(), 0
+        while True:
+            attempts += 1
             current, hdrs = url, dict(headers)
+            failure: Exception
             try:
                 for _ in range(MAX_REDIRECTS + 1):
-                    conn, target = self._connect(current)
-                    try:
-                        conn.request(method, target, headers=hdrs)
-                        resp = conn.getresponse()
-                    except BaseException:
-                        conn.close()
-                        raise
-                    response = _Response(conn, resp, current)
-                    if resp.status in (301, 302, 303, 307, 308) and resp.getheader("Location"):
+                    response = self._open(method, current, hdrs)
+                    location = response.header("Location")
+                    if response.status in (301, 302, 303, 307, 308) and location:
                         response.close()
-                        previous, current = current, urllib.parse.urljoin(current, resp.getheader("Location"))
+                        previous, current = current, urllib.parse.urljoin(current, location)
                         self._check_redirect(previous, current)
                         if _origin(current) != origin:
                             hdrs.pop("Authorization", None)
@@ -776,17 +790,20 @@ class RegistrySource(ImageSource):
                     break
                 else:
                     raise RegistryError(f"{self.reference}: more than {MAX_REDIRECTS} redirects for {redact_url(url)}")
-            except (OSError, http.client.HTTPException) as e:
-                if attempt + 1 == HTTP_ATTEMPTS:
-                    raise RegistryError(f"{self.reference}: {method} {redact_url(url)} failed: {e}") from e
-                time.sleep(0.2 * 2**attempt)
-                continue
-            if (response.status == 429 or response.status >= 500) and attempt + 1 < HTTP_ATTEMPTS:
+            except SourceError as e:  # the channel's network failures (TransientError), messages without a query
+                failure = e
+            else:
+                if not (response.status == 429 or response.status >= 500):
+                    return response
+                failure = RegistryError(f"{response.status} {response.reason}")
+            now = time.monotonic()
+            if HTTP_RETRY.gives_up(failure, attempts, first_attempt, now):
+                if isinstance(failure, SourceError):
+                    raise RegistryError(f"{self.reference}: {method} {redact_url(url)} failed: {failure}") from failure
+                return response  # the last answer, 429 or 5xx: the caller says what it was
+            if not isinstance(failure, SourceError):
                 response.close()
-                time.sleep(0.2 * 2**attempt)
-                continue
-            return response
-        raise AssertionError("unreachable")
+            time.sleep(HTTP_RETRY.wait(attempts, first_attempt, now))
 
     def _check_redirect(self, previous: str, target: str) -> None:
         """RegistryError for a redirect from ``previous`` to ``target`` that must not be followed."""
@@ -811,7 +828,7 @@ class RegistrySource(ImageSource):
             response = self._send(method, url, hdrs)
         if 200 <= response.status < 300:
             return response
-        status, reason = response.status, response.resp.reason
+        status, reason = response.status, response.reason
         body = _error_summary(response)
         if status == 404:
             raise ImageNotFound(f"{what}: not found in {self.ref.api_host}/{self.ref.repository} (404{body})")

@@ -1,4 +1,6 @@
-"""Registry redirects (issue 14, item 8): no downgrade to plain http, no credentials to another origin.
+"""Registry redirects (issue 14, item 8): no downgrade to plain http, no credentials to another origin;
+and retries by the fetch layer's policy (``images.HTTP_RETRY``): a 429 or 5xx is tried again, a bounded
+number of times, and an unreachable registry fails with a clear error.
 
 Real local servers: a "registry" that answers TLS and plain HTTP on one port (it looks
 at the first byte of each connection), so a redirect can change only the scheme, and a
@@ -55,6 +57,7 @@ class RecordingServer(ThreadingHTTPServer):
         self.redirects: dict[str, str] = {}  #: path -> Location (a 307)
         self.require_auth: str | None = None  #: an Authorization value /v2/ paths want, else 401
         self.challenge = 'Basic realm="test"'
+        self.failures: dict[str, list[int]] = {}  #: path -> statuses answered (in order) before it works
 
     def get_request(self):
         conn, address = self.socket.accept()
@@ -85,6 +88,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200, b'{"token": "%s"}' % TOKEN.encode(), {"Content-Type": "application/json"})
         if self.server.require_auth and path.startswith("/v2/") and self.headers.get("Authorization") != self.server.require_auth:
             return self._send(401, b"", {"WWW-Authenticate": self.server.challenge})
+        failing = self.server.failures.get(path)
+        if failing:
+            return self._send(failing.pop(0), b'{"errors": [{"code": "UNAVAILABLE", "message": "try later"}]}', {})
         if path in self.server.redirects:
             return self._send(307, b"", {"Location": self.server.redirects[path]})
         self._send(200, BLOB, {"Content-Type": "application/octet-stream"})
@@ -180,3 +186,31 @@ def test_plain_http_allows_a_scheme_change_but_never_with_credentials(servers):
     registry.require_auth = None  # the https side answers anyone: what matters is what it was sent
     assert _read_blob(source) == BLOB
     assert registry.sent_authorization("https") == []
+
+
+def test_a_503_is_tried_again_and_the_third_attempt_is_served(servers):
+    registry, _elsewhere = servers
+    registry.failures[BLOB_PATH] = [503, 429]
+    assert _read_blob(_source(registry, plain_http=False)) == BLOB
+    assert [r.path for r in registry.requests] == [BLOB_PATH] * 3
+
+
+def test_a_registry_that_keeps_failing_is_given_up_after_the_policys_attempts(servers):
+    registry, _elsewhere = servers
+    assert images.HTTP_RETRY.max_attempts == 3
+    registry.failures[BLOB_PATH] = [503] * 10
+    with pytest.raises(images.RegistryError, match="answered 503 Service Unavailable: UNAVAILABLE try later"):
+        _read_blob(_source(registry, plain_http=False))
+    assert [r.path for r in registry.requests] == [BLOB_PATH] * 3  # no fourth attempt
+    assert registry.failures[BLOB_PATH] == [503] * 7
+
+
+def test_an_unreachable_registry_fails_clearly_after_its_retries():
+    with socket.socket() as sock:  # a port nothing listens on (bound, never listening: refused)
+        sock.bind(("127.0.0.1", 0))
+        ref = RegistryReference.parse(f"127.0.0.1:{sock.getsockname()[1]}/team/app:v1")
+        source = RegistrySource(ref, plain_http=True, platform=Platform.host(), credentials=(USER, PASSWORD))
+        with pytest.raises(images.RegistryError, match=r"GET http://127\.0\.0\.1:\d+/v2/team/app/blobs/.* failed: .*"
+                                                         r"Connection ?Refused") as failed:
+            _read_blob(source)
+    assert PASSWORD not in str(failed.value) and BASIC not in str(failed.value)

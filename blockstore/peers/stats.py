@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import prometheus_client
 
+from bootseer.counters import Counters
+
 PEER_BYTES = prometheus_client.Counter(
     "bootseer_peer_bytes",
     "Raw block bytes exchanged with peers, by direction (received: from peers and verified, served: to peers)",
@@ -91,21 +93,14 @@ class PeerStatistics(PeerCounts):
     connections_limit: int = 0  #: the cap on open connections in force
 
 
-class PeerCounters:
+class PeerCounters(Counters[PeerStatistics]):
     """The live :class:`PeerCounts` of a node's client and server, counted up in place.
 
-    This package's own: callers read a frozen :class:`PeerStatistics` (:meth:`frozen`).
+    This package's own: callers read a frozen :class:`PeerStatistics` (:meth:`frozen`, given the
+    fields beyond the counts: what is held now).
     """
 
-    __slots__ = tuple(counted.name for counted in dataclasses.fields(PeerCounts))
+    __slots__ = ()
 
     def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-
-    def __repr__(self) -> str:
-        return f"<PeerCounters {self.frozen()}>"
-
-    def frozen(self, **held: int) -> PeerStatistics:
-        """A :class:`PeerStatistics` of the counts now, with ``held`` (its fields beyond the counts)."""
-        return PeerStatistics(**{name: getattr(self, name) for name in self.__slots__}, **held)
+        super().__init__(PeerStatistics, (counted.name for counted in dataclasses.fields(PeerCounts)))

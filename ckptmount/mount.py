@@ -66,7 +66,7 @@ async def mount_checkpoint(
                 tree.on_version_gone = functools.partial(_forget_in_kernel, ops, nursery)
                 session = await nursery.start(functools.partial(serve, ops, mountpoint, options=options))
                 nursery.start_soon(end_on_signals, session, signals)
-                nursery.start_soon(functools.partial(profile_hooks.sample_counter, "checkpoint.bytes", lambda: engine.stats.bytes_fetched, phase="checkpoint", until=session.ended, source=shown))  # profiler
+                nursery.start_soon(functools.partial(profile_hooks.sample_counter, "checkpoint.bytes", lambda: engine.statistics().bytes_fetched, phase="checkpoint", until=session.ended, source=shown))  # profiler
                 log.info("mounted", source=shown, mountpoint=mountpoint)
                 task_status.started()
 

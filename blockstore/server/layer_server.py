@@ -526,7 +526,7 @@ class LayerServer:
         serving = self.session is not None and not self.session.ended.is_set()
         stores = {}
         for engine, fetcher in self.stores.opened():
-            stats = engine.stats
+            stats = engine.statistics()
             stores[engine.url] = {
                 "bytes_fetched": stats.bytes_fetched,
                 "stripes_fetched": stats.stripes_fetched,
@@ -535,9 +535,8 @@ class LayerServer:
                 "in_flight": stats.in_flight,
             }
             stores[engine.url]["blocks"] = dataclasses.asdict(fetcher.statistics())
-            proxy = getattr(engine.source, "proxy", None)  # an http store's [store] proxy (fetch/sources/http_proxy.py)
-            if proxy is not None:
-                stores[engine.url]["proxy"] = {"proxy": proxy.config.display_url, "up": proxy.up}
+            if stats.proxy is not None:  # an http store's [store] proxy (fetch/sources/http_proxy.py)
+                stores[engine.url]["proxy"] = {"proxy": stats.proxy.url, "up": stats.proxy.up}
         return {
             "pid": os.getpid(),
             "root": str(self.config.root),

@@ -102,7 +102,7 @@ class StoreRegistry:
 
     def bytes_fetched(self) -> int:
         """Bytes every store's engine has fetched so far."""
-        return sum(engine.stats.bytes_fetched for engine in self._engines.values())
+        return sum(engine.statistics().bytes_fetched for engine in self._engines.values())
 
     @staticmethod
     async def _run_engine(engine: Engine, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import dataclasses
 import enum
 import errno
 import heapq
@@ -84,10 +85,11 @@ from typing import Any, TypeVar
 import prometheus_client
 import trio
 
+from bootseer.counters import Counters
 from bootseer.fetch.file_cache import StripeCache
 from bootseer.fetch.retry import RetryPolicy, is_permanent
 from bootseer.fetch.source import (
-    Connection, Entry, NotADirectory, NotFound, PermanentError, RangeSource, TransientError,
+    Connection, Entry, NotADirectory, NotFound, PermanentError, ProxiedSource, ProxyStatus, RangeSource, TransientError,
 )  # fmt: skip
 from bootseer.fetch.sources import redact_url
 from bootseer.log import get_logger
@@ -211,9 +213,10 @@ class FetchError(OSError):
         super().__init__(*args)
 
 
-@dataclass
-class EngineStats:
-    """Counters of one engine, for tests, benchmarks and ``bootseer`` status output."""
+@dataclass(frozen=True)
+class EngineStatistics:
+    """One engine at one moment (:meth:`Engine.statistics`): for status answers, metrics samplers, tests
+    and benchmarks.  The engine counts into a :class:`~bootseer.counters.Counters` of it, its own."""
 
     bytes_fetched: int = 0  #: bytes read from the source
     stripes_fetched: int = 0  #: stripes read from the source
@@ -232,6 +235,12 @@ class EngineStats:
     extents_joined_in_flight: int = 0  #: urgent asks for an extent a less urgent fetch was already fetching
     extents_raised: int = 0  #: urgent asks for an extent queued at a lower priority, which they raised
     extents_read_ahead: int = 0  #: extents queued by :meth:`Engine.readahead_extents`
+    proxy: ProxyStatus | None = None  #: the store proxy the source reads through, if it has one
+
+
+
+#: What the engine counts itself (the rest of :class:`EngineStatistics` it asks for when asked).
+_COUNTED = tuple(field.name for field in dataclasses.fields(EngineStatistics) if field.name != "proxy")
 
 
 class _State(enum.Enum):
@@ -496,7 +505,7 @@ class Engine:
         self.streams = config.streams or int(getattr(source, "default_streams", 16))
         if self.streams < 1:
             raise ValueError(f"{source!r}: default_streams must be at least 1, not {self.streams}")
-        self.stats = EngineStats()
+        self._stats: Counters[EngineStatistics] = Counters(EngineStatistics, _COUNTED)
         stripes_in_memory = config.memory_limit // config.stripe_size
         # How many stripes of one long read are held (and so fetched in parallel) ahead
         # of the one being copied: enough for every stream, no more than memory allows.
@@ -559,6 +568,11 @@ class Engine:
         """FetchError (EIO) once the engine has stopped: nothing more can be read through it."""
         if self._stopped:
             raise FetchError(f"{self.url}: the fetch engine stopped")
+
+    def statistics(self) -> EngineStatistics:
+        """What this engine has counted, what it holds now, and its source's proxy (a frozen copy)."""
+        proxy = self.source.proxy_status() if isinstance(self.source, ProxiedSource) else None
+        return self._stats.frozen(proxy=proxy)
 
     def _fail_all(self, error: FetchError) -> None:
         for stripe in list(self._stripes.values()):
@@ -749,7 +763,7 @@ class Engine:
             stripe.holders[self._speculative] = priority
             self._enqueue(stripe, priority)
             queued.append(extent)
-        self.stats.extents_read_ahead += len(queued)
+        self._stats.extents_read_ahead += len(queued)
         return queued
 
     def discard(self, key: Hashable) -> None:
@@ -760,7 +774,7 @@ class Engine:
         """
         stripe = self._stripes.get(_ExtentKey(key))
         if stripe is not None and stripe.state is _State.DONE:
-            self.stats.discards += 1
+            self._stats.discards += 1
             log.info("dropping a buffered extent its reader found corrupt", url=self.url, extent=stripe.describe())
             self._forget(stripe)
 
@@ -787,7 +801,7 @@ class Engine:
         for stripe in list(self._buffered.values()):
             if (stripe.extent is None and stripe.path == path and stripe.file.version == version
                     and stripe.offset < end and offset < stripe.offset + stripe.length):  # fmt: skip
-                self.stats.discards += 1
+                self._stats.discards += 1
                 log.info("dropping a buffered stripe its reader found corrupt", url=self.url, stripe=stripe.describe())
                 self._forget(stripe)
 
@@ -898,10 +912,10 @@ class Engine:
     def _count_join(self, stripe: _Stripe) -> None:
         """An urgent caller met an extent on its way at a lower priority (a read meeting a prefetch)."""
         if stripe.state is _State.FETCHING:
-            self.stats.extents_joined_in_flight += 1  # it waits for that fetch instead of making one
+            self._stats.extents_joined_in_flight += 1  # it waits for that fetch instead of making one
             EXTENT_JOINS.labels("in_flight").inc()
         elif stripe.state in (_State.QUEUED, _State.BACKOFF):
-            self.stats.extents_raised += 1  # its priority goes up
+            self._stats.extents_raised += 1  # its priority goes up
             EXTENT_JOINS.labels("queued").inc()
 
     def _holding(self, holder: object, key: _StripeKey, priority: Priority) -> bool:
@@ -1056,7 +1070,7 @@ class Engine:
         priority = stripe.priority()
         priority = stripe.queued_priority if priority is None else priority
         limit = self.config.memory_limit - (0 if priority is Priority.DEMAND else self._demand_reserve)
-        short = self.stats.held_bytes + length - limit
+        short = self._stats.held_bytes + length - limit
         if short > 0:
             victims = self._eviction_candidates(priority)
             if sum(victim.length for victim in victims) < short:
@@ -1065,10 +1079,10 @@ class Engine:
                 if short <= 0:
                     break
                 short -= victim.length
-                self.stats.evictions += 1
+                self._stats.evictions += 1
                 self._forget(victim)
-        self.stats.held_bytes += length
-        self.stats.peak_held_bytes = max(self.stats.peak_held_bytes, self.stats.held_bytes)
+        self._stats.held_bytes += length
+        self._stats.peak_held_bytes = max(self._stats.peak_held_bytes, self._stats.held_bytes)
         HELD_BYTES.inc(length)
         return True
 
@@ -1094,7 +1108,7 @@ class Engine:
         return [stripe for _, _, stripe in ranked]
 
     def _unreserve(self, length: int) -> None:
-        self.stats.held_bytes -= length
+        self._stats.held_bytes -= length
         HELD_BYTES.dec(length)
         self._notify()
 
@@ -1145,7 +1159,7 @@ class Engine:
         """Fetch reserved stripes (one stripe, or extents one range request covers) and
         publish each, or put it back to retry, or fail it."""
         stripe = group[0]
-        self.stats.in_flight += 1
+        self._stats.in_flight += 1
         IN_FLIGHT.inc()
         now = trio.current_time()
         for member in group:
@@ -1178,13 +1192,13 @@ class Engine:
             return
         finally:
             # A cancelled fetch (the engine stopping) stays FETCHING: run() fails it.
-            self.stats.in_flight -= 1
+            self._stats.in_flight -= 1
             IN_FLIGHT.dec()
             if gap:
                 self._unreserve(gap)
         if gap and not any(isinstance(outcome, Exception) for outcome in outcomes):
-            self.stats.gap_bytes += gap
-            self.stats.bytes_fetched += gap
+            self._stats.gap_bytes += gap
+            self._stats.bytes_fetched += gap
             GAP_BYTES.inc(gap)
             BYTES_FETCHED.inc(gap)
         for member, outcome in zip(group, outcomes):
@@ -1197,8 +1211,8 @@ class Engine:
 
     def _count_request(self, group: list[_Stripe]) -> None:
         kind = "coalesced" if len(group) > 1 else "single"
-        self.stats.extent_requests += 1
-        self.stats.coalesced_requests += len(group) > 1
+        self._stats.extent_requests += 1
+        self._stats.coalesced_requests += len(group) > 1
         EXTENT_REQUESTS.labels(kind).inc()
 
     def _fetch_extents_blocking(self, group: list[_Stripe], stream: _Stream) -> list[bytes | Exception]:
@@ -1302,16 +1316,16 @@ class Engine:
         stripe.last_used = next(self._clock)
         self._buffered[stripe.key] = stripe
         if stripe.extent is not None:
-            self.stats.extents_fetched += 1
-            self.stats.bytes_fetched += len(data)
+            self._stats.extents_fetched += 1
+            self._stats.bytes_fetched += len(data)
             EXTENTS.labels("fetched").inc()
             BYTES_FETCHED.inc(len(data))
         elif cached:
-            self.stats.cache_hits += 1
+            self._stats.cache_hits += 1
             STRIPES.labels("cached").inc()
         else:
-            self.stats.stripes_fetched += 1
-            self.stats.bytes_fetched += len(data)
+            self._stats.stripes_fetched += 1
+            self._stats.bytes_fetched += len(data)
             STRIPES.labels("fetched").inc()
             BYTES_FETCHED.inc(len(data))
         stripe.done.set()
@@ -1334,7 +1348,7 @@ class Engine:
                       length=stripe.length, attempts=stripe.attempts, error=repr(exc))  # fmt: skip
             error = FetchError(message)
             error.__cause__ = exc
-            self.stats.failures += 1
+            self._stats.failures += 1
             (STRIPES if stripe.extent is None else EXTENTS).labels("failed").inc()
             self._fail(stripe, error)
             self._remember_failure(stripe)
@@ -1342,7 +1356,7 @@ class Engine:
         if not stripe.wanted():
             self._forget(stripe)
             return
-        self.stats.retries += 1
+        self._stats.retries += 1
         RETRIES.inc()
         delay = self.retry.wait(stripe.attempts, stripe.first_attempt, now)
         # Attempts 1, 2, 4, 8...: a source that is down for a minute must not flood the log.

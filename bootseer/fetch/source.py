@@ -10,7 +10,7 @@ per parallel stream and throw a broken one away (a retry always uses a new one).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 class SourceError(Exception):
@@ -87,3 +87,19 @@ class RangeSource(Protocol):
         nothing to learn.  Never raises."""
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ProxyStatus:
+    """The store proxy a source reads through while it is healthy (``[store] proxy``), at one moment."""
+
+    url: str  #: the proxy's URL without credentials
+    up: bool  #: reads go through it now (else direct, until it passes its probe again)
+
+
+@runtime_checkable
+class ProxiedSource(Protocol):
+    """A :class:`RangeSource` that may read through a store proxy (the HTTP source): what it reports of it."""
+
+    def proxy_status(self) -> ProxyStatus | None:
+        """The proxy's state, or None if this source reads direct."""

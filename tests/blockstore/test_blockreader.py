@@ -117,7 +117,7 @@ def test_only_the_touched_blocks_are_fetched_neighbours_in_one_request(tmp_path,
                 data = await layer.read(big, 10 * KiB, 12 * KiB)
                 assert data == files["big.bin"][10 * KiB : 22 * KiB]
                 assert fetcher.statistics().blocks_fetched == 4
-                assert engine.stats.extent_requests == 1 and engine.stats.coalesced_requests == 1
+                assert engine.statistics().extent_requests == 1 and engine.statistics().coalesced_requests == 1
                 # The sparse file's zero blocks cost nothing; its one stored block is fetched.
                 sparse = files["sparse.bin"]
                 assert await layer.read(entry(index, "sparse.bin"), 0, len(sparse)) == sparse
@@ -266,7 +266,7 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
                 window = layer.readahead_window
                 # The first module misses: the nine after it in the pack come in the same request.
                 assert await layer.read(modules[0], 0, 100) == package[modules[0].path][:100]
-                assert engine.stats.extent_requests == 1 and engine.stats.coalesced_requests == 1
+                assert engine.statistics().extent_requests == 1 and engine.statistics().coalesced_requests == 1
                 assert fetcher.statistics().blocks_fetched == 1
                 assert (fetcher.statistics().readahead_blocks, fetcher.statistics().readahead_bytes) == (9, sum(b.clen for b in blocks[1:]))
                 assert fetcher.statistics().readahead_read == 0
@@ -276,7 +276,7 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
                 # Six of them are read: no request, each verified and cached as it is read.
                 for module in modules[1:7]:
                     assert await layer.read(module, 0, module.size) == package[module.path]
-                assert engine.stats.extent_requests == 1
+                assert engine.statistics().extent_requests == 1
                 assert (fetcher.statistics().blocks_fetched, fetcher.statistics().readahead_read) == (7, 6)
                 assert fetcher.statistics().readahead_read_bytes == sum(b.clen for b in blocks[1:7])
                 await fetcher.flush()  # the node cache is written behind the reads
@@ -289,8 +289,8 @@ def test_a_miss_reads_ahead_the_next_files_of_its_pack_in_the_same_request(tmp_p
                 other = pack_files(index, 1)
                 for module in [*other, *modules]:
                     assert await layer.read(module, 0, module.size) == package[module.path]
-                assert engine.stats.extent_requests == 2
-                assert engine.stats.bytes_fetched == sum((store / pack_object(name)).stat().st_size for name in index.packs)
+                assert engine.statistics().extent_requests == 2
+                assert engine.statistics().bytes_fetched == sum((store / pack_object(name)).stat().st_size for name in index.packs)
                 return unread
         finally:
             source.close()
@@ -366,7 +366,7 @@ def test_a_tampered_read_ahead_block_is_never_served_or_cached(tmp_path, store, 
             assert not cache.contains(victim.digest)
             # The read of the victim finds the bad copy, drops it and fetches the block alone: right bytes.
             assert await layer.read(victim_file, 0, victim_file.size) == package[victim_file.path]
-            assert fetcher.statistics().corrupt == 1 and fetcher.statistics().failed == 0 and engine.stats.discards == 1
+            assert fetcher.statistics().corrupt == 1 and fetcher.statistics().failed == 0 and engine.statistics().discards == 1
             await fetcher.flush()
             assert cache.get(victim.digest) == package[victim_file.path]
             assert [(r.offset, r.length) for r in source.reads][-1] == (victim.offset, victim.clen)
@@ -400,7 +400,7 @@ def test_a_demand_read_overtakes_read_ahead_and_a_read_of_a_block_read_ahead_wai
                 await trio.testing.wait_all_tasks_blocked()
                 source.resume()
             assert fetcher.statistics().readahead_read == 1
-            assert engine.stats.extents_raised == 1
+            assert engine.statistics().extents_raised == 1
             # Pack 0's read-ahead is queued behind the reads and nobody waits for it: closing the
             # engine now could drop it before its worker took it (the test raced: 3 reads, not 4).
             with trio.fail_after(TIMEOUT):
@@ -460,7 +460,7 @@ def test_a_block_corrupt_in_transit_is_refetched_once_and_served_right(tmp_path,
             assert data == files["tiny"]
             assert fetcher.statistics().corrupt == 1 and fetcher.statistics().failed == 0
             assert len([r for r in source.reads if r.outcome == "ok"]) == 2
-            assert engine.stats.discards == 1
+            assert engine.statistics().discards == 1
 
     run(main)
     source.close()

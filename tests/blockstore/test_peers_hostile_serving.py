@@ -272,7 +272,7 @@ def test_a_nodes_own_read_of_a_block_a_peer_asked_for_goes_before_the_peers_lowe
                 nursery.start_soon(fetcher.blocks, index, [big.blocks[30]], Priority.READAHEAD)  # queued last
                 await trio.testing.wait_all_tasks_blocked()
                 source.resume()
-            assert engine.stats.extents_raised == 1
+            assert engine.statistics().extents_raised == 1
 
     autojump_run(main)
     packs = [pack_object(name) for name in index.packs]

@@ -50,7 +50,7 @@ def test_read_bytes_returns_the_whole_file_as_bytes(tmp_path, data):
     # The memory bound holds for a file 2.5 times its size.
     with Client(str(tmp_path), SMALL) as client:
         assert client.read_bytes("blob.bin") == data
-        assert client._call_sync(lambda: client.engine.stats.peak_held_bytes) <= SMALL.memory_limit
+        assert client._call_sync(lambda: client.engine.statistics().peak_held_bytes) <= SMALL.memory_limit
 
 
 def test_file_object_reads_seeks_and_reads_into(tmp_path, data):
@@ -218,7 +218,7 @@ def test_dropped_connections_and_server_errors_are_retried_over_http(tmp_path, d
         server.faults.drop(times=3, after_bytes=1000)  # cut off mid-body
         server.faults.status(503, times=2)
         assert client.read_bytes("blob.bin") == data
-        stats = client._call_sync(lambda: client.engine.stats)
+        stats = client._call_sync(lambda: client.engine.statistics())
         assert stats.retries >= 1 and stats.failures == 0
 
 
@@ -251,7 +251,7 @@ def test_a_file_rewritten_at_the_same_size_is_never_read_mixed(tmp_path):
             assert exc.errno == errno.EIO and "changed" in str(exc)
         else:
             assert whole == b"A" * 3 * MiB
-        stats = client._call_sync(lambda: client.engine.stats)
+        stats = client._call_sync(lambda: client.engine.statistics())
         assert stats.retries == 0  # a changed file is never retried
         old_file.close()
 

@@ -165,7 +165,7 @@ def read_all(source, config: EngineConfig, path: str, size: int) -> tuple[bytes,
                 entry = await engine.stat(path)
                 reader = engine.open(path, entry.size, entry.mtime, entry.version)
                 data = await reader.read(0, size)
-                return data, engine.stats
+                return data, engine.statistics()
 
     return trio.run(main)
 

@@ -90,7 +90,7 @@ def test_random_reads_are_byte_exact(source, files):
                 offset = rng.randrange(0, len(data) + STRIPE)
                 size = rng.choice([0, 1, rng.randrange(1, 2 * STRIPE), rng.randrange(1, 6 * STRIPE)])
                 assert await reader.read(offset, size) == data[offset : offset + size], (offset, size)
-            assert engine.stats.peak_held_bytes <= 8 * STRIPE
+            assert engine.statistics().peak_held_bytes <= 8 * STRIPE
 
     run(main)
 
@@ -103,7 +103,7 @@ def test_sequential_scan_crosses_stripe_boundaries_and_fetches_each_stripe_once(
                 assert await scan(engine, name, len(data), chunk) == data
             fetched = Counter((r.path, r.offset) for r in source.reads)
             assert set(fetched.values()) <= {1}
-            assert engine.stats.bytes_fetched == sum(len(d) for d in files.values())
+            assert engine.statistics().bytes_fetched == sum(len(d) for d in files.values())
 
     run(main)
 
@@ -180,7 +180,7 @@ def test_many_files_read_concurrently(tmp_path, source):
             async with trio.open_nursery() as nursery:
                 for seed, (name, data) in enumerate(contents.items()):
                     nursery.start_soon(check, name, data, seed)
-            assert engine.stats.peak_held_bytes <= 16 * STRIPE
+            assert engine.statistics().peak_held_bytes <= 16 * STRIPE
 
     run(main)
 
@@ -233,7 +233,7 @@ def test_random_access_to_a_huge_sparse_file_fetches_only_what_it_touches(tmp_pa
                 assert await reader.read(offset, len(mark) + 100) == mark + bytes(min(100, size - offset - len(mark)))
             assert await reader.read(20 * GiB, 10) == bytes(10)
             # Four random reads, one of them across a stripe boundary: five stripes.
-            assert engine.stats.bytes_fetched == 5 * stripe
+            assert engine.statistics().bytes_fetched == 5 * stripe
             assert source.bytes_read() == 5 * stripe
             assert reader.window == 0
 
@@ -258,9 +258,9 @@ def test_memory_bound_holds_under_big_sequential_scans(tmp_path, source):
             data = contents["big0.bin"]
             reader = engine.open("big0.bin", len(data))
             assert await reader.read(0, len(data)) == data
-            assert 0 < engine.stats.peak_held_bytes <= limit
+            assert 0 < engine.statistics().peak_held_bytes <= limit
             # Stripes a sequential reader passed were dropped: only what readers still hold remains.
-            assert engine.stats.held_bytes <= limit
+            assert engine.statistics().held_bytes <= limit
 
     run(main)
 
@@ -305,7 +305,7 @@ def test_reordered_and_overlapping_reads_near_the_position_stay_sequential(sourc
             assert max(windows) == 8
             fetched = Counter(r.offset for r in source.reads)
             assert set(fetched.values()) == {1}  # nothing dropped and fetched again
-            assert engine.stats.bytes_fetched == len(data)
+            assert engine.statistics().bytes_fetched == len(data)
 
     run(main)
 
@@ -333,7 +333,7 @@ def test_a_copy_that_touches_each_tensors_end_first_stays_sequential(source, fil
             assert windows == [2, 2, 4, 8, 8, 8, 8, 8]
             fetched = Counter(r.offset for r in source.reads)
             assert set(fetched.values()) == {1}
-            assert engine.stats.bytes_fetched == len(data)
+            assert engine.statistics().bytes_fetched == len(data)
 
     run(main)
 
@@ -411,7 +411,7 @@ def test_transient_failures_are_retried_on_new_connections(source, files):
             assert "broken" not in outcomes  # a failed connection is never used again
             failed = {r.connection for r in source.reads if r.outcome != "ok"}
             assert failed <= source.closed
-            assert engine.stats.retries == 5 and engine.stats.failures == 0
+            assert engine.statistics().retries == 5 and engine.statistics().failures == 0
 
     run(main)
 
@@ -424,7 +424,7 @@ def test_unexpected_exceptions_from_a_backend_are_retried(source, files):
             source.fail(times=1, error=lambda: RuntimeError("backend bug"))
             source.fail(times=1, error=lambda: ConnectionResetError(errno.ECONNRESET, "reset"))
             assert await scan(engine, "c.bin", len(data), STRIPE) == data
-            assert engine.stats.retries == 2
+            assert engine.statistics().retries == 2
 
     run(main)
 
@@ -446,11 +446,11 @@ def test_a_source_that_stays_down_gives_eio_and_other_files_are_served(source, f
             async with trio.open_nursery() as nursery:
                 for reader in broken:
                     nursery.start_soon(read_broken, reader)
-                await wait_until_async("both broken reads to retry", lambda: engine.stats.retries >= 2)  # both broken reads are retrying now
+                await wait_until_async("both broken reads to retry", lambda: engine.statistics().retries >= 2)  # both broken reads are retrying now
                 assert await good.read(0, len(files["c.bin"])) == files["c.bin"]
             assert len(errors) == 2
             assert all(error.errno == errno.EIO and "still failing" in str(error) for error in errors)
-            assert engine.stats.failures >= 2
+            assert engine.statistics().failures >= 2
             # The source comes back: the same reads succeed once the failure is forgotten.
             source.heal()
             await trio.sleep(engine.failure_memory)
@@ -529,7 +529,7 @@ def test_stripes_belong_to_one_version_of_a_file(tmp_path, source):
             with pytest.raises(FetchError, match="changed") as caught:
                 await old.read(0, v1.size)
             assert caught.value.errno == errno.EIO
-            assert engine.stats.retries == 0 and engine.stats.failures >= 1
+            assert engine.statistics().retries == 0 and engine.statistics().failures >= 1
 
     run(main)
 
@@ -544,7 +544,7 @@ def test_missing_files_and_changed_sizes_fail_at_once(tmp_path, source, files):
             size = len(files["c.bin"])
             with pytest.raises(FetchError, match="now .* bytes"):
                 await engine.open("c.bin", size + STRIPE).read(size - 10, 100)
-            assert engine.stats.retries == 0
+            assert engine.statistics().retries == 0
 
     run(main, timeout=10)
 
@@ -633,7 +633,7 @@ def test_stopping_the_engine_fails_pending_reads(source, files):
                 source.resume()
         assert sorted(name for name, _ in outcome) == ["a.bin", "b.bin"]
         assert all("stopped" in str(error) for _, error in outcome)
-        assert engine.stats.held_bytes == 0
+        assert engine.statistics().held_bytes == 0
         # The abandoned read's connection was closed from another thread.
         await wait_until_async("every opened stream to be closed", lambda: source.closed == set(source.opened))
         with pytest.raises(FetchError):
@@ -728,7 +728,7 @@ def test_mixed_workload_under_tight_memory_with_faults_and_cancellations(tmp_pat
                 pass  # a stripe failed for retry_timeout under the injected faults: allowed, wrong bytes are not
             finally:
                 reader.close()
-            assert engine.stats.peak_held_bytes <= cfg.memory_limit
+            assert engine.statistics().peak_held_bytes <= cfg.memory_limit
 
     async def main():
         async with open_engine(source, cfg) as engine:
@@ -745,7 +745,7 @@ def test_mixed_workload_under_tight_memory_with_faults_and_cancellations(tmp_pat
             await trio.sleep(engine.failure_memory)
             for name, data in contents.items():
                 assert await engine.open(name, len(data)).read(0, len(data)) == data
-            assert engine.stats.peak_held_bytes <= cfg.memory_limit
+            assert engine.statistics().peak_held_bytes <= cfg.memory_limit
 
     run(main)
 
@@ -774,7 +774,7 @@ def test_corrupt_tells_the_source_and_refetches_only_the_stripes_it_names(tmp_pa
             before = Counter(r.offset for r in source.reads)
             engine.corrupt("b.bin", STRIPE + 10, STRIPE, "")  # touches stripes 1 and 2
             assert source.reports == [("b.bin", STRIPE + 10, STRIPE, "")]
-            assert engine.stats.discards == 2
+            assert engine.statistics().discards == 2
             assert await engine.open("b.bin", len(data)).read(0, len(data)) == data
             again = Counter(r.offset for r in source.reads) - before
             assert sorted(again) == [STRIPE, 2 * STRIPE]

@@ -78,8 +78,8 @@ def test_adjacent_extents_are_fetched_with_one_request_counted_at_the_server(tmp
             async with open_engine(source, config()) as engine:
                 got = await engine.fetch_extents(wanted)
                 assert got == [packs["p1"][e.offset : e.offset + e.length] for e in wanted]
-                assert engine.stats.extent_requests == 1 and engine.stats.coalesced_requests == 1
-                assert engine.stats.extents_fetched == 12 and engine.stats.bytes_fetched == 12 * EXTENT
+                assert engine.statistics().extent_requests == 1 and engine.statistics().coalesced_requests == 1
+                assert engine.statistics().extents_fetched == 12 and engine.statistics().bytes_fetched == 12 * EXTENT
         finally:
             source.close()
 
@@ -102,8 +102,8 @@ def test_small_gaps_are_bridged_large_ones_split_and_requests_stay_under_the_str
             got = await engine.fetch_extents([*near, far])
             assert got == [data[e.offset : e.offset + e.length] for e in [*near, far]]
             assert [(r.offset, r.length) for r in source.reads] == [(0, 3 * EXTENT + 2 * gap), (far.offset, EXTENT)]
-            assert engine.stats.gap_bytes == 2 * gap
-            assert engine.stats.bytes_fetched == 4 * EXTENT + 2 * gap
+            assert engine.statistics().gap_bytes == 2 * gap
+            assert engine.statistics().bytes_fetched == 4 * EXTENT + 2 * gap
             # 40 adjacent extents of 4 KiB: 160 KiB in requests of at most one stripe (64 KiB).
             source.reads.clear()
             run_of = [extent("p2", n * EXTENT) for n in range(40)]
@@ -232,7 +232,7 @@ def test_a_demand_read_waits_on_an_in_flight_prefetch_and_raises_a_queued_one(so
             assert got["queued"] == [data[5 * STRIPE : 5 * STRIPE + EXTENT]]
             # Fetched once each; the last queued prefetch went first once a read wanted it.
             assert [r.offset // STRIPE for r in source.reads] == [0, 5, 2, 3, 4]
-            assert engine.stats.extents_joined_in_flight == 1 and engine.stats.extents_raised == 1
+            assert engine.statistics().extents_joined_in_flight == 1 and engine.statistics().extents_raised == 1
 
     run(main)
 
@@ -249,7 +249,7 @@ def test_transient_failures_are_retried_on_new_connections(source, packs):
             source.fail(times=1, short=True)  # a cut-off answer: retried, not failed
             got = await engine.fetch_extents(wanted)
             assert got == [packs["p1"][e.offset : e.offset + e.length] for e in wanted]
-            assert engine.stats.retries >= 3 and engine.stats.failures == 0
+            assert engine.statistics().retries >= 3 and engine.statistics().failures == 0
             failed = {r.connection for r in source.reads if r.outcome != "ok"}
             assert failed and failed <= source.closed
             assert "broken" not in source.outcomes()
@@ -286,7 +286,7 @@ def test_a_failing_or_hung_source_gives_eio_after_retry_timeout_then_recovers(so
                 source.resume()
             await trio.sleep(retry_timeout)
             assert await engine.fetch_extents([extent("p1", 9 * STRIPE)]) == [packs["p1"][9 * STRIPE : 9 * STRIPE + EXTENT]]
-            assert engine.stats.held_bytes <= engine.config.memory_limit
+            assert engine.statistics().held_bytes <= engine.config.memory_limit
 
     run(main, autojump=FAULT_AUTOJUMP)
 
@@ -308,7 +308,7 @@ def test_missing_truncated_and_changed_objects_fail_at_once(tmp_path, source, pa
             (tmp_path / "p2").write_bytes(b"x" * len(packs["p2"]))
             with pytest.raises(FetchError, match="changed"):
                 await engine.fetch_extents([extent("p2", 0, version=entry.version)])
-            assert engine.stats.retries == 0
+            assert engine.statistics().retries == 0
 
     run(main)
 
@@ -324,8 +324,8 @@ def test_discard_drops_a_buffered_extent_and_the_next_fetch_refetches_it(source,
             engine.discard(wanted.key)
             engine.discard("never fetched")  # unknown keys are ignored
             assert await engine.fetch_extents([wanted]) == [first]
-            assert len(source.reads) == 2 and engine.stats.discards == 1
-            assert engine.stats.held_bytes == EXTENT  # the old buffer is gone, the new one loose
+            assert len(source.reads) == 2 and engine.statistics().discards == 1
+            assert engine.statistics().held_bytes == EXTENT  # the old buffer is gone, the new one loose
 
     run(main)
 
@@ -350,8 +350,8 @@ def test_memory_stays_bounded_for_lists_far_larger_than_the_limit(source, packs)
                         assert got == [packs[e.path][e.offset : e.offset + e.length] for e in part]
 
                     nursery.start_soon(fetch)
-            assert 0 < engine.stats.peak_held_bytes <= limit
-            assert engine.stats.held_bytes <= limit
+            assert 0 < engine.statistics().peak_held_bytes <= limit
+            assert engine.statistics().held_bytes <= limit
 
     run(main)
 
@@ -367,6 +367,6 @@ def test_a_cancelled_fetch_leaves_nothing_queued_or_reserved(source, packs):
             # is fetched: the next request is the next read's.
             assert await engine.fetch_extents([extent("p2", 0)]) == [packs["p2"][:EXTENT]]
             assert [(r.path, r.offset) for r in source.reads] == [("p1", 0), ("p2", 0)]
-            assert engine.stats.held_bytes == 2 * EXTENT
+            assert engine.statistics().held_bytes == 2 * EXTENT
 
     run(main)

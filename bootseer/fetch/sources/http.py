@@ -51,7 +51,9 @@ from html.parser import HTMLParser
 from typing import Iterator, Mapping
 from urllib.parse import quote, unquote, urljoin, urlsplit
 
-from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
+from bootseer.fetch.source import (
+    Changed, Entry, NotADirectory, NotFound, PermanentError, ProxyStatus, SourceError, TransientError,
+)
 from bootseer.fetch.sources import check_range, redact_url, split_path, valid_name
 from bootseer.fetch.sources.http_proxy import BYTES, REQUESTS, ProxyConfig, ProxyHealth
 from bootseer.log import get_logger
@@ -813,6 +815,10 @@ class HttpSource:
         if served:
             self.proxy.corrupt(f"{self.where(self.target(path))} bytes {offset}-{end - 1} through the proxy "
                                f"failed verification")  # fmt: skip
+
+    def proxy_status(self) -> ProxyStatus | None:
+        """The store proxy's state (:class:`~bootseer.fetch.source.ProxiedSource`), None without one."""
+        return None if self.proxy is None else ProxyStatus(self.proxy.config.display_url, self.proxy.up)
 
     def connect(self) -> HttpConnection:
         return HttpConnection(self)

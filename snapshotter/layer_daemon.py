@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from bootseer.blockstore.node.block_cache import check_cache_dir
-from bootseer.blockstore.server.client import read_secret_file
+from bootseer.blockstore.server.client import read_secret_file, read_setting_file
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.datapath.choice import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
@@ -76,6 +78,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="Sizes: 8M, 16MiB, 1G, 4096 (K, M, G, T and KiB, MiB... are powers of 1024; KB, MB... of 1000).",
     )
     parser.add_argument("--root", default=DEFAULT_ROOT, metavar="DIR", help=f"the node's BootSeer root ({DEFAULT_ROOT})")
+    parser.add_argument(
+        "--settings-file", metavar="FILE",
+        help="read settings from FILE, one JSON object: each key an option of this command without its dashes, "
+             "its value what the option takes (a string or a number, true for a flag, a list for a repeatable "
+             "option), e.g. {\"store\": \"https://user:pw@host/store\", \"cache-size\": \"8G\", \"no-hotlist\": true}. "
+             "What the snapshotter starts the server with (on a pipe: credentials never reach the command line); "
+             "an option set both here and on the command line is refused",
+    )  # fmt: skip
     parser.add_argument("--store", metavar="URL", help="default store of layers (file://, s3://, http(s)://, hdfs://)")
     parser.add_argument(
         "--store-file", metavar="FILE",
@@ -135,7 +145,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
     add_layer_server_arguments(parser)  # --publish-store, --hotlist-*, --prefetch-* (bootseer.hotlist.cli)
     add_peer_arguments(parser)  # --peer-*, --peers* (bootseer.blockstore.peers.options)
-    parser.set_defaults(func=layer_server_command)
+    parser.set_defaults(func=layer_server_command, settings_parser=parser)
 
 
 def _usage_error(message: str) -> int:
@@ -150,10 +160,13 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return error
 
 
-def _read_store_files(args: argparse.Namespace) -> None:
-    """Set ``args.store``/``args.publish_store`` from their ``--*-file`` flags; warn of a credential in argv."""
+def _read_store_files(args: argparse.Namespace, from_document: set[str]) -> None:
+    """Set ``args.store``/``args.publish_store`` from their ``--*-file`` flags; warn of a credential in argv
+    (not of one in the settings document: ``from_document``, the dests it set)."""
     for name in ("store", "publish_store", "store_proxy"):
         flag, path = "--" + name.replace("_", "-"), getattr(args, f"{name}_file")
+        if name in from_document:
+            continue  # a document's URL is no command line's
         if path is not None:
             if getattr(args, name) is not None:
                 raise ValueError(f"give {flag} or {flag}-file, not both")
@@ -166,6 +179,77 @@ def _read_store_files(args: argparse.Namespace) -> None:
                 f"{flag} carries a credential on the command line, which every local user can read; "
                 f"give it with {flag}-file instead", store=redact_url(getattr(args, name)),
             )  # fmt: skip
+
+
+def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The options of ``bootseer layer-server`` a settings document may set, by name without dashes."""
+    # argparse keeps its options in a list it does not name publicly; this is the one place that reads it.
+    return {string[2:]: action for action in parser._actions for string in action.option_strings
+            if string.startswith("--") and action.dest not in ("help", "settings_file")}  # fmt: skip
+
+
+def _read_settings_document(args: argparse.Namespace, parser: argparse.ArgumentParser) -> set[str]:
+    """Set ``args`` from the ``--settings-file`` document, each value through its option's own type and
+    choices; the dests it set.  ValueError, one line naming the file and the key, for anything the
+    command line would refuse."""
+    path = args.settings_file
+    try:
+        document = json.loads(read_setting_file(path))
+    except ValueError as exc:  # unreadable, too long, or not JSON
+        raise ValueError(f"--settings-file: {exc}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"--settings-file: {path} holds {type(document).__name__}, not a JSON object of settings")
+    options = _options(parser)
+    given = set()
+    for key, value in document.items():
+        action = options.get(key)
+        if action is None:
+            raise ValueError(f"--settings-file: unknown setting {key!r} (keys are the options of bootseer layer-server "
+                             f"without their dashes)")  # fmt: skip
+        default = parser.get_default(action.dest)
+        if getattr(args, action.dest) != default:
+            raise ValueError(f"--{key} is given both on the command line and in --settings-file")
+        given.add(action.dest)
+        if action.nargs == 0:  # a flag: --no-hotlist
+            if not isinstance(value, bool):
+                raise ValueError(f"--settings-file: {key}: want true or false, not {value!r}")
+            setattr(args, action.dest, action.const if value else default)
+            continue
+        repeatable = isinstance(default, list)
+        items = value if repeatable and isinstance(value, list) else [value]
+        converted = []
+        for item in items:
+            if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+                raise ValueError(f"--settings-file: {key}: want a string or a number"
+                                 f"{' (or a list of them)' if repeatable else ''}, not {item!r}")  # fmt: skip
+            try:
+                one = action.type(str(item)) if callable(action.type) else str(item)
+            except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+                raise ValueError(f"--settings-file: {key}: {exc}") from None
+            if action.choices is not None and one not in action.choices:
+                raise ValueError(f"--settings-file: {key}: {one!r} is not one of {', '.join(map(str, action.choices))}")
+            converted.append(one)
+        setattr(args, action.dest, converted if repeatable else converted[0])
+    return given
+
+
+#: Options whose value is a URL that may carry a credential: shown redacted.
+_URL_OPTIONS = frozenset({"store", "publish_store", "store_proxy", "store_proxy_ping_url"})
+
+
+def _started_with(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The options that differ from their defaults, by name without dashes, URLs redacted: the status answer's."""
+    shown: dict[str, Any] = {}
+    for key, action in _options(parser).items():
+        value = getattr(args, action.dest)
+        if action.dest.endswith("_file") and action.dest.removesuffix("_file") in _URL_OPTIONS:
+            continue  # where a URL was read from (a pipe): the URL itself is shown
+        if value == parser.get_default(action.dest) or action.help == argparse.SUPPRESS:
+            continue
+        if action.dest in _URL_OPTIONS:
+            value = redact_url(value)
+        shown[key] = list(value) if isinstance(value, (list, tuple)) else value
+    return shown
 
 
 def _check_start_up(args: argparse.Namespace) -> None:
@@ -217,6 +301,11 @@ def layer_server_command(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         return _usage_error("the layer server mounts FUSE for overlayfs and must run as root")
     try:
+        from_document = _read_settings_document(args, args.settings_parser) if args.settings_file else set()
+        _read_store_files(args, from_document)
+    except ValueError as exc:
+        return _usage_error(str(exc))
+    try:
         given = {
             name: getattr(args, name)
             for name in ("streams", "retry_timeout", "stripe_size", "memory_limit")
@@ -228,7 +317,6 @@ def layer_server_command(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         return _usage_error(str(exc))
     try:
-        _read_store_files(args)
         _check_start_up(args)
         proxy = _store_proxy(args)
     except ValueError as exc:
@@ -247,6 +335,7 @@ def layer_server_command(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         data_path=args.data_path,
         filesystems=args.kernel_filesystems,
+        started_with=_started_with(args, args.settings_parser),
     )
     try:
         hotlist = layer_server_hotlist_config(args)

@@ -288,83 +288,73 @@ class ServerSettings:
     python: str = field(default_factory=lambda: sys.executable)
     start_timeout: float = 60.0  #: seconds to wait for a started server to answer
 
-    def secrets(self) -> dict[str, str]:
-        """The settings that may carry a credential (store and proxy URLs), by the file flag that passes each.
+    def document(self) -> dict[str, Any]:
+        """Every setting given, as ``bootseer layer-server --settings-file`` reads it.
 
-        They never go on the command line, which every local user can read in
-        ``/proc/PID/cmdline``: :func:`ensure_server` writes each to a pipe the server
-        inherits and names it ``--store-file /dev/fd/N``.
+        Keys are the server's option names without their dashes; a value is what its option
+        takes on the command line (a string or a number), ``true`` for a flag, a list for a
+        repeatable option.  The store and proxy URLs, which may carry credentials, are in it
+        too: :func:`ensure_server` passes the document on a pipe, never on the command line,
+        which every local user can read in ``/proc/PID/cmdline``.
         """
-        given = {"--store-file": self.store, "--publish-store-file": self.publish_store,
-                 "--store-proxy-file": self.store_proxy}  # fmt: skip
-        return {flag: value for flag, value in given.items() if value}
-
-    def argv(self, root: str | os.PathLike[str], secret_files: Mapping[str, str] | None = None) -> list[str]:
-        """The command line that starts the server for ``root``: no store or proxy URL in it.
-
-        ``secret_files`` maps the flags of :meth:`secrets` to the files (``/dev/fd/N``)
-        their values are read from.
-        """
-        argv = [self.python, "-m", "bootseer.cli", "--log-level", self.log_level, "layer-server", "--root", os.fspath(root)]
-        for flag, path in (secret_files or {}).items():
-            argv += [flag, path]
-        for flag, value in (
-            ("--cache-dir", self.cache_dir),
-            ("--cache-size", self.cache_size),
-            ("--streams", self.streams),
-            ("--retry-timeout", self.retry_timeout),
-            ("--memory-limit", self.memory_limit),
-            ("--metrics-address", self.metrics_address),
-            ("--data-path", self.data_path),
-            ("--store-proxy-ping-url", self.store_proxy_ping_url),
-            ("--store-proxy-check-interval", self.store_proxy_check_interval),
-            ("--store-proxy-block-size", self.store_proxy_block_size),
-            ("--store-proxy-read-timeout", self.store_proxy_read_timeout),
-            ("--hotlist-quiet", self.hotlist_quiet),
-            ("--hotlist-window", self.hotlist_window),
-            ("--prefetch-concurrency", self.prefetch_concurrency),
-            ("--prefetch-batch", self.prefetch_batch),
-            ("--prefetch-cold-rate", self.prefetch_cold_rate),
+        options: list[tuple[str, Any]] = [
+            ("store", self.store),
+            ("publish-store", self.publish_store),
+            ("store-proxy", self.store_proxy),
+            ("cache-dir", self.cache_dir),
+            ("cache-size", self.cache_size),
+            ("streams", self.streams),
+            ("retry-timeout", self.retry_timeout),
+            ("memory-limit", self.memory_limit),
+            ("metrics-address", self.metrics_address),
+            ("data-path", self.data_path),
+            ("store-proxy-ping-url", self.store_proxy_ping_url),
+            ("store-proxy-check-interval", self.store_proxy_check_interval),
+            ("store-proxy-block-size", self.store_proxy_block_size),
+            ("store-proxy-read-timeout", self.store_proxy_read_timeout),
+            ("hotlist-quiet", self.hotlist_quiet),
+            ("hotlist-window", self.hotlist_window),
+            ("hotlist-marker", self.hotlist_marker),
+            ("prefetch-concurrency", self.prefetch_concurrency),
+            ("prefetch-batch", self.prefetch_batch),
+            ("prefetch-cold-rate", self.prefetch_cold_rate),
             # Absolute: the server runs in / (a key path relative to the caller's directory would miss).
-            ("--sign-key", self.sign_key and os.path.abspath(self.sign_key)),
-            *(("--converter-key", os.path.abspath(path)) for path in self.converter_keys),
-            *(("--writer-key", os.path.abspath(path)) for path in self.writer_keys),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        if self.hotlist_marker is not None:  # one word: a name that starts with "-" is still the value
-            argv.append(f"--hotlist-marker={self.hotlist_marker}")
-        if not self.hotlist:
-            argv.append("--no-hotlist")
-        if not self.prefetch_page_cache:
-            argv.append("--no-prefetch-page-cache")
-        return argv + self._peer_args() + list(self.extra_args)
+            ("sign-key", self.sign_key and os.path.abspath(self.sign_key)),
+            ("converter-key", [os.path.abspath(path) for path in self.converter_keys] or None),
+            ("writer-key", [os.path.abspath(path) for path in self.writer_keys] or None),
+            ("no-hotlist", True if not self.hotlist else None),
+            ("no-prefetch-page-cache", True if not self.prefetch_page_cache else None),
+            *self._peer_options(),
+        ]
+        return {name: value for name, value in options if value is not None}
 
-    def _peer_args(self) -> list[str]:
-        """The ``--peer-*`` flags of :attr:`peers` (file paths only: the token stays in its file)."""
+    def argv(self, root: str | os.PathLike[str], settings_file: str) -> list[str]:
+        """The command line that starts the server for ``root`` with its settings in ``settings_file``
+        (:meth:`document`, on a pipe: ``/dev/fd/N``): no setting, let alone a credential, in it."""
+        return [self.python, "-m", "bootseer.cli", "--log-level", self.log_level, "layer-server",
+                "--root", os.fspath(root), "--settings-file", settings_file, *self.extra_args]  # fmt: skip
+
+    def _peer_options(self) -> list[tuple[str, Any]]:
+        """The ``peer-*`` settings of :attr:`peers` (file paths only: the token stays in its file)."""
         peers = self.peers
         if peers is None or not peers.enabled:
             return []
-        argv: list[str] = []
-        for flag, value in (
-            ("--peer-listen", peers.listen),
-            ("--peer-advertise", peers.advertise),
-            ("--peers", ",".join(peers.members) or None),
-            ("--peers-file", peers.members_file),
-            ("--peers-dns", peers.members_dns),
-            ("--peer-token-file", peers.token_file and os.path.abspath(peers.token_file)),
-            ("--peer-deadline", peers.deadline),
-            ("--peer-upload-rate", peers.upload_rate),
-            ("--peer-max-uploads", peers.max_uploads),
-            ("--peer-fetch-budget", peers.fetch_budget),
-            ("--peer-max-connections", peers.max_connections),
-            ("--peer-tls-cert", peers.tls_cert),
-            ("--peer-tls-key", peers.tls_key),
-            ("--peer-ca", peers.ca),
-        ):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv
+        return [
+            ("peer-listen", peers.listen),
+            ("peer-advertise", peers.advertise),
+            ("peers", ",".join(peers.members) or None),
+            ("peers-file", peers.members_file),
+            ("peers-dns", peers.members_dns),
+            ("peer-token-file", peers.token_file and os.path.abspath(peers.token_file)),
+            ("peer-deadline", peers.deadline),
+            ("peer-upload-rate", peers.upload_rate),
+            ("peer-max-uploads", peers.max_uploads),
+            ("peer-fetch-budget", peers.fetch_budget),
+            ("peer-max-connections", peers.max_connections),
+            ("peer-tls-cert", peers.tls_cert),
+            ("peer-tls-key", peers.tls_key),
+            ("peer-ca", peers.ca),
+        ]
 
 
 @contextmanager
@@ -404,55 +394,53 @@ def _log_tail(path: Path, start: int, limit: int = 4000) -> str:
     return text[-limit:].strip()
 
 
-#: Longest secret setting passed on a pipe: written whole before the server starts, it must fit the pipe.
-MAX_SECRET = 60 * 1024
+#: Longest setting file read (a secret of ``--store-file``, or the whole ``--settings-file`` document): a pipe
+#: from :func:`ensure_server` is written whole before the server starts, so it must fit the pipe's buffer.
+MAX_SETTINGS = 60 * 1024
 
 
 @contextmanager
-def _secret_pipes(secrets: Mapping[str, str]) -> Iterator[tuple[dict[str, str], tuple[int, ...]]]:
-    """One pipe per secret, its value written and the write end closed: ({flag: "/dev/fd/N"}, read ends).
+def _settings_pipe(document: Mapping[str, Any]) -> Iterator[tuple[str, int]]:
+    """A pipe holding ``document`` as JSON, its write end closed: ("/dev/fd/N", N).
 
-    The read ends are closed here once the server has inherited them (it reads each once).
+    The read end is closed here once the server has inherited it (it reads it once).
     """
-    files: dict[str, str] = {}
-    fds: list[int] = []
+    data = json.dumps(document, sort_keys=True).encode() + b"\n"
+    if len(data) > MAX_SETTINGS:
+        raise ServerStartError(f"the layer server's settings are longer than {MAX_SETTINGS} bytes")
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
     try:
-        for flag, value in secrets.items():
-            data = value.encode() + b"\n"
-            if len(data) > MAX_SECRET:
-                raise ServerStartError(f"{flag.removesuffix('-file')} is longer than {MAX_SECRET} bytes")
-            read_end, write_end = os.pipe2(os.O_CLOEXEC)
-            fds.append(read_end)
-            try:
-                os.write(write_end, data)  # fits the pipe's buffer: never blocks
-            finally:
-                os.close(write_end)
-            files[flag] = f"/dev/fd/{read_end}"
-        yield files, tuple(fds)
+        try:
+            os.write(write_end, data)  # fits the pipe's buffer: never blocks
+        finally:
+            os.close(write_end)
+        yield f"/dev/fd/{read_end}", read_end
     finally:
-        for fd in fds:
-            os.close(fd)
+        os.close(read_end)
 
 
-def read_secret_file(path: str) -> str:
-    """The setting in ``path`` (its first line, stripped), as ``--store-file`` gives it.
-
-    ``/dev/fd/N`` (a pipe from :func:`ensure_server`) is read from descriptor N, which
-    is then closed.  ValueError, naming the file, if it cannot be read or is empty.
-    """
+def read_setting_file(path: str) -> bytes:
+    """The bytes of ``path``, at most :data:`MAX_SETTINGS`; ``/dev/fd/N`` (a pipe from :func:`ensure_server`)
+    is read from descriptor N, which is then closed.  ValueError, naming the file, if it cannot be read."""
     inherited = path.removeprefix("/dev/fd/")
     try:
         if inherited.isdigit():
             with os.fdopen(int(inherited), "rb") as pipe:
-                data = pipe.read(MAX_SECRET + 1)
+                data = pipe.read(MAX_SETTINGS + 1)
         else:
             with open(path, "rb") as file:
-                data = file.read(MAX_SECRET + 1)
+                data = file.read(MAX_SETTINGS + 1)
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from None
-    if len(data) > MAX_SECRET:
-        raise ValueError(f"{path} is longer than {MAX_SECRET} bytes")
-    lines = data.decode(errors="replace").strip().splitlines()
+    if len(data) > MAX_SETTINGS:
+        raise ValueError(f"{path} is longer than {MAX_SETTINGS} bytes")
+    return data
+
+
+def read_secret_file(path: str) -> str:
+    """The setting in ``path`` (its first line, stripped), as ``--store-file`` gives it
+    (:func:`read_setting_file`); ValueError, naming the file, if it cannot be read or is empty."""
+    lines = read_setting_file(path).decode(errors="replace").strip().splitlines()
     if not lines or not lines[0].strip():
         raise ValueError(f"{path} is empty")
     return lines[0].strip()
@@ -464,7 +452,8 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
     Race-safe: starters take ``ROOT/layers/start.lock`` in turn and check again under
     it, so two callers at once start one server.  The server runs in a session of
     its own (it outlives the caller), with stdio appended to ``ROOT/layers/server.log``;
-    the store URLs (which may carry credentials) reach it on inherited pipes, not argv.
+    its settings, store URLs (which may carry credentials) among them, reach it as one JSON
+    document on an inherited pipe (:meth:`ServerSettings.document`), not in argv.
     Returns once the server answers ``status``.  Raises :class:`ServerStartError`
     (with the server's own last log lines) if it exits or does not answer within
     ``settings.start_timeout``.
@@ -478,13 +467,13 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
     with _locked(paths.start_lock, settings.start_timeout):
         if _answers(client):  # someone else started it while we waited
             return client
-        with open(paths.log, "ab") as log, _secret_pipes(settings.secrets()) as (secret_files, secret_fds):
-            argv = settings.argv(root, secret_files)
+        with open(paths.log, "ab") as log, _settings_pipe(settings.document()) as (settings_file, settings_fd):
+            argv = settings.argv(root, settings_file)
             log_start = log.tell()
             try:
                 process = subprocess.Popen(
                     argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
-                    pass_fds=secret_fds, cwd="/",  # pins no directory of the caller's
+                    pass_fds=(settings_fd,), cwd="/",  # pins no directory of the caller's
                 )
             except OSError as exc:
                 raise ServerStartError(f"cannot start the layer server ({argv[0]}): {exc}") from None
@@ -526,4 +515,5 @@ __all__ = [
     "StoreUnavailable",
     "ensure_server",
     "read_secret_file",
+    "read_setting_file",
 ]

@@ -129,6 +129,9 @@ class LayerServerConfig:
     data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath.choice)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
+    #: The options this server was started with that differ from their defaults, URLs redacted (what its
+    #: ``status`` answer shows: a long-lived server keeps them until it is restarted).
+    started_with: dict[str, Any] = field(default_factory=dict)
 
     @property
     def paths(self) -> ServerPaths:
@@ -544,6 +547,7 @@ class LayerServer:
             "uptime_s": round(time.time() - self.started, 3),
             # Redacted: the whole URLs came on pipes, not argv (blockstore.server.client.ensure_server).
             "store": redact_url(self.config.store) if self.config.store else "",
+            "settings": dict(self.config.started_with),
             "publish_store": "",
             **(self.extension.status_fields() if self.extension is not None else {}),
             "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},

@@ -468,8 +468,9 @@ def test_a_server_that_cannot_start_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_a_second_server_on_one_root_is_refused(node: Node) -> None:
     node.ensure()
-    argv = node.settings.argv(node.root)
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    settings_file = node.root.parent / "second.json"
+    settings_file.write_text(json.dumps(node.settings.document()))
+    result = subprocess.run(node.settings.argv(node.root, str(settings_file)), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "already serves" in result.stderr
     assert node.client.status()["health"]["fuse"] == "serving"

@@ -298,8 +298,7 @@ def test_the_fetch_budget_reaches_the_layer_server_and_one_smaller_than_a_block_
     merged = {"peers.listen": listen, "peers.members": [listen], "peers.token_file": str(token)}
     settings = config.resolve({**merged, "peers.fetch_budget": "64M"}, {})
     assert settings.peers.fetch_budget == 64 << 20
-    argv = ServerSettings(peers=settings.peers).argv("/root")
-    assert argv[argv.index("--peer-fetch-budget") + 1] == str(64 << 20)
+    assert ServerSettings(peers=settings.peers).document()["peer-fetch-budget"] == 64 << 20
     assert config.resolve(merged, {}).peers.fetch_budget == PeerConfig.fetch_budget == 1 << 30
     with pytest.raises(config.ConfigError, match="peers.fetch_budget"):
         config.resolve({**merged, "peers.fetch_budget": "4K"}, {})

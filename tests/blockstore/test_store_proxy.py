@@ -446,7 +446,9 @@ def test_layer_blocks_go_through_the_proxy_direct_while_it_is_down_and_back_when
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
         for where, what in (("argv", cmdline), ("log", text), ("status", status), ("metrics", metrics)):
             assert PASSWORD not in what, where
-        assert "--store-proxy-file" in cmdline
+        assert "--settings-file /dev/fd/" in cmdline.replace("\0", " ")  # the proxy URL came in the document
+        started = client.status()["settings"]["store-proxy"]
+        assert started.startswith("http://127.0.0.1:") and started == shown["proxy"]["proxy"]  # redacted
     finally:
         stop_layer_servers(root)
 
@@ -560,12 +562,13 @@ def test_the_proxy_url_goes_on_a_pipe_never_in_argv() -> None:
     settings = ServerSettings(store="http://store:8080/", store_proxy=f"http://{USER}:{PASSWORD}@proxy:3128",
                               store_proxy_ping_url="http://proxy:3129/ping", store_proxy_block_size=PROXY_BLOCK,
                               store_proxy_read_timeout=2.5)  # fmt: skip
-    assert settings.secrets()["--store-proxy-file"] == f"http://{USER}:{PASSWORD}@proxy:3128"
-    argv = settings.argv("/root", {"--store-file": "/dev/fd/5", "--store-proxy-file": "/dev/fd/6"})
+    document = settings.document()
+    assert document["store-proxy"] == f"http://{USER}:{PASSWORD}@proxy:3128"  # in the document, on the pipe
+    argv = settings.argv("/root", "/dev/fd/5")
     assert PASSWORD not in " ".join(argv) and "proxy:3128" not in " ".join(argv)
-    assert argv[argv.index("--store-proxy-ping-url") + 1] == "http://proxy:3129/ping"
-    assert argv[argv.index("--store-proxy-block-size") + 1] == str(PROXY_BLOCK)
-    assert argv[argv.index("--store-proxy-read-timeout") + 1] == "2.5"
+    assert argv[-2:] == ["--settings-file", "/dev/fd/5"]
+    assert document["store-proxy-ping-url"] == "http://proxy:3129/ping"
+    assert (document["store-proxy-block-size"], document["store-proxy-read-timeout"]) == (PROXY_BLOCK, 2.5)
     assert PASSWORD not in repr(ProxyConfig(f"http://{USER}:{PASSWORD}@proxy:3128"))
 
 

@@ -86,9 +86,8 @@ def test_fetch_memory_limit_reaches_the_layer_server_command_line() -> None:
     settings = config.resolve({"fetch.memory_limit": "256M", "store.url": "file:///store"}, {})
     assert settings.fetch_memory_limit == 256 << 20
     assert config.resolve({}, {}).fetch_memory_limit == 1 << 30
-    argv = ServerSettings(memory_limit=settings.fetch_memory_limit).argv("/root")
-    assert argv[argv.index("--memory-limit") + 1] == str(256 << 20)
-    assert "--memory-limit" not in ServerSettings().argv("/root")
+    assert ServerSettings(memory_limit=settings.fetch_memory_limit).document()["memory-limit"] == 256 << 20
+    assert "memory-limit" not in ServerSettings().document()
 
 
 def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
@@ -107,21 +106,19 @@ def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
     )
     root = tmp_path / "root"
     snapshotter_factory("--config", str(config_file), "--store", f"file://{store}", "--publish-store", str(publish), root=root)
-    pid = LayerServerClient(ServerPaths(root).socket).status()["pid"]
-    argv = [arg.decode() for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    status = LayerServerClient(ServerPaths(root).socket).status()
+    argv = [arg.decode() for arg in Path(f"/proc/{status['pid']}/cmdline").read_bytes().split(b"\0")]
+    started = status["settings"]  # what the server runs with (from the settings document on its pipe)
 
-    def option(flag: str) -> str:
-        return argv[argv.index(flag) + 1]
-
-    # The flag wins over the file; store URLs reach the server on pipes, never in its argv.
-    assert LayerServerClient(ServerPaths(root).socket).status()["publish_store"] == str(publish)
-    assert option("--publish-store-file").startswith("/dev/fd/") and str(publish) not in argv
-    assert (option("--hotlist-quiet"), option("--hotlist-window")) == ("3.0", "30.5")
-    assert "--hotlist-marker=-done" in argv  # one word: a marker starting with "-" is still a value
-    assert (option("--prefetch-concurrency"), option("--prefetch-batch"), option("--prefetch-cold-rate")) == (
-        "2", str(1 << 20), str(8 << 20),
+    # The flag wins over the file; settings reach the server in one document on a pipe, never in its argv.
+    assert status["publish_store"] == str(publish) and started["publish-store"] == str(publish)
+    assert argv[argv.index("--settings-file") + 1].startswith("/dev/fd/") and str(publish) not in " ".join(argv)
+    assert (started["hotlist-quiet"], started["hotlist-window"]) == (3.0, 30.5)
+    assert started["hotlist-marker"] == "-done"  # a marker starting with "-" is still a value
+    assert (started["prefetch-concurrency"], started["prefetch-batch"], started["prefetch-cold-rate"]) == (
+        2, 1 << 20, 8 << 20,
     )  # fmt: skip
-    assert "--no-hotlist" not in argv
+    assert "no-hotlist" not in started
 
 
 def test_peer_and_proxy_settings_reach_the_layer_server_the_daemon_starts(
@@ -142,15 +139,11 @@ def test_peer_and_proxy_settings_reach_the_layer_server_the_daemon_starts(
     root = tmp_path / "root"
     snapshotter_factory("--config", str(config_file), root=root)
     client = LayerServerClient(ServerPaths(root).socket)
-    argv = [arg.decode() for arg in Path(f"/proc/{client.status()['pid']}/cmdline").read_bytes().split(b"\0")]
-
-    def option(flag: str) -> str:
-        return argv[argv.index(flag) + 1]
-
-    assert (option("--peer-fetch-budget"), option("--peer-max-connections"), option("--peer-deadline")) == (
-        str(64 << 20), "16", "2.0",
+    started = client.status()["settings"]
+    assert (started["peer-fetch-budget"], started["peer-max-connections"], started["peer-deadline"]) == (
+        64 << 20, 16, 2.0,
     )  # fmt: skip
-    assert option("--store-proxy-read-timeout") == "7.0"
+    assert started["store-proxy-read-timeout"] == 7.0
     status = client.call({"op": "peers.status"})
     assert (status["fetch_budget"], status["connections"]["limit"], status["deadline"]) == (64 << 20, 16, 2.0)
     log = ServerPaths(root).log.read_text(errors="replace")
@@ -175,9 +168,7 @@ def test_layer_server_metrics_address_reaches_the_layer_server_the_daemon_starts
     port = free_port()
     root = tmp_path / "root"
     snapshotter_factory("--store", f"file://{store}", "--layer-server-metrics-address", f"127.0.0.1:{port}", root=root)
-    pid = LayerServerClient(ServerPaths(root).socket).status()["pid"]
-    argv = [arg.decode() for arg in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
-    assert argv[argv.index("--metrics-address") + 1] == f"127.0.0.1:{port}"
+    assert LayerServerClient(ServerPaths(root).socket).status()["settings"]["metrics-address"] == f"127.0.0.1:{port}"
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         assert 'bootseer_layer_server_up 1.0' in answer.read().decode()
 
@@ -187,14 +178,14 @@ def test_hotlist_can_be_turned_off_for_the_layer_server() -> None:
 
     settings = config.resolve({"hotlist.enabled": False, "store.url": "file:///store"}, {})
     assert settings.hotlist_enabled is False
-    assert "--no-hotlist" in ServerSettings(hotlist=settings.hotlist_enabled).argv("/root")
-    default = ServerSettings().argv("/root")
-    assert "--no-hotlist" not in default and "--publish-store" not in default
-    assert "--no-prefetch-page-cache" not in default
+    assert ServerSettings(hotlist=settings.hotlist_enabled).document()["no-hotlist"] is True
+    default = ServerSettings().document()
+    assert "no-hotlist" not in default and "publish-store" not in default
+    assert "no-prefetch-page-cache" not in default
     assert config.resolve({}, {}).hotlist_prefetch.page_cache is True
     off = config.resolve({"hotlist.prefetch_page_cache": False, "store.url": "file:///store"}, {}).hotlist_prefetch
     assert off.page_cache is False
-    assert "--no-prefetch-page-cache" in ServerSettings(prefetch_page_cache=off.page_cache).argv("/root")
+    assert ServerSettings(prefetch_page_cache=off.page_cache).document()["no-prefetch-page-cache"] is True
 
 
 @pytest.mark.parametrize(

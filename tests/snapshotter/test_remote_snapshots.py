@@ -474,8 +474,7 @@ def test_daemon_serves_converted_layers_lazily_and_across_restarts(
         assert read_tree(rootfs) == expected
     server_pid = LayerServerClient(ServerPaths(root).socket).status()["pid"]
     # Started with the node's [fetch] memory_limit (1G by default), which its RSS follows.
-    argv = Path(f"/proc/{server_pid}/cmdline").read_bytes().split(b"\0")
-    assert argv[argv.index(b"--memory-limit") + 1] == str(1 << 30).encode()
+    assert LayerServerClient(ServerPaths(root).socket).status()["settings"]["memory-limit"] == 1 << 30
 
     # The daemon restarts; the layer server outlives it and is found again.
     assert daemon.stop() == 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import re
 import secrets
@@ -135,8 +136,14 @@ class PeerNode:
         cache, metrics address, store and the extra arguments."""
         settings = dataclasses.replace(self.settings, cache_dir=str(self.cache_dir),
                                        metrics_address=f"{self.ip}:{METRICS_PORT}")
-        # The store is the cluster's nginx, which takes no credential: it can go in argv.
-        return [*self.member.launcher(), *settings.argv(self.root), "--store", self.store_url, *self.extra_args]
+        # The settings as the snapshotter passes them (one JSON document), in a file of the node's: the
+        # launcher runs the server in another namespace, where no pipe of ours is.  The store is the
+        # cluster's nginx, which takes no credential: it can go in argv.
+        self.base.mkdir(parents=True, exist_ok=True)
+        settings_file = self.base / "settings.json"
+        settings_file.write_text(json.dumps(settings.document()))
+        return [*self.member.launcher(), *settings.argv(self.root, str(settings_file)), "--store", self.store_url,
+                *self.extra_args]
 
     def launch(self, extra_args: Sequence[str] | None = None) -> None:
         """Start the server (``extra_args`` replace the node's); :meth:`wait_ready` waits for it."""

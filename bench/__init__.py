@@ -1,6 +1,7 @@
 """The benchmarks: each script a module run from the checkout's root (``python -m bench.lazy_bench``).
 
 Shared parts are modules of their own (:mod:`bench.common`, :mod:`bench.node`, :mod:`bench.image_build`,
-:mod:`bench.nodestats`, :mod:`bench.netcap`); no benchmark script imports another, and the machinery they
+:mod:`bench.nodestats`, :mod:`bench.netcap`, and :mod:`bench.readers`, the checkpoint benchmark's timed child
+program, whose digest its driver shares); no benchmark script imports another, and the machinery they
 share with the tests (containerd, registry, processes, OCI layouts) is ``tests.support``'s.
 """

@@ -42,9 +42,10 @@ from typing import Any, Iterator
 from bootseer.units import parse_size
 
 from bench import netcap
+from bench.readers import tensors_digest
+from tests.support.nginx import Nginx
 
 BENCH_DIR = Path(__file__).resolve().parent
-from tests.support.nginx import Nginx
 READERS = BENCH_DIR / "readers.py"
 MB = 1_000_000  # rates are in decimal megabytes per second, as tc and curl count them
 MiB = 1 << 20
@@ -126,8 +127,6 @@ def _write_safetensors(path: Path, target: int, seed: int) -> tuple[str, int, in
     """Write a random checkpoint of about ``target`` bytes; returns (digest, tensors, bytes)."""
     import numpy as np
     import safetensors.numpy
-
-    from readers import tensors_digest
 
     rng = np.random.default_rng(seed)
     tensors = {}

@@ -308,9 +308,10 @@ if __name__ == "__main__":
 # --------------------------------------------------------------------------- tests, integration and bench
 
 #: The bench modules other bench modules may import (bench/__init__.py): shared parts, not benchmarks
-#: (bench.readers is the checkpoint benchmark's timed child program, whose digest its driver shares).
+#: (bench.readers is the checkpoint benchmark's timed child program, whose digest its driver shares;
+#: bench.lazy_scenarios and bench.lazy_report are the lazy-layers benchmark's model and report).
 BENCH_SHARED = frozenset({"bench.common", "bench.node", "bench.image_build", "bench.nodestats", "bench.netcap",
-                          "bench.readers"})
+                          "bench.readers", "bench.lazy_scenarios", "bench.lazy_report"})
 
 
 def support_side_modules() -> dict[str, Path]:

@@ -74,9 +74,9 @@ from typing import Any, Iterator
 
 from bench import image_build
 from bench.common import (
-    BenchError, bootseer_argv, drop_caches, log, run_checked, run_until_marker,
+    BenchError, bootseer_argv, drop_caches, fmt, log, run_checked, run_until_marker,
 )
-from bench.lazy_report import fmt, report
+from bench.lazy_report import report
 from bench.lazy_scenarios import (
     DATA_PATHS, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, Run, Scenario, base_name, named, run_fuse_requests,
 )

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import image_build
-from bench.common import code_version, machine
+from bench.common import code_version, fmt, machine
 from bench.lazy_scenarios import (
     BASELINES, KINDS, MB, SCENARIOS, TARGET_COLD_RATIO, TARGET_FETCH_OVER_READ, TARGET_FUSE_REQUESTS_RATIO,
     TARGET_HOT_OVER_FLOOR, TARGET_HOT_SPEEDUP, TARGET_LOCAL_RATIO, TARGET_PAGE_CACHE_RATIO, TREE_PATH, Run, Scenario,
@@ -55,11 +55,6 @@ def summarize_profile(path: Path, top: int = 12) -> list[str]:
     rows += [f"| `{frame}` | {count / total:.0%} |" for frame, count in
              sorted(inclusive.items(), key=lambda item: -item[1])[:top]]
     return rows
-
-
-def fmt(value: float | None, spec: str = ".2f") -> str:
-    """A figure for a table cell or a log line: ``value`` in ``spec``, or a dash when there is none."""
-    return "—" if value is None else format(value, spec)
 
 
 def _read_bytes(run: Run) -> float | None:

@@ -81,7 +81,8 @@ from bench.lazy_scenarios import (
     DATA_PATHS, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, Run, Scenario, base_name, named, run_fuse_requests,
 )
 from bench.node import (
-    chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, read_hot_list,
+    chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, published_hot_list,
+    recording_finished,
 )
 from bench.nodestats import file_pages
 from bench.nodestats import scrape_metrics as _scrape
@@ -511,24 +512,8 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
         seconds, _ = run_until_marker(run_argv(stack, ref, "record-1"), image_build.FIRST_OUTPUT_MARKER, timeout,
                                       log_path)
         boot = time.perf_counter() - start
-        found: dict[str, Any] = {}
-
-        def published() -> bool:
-            from bootseer.blockstore.server.client import LayerServerClient
-
-            status = LayerServerClient(control_socket(stack)).call({"op": "hotlist.status"})
-            done = [s for s in status.get("finished", []) if s.get("kind") == "recording"]
-            if done:
-                found.update(done[-1])
-            return bool(done)
-
-        wait_for_component("the recording to seal and publish", published, 150)
-    if found.get("outcome") != "published":
-        raise BenchError(f"the recording boot did not publish a hot list: {found}")
-    hot = read_hot_list(hot_store, image)
-    if hot is None:
-        raise BenchError(f"the layer server says it published, but {hot_store} holds no hot list for the image")
-    subprocess.run(["chmod", "-R", "a+rX", str(hot_store / "v1" / "hotlists")], check=True)
+        found = recording_finished(control_socket(stack))
+    hot = published_hot_list(found, hot_store, image)
     return {**hot, "outcome": found["outcome"], "boot_seconds": boot}
 
 

@@ -62,10 +62,12 @@ from typing import Any
 
 from bench import image_build
 from bench.common import BenchError, bootseer_argv, code_version, drop_caches, fmt, log, machine
-from bench.node import chroot_start, convert_store, hot_store_copy, layer_server_node, overlay_root, read_hot_list
+from bench.node import (
+    chroot_start, convert_store, hot_store_copy, layer_server_node, overlay_root, published_hot_list, read_hot_list,
+    recording_finished,
+)
 from tests.support.oci import chain_ids
 from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token
-from tests.support.waiting import wait_for_component
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -142,22 +144,8 @@ def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: 
                 raise BenchError(f"hotlist.prepared did not start a recording: {answer}")
             seconds, _line = chroot_start(root, timeout, log_path)
             log(f"  the job printed its first output after {seconds:.1f} s")
-            summary: dict[str, Any] = {}
-
-            def published() -> bool:
-                done = [s for s in client.call({"op": "hotlist.status"}).get("finished", [])
-                        if s.get("kind") == "recording"]
-                summary.update(done[-1] if done else {})
-                return bool(done)
-
-            wait_for_component("the recording to seal and publish", published, 150)
-    if summary.get("outcome") != "published":
-        raise BenchError(f"the recording did not publish a hot list: {summary}")
-    hot = read_hot_list(store, image)
-    if hot is None:
-        raise BenchError(f"the recording says it published, but {store} holds no hot list for the image")
-    subprocess.run(["chmod", "-R", "a+rX", str(store / "v1" / "hotlists")], check=True)
-    return hot
+            summary = recording_finished(socket_path)
+    return published_hot_list(summary, store, image)
 
 
 def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Image:

@@ -114,7 +114,8 @@ class _HashingWriter:
         self.out.flush()
 
 
-def _put_file(blobs: Path, path: Path) -> tuple[str, int]:
+def put_file(blobs: Path, path: Path) -> tuple[str, int]:
+    """Move the file at ``path`` (on the same filesystem) under ``blobs`` as the blob it holds; (digest, size)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -161,7 +162,7 @@ def write_layer_blob(layer: Layer | RawBlob, blobs: Path, compression: str = "gz
                 tar = _HashingWriter(raw)
                 write_layer_tar(layer, tar)  # type: ignore[arg-type]
         diff_id = "sha256:" + tar.hash.hexdigest()
-        digest, size = _put_file(blobs, Path(spool))
+        digest, size = put_file(blobs, Path(spool))
         return digest, diff_id, size
     finally:
         if os.path.exists(spool):

@@ -26,7 +26,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import shlex
 import shutil
 import signal
@@ -42,9 +41,11 @@ from typing import Any, Iterator
 from bootseer.units import parse_size
 
 from bench import netcap
+from bench.common import fmt, machine
+from bench.readers import tensors_digest
+from tests.support.nginx import Nginx
 
 BENCH_DIR = Path(__file__).resolve().parent
-from tests.support.nginx import Nginx
 READERS = BENCH_DIR / "readers.py"
 MB = 1_000_000  # rates are in decimal megabytes per second, as tc and curl count them
 MiB = 1 << 20
@@ -126,8 +127,6 @@ def _write_safetensors(path: Path, target: int, seed: int) -> tuple[str, int, in
     """Write a random checkpoint of about ``target`` bytes; returns (digest, tensors, bytes)."""
     import numpy as np
     import safetensors.numpy
-
-    from readers import tensors_digest
 
     rng = np.random.default_rng(seed)
     tensors = {}
@@ -309,20 +308,9 @@ def run_benchmark(args: argparse.Namespace, work: Path) -> tuple[dict[str, Metho
 
 
 def _machine() -> str:
-    cpu = "?"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    """The machine measured (:func:`bench.common.machine`) and the nginx that served the checkpoints."""
     nginx = subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip().replace("nginx version: ", "")
-    return (f"{os.cpu_count()} × {cpu}, {memory:.0f} GiB RAM, Linux {platform.release()}, "
-            f"Python {platform.python_version()}, {nginx}")
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
+    return f"{machine()}, {nginx}"
 
 
 def report(args: argparse.Namespace, methods: dict[str, Method], context: dict[str, Any], wall: float) -> str:
@@ -358,8 +346,8 @@ def report(args: argparse.Namespace, methods: dict[str, Method], context: dict[s
         rate = m.median_rate()
         runs = ", ".join(f"{r['bytes'] / r['seconds'] / MB:.1f}" for r in m.runs) or "—"
         lines.append(
-            f"| {name} | {m.description} | {runs} | {_fmt(rate and rate / MB, '.1f')} | "
-            f"{_fmt(rate and rate / cap, '.2f')} | {_fmt(rate and single and rate / single, '.1f')} | "
+            f"| {name} | {m.description} | {runs} | {fmt(rate and rate / MB, '.1f')} | "
+            f"{fmt(rate and rate / cap, '.2f')} | {fmt(rate and single and rate / single, '.1f')} | "
             f"{'yes' if m.verified else 'NO'} |"
         )
     lines += [
@@ -377,9 +365,9 @@ def report(args: argparse.Namespace, methods: dict[str, Method], context: dict[s
         seconds = m.median_seconds()
         runs = ", ".join(f"{r['seconds']:.2f}" for r in m.runs) or "—"
         lines.append(
-            f"| {name} | {m.description} | {runs} | {_fmt(seconds, '.2f')} | "
-            f"{_fmt(seconds and manifest['st_file_size'] / seconds / MB, '.1f')} | "
-            f"{_fmt(seconds and plain and plain / seconds, '.1f')} | {'yes' if m.verified else 'NO'} |"
+            f"| {name} | {m.description} | {runs} | {fmt(seconds, '.2f')} | "
+            f"{fmt(seconds and manifest['st_file_size'] / seconds / MB, '.1f')} | "
+            f"{fmt(seconds and plain and plain / seconds, '.1f')} | {'yes' if m.verified else 'NO'} |"
         )
     if context["mount_ready"]:
         lines += ["", f"Mount start-up (process start to mounted), median of all {len(context['mount_ready'])} mounts: "

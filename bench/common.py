@@ -106,6 +106,11 @@ def run_until_marker(argv: list[str], marker: str, timeout: float, log_path: Pat
     return found
 
 
+def fmt(value: float | None, spec: str = ".2f") -> str:
+    """A figure for a report's table cell or a log line: ``value`` in ``spec``, or a dash when there is none."""
+    return "—" if value is None else format(value, spec)
+
+
 def machine(containerd: ContainerdInstall | None = None) -> str:
     """The machine measured: cores and CPU model, memory, kernel, ``containerd`` (if the benchmark runs one), Python."""
     cpu = "?"

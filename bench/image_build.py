@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from tests.support.oci import MEDIA_LAYER_GZIP, LayerRef, write_image
+from tests.support.oci import MEDIA_LAYER_GZIP, LayerRef, put_file, write_image
 
 DEFAULT_CACHE_DIR = Path("/var/tmp/bootseer-bench")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -316,14 +316,6 @@ def write_layer_tar(root: Path, out: Path) -> tuple[str, int]:
     return "sha256:" + digest.hexdigest(), size
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 20):
-            digest.update(chunk)
-    return "sha256:" + digest.hexdigest()
-
-
 def make_blob(name: str, root: Path, blobs: Path, recipe: str, jobs: int) -> LayerBlob:
     """Tar and gzip ``root`` into ``blobs``; the blob's record is kept beside it as NAME.json."""
     record_path = blobs.parent / f"{name}.json"
@@ -338,9 +330,7 @@ def make_blob(name: str, root: Path, blobs: Path, recipe: str, jobs: int) -> Lay
     with open(gz_path, "wb") as out:
         _run(["nice", "-n", "10", "pigz", "-n", "-6", "-p", str(jobs), "-c", str(tar_path)], f"gzip {name}", stdout=out)
     tar_path.unlink()
-    digest = _sha256_file(gz_path)
-    size = gz_path.stat().st_size
-    gz_path.rename(blobs / digest.removeprefix("sha256:"))
+    digest, size = put_file(blobs, gz_path)
     record = LayerBlob(name=name, digest=digest, size=size, diff_id=diff_id, tar_size=tar_size, recipe=recipe)
     record_path.write_text(json.dumps(record.__dict__, indent=1))
     _log(f"layer {name}: {tar_size / 1e6:.0f} MB tar, {size / 1e6:.0f} MB gzip")

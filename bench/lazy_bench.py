@@ -54,33 +54,37 @@ One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
 
 Everything it starts (namespace, veth pair, registry, nginx, containerd, daemons, the
 layer server, mounts) is torn down at the end, on failure and on Ctrl-C / SIGTERM.
+
+This module runs the starts and measures them; the scenarios, their runs and the targets are
+:mod:`bench.lazy_scenarios`, the Markdown page and its checks :mod:`bench.lazy_report`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import datetime
 import os
-import shlex
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from bench import image_build
 from bench.common import (
-    BenchError, bootseer_argv, code_version, drop_caches, log, machine, run_checked, run_until_marker,
+    BenchError, bootseer_argv, drop_caches, fmt, log, run_checked, run_until_marker,
+)
+from bench.lazy_report import report
+from bench.lazy_scenarios import (
+    DATA_PATHS, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, Run, Scenario, base_name, named, run_fuse_requests,
 )
 from bench.node import (
-    chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, read_hot_list,
+    chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, published_hot_list,
+    recording_finished,
 )
-from bench.nodestats import file_pages, fuse_requests
+from bench.nodestats import file_pages
 from bench.nodestats import scrape_metrics as _scrape
 from tests.support import netns
 from tests.support.containerd import BUILTIN_OVERLAY, SNAPSHOTTER_NAME, ContainerdInstall, containerd_install
@@ -93,7 +97,6 @@ from tests.support.waiting import free_port, wait_for_component
 BENCH_DIR = Path(__file__).resolve().parent
 
 
-MB = 1_000_000
 REGISTRY_PORT = 5000
 STORE_PORT = 8080
 #: nginx serving the copy of the store that the hot-list scenario records into and reads from.
@@ -101,57 +104,6 @@ HOT_STORE_PORT = 8081
 IMAGE_NAME = "bench/torch-train"
 #: containerd namespace of every node (and with it the runc root /run/containerd/runc/NAMESPACE).
 NAMESPACE = f"bench-{os.getpid()}"
-
-#: The issue's targets.
-TARGET_COLD_RATIO = 0.45
-TARGET_FETCH_OVER_READ = 2.0
-TARGET_LOCAL_RATIO = 1.15
-#: Issue 7's targets: a prefetched start within this factor of its floor, and this much faster than overlayfs.
-TARGET_HOT_OVER_FLOOR = 1.25
-TARGET_HOT_SPEEDUP = 4.0
-#: Issue 15's: FUSE requests of a start on a kernel data path against the tree path's; page-cache growth
-#: of a start against overlayfs's for the same start.
-TARGET_FUSE_REQUESTS_RATIO = 0.1
-TARGET_PAGE_CACHE_RATIO = 2.0
-#: The node data paths a run can ask for (``bootseer-snapshotter --data-path``); the tree path is the
-#: per-file FUSE tree, the only one a snapshotter without that flag has.
-DATA_PATHS = ("erofs", "loop", "tree")
-TREE_PATH = "tree"
-#: Between a BootSeer scenario's name and its data path: ``lazy-cold@erofs``.
-PATH_SEP = "@"
-
-SCENARIOS = {
-    "overlay-cold": "overlayfs: `ctr images pull` + `ctr run`, cold",
-    "lazy-cold": "bootseer: `bootseer rpull` + `ctr run --snapshotter bootseer`, cold",
-    "overlay-local": "overlayfs: `ctr run`, image already pulled",
-    "lazy-local": "bootseer: `ctr run`, blocks in the node cache",
-    "overlay-warm": "overlayfs: `ctr run` once more, page cache not dropped",
-    "lazy-warm": "bootseer: `ctr run` once more, blocks local, page cache not dropped",
-    "fuse-cold": "layer server alone, no containerd: mount the layers, overlay, `chroot … python3 /app/train.py`, cold",
-    "fuse-local": "the same, blocks in the node cache",
-    "plain-local": "`chroot … python3 /app/train.py` on an overlay of the unpacked layer dirs (no FUSE)",
-    "hot-cold": "bootseer with a hot list, fresh node: `bootseer rpull` (prefetch starts) + `ctr run --snapshotter "
-                "bootseer`, cold",
-}
-#: The scenario each one is compared with in the report's ratio column.
-BASELINES = {"overlay-cold": "overlay-cold", "lazy-cold": "overlay-cold", "overlay-local": "overlay-local",
-             "lazy-local": "overlay-local", "fuse-cold": "overlay-cold", "fuse-local": "plain-local",
-             "plain-local": "plain-local", "hot-cold": "overlay-cold", "overlay-warm": "overlay-warm",
-             "lazy-warm": "overlay-warm"}
-KINDS = {"overlay": ("overlay-cold", "overlay-local", "overlay-warm"), "lazy": ("lazy-cold", "lazy-local", "lazy-warm"),
-         "fuse": ("fuse-cold", "fuse-local", "plain-local"), "hot": ("hot-cold",)}
-#: The scenarios that run once per data path (the BootSeer ones).
-PER_DATA_PATH = {"lazy-cold", "lazy-local", "lazy-warm", "fuse-cold", "fuse-local", "hot-cold"}
-
-
-def named(base: str, data_path: str | None) -> str:
-    """A scenario's name: ``base`` for the baselines, ``base@PATH`` for a BootSeer one."""
-    return base if data_path is None or base not in PER_DATA_PATH else f"{base}{PATH_SEP}{data_path}"
-
-
-def base_name(name: str) -> str:
-    """The scenario ``name`` is a run of, without its data path."""
-    return name.partition(PATH_SEP)[0]
 
 
 def data_path_support() -> dict[str, bool]:
@@ -163,30 +115,6 @@ def data_path_support() -> dict[str, bool]:
         done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         found[what] = "--data-path" in done.stdout
     return found
-
-
-@dataclasses.dataclass
-class Run:
-    """One timed start of the container."""
-
-    seconds: float  #: start of the pull (or run) to the marker line
-    pull_seconds: float  #: the pull alone (0 for local runs)
-    link_bytes: int  #: bytes from the namespace to the host while it ran
-    output: str  #: the marker line
-    server: dict[str, float] = dataclasses.field(default_factory=dict)  #: layer server figures (lazy)
-    pull_summary: str = ""  #: the pull's last line of output (rpull: how many layers were lazy)
-    prefetch: dict[str, float] = dataclasses.field(default_factory=dict)  #: hot-list prefetch (PrefetchWatch)
-    page_cache_bytes: int = 0  #: growth of the page cache's file pages over the start (:func:`file_pages`)
-
-
-@dataclasses.dataclass
-class Scenario:
-    name: str
-    runs: list[Run] = dataclasses.field(default_factory=list)
-    errors: list[str] = dataclasses.field(default_factory=list)
-
-    def median(self, pick: Callable[[Run], float]) -> float | None:
-        return statistics.median(pick(r) for r in self.runs) if self.runs else None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -383,36 +311,6 @@ def profiled(socket_path: Path, out: Path | None) -> Iterator[None]:
                 spy.wait()
 
 
-def summarize_profile(path: Path, top: int = 12) -> list[str]:
-    """The frames holding the GIL most often in a py-spy raw profile, as Markdown rows."""
-    if not path.exists():
-        return []
-    total = 0
-    own: dict[str, int] = {}
-    inclusive: dict[str, int] = {}
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = stack.split(";")[1:]  # the first element names the thread
-        total += int(count)
-        if frames:
-            own[frames[-1]] = own.get(frames[-1], 0) + int(count)
-        for frame in set(frames):
-            if ("bootseer/" in frame or "blockstore/" in frame or "pyfuse3" in frame) and "cli.py" not in frame:
-                inclusive[frame] = inclusive.get(frame, 0) + int(count)
-    if not total:
-        return []
-    rows = [f"{total} samples at 200 Hz ({total / 200:.1f} s of the GIL held by the layer server)", "",
-            "| frame (self) | share |", "|---|---|"]
-    rows += [f"| `{frame}` | {count / total:.0%} |" for frame, count in
-             sorted(own.items(), key=lambda item: -item[1])[:top]]
-    rows += ["", "| frame (inclusive, BootSeer and pyfuse3) | share |", "|---|---|"]
-    rows += [f"| `{frame}` | {count / total:.0%} |" for frame, count in
-             sorted(inclusive.items(), key=lambda item: -item[1])[:top]]
-    return rows
-
-
 def ctr_argv(stack: Stack, *args: str) -> list[str]:
     """The node's own ``ctr`` (from its containerd's directory) against it."""
     return stack.containerd.ctr_argv(*args)
@@ -547,11 +445,6 @@ def timed_start(stack: Stack, link: netns.ShapedLink, ref: str, name: str, pull:
                page_cache_bytes=page_cache)
 
 
-def run_fuse_requests(run: Run) -> dict[str, float]:
-    """The FUSE requests of a run by operation (every filesystem of the layer server summed)."""
-    return fuse_requests(run.server)
-
-
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
                  scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
                  data_path: str | None = None, pass_data_path: bool = False,
@@ -619,24 +512,8 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
         seconds, _ = run_until_marker(run_argv(stack, ref, "record-1"), image_build.FIRST_OUTPUT_MARKER, timeout,
                                       log_path)
         boot = time.perf_counter() - start
-        found: dict[str, Any] = {}
-
-        def published() -> bool:
-            from bootseer.blockstore.server.client import LayerServerClient
-
-            status = LayerServerClient(control_socket(stack)).call({"op": "hotlist.status"})
-            done = [s for s in status.get("finished", []) if s.get("kind") == "recording"]
-            if done:
-                found.update(done[-1])
-            return bool(done)
-
-        wait_for_component("the recording to seal and publish", published, 150)
-    if found.get("outcome") != "published":
-        raise BenchError(f"the recording boot did not publish a hot list: {found}")
-    hot = read_hot_list(hot_store, image)
-    if hot is None:
-        raise BenchError(f"the layer server says it published, but {hot_store} holds no hot list for the image")
-    subprocess.run(["chmod", "-R", "a+rX", str(hot_store / "v1" / "hotlists")], check=True)
+        found = recording_finished(control_socket(stack))
+    hot = published_hot_list(found, hot_store, image)
     return {**hot, "outcome": found["outcome"], "boot_seconds": boot}
 
 
@@ -665,7 +542,7 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
     pf = run.prefetch
     log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
         f"page cache +{run.page_cache_bytes / MB:.0f} MB, FUSE requests {sum(run_fuse_requests(run).values()):.0f}, "
-        f"link {run.link_bytes / MB:7.1f} MB; prefetch {_f(pf.get('start_s'))}..{_f(pf.get('end_s'))} s, "
+        f"link {run.link_bytes / MB:7.1f} MB; prefetch {fmt(pf.get('start_s'))}..{fmt(pf.get('end_s'))} s, "
         f"{pf.get('fetched_bytes', 0) / MB:.1f} MB, hits {pf.get('hits', 0):.0f}, waited {pf.get('waited', 0):.0f}, "
         f"misses {pf.get('misses', 0):.0f}")
 
@@ -851,363 +728,6 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
             shutil.rmtree(work / f"plain{rep}.{suffix}", ignore_errors=True)
     plain.runs.append(Run(seconds=total, pull_seconds=0.0, link_bytes=0, output=line, page_cache_bytes=page_cache))
     log(f"  plain-local    run {rep}: {total:6.2f} s")
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _f(value: float | None, spec: str = ".2f") -> str:
-    return "—" if value is None else format(value, spec)
-
-
-def _read_bytes(run: Run) -> float | None:
-    """Bytes the start-up read: the raw bytes of the distinct blocks it touched.
-
-    On a cold node the block cache starts empty and holds raw (decompressed) blocks, so
-    its growth over the run is exactly that; the layer server's ``status`` reports it.
-    """
-    return run.server.get("cache.bytes")
-
-
-def _fetched_bytes(run: Run) -> float | None:
-    """Bytes that crossed the link for the lazy start: registry (manifest, config) and store reads."""
-    return float(run.link_bytes)
-
-
-def hot_floor(seconds: dict[str, float | None], context: dict[str, Any], data_path: str) -> float | None:
-    """The floor of a prefetched start (issue 15's): the hot list's bytes over the measured link rate, plus
-    overlayfs's warm start (overlay-warm's median: a start that reads nothing from disk or the link); where
-    that did not run, the all-local lazy start on ``data_path`` (lazy-local's median, issue 7's floor)."""
-    hot, rate = context.get("hot"), context.get("link_rate")
-    warm = seconds.get("overlay-warm") or seconds.get(named("lazy-local", data_path))
-    if not hot or not rate or not warm:
-        return None
-    return hot["bytes"] / MB / rate + warm
-
-
-def _floor_base(seconds: dict[str, float | None], data_path: str) -> str:
-    return "overlay-warm" if seconds.get("overlay-warm") else named("lazy-local", data_path)
-
-
-def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any],
-                data_path: str) -> list[str]:
-    """The report's hot-list section of one data path: the list, the floor, the distance, the prefetch per run."""
-    hot = context.get("hot")
-    name = named("hot-cold", data_path)
-    scenario = scenarios.get(name)
-    if scenario is None or (not hot and not scenario.runs):
-        return []
-    lines = ["", f"## Hot list: record on a first boot, prefetch on a fresh node (issue 7), data path {data_path}", ""]
-    if hot:
-        lines.append(f"Recorded by one first boot on a fresh node (data path {hot.get('data_path', '?')}; store "
-                     f"through nginx, `--publish-store` the directory behind it; {hot['boot_seconds']:.1f} s to the "
-                     f"first output): {hot['blocks']} blocks, {hot['bytes'] / MB:.1f} MB stored "
-                     f"({hot['raw_bytes'] / MB:.1f} MB raw), first touches over {hot['span_s']:.1f} s, sealed by "
-                     f"`{hot['sealed_by']}`, {hot['outcome']}.")
-    floor = hot_floor(seconds, context, data_path)
-    link_s = hot["bytes"] / MB / context["link_rate"] if hot and context.get("link_rate") else None
-    lazy_cold, hot_cold = seconds.get(named("lazy-cold", data_path)), seconds.get(name)
-    lines += ["", "| figure | s |", "|---|---|",
-              f"| (a) overlay-cold, median | {_f(seconds.get('overlay-cold'))} |",
-              f"| (b) lazy-cold (no hot list), median | {_f(lazy_cold)} |",
-              f"| (c) hot-cold, median | {_f(hot_cold)} |",
-              f"| hot bytes over the link rate ({_f(hot and hot['bytes'] / MB, '.1f')} MB at "
-              f"{_f(context.get('link_rate'), '.1f')} MB/s) | {_f(link_s)} |",
-              f"| {_floor_base(seconds, data_path)}, median | {_f(seconds.get(_floor_base(seconds, data_path)))} |",
-              f"| floor of (c) | {_f(floor)} |",
-              f"| (c) − floor | {_f(hot_cold - floor if hot_cold and floor else None)} |",
-              f"| (c) / floor | {_f(hot_cold / floor if hot_cold and floor else None)}× |"]
-    if scenario.runs:
-        rows = [("pull (s, from the start)", "pull", ".2f"), ("prefetch seen (s after the pull started)", "start_s", ".2f"),
-                ("prefetch done (s after the pull started)", "end_s", ".2f"),
-                ("first output (s)", "seconds", ".2f"), ("planned (MB)", "planned_bytes", "mb"),
-                ("prefetched (MB)", "fetched_bytes", "mb"), ("prefetched blocks", "fetched_blocks", ".0f"),
-                ("put into the page cache (MB, raw)", "warmed_bytes", "mb"),
-                ("reads reaching FUSE: hits (prefetched before the read)", "hits", ".0f"),
-                ("reads: waited on an in-flight prefetch", "waited", ".0f"),
-                ("reads: misses (fetched on demand)", "misses", ".0f"),
-                ("reads: in the node cache before", "cached_reads", ".0f"),
-                ("hit rate", "hit_rate", ".3f"), ("lead, median (s)", "lead_median_s", ".2f"),
-                ("prefetched, never read through FUSE (MB)", "unread_bytes", "mb"), ("link bytes (MB)", "link", "mb"),
-                ("fetched from the store (MB)", "store", "mb")]
-        lines += ["", "Prefetch per hot-cold run (the layer server's `hotlist.status`, polled every 0.2 s; its "
-                  "summary when the container was gone). The prefetch also puts the blocks into the kernel's page "
-                  "cache, so reads it served never reach FUSE and are not counted as hits (docs/hotlist.md):", "",
-                  "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(scenario.runs))) + " |",
-                  "|---|" + "---|" * len(scenario.runs)]
-        for label, key, spec in rows:
-            cells = []
-            for r in scenario.runs:
-                value = {"pull": r.pull_seconds, "seconds": r.seconds, "link": r.link_bytes,
-                         "store": r.server.get("store.bytes_fetched")}.get(key, r.prefetch.get(key))
-                cells.append("—" if value is None else format(value / MB, ".1f") if spec == "mb" else format(value, spec))
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return lines
-
-
-def containerd_section(scenarios: dict[str, Scenario], context: dict[str, Any]) -> list[str]:
-    """The same starts on each containerd of ``--containerds``, side by side: median seconds, and the ratio to
-    the overlayfs cold start on the same containerd (the hot list recorded once, on the first)."""
-    others: list[tuple[ContainerdInstall, dict[str, Scenario]]] = context.get("other_containerds") or []
-    if not others:
-        return []
-    columns = [(context["containerds"][0], scenarios), *others]
-    heads = [".".join(map(str, install.version[:3])) for install, _ in columns]
-    lines = ["", "## containerd versions side by side (`--containerds`)", "",
-             "Each repetition ran every start on each containerd in turn, on fresh nodes; medians in s, and × "
-             "the overlayfs cold start on the same containerd. The fuse scenarios run no containerd (first only).",
-             "", "| scenario | " + " | ".join(f"containerd {h} (s) | × overlay-cold" for h in heads) + " |",
-             "|---|" + "---|---|" * len(columns)]
-    for name in scenarios:
-        if base_name(name) in KINDS["fuse"] or not any(by_name.get(name) and by_name[name].runs for _, by_name in columns):
-            continue
-        cells = []
-        for _, by_name in columns:
-            median = by_name[name].median(lambda r: r.seconds) if name in by_name else None
-            baseline = by_name["overlay-cold"].median(lambda r: r.seconds) if "overlay-cold" in by_name else None
-            cells += [_f(median), _f(median / baseline if median and baseline else None)]
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    errors = [f"- containerd {install.series}, {name}: {e}" for install, by_name in others
-              for name, s in by_name.items() for e in s.errors]
-    return lines + (["", *errors] if errors else [])
-
-
-def _median_requests(scenario: Scenario) -> dict[str, float]:
-    """Median FUSE requests per start of ``scenario``, by operation, and in all (``total``)."""
-    per_run = [run_fuse_requests(r) for r in scenario.runs if any(k.startswith("fuse.requests.") for k in r.server)]
-    if not per_run:
-        return {}
-    ops = sorted({op for requests in per_run for op in requests})
-    medians = {op: statistics.median(requests.get(op, 0.0) for requests in per_run) for op in ops}
-    medians["total"] = statistics.median(sum(requests.values()) for requests in per_run)
-    return medians
-
-
-#: The overlayfs start a BootSeer start's page-cache growth is held against (the same start).
-PAGE_CACHE_BASELINES = {"lazy-cold": "overlay-cold", "lazy-local": "overlay-local", "lazy-warm": "overlay-warm",
-                        "hot-cold": "overlay-cold", "fuse-cold": "overlay-cold", "fuse-local": "plain-local"}
-#: A growth below this is noise (a warm start reads nothing new): no ratio is taken against it.
-PAGE_CACHE_NOISE = 16 * MB
-
-
-def data_path_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[str]:
-    """Per data path: each BootSeer start's FUSE requests by operation and its page-cache growth, beside
-    overlayfs's growth for the same start."""
-    rows = []
-    for base in ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold", "fuse-cold", "fuse-local"):
-        for path in paths:
-            scenario = scenarios.get(named(base, path))
-            if scenario is None or not scenario.runs:
-                continue
-            requests = _median_requests(scenario)
-            ops = ", ".join(f"{op} {count:.0f}" for op, count in sorted(requests.items(), key=lambda item: -item[1])
-                            if op != "total") or "—"
-            growth = scenario.median(lambda r: r.page_cache_bytes)
-            against = scenarios.get(PAGE_CACHE_BASELINES[base])
-            other = against.median(lambda r: r.page_cache_bytes) if against is not None else None
-            ratio = growth / other if growth is not None and other and other > PAGE_CACHE_NOISE else None
-            rows.append(f"| {base} | {path} | {_f(scenario.median(lambda r: r.seconds))} | "
-                        f"{_f(requests.get('total'), '.0f')} | {ops} | {_f(growth and growth / MB, '.0f')} | "
-                        f"{PAGE_CACHE_BASELINES[base]} {_f(other and other / MB, '.0f')} | {_f(ratio)} |")
-    if not rows:
-        return []
-    return ["", "## Per data path: FUSE requests and page-cache growth per start (medians)", "",
-            "FUSE requests: the layer server's `bootseer_fuse_requests_total` (every filesystem it serves, by `op`), "
-            "scraped from its Prometheus endpoint before and after each start. Page cache: file pages "
-            "(`Active(file) + Inactive(file)` in /proc/meminfo, machine-wide) after the container exited minus just "
-            "before the start (after the drop, for the cold and local starts); other work on the machine adds its "
-            f"own, so figures under {PAGE_CACHE_NOISE / MB:.0f} MB are not compared.", "",
-            "| start | data path | s | FUSE requests | by op | page cache + (MB) | overlayfs, same start (MB) | × |",
-            "|---|---|---|---|---|---|---|---|", *rows]
-
-
-def target_checks(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any],
-                  paths: list[str]) -> list[str]:
-    """One check line per target and data path: ``TARGET [path] wanted measured met|MISSED``."""
-    lines = []
-
-    def ratio(top: str, bottom: str) -> float | None:
-        a, b = seconds.get(top), seconds.get(bottom)
-        return a / b if a and b else None
-
-    def check(label: str, value: float | None, target: float, wanted: str | None = None) -> str:
-        wanted = wanted or f"≤ {target:g}×"
-        if value is None:
-            return f"| {label} | {wanted} | — | not measured |"
-        return f"| {label} | {wanted} | {value:.2f}× | {'met' if value <= target else 'MISSED'} |"
-
-    def growth(name: str) -> float | None:
-        scenario = scenarios.get(name)
-        return scenario.median(lambda r: r.page_cache_bytes) if scenario is not None else None
-
-    def asked(name: str) -> bool:
-        """Whether scenario ``name`` was run (or tried): a target of one not asked for gets no line."""
-        scenario = scenarios.get(name)
-        return scenario is not None and bool(scenario.runs or scenario.errors)
-
-    tree = TREE_PATH if TREE_PATH in paths else None
-    for path in paths:
-        at = f"[{path}]"
-        lines.append(check(f"{at} all-local start (lazy-warm) / overlayfs warm start",
-                           ratio(named("lazy-warm", path), "overlay-warm"), TARGET_LOCAL_RATIO))
-        lines.append(check(f"{at} all-local start, page cache dropped (lazy-local) / overlayfs local start",
-                           ratio(named("lazy-local", path), "overlay-local"), TARGET_LOCAL_RATIO))
-        lines.append(check(f"{at} lazy cold start / overlayfs cold start",
-                           ratio(named("lazy-cold", path), "overlay-cold"), TARGET_COLD_RATIO))
-        lazy = scenarios.get(named("lazy-cold", path))
-        if lazy is not None and lazy.runs:
-            read = lazy.median(lambda r: _read_bytes(r) or 0.0)
-            fetched = lazy.median(lambda r: _fetched_bytes(r) or 0.0)
-            lines.append(check(f"{at} bytes fetched / bytes read (lazy-cold)", fetched / read if read else None,
-                               TARGET_FETCH_OVER_READ))
-        hot = seconds.get(named("hot-cold", path))
-        floor = hot_floor(seconds, context, path)
-        if asked(named("hot-cold", path)):
-            lines.append(check(f"{at} hot-list start on a fresh node / overlayfs cold start",
-                               ratio(named("hot-cold", path), "overlay-cold"), 1 / TARGET_HOT_SPEEDUP,
-                               f"≤ {1 / TARGET_HOT_SPEEDUP:g}× (≥ {TARGET_HOT_SPEEDUP:g}× faster)"))
-            lines.append(check(f"{at} hot-list start / its floor (hot bytes over the link + "
-                               f"{_floor_base(seconds, path)})", hot / floor if hot and floor else None,
-                               TARGET_HOT_OVER_FLOOR))
-        if tree is not None and path != tree:
-            for base in ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold"):
-                mine = _median_requests(scenarios.get(named(base, path), Scenario(""))).get("total")
-                theirs = _median_requests(scenarios.get(named(base, tree), Scenario(""))).get("total")
-                if mine is None and theirs is None:
-                    continue
-                value = mine / theirs if mine is not None and theirs else None
-                lines.append(check(f"{at} FUSE requests per start ({base}) / the tree path's", value,
-                                   TARGET_FUSE_REQUESTS_RATIO, f"≤ {TARGET_FUSE_REQUESTS_RATIO:g}× (1/10)"))
-        for base in ("lazy-cold", "lazy-local", "hot-cold"):
-            mine, theirs = growth(named(base, path)), growth(PAGE_CACHE_BASELINES[base])
-            if not asked(named(base, path)):
-                continue
-            value = mine / theirs if mine is not None and theirs and theirs > PAGE_CACHE_NOISE else None
-            lines.append(check(f"{at} page-cache growth ({base}) / overlayfs's ({PAGE_CACHE_BASELINES[base]})",
-                               value, TARGET_PAGE_CACHE_RATIO))
-        if seconds.get(named("fuse-local", path)) and seconds.get("plain-local"):
-            lines.append(check(f"{at} (layer server alone) fuse-local / plain-local",
-                               ratio(named("fuse-local", path), "plain-local"), TARGET_LOCAL_RATIO))
-    return lines
-
-
-def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[str, Scenario],
-           context: dict[str, Any]) -> str:
-    seconds = {name: s.median(lambda r: r.seconds) for name, s in scenarios.items()}
-    paths: list[str] = context.get("data_paths") or [TREE_PATH]
-    support = context.get("data_path_flag", {})
-    lines = [
-        "# Lazy image layers: benchmark results",
-        "",
-        f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- Machine: {machine(context['containerds'][0])}",
-        f"- Command: `{shlex.join(['python', '-m', 'bench.lazy_bench', *sys.argv[1:]])}`",
-        f"- Code: {code_version()}",
-        f"- Data paths: {', '.join(paths)} (each BootSeer scenario once per data path, `name@path`; `--data-path` "
-        f"passed to the snapshotter: {'yes' if support.get('snapshotter') else 'no, it takes none'})",
-        f"- Image: {len(image.layers)} layers, {image.unpacked_bytes / MB:.0f} MB unpacked, "
-        f"{image.compressed_bytes / MB:.0f} MB gzip: "
-        + ", ".join(f"{layer.name} {layer.tar_size / MB:.0f} MB" for layer in image.layers)
-        + f"; command `python3 /app/train.py` (import torch, one SGD step, prints `{image_build.FIRST_OUTPUT_MARKER}`)",
-        f"- Link: veth pair into a private network namespace holding the registry and the store's nginx, "
-        f"tbf {args.rate} each way (measured {_f(context.get('link_rate'), '.1f')} MB/s with one HTTP GET)",
-        f"- Each node fresh (new containerd root and snapshotter root, empty caches); the page cache dropped "
-        f"before every cold and local start, not before a warm one; {args.reps} repetitions; wall time "
-        f"{context['wall'] / 60:.1f} min",
-        f"- Load average (5 min) of the machine, which other work shares: {context['load'][0]:.1f} at the start, "
-        f"{context['load'][1]:.1f} at the end, on {os.cpu_count()} cores",
-        "",
-        "## Time to the first useful output",
-        "",
-        "| scenario | what is timed | runs (s) | median (s) | pull (s) | × baseline | link bytes (MB) "
-        "| page cache + (MB) | FUSE requests |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, scenario in scenarios.items():
-        if not scenario.runs and not scenario.errors:
-            continue  # not asked for
-        baseline = seconds[BASELINES[base_name(name)]]
-        ratio = seconds[name] / baseline if seconds[name] and baseline else None
-        runs = ", ".join(f"{r.seconds:.2f}" for r in scenario.runs) or "—"
-        requests = _median_requests(scenario).get("total")
-        lines.append(
-            f"| {name} | {SCENARIOS[base_name(name)]} | {runs} | {_f(seconds[name])} | "
-            f"{_f(scenario.median(lambda r: r.pull_seconds))} | {_f(ratio)} | "
-            f"{_f(scenario.median(lambda r: r.link_bytes / MB), '.1f')} | "
-            f"{_f(scenario.median(lambda r: r.page_cache_bytes / MB), '.0f')} | {_f(requests, '.0f')} |")
-    lines += ["", "Baselines (medians of the same run): "
-              + "; ".join(f"{base} against {BASELINES[base]}" for base in SCENARIOS
-                          if base != BASELINES[base] and any(base_name(name) == base and (s.runs or s.errors)
-                                                             for name, s in scenarios.items()))
-              + ". `pull` is the pull alone (for the fuse scenarios: the layer mounts)."]
-    # The bytes of a lazy start: through containerd if it ran, else through the layer server alone.
-    first = paths[0]
-    lazy = scenarios[named("lazy-cold", first)]
-    if not lazy.runs and scenarios[named("fuse-cold", first)].runs:
-        lazy = scenarios[named("fuse-cold", first)]
-    read = lazy.median(lambda r: _read_bytes(r) or 0.0) if any(_read_bytes(r) for r in lazy.runs) else None
-    fetched = lazy.median(lambda r: _fetched_bytes(r) or 0.0) if lazy.runs else None
-
-    def median_of(key: str) -> float | None:
-        values = [r.server[key] for r in lazy.runs if key in r.server]
-        return statistics.median(values) if values else None
-
-    lines += ["", f"## Bytes ({lazy.name}, medians)", "",
-              "| figure | MB |", "|---|---|",
-              f"| crossed the link (registry + store; host end's interface counters) | {_f(fetched and fetched / MB, '.1f')} |",
-              f"| fetched from the store (layer server: range requests, gaps included) "
-              f"| {_f(median_of('store.bytes_fetched') and median_of('store.bytes_fetched') / MB, '.1f')} |",
-              f"| of which blocks the reads needed (compressed) "
-              f"| {_f(median_of('store.blocks.bytes_fetched') and median_of('store.blocks.bytes_fetched') / MB, '.1f')} |",
-              f"| read by the start-up: raw bytes of the {_f(median_of('store.blocks.blocks_fetched'), '.0f')} "
-              f"distinct blocks it touched (node cache growth) | {_f(read and read / MB, '.1f')} |",
-              f"| whole image, gzip (what overlayfs pulls) | {image.compressed_bytes / MB:.1f} |",
-              f"| whole image, unpacked | {image.unpacked_bytes / MB:.1f} |"]
-    lines += containerd_section(scenarios, context)
-    lines += data_path_section(scenarios, paths)
-    for path in paths:
-        lines += hot_section(scenarios, seconds, context, path)
-    for scenario in scenarios.values():
-        keys = sorted({k for r in scenario.runs for k in r.server})
-        if keys:
-            lines += ["", f"Layer server figures per {scenario.name} run (counters: what the run added):", "",
-                      "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(scenario.runs))) + " |",
-                      "|---|" + "---|" * len(scenario.runs)]
-            for key in keys:
-                spec = ".2f" if key.endswith("seconds") else ".0f"
-                lines.append(f"| {key} | " + " | ".join(format(r.server.get(key, 0), spec) for r in scenario.runs)
-                             + " |")
-    checks = target_checks(scenarios, seconds, context, paths)
-    lines += ["", "## Targets", "", "Each a ratio of medians of this run, per data path.", "",
-              "| target | wanted | measured | |", "|---|---|---|---|", *checks]
-    summaries = sorted({r.pull_summary for name, s in scenarios.items() if base_name(name) == "lazy-cold"
-                        for r in s.runs if r.pull_summary})
-    if summaries:
-        lines += ["", "`bootseer rpull` said: " + "; ".join(f"`{text}`" for text in summaries)]
-    outputs = sorted({r.output for s in scenarios.values() for r in s.runs})
-    if outputs:
-        lines += ["", "The job's first useful output: " + "; ".join(f"`{text}`" for text in outputs)]
-    if context.get("convert_seconds") is not None:
-        lines += ["", f"`bootseer convert` of the image took {context['convert_seconds']:.1f} s (once; cached after)."]
-    if context.get("profile_dir"):
-        for name in (named(base, path) for path in paths for base in ("lazy-cold", "lazy-local", "lazy-warm",
-                                                                      "fuse-cold", "fuse-local")):
-            rows = summarize_profile(context["profile_dir"] / f"{name}-1.txt")
-            if rows:
-                lines += ["", f"## Where the layer server's time goes: {name}, run 1 (py-spy --gil)", "", *rows]
-    timeline = context.get("timeline")
-    if timeline:
-        starts = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in timeline["scenarios"].items())
-        lines += ["", "## Where a start goes (`--timeline`, profiled, not in the medians above)", "",
-                  f"One more cold start of each on a fresh node with the start-up profiler on ({starts} to the first "
-                  f"output; the snapshotter's default data path); `bootseer profile compare` of the two traces (files "
-                  f"in `{timeline['dir']}`: {', '.join(timeline['files'])}):", "", "```", timeline["table"], "```"]
-    errors = [f"- {name}: {e}" for name, s in scenarios.items() for e in s.errors]
-    if errors:
-        lines += ["", "## Failures", "", *errors]
-    if context.get("notes"):
-        lines += ["", "## Notes", "", *[f"- {n}" for n in context["notes"]]]
-    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- main

@@ -41,12 +41,15 @@ def reexec_in_private_netns() -> None:
     """Replace this process with itself run under ``unshare --net``; needs root.
 
     The namespace, its loopback device and the qdisc on it vanish when the last
-    process in it exits, so nothing on the host's network is ever touched.
+    process in it exits, so nothing on the host's network is ever touched.  The
+    command line is the one this process was started with (``sys.orig_argv``:
+    ``python -m bench.ckpt_bench ARGS``), not ``sys.argv``, whose first item is the
+    module's file: run by its path, the benchmark would not find the ``bench`` package.
     """
     if os.geteuid() != 0:
         sys.exit("error: the benchmark needs root (it shapes traffic in a private network namespace)")
     env = dict(os.environ, **{NETNS_ENV: "1"})
-    argv = ["unshare", "--net", "--", sys.executable, *sys.argv]
+    argv = ["unshare", "--net", "--", sys.executable, *sys.orig_argv[1:]]
     os.execvpe("unshare", argv, env)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from bench import image_build
-from bench.common import bootseer_argv, log, run_checked, run_until_marker
+from bench.common import BenchError, bootseer_argv, log, run_checked, run_until_marker
 from tests.support.oci import chain_ids
 from tests.support.processes import HarnessError, ManagedProcess, mounts_under
 from tests.support.waiting import free_port, wait_for_component
@@ -66,6 +66,35 @@ def read_hot_list(hot_store: Path, image: image_build.Image) -> dict[str, Any] |
     if not path.is_file():
         return None
     return summary(HotList.decode(path.read_bytes(), expected_image=top, expected_profile=""))
+
+
+def recording_finished(socket_path: Path, timeout: float = 150) -> dict[str, Any]:
+    """Wait for the layer server on ``socket_path`` to finish its recording (sealed, then published or not);
+    the layer server's summary of it (``outcome``, ``sealed_by``, ...)."""
+    from bootseer.blockstore.server.client import LayerServerClient
+
+    client = LayerServerClient(socket_path)
+    summary: dict[str, Any] = {}
+
+    def finished() -> bool:
+        done = [s for s in client.call({"op": "hotlist.status"}).get("finished", []) if s.get("kind") == "recording"]
+        summary.update(done[-1] if done else {})
+        return bool(done)
+
+    wait_for_component("the recording to seal and publish", finished, timeout)
+    return summary
+
+
+def published_hot_list(recording: dict[str, Any], hot_store: Path, image: image_build.Image) -> dict[str, Any]:
+    """The summary of the hot list a finished ``recording`` (:func:`recording_finished`) published into
+    ``hot_store``, made readable to nginx's worker; :class:`BenchError` if it published none."""
+    if recording.get("outcome") != "published":
+        raise BenchError(f"the recording did not publish a hot list: {recording}")
+    hot = read_hot_list(hot_store, image)
+    if hot is None:
+        raise BenchError(f"the layer server says it published, but {hot_store} holds no hot list for the image")
+    subprocess.run(["chmod", "-R", "a+rX", str(hot_store / "v1" / "hotlists")], check=True)
+    return hot
 
 
 @contextlib.contextmanager

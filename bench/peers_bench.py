@@ -61,11 +61,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import image_build
-from bench.common import BenchError, bootseer_argv, code_version, drop_caches, log, machine
-from bench.node import chroot_start, convert_store, hot_store_copy, layer_server_node, overlay_root, read_hot_list
+from bench.common import BenchError, bootseer_argv, code_version, drop_caches, fmt, log, machine
+from bench.node import (
+    chroot_start, convert_store, hot_store_copy, layer_server_node, overlay_root, published_hot_list, read_hot_list,
+    recording_finished,
+)
 from tests.support.oci import chain_ids
 from tests.support.peernodes import PeerCluster, PeerNode, leftovers, peer_args, write_token
-from tests.support.waiting import wait_for_component
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -142,22 +144,8 @@ def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: 
                 raise BenchError(f"hotlist.prepared did not start a recording: {answer}")
             seconds, _line = chroot_start(root, timeout, log_path)
             log(f"  the job printed its first output after {seconds:.1f} s")
-            summary: dict[str, Any] = {}
-
-            def published() -> bool:
-                done = [s for s in client.call({"op": "hotlist.status"}).get("finished", [])
-                        if s.get("kind") == "recording"]
-                summary.update(done[-1] if done else {})
-                return bool(done)
-
-            wait_for_component("the recording to seal and publish", published, 150)
-    if summary.get("outcome") != "published":
-        raise BenchError(f"the recording did not publish a hot list: {summary}")
-    hot = read_hot_list(store, image)
-    if hot is None:
-        raise BenchError(f"the recording says it published, but {store} holds no hot list for the image")
-    subprocess.run(["chmod", "-R", "a+rX", str(store / "v1" / "hotlists")], check=True)
-    return hot
+            summary = recording_finished(socket_path)
+    return published_hot_list(summary, store, image)
 
 
 def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Image:
@@ -432,16 +420,12 @@ def summarize(start: Start) -> str:
     done = start.times()
     errors = [f"{r.node}: {r.error}" for r in start.nodes if r.error and not r.killed]
     text = (f"{start.scenario:10} {len(start.nodes)} node(s): store egress {start.store_egress / MB:7.1f} MB, "
-            f"hot set everywhere {_f(max(start.times('hot_s'), default=None))} s, "
-            f"slowest {_f(max(done, default=None))} s, median {_f(statistics.median(done) if done else None)} s, "
+            f"hot set everywhere {fmt(max(start.times('hot_s'), default=None))} s, "
+            f"slowest {fmt(max(done, default=None))} s, median {fmt(statistics.median(done) if done else None)} s, "
             f"CPU {sum(r.cpu_s for r in start.nodes):.1f} s")
     if start.killed_at_s is not None:
         text += f"; killed node {start.nodes[-1].node} at {start.killed_at_s:.2f} s"
     return text + ("".join(f"\n    FAILED {e}" for e in errors))
-
-
-def _f(value: float | None, spec: str = ".2f") -> str:
-    return "—" if value is None else format(value, spec)
 
 
 # --------------------------------------------------------------------------- peers
@@ -571,10 +555,10 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
         alive = sum(len(s.alive()) for s in starts)
         spread_text = (f"{min(spread):.2f} / {statistics.median(spread):.2f} / {max(spread):.2f}" if spread else "—")
         lines.append(f"| {scenario} | {len(starts[0].nodes)} | {finished}/{alive} | {egress / MB:.1f} | "
-                     f"{_f(egress / e1 if e1 else None)} | {_f(statistics.median(hot) if hot else None)} | "
-                     f"{_f(statistics.median(slowest) if slowest else None)} | {spread_text} | "
-                     f"{_f(statistics.median(cpu) if cpu else None, '.1f')} | "
-                     f"{_f(statistics.median(received) / MB if received else None, '.1f')} | {fallbacks:.0f} |")
+                     f"{fmt(egress / e1 if e1 else None)} | {fmt(statistics.median(hot) if hot else None)} | "
+                     f"{fmt(statistics.median(slowest) if slowest else None)} | {spread_text} | "
+                     f"{fmt(statistics.median(cpu) if cpu else None, '.1f')} | "
+                     f"{fmt(statistics.median(received) / MB if received else None, '.1f')} | {fallbacks:.0f} |")
     lines += ["", "Scenarios: " + "; ".join(f"`{k}`: {v}" for k, v in SCENARIOS.items()) + ". *finished*: nodes "
               "(not killed) that had their hot set and replayed the start within the timeout; a start where one "
               "did not has no slowest node.", ""]
@@ -593,7 +577,7 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
                 figures = ", ".join(f"{k} {v / MB:.1f} MB" if k.endswith("bytes") else f"{k} {v:.0f}"
                                     for k, v in run.figures.items() if v or k == "peer_late")
                 prefetch = run.prefetch or {}
-                lines.append(f"  * node {run.node}: hot set {_f(run.hot_s)} s, done {_f(run.done_s)} s, "
+                lines.append(f"  * node {run.node}: hot set {fmt(run.hot_s)} s, done {fmt(run.done_s)} s, "
                              f"{run.verified_bytes / MB:.1f} MB verified, CPU {run.cpu_s:.1f} s"
                              + (f", prefetch failed blocks {prefetch['failed_blocks']}"
                                 if prefetch.get("failed_blocks") else "")
@@ -717,7 +701,7 @@ def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict
                  f"`peers` run, rep by rep {', '.join(f'{d:+.2f}' for d in delays)} s (target: within the fallback "
                  f"deadline {deadline} s plus the {spread:.2f} s the `peers` runs' own slowest nodes spread over); "
                  f"node by node against itself in the `peers` run the worst "
-                 f"is {_f(worst, '+.2f')} s, which on this machine's shared cores is mostly which node the "
+                 f"is {fmt(worst, '+.2f')} s, which on this machine's shared cores is mostly which node the "
                  f"scheduler served last")
     else:
         line(None, f"a killed peer delays no node by more than the fallback deadline ({deadline} s): "
@@ -749,8 +733,8 @@ def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) 
     for scenario in ("no-peers", "peers"):
         fitted = model.get(scenario)
         if fitted and fitted.get("fitted", True):
-            lines.append(f"* `{scenario}`, {fitted['n']} nodes: measured slowest {_f(fitted['slowest'])} s, "
-                         f"model {_f(fitted['predicted_here'])} s (bound by {fitted['limit_here']}); egress "
+            lines.append(f"* `{scenario}`, {fitted['n']} nodes: measured slowest {fmt(fitted['slowest'])} s, "
+                         f"model {fmt(fitted['predicted_here'])} s (bound by {fitted['limit_here']}); egress "
                          f"{fitted['egress'] / MB:.1f} MB ({fitted['egress_over_e1']:.2f}x E1); CPU per node "
                          f"{fitted['cpu']:.1f} s, machine {fitted['machine']:.1f} s")
     if model.get("peers_design"):

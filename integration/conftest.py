@@ -50,14 +50,8 @@ def runnable() -> None:
 @pytest.fixture
 def stack(runnable) -> Iterator[Stack]:
     """A started stack, torn down after the test; its logs land in the failure report."""
-    s = Stack(snapshotter=SNAPSHOTTER)
-    try:
-        with s:
-            yield s
-    finally:
-        # Captured output of the teardown is shown only when the test failed.
-        print(s.logs())
-        assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
+    with harness.running(Stack(snapshotter=SNAPSHOTTER)) as s:
+        yield s
 
 
 @pytest.fixture

@@ -5,6 +5,8 @@ a whole node) is tests/support's, shared with the unit tests and the benchmarks:
 (:class:`~tests.support.stack.Stack`), ``tests.support.containerd``, ``tests.support.registry``,
 ``tests.support.processes``, ``tests.support.oci``.  Here, only what the integration tests alone use:
 
+* :func:`running`: a stack started and torn down the way every integration test needs it (its logs in the
+  failure report, its teardown errors failing the test).
 * :func:`lazy_layers`: the demo image plus a layer of one-block files, what a lazy pull reads a little of.
 * The ``bootseer`` command against a stack: :func:`bootseer_convert`, :func:`bootseer_rpull`,
   :func:`layer_server`, :func:`assert_served_on`, :func:`hotlist_status`, :func:`hotlist_show`.
@@ -16,12 +18,13 @@ a whole node) is tests/support's, shared with the unit tests and the benchmarks:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
 import uuid
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence, TypeVar
 
 from tests.support.containerd import BUILTIN_OVERLAY, SNAPSHOTTER_NAME, Containerd, transfer_unpack_config
 from tests.support.layers import File, Layer
@@ -30,6 +33,23 @@ from tests.support.processes import HarnessError, run
 from tests.support.stack import REPO_ROOT, Stack
 from tests.support.waiting import wait_for_component
 
+
+
+# --------------------------------------------------------------------------- a stack for one test
+
+S = TypeVar("S", bound=Stack)
+
+
+@contextlib.contextmanager
+def running(stack: S) -> Iterator[S]:
+    """``stack`` started for the ``with`` body and torn down after it; its logs printed (pytest shows them when
+    the test fails), then its teardown errors fail the test, unless the body failed first."""
+    try:
+        with stack:
+            yield stack
+    finally:
+        print(stack.logs())
+    assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
 
 
 # --------------------------------------------------------------------------- images

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from bootseer.snapshotter import config as daemon_config
+from integration.harness import running
 from tests.support.containerd import Containerd, ContainerdInstall, containerd_install, containerd_unavailable
 from tests.support.oci import APP_FILE, APP_FILE_DATA, chain_ids
 from tests.support.stack import REPO_ROOT, Stack, snapshotter_available
@@ -95,15 +96,11 @@ def test_the_shipped_config_pulls_and_runs_on_bootseer(runnable):
     bootseer`` (2.x: through its transfer service) unpacks into the daemon, ``ctr run`` sees the image."""
     stack = Stack()
     stack.containerd = ExampleContainerd(stack.containerd.base, stack.containerd.snapshotter_socket, stack.namespace)
-    try:
-        with stack:
-            image, ref = stack.build_and_push()
-            stack.pull(ref)
-            assert {row["key"] for row in stack.containerd.snapshots()} == set(chain_ids(image.diff_ids))
-            assert stack.run_container(ref, "example", "cat", APP_FILE) == APP_FILE_DATA.decode()
-    finally:
-        print(stack.logs())
-    assert not stack.teardown_errors, stack.teardown_errors
+    with running(stack):
+        image, ref = stack.build_and_push()
+        stack.pull(ref)
+        assert {row["key"] for row in stack.containerd.snapshots()} == set(chain_ids(image.diff_ids))
+        assert stack.run_container(ref, "example", "cat", APP_FILE) == APP_FILE_DATA.decode()
 
 
 def test_systemd_unit_starts_before_containerd_and_waits_for_the_socket():

@@ -44,13 +44,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 def lazy(runnable, request) -> Iterator[Stack]:
     """A started stack with a local store; its layer server on the node's default data path (EROFS where the
     kernel has it) or forced to the per-file FUSE tree: each test runs on both."""
-    s = Stack(store=True, daemon_args=["--data-path", request.param])
-    try:
-        with s:
-            yield s
-    finally:
-        print(s.logs())
-        assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
+    with harness.running(Stack(store=True, daemon_args=["--data-path", request.param])) as s:
+        yield s
 
 
 def blocks(stack: Stack) -> tuple[int, int]:

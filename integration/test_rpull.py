@@ -20,6 +20,7 @@ from bootseer.images.registry import Descriptor
 from bootseer.images.rpull import (
     LABEL_CRI_IMAGE_LAYERS, MAX_LABEL_BYTES, child_gc_labels, distribution_source, layer_digest_list,
 )
+from integration.harness import BOOTSEER, running
 from tests.support.containerd import BUILTIN_OVERLAY, containerd_unavailable
 from tests.support.layers import File, Layer
 from tests.support.oci import (
@@ -33,9 +34,6 @@ from tests.support.waiting import wait_for_component
 #: Real containerd (BOOTSEER_CONTAINERD's): CI runs this file on every containerd version (tests/run.sh).
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parent.parent
-BOOTSEER = str(REPO / ".venv" / "bin" / "bootseer") if (REPO / ".venv" / "bin" / "bootseer").exists() \
-    else shutil.which("bootseer") or "bootseer"
 
 # --------------------------------------------------------------------------- labels (no containerd)
 
@@ -92,13 +90,8 @@ def stack():
     why = _why_not_runnable()
     if why:
         pytest.skip(why)
-    s = Stack(snapshotter=BUILTIN_OVERLAY)
-    try:
-        with s:
-            yield s
-    finally:
-        print(s.logs())
-        assert not s.teardown_errors, f"teardown: {s.teardown_errors}"
+    with running(Stack(snapshotter=BUILTIN_OVERLAY)) as s:
+        yield s
 
 
 def rpull(stack: Stack, ref: str, *extra: str, namespace: str | None = None,

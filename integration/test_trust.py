@@ -43,27 +43,23 @@ def test_a_node_that_trusts_the_converter_downloads_a_forged_layer_and_runs_the_
     key = tmp_path / "converter"
     generate_key(key)
     stack = Stack(store=True, daemon_args=["--converter-key", f"{key}.pub"])
-    try:
-        with stack:
-            image, ref = stack.build_and_push(
-                name="bootseer/trusted", layers=[busybox_layer(), Layer((File("/app/tool", GENUINE),), "app")]
-            )
-            run([harness.BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, "--sign-key", str(key), ref],
-                        timeout=300)  # fmt: skip
-            evil, evil_ref = stack.build_and_push(name="bootseer/evil", layers=[Layer((File("/payload", EVIL),), "evil")])
-            convert(stack, evil_ref)  # the attacker's own image, unsigned: where the forgery's blocks come from
-            chains = chain_ids(image.diff_ids)
-            forge_file(stack.store_dir, chains[1], "app/tool", chain_ids(evil.diff_ids)[0], "payload")
+    with harness.running(stack):
+        image, ref = stack.build_and_push(
+            name="bootseer/trusted", layers=[busybox_layer(), Layer((File("/app/tool", GENUINE),), "app")]
+        )
+        run([harness.BOOTSEER, "convert", "--plain-http", "--store", stack.store_url, "--sign-key", str(key), ref],
+                    timeout=300)  # fmt: skip
+        evil, evil_ref = stack.build_and_push(name="bootseer/evil", layers=[Layer((File("/payload", EVIL),), "evil")])
+        convert(stack, evil_ref)  # the attacker's own image, unsigned: where the forgery's blocks come from
+        chains = chain_ids(image.diff_ids)
+        forge_file(stack.store_dir, chains[1], "app/tool", chain_ids(evil.diff_ids)[0], "payload")
 
-            out = rpull(stack, ref)
-            assert "2 layers on bootseer: 1 lazy, 1 downloaded" in out, out
-            assert metric_total(stack, r'fallbacks_total\{.*reason="untrusted"') == 1
-            assert re.search(rf"not served lazily.*chain_id={chains[1]}.*reason=untrusted.*not signed by a trusted converter key",
-                             stack.daemon.process.log_text())  # fmt: skip
-            assert stack.run_container(ref, "trusted", "cat", "/app/tool").encode() == GENUINE
-    finally:
-        print(stack.logs())
-    assert not stack.teardown_errors, f"teardown: {stack.teardown_errors}"
+        out = rpull(stack, ref)
+        assert "2 layers on bootseer: 1 lazy, 1 downloaded" in out, out
+        assert metric_total(stack, r'fallbacks_total\{.*reason="untrusted"') == 1
+        assert re.search(rf"not served lazily.*chain_id={chains[1]}.*reason=untrusted.*not signed by a trusted converter key",
+                         stack.daemon.process.log_text())  # fmt: skip
+        assert stack.run_container(ref, "trusted", "cat", "/app/tool").encode() == GENUINE
 
 
 def test_a_node_trusting_a_node_key_stacks_its_signed_capture_and_installs_over_a_stripped_one(

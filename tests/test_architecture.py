@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -306,8 +307,11 @@ if __name__ == "__main__":
 
 # --------------------------------------------------------------------------- tests, integration and bench
 
-#: The bench modules other bench modules may import (bench/__init__.py): shared parts, not benchmarks.
-BENCH_SHARED = frozenset({"bench.common", "bench.node", "bench.image_build", "bench.nodestats", "bench.netcap"})
+#: The bench modules other bench modules may import (bench/__init__.py): shared parts, not benchmarks
+#: (bench.readers is the checkpoint benchmark's timed child program, whose digest its driver shares;
+#: bench.lazy_scenarios and bench.lazy_report are the lazy-layers benchmark's model and report).
+BENCH_SHARED = frozenset({"bench.common", "bench.node", "bench.image_build", "bench.nodestats", "bench.netcap",
+                          "bench.readers", "bench.lazy_scenarios", "bench.lazy_report"})
 
 
 def support_side_modules() -> dict[str, Path]:
@@ -392,3 +396,40 @@ def test_the_support_rules_catch_each_way_of_breaking_them(tmp_path: Path, modul
     path.write_text(text)
     found = support_violations(dict(support_side_modules(), **{module: path}))
     assert [line for line in found if line.startswith("bad.py") and rule in line], found
+
+
+def bare_sibling_imports(known: dict[str, Path]) -> list[str]:
+    """Imports, in a module of tests, integration or bench, of a sibling module by its bare name.
+
+    ``from readers import x`` in bench/ckpt_bench.py found bench/readers.py only while a script ran by its
+    path put its own folder first on ``sys.path``; run as ``python -m bench.ckpt_bench`` it fails, and only
+    when that line runs.  Every first-party import names its package: ``from bench.readers import x``.
+    """
+    wrong = []
+    for module, path in known.items():
+        siblings = {other.stem for other in path.parent.glob("*.py")} - {"__init__", path.stem}
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                # a sibling that shadows a standard module (tests/support/http.py) is not one imported bare
+                if name.split(".")[0] in siblings and name.split(".")[0] not in sys.stdlib_module_names:
+                    where = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else path.name
+                    wrong.append(f"{where}:{node.lineno}: imports its sibling {name} by its bare name")
+    return wrong
+
+
+def test_no_module_of_tests_integration_or_bench_imports_a_sibling_by_its_bare_name():
+    wrong = bare_sibling_imports(support_side_modules())
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_bare_sibling_import_is_caught(tmp_path: Path):
+    (tmp_path / "readers.py").write_text("")
+    path = tmp_path / "bad.py"
+    path.write_text("def f():\n    from readers import tensors_digest\n")
+    assert bare_sibling_imports({"bench.bad": path}) == ["bad.py:2: imports its sibling readers by its bare name"]

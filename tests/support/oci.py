@@ -92,6 +92,13 @@ def sha256_digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def put_blob(blobs: Path, data: bytes) -> str:
+    """Write ``data`` as a blob under ``blobs`` (a layout's ``blobs/sha256``); its digest."""
+    digest = sha256_digest(data)
+    (blobs / digest.removeprefix("sha256:")).write_bytes(data)
+    return digest
+
+
 class _HashingWriter:
     """A write-only file that hashes and counts what passes through to ``out``."""
 
@@ -107,7 +114,8 @@ class _HashingWriter:
         self.out.flush()
 
 
-def _put_file(blobs: Path, path: Path) -> tuple[str, int]:
+def put_file(blobs: Path, path: Path) -> tuple[str, int]:
+    """Move the file at ``path`` (on the same filesystem) under ``blobs`` as the blob it holds; (digest, size)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
@@ -154,7 +162,7 @@ def write_layer_blob(layer: Layer | RawBlob, blobs: Path, compression: str = "gz
                 tar = _HashingWriter(raw)
                 write_layer_tar(layer, tar)  # type: ignore[arg-type]
         diff_id = "sha256:" + tar.hash.hexdigest()
-        digest, size = _put_file(blobs, Path(spool))
+        digest, size = put_file(blobs, Path(spool))
         return digest, diff_id, size
     finally:
         if os.path.exists(spool):
@@ -197,12 +205,6 @@ def write_image(
     layout = Path(layout)
     blobs = layout / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
-
-    def put(data: bytes) -> str:
-        digest = sha256_digest(data)
-        (blobs / digest.removeprefix("sha256:")).write_bytes(data)
-        return digest
-
     config = {
         "architecture": architecture,
         "os": "linux",
@@ -212,7 +214,7 @@ def write_image(
         "history": [{"created": created, "created_by": layer.created_by} for layer in layers],
     }
     config_bytes = json.dumps(config, sort_keys=True).encode()
-    config_digest = put(config_bytes)
+    config_digest = put_blob(blobs, config_bytes)
     layer_descs = [{"mediaType": layer.media_type, "digest": layer.digest, "size": layer.size} for layer in layers]
     manifest = {
         "schemaVersion": 2,
@@ -221,7 +223,7 @@ def write_image(
         "layers": layer_descs,
     }
     manifest_bytes = json.dumps(manifest, sort_keys=True).encode()
-    manifest_digest = put(manifest_bytes)
+    manifest_digest = put_blob(blobs, manifest_bytes)
     index_path = layout / "index.json"
     index = json.loads(index_path.read_text()) if index_path.exists() else {"schemaVersion": 2, "manifests": []}
     index["manifests"] = [
@@ -295,8 +297,7 @@ def add_platform_index(image: BuiltImage, other: BuiltImage, tag: str = "multi")
         entry(image, {"os": "linux", "architecture": "amd64"}),
         entry(other, {"os": "linux", "architecture": "arm64", "variant": "v8"}),
     ]}).encode()
-    digest = sha256_digest(index)
-    (blobs / digest.removeprefix("sha256:")).write_bytes(index)
+    digest = put_blob(blobs, index)
     desc = {"mediaType": MEDIA_INDEX, "digest": digest, "size": len(index),
             "annotations": {"org.opencontainers.image.ref.name": tag}}
     top = json.loads((image.layout / "index.json").read_text())

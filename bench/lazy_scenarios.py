@@ -1,0 +1,97 @@
+"""What the lazy-layers benchmark measures: its scenarios, their timed runs, and the targets they are held to.
+
+A scenario is one kind of start (``overlay-cold``, ``lazy-local``, ``hot-cold``, ...), run ``--reps`` times;
+a BootSeer scenario runs once per node data path and is named ``base@PATH`` (:func:`named`).  Each start is a
+:class:`Run`; :mod:`bench.lazy_bench` measures them, :mod:`bench.lazy_report` writes them up against the
+targets below (the issues' numbers, checked in the report, never in this module).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable
+
+from bench.nodestats import fuse_requests
+
+MB = 1_000_000
+
+#: The issue's targets.
+TARGET_COLD_RATIO = 0.45
+TARGET_FETCH_OVER_READ = 2.0
+TARGET_LOCAL_RATIO = 1.15
+#: Issue 7's targets: a prefetched start within this factor of its floor, and this much faster than overlayfs.
+TARGET_HOT_OVER_FLOOR = 1.25
+TARGET_HOT_SPEEDUP = 4.0
+#: Issue 15's: FUSE requests of a start on a kernel data path against the tree path's; page-cache growth
+#: of a start against overlayfs's for the same start.
+TARGET_FUSE_REQUESTS_RATIO = 0.1
+TARGET_PAGE_CACHE_RATIO = 2.0
+#: The node data paths a run can ask for (``bootseer-snapshotter --data-path``); the tree path is the
+#: per-file FUSE tree, the only one a snapshotter without that flag has.
+DATA_PATHS = ("erofs", "loop", "tree")
+TREE_PATH = "tree"
+#: Between a BootSeer scenario's name and its data path: ``lazy-cold@erofs``.
+PATH_SEP = "@"
+
+SCENARIOS = {
+    "overlay-cold": "overlayfs: `ctr images pull` + `ctr run`, cold",
+    "lazy-cold": "bootseer: `bootseer rpull` + `ctr run --snapshotter bootseer`, cold",
+    "overlay-local": "overlayfs: `ctr run`, image already pulled",
+    "lazy-local": "bootseer: `ctr run`, blocks in the node cache",
+    "overlay-warm": "overlayfs: `ctr run` once more, page cache not dropped",
+    "lazy-warm": "bootseer: `ctr run` once more, blocks local, page cache not dropped",
+    "fuse-cold": "layer server alone, no containerd: mount the layers, overlay, `chroot … python3 /app/train.py`, cold",
+    "fuse-local": "the same, blocks in the node cache",
+    "plain-local": "`chroot … python3 /app/train.py` on an overlay of the unpacked layer dirs (no FUSE)",
+    "hot-cold": "bootseer with a hot list, fresh node: `bootseer rpull` (prefetch starts) + `ctr run --snapshotter "
+                "bootseer`, cold",
+}
+#: The scenario each one is compared with in the report's ratio column.
+BASELINES = {"overlay-cold": "overlay-cold", "lazy-cold": "overlay-cold", "overlay-local": "overlay-local",
+             "lazy-local": "overlay-local", "fuse-cold": "overlay-cold", "fuse-local": "plain-local",
+             "plain-local": "plain-local", "hot-cold": "overlay-cold", "overlay-warm": "overlay-warm",
+             "lazy-warm": "overlay-warm"}
+KINDS = {"overlay": ("overlay-cold", "overlay-local", "overlay-warm"), "lazy": ("lazy-cold", "lazy-local", "lazy-warm"),
+         "fuse": ("fuse-cold", "fuse-local", "plain-local"), "hot": ("hot-cold",)}
+#: The scenarios that run once per data path (the BootSeer ones).
+PER_DATA_PATH = {"lazy-cold", "lazy-local", "lazy-warm", "fuse-cold", "fuse-local", "hot-cold"}
+
+
+def named(base: str, data_path: str | None) -> str:
+    """A scenario's name: ``base`` for the baselines, ``base@PATH`` for a BootSeer one."""
+    return base if data_path is None or base not in PER_DATA_PATH else f"{base}{PATH_SEP}{data_path}"
+
+
+def base_name(name: str) -> str:
+    """The scenario ``name`` is a run of, without its data path."""
+    return name.partition(PATH_SEP)[0]
+
+
+@dataclasses.dataclass
+class Run:
+    """One timed start of the container."""
+
+    seconds: float  #: start of the pull (or run) to the marker line
+    pull_seconds: float  #: the pull alone (0 for local runs)
+    link_bytes: int  #: bytes from the namespace to the host while it ran
+    output: str  #: the marker line
+    server: dict[str, float] = dataclasses.field(default_factory=dict)  #: layer server figures (lazy)
+    pull_summary: str = ""  #: the pull's last line of output (rpull: how many layers were lazy)
+    prefetch: dict[str, float] = dataclasses.field(default_factory=dict)  #: hot-list prefetch (PrefetchWatch)
+    page_cache_bytes: int = 0  #: growth of the page cache's file pages over the start (:func:`file_pages`)
+
+
+@dataclasses.dataclass
+class Scenario:
+    name: str
+    runs: list[Run] = dataclasses.field(default_factory=list)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def median(self, pick: Callable[[Run], float]) -> float | None:
+        return statistics.median(pick(r) for r in self.runs) if self.runs else None
+
+
+def run_fuse_requests(run: Run) -> dict[str, float]:
+    """The FUSE requests of a run by operation (every filesystem of the layer server summed)."""
+    return fuse_requests(run.server)

@@ -214,3 +214,53 @@ def test_an_unreachable_registry_fails_clearly_after_its_retries():
                                                          r"Connection ?Refused") as failed:
             _read_blob(source)
     assert PASSWORD not in str(failed.value) and BASIC not in str(failed.value)
+
+
+# -- what is not retried (a real range server, tests/support/http.py, laid out as a registry's blob paths) --
+
+
+LONG = BLOB * 100  # long enough to be cut in its body
+LONG_DESCRIPTOR = Descriptor(DESCRIPTOR.media_type, "sha256:" + hashlib.sha256(LONG).hexdigest(), len(LONG))
+LONG_PATH = f"/v2/team/app/blobs/{LONG_DESCRIPTOR.digest}"
+
+
+@pytest.fixture
+def blob_server(tmp_path: Path, range_http_factory):
+    root = tmp_path / "registry"
+    (root / LONG_PATH.lstrip("/")).parent.mkdir(parents=True)
+    (root / LONG_PATH.lstrip("/")).write_bytes(LONG)
+    return range_http_factory(root)
+
+
+def _plain_source(server) -> RegistrySource:
+    ref = RegistryReference.parse(f"127.0.0.1:{server.port}/team/app:v1")
+    return RegistrySource(ref, plain_http=True, platform=Platform.host(), credentials=(USER, PASSWORD))
+
+
+def _gets(server, path: str = LONG_PATH) -> int:
+    return sum(1 for method, target, _ in server.requests if method == "GET" and target == path)
+
+
+def test_permanent_answers_are_not_retried(blob_server):
+    missing = Descriptor(DESCRIPTOR.media_type, "sha256:" + "0" * 64, 3)
+    with pytest.raises(images.ImageNotFound, match="404"):
+        _read_blob_of(_plain_source(blob_server), missing)
+    assert _gets(blob_server, f"/v2/team/app/blobs/{missing.digest}") == 1
+    blob_server.faults.refused[LONG_PATH] = 403
+    with pytest.raises(images.AuthError, match="403"):
+        _read_blob_of(_plain_source(blob_server), LONG_DESCRIPTOR)
+    assert _gets(blob_server) == 1
+
+
+def test_a_blob_cut_in_its_body_is_an_error_never_short_bytes(blob_server):
+    # The answer had begun: a body cut short is not retried behind the reader's back, and the reader
+    # gets an error instead of the end of the blob.
+    blob_server.faults.drop(after_bytes=len(LONG) // 2)
+    with pytest.raises(images.ImageError, match="read failed after|ended after"):
+        _read_blob_of(_plain_source(blob_server), LONG_DESCRIPTOR)
+    assert _gets(blob_server) == 1
+
+
+def _read_blob_of(source: RegistrySource, descriptor: Descriptor) -> bytes:
+    with source.open_blob(descriptor) as blob:
+        return blob.read()

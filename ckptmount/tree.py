@@ -37,7 +37,8 @@ from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, StaticDir
 from bootseer.log import get_logger
 
 if TYPE_CHECKING:
-    from bootseer.fetch.engine import Engine, Reader
+    from bootseer.fetch.engine import Engine
+    from bootseer.fetch.reader import Reader
 
 log = get_logger(__name__)
 

@@ -55,7 +55,8 @@ from bootseer.blockstore.server import client as control
 from bootseer.blockstore.objects.format import FormatError
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.objects.store import StoreError, open_store, open_store_writer
-from bootseer.fetch.engine import EngineConfig, FetchError
+from bootseer.fetch.engine import EngineConfig
+from bootseer.fetch.stripes import FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.hotlist import hooks as hotlist_hooks
 from bootseer.hotlist.format import PROFILE_LABEL

@@ -50,7 +50,7 @@ import trio
 
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.objects.format import LayerIndex
-from bootseer.fetch.engine import Priority
+from bootseer.fetch.stripes import Priority
 from bootseer.hotlist.format import ResolvedBlock
 from bootseer.log import get_logger
 from bootseer.profile import events as profile_events

@@ -57,7 +57,7 @@ from bootseer.blockstore.datapath.tree import LayerTree
 from bootseer.blockstore.objects.signing import Untrusted
 from bootseer.blockstore.server.extension import LayerHost
 from bootseer.blockstore.server.ops import ControlOps
-from bootseer.fetch.engine import FetchError
+from bootseer.fetch.stripes import FetchError
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
 from bootseer.fuse.operations import OPENER_PID

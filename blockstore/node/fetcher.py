@@ -50,7 +50,8 @@ from bootseer.blockstore.node.metrics import FetcherStats, LayerCounters, layer_
 from bootseer.blockstore.node.peers import UNCHARGED, PeerAllowance, PeerBlocks, fetch_hedged
 from bootseer.blockstore.node.readahead import READAHEAD_MAX_BLOCKS, AheadLedger
 from bootseer.blockstore.objects.format import Block, BlockPlace, LayerIndex, decode_block, pack_object
-from bootseer.fetch.engine import Engine, Extent, FetchError, Priority
+from bootseer.fetch.engine import Engine
+from bootseer.fetch.stripes import Extent, FetchError, Priority
 from bootseer.log import get_logger
 
 log = get_logger(__name__)

@@ -30,7 +30,7 @@ from bootseer.blockstore.node.fetcher import BlockFetcher, zeros
 from bootseer.blockstore.node.metrics import READ_SECONDS
 from bootseer.blockstore.node.readahead import READAHEAD_INITIAL, READAHEAD_MAX, READAHEAD_MAX_BLOCKS, READAHEAD_MIN
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
-from bootseer.fetch.engine import Priority
+from bootseer.fetch.stripes import Priority
 
 
 class LayerReader:

@@ -19,7 +19,7 @@ from typing import Protocol
 import trio
 
 from bootseer.blockstore.objects.format import BlockPlace, max_stored_length
-from bootseer.fetch.engine import FetchError, Priority
+from bootseer.fetch.stripes import FetchError, Priority
 
 
 class PeerAllowance(Protocol):

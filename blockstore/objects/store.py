@@ -16,7 +16,7 @@ store directory or bucket); write to what stands behind it.
 
 Reading (nodes): :class:`StoreReader` reads chain records and indexes through a
 ``bootseer.fetch`` :class:`~bootseer.fetch.engine.Engine` rooted at the store URL, with
-the engine's ``stat`` and :class:`~bootseer.fetch.engine.Reader` (pinned to the
+the engine's ``stat`` and :class:`~bootseer.fetch.reader.Reader` (pinned to the
 version it stat'ed), so retries, timeouts, EIO, version checks and metrics are the
 engine's, and blocks are fetched by the same engine (``fetch_extents``).  A record or
 index whose bytes fail verification is reported to the engine as corrupt
@@ -51,7 +51,8 @@ from bootseer.blockstore.objects.format import (
     index_object,
     sealed_size_bound,
 )
-from bootseer.fetch.engine import Engine, EngineConfig, FetchError, open_engine
+from bootseer.fetch.engine import Engine, EngineConfig, open_engine
+from bootseer.fetch.stripes import FetchError
 from bootseer.fetch.source import Entry, NotADirectory, NotFound, SourceError
 from bootseer.fetch.sources import check_range, open_source, redact_url, split_path
 from bootseer.atomic import fsync_directory

@@ -46,7 +46,7 @@ from bootseer.blockstore.peers.stats import (
 from bootseer.blockstore.peers.wire import (
     PATIENCE, HttpStream, WireError, block_target, client_tls_context, content_length, parse_head,
 )  # fmt: skip
-from bootseer.fetch.engine import Priority
+from bootseer.fetch.stripes import Priority
 from bootseer.log import get_logger
 
 log = get_logger(__name__)

@@ -50,7 +50,7 @@ from bootseer.blockstore.peers.wire import (
     BLOCKS_PATH, KEEPALIVE, PATIENCE, PING_PATH, PROCESSING, HttpStream, WireError, parse_block_target, parse_head,
     response_head, server_tls_context,
 )  # fmt: skip
-from bootseer.fetch.engine import Priority
+from bootseer.fetch.stripes import Priority
 from bootseer.log import get_logger
 
 log = get_logger(__name__)

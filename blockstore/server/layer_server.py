@@ -81,7 +81,8 @@ from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.node.peers import PeerAllowance
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.server.store_registry import StoreRegistry
-from bootseer.fetch.engine import Engine, EngineConfig, FetchError, Priority
+from bootseer.fetch.engine import Engine, EngineConfig
+from bootseer.fetch.stripes import FetchError, Priority
 from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead

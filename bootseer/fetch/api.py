@@ -26,7 +26,10 @@ from typing import Any
 
 import trio
 
-from bootseer.fetch.engine import BytesBuilder, Engine, EngineConfig, FetchError, Reader, display_url, open_engine
+from bootseer.fetch.bytes_builder import BytesBuilder
+from bootseer.fetch.engine import Engine, EngineConfig, display_url, open_engine
+from bootseer.fetch.reader import Reader
+from bootseer.fetch.stripes import FetchError
 from bootseer.fetch.source import Entry, RangeSource
 from bootseer.fetch.sources import open_source
 from bootseer.log import get_logger

@@ -1,5 +1,11 @@
 """The striped, prioritised, memory-bounded range-fetch engine.
 
+This module is the engine's orchestration (queue, holds, memory, workers, failures, the disk
+cache); what it fetches is :mod:`bootseer.fetch.stripes` (priorities, file versions, extents, the
+stripe state machine), an open file's read-ahead is :mod:`bootseer.fetch.reader`, when a failure
+is retried is :mod:`bootseer.fetch.retry`, and what it counts is :mod:`bootseer.fetch.metrics` and
+:meth:`Engine.statistics`.
+
 Files at a :class:`~bootseer.fetch.source.RangeSource` are cut into fixed-size
 *stripes*.  A stripe is fetched once, by one of ``streams`` worker tasks, and shared
 by every reader that wants it.  Workers take stripes from one priority queue
@@ -67,14 +73,11 @@ way, so it never waits on a silent source.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import dataclasses
-import enum
 import errno
 import heapq
 import itertools
 import logging
-import platform
 import threading
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
@@ -82,16 +85,22 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import prometheus_client
 import trio
 
 from bootseer.counters import Counters
 from bootseer.fetch.file_cache import StripeCache
+from bootseer.fetch.metrics import (
+    BYTES_FETCHED, EXTENT_JOINS, EXTENT_REQUESTS, EXTENTS, GAP_BYTES, HELD_BYTES, IN_FLIGHT, RETRIES, STRIPES,
+)
+from bootseer.fetch.reader import Reader
 from bootseer.fetch.retry import RetryPolicy, is_permanent
 from bootseer.fetch.source import (
     Connection, Entry, NotADirectory, NotFound, PermanentError, ProxiedSource, ProxyStatus, RangeSource, TransientError,
 )  # fmt: skip
 from bootseer.fetch.sources import redact_url
+from bootseer.fetch.stripes import (
+    Extent, ExtentKey, FetchError, FileVersion, Priority, Stripe, StripeKey, StripeState, check_same_place, span,
+)
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -103,53 +112,6 @@ GiB = 1 << 30
 T = TypeVar("T")
 
 FAILURE_MEMORY_S = 10.0  #: the longest a failed stripe keeps failing at once (see Engine.failure_memory)
-
-BYTES_FETCHED = prometheus_client.Counter(
-    "bootseer_fetch_bytes", "Stripe bytes read from sources (not from the disk cache)"
-)
-STRIPES = prometheus_client.Counter(
-    "bootseer_fetch_stripes",
-    "Stripe fetches finished, by outcome (fetched: from the source, cached: from the disk cache, failed)",
-    ["outcome"],
-)
-RETRIES = prometheus_client.Counter("bootseer_fetch_retries", "Failed stripe fetches put back to be retried")
-IN_FLIGHT = prometheus_client.Gauge("bootseer_fetch_in_flight_stripes", "Stripe fetches running now")
-HELD_BYTES = prometheus_client.Gauge(
-    "bootseer_fetch_held_bytes", "Stripe bytes held in memory (in flight and buffered), all engines"
-)
-EXTENTS = prometheus_client.Counter(
-    "bootseer_fetch_extents", "Caller extents finished, by outcome (fetched from the source, failed)", ["outcome"]
-)
-EXTENT_REQUESTS = prometheus_client.Counter(
-    "bootseer_fetch_extent_requests",
-    "Range requests for caller extents, by how many extents each carried (single, coalesced)",
-    ["kind"],
-)
-EXTENT_JOINS = prometheus_client.Counter(
-    "bootseer_fetch_extents_joined",
-    "Extents a more urgent caller asked for while a less urgent fetch of them was on its way (a read meeting a "
-    "prefetch), by where that fetch was (in_flight: waited on, queued: its priority raised)",
-    ["state"],
-)
-GAP_BYTES = prometheus_client.Counter(
-    "bootseer_fetch_gap_bytes", "Bytes between coalesced extents that were fetched and thrown away"
-)
-for _outcome in ("fetched", "cached", "failed"):
-    STRIPES.labels(_outcome)
-for _outcome in ("fetched", "failed"):
-    EXTENTS.labels(_outcome)
-for _kind in ("single", "coalesced"):
-    EXTENT_REQUESTS.labels(_kind)
-for _state in ("in_flight", "queued"):
-    EXTENT_JOINS.labels(_state)
-
-
-class Priority(enum.IntEnum):
-    """Who wants a stripe; a lower value is served first."""
-
-    DEMAND = 0  #: a reader is waiting for it now
-    READAHEAD = 1  #: a sequential reader will want it soon
-    PREFETCH = 2  #: someone predicts it will be read (hot blocks)
 
 
 @dataclass(frozen=True)
@@ -200,19 +162,6 @@ class EngineConfig:
             raise ValueError("invalid fetch engine configuration: " + "; ".join(problems))
 
 
-class FetchError(OSError):
-    """A stripe could not be fetched (errno EIO); the message says which and why.
-
-    ``FetchError("message")`` sets errno to EIO; the cause is chained as
-    ``__cause__``.
-    """
-
-    def __init__(self, *args: Any) -> None:
-        if len(args) == 1:
-            args = (errno.EIO, args[0])
-        super().__init__(*args)
-
-
 @dataclass(frozen=True)
 class EngineStatistics:
     """One engine at one moment (:meth:`Engine.statistics`): for status answers, metrics samplers, tests
@@ -238,122 +187,8 @@ class EngineStatistics:
     proxy: ProxyStatus | None = None  #: the store proxy the source reads through, if it has one
 
 
-
 #: What the engine counts itself (the rest of :class:`EngineStatistics` it asks for when asked).
 _COUNTED = tuple(field.name for field in dataclasses.fields(EngineStatistics) if field.name != "proxy")
-
-
-class _State(enum.Enum):
-    QUEUED = "queued"  # in the priority queue
-    BACKOFF = "backoff"  # failed; waiting to be queued again
-    FETCHING = "fetching"  # a worker is fetching it
-    DONE = "done"  # its bytes are buffered
-    FAILED = "failed"  # failed for good; ``error`` says why
-    GONE = "gone"  # cancelled, dropped or evicted
-
-
-@dataclass(frozen=True)
-class FileVersion:
-    """One version of one file: what its stripes, in memory and on disk, belong to."""
-
-    path: str
-    size: int
-    version: str = ""  #: the source's :attr:`Entry.version`; "" where it gives none
-    #: Where ``version`` is "": the mtime (from a stat or listing) that keys the disk
-    #: cache, None if unknown.  Unused (None) where there is a version.
-    mtime: float | None = None
-
-    @classmethod
-    def of(cls, path: str, size: int, version: str = "", mtime: float | None = None) -> FileVersion:
-        return cls(path, size, version, None if version else mtime)
-
-
-_StripeKey = tuple[FileVersion, int]  # (file version, stripe index)
-
-
-@dataclass(frozen=True)
-class Extent:
-    """A byte range of an object at the engine's source, named by its caller.
-
-    Equal keys are the caller's promise of equal bytes: they share one fetch and
-    one buffer, so a key must always name the same ``path``, ``offset``, ``length``
-    and ``version`` (ValueError otherwise).
-    """
-
-    key: Hashable  #: the caller's identity of these bytes (a block's digest and place)
-    path: str  #: the object's path at the source
-    offset: int
-    length: int
-    version: str = ""  #: the :attr:`Entry.version` the bytes must come from; "" for any
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.path, str):
-            raise TypeError(f"extent path must be a str, not {self.path!r}")
-        if not isinstance(self.offset, int) or not isinstance(self.length, int) or self.offset < 0 or self.length < 0:
-            raise ValueError(f"invalid extent {self.key!r}: offset={self.offset!r} length={self.length!r}")
-        hash(self.key)  # an unhashable key fails here, with the caller's frame in the traceback
-
-
-@dataclass(frozen=True)
-class _ExtentKey:
-    """An extent's key in the engine's table, apart from every stripe key."""
-
-    key: Hashable
-
-
-class _Stripe:
-    """What workers fetch: one stripe of one version of a file, or one caller :class:`Extent`, and who wants it.
-
-    An extent's ``file`` has size -1 (unknown: the caller names a range, not a
-    file) and its ``index`` is -1.
-    """
-
-    __slots__ = (
-        "key", "file", "path", "file_size", "index", "offset", "length", "state", "data", "error",
-        "done", "holders", "waiters", "queued_priority", "last_used", "first_attempt", "attempts",
-        "extent", "indexed",
-    )  # fmt: skip
-
-    def __init__(self, file: FileVersion, index: int, stripe_size: int, extent: Extent | None = None) -> None:
-        self.extent = extent
-        self.indexed = False  # in the engine's table of queued extents by object
-        if extent is None:
-            self.key: _StripeKey | _ExtentKey = (file, index)
-            self.offset = index * stripe_size
-            self.length = min(stripe_size, file.size - self.offset)
-        else:
-            self.key = _ExtentKey(extent.key)
-            self.offset = extent.offset
-            self.length = extent.length
-        self.file = file
-        self.path = file.path
-        self.file_size = file.size
-        self.index = index
-        self.state = _State.QUEUED
-        self.data: bytes | None = None
-        self.error: BaseException | None = None
-        self.done = trio.Event()  # set on DONE or FAILED
-        self.holders: dict[object, Priority] = {}
-        self.waiters = 0  # tasks blocked on ``done``; protects a DONE stripe from eviction
-        self.queued_priority = Priority.PREFETCH
-        self.last_used = 0
-        self.first_attempt: float | None = None  # when the retry clock started (trio time)
-        self.attempts = 0
-
-    def priority(self) -> Priority | None:
-        """The most urgent hold, or None when nobody holds the stripe."""
-        return min(self.holders.values()) if self.holders else None
-
-    def wanted(self) -> bool:
-        return bool(self.holders) or self.waiters > 0
-
-    def describe(self) -> str:
-        what = f"stripe {self.index}" if self.extent is None else f"extent {self.extent.key!r}"
-        return f"{self.path or '.'} bytes {self.offset}-{self.offset + self.length - 1} ({what})"
-
-    def object(self) -> tuple[str, str]:
-        """The object version an extent lies in: extents of one may share a range request."""
-        return (self.path, self.file.version)
 
 
 class _SizeChanged(PermanentError):
@@ -432,63 +267,6 @@ async def _run_abandoning(function: Callable[..., T], *args: Any, on_abandon: Ca
         raise
 
 
-def _span(stripes: list[_Stripe]) -> int:
-    """Bytes from the first of ``stripes`` (in offset order) to the end of the last."""
-    return stripes[-1].offset + stripes[-1].length - stripes[0].offset
-
-
-def _check_same_place(known: Extent, extent: Extent) -> None:
-    """ValueError unless two extents of one key name the same bytes."""
-    if (known.path, known.offset, known.length, known.version) != (extent.path, extent.offset, extent.length, extent.version):
-        raise ValueError(
-            f"extent key {extent.key!r} names two places: {known.path!r} {known.offset}+{known.length} "
-            f"(version {known.version!r}) and {extent.path!r} {extent.offset}+{extent.length} (version {extent.version!r})"
-        )
-
-
-# -- bytes filled in place -----------------------------------------------------------
-#
-# ``read`` and ``Client.read_bytes`` must return ``bytes`` (safetensors takes nothing
-# else), and filling a bytearray then copying it into bytes would hold a whole file
-# twice.  CPython's documented way to build a bytes object in place is
-# PyBytes_FromStringAndSize(NULL, n) followed by writing its buffer before anyone else
-# sees the object; elsewhere we fall back to the copy.
-
-if platform.python_implementation() == "CPython":
-    _bytes_from_size = ctypes.pythonapi.PyBytes_FromStringAndSize
-    _bytes_from_size.restype = ctypes.py_object
-    _bytes_from_size.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
-    _bytes_buffer = ctypes.pythonapi.PyBytes_AsString
-    _bytes_buffer.restype = ctypes.c_void_p
-    _bytes_buffer.argtypes = (ctypes.py_object,)
-else:  # pragma: no cover
-    _bytes_from_size = None
-
-
-class BytesBuilder:
-    """A ``bytes`` object of a known size, written through :attr:`view` before use.
-
-    Keep the builder until the view is fully written, then take :meth:`result`;
-    nothing may use the bytes before that.
-    """
-
-    def __init__(self, size: int) -> None:
-        if size == 0:
-            self._bytes: bytes | None = b""
-            self._buffer: Any = bytearray()
-        elif _bytes_from_size is not None:
-            self._bytes = _bytes_from_size(None, size)
-            self._buffer = (ctypes.c_char * size).from_address(_bytes_buffer(self._bytes))
-        else:  # pragma: no cover
-            self._bytes = None
-            self._buffer = bytearray(size)
-        self.view = memoryview(self._buffer).cast("B")
-
-    def result(self) -> bytes:
-        self.view.release()
-        return self._bytes if self._bytes is not None else bytes(self._buffer)
-
-
 # -- the engine ----------------------------------------------------------------------
 
 
@@ -524,19 +302,19 @@ class Engine:
         # One thread per stream: trio's default limiter (40 threads, shared by everything
         # in the process) would cap a wide engine and let one engine starve another.
         self._threads = trio.CapacityLimiter(self.streams)
-        self._stripes: dict[_StripeKey, _Stripe] = {}
-        self._buffered: dict[_StripeKey, _Stripe] = {}  # the DONE stripes
-        self._queue: list[tuple[int, int, _Stripe]] = []  # (priority, seq, stripe); stale entries skipped
-        self._backoff: list[tuple[float, int, _Stripe]] = []  # (due time, seq, stripe)
+        self._stripes: dict[StripeKey, Stripe] = {}
+        self._buffered: dict[StripeKey, Stripe] = {}  # the DONE stripes
+        self._queue: list[tuple[int, int, Stripe]] = []  # (priority, seq, stripe); stale entries skipped
+        self._backoff: list[tuple[float, int, Stripe]] = []  # (due time, seq, stripe)
         self._seq = itertools.count()
         self._clock = itertools.count(1)  # use order, for LRU
         self._changed = trio.Event()
         self._starved = False  # a worker waits for memory that evictions could not free
         self._windows: OrderedDict[Reader, None] = OrderedDict()  # readers holding a window, LRU first
         # Stripes and extents that failed for good lately, by key: (until when, the failed stripe).
-        self._recent_failures: OrderedDict[Hashable, tuple[float, _Stripe]] = OrderedDict()
+        self._recent_failures: OrderedDict[Hashable, tuple[float, Stripe]] = OrderedDict()
         # The queued extents of each object version, by offset: where workers find neighbours to coalesce.
-        self._queued_extents: dict[tuple[str, str], list[tuple[int, int, _Stripe]]] = {}
+        self._queued_extents: dict[tuple[str, str], list[tuple[int, int, Stripe]]] = {}
         # The holder of extents queued by readahead_extents until they are fetched (then loose).
         self._speculative = object()
         self._running = False
@@ -576,7 +354,7 @@ class Engine:
 
     def _fail_all(self, error: FetchError) -> None:
         for stripe in list(self._stripes.values()):
-            if stripe.state is _State.DONE:
+            if stripe.state is StripeState.DONE:
                 self._forget(stripe)
             else:
                 self._fail(stripe, error)
@@ -686,7 +464,7 @@ class Engine:
         self.check_running()
         priority = Priority(priority)
         results: list[bytes] = [b""] * len(extents)
-        wanted: dict[_ExtentKey, tuple[Extent, list[int]]] = {}  # each key once, in first-seen order
+        wanted: dict[ExtentKey, tuple[Extent, list[int]]] = {}  # each key once, in first-seen order
         for position, extent in enumerate(extents):
             if not isinstance(extent, Extent):
                 raise TypeError(f"fetch_extents takes Extent objects, not {extent!r}")
@@ -697,16 +475,16 @@ class Engine:
                     f"extent {extent.key!r} is {extent.length} bytes, more than the engine's memory_limit "
                     f"({self.config.memory_limit}) can hold"
                 )
-            key = _ExtentKey(extent.key)
+            key = ExtentKey(extent.key)
             seen = wanted.get(key)
             if seen is None:
                 wanted[key] = (extent, [position])
             else:
-                _check_same_place(seen[0], extent)
+                check_same_place(seen[0], extent)
                 seen[1].append(position)
         order = [extent for extent, _ in wanted.values()]
         token = object()  # the holder of this call's holds
-        held: dict[int, _Stripe] = {}
+        held: dict[int, Stripe] = {}
         budget = self.read_lookahead * self.stripe_size  # bytes held beyond the one waited on, as a read holds stripes
         ahead, ahead_bytes = 0, 0  # order[:ahead] have been held; ahead_bytes of them not yet taken
         try:
@@ -716,7 +494,7 @@ class Engine:
                     ahead_bytes += order[ahead].length
                     ahead += 1
                 stripe = held[number]
-                if stripe.state is _State.GONE:  # evicted or discarded before its turn: hold it again
+                if stripe.state is StripeState.GONE:  # evicted or discarded before its turn: hold it again
                     stripe = held[number] = self._hold_extent(token, extent, priority)
                 data = await self._wait(stripe)
                 for position in positions:
@@ -750,15 +528,15 @@ class Engine:
                 raise TypeError(f"readahead_extents takes Extent objects, not {extent!r}")
             if extent.length == 0 or extent.length > self.config.memory_limit:
                 continue
-            key = _ExtentKey(extent.key)
+            key = ExtentKey(extent.key)
             known = self._stripes.get(key)
             if known is not None:
                 assert known.extent is not None
-                _check_same_place(known.extent, extent)
+                check_same_place(known.extent, extent)
                 continue
             if self._failed_recently(key) is not None:
                 continue
-            stripe = _Stripe(FileVersion(extent.path, -1, extent.version), -1, self.stripe_size, extent)
+            stripe = Stripe(FileVersion(extent.path, -1, extent.version), -1, self.stripe_size, extent)
             self._stripes[key] = stripe
             stripe.holders[self._speculative] = priority
             self._enqueue(stripe, priority)
@@ -772,8 +550,8 @@ class Engine:
         An extent not buffered (unknown, queued or in flight) is left alone: the
         bytes on their way are a new fetch.
         """
-        stripe = self._stripes.get(_ExtentKey(key))
-        if stripe is not None and stripe.state is _State.DONE:
+        stripe = self._stripes.get(ExtentKey(key))
+        if stripe is not None and stripe.state is StripeState.DONE:
             self._stats.discards += 1
             log.info("dropping a buffered extent its reader found corrupt", url=self.url, extent=stripe.describe())
             self._forget(stripe)
@@ -805,7 +583,7 @@ class Engine:
                 log.info("dropping a buffered stripe its reader found corrupt", url=self.url, stripe=stripe.describe())
                 self._forget(stripe)
 
-    def _hold_extent(self, holder: object, extent: Extent, priority: Priority) -> _Stripe:
+    def _hold_extent(self, holder: object, extent: Extent, priority: Priority) -> Stripe:
         return self._hold(holder, FileVersion(extent.path, -1, extent.version), -1, priority, extent)
 
     async def _walk(
@@ -826,14 +604,14 @@ class Engine:
         """
         token = object() if token is None else token  # the holder of this call's holds
         first, last = offset // self.stripe_size, (end - 1) // self.stripe_size
-        held: dict[int, _Stripe] = {}
+        held: dict[int, Stripe] = {}
         try:
             for index in range(first, last + 1):
                 for ahead in range(index, min(last, index + self.read_lookahead - 1) + 1):
                     if ahead not in held:
                         held[ahead] = self._hold(token, file, ahead, priority)
                 stripe = held[index]
-                if stripe.state is _State.GONE:  # evicted before its turn: hold it again
+                if stripe.state is StripeState.GONE:  # evicted before its turn: hold it again
                     stripe = held[index] = self._hold(token, file, index, priority)
                 data = await self._wait(stripe)
                 if deliver is not None:
@@ -847,22 +625,22 @@ class Engine:
             for stripe in held.values():
                 self._release(token, stripe)
 
-    async def _wait(self, stripe: _Stripe) -> bytes:
+    async def _wait(self, stripe: Stripe) -> bytes:
         """The bytes of ``stripe`` once fetched; FetchError if it failed."""
-        if stripe.state is not _State.DONE:
+        if stripe.state is not StripeState.DONE:
             stripe.waiters += 1
             try:
                 await stripe.done.wait()
             finally:
                 stripe.waiters -= 1
-                if not stripe.wanted() and stripe.state in (_State.QUEUED, _State.BACKOFF):
+                if not stripe.wanted() and stripe.state in (StripeState.QUEUED, StripeState.BACKOFF):
                     self._forget(stripe)  # the waiting read was cancelled
                 self._evictable_changed()
-        if stripe.state is _State.DONE:
+        if stripe.state is StripeState.DONE:
             assert stripe.data is not None
             stripe.last_used = next(self._clock)
             return stripe.data
-        if stripe.state is _State.FAILED:
+        if stripe.state is StripeState.FAILED:
             assert stripe.error is not None
             # A fresh exception per waiter: one object raised in many tasks would
             # collect all their tracebacks.
@@ -875,25 +653,25 @@ class Engine:
 
     def _hold(
         self, holder: object, file: FileVersion, index: int, priority: Priority, extent: Extent | None = None
-    ) -> _Stripe:
+    ) -> Stripe:
         """Record that ``holder`` wants a stripe (or ``extent``), queueing it if it is not fetched or on its way."""
         self.check_running()
-        key: _StripeKey | _ExtentKey = (file, index) if extent is None else _ExtentKey(extent.key)
+        key: StripeKey | ExtentKey = (file, index) if extent is None else ExtentKey(extent.key)
         stripe = self._stripes.get(key)
         if stripe is not None and extent is not None:
             assert stripe.extent is not None
-            _check_same_place(stripe.extent, extent)
+            check_same_place(stripe.extent, extent)
         if stripe is None and (failed := self._failed_recently(key)) is not None:
             if extent is not None and failed.extent is not None:
-                _check_same_place(failed.extent, extent)
+                check_same_place(failed.extent, extent)
             return failed
         if stripe is None:
-            stripe = _Stripe(file, index, self.stripe_size, extent)
+            stripe = Stripe(file, index, self.stripe_size, extent)
             self._stripes[key] = stripe
             stripe.holders[holder] = priority
             self._enqueue(stripe, priority)
             return stripe
-        if not stripe.wanted() and stripe.state is _State.BACKOFF:
+        if not stripe.wanted() and stripe.state is StripeState.BACKOFF:
             # Wanted again after everyone gave up on it: its retry time starts anew.
             stripe.first_attempt = None
             stripe.attempts = 0
@@ -902,23 +680,23 @@ class Engine:
             self._count_join(stripe)
         if held is None or priority < held:
             stripe.holders[holder] = priority
-        if stripe.state is _State.QUEUED and priority < stripe.queued_priority:
+        if stripe.state is StripeState.QUEUED and priority < stripe.queued_priority:
             self._enqueue(stripe, priority)  # a more urgent entry; the old one goes stale
-        elif stripe.state is _State.BACKOFF:
+        elif stripe.state is StripeState.BACKOFF:
             stripe.queued_priority = min(stripe.queued_priority, priority)
         stripe.last_used = next(self._clock)
         return stripe
 
-    def _count_join(self, stripe: _Stripe) -> None:
+    def _count_join(self, stripe: Stripe) -> None:
         """An urgent caller met an extent on its way at a lower priority (a read meeting a prefetch)."""
-        if stripe.state is _State.FETCHING:
+        if stripe.state is StripeState.FETCHING:
             self._stats.extents_joined_in_flight += 1  # it waits for that fetch instead of making one
             EXTENT_JOINS.labels("in_flight").inc()
-        elif stripe.state in (_State.QUEUED, _State.BACKOFF):
+        elif stripe.state in (StripeState.QUEUED, StripeState.BACKOFF):
             self._stats.extents_raised += 1  # its priority goes up
             EXTENT_JOINS.labels("queued").inc()
 
-    def _holding(self, holder: object, key: _StripeKey, priority: Priority) -> bool:
+    def _holding(self, holder: object, key: StripeKey, priority: Priority) -> bool:
         """Add ``holder`` to a stripe that is fetched or on its way, without queueing anything."""
         stripe = self._stripes.get(key)
         if stripe is None:
@@ -927,19 +705,19 @@ class Engine:
             stripe.holders[holder] = priority
         return True
 
-    def _release(self, holder: object, stripe_or_key: _Stripe | _StripeKey, *, drop: bool = False) -> None:
+    def _release(self, holder: object, stripe_or_key: Stripe | StripeKey, *, drop: bool = False) -> None:
         """``holder`` no longer wants the stripe; cancel or (with ``drop``) free it if nobody else does."""
-        stripe = stripe_or_key if isinstance(stripe_or_key, _Stripe) else self._stripes.get(stripe_or_key)
+        stripe = stripe_or_key if isinstance(stripe_or_key, Stripe) else self._stripes.get(stripe_or_key)
         if stripe is None or stripe.holders.pop(holder, None) is None:
             return
         self._evictable_changed()
         if stripe.wanted():
             return
-        if stripe.state in (_State.QUEUED, _State.BACKOFF) or (drop and stripe.state is _State.DONE):
+        if stripe.state in (StripeState.QUEUED, StripeState.BACKOFF) or (drop and stripe.state is StripeState.DONE):
             self._forget(stripe)
 
-    def _enqueue(self, stripe: _Stripe, priority: Priority) -> None:
-        stripe.state = _State.QUEUED
+    def _enqueue(self, stripe: Stripe, priority: Priority) -> None:
+        stripe.state = StripeState.QUEUED
         stripe.queued_priority = priority
         heapq.heappush(self._queue, (priority, next(self._seq), stripe))
         if stripe.extent is not None and not stripe.indexed:
@@ -947,7 +725,7 @@ class Engine:
             stripe.indexed = True
         self._notify()
 
-    def _unindex(self, stripe: _Stripe) -> None:
+    def _unindex(self, stripe: Stripe) -> None:
         """Take a queued extent out of the table of neighbours (it is taken, cancelled or failed)."""
         if not stripe.indexed:
             return
@@ -959,7 +737,7 @@ class Engine:
         if not queued:
             del self._queued_extents[stripe.object()]
 
-    def _coalesce(self, head: _Stripe) -> list[_Stripe]:
+    def _coalesce(self, head: Stripe) -> list[Stripe]:
         """``head`` and the queued extents beside it that one range request fetches with it, in offset order.
 
         Only extents queued at ``head``'s priority join it, and READAHEAD ones a
@@ -976,7 +754,7 @@ class Engine:
         own = head.queued_priority
         riders = self.config.readahead_join if own is Priority.DEMAND else 0  # READAHEAD bytes still allowed
 
-        def joins(stripe: _Stripe) -> bool:
+        def joins(stripe: Stripe) -> bool:
             nonlocal riders
             if stripe.queued_priority == own:
                 return True
@@ -986,7 +764,7 @@ class Engine:
             return False
 
         start, end = head.offset, head.offset + head.length
-        after: list[_Stripe] = []
+        after: list[Stripe] = []
         for _, _, stripe in queued[at + 1 :]:
             if not end <= stripe.offset <= end + gap or stripe.offset + stripe.length - start > cap:
                 break
@@ -994,7 +772,7 @@ class Engine:
                 break
             after.append(stripe)
             end = stripe.offset + stripe.length
-        before: list[_Stripe] = []
+        before: list[Stripe] = []
         for _, _, stripe in reversed(queued[:at]):
             stripe_end = stripe.offset + stripe.length
             if not start - gap <= stripe_end <= start or end - stripe.offset > cap:
@@ -1005,28 +783,28 @@ class Engine:
             start = stripe.offset
         return [*reversed(before), head, *after]
 
-    def _forget(self, stripe: _Stripe) -> None:
+    def _forget(self, stripe: Stripe) -> None:
         """Take a stripe out of the engine (cancelled, dropped or evicted), freeing its bytes."""
         self._unindex(stripe)
         if self._stripes.get(stripe.key) is stripe:
             del self._stripes[stripe.key]
-        if stripe.state is _State.DONE:
+        if stripe.state is StripeState.DONE:
             del self._buffered[stripe.key]
             self._unreserve(stripe.length)
-        stripe.state = _State.GONE
+        stripe.state = StripeState.GONE
         stripe.data = None
 
-    def _fail(self, stripe: _Stripe, error: BaseException) -> None:
+    def _fail(self, stripe: Stripe, error: BaseException) -> None:
         self._unindex(stripe)
-        if stripe.state is _State.FETCHING:
+        if stripe.state is StripeState.FETCHING:
             self._unreserve(stripe.length)
         if self._stripes.get(stripe.key) is stripe:
             del self._stripes[stripe.key]
-        stripe.state = _State.FAILED
+        stripe.state = StripeState.FAILED
         stripe.error = error
         stripe.done.set()
 
-    def _remember_failure(self, stripe: _Stripe) -> None:
+    def _remember_failure(self, stripe: Stripe) -> None:
         """Fail holds of ``stripe``'s key at once for :attr:`failure_memory` seconds.
 
         The kernel follows a failed read-ahead read with a single-page read of the
@@ -1040,7 +818,7 @@ class Engine:
         self._recent_failures[stripe.key] = (now + self.failure_memory, stripe)
         self._recent_failures.move_to_end(stripe.key)
 
-    def _failed_recently(self, key: Hashable) -> _Stripe | None:
+    def _failed_recently(self, key: Hashable) -> Stripe | None:
         """The FAILED stripe of ``key`` if it failed less than :attr:`failure_memory` seconds ago."""
         remembered = self._recent_failures.get(key)
         if remembered is None:
@@ -1063,7 +841,7 @@ class Engine:
 
     # -- memory ----------------------------------------------------------------------
 
-    def _reserve(self, stripe: _Stripe, length: int | None = None) -> bool:
+    def _reserve(self, stripe: Stripe, length: int | None = None) -> bool:
         """Count ``stripe``'s bytes (or ``length`` bytes fetched for it) as held if they fit,
         evicting less wanted stripes to make room."""
         length = stripe.length if length is None else length
@@ -1086,7 +864,7 @@ class Engine:
         HELD_BYTES.inc(length)
         return True
 
-    def _eviction_candidates(self, priority: Priority) -> list[_Stripe]:
+    def _eviction_candidates(self, priority: Priority) -> list[Stripe]:
         """Buffered stripes a fetch at ``priority`` may evict, least wanted and least recently used first.
 
         Nobody evicts a stripe a task is waiting on.  Only demand fetches evict
@@ -1128,34 +906,34 @@ class Engine:
                 with trio.CancelScope(shield=True):
                     await trio.to_thread.run_sync(_close_quietly, stream.connection, limiter=self._threads)
 
-    async def _take(self) -> list[_Stripe]:
+    async def _take(self) -> list[Stripe]:
         """The most urgent queued stripe whose bytes fit in memory, marked FETCHING; for
         an extent, with the neighbours one range request fetches with it (in offset order)."""
         while True:
             now = trio.current_time()
             while self._backoff and self._backoff[0][0] <= now:
                 _, _, stripe = heapq.heappop(self._backoff)
-                if stripe.state is _State.BACKOFF:
+                if stripe.state is StripeState.BACKOFF:
                     held = stripe.priority()
                     self._enqueue(stripe, stripe.queued_priority if held is None else held)
-            while self._queue and self._queue[0][2].state is not _State.QUEUED:
+            while self._queue and self._queue[0][2].state is not StripeState.QUEUED:
                 heapq.heappop(self._queue)  # stale: cancelled, or queued again more urgently
             if self._queue:
                 head = self._queue[0][2]
                 group = self._coalesce(head)
-                if len(group) > 1 and not self._reserve(head, _span(group)):
+                if len(group) > 1 and not self._reserve(head, span(group)):
                     group = [head]  # no room for its neighbours now: the head alone, like any stripe
                 if len(group) > 1 or self._reserve(head):
                     heapq.heappop(self._queue)  # the others' entries go stale: they are no longer QUEUED
                     for stripe in group:
                         self._unindex(stripe)
-                        stripe.state = _State.FETCHING
+                        stripe.state = StripeState.FETCHING
                     return group
                 self._starved = True  # wake me when a buffered stripe may have become evictable
             with trio.move_on_at(self._backoff[0][0] if self._backoff else float("inf")):
                 await self._changed.wait()
 
-    async def _fetch(self, group: list[_Stripe], stream: _Stream) -> None:
+    async def _fetch(self, group: list[Stripe], stream: _Stream) -> None:
         """Fetch reserved stripes (one stripe, or extents one range request covers) and
         publish each, or put it back to retry, or fail it."""
         stripe = group[0]
@@ -1166,7 +944,7 @@ class Engine:
             if member.first_attempt is None:
                 member.first_attempt = now
         # The bytes between coalesced extents were reserved with them; they go when the request ends.
-        gap = _span(group) - sum(member.length for member in group)
+        gap = span(group) - sum(member.length for member in group)
         cached, cache_key = False, None
         try:
             # Past the deadline the attempt is abandoned and its connection closed: a
@@ -1209,13 +987,13 @@ class Engine:
         if self._cache is not None and not cached and cache_key is not None:
             await trio.to_thread.run_sync(self._cache.put, cache_key, data, limiter=self._threads)
 
-    def _count_request(self, group: list[_Stripe]) -> None:
+    def _count_request(self, group: list[Stripe]) -> None:
         kind = "coalesced" if len(group) > 1 else "single"
         self._stats.extent_requests += 1
         self._stats.coalesced_requests += len(group) > 1
         EXTENT_REQUESTS.labels(kind).inc()
 
-    def _fetch_extents_blocking(self, group: list[_Stripe], stream: _Stream) -> list[bytes | Exception]:
+    def _fetch_extents_blocking(self, group: list[Stripe], stream: _Stream) -> list[bytes | Exception]:
         """In a worker thread: the bytes of extents of one object, in offset order, with one range request.
 
         Returns each extent's bytes, or the error it failed with where the answer
@@ -1255,7 +1033,7 @@ class Engine:
                 ))  # fmt: skip
         return outcomes
 
-    def _fetch_blocking(self, stripe: _Stripe, stream: _Stream) -> tuple[bytes, bool, str | None]:
+    def _fetch_blocking(self, stripe: Stripe, stream: _Stream) -> tuple[bytes, bool, str | None]:
         """In a worker thread: the stripe's bytes from the disk cache or the source.
 
         Returns (bytes, whether they came from the cache, the cache key when the cache
@@ -1294,23 +1072,23 @@ class Engine:
             raise
         return data, False, cache_key
 
-    def _check_size(self, stripe: _Stripe, size: int) -> None:
+    def _check_size(self, stripe: Stripe, size: int) -> None:
         if size != stripe.file_size:
             raise _SizeChanged(
                 f"{self.url}: {stripe.path or '.'}: the file is now {size} bytes, "
                 f"not the {stripe.file_size} it was opened with"
             )
 
-    def _cache_key(self, stripe: _Stripe, mtime: float) -> str:
+    def _cache_key(self, stripe: Stripe, mtime: float) -> str:
         # The full URL, not the display one: a query may select the content.
         file = stripe.file
         return StripeCache.key(
             self.source.url, file.path, file.size, file.version, mtime, stripe.index, self.stripe_size
         )
 
-    def _publish(self, stripe: _Stripe, data: bytes, cached: bool) -> None:
+    def _publish(self, stripe: Stripe, data: bytes, cached: bool) -> None:
         stripe.holders.pop(self._speculative, None)  # read ahead: a loose buffer from now on
-        stripe.state = _State.DONE
+        stripe.state = StripeState.DONE
         stripe.data = data
         stripe.first_attempt = None
         stripe.last_used = next(self._clock)
@@ -1330,7 +1108,7 @@ class Engine:
             BYTES_FETCHED.inc(len(data))
         stripe.done.set()
 
-    def _fetch_failed(self, stripe: _Stripe, exc: Exception) -> None:
+    def _fetch_failed(self, stripe: Stripe, exc: Exception) -> None:
         now = trio.current_time()
         assert stripe.first_attempt is not None
         failing_for = now - stripe.first_attempt
@@ -1338,7 +1116,7 @@ class Engine:
         # Nobody waits for a read-ahead extent: unless someone wants it now, it is not retried.
         stripe.holders.pop(self._speculative, None)
         self._unreserve(stripe.length)
-        stripe.state = _State.BACKOFF  # no longer fetching; the bytes are no longer counted
+        stripe.state = StripeState.BACKOFF  # no longer fetching; the bytes are no longer counted
         if self.retry.gives_up(exc, stripe.attempts, stripe.first_attempt, now):
             reason = str(exc) if is_permanent(exc) else (
                 f"still failing after {failing_for:.1f}s and {stripe.attempts} attempts: {exc!r}"
@@ -1363,7 +1141,7 @@ class Engine:
         level = logging.WARNING if stripe.attempts & (stripe.attempts - 1) == 0 else logging.DEBUG
         log.log(level, "stripe fetch failed; retrying on a new connection", url=self.url, path=stripe.path,
                 offset=stripe.offset, attempt=stripe.attempts, delay=round(delay, 3), error=repr(exc))  # fmt: skip
-        stripe.state = _State.BACKOFF
+        stripe.state = StripeState.BACKOFF
         heapq.heappush(self._backoff, (now + delay, next(self._seq), stripe))
         self._notify()
 
@@ -1411,212 +1189,6 @@ class Engine:
     def drop_window(self, reader: Reader) -> None:
         """``reader`` holds no window any more."""
         self._windows.pop(reader, None)
-
-
-_MAX_AHEAD_EXTENTS = 16  # extents read ahead of a stream that a reader remembers
-
-
-class Reader:
-    """One open file: reads bytes and keeps the read-ahead window of this handle.
-
-    Created by :meth:`Engine.open`.  The reader follows one sequential *stream*: its
-    position is how far reads have come, give or take a stripe.  Reads near the
-    position continue the stream, even when they arrive out of order, overlap, or
-    step back a little (page-fault reads of an mmapped file and concurrent FUSE
-    requests do all of that).  While the stream goes on it holds a read-ahead window
-    that starts at two stripes and doubles each time the position enters a new
-    stripe, up to ``readahead_max``.
-
-    Two other kinds of read keep the stream alive: a read inside the window, ahead of
-    the position, which the stream skips when it gets there (``memcpy`` of an mmapped
-    tensor touches its last page first, then copies from the start), and a read
-    elsewhere, which gives up the window but not the position, so that the next read
-    near the position takes the window back.  A read that continues a read elsewhere
-    starts a new stream there.  Any other read is random access: it fetches only the
-    stripes it touches, so a seek into a huge file does not download it.
-
-    Stripes the position has passed are dropped, except the stripe just behind it,
-    which late reads of a read-around may still come back for.
-    """
-
-    def __init__(self, engine: Engine, path: str, size: int, *, version: str = "", mtime: float | None = None) -> None:
-        self.engine = engine
-        self.path = path
-        self.size = size
-        self.file = FileVersion.of(path, size, version, mtime)  #: the version this handle reads
-        self.closed = False
-        self._held: set[int] = set()  # stripe indexes this handle holds (the window, the stripes just behind it)
-        self._position: int | None = None  # how far the stream has come
-        self._last_stripe = -1  # the stripe of the stream's last byte read; the window lies beyond it
-        self._window = 0  # read-ahead stripes beyond ``_last_stripe`` held now
-        self._paused_window = 0  # the window given up on a read elsewhere, taken back if the stream goes on
-        self._missed_end: int | None = None  # the end of the last read if it was elsewhere: a stream may start there
-        self._ahead: list[tuple[int, int]] = []  # extents read inside the window, ahead of the position
-
-    def __repr__(self) -> str:
-        return f"<Reader {self.engine.url} {self.path!r} size={self.size}>"
-
-    @property
-    def window(self) -> int:
-        """The read-ahead window now, in stripes beyond the one last read (0: none)."""
-        return self._window
-
-    async def read(self, offset: int, size: int) -> bytes:
-        """Exactly ``size`` bytes from ``offset``; fewer only at the end of the file, ``b""`` past it.
-
-        Raises FetchError (EIO) if a stripe cannot be fetched.
-        """
-        end = self._range(offset, size)
-        if end <= offset:
-            return b""
-        builder = BytesBuilder(end - offset)
-
-        def deliver(position: int, piece: memoryview) -> None:
-            builder.view[position : position + len(piece)] = piece
-
-        try:
-            await self._read(offset, end, deliver)
-        except BaseException:
-            builder.view.release()
-            raise
-        return builder.result()
-
-    async def read_into(self, offset: int, buffer: Any) -> int:
-        """Fill writable ``buffer`` from ``offset``; returns the bytes written (fewer only at the end of the file)."""
-        with memoryview(buffer) as view, view.cast("B") as target:
-            end = self._range(offset, len(target))
-            if end <= offset:
-                return 0
-
-            def deliver(position: int, piece: memoryview) -> None:
-                target[position : position + len(piece)] = piece
-
-            await self._read(offset, end, deliver)
-            return end - offset
-
-    def _range(self, offset: int, size: int) -> int:
-        if self.closed:
-            raise ValueError(f"read from a closed reader of {self.path!r}")
-        if offset < 0 or size < 0:
-            raise ValueError(f"invalid read: offset={offset} size={size}")
-        self.engine.check_running()
-        return min(offset + size, self.size)
-
-    async def _read(self, offset: int, end: int, deliver: Callable[[int, memoryview], None]) -> None:
-        engine = self.engine
-        stripe_size = engine.stripe_size
-        first, last = offset // stripe_size, (end - 1) // stripe_size
-        # Queue this read's own stripes before the read-ahead beyond them.
-        token = object()
-        for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
-            engine.hold_stripe(token, self.file, index, Priority.DEMAND)
-        try:
-            continues = self._follow(offset, end)
-            await engine.read_range(self.file, offset, end, deliver, holder=token, sequential=continues)
-        finally:
-            for index in range(first, min(last, first + engine.read_lookahead - 1) + 1):
-                engine.release_stripe(token, self.file, index)
-
-    def _follow(self, offset: int, end: int) -> bool:
-        """Place the read of [offset, end) in the stream and move the window; whether it moved the stream.
-
-        Only a read that moved the stream may drop the stripes it passed: nothing
-        else says the reader is done with them.
-        """
-        engine = self.engine
-        stripe_size = engine.stripe_size
-        position, missed_end = self._position, self._missed_end
-        self._missed_end = None
-        if position is None:
-            if offset < stripe_size:  # a first read near the start: a scan is likely
-                self._advance(end, restart=True)
-                return True
-        elif position - stripe_size <= offset <= position + stripe_size // 2:
-            self._advance(max(end, position), restart=False)
-            return True
-        elif self._window and position < offset and (end - 1) // stripe_size <= self._last_stripe + self._window:
-            # Ahead, inside the window: the stream is on its way there, and will pass
-            # this extent without reading it again.
-            self._ahead.append((offset, end))
-            del self._ahead[:-_MAX_AHEAD_EXTENTS]
-            engine.take_window(self)
-            return False
-        if missed_end is not None and missed_end - stripe_size <= offset <= missed_end + stripe_size // 2:
-            # Continues a read elsewhere: a new stream starts there.
-            self._advance(end, restart=True)
-            return True
-        # Elsewhere: random access, or a one-off read away from a stream that goes on.
-        self._missed_end = end
-        if self._window:
-            self._paused_window = self._window
-            self._window = 0
-            engine.drop_window(self)
-        for index in self._held:
-            engine.release_stripe(self, self.file, index)
-        self._held = set()
-        return False
-
-    def _advance(self, position: int, *, restart: bool) -> None:
-        """Move the stream to ``position`` (a new stream if ``restart``) and hold its window."""
-        engine = self.engine
-        stripe_size = engine.stripe_size
-        if restart:
-            self._ahead = []
-        ahead = []
-        for start, stop in sorted(self._ahead):  # extents read ahead that the stream now reaches
-            if start <= position + stripe_size // 2:
-                position = max(position, stop)
-            else:
-                ahead.append((start, stop))
-        self._ahead = ahead
-        current = (position - 1) // stripe_size  # the stripe of the last byte read
-        if not (engine.readahead_max_stripes and engine.config.max_windows):
-            self._window = 0
-        elif restart or self._window == 0:
-            paused = 0 if restart else self._paused_window
-            self._window = max(engine.readahead_initial_stripes, min(paused, engine.readahead_max_stripes))
-        elif current > self._last_stripe:
-            self._window = min(2 * self._window, engine.readahead_max_stripes)
-        self._paused_window = 0
-        if self._window:
-            engine.take_window(self)
-        else:
-            engine.drop_window(self)
-        self._position = position
-        self._last_stripe = current
-        end_stripe = (self.size - 1) // stripe_size
-        window = range(current + 1, min(current + self._window, end_stripe) + 1)
-        for index in window:
-            if index not in self._held:
-                engine.hold_stripe(self, self.file, index, Priority.READAHEAD)
-        # Keep what lies within a stripe behind the position, if it is here anyway: late
-        # and reordered reads (an mmap's read-around, concurrent requests) come back for it.
-        behind = range(max(0, position - stripe_size) // stripe_size, current + 1)
-        wanted = set(window)
-        wanted.update(index for index in behind if engine.keep_stripe(self, self.file, index, Priority.READAHEAD))
-        for index in self._held - wanted:
-            # A stream does not come back to what lies more than a stripe behind it.
-            engine.release_stripe(self, self.file, index, drop=not restart and index < behind.start)
-        self._held = wanted
-
-    def lose_window(self) -> None:
-        """Give up the read-ahead window (the engine has too many); called by the engine."""
-        self._window = 0
-        self._paused_window = 0
-        for index in self._held:
-            if index > self._last_stripe:
-                self.engine.release_stripe(self, self.file, index)
-        self._held = {index for index in self._held if index <= self._last_stripe}
-
-    def close(self) -> None:
-        """Let go of everything this handle holds; buffered stripes stay until memory is needed."""
-        if self.closed:
-            return
-        self.closed = True
-        self.engine.drop_window(self)
-        for index in self._held:
-            self.engine.release_stripe(self, self.file, index)
-        self._held = set()
 
 
 @asynccontextmanager

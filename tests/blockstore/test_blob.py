@@ -36,7 +36,8 @@ from bootseer.blockstore.datapath.tree import BLOBS, LayerBlobOpenFile, LayerTre
 from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.node.layer_reader import LayerReader
 from bootseer.blockstore.objects.store import FileStoreWriter
-from bootseer.fetch.engine import FetchError, open_engine
+from bootseer.fetch.engine import open_engine
+from bootseer.fetch.stripes import FetchError
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.fuse.operations import OPENER_PID

@@ -25,7 +25,8 @@ from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex, pac
 from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.node.layer_reader import LayerReader
 from bootseer.blockstore.node.metrics import layer_label
-from bootseer.fetch.engine import FetchError, Priority, open_engine
+from bootseer.fetch.engine import open_engine
+from bootseer.fetch.stripes import FetchError, Priority
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.local import LocalSource

@@ -42,7 +42,8 @@ from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.node.layer_reader import LayerReader
 from bootseer.blockstore.objects.store import FileStoreWriter, open_store
 from bootseer.blockstore.convert.tarlayer import LayerError, TarLimits, read_layer
-from bootseer.fetch.engine import EngineConfig, FetchError
+from bootseer.fetch.engine import EngineConfig
+from bootseer.fetch.stripes import FetchError
 from bootseer.images.registry import open_image
 from tests.support import layers as L
 from tests.support.autojump import FAULT_AUTOJUMP, run

@@ -28,7 +28,8 @@ from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.server import PeerServer
 from bootseer.blockstore.peers.config import BUDGET_WINDOW, PeerConfig
 from bootseer.blockstore.node.fetcher import BlockFetcher
-from bootseer.fetch.engine import Priority, open_engine
+from bootseer.fetch.engine import open_engine
+from bootseer.fetch.stripes import Priority
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.local import LocalSource
 from tests.support.autojump import run as autojump_run

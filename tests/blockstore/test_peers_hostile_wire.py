@@ -37,7 +37,7 @@ from bootseer.blockstore.peers.client import PeerClient
 from bootseer.blockstore.peers.ownership import rendezvous_score
 from bootseer.blockstore.peers.stats import PeerStatistics
 from bootseer.blockstore.peers.config import PeerConfig
-from bootseer.fetch.engine import Priority
+from bootseer.fetch.stripes import Priority
 from tests.support.http import RangeHTTPServer
 from tests.support.waiting import free_port
 from tests.support.layer_servers import stop_layer_servers

@@ -43,7 +43,8 @@ from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.ownership import rendezvous_score
 from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.objects.store import FileStoreWriter
-from bootseer.fetch.engine import Priority, open_engine
+from bootseer.fetch.engine import open_engine
+from bootseer.fetch.stripes import Priority
 from bootseer.fetch.sources.local import LocalSource
 from bootseer.hotlist.format import HotBlock, HotList, hotlist_object
 from tests.support import autojump

@@ -34,7 +34,8 @@ from bootseer.blockstore.objects.store import (
     open_store,
     open_store_writer,
 )
-from bootseer.fetch.engine import EngineConfig, FetchError, open_engine
+from bootseer.fetch.engine import EngineConfig, open_engine
+from bootseer.fetch.stripes import FetchError
 from bootseer.fetch.sources import open_source
 from bootseer.images.registry import open_image
 from tests.support.mounts import force_unmount

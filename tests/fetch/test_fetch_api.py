@@ -19,7 +19,7 @@ import pytest
 
 import bootseer.fetch
 from bootseer.fetch import Client, EngineConfig
-from bootseer.fetch.engine import FetchError
+from bootseer.fetch.stripes import FetchError
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.source import NotFound
 from bootseer.fetch.sources.local import LocalSource

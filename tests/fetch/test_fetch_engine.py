@@ -13,7 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from bootseer.fetch.engine import Engine, EngineConfig, Extent, FetchError, Priority, open_engine
+from bootseer.fetch.engine import Engine, EngineConfig, open_engine
+from bootseer.fetch.stripes import Extent, FetchError, Priority
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.source import TransientError
 from bootseer.fetch.sources.local import LocalSource

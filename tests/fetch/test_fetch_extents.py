@@ -19,7 +19,8 @@ import pytest
 import trio
 import trio.testing
 
-from bootseer.fetch.engine import EngineConfig, Extent, FetchError, Priority, open_engine
+from bootseer.fetch.engine import EngineConfig, open_engine
+from bootseer.fetch.stripes import Extent, FetchError, Priority
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.sources.http import HttpSource
 from bootseer.fetch.sources.local import LocalSource

@@ -15,12 +15,15 @@ are parsed.  Blobs come as streams (:meth:`ImageSource.open_blob`) that hash wha
 through and raise :class:`DigestMismatch` instead of reporting the end of a blob whose bytes
 or length are wrong, so no caller can take unverified bytes for a complete blob.
 
-Every failure is an :class:`ImageError` subclass saying what and where.  Requests go through the
-fetch layer's HTTP connections (:class:`~bootseer.fetch.sources.http.HttpEndpoint`,
-:class:`~bootseer.fetch.sources.http.HttpChannel`: connect and read timeouts, TLS) and are retried by
-its policy (:class:`~bootseer.fetch.retry.RetryPolicy`, :data:`HTTP_RETRY`); redirects, the auth
-challenge and what the distribution API answers are this module's.  It is synchronous; trio callers
-run it with ``trio.to_thread``.
+Requests go through the fetch layer's HTTP client (:mod:`bootseer.fetch.sources.http`: its
+endpoints with their connect and read timeouts and TLS context, its redirect rules in
+:func:`~bootseer.fetch.sources.http.request_following`, responses read bounded or streamed in
+:class:`~bootseer.fetch.sources.http.HttpExchange`) and are retried by its policy
+(:class:`~bootseer.fetch.retry.RetryPolicy`, :data:`HTTP_RETRY`); the auth challenge and what the
+distribution API answers are this module's.
+
+Every failure is an :class:`ImageError` subclass saying what and where.  This module is
+synchronous; trio callers run it with ``trio.to_thread``.
 """
 
 from __future__ import annotations
@@ -28,22 +31,22 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import http.client
 import io
 import json
 import os
 import platform as _platform
 import re
-import socket
 import time
 import urllib.parse
 from pathlib import Path
 from typing import Any, BinaryIO, Mapping, Sequence
 
 from bootseer.fetch.retry import RetryPolicy
-from bootseer.fetch.source import SourceError
+from bootseer.fetch.source import PermanentError, SourceError, TransientError
 from bootseer.fetch.sources import redact_url
-from bootseer.fetch.sources.http import HttpChannel, HttpEndpoint, make_ssl_context
+from bootseer.fetch.sources.http import (
+    HttpExchange, RedirectRefused, parse_endpoint_url, request_following, transient_status,
+)  # fmt: skip
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -83,12 +86,12 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 #: Bound on an index nested in an index (OCI allows it; a loop must not recurse forever).
 MAX_INDEX_DEPTH = 4
 
-#: Timeout of each socket operation against a registry.
+#: Timeout of connecting to a registry, and of each socket operation after that.
 HTTP_TIMEOUT_S = 60.0
 #: Redirects followed for one request (blob GETs are often redirected to object storage).
 MAX_REDIRECTS = 5
-#: The retries of a request that failed before any body byte (connection refused or reset, 5xx, 429):
-#: three attempts in all, about 0.2-0.4 s and 0.4-0.8 s apart (the fetch layer's policy, with its numbers).
+#: The retries of a request that failed before any body byte (connection refused or reset; 408, 425, 429,
+#: 5xx): three attempts in all, about 0.2-0.4 s and 0.4-0.8 s apart (the fetch layer's policy, with its numbers).
 HTTP_RETRY = RetryPolicy(timeout=HTTP_TIMEOUT_S, max_attempts=3, first_delay=0.4)
 #: Chunk size blobs are read in.
 CHUNK = 1024 * 1024
@@ -376,7 +379,7 @@ class VerifiedBlob(io.RawIOBase):
     declared size) raises :class:`DigestMismatch`.  ``verified`` says the check passed.
     """
 
-    def __init__(self, raw: BinaryIO, descriptor: Descriptor, what: str, on_close=None):
+    def __init__(self, raw: BinaryIO | HttpExchange, descriptor: Descriptor, what: str, on_close=None):
         super().__init__()
         self._raw = raw
         self.descriptor = descriptor
@@ -401,7 +404,7 @@ class VerifiedBlob(io.RawIOBase):
         want = min(len(view), self.descriptor.size - self._seen + 1)
         try:
             data = self._raw.read(want) if want > 0 else b""
-        except (OSError, http.client.HTTPException) as e:
+        except (OSError, SourceError) as e:
             raise RegistryError(f"{self._what}: read failed after {self._seen} bytes: {e}") from e
         if not data:
             self._finish()
@@ -683,55 +686,26 @@ def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     return scheme.lower(), params
 
 
-class _Response:
-    """An HTTP response with its channel (one connection), closed together."""
-
-    def __init__(self, channel: HttpChannel, resp: http.client.HTTPResponse, url: str):
-        self.channel, self.resp, self.url = channel, resp, url
-
-    @property
-    def status(self) -> int:
-        return self.resp.status
-
-    @property
-    def reason(self) -> str:
-        return self.resp.reason
-
-    def header(self, name: str) -> str | None:
-        return self.resp.getheader(name)
-
-    def read(self, n: int = -1) -> bytes:
-        return self.resp.read(n) if n >= 0 else self.resp.read()
-
-    def read_bounded(self, limit: int, what: str) -> bytes:
-        length = self.header("Content-Length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            raise MalformedImage(f"{what}: {length} bytes exceeds the bound of {limit}")
-        data = self.resp.read(limit + 1)
-        if len(data) > limit:
-            raise MalformedImage(f"{what}: larger than the bound of {limit} bytes")
-        return data
-
-    def close(self) -> None:
-        try:
-            self.resp.close()
-        finally:
-            self.channel.close()
-
-
 class RegistrySource(ImageSource):
     """An image in a registry, read with the OCI distribution API."""
 
     def __init__(self, ref: RegistryReference, *, plain_http: bool, platform: Platform,
-                 credentials: tuple[str, str] | None = None, timeout: float = HTTP_TIMEOUT_S):
+                 credentials: tuple[str, str] | None = None, timeout: float = HTTP_TIMEOUT_S,
+                 retry: RetryPolicy = HTTP_RETRY):
         self.ref = ref
         self.reference = str(ref)
         self.platform = platform
         self.plain_http = plain_http
         self.timeout = timeout
+        self.retry = retry
         self._credentials = credentials if credentials is not None else docker_credentials(ref.domain)
         self._authorization: str | None = None  # what the last challenge led to; never logged
-        self._ssl = make_ssl_context(verify=True, ca_file=None)  # for https, plain_http or not (a redirect)
+        # The registry's endpoint: its timeouts and TLS context (the system's CAs, $SSL_CERT_FILE) go to
+        # every URL a request names or is redirected to (HttpEndpoint.at); credentials go per request.
+        self._endpoint, _path, _query = parse_endpoint_url(
+            self.base_url, ("http", "https"), connect_timeout=timeout, read_timeout=timeout, headers=None,
+            verify=True, ca_file=None, default_ports={"http": 80, "https": 443},
+        )  # fmt: skip
 
     @property
     def base_url(self) -> str:
@@ -739,93 +713,54 @@ class RegistrySource(ImageSource):
 
     # -- HTTP ----------------------------------------------------------------
 
-    def _open(self, method: str, url: str, headers: Mapping[str, str]) -> _Response:
-        """One request to ``url`` on a new connection (the fetch layer's :class:`HttpChannel`)."""
-        parts = urllib.parse.urlsplit(url)
-        scheme = parts.scheme.lower()
-        if scheme not in ("http", "https") or not parts.hostname:
-            raise RegistryError(f"{self.reference}: refusing to follow a {parts.scheme!r} URL")
-        try:
-            port = parts.port or {"https": 443, "http": 80}[scheme]
-        except ValueError as e:
-            raise RegistryError(f"{self.reference}: {redact_url(url)}: bad port: {e}") from None
-        endpoint = HttpEndpoint(scheme, parts.hostname, port, connect_timeout=self.timeout, read_timeout=self.timeout,
-                                ssl_context=self._ssl if scheme == "https" else None)  # fmt: skip
-        channel = HttpChannel(endpoint)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        try:
-            return _Response(channel, channel.request(method, target, headers), url)
-        except BaseException:
-            channel.close()
-            raise
+    def _send(self, method: str, url: str, headers: Mapping[str, str], authorization: str | None = None) -> HttpExchange:
+        """One request, retried as :attr:`retry` says on network failures and transient statuses
+        (the last answer comes back as it is); the response is open.
 
-    def _send(self, method: str, url: str, headers: Mapping[str, str]) -> _Response:
-        """One request, retried on connection failures, 429 and 5xx (:data:`HTTP_RETRY`); the response is open.
-
-        Redirects are followed, up to :data:`MAX_REDIRECTS`, with two rules for every
-        request (manifests, blobs, token services): a redirect from ``https`` to
-        ``http`` is refused unless ``plain_http`` was asked for (it would send the
-        request, and what it names, in clear text), and the ``Authorization`` header
-        is dropped as soon as a hop leaves the origin (scheme, host or port), as blob
-        redirects to object storage or a CDN normally do: their URLs carry their own
-        signature.
+        Redirects are followed (:func:`~bootseer.fetch.sources.http.request_following`), up
+        to :data:`MAX_REDIRECTS`, with two rules for every request (manifests, blobs, token
+        services): a redirect from ``https`` to ``http`` is refused unless ``plain_http`` was
+        asked for, and ``authorization`` is dropped as soon as a hop leaves the origin
+        (scheme, host or port), as blob redirects to object storage or a CDN normally do:
+        their URLs carry their own signature.
         """
-        origin = _origin(url)
+        try:
+            endpoint, target = self._endpoint.at(url)
+        except PermanentError as e:
+            raise RegistryError(f"{self.reference}: refusing to follow {e}") from None
+        if authorization:
+            endpoint = endpoint.with_headers({"Authorization": authorization})
         first_attempt, attempts = time.monotonic(), 0
         while True:
             attempts += 1
-            current, hdrs = url, dict(headers)
-            failure: Exception
             try:
-                for _ in range(MAX_REDIRECTS + 1):
-                    response = self._open(method, current, hdrs)
-                    location = response.header("Location")
-                    if response.status in (301, 302, 303, 307, 308) and location:
-                        response.close()
-                        previous, current = current, urllib.parse.urljoin(current, location)
-                        self._check_redirect(previous, current)
-                        if _origin(current) != origin:
-                            hdrs.pop("Authorization", None)
-                        continue
-                    break
-                else:
-                    raise RegistryError(f"{self.reference}: more than {MAX_REDIRECTS} redirects for {redact_url(url)}")
-            except SourceError as e:  # the channel's network failures (TransientError), messages without a query
-                failure = e
+                exchange = request_following(endpoint, method, target, headers, max_redirects=MAX_REDIRECTS,
+                                             allow_downgrade=self.plain_http)
+            except RedirectRefused as e:
+                raise RegistryError(f"{self.reference}: {e}; pass --plain-http to allow it") from None
+            except PermanentError as e:
+                raise RegistryError(f"{self.reference}: {e}") from None
+            except TransientError as e:
+                if self.retry.gives_up(e, attempts=attempts, first_attempt=first_attempt, now=time.monotonic()):
+                    raise RegistryError(f"{self.reference}: {method} {redact_url(url)} failed: {e}") from e
             else:
-                if not (response.status == 429 or response.status >= 500):
-                    return response
-                failure = RegistryError(f"{response.status} {response.reason}")
-            now = time.monotonic()
-            if HTTP_RETRY.gives_up(failure, attempts, first_attempt, now):
-                if isinstance(failure, SourceError):
-                    raise RegistryError(f"{self.reference}: {method} {redact_url(url)} failed: {failure}") from failure
-                return response  # the last answer, 429 or 5xx: the caller says what it was
-            if not isinstance(failure, SourceError):
-                response.close()
-            time.sleep(HTTP_RETRY.wait(attempts, first_attempt, now))
+                failure = TransientError(f"HTTP {exchange.status}")
+                if not transient_status(exchange.status) or self.retry.gives_up(
+                        failure, attempts=attempts, first_attempt=first_attempt, now=time.monotonic()):
+                    return exchange
+                exchange.close()
+            log.debug("registry request failed; retrying", registry=self.ref.api_host, method=method,
+                        url=redact_url(url), attempt=attempts)
+            time.sleep(self.retry.wait(attempts, first_attempt, time.monotonic()))
 
-    def _check_redirect(self, previous: str, target: str) -> None:
-        """RegistryError for a redirect from ``previous`` to ``target`` that must not be followed."""
-        before, after = urllib.parse.urlsplit(previous).scheme, urllib.parse.urlsplit(target).scheme
-        if before == "https" and after == "http" and not self.plain_http:
-            raise RegistryError(
-                f"{self.reference}: refusing a redirect from {redact_url(previous)} to {redact_url(target)} "
-                f"(https to plain http; pass --plain-http to allow it)"
-            )
-
-    def _request(self, method: str, url: str, headers: Mapping[str, str], what: str) -> _Response:
+    def _request(self, method: str, url: str, headers: Mapping[str, str], what: str) -> HttpExchange:
         """A request to the registry, answering its auth challenge once; raises on any non-2xx status."""
-        hdrs = dict(headers)
-        if self._authorization:
-            hdrs["Authorization"] = self._authorization
-        response = self._send(method, url, hdrs)
+        response = self._send(method, url, headers, self._authorization)
         if response.status == 401:
             challenge = response.header("WWW-Authenticate") or ""
             response.close()
             self._authorization = self._answer(challenge, what)
-            hdrs["Authorization"] = self._authorization
-            response = self._send(method, url, hdrs)
+            response = self._send(method, url, headers, self._authorization)
         if 200 <= response.status < 300:
             return response
         status, reason = response.status, response.reason
@@ -858,16 +793,16 @@ class RegistrySource(ImageSource):
         query = {k: v for k, v in (("service", params.get("service")),
                                    ("scope", params.get("scope") or f"repository:{self.ref.repository}:pull")) if v}
         url = realm + ("&" if "?" in realm else "?") + urllib.parse.urlencode(query)
-        headers = {"Accept": "application/json"}
+        basic = None
         if self._credentials:
             user, password = self._credentials
-            headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
-        response = self._send("GET", url, headers)
+            basic = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+        response = self._send("GET", url, {"Accept": "application/json"}, basic)
         try:
             if response.status != 200:
                 raise AuthError(f"{what}: token service {redact_url(realm)} answered {response.status}"
                                 f"{'' if self._credentials else ' (no credentials in the docker config)'}")
-            body = _parse_json(response.read_bounded(1024 * 1024, "token response"), "token response")
+            body = _parse_json(_read_bounded(response, 1024 * 1024, "token response"), "token response")
         finally:
             response.close()
         token = body.get("token") or body.get("access_token")
@@ -884,11 +819,9 @@ class RegistrySource(ImageSource):
                             *MEDIA_DOCKER_SCHEMA1])
         response = self._request("GET", f"{self.base_url}/manifests/{name}", {"Accept": accept}, what)
         try:
-            data = response.read_bounded(MAX_MANIFEST_BYTES, what)
+            data = _read_bounded(response, MAX_MANIFEST_BYTES, what)
             content_type = (response.header("Content-Type") or "").split(";")[0].strip()
             header_digest = response.header("Docker-Content-Digest")
-        except (OSError, http.client.HTTPException) as e:
-            raise RegistryError(f"{what}: reading the body failed: {e}") from e
         finally:
             response.close()
         if expected is not None:
@@ -927,21 +860,25 @@ class RegistrySource(ImageSource):
         return VerifiedBlob(response, descriptor, what)
 
 
-def _origin(url: str) -> tuple[str, str, int | None]:
-    """The (scheme, host, port) a request to ``url`` goes to, the port made explicit."""
-    parts = urllib.parse.urlsplit(url)
-    scheme = parts.scheme.lower()
-    return scheme, (parts.hostname or "").lower(), parts.port or {"https": 443, "http": 80}.get(scheme)
+def _read_bounded(response: HttpExchange, limit: int, what: str) -> bytes:
+    """The whole body of ``response``; :class:`MalformedImage` past ``limit`` bytes, :class:`RegistryError`
+    if the connection fails on the way."""
+    try:
+        return response.read_body(limit)
+    except PermanentError:
+        raise MalformedImage(f"{what}: larger than the bound of {limit} bytes") from None
+    except TransientError as e:
+        raise RegistryError(f"{what}: reading the body failed: {e}") from e
 
 
-def _error_summary(response: _Response) -> str:
+def _error_summary(response: HttpExchange) -> str:
     """``: CODE message`` from a distribution-API error body, if it has one (bounded, never raises)."""
     try:
         body = json.loads(response.read(64 * 1024) or b"{}")
         errors = body.get("errors") if isinstance(body, dict) else None
         if isinstance(errors, list) and errors and isinstance(errors[0], dict):
             return f": {errors[0].get('code', '')} {errors[0].get('message', '')}".rstrip()
-    except (ValueError, OSError, http.client.HTTPException, socket.timeout):
+    except (ValueError, SourceError):
         pass
     finally:
         response.close()

@@ -15,12 +15,14 @@ import hashlib
 import socket
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
+from bootseer.fetch.retry import RetryPolicy
 from bootseer.images import registry as images
 from bootseer.images.registry import Descriptor, Platform, RegistryReference, RegistrySource
 
@@ -256,9 +258,29 @@ def test_a_blob_cut_in_its_body_is_an_error_never_short_bytes(blob_server):
     # The answer had begun: a body cut short is not retried behind the reader's back, and the reader
     # gets an error instead of the end of the blob.
     blob_server.faults.drop(after_bytes=len(LONG) // 2)
-    with pytest.raises(images.ImageError, match="read failed after|ended after"):
+    # A network failure, said as one (not a DigestMismatch: the bytes that came were right).
+    with pytest.raises(images.RegistryError, match="read failed after .*connection lost"):
         _read_blob_of(_plain_source(blob_server), LONG_DESCRIPTOR)
     assert _gets(blob_server) == 1
+
+
+def test_a_registry_that_keeps_failing_is_given_up_at_the_policys_deadline(blob_server):
+    blob_server.faults.refused[LONG_PATH] = 502
+    ref = RegistryReference.parse(f"127.0.0.1:{blob_server.port}/team/app:v1")
+    policy = RetryPolicy(timeout=1.0, first_delay=0.05, max_delay=0.2)  # no attempt cap: the deadline decides
+    source = RegistrySource(ref, plain_http=True, platform=Platform.host(), credentials=(USER, PASSWORD), retry=policy)
+    started = time.monotonic()
+    with pytest.raises(images.RegistryError, match="answered 502"):
+        _read_blob_of(source, LONG_DESCRIPTOR)
+    assert 1.0 <= time.monotonic() - started < 3.0
+    assert _gets(blob_server) >= 5
+
+
+def test_408_and_425_are_tried_again_as_the_fetch_layer_does(blob_server):
+    blob_server.faults.status(408)
+    blob_server.faults.status(425)
+    assert _read_blob_of(_plain_source(blob_server), LONG_DESCRIPTOR) == LONG
+    assert _gets(blob_server) == 3
 
 
 def _read_blob_of(source: RegistrySource, descriptor: Descriptor) -> bytes:

@@ -30,7 +30,11 @@ connections and checks serve both routes: :class:`HttpEndpoint` knows how to rea
 server through a proxy (absolute-URI requests for http, ``CONNECT`` for https).
 
 The plumbing (:class:`HttpEndpoint`, :class:`HttpChannel`, :class:`ChannelPool`,
-:func:`status_error`) is shared with the WebHDFS backend.
+:func:`status_error`) is shared with the WebHDFS backend, and with the registry client
+(:mod:`bootseer.images.registry`), which also asks for any URL a redirect names
+(:meth:`HttpEndpoint.at`), follows redirects to blob storage
+(:func:`request_following`: credentials never leave their origin, no https to plain
+http unless asked) and streams bodies (:class:`HttpExchange`).
 """
 
 from __future__ import annotations
@@ -74,12 +78,21 @@ NETWORK_ERRORS = (OSError, http.client.HTTPException)
 _STALE_KEEPALIVE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
+#: Answers that send the client elsewhere (with a ``Location``).
+REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
+
+
+def transient_status(status: int) -> bool:
+    """Whether an HTTP status says the same request may succeed later: 408, 425, 429 and 5xx."""
+    return status in (408, 425, 429) or status >= 500
+
+
 def status_error(url: str, status: int, reason: str, detail: str = "") -> SourceError:
     """Map an unexpected HTTP status to the contract's error classes."""
     message = f"{url}: HTTP {status} {reason}".rstrip() + (f": {detail}" if detail else "")
     if status in (404, 410):
         return NotFound(message)
-    if status in (408, 425, 429) or status >= 500:
+    if transient_status(status):
         return TransientError(message)
     return PermanentError(message)  # 401/403 (credentials), 400, 405, ...
 
@@ -128,7 +141,9 @@ class HttpEndpoint:
 
     @property
     def origin(self) -> str:
-        return f"{self.scheme}://{self.host}:{self.port}"
+        """``scheme://host:port``, an IPv6 host in brackets (so that it joins and splits as a URL)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
 
     def open(self) -> http.client.HTTPConnection:
         """A new, not yet connected ``http.client`` connection (to the proxy, if there is one).
@@ -172,6 +187,29 @@ class HttpEndpoint:
         headers = self.headers if (scheme, host, port) == (self.scheme, self.host, self.port) else None
         endpoint = HttpEndpoint(scheme, host, port, self.connect_timeout, self.read_timeout, headers, self.ssl_context)
         return endpoint.via(self.proxy) if self.proxy is not None else endpoint  # through the same proxy
+
+    def with_headers(self, headers: Mapping[str, str]) -> HttpEndpoint:
+        """This endpoint with ``headers`` sent on every request too (credentials: :meth:`with_address`,
+        and so :meth:`at` and :func:`request_following`, send them to this origin only)."""
+        return dataclasses.replace(self, headers={**(self.headers or {}), **headers})
+
+    def at(self, url: str) -> tuple[HttpEndpoint, str]:
+        """``(endpoint, target)`` for an absolute ``http(s)`` URL: :meth:`with_address` of its
+        scheme, host and port, and its path and query as the request target.
+
+        PermanentError for another scheme, no host or a bad port (the message shows
+        the URL through :func:`~bootseer.fetch.sources.redact_url`).
+        """
+        parts = urlsplit(url)
+        scheme = parts.scheme.lower()
+        if scheme not in ("http", "https") or not parts.hostname:
+            raise PermanentError(f"{redact_url(url)!r}: not an http or https URL")
+        try:
+            port = parts.port or (443 if scheme == "https" else 80)
+        except ValueError:
+            raise PermanentError(f"{redact_url(url)!r}: bad port") from None
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return self.with_address(scheme, parts.hostname, port), target
 
 
 def make_ssl_context(verify: bool, ca_file: str | None) -> ssl.SSLContext:
@@ -337,6 +375,100 @@ class ChannelPool:
             idle, self._idle = self._idle, []
         for chan in idle:
             chan.close()
+
+
+# -- requests that follow redirects ----------------------------------------------------
+
+
+class RedirectRefused(PermanentError):
+    """A redirect that must not be followed: from https to plain http, unless the caller allows it."""
+
+
+class HttpExchange:
+    """A response and the channel it came on, closed together (:func:`request_following`'s answer).
+
+    Read its body whole and bounded (:meth:`read_body`) or as a stream (:meth:`read`),
+    then :meth:`close` it; a network failure while reading raises TransientError and
+    closes the channel.  :attr:`url` is where the response came from, after redirects
+    (it may carry a signature in its query: show it through ``redact_url``).
+    """
+
+    def __init__(self, channel: HttpChannel, response: http.client.HTTPResponse, url: str) -> None:
+        self.channel, self.response, self.url = channel, response, url
+
+    @property
+    def status(self) -> int:
+        return self.response.status
+
+    @property
+    def reason(self) -> str:
+        return self.response.reason
+
+    def header(self, name: str) -> str | None:
+        return self.response.getheader(name)
+
+    def read(self, size: int = -1) -> bytes:
+        """Up to ``size`` bytes of the body (all of it for -1); ``b""`` at its end, and only there.
+
+        A body that ends before its ``Content-Length`` raises TransientError (``http.client``
+        would report that end as the end of the body when asked for ``size`` bytes)."""
+        remaining = self.response.length  # None: chunked, or ends with the connection
+        try:
+            data = self.response.read(size) if size >= 0 else self.response.read()
+        except (http.client.IncompleteRead, *NETWORK_ERRORS) as exc:
+            self.channel.close()
+            raise TransientError(f"{self.channel.where}: connection lost while reading the response: {exc!r}") from None
+        if not data and size != 0 and remaining:
+            self.channel.close()
+            raise TransientError(f"{self.channel.where}: connection lost with {remaining} bytes of the body to come")
+        return data
+
+    def read_body(self, limit: int) -> bytes:
+        """The whole body, at most ``limit`` bytes (:meth:`HttpChannel.read_body`: PermanentError beyond)."""
+        return self.channel.read_body(self.response, limit)
+
+    def close(self) -> None:
+        try:
+            self.response.close()
+        finally:
+            self.channel.close()
+
+
+def request_following(
+    endpoint: HttpEndpoint, method: str, target: str, headers: Mapping[str, str] | None = None, *,
+    max_redirects: int, allow_downgrade: bool = False,
+) -> HttpExchange:  # fmt: skip
+    """``method target`` at ``endpoint``, following up to ``max_redirects`` redirects.
+
+    Each hop goes on a new channel to the endpoint of its ``Location``
+    (:meth:`HttpEndpoint.at`: the same timeouts, TLS context and proxy), so the
+    endpoint's own headers, credentials among them, go along only while the origin
+    (scheme, host, port) stays the same: as soon as a hop leaves it, as blob
+    redirects to object storage or a CDN normally do (their URLs carry their own
+    signature), they are dropped for good.  ``headers`` go to every hop.  A redirect
+    from https to plain http raises :class:`RedirectRefused` unless ``allow_downgrade``
+    (it would send the request, and what it names, in clear text); more redirects
+    than ``max_redirects`` raise PermanentError; a network failure raises
+    TransientError.  The last answer (anything but a redirect with a ``Location``)
+    comes back open, whatever its status.
+    """
+    first = endpoint.origin + target
+    for _hop in range(max_redirects + 1):
+        channel = HttpChannel(endpoint)
+        response = channel.request(method, target, headers)
+        here = endpoint.origin + target
+        location = response.getheader("Location") if response.status in REDIRECT_STATUSES else None
+        if not location:
+            return HttpExchange(channel, response, here)
+        channel.close()
+        there = urljoin(here, location)
+        next_endpoint, target = endpoint.at(there)
+        if endpoint.scheme == "https" and next_endpoint.scheme == "http" and not allow_downgrade:
+            raise RedirectRefused(
+                f"refusing a redirect from {redact_url(here)} to {redact_url(there)} (https to plain http)"
+            )
+        endpoint = next_endpoint
+    raise PermanentError(f"{redact_url(first)}: more than {max_redirects} redirects")
 
 
 # -- directory indexes ---------------------------------------------------------------

@@ -12,6 +12,7 @@ import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Collection
 
 from tests.support.oci import BuiltImage
 from tests.support.processes import ManagedProcess, run
@@ -21,9 +22,12 @@ from tests.support.waiting import WaitFailed, free_port, wait_until
 class Registry:
     """``docker-registry serve`` on 127.0.0.1 with filesystem storage under ``base``."""
 
-    def __init__(self, base: Path, binary: str = "docker-registry"):
+    def __init__(self, base: Path, binary: str = "docker-registry", *, avoid: Collection[int] = ()):
+        """``avoid``: ports the registry must not take (another process of the caller's was given them
+        and starts later: :func:`~tests.support.waiting.free_port` only says a port was free a moment ago)."""
         self.base = base
         self.binary = binary
+        self.avoid = frozenset(avoid)
         self.port = 0
         self.process: ManagedProcess | None = None
         #: YAML appended to the config at the next start (an ``auth:`` section, say).
@@ -40,6 +44,8 @@ class Registry:
         (self.base / "storage").mkdir(exist_ok=True)
         for attempt in range(3):  # free_port() can race with another process
             self.port = free_port()
+            while self.port in self.avoid:
+                self.port = free_port()
             config = self.base / "config.yml"
             config.write_text(
                 "version: 0.1\n"

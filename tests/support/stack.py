@@ -128,13 +128,16 @@ class Stack:
         # Short paths: unix socket paths must fit in 108 bytes.
         self.base = Path(tempfile.mkdtemp(prefix="bootseer-it-")) if base is None else base
         self.namespace = namespace or f"bootseer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.registry = Registry(self.base / "registry") if with_registry else None
         self.store_dir: Path | None = self.base / "store" if store else None
         if self.store_dir is not None:
             # An operator makes the store's directory before pointing nodes at it: the daemon refuses a
             # local store that does not exist (a typo), so it exists, empty, before anything is converted.
             self.store_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_address: str | None = f"127.0.0.1:{free_port()}" if store else None
+        metrics_port = free_port() if store else None
+        self.metrics_address: str | None = f"127.0.0.1:{metrics_port}" if store else None
+        # The daemon takes its metrics port after the registry has started: the registry must not take it first.
+        self.registry = (Registry(self.base / "registry", avoid={metrics_port} if metrics_port else ())
+                         if with_registry else None)  # fmt: skip
         daemon_args = (["--store", self.store_url, "--metrics-address", self.metrics_address] if store else []) + list(daemon_args)
         self.daemon = (Snapshotter(self.base / "snap", log_level=snapshotter_log_level, extra_args=daemon_args)
                        if snapshotter == SNAPSHOTTER_NAME else None)

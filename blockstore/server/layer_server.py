@@ -37,12 +37,10 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import functools
-import json
 import os
 import re
 import resource
 import signal
-import socket as stdlib_socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +52,6 @@ import trio
 
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.server.client import (
-    MAX_MESSAGE,
     MOUNT_TIMEOUT,
     InvalidRequest,
     LayerCorrupt,
@@ -65,12 +62,13 @@ from bootseer.blockstore.server.client import (
     ServerPaths,
     StoreUnavailable,
 )
+from bootseer.blockstore.server.control_socket import serve_control
+from bootseer.blockstore.server.index_copies import IndexCopies
 from bootseer.blockstore.server.extension import ExtensionFactory, ServerExtension
 from bootseer.blockstore.server.ops import ControlOps
 from bootseer.blockstore.datapath.choice import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
 from bootseer.blockstore.datapath.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
-from bootseer.atomic import write_atomically
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
 from bootseer.blockstore.objects.format import BlockPlace
@@ -98,9 +96,6 @@ CACHE_TIMEOUT = 3600.0
 
 UP = prometheus_client.Gauge("bootseer_layer_server_up", "1 while the layer server's FUSE mount is served")
 LAYERS = prometheus_client.Gauge("bootseer_layer_server_layers", "Layers the layer server serves")
-CONTROL = prometheus_client.Counter(
-    "bootseer_layer_server_requests_total", "Control requests answered, by operation and outcome", ["op", "outcome"]
-)
 RESTORED = prometheus_client.Counter(
     "bootseer_layer_server_restored_total", "Layers put back at start-up, by outcome", ["outcome"]
 )
@@ -138,6 +133,17 @@ class LayerServerConfig:
         return ServerPaths(self.root)
 
 
+@dataclass(frozen=True)
+class LayerServerStatistics:
+    """What :meth:`LayerServer.statistics` reports: the server's own state (its stores' and peers' are theirs)."""
+
+    uptime_s: float  #: seconds since the server was built
+    serving: bool  #: whether its FUSE mount is being served
+    open_files: int  #: files of served layers open through FUSE now
+    layers: int  #: rows of the table of mounted layers (a layer whose restore failed included)
+    served: int  #: layers whose tree is served
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 
@@ -166,6 +172,8 @@ class LayerServer:
         )
         #: The served layers by ChainID, their slots and table.json.
         self.layers = LayerTable(self.paths.table)
+        #: The local copies of the served layers' indexes (what a restart restores from).
+        self.indexes = IndexCopies(self.paths.indexes)
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
         # Cache I/O, decompression and hashing, for every store's fetcher together.
         self._block_threads = trio.CapacityLimiter(os.cpu_count() or 2)
@@ -232,9 +240,6 @@ class LayerServer:
 
     # -- loading a layer ------------------------------------------------------------------
 
-    def _index_path(self, record: ChainRecord) -> Path:
-        return self.paths.indexes / record.index
-
     def _check_trust(self, record: ChainRecord, deps_index: str | None) -> None:
         """LayerUntrusted unless a trusted converter signed ``record``, or it is the dependency layer
         whose index ``deps_index`` the caller took from a deps record a trusted writer signed."""
@@ -265,36 +270,6 @@ class LayerServer:
         except (FetchError, SourceError) as exc:
             raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
         return record, index, data
-
-    def _local_index(self, record: ChainRecord) -> LayerIndex | None:
-        """The saved copy of ``record``'s index, if there is a good one.
-
-        The copy is the store's object byte for byte, so it is verified as the store's
-        is: against the SHA-256 the chain record names it by.
-        """
-        try:
-            data = self._index_path(record).read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
-            return LayerIndex.decode(data, record=record)
-        except FormatError as exc:
-            log.warning("local index copy is damaged; fetching it again", index=record.index, error=str(exc))
-            return None
-
-    def _save_local_index(self, record: ChainRecord, data: bytes) -> None:
-        """Keep ``data`` (the index object as fetched and verified) as the local copy of ``record``'s index.
-
-        A copy already there with other bytes (damaged, or re-encoded by an older
-        server) is replaced.
-        """
-        path = self._index_path(record)
-        try:
-            if path.read_bytes() == data:
-                return
-        except FileNotFoundError:
-            pass
-        write_atomically(path, data)
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
         from bootseer.blockstore.node.layer_reader import LayerReader
@@ -335,11 +310,11 @@ class LayerServer:
                 RESTORED.labels("failed").inc()
                 log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=layer.error)
                 continue
-            index = await trio.to_thread.run_sync(self._local_index, layer.record, limiter=self.decode_threads)
+            index = await trio.to_thread.run_sync(self.indexes.load, layer.record, limiter=self.decode_threads)
             try:
                 if index is None:
                     _record, index, data = await self._fetch_layer(layer.chain_id, layer.store)
-                    await trio.to_thread.run_sync(self._save_local_index, layer.record, data)
+                    await trio.to_thread.run_sync(self.indexes.save, layer.record, data)
                 layer.tree = await self._tree(layer, index)
             except (LayerServerError, OSError, FormatError) as exc:
                 layer.error = str(exc)
@@ -452,7 +427,7 @@ class LayerServer:
                 layer.deps_index = "" if trusted_by_signature else deps_index
                 tree = await self._tree(layer, index)
                 # Disk first (the index copy, then the table), the served tree last.
-                await trio.to_thread.run_sync(self._save_local_index, record, data)
+                await trio.to_thread.run_sync(self.indexes.save, record, data)
                 added = await self.layers.add(layer)
                 layer.tree, layer.error = tree, ""
                 self.root.layers[layer.slot] = tree
@@ -503,7 +478,7 @@ class LayerServer:
                 await self.erofs.unmount(layer.slot)
             self._stop_serving(layer)
             if not any(other.record.index == layer.record.index for other in self.layers.values()):
-                self._index_path(layer.record).unlink(missing_ok=True)
+                self.indexes.remove(layer.record)
                 if self.erofs is not None:
                     self.erofs.remove_image(layer.record.index)
         LAYERS.set(len(self.root.layers))
@@ -525,8 +500,19 @@ class LayerServer:
         await trio.sleep(self.config.shutdown_grace)
         session.abort()
 
+    def statistics(self) -> LayerServerStatistics:
+        """The server's own figures now (what ``status`` shows of it)."""
+        rows = list(self.layers.values())
+        return LayerServerStatistics(
+            uptime_s=round(time.time() - self.started, 3),
+            serving=self.session is not None and not self.session.ended.is_set(),
+            open_files=self.ops.open_files,
+            layers=len(rows),
+            served=sum(1 for layer in rows if layer.tree is not None),
+        )
+
     async def status(self) -> dict[str, Any]:
-        serving = self.session is not None and not self.session.ended.is_set()
+        own = self.statistics()
         stores = {}
         for engine, fetcher in self.stores.opened():
             stats = engine.statistics()
@@ -544,13 +530,13 @@ class LayerServer:
             "pid": os.getpid(),
             "root": str(self.config.root),
             "mountpoint": str(self.paths.mountpoint),
-            "uptime_s": round(time.time() - self.started, 3),
+            "uptime_s": own.uptime_s,
             # Redacted: the whole URLs came on pipes, not argv (blockstore.server.client.ensure_server).
             "store": redact_url(self.config.store) if self.config.store else "",
             "settings": dict(self.config.started_with),
             "publish_store": "",
             **(self.extension.status_fields() if self.extension is not None else {}),
-            "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},
+            "health": {"fuse": "serving" if own.serving else "down", "open_files": own.open_files},
             "data_path": {"path": self.data_path.path, "reason": self.data_path.reason},
             "layers": [
                 {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,
@@ -576,67 +562,6 @@ def _checked_chain_id(request: dict[str, Any]) -> str:
         return check_digest(request.get("chain_id"), "chain_id")
     except FormatError as exc:
         raise InvalidRequest(str(exc)) from None
-
-
-async def _handle_connection(server: LayerServer, stream: trio.SocketStream) -> None:
-    async with stream:
-        buffer = b""
-        with trio.move_on_after(30):  # a peer that sends no whole line in time is dropped
-            while b"\n" not in buffer and len(buffer) <= MAX_MESSAGE:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    break
-                buffer += chunk
-        line = buffer.split(b"\n", 1)[0]
-        op = "?"
-        try:
-            if len(line) > MAX_MESSAGE:
-                raise InvalidRequest(f"request longer than {MAX_MESSAGE} bytes")
-            try:
-                request = json.loads(line)
-            except ValueError:
-                raise InvalidRequest("a request is one line of JSON") from None
-            op = str(request.get("op", "?")) if isinstance(request, dict) else "?"
-            answer = {"ok": True, **await server.control.dispatch(request)}
-            CONTROL.labels(op, "ok").inc()
-        except LayerServerError as exc:
-            CONTROL.labels(op, exc.kind).inc()
-            log.warning("control request failed", op=op, kind=exc.kind, error=str(exc))
-            answer = {"ok": False, "error": {"kind": exc.kind, "message": str(exc)}}
-        except Exception as exc:
-            CONTROL.labels(op, "internal").inc()
-            log.error("control request failed", op=op, exc_info=exc)
-            answer = {"ok": False, "error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
-        try:
-            await stream.send_all(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("control client went away before its answer", op=op)
-
-
-async def _serve_control(
-    server: LayerServer, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Listen on ``path`` (0600; bound under a temp name and renamed into place, so a
-    client never connects to a half-made socket) and answer requests until cancelled."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}")
-    temp.unlink(missing_ok=True)
-    sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
-    try:
-        await sock.bind(str(temp))
-        os.chmod(temp, 0o600)
-        sock.listen(64)
-        os.rename(temp, path)
-    except BaseException:
-        sock.close()
-        temp.unlink(missing_ok=True)
-        raise
-    listener = trio.SocketListener(sock)
-    try:
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            await trio.serve_listeners(functools.partial(_handle_connection, server), [listener], handler_nursery=nursery)
-    finally:
-        path.unlink(missing_ok=True)
 
 
 # -- the process -----------------------------------------------------------------------------
@@ -734,7 +659,7 @@ async def run_server(
                     peers = server.peers
                     nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.peer_bytes", lambda: peers.statistics().received_bytes, phase="image"))
                 try:
-                    await nursery.start(_serve_control, server, paths.socket)
+                    await nursery.start(serve_control, server.control, paths.socket)
                     log.info("layer server ready", root=str(config.root), mountpoint=str(paths.mountpoint),
                              layers=len(server.root.layers), socket=str(paths.socket))  # fmt: skip
                     if on_ready is not None:
@@ -754,6 +679,7 @@ __all__ = [
     "Layer",
     "LayerServer",
     "LayerServerConfig",
+    "LayerServerStatistics",
     "ServerAlreadyRunning",
     "load_table",
     "prepare_root",

@@ -25,20 +25,9 @@ main plugs it in; the server never imports this package) and sees the server onl
   summary line.
 
 And, as the layers' read observer (:class:`~bootseer.blockstore.datapath.tree.ReadObserver`),
-every FUSE open and read of a served layer's files (:meth:`opened`, :meth:`read`)
-and every read of its blob (:meth:`blob_read`).  A file read is attributed at its
-open, through the opener's pid and cgroup (:mod:`bootseer.hotlist.attribution`); a
-blob read, which has no open of its own, at the read, through the reader's pid and
-cgroup (0 when unknown: see :class:`~bootseer.blockstore.datapath.tree.LayerBlobOpenFile`).
-Both record first touches in the order reads arrive and classify them for prefetches
-alike.  A blob read of a block that a page-cache warmer is reading through the
-layer's EROFS mount at that moment (:class:`~bootseer.hotlist.warm.WarmReads`) is the
-warmer's, and left out of both.  A read of a recording image's
-layer whose opener is not any recording container (another container sharing the
-layer, a host process) is left out of the trace.  One whose opener cannot be
-identified (pid 0, process gone: rare, as the opener is blocked in ``open`` while
-we look) is recorded to the image's recording if exactly one recording covers that
-layer, and counted as unattributed otherwise (the count is in the hot list).
+every FUSE open and read of a served layer's files (:meth:`opened`, :meth:`read`) and every
+read of its blob (:meth:`blob_read`): attributed to a recording and classified for the
+prefetches as :mod:`bootseer.hotlist.accounting` says.
 
 The parts are modules of their own, which this one wires: the store lookup
 (:mod:`~bootseer.hotlist.lookup`), the prefetches' lifecycle (:mod:`~bootseer.hotlist.prefetching`),

@@ -8,8 +8,9 @@
 * one fetch :class:`~bootseer.fetch.engine.Engine` per store URL, opened when a layer
   of that store is first mounted, and one block fetcher per engine over the one
   node-local block cache that every layer shares;
-* the control API on ``ROOT/layers/control.sock`` (JSON lines, see
-  :mod:`blockstore.server.client`): ``mount``, ``check``, ``unmount``, ``status``;
+* the control API on ``ROOT/layers/control.sock`` (JSON lines, served by
+  :mod:`blockstore.server.control_socket`; the callers' end is :mod:`blockstore.server.client`):
+  ``mount``, ``check``, ``unmount``, ``status``;
 * on the ``erofs`` and ``loop`` data paths (:mod:`blockstore.datapath.choice`, chosen at
   start), one EROFS mount per layer at ``ROOT/layers/lower/<slot>`` over its FUSE blob
   ``ROOT/layers/mnt/blobs/<slot>``: that mount is the layer's lower dir, and FUSE
@@ -17,8 +18,8 @@
 
 The table of mounted layers (``ROOT/layers/table.json``, written to a temp name and
 renamed, so it is always a whole table) and a local copy of each mounted layer's
-index (``ROOT/layers/indexes/``) let a restarted server put every layer back in its
-slot, with the same inode numbers, before it answers anyone, and without the store.
+index (``ROOT/layers/indexes/``, :mod:`blockstore.server.index_copies`) let a
+restarted server put every layer back in its slot, with the same inode numbers, before it answers anyone, and without the store.
 A mount changes the disk first (index copy, then the table) and the served tree
 last, so a crash at any point leaves a table that names only layers that can be
 restored.
@@ -513,19 +514,6 @@ class LayerServer:
 
     async def status(self) -> dict[str, Any]:
         own = self.statistics()
-        stores = {}
-        for engine, fetcher in self.stores.opened():
-            stats = engine.statistics()
-            stores[engine.url] = {
-                "bytes_fetched": stats.bytes_fetched,
-                "stripes_fetched": stats.stripes_fetched,
-                "retries": stats.retries,
-                "failures": stats.failures,
-                "in_flight": stats.in_flight,
-            }
-            stores[engine.url]["blocks"] = dataclasses.asdict(fetcher.statistics())
-            if stats.proxy is not None:  # an http store's [store] proxy (fetch/sources/http_proxy.py)
-                stores[engine.url]["proxy"] = {"proxy": stats.proxy.url, "up": stats.proxy.up}
         return {
             "pid": os.getpid(),
             "root": str(self.config.root),
@@ -544,13 +532,13 @@ class LayerServer:
                  "served": layer.tree is not None, "error": layer.error, "data_path": layer.data_path}
                 for layer in self.layers.by_slot()
             ],  # fmt: skip
-            "stores": stores,
+            "stores": self.stores.status(),
             "cache": dataclasses.asdict(self.cache.stats()),
             "peers": await self.peers.status() if self.peers is not None else {"enabled": False},
         }
 
 
-# -- the control socket -------------------------------------------------------------------------
+# -- control requests ------------------------------------------------------------------------------
 
 
 async def _peers_off() -> dict[str, Any]:

@@ -25,77 +25,49 @@ main plugs it in; the server never imports this package) and sees the server onl
   summary line.
 
 And, as the layers' read observer (:class:`~bootseer.blockstore.datapath.tree.ReadObserver`),
-every FUSE open and read of a served layer's files (:meth:`opened`, :meth:`read`)
-and every read of its blob (:meth:`blob_read`).  A file read is attributed at its
-open, through the opener's pid and cgroup (:mod:`bootseer.hotlist.attribution`); a
-blob read, which has no open of its own, at the read, through the reader's pid and
-cgroup (0 when unknown: see :class:`~bootseer.blockstore.datapath.tree.LayerBlobOpenFile`).
-Both record first touches in the order reads arrive and classify them for prefetches
-alike.  A blob read of a block that a page-cache warmer is reading through the
-layer's EROFS mount at that moment (:class:`~bootseer.hotlist.warm.WarmReads`) is the
-warmer's, and left out of both.  A read of a recording image's
-layer whose opener is not any recording container (another container sharing the
-layer, a host process) is left out of the trace.  One whose opener cannot be
-identified (pid 0, process gone: rare, as the opener is blocked in ``open`` while
-we look) is recorded to the image's recording if exactly one recording covers that
-layer, and counted as unattributed otherwise (the count is in the hot list).
+every FUSE open and read of a served layer's files (:meth:`opened`, :meth:`read`) and every
+read of its blob (:meth:`blob_read`): attributed to a recording and classified for the
+prefetches as :mod:`bootseer.hotlist.accounting` says.
+
+The parts are modules of their own, which this one wires: the store lookup
+(:mod:`~bootseer.hotlist.lookup`), the prefetches' lifecycle (:mod:`~bootseer.hotlist.prefetching`),
+a recording's end (:mod:`~bootseer.hotlist.publishing`), the read accounting
+(:mod:`~bootseer.hotlist.accounting`) and the ``hotlist.*`` control operations
+(:mod:`~bootseer.hotlist.control`).  What it holds is read through :meth:`HotListService.statistics`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import prometheus_client
 import trio
 
-from bootseer.blockstore.objects.format import Entry, FormatError, LayerIndex
-from bootseer.blockstore.datapath.choice import EROFS_PATHS
 from bootseer.blockstore.datapath.tree import LayerTree
-from bootseer.blockstore.objects.signing import Untrusted
+from bootseer.blockstore.objects.format import Entry, LayerIndex
 from bootseer.blockstore.server.extension import LayerHost
 from bootseer.blockstore.server.ops import ControlOps
-from bootseer.fetch.stripes import FetchError
-from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
-from bootseer.fuse.operations import OPENER_PID
-from bootseer.hotlist.attribution import cgroup_paths, container_id, container_of
-from bootseer.hotlist.format import (
-    HotList,
-    HotListError,
-    HotListUntrusted,
-    hotlist_object,
-    read_hot_list_object,
-    profile_of_labels,
-    resolve,
-)
-from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker, sample_prefetch
+from bootseer.hotlist import control
+from bootseer.hotlist.accounting import OpenTag, ReadAccounting
+from bootseer.hotlist.attribution import container_id
+from bootseer.hotlist.format import HotListError, profile_of_labels
+from bootseer.hotlist.lookup import HotListLookup
+from bootseer.hotlist.prefetch import Prefetch, PrefetchLimits
+from bootseer.hotlist.prefetching import Prefetches, log_fields
+from bootseer.hotlist.publishing import discard, publish
 from bootseer.hotlist.recorder import Recording, RecordingLimits, run_recording
-from bootseer.hotlist.warm import ErofsTarget, PageCacheWarmer, TreeTarget, WarmReads, WarmTarget
+from bootseer.hotlist.tasks import spawn_guarded
+from bootseer.hotlist.warm import WarmReads, WarmTarget
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks
 
 log = get_logger(__name__)
 
-RECORDINGS = prometheus_client.Counter(
-    "bootseer_hotlist_recordings",
-    "Hot-list recordings ended, by outcome (published, lost_race: another node published first, empty, failed, discarded)",
-    ["outcome"],
-)
-RECORDED_BLOCKS = prometheus_client.Counter("bootseer_hotlist_recorded_blocks", "First touches recorded")
-UNATTRIBUTED = prometheus_client.Counter(
-    "bootseer_hotlist_unattributed_reads",
-    "Reads of a recorded layer whose opener could not be identified while several recordings cover it (left out)",
-)
-IGNORED = prometheus_client.Counter(
-    "bootseer_hotlist_ignored", "Hot lists found but not used, by reason (invalid, untrusted, mismatch, store_error)", ["reason"]
-)
-PREFETCHES = prometheus_client.Gauge("bootseer_hotlist_prefetches", "Hot-list prefetches running")
-
-#: Seconds a prefetch's end waits for the page-cache residency check (one mincore per warmed file).
-SETTLE_TIMEOUT = 30.0
+#: Summaries of ended recordings and prefetches a service keeps (the newest).
+FINISHED_KEPT = 32
 
 
 @dataclass(frozen=True)
@@ -109,12 +81,37 @@ class HotListConfig:
 
 
 @dataclass(frozen=True)
-class OpenTag:
-    """Who opened a file of a served layer (what :meth:`HotListService.opened` hands the open file)."""
+class RecordingStatistics:
+    """A running recording, as :meth:`HotListService.statistics` reports it."""
 
-    pid: int
-    container: str | None  #: a recording or prefetched container, by key
-    identified: bool  #: whether the caller's cgroup could be read at all
+    container: str  #: the container (or bare-metal prefix) recorded
+    readers: str  #: ``container`` (its reads only) or ``any`` (every reader's: a prefix)
+    image: str
+    profile: str
+    blocks: int  #: first touches so far
+    running_s: float
+    sealed_by: str  #: what sealed it ("" while it runs)
+
+
+@dataclass(frozen=True)
+class PrefetchStatistics:
+    """A running prefetch, as :meth:`HotListService.statistics` reports it."""
+
+    image: str
+    profile: str
+    containers: tuple[str, ...]  #: the containers it serves, sorted
+    counts: dict[str, Any]  #: its :class:`~bootseer.hotlist.prefetch.PrefetchStats`, as of the call
+
+
+@dataclass(frozen=True)
+class HotListStatistics:
+    """What :meth:`HotListService.statistics` returns."""
+
+    enabled: bool
+    publish_store: str  #: where hot lists are published, redacted ("": the layers' store)
+    recordings: tuple[RecordingStatistics, ...]
+    prefetches: tuple[PrefetchStatistics, ...]
+    finished: tuple[dict[str, Any], ...]  #: summaries of the last ended recordings and prefetches, oldest first
 
 
 @dataclass
@@ -133,64 +130,39 @@ class HotListService:
         self.server = server
         self.config = config or HotListConfig()
         self.recordings: dict[str, Recording] = {}  #: container ID -> its recording
-        self.prefetches: dict[tuple[str, str], Prefetch] = {}  #: (image, profile) -> running prefetch
         self.containers: dict[str, _Container] = {}  #: container ID -> what it was prepared on
-        self.finished: list[dict[str, Any]] = []  #: summaries of ended recordings and prefetches (last 32)
-        self.proc = "/proc"  #: where callers' cgroups are read (tests point it elsewhere)
+        #: summaries of ended recordings and prefetches (the last FINISHED_KEPT)
+        self.finished: collections.deque[dict[str, Any]] = collections.deque(maxlen=FINISHED_KEPT)
         self.warm_reads = WarmReads()  #: blocks page-cache warmers are reading through EROFS (not a job's reads)
+        self.lookup = HotListLookup(server)
+        self.prefetching = Prefetches(server, self.lookup, self.config.prefetch, self.config.recording.window,
+                                      self.warm_reads, self.finished)  # fmt: skip
+        self.reads = ReadAccounting(self.recordings, self.prefetching.running, self.warm_reads)
 
-    # -- the layers the server serves ------------------------------------------------------
+    @property
+    def prefetches(self) -> dict[tuple[str, str], Prefetch]:
+        """The running prefetches, by (image, profile)."""
+        return self.prefetching.running
+
+    @property
+    def proc(self) -> str:
+        """Where callers' cgroups are read (tests point it elsewhere)."""
+        return self.reads.proc
+
+    @proc.setter
+    def proc(self, value: str) -> None:
+        self.reads.proc = value
 
     def image_layers(self, top: str) -> list[str] | None:
         """The served chain ending in ``top``, bottom first; None if any of it is not served."""
-        chain: list[str] = []
-        current = top
-        while current:
-            layer = self.server.layers.get(current)
-            if layer is None or layer.tree is None or current in chain:
-                return None
-            chain.append(current)
-            current = layer.record.parent
-        return chain[::-1]
+        return self.lookup.image_layers(top)
 
-    async def _read_hot_list(self, image: str, profile: str) -> HotList | None:
-        """The store's hot list for (image, profile): None if there is none; HotListError if it is bad."""
-        from bootseer.blockstore.objects.store import StoreReader
-
-        store = self.server.layers[image].store
-        engine, _fetcher = await self.server.fetcher(store)
-        # A first boot touches each block at most once: no more rows than the image's layers
-        # hold blocks (all served, so their indexes are here; else the format's own bound).
-        # A larger object than those rows can take is refused from its size, unread.
-        layers = self.image_layers(image)
-        max_blocks = None if layers is None else sum(len(self.server.layers[layer].tree.index.blocks) for layer in layers)
-        data = await read_hot_list_object(StoreReader(engine), image, profile, max_blocks)
-        if data is None:
-            return None
-        trust = self.server.trust
-
-        def decode_and_check() -> HotList:
-            hot = HotList.decode(data, expected_image=image, expected_profile=profile, max_blocks=max_blocks)
-            try:
-                trust.check("hotlist", hot.signed, f"the hot list of {image} (profile {profile!r})")
-            except Untrusted as exc:
-                raise HotListUntrusted(str(exc)) from None
-            return hot
-
-        # Decompressing, parsing and checking a signature is CPU work proportional to the list:
-        # never on the FUSE loop.
-        return await trio.to_thread.run_sync(decode_and_check, limiter=self.server.decode_threads)
+    def warm_target(self, chain_id: str) -> WarmTarget:
+        """Where the kernel caches ``chain_id``'s blocks (:meth:`Prefetches.warm_target`)."""
+        return self.prefetching.warm_target(chain_id)
 
     def _spawn(self, function: Any, *args: Any) -> None:
-        """Run ``function(*args)`` in the server's nursery; an error is logged, never the server's end."""
-
-        async def guarded() -> None:
-            try:
-                await function(*args)
-            except Exception:
-                log.error("hot-list task failed", task=function.__name__, exc_info=True)
-
-        self.server.nursery.start_soon(guarded)
+        spawn_guarded(self.server.nursery, function, *args)
 
     # -- triggers --------------------------------------------------------------------------
 
@@ -203,119 +175,11 @@ class HotListService:
         if (image, "") in self.prefetches or self.image_layers(image) is None:
             return
         try:
-            hot = await self._lookup(image, "")
+            hot = await self.lookup.find(image, "")
         except HotListError:
             return  # logged
         if hot is not None and (image, "") not in self.prefetches:
-            await self._start_prefetch(hot)
-
-    async def _lookup(self, image: str, profile: str) -> HotList | None:
-        """The hot list; None if absent or the store fails (logged); HotListError (logged) if it is invalid."""
-        try:
-            return await self._read_hot_list(image, profile)
-        except HotListUntrusted as exc:
-            IGNORED.labels("untrusted").inc()
-            log.warning("hot list ignored: not signed by a trusted writer key; no prefetch", image=image,
-                        profile=profile, error=str(exc))  # fmt: skip
-            raise
-        except HotListError as exc:
-            IGNORED.labels("invalid").inc()
-            log.warning("hot list ignored: invalid (bootseer hotlist clear removes it)", image=image, profile=profile, error=str(exc))
-            raise
-        except (FetchError, SourceError, FormatError, OSError) as exc:
-            IGNORED.labels("store_error").inc()
-            log.warning("cannot read the hot list; no prefetch", image=image, profile=profile, error=str(exc))
-            return None
-
-    async def _start_prefetch(self, hot: HotList) -> Prefetch | None:
-        """Start prefetching ``hot`` (or return the prefetch of its image and profile already running)."""
-        running = self.prefetches.get((hot.image, hot.profile))
-        if running is not None:
-            return running
-        layers = self.image_layers(hot.image)
-        if layers is None:
-            return None
-        indexes = {layer: self.server.layers[layer].tree.index for layer in layers}
-        try:
-            plan = resolve(hot, layers, indexes)
-        except HotListError as exc:
-            IGNORED.labels("mismatch").inc()
-            log.warning("hot list ignored: it does not match the image's layers", image=hot.image, profile=hot.profile, error=str(exc))
-            return None
-        engines, fetchers = {}, {}
-        for layer in layers:
-            engines[layer], fetchers[layer] = await self.server.fetcher(self.server.layers[layer].store)
-        running = self.prefetches.get((hot.image, hot.profile))
-        if running is not None:  # started by another trigger while we waited for a fetcher
-            return running
-        # Never more batches in flight than half an engine's streams: a read always finds a free one.
-        streams = min(engine.streams for engine in engines.values())
-        limits = self.config.prefetch
-        limits = dataclasses.replace(limits, concurrency=max(1, min(limits.concurrency, streams // 2)))
-        warmer = None
-        if limits.page_cache and self.server.session is not None:  # no FUSE session (tests): no page cache to fill
-            targets = {layer: self.warm_target(layer) for layer in layers}
-            digests = {block.hot.digest for block in plan}
-            # One pass over every entry of the image's tree-served layers: not in the FUSE session's thread.
-            warmer = await trio.to_thread.run_sync(functools.partial(PageCacheWarmer, indexes, targets, digests,
-                                                                     reads=self.warm_reads))  # fmt: skip
-        prefetch = Prefetch(
-            image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
-            cached=cache_checker(self.server.cache), limits=limits, warmer=warmer,
-        )  # fmt: skip
-        self.prefetches[(hot.image, hot.profile)] = prefetch
-        PREFETCHES.set(len(self.prefetches))
-        log.info("hot-list prefetch started", image=hot.image, profile=hot.profile, blocks=len(plan),
-                 bytes=prefetch.stats.planned_bytes, recorded_on=hot.node, recorded_at=hot.recorded_at)  # fmt: skip
-        self._spawn(self._run_prefetch, prefetch)
-        self._spawn(sample_prefetch, prefetch)  # start-up profiler: start, progress, end
-        return prefetch
-
-    def warm_target(self, chain_id: str) -> WarmTarget:
-        """Where the kernel caches ``chain_id``'s blocks: the files of its EROFS mount or of its FUSE tree.
-
-        The layer's row in the server's table says how it is served (``Layer.data_path``).
-        """
-        layer = self.server.layers[chain_id]
-        if layer.data_path in EROFS_PATHS:
-            return ErofsTarget(self.server.paths.lower_dir(layer.slot, layer.data_path))
-        return TreeTarget(layer.slot, self.server.paths.lower_dir(layer.slot, "tree"))
-
-    async def _run_prefetch(self, prefetch: Prefetch) -> None:
-        try:
-            await prefetch.run()
-            # What the fetch did only: its reads are counted when its last container goes (_end_prefetch, the
-            # page cache's share included); here they would say 0 hits and every byte unread.
-            log.info("hot-list prefetch done", image=prefetch.image, profile=prefetch.profile,
-                     cancelled=prefetch.cancel_scope.cancelled_caught, **_log_stats(prefetch, reads=False))  # fmt: skip
-        finally:
-            # It stays in ``prefetches`` (for read accounting) until its containers are gone;
-            # one started at pull that no container joins within the recording window ends then.
-            if not prefetch.had_container:
-                with trio.move_on_after(self.config.recording.window):
-                    await prefetch.attached.wait()
-            if not prefetch.containers:
-                await self._end_prefetch(prefetch)
-
-    async def _end_prefetch(self, prefetch: Prefetch) -> None:
-        """Stop ``prefetch``, count what its warmed page cache served, and keep its summary."""
-        prefetch.stop()
-        if self.prefetches.get((prefetch.image, prefetch.profile)) is prefetch:
-            del self.prefetches[(prefetch.image, prefetch.profile)]
-            PREFETCHES.set(len(self.prefetches))
-            # Asking the kernel is quick (mincore, nothing read); a shutdown does not lose the summary.
-            with trio.CancelScope(shield=True), trio.move_on_after(SETTLE_TIMEOUT):
-                try:
-                    await prefetch.settle_page_cache()
-                except OSError as exc:
-                    log.warning("cannot tell what the page cache served", image=prefetch.image, error=str(exc))
-            UNREAD_BYTES.inc(prefetch.unread_bytes())
-            self._remember({"kind": "prefetch", "image": prefetch.image, "profile": prefetch.profile, **prefetch.stats.as_dict(),
-                            "unread_bytes": prefetch.unread_bytes()})  # fmt: skip
-        PREFETCHES.set(len(self.prefetches))
-
-    def _remember(self, summary: dict[str, Any]) -> None:
-        self.finished = (self.finished + [summary])[-32:]
+            await self.prefetching.start(hot)
 
     # -- containers ---------------------------------------------------------------------------
 
@@ -342,13 +206,13 @@ class HotListService:
         self.containers[key] = container
         prefetch = self.prefetches.get((parent, profile))
         if prefetch is not None:
-            self._attach(prefetch, key)
+            self.prefetching.attach(prefetch, key)
             return {"action": "prefetch"}
         for (image, other), running in list(self.prefetches.items()):
             if image == parent and other != profile and not running.containers:
                 # The early default-profile guess is not this workload: it would only compete with its reads.
                 log.info("stopping the default hot-list prefetch: the container runs another profile", image=image, profile=profile)
-                await self._end_prefetch(running)
+                await self.prefetching.end(running)
         if any(r.image == parent and r.profile == profile for r in self.recordings.values()):
             return {"action": "none", "reason": "another container of this image is being recorded"}
         recording = Recording(container=key, image=parent, profile=profile, layers=layers, started=now, upper=upper,
@@ -358,70 +222,23 @@ class HotListService:
         self._spawn(self._decide, recording)
         return {"action": "record"}
 
-    def _attach(self, prefetch: Prefetch, key: str) -> None:
-        prefetch.containers.add(key)
-        prefetch.had_container = True
-        prefetch.attached.set()
-
     async def _decide(self, recording: Recording) -> None:
         """Look the hot list up while recording runs: a list means prefetch, none means record to the end."""
         try:
-            hot = await self._lookup(recording.image, recording.profile)
+            hot = await self.lookup.find(recording.image, recording.profile)
         except HotListError:
-            self._discard(recording, "the stored hot list is invalid")
+            discard(self.recordings, recording, "the stored hot list is invalid")
             return
         if hot is not None:
-            self._discard(recording, "a hot list exists")
-            prefetch = self.prefetches.get((hot.image, hot.profile)) or await self._start_prefetch(hot)
+            discard(self.recordings, recording, "a hot list exists")
+            prefetch = self.prefetches.get((hot.image, hot.profile)) or await self.prefetching.start(hot)
             if prefetch is not None and recording.container in self.containers:
-                self._attach(prefetch, recording.container)
+                self.prefetching.attach(prefetch, recording.container)
             return
         log.info("recording the image's first boot", container=recording.container, image=recording.image,
                  profile=recording.profile, layers=len(recording.layers))  # fmt: skip
         await run_recording(recording, self.config.recording)
-        await self._publish(recording)
-
-    def _discard(self, recording: Recording, why: str) -> None:
-        if self.recordings.get(recording.container) is recording:
-            del self.recordings[recording.container]
-        recording.outcome = "discarded"
-        recording.seal("seal")
-        recording.done.set()
-        log.debug("recording discarded", container=recording.container, why=why)
-
-    async def _publish(self, recording: Recording) -> None:
-        from bootseer.blockstore.objects.store import StoreError
-
-        if self.recordings.get(recording.container) is recording:
-            del self.recordings[recording.container]
-        hot = recording.hot_list()
-        outcome = "empty"
-        error = ""
-        if hot.blocks:
-            url = recording.publish_to
-            name = hotlist_object(hot.image, hot.profile)
-            try:
-                if not url:
-                    raise StoreError("the image's layers have no store and no --publish-store is set")
-                published = await trio.to_thread.run_sync(functools.partial(_publish_blocking, url, name, hot.encode(self.server.sign_key)))
-                outcome = "published" if published else "lost_race"
-            except (StoreError, ValueError, OSError) as exc:
-                outcome, error = "failed", str(exc)
-        recording.outcome = outcome
-        RECORDINGS.labels(outcome).inc()
-        RECORDED_BLOCKS.inc(len(hot.blocks))
-        summary = {
-            "kind": "recording", "container": recording.container, "image": hot.image, "profile": hot.profile,
-            "sealed_by": hot.sealed_by, "blocks": len(hot.blocks), "bytes": hot.total_bytes, "span_s": round(hot.span, 3),
-            "duration_s": round(hot.duration, 3), "unattributed": hot.unattributed, "outcome": outcome,
-        }  # fmt: skip
-        if error:
-            summary["error"] = error
-        self._remember(summary)
-        level = log.error if outcome == "failed" else log.info
-        level("hot-list recording sealed", **summary)
-        profile_hooks.hotlist_sealed(summary)  # start-up profiler
-        recording.done.set()
+        await publish(self.recordings, recording, self.server.sign_key, self.finished)
 
     async def container_removed(self, key: str) -> dict[str, Any]:
         key = container_id(key)
@@ -433,9 +250,9 @@ class HotListService:
             if key in prefetch.containers:
                 prefetch.containers.discard(key)
                 if not prefetch.containers:
-                    await self._end_prefetch(prefetch)  # first: the line then says what the page cache served
+                    await self.prefetching.end(prefetch)  # first: the line then says what the page cache served
                 log.info("prefetched container gone", container=key, image=prefetch.image, profile=prefetch.profile,
-                         **_log_stats(prefetch))  # fmt: skip
+                         **log_fields(prefetch))  # fmt: skip
         return {"known": container is not None}
 
     async def seal(self, key: str, wait: float = 8.0) -> dict[str, Any]:
@@ -447,168 +264,62 @@ class HotListService:
             await recording.done.wait()
         return {"sealed": True, "outcome": recording.outcome or "publishing", "blocks": len(recording.blocks)}
 
-    def status(self) -> dict[str, Any]:
+    def statistics(self) -> HotListStatistics:
+        """The service's recordings, prefetches and last summaries, as of now."""
         now = trio.current_time()
-        return {
-            "enabled": self.config.enabled,
-            "recordings": [
-                {"container": r.container, "readers": "any" if r.any_reader else "container", "image": r.image,
-                 "profile": r.profile, "blocks": len(r.blocks),
-                 "running_s": round(now - r.started, 3), "sealed_by": r.sealed_by}
+        return HotListStatistics(
+            enabled=self.config.enabled,
+            publish_store=redact_url(self.config.publish_store or ""),
+            recordings=tuple(
+                RecordingStatistics(container=r.container, readers="any" if r.any_reader else "container", image=r.image,
+                                    profile=r.profile, blocks=len(r.blocks), running_s=round(now - r.started, 3),
+                                    sealed_by=r.sealed_by)
                 for r in self.recordings.values()
-            ],
-            "prefetches": [
-                {"image": p.image, "profile": p.profile, "containers": sorted(p.containers), **p.stats.as_dict()}
+            ),
+            prefetches=tuple(
+                PrefetchStatistics(image=p.image, profile=p.profile, containers=tuple(sorted(p.containers)),
+                                   counts=p.stats.as_dict())
                 for p in self.prefetches.values()
-            ],
-            "finished": self.finished,
+            ),
+            finished=tuple(self.finished),
+        )  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        """The ``hotlist.status`` answer: :meth:`statistics` as JSON."""
+        stats = self.statistics()
+        return {
+            "enabled": stats.enabled,
+            "recordings": [dataclasses.asdict(recording) for recording in stats.recordings],
+            "prefetches": [{"image": p.image, "profile": p.profile, "containers": list(p.containers), **p.counts}
+                           for p in stats.prefetches],
+            "finished": list(stats.finished),
         }  # fmt: skip
 
     def status_fields(self) -> dict[str, Any]:
         """The server's status answer names where hot lists are published (redacted)."""
-        return {"publish_store": redact_url(self.config.publish_store or "")}
+        return {"publish_store": self.statistics().publish_store}
 
-    def register_ops(self, control: ControlOps) -> None:
+    def register_ops(self, control_ops: ControlOps) -> None:
         """Answer the layer server's ``hotlist.*`` control operations (:meth:`dispatch`)."""
-        control.register_family("hotlist.", self.dispatch)
+        control_ops.register_family("hotlist.", self.dispatch)
 
     async def dispatch(self, op: str, request: dict[str, Any]) -> dict[str, Any]:
-        """Answer a ``hotlist.*`` control request."""
-        from bootseer.blockstore.server.client import InvalidRequest
-
-        def text(name: str, required: bool = True) -> str:
-            value = request.get(name, "")
-            if not isinstance(value, str) or (required and not value):
-                raise InvalidRequest(f"{op}: {name} must be a non-empty string")
-            return value
-
-        try:
-            if op == "hotlist.prepared":
-                labels = request.get("labels") or {}
-                if not isinstance(labels, dict):
-                    raise InvalidRequest(f"{op}: labels must be an object")
-                upper = request.get("upper")
-                readers = request.get("readers", "container")
-                if readers not in ("container", "any"):
-                    raise InvalidRequest(f"{op}: readers must be \"container\" or \"any\"")
-                return await self.container_prepared(text("key"), text("parent", False), labels,
-                                                      upper if isinstance(upper, str) else None,
-                                                      any_reader=readers == "any")  # fmt: skip
-            if op == "hotlist.removed":
-                return await self.container_removed(text("key"))
-            if op == "hotlist.seal":
-                return await self.seal(text("container"))
-            if op == "hotlist.status":
-                return self.status()
-        except HotListError as exc:
-            raise InvalidRequest(str(exc)) from None
-        raise InvalidRequest(f"unknown operation {op!r} (hotlist.prepared, hotlist.removed, hotlist.seal, hotlist.status)")
+        """Answer a ``hotlist.*`` control request (:func:`bootseer.hotlist.control.dispatch`)."""
+        return await control.dispatch(self, op, request)
 
     # -- the read observer (blockstore.datapath.tree.ReadObserver: every open and read of a served layer) --
 
     def opened(self, tree: LayerTree) -> OpenTag | None:
-        """Who opened a file of ``tree``'s layer; None when nothing records or prefetches that layer."""
-        try:
-            return self._reader(tree.name, OPENER_PID.get())
-        except Exception:  # accounting must never fail an open
-            log.error("hot-list open hook failed", layer=tree.name, exc_info=True)
-            return None
+        """Who opened a file of ``tree``'s layer (:meth:`ReadAccounting.opened`)."""
+        return self.reads.opened(tree)
 
     def read(self, tree: LayerTree, entry: Entry, offset: int, size: int, tag: OpenTag | None) -> None:
-        """Account for a read of ``size`` bytes at ``offset`` of ``entry`` in ``tree``'s layer."""
-        profile_hooks.layer_read(tag.container if tag is not None else None, tree.name)  # profiler: first read
-        if tag is None:
-            return
-        try:
-            index = tree.index
-            target = index.entries[entry.link] if entry.link is not None else entry
-            end = min(offset + size, target.size)
-            if end <= offset:
-                return
-            first, last = offset // index.block_size, (end - 1) // index.block_size
-            self._account(tree.name, index, target.blocks[first : last + 1], tag)
-        except Exception:  # accounting must never fail a read
-            log.error("hot-list read hook failed", layer=tree.name, exc_info=True)
+        """Account for a read of ``entry`` in ``tree``'s layer (:meth:`ReadAccounting.read`)."""
+        self.reads.read(tree, entry, offset, size, tag)
 
     def blob_read(self, layer: str, index: LayerIndex, refs: Sequence[int], pid: int) -> None:
-        """Account for a read of blocks ``refs`` of ``layer``'s blob by process ``pid`` (0: unknown).
-
-        A blob has no open per reader, so the reader is looked up now, as
-        :meth:`opened` does for a file: its cgroup names the recording it belongs to.
-        """
-        try:
-            if not pid:  # the server's own open (EROFS's): maybe a page-cache warmer's read, not a job's
-                refs = self.warm_reads.others(layer, refs)
-                if not refs:
-                    return
-            tag = self._reader(layer, pid)
-            profile_hooks.layer_read(tag.container if tag is not None else None, layer)  # profiler: first read
-            if tag is not None:
-                self._account(layer, index, refs, tag)
-        except Exception:  # accounting must never fail a read
-            log.error("hot-list blob read hook failed", layer=layer, exc_info=True)
-
-    def _reader(self, layer: str, pid: int) -> OpenTag | None:
-        """Who process ``pid`` reads ``layer`` for; None when nothing records or prefetches that layer."""
-        recording = [r for r in self.recordings.values() if r.covers(layer) and not r.sealed.is_set()]
-        if not recording and not any(layer in p.layers for p in self.prefetches.values()):
-            return None
-        if not recording:
-            return OpenTag(pid, None, True)  # prefetch accounting only: who reads does not matter
-        # A bare-metal prefix's recording takes what no container's recording claims.
-        any_reader = next((r.container for r in recording if r.any_reader), None)
-        paths = cgroup_paths(pid, self.proc)
-        if paths is None:
-            return OpenTag(pid, any_reader, any_reader is not None)
-        claimed = container_of(paths, [r.container for r in recording if not r.any_reader])
-        return OpenTag(pid, claimed or any_reader, True)
-
-    def _account(self, layer: str, index: LayerIndex, refs: Sequence[int], tag: OpenTag) -> None:
-        """Record blocks ``refs`` of ``layer`` to the reader's recording (first touches, in order), classify them
-        for the prefetches of the layer."""
-        now = trio.current_time()
-        if self.recordings:
-            recording = self.recordings.get(tag.container) if tag.container else None
-            if recording is None and not tag.identified:
-                covering = [r for r in self.recordings.values() if r.covers(layer) and not r.sealed.is_set()]
-                if len(covering) == 1:
-                    recording = covering[0]
-                else:
-                    for other in covering:
-                        other.unattributed += 1
-                    UNATTRIBUTED.inc()
-            if recording is not None:
-                recording.touch(layer, index, refs, now)
-        for prefetch in self.prefetches.values():
-            if layer in prefetch.indexes:
-                for ref in refs:
-                    block = index.blocks[ref]
-                    if not block.is_zero:
-                        prefetch.classify(block.digest, now)
+        """Account for a read of blocks of ``layer``'s blob (:meth:`ReadAccounting.blob_read`)."""
+        self.reads.blob_read(layer, index, refs, pid)
 
 
-def _publish_blocking(url: str, name: str, data: bytes) -> bool:
-    from bootseer.blockstore.objects.store import open_store_writer
-
-    with open_store_writer(url) as writer:
-        return writer.put_if_absent(name, data)  # first writer wins
-
-
-def _log_stats(prefetch: Prefetch, *, reads: bool = True) -> dict[str, Any]:
-    """A prefetch's log fields: what it fetched and warmed, and with ``reads`` how the job's reads went."""
-    stats = prefetch.stats.as_dict()
-    fields = {
-        "prefetched_blocks": stats["fetched_blocks"], "prefetched_bytes": stats["fetched_bytes"],
-        "cached_blocks": stats["cached_blocks"], "failed_blocks": stats["failed_blocks"],
-        "warmed_bytes": stats["warmed_bytes"],
-    }  # fmt: skip
-    if reads:
-        fields.update({
-            "hits": stats["hits"], "waited": stats["waited"], "misses": stats["misses"], "hit_rate": stats["hit_rate"],
-            "lead_median_s": stats["lead_median_s"], "served_from_page_cache_blocks": stats["served_from_page_cache_blocks"],
-            "unread_bytes": prefetch.unread_bytes(),
-        })  # fmt: skip
-    return fields
-
-
-__all__ = ["HotListConfig", "HotListService", "OpenTag"]
+__all__ = ["HotListConfig", "HotListService", "HotListStatistics", "OpenTag", "PrefetchStatistics", "RecordingStatistics"]

@@ -8,8 +8,9 @@
 * one fetch :class:`~bootseer.fetch.engine.Engine` per store URL, opened when a layer
   of that store is first mounted, and one block fetcher per engine over the one
   node-local block cache that every layer shares;
-* the control API on ``ROOT/layers/control.sock`` (JSON lines, see
-  :mod:`blockstore.server.client`): ``mount``, ``check``, ``unmount``, ``status``;
+* the control API on ``ROOT/layers/control.sock`` (JSON lines, served by
+  :mod:`blockstore.server.control_socket`; the callers' end is :mod:`blockstore.server.client`):
+  ``mount``, ``check``, ``unmount``, ``status``;
 * on the ``erofs`` and ``loop`` data paths (:mod:`blockstore.datapath.choice`, chosen at
   start), one EROFS mount per layer at ``ROOT/layers/lower/<slot>`` over its FUSE blob
   ``ROOT/layers/mnt/blobs/<slot>``: that mount is the layer's lower dir, and FUSE
@@ -17,8 +18,8 @@
 
 The table of mounted layers (``ROOT/layers/table.json``, written to a temp name and
 renamed, so it is always a whole table) and a local copy of each mounted layer's
-index (``ROOT/layers/indexes/``) let a restarted server put every layer back in its
-slot, with the same inode numbers, before it answers anyone, and without the store.
+index (``ROOT/layers/indexes/``, :mod:`blockstore.server.index_copies`) let a
+restarted server put every layer back in its slot, with the same inode numbers, before it answers anyone, and without the store.
 A mount changes the disk first (index copy, then the table) and the served tree
 last, so a crash at any point leaves a table that names only layers that can be
 restored.
@@ -37,12 +38,10 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import functools
-import json
 import os
 import re
 import resource
 import signal
-import socket as stdlib_socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +53,6 @@ import trio
 
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.server.client import (
-    MAX_MESSAGE,
     MOUNT_TIMEOUT,
     InvalidRequest,
     LayerCorrupt,
@@ -65,12 +63,13 @@ from bootseer.blockstore.server.client import (
     ServerPaths,
     StoreUnavailable,
 )
+from bootseer.blockstore.server.control_socket import serve_control
+from bootseer.blockstore.server.index_copies import IndexCopies
 from bootseer.blockstore.server.extension import ExtensionFactory, ServerExtension
 from bootseer.blockstore.server.ops import ControlOps
 from bootseer.blockstore.datapath.choice import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
 from bootseer.blockstore.datapath.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
-from bootseer.atomic import write_atomically
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
 from bootseer.blockstore.objects.format import BlockPlace
@@ -99,9 +98,6 @@ CACHE_TIMEOUT = 3600.0
 
 UP = prometheus_client.Gauge("bootseer_layer_server_up", "1 while the layer server's FUSE mount is served")
 LAYERS = prometheus_client.Gauge("bootseer_layer_server_layers", "Layers the layer server serves")
-CONTROL = prometheus_client.Counter(
-    "bootseer_layer_server_requests_total", "Control requests answered, by operation and outcome", ["op", "outcome"]
-)
 RESTORED = prometheus_client.Counter(
     "bootseer_layer_server_restored_total", "Layers put back at start-up, by outcome", ["outcome"]
 )
@@ -139,6 +135,17 @@ class LayerServerConfig:
         return ServerPaths(self.root)
 
 
+@dataclass(frozen=True)
+class LayerServerStatistics:
+    """What :meth:`LayerServer.statistics` reports: the server's own state (its stores' and peers' are theirs)."""
+
+    uptime_s: float  #: seconds since the server was built
+    serving: bool  #: whether its FUSE mount is being served
+    open_files: int  #: files of served layers open through FUSE now
+    layers: int  #: rows of the table of mounted layers (a layer whose restore failed included)
+    served: int  #: layers whose tree is served
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 
@@ -167,6 +174,8 @@ class LayerServer:
         )
         #: The served layers by ChainID, their slots and table.json.
         self.layers = LayerTable(self.paths.table)
+        #: The local copies of the served layers' indexes (what a restart restores from).
+        self.indexes = IndexCopies(self.paths.indexes)
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
         # Cache I/O, decompression and hashing, for every store's fetcher together.
         self._block_threads = trio.CapacityLimiter(os.cpu_count() or 2)
@@ -233,9 +242,6 @@ class LayerServer:
 
     # -- loading a layer ------------------------------------------------------------------
 
-    def _index_path(self, record: ChainRecord) -> Path:
-        return self.paths.indexes / record.index
-
     def _check_trust(self, record: ChainRecord, deps_index: str | None) -> None:
         """LayerUntrusted unless a trusted converter signed ``record``, or it is the dependency layer
         whose index ``deps_index`` the caller took from a deps record a trusted writer signed."""
@@ -266,36 +272,6 @@ class LayerServer:
         except (FetchError, SourceError) as exc:
             raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
         return record, index, data
-
-    def _local_index(self, record: ChainRecord) -> LayerIndex | None:
-        """The saved copy of ``record``'s index, if there is a good one.
-
-        The copy is the store's object byte for byte, so it is verified as the store's
-        is: against the SHA-256 the chain record names it by.
-        """
-        try:
-            data = self._index_path(record).read_bytes()
-        except FileNotFoundError:
-            return None
-        try:
-            return LayerIndex.decode(data, record=record)
-        except FormatError as exc:
-            log.warning("local index copy is damaged; fetching it again", index=record.index, error=str(exc))
-            return None
-
-    def _save_local_index(self, record: ChainRecord, data: bytes) -> None:
-        """Keep ``data`` (the index object as fetched and verified) as the local copy of ``record``'s index.
-
-        A copy already there with other bytes (damaged, or re-encoded by an older
-        server) is replaced.
-        """
-        path = self._index_path(record)
-        try:
-            if path.read_bytes() == data:
-                return
-        except FileNotFoundError:
-            pass
-        write_atomically(path, data)
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
         from bootseer.blockstore.node.layer_reader import LayerReader
@@ -336,11 +312,11 @@ class LayerServer:
                 RESTORED.labels("failed").inc()
                 log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=layer.error)
                 continue
-            index = await trio.to_thread.run_sync(self._local_index, layer.record, limiter=self.decode_threads)
+            index = await trio.to_thread.run_sync(self.indexes.load, layer.record, limiter=self.decode_threads)
             try:
                 if index is None:
                     _record, index, data = await self._fetch_layer(layer.chain_id, layer.store)
-                    await trio.to_thread.run_sync(self._save_local_index, layer.record, data)
+                    await trio.to_thread.run_sync(self.indexes.save, layer.record, data)
                 layer.tree = await self._tree(layer, index)
             except (LayerServerError, OSError, FormatError) as exc:
                 layer.error = str(exc)
@@ -453,7 +429,7 @@ class LayerServer:
                 layer.deps_index = "" if trusted_by_signature else deps_index
                 tree = await self._tree(layer, index)
                 # Disk first (the index copy, then the table), the served tree last.
-                await trio.to_thread.run_sync(self._save_local_index, record, data)
+                await trio.to_thread.run_sync(self.indexes.save, record, data)
                 added = await self.layers.add(layer)
                 layer.tree, layer.error = tree, ""
                 self.root.layers[layer.slot] = tree
@@ -504,7 +480,7 @@ class LayerServer:
                 await self.erofs.unmount(layer.slot)
             self._stop_serving(layer)
             if not any(other.record.index == layer.record.index for other in self.layers.values()):
-                self._index_path(layer.record).unlink(missing_ok=True)
+                self.indexes.remove(layer.record)
                 if self.erofs is not None:
                     self.erofs.remove_image(layer.record.index)
         LAYERS.set(len(self.root.layers))
@@ -526,32 +502,30 @@ class LayerServer:
         await trio.sleep(self.config.shutdown_grace)
         session.abort()
 
+    def statistics(self) -> LayerServerStatistics:
+        """The server's own figures now (what ``status`` shows of it)."""
+        rows = list(self.layers.values())
+        return LayerServerStatistics(
+            uptime_s=round(time.time() - self.started, 3),
+            serving=self.session is not None and not self.session.ended.is_set(),
+            open_files=self.ops.open_files,
+            layers=len(rows),
+            served=sum(1 for layer in rows if layer.tree is not None),
+        )
+
     async def status(self) -> dict[str, Any]:
-        serving = self.session is not None and not self.session.ended.is_set()
-        stores = {}
-        for engine, fetcher in self.stores.opened():
-            stats = engine.statistics()
-            stores[engine.url] = {
-                "bytes_fetched": stats.bytes_fetched,
-                "stripes_fetched": stats.stripes_fetched,
-                "retries": stats.retries,
-                "failures": stats.failures,
-                "in_flight": stats.in_flight,
-            }
-            stores[engine.url]["blocks"] = dataclasses.asdict(fetcher.statistics())
-            if stats.proxy is not None:  # an http store's [store] proxy (fetch/sources/http_proxy.py)
-                stores[engine.url]["proxy"] = {"proxy": stats.proxy.url, "up": stats.proxy.up}
+        own = self.statistics()
         return {
             "pid": os.getpid(),
             "root": str(self.config.root),
             "mountpoint": str(self.paths.mountpoint),
-            "uptime_s": round(time.time() - self.started, 3),
+            "uptime_s": own.uptime_s,
             # Redacted: the whole URLs came on pipes, not argv (blockstore.server.client.ensure_server).
             "store": redact_url(self.config.store) if self.config.store else "",
             "settings": dict(self.config.started_with),
             "publish_store": "",
             **(self.extension.status_fields() if self.extension is not None else {}),
-            "health": {"fuse": "serving" if serving else "down", "open_files": self.ops.open_files},
+            "health": {"fuse": "serving" if own.serving else "down", "open_files": own.open_files},
             "data_path": {"path": self.data_path.path, "reason": self.data_path.reason},
             "layers": [
                 {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,
@@ -559,13 +533,13 @@ class LayerServer:
                  "served": layer.tree is not None, "error": layer.error, "data_path": layer.data_path}
                 for layer in self.layers.by_slot()
             ],  # fmt: skip
-            "stores": stores,
+            "stores": self.stores.status(),
             "cache": dataclasses.asdict(self.cache.stats()),
             "peers": await self.peers.status() if self.peers is not None else {"enabled": False},
         }
 
 
-# -- the control socket -------------------------------------------------------------------------
+# -- control requests ------------------------------------------------------------------------------
 
 
 async def _peers_off() -> dict[str, Any]:
@@ -577,67 +551,6 @@ def _checked_chain_id(request: dict[str, Any]) -> str:
         return check_digest(request.get("chain_id"), "chain_id")
     except FormatError as exc:
         raise InvalidRequest(str(exc)) from None
-
-
-async def _handle_connection(server: LayerServer, stream: trio.SocketStream) -> None:
-    async with stream:
-        buffer = b""
-        with trio.move_on_after(30):  # a peer that sends no whole line in time is dropped
-            while b"\n" not in buffer and len(buffer) <= MAX_MESSAGE:
-                chunk = await stream.receive_some(65536)
-                if not chunk:
-                    break
-                buffer += chunk
-        line = buffer.split(b"\n", 1)[0]
-        op = "?"
-        try:
-            if len(line) > MAX_MESSAGE:
-                raise InvalidRequest(f"request longer than {MAX_MESSAGE} bytes")
-            try:
-                request = json.loads(line)
-            except ValueError:
-                raise InvalidRequest("a request is one line of JSON") from None
-            op = str(request.get("op", "?")) if isinstance(request, dict) else "?"
-            answer = {"ok": True, **await server.control.dispatch(request)}
-            CONTROL.labels(op, "ok").inc()
-        except LayerServerError as exc:
-            CONTROL.labels(op, exc.kind).inc()
-            log.warning("control request failed", op=op, kind=exc.kind, error=str(exc))
-            answer = {"ok": False, "error": {"kind": exc.kind, "message": str(exc)}}
-        except Exception as exc:
-            CONTROL.labels(op, "internal").inc()
-            log.error("control request failed", op=op, exc_info=exc)
-            answer = {"ok": False, "error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
-        try:
-            await stream.send_all(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            log.debug("control client went away before its answer", op=op)
-
-
-async def _serve_control(
-    server: LayerServer, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Listen on ``path`` (0600; bound under a temp name and renamed into place, so a
-    client never connects to a half-made socket) and answer requests until cancelled."""
-    temp = path.with_name(f".{path.name}.{os.getpid()}")
-    temp.unlink(missing_ok=True)
-    sock = trio.socket.socket(stdlib_socket.AF_UNIX, stdlib_socket.SOCK_STREAM)
-    try:
-        await sock.bind(str(temp))
-        os.chmod(temp, 0o600)
-        sock.listen(64)
-        os.rename(temp, path)
-    except BaseException:
-        sock.close()
-        temp.unlink(missing_ok=True)
-        raise
-    listener = trio.SocketListener(sock)
-    try:
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            await trio.serve_listeners(functools.partial(_handle_connection, server), [listener], handler_nursery=nursery)
-    finally:
-        path.unlink(missing_ok=True)
 
 
 # -- the process -----------------------------------------------------------------------------
@@ -735,7 +648,7 @@ async def run_server(
                     peers = server.peers
                     nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.peer_bytes", lambda: peers.statistics().received_bytes, phase="image"))
                 try:
-                    await nursery.start(_serve_control, server, paths.socket)
+                    await nursery.start(serve_control, server.control, paths.socket)
                     log.info("layer server ready", root=str(config.root), mountpoint=str(paths.mountpoint),
                              layers=len(server.root.layers), socket=str(paths.socket))  # fmt: skip
                     if on_ready is not None:
@@ -755,6 +668,7 @@ __all__ = [
     "Layer",
     "LayerServer",
     "LayerServerConfig",
+    "LayerServerStatistics",
     "ServerAlreadyRunning",
     "load_table",
     "prepare_root",

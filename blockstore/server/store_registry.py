@@ -104,6 +104,24 @@ class StoreRegistry:
         """Bytes every store's engine has fetched so far."""
         return sum(engine.statistics().bytes_fetched for engine in self._engines.values())
 
+    def status(self) -> dict[str, dict[str, Any]]:
+        """What the server's ``status`` answer shows of each started store, by URL: its engine's
+        counters, its fetcher's ``blocks``, and an http store's ``proxy`` (its URL, whether it is up)."""
+        stores: dict[str, dict[str, Any]] = {}
+        for engine, fetcher in self.opened():
+            stats = engine.statistics()
+            stores[engine.url] = {
+                "bytes_fetched": stats.bytes_fetched,
+                "stripes_fetched": stats.stripes_fetched,
+                "retries": stats.retries,
+                "failures": stats.failures,
+                "in_flight": stats.in_flight,
+                "blocks": dataclasses.asdict(fetcher.statistics()),
+            }
+            if stats.proxy is not None:  # an http store's [store] proxy (fetch/sources/http_proxy.py)
+                stores[engine.url]["proxy"] = {"proxy": stats.proxy.url, "up": stats.proxy.up}
+        return stores
+
     @staticmethod
     async def _run_engine(engine: Engine, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:

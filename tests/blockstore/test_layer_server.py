@@ -772,3 +772,34 @@ def test_a_store_that_takes_the_request_and_never_answers_fails_the_mount_in_its
         listener.close()
         for conn in held:
             conn.close()
+
+
+def test_statistics_count_the_table_and_what_is_served_and_status_shows_them(built: Any, tmp_path: Path) -> None:
+    """``LayerServer.statistics()`` is the server's own figures: a mount adds a row that is served, an
+    unmount takes it away; no FUSE session in this test, so the mount is not serving."""
+    import trio
+
+    from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig, LayerServerStatistics
+
+    store = f"file://{built[0]}"
+    layer = built[1][0].chain_id
+
+    async def main() -> tuple[LayerServerStatistics, LayerServerStatistics, LayerServerStatistics, dict[str, Any]]:
+        async with trio.open_nursery() as nursery:
+            config = LayerServerConfig(root=tmp_path / "root", store=store, cache_dir=tmp_path / "cache")
+            config.paths.indexes.mkdir(parents=True)
+            server = LayerServer(config, nursery)
+            before = server.statistics()
+            await server.mount(layer)
+            mounted = server.statistics()
+            status = await server.status()
+            await server.unmount(layer)
+            after = server.statistics()
+            nursery.cancel_scope.cancel()
+        return before, mounted, after, status
+
+    before, mounted, after, status = trio.run(main)
+    assert (before.layers, before.served) == (0, 0)
+    assert (mounted.layers, mounted.served, mounted.serving, mounted.open_files) == (1, 1, False, 0)
+    assert (after.layers, after.served) == (0, 0)
+    assert status["health"] == {"fuse": "down", "open_files": 0} and status["uptime_s"] >= mounted.uptime_s

@@ -37,6 +37,7 @@ from bootseer.blockstore.objects.store import FileStoreWriter
 from bootseer.depsnap.prefix import lookup as deps_lookup
 from bootseer.depsnap.record import DepsRecord, deps_object
 from bootseer.hotlist.recorder import Recording
+from bootseer.hotlist.publishing import publish
 from bootseer.hotlist.service import HotListConfig, HotListService
 from bootseer.hotlist.format import HOTLIST_MAGIC, HOTLIST_VERSION, HotBlock, HotList, HotListUntrusted, hotlist_object
 from bootseer.images.registry import open_image
@@ -265,11 +266,11 @@ def test_a_hot_list_no_trusted_writer_signed_is_ignored(tmp_path: Path, store: S
             store.writer.put(name, data)
             before = ignored("untrusted")
             with pytest.raises(HotListUntrusted):
-                await server.extension._lookup(top, "")
+                await server.extension.lookup.find(top, "")
             outcomes.append(f"ignored {ignored('untrusted') - before:g}")
         # The node's own list, signed with its key as it publishes: used.
         store.writer.put(name, _hot_list(store.victim).encode(keys.writer))
-        hot = await server.extension._lookup(top, "")
+        hot = await server.extension.lookup.find(top, "")
         outcomes.append(f"used {len(hot.blocks)}")
         return outcomes
 
@@ -284,7 +285,8 @@ def test_the_layer_server_signs_the_hot_lists_it_publishes_with_the_node_key(tmp
         recording = Recording(container="job", image=layers[-1], profile="", layers=layers, started=trio.current_time(),
                               publish_to=store.url)  # fmt: skip
         recording.blocks = list(recorded.blocks)
-        await server.extension._publish(recording)
+        hotlists = server.extension  # a recording ends as the service ends it: signed with the server's key
+        await publish(hotlists.recordings, recording, server.sign_key, hotlists.finished)
         return recording.outcome
 
     assert run_server(tmp_path, store, TrustPolicy(), body, sign_key=keys.writer) == "published"

@@ -13,6 +13,7 @@ Timers run on trio's autojump clock.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import threading
 from pathlib import Path
@@ -433,6 +434,41 @@ def test_first_boot_records_and_a_fresh_node_prefetches_before_the_reads(clean_s
         summary = second.hotlist.finished[-1]
         assert summary["kind"] == "prefetch" and summary["hit_rate"] == pytest.approx(11 / 12, abs=1e-3)
         assert summary["unread_bytes"] == 0
+
+    run_nodes(clean_store, tmp_path, test)
+
+
+def test_statistics_show_a_running_recording_then_its_summary_and_status_is_them_as_json(
+    clean_store: Any, tmp_path: Path
+) -> None:
+    """``HotListService.statistics()`` is what ``hotlist.status`` and the server's status show:
+    a recording while it runs (its blocks so far), then, sealed, its summary; the publish store redacted."""
+    directory, built = clean_store
+    top = built[-1].chain_id
+    publish = f"file://user:secret@localhost{directory}"
+
+    async def test(node: Any, built: list[BuiltLayer], proc: Proc) -> None:
+        n = node("node1", publish_store=publish)
+        await n.pull(built)
+        job = proc.process("/default/job")
+        assert (await n.hotlist.container_prepared("job", top, {}, None)) == {"action": "record"}
+        await trio.sleep(0.2)  # the store says there is no list yet
+        await n.read(built[1], "app/main.py", job)
+        stats = n.hotlist.statistics()
+        assert stats.enabled and stats.publish_store == f"file://localhost{directory}" and stats.finished == ()
+        [running] = stats.recordings
+        assert (running.container, running.readers, running.image, running.sealed_by) == ("job", "container", top, "")
+        assert running.blocks == len(n.hotlist.recordings["job"].blocks) > 0
+        assert n.hotlist.status()["recordings"] == [dataclasses.asdict(running)]
+        assert (await n.server.status())["publish_store"] == f"file://localhost{directory}"
+        recording = n.hotlist.recordings["job"]
+        await n.hotlist.seal("job")
+        await recording.done.wait()
+        stats = n.hotlist.statistics()
+        assert stats.recordings == () and [s["container"] for s in stats.finished] == ["job"]
+        assert n.hotlist.status()["finished"] == list(stats.finished)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            stats.enabled = False  # type: ignore[misc]
 
     run_nodes(clean_store, tmp_path, test)
 

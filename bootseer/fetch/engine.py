@@ -1,7 +1,8 @@
 """The striped, prioritised, memory-bounded range-fetch engine.
 
 This module is the engine's orchestration (queue, holds, memory, workers, failures, the disk
-cache); what it fetches is :mod:`bootseer.fetch.stripes` (priorities, file versions, extents, the
+cache); how much a fetch may hold and whom it evicts is :mod:`bootseer.fetch.memory`, which keys
+fail at once is :mod:`bootseer.fetch.failures`; what it fetches is :mod:`bootseer.fetch.stripes` (priorities, file versions, extents, the
 stripe state machine), an open file's read-ahead is :mod:`bootseer.fetch.reader`, when a failure
 is retried is :mod:`bootseer.fetch.retry`, and what it counts is :mod:`bootseer.fetch.metrics` and
 :meth:`Engine.statistics`.
@@ -90,6 +91,7 @@ import trio
 from bootseer.counters import Counters
 from bootseer.fetch.failures import FailureMemory
 from bootseer.fetch.file_cache import StripeCache
+from bootseer.fetch.memory import MemoryBound, eviction_candidates
 from bootseer.fetch.metrics import (
     BYTES_FETCHED, EXTENT_JOINS, EXTENT_REQUESTS, EXTENTS, GAP_BYTES, HELD_BYTES, IN_FLIGHT, RETRIES, STRIPES,
 )
@@ -292,8 +294,8 @@ class Engine:
         self._failures = FailureMemory(config.retry_timeout)
         #: When a failing stripe or metadata call is tried again, and when it fails (EIO).
         self.retry = RetryPolicy(timeout=config.retry_timeout)
-        # Read-ahead and prefetch leave this much memory for demand reads.
-        self._demand_reserve = config.stripe_size if stripes_in_memory >= 4 else 0
+        # How much memory a fetch at each priority may fill (demand reads keep a stripe's worth).
+        self._memory = MemoryBound.for_stripes(config.memory_limit, config.stripe_size)
         self._cache = StripeCache(config.cache_dir, config.cache_size) if config.cache_dir else None
         # One thread per stream: trio's default limiter (40 threads, shared by everything
         # in the process) would cap a wide engine and let one engine starve another.
@@ -825,10 +827,10 @@ class Engine:
         length = stripe.length if length is None else length
         priority = stripe.priority()
         priority = stripe.queued_priority if priority is None else priority
-        limit = self.config.memory_limit - (0 if priority is Priority.DEMAND else self._demand_reserve)
+        limit = self._memory.limit_for(priority)
         short = self._stats.held_bytes + length - limit
         if short > 0:
-            victims = self._eviction_candidates(priority)
+            victims = eviction_candidates(self._buffered.values(), priority)
             if sum(victim.length for victim in victims) < short:
                 return False  # wait for fetches to land and readers to take their bytes
             for victim in victims:
@@ -841,27 +843,6 @@ class Engine:
         self._stats.peak_held_bytes = max(self._stats.peak_held_bytes, self._stats.held_bytes)
         HELD_BYTES.inc(length)
         return True
-
-    def _eviction_candidates(self, priority: Priority) -> list[Stripe]:
-        """Buffered stripes a fetch at ``priority`` may evict, least wanted and least recently used first.
-
-        Nobody evicts a stripe a task is waiting on.  Only demand fetches evict
-        stripes held for a read in progress, which that read will soon take.  Any
-        fetch may evict speculative stripes (loose, prefetched, read ahead): were
-        read-ahead and prefetch unable to evict each other, a prefetch could wait
-        forever on memory held by the windows of idle open files.
-        """
-        loose = len(Priority)  # ranks below every hold
-        ranked = []
-        for stripe in self._buffered.values():
-            if stripe.waiters:
-                continue
-            held = stripe.priority()
-            rank = loose if held is None else int(held)
-            if rank > Priority.DEMAND or priority is Priority.DEMAND:
-                ranked.append((-rank, stripe.last_used, stripe))
-        ranked.sort(key=lambda item: item[:2])
-        return [stripe for _, _, stripe in ranked]
 
     def _unreserve(self, length: int) -> None:
         self._stats.held_bytes -= length

@@ -1,7 +1,8 @@
 """The striped, prioritised, memory-bounded range-fetch engine.
 
 This module is the engine's orchestration (queue, holds, memory, workers, failures, the disk
-cache); what it fetches is :mod:`bootseer.fetch.stripes` (priorities, file versions, extents, the
+cache); how much a fetch may hold and whom it evicts is :mod:`bootseer.fetch.memory`, which keys
+fail at once is :mod:`bootseer.fetch.failures`; what it fetches is :mod:`bootseer.fetch.stripes` (priorities, file versions, extents, the
 stripe state machine), an open file's read-ahead is :mod:`bootseer.fetch.reader`, when a failure
 is retried is :mod:`bootseer.fetch.retry`, and what it counts is :mod:`bootseer.fetch.metrics` and
 :meth:`Engine.statistics`.
@@ -65,7 +66,7 @@ serving everything else.  Bytes a caller finds corrupt are reported with
 :meth:`Engine.corrupt`: the source learns of it (a store proxy that served them is
 set aside) and the buffer goes, so the caller's refetch asks the store again.
 A stripe or extent that failed for good keeps failing at
-once for ``Engine.failure_memory`` seconds (min(retry_timeout, 10 s)), so a read
+once for ``Engine.failure_memory`` seconds (:mod:`bootseer.fetch.failures`), so a read
 the kernel retries right after a failure does not wait out a second timeout.  Stopping the engine abandons calls in flight the same
 way, so it never waits on a silent source.
 """
@@ -88,7 +89,9 @@ from typing import Any, TypeVar
 import trio
 
 from bootseer.counters import Counters
+from bootseer.fetch.failures import FailureMemory
 from bootseer.fetch.file_cache import StripeCache
+from bootseer.fetch.memory import MemoryBound, eviction_candidates
 from bootseer.fetch.metrics import (
     BYTES_FETCHED, EXTENT_JOINS, EXTENT_REQUESTS, EXTENTS, GAP_BYTES, HELD_BYTES, IN_FLIGHT, RETRIES, STRIPES,
 )
@@ -110,9 +113,6 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 T = TypeVar("T")
-
-FAILURE_MEMORY_S = 10.0  #: the longest a failed stripe keeps failing at once (see Engine.failure_memory)
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -290,14 +290,12 @@ class Engine:
         self.read_lookahead = max(1, min(2 * self.streams, stripes_in_memory // 2))
         self.readahead_max_stripes = config.readahead_max // config.stripe_size
         self.readahead_initial_stripes = min(2, self.readahead_max_stripes)
-        #: seconds a stripe or extent that failed for good keeps failing at once, without
-        #: a new attempt: long enough for the kernel's retry of a failed read, short
-        #: enough that a source that comes back serves again soon
-        self.failure_memory = min(config.retry_timeout or FAILURE_MEMORY_S, FAILURE_MEMORY_S)
+        #: Stripes and extents that failed for good lately keep failing at once.
+        self._failures = FailureMemory(config.retry_timeout)
         #: When a failing stripe or metadata call is tried again, and when it fails (EIO).
         self.retry = RetryPolicy(timeout=config.retry_timeout)
-        # Read-ahead and prefetch leave this much memory for demand reads.
-        self._demand_reserve = config.stripe_size if stripes_in_memory >= 4 else 0
+        # How much memory a fetch at each priority may fill (demand reads keep a stripe's worth).
+        self._memory = MemoryBound.for_stripes(config.memory_limit, config.stripe_size)
         self._cache = StripeCache(config.cache_dir, config.cache_size) if config.cache_dir else None
         # One thread per stream: trio's default limiter (40 threads, shared by everything
         # in the process) would cap a wide engine and let one engine starve another.
@@ -311,8 +309,6 @@ class Engine:
         self._changed = trio.Event()
         self._starved = False  # a worker waits for memory that evictions could not free
         self._windows: OrderedDict[Reader, None] = OrderedDict()  # readers holding a window, LRU first
-        # Stripes and extents that failed for good lately, by key: (until when, the failed stripe).
-        self._recent_failures: OrderedDict[Hashable, tuple[float, Stripe]] = OrderedDict()
         # The queued extents of each object version, by offset: where workers find neighbours to coalesce.
         self._queued_extents: dict[tuple[str, str], list[tuple[int, int, Stripe]]] = {}
         # The holder of extents queued by readahead_extents until they are fetched (then loose).
@@ -534,7 +530,7 @@ class Engine:
                 assert known.extent is not None
                 check_same_place(known.extent, extent)
                 continue
-            if self._failed_recently(key) is not None:
+            if self._failures.recent(key) is not None:
                 continue
             stripe = Stripe(FileVersion(extent.path, -1, extent.version), -1, self.stripe_size, extent)
             self._stripes[key] = stripe
@@ -661,7 +657,7 @@ class Engine:
         if stripe is not None and extent is not None:
             assert stripe.extent is not None
             check_same_place(stripe.extent, extent)
-        if stripe is None and (failed := self._failed_recently(key)) is not None:
+        if stripe is None and (failed := self._failures.recent(key)) is not None:
             if extent is not None and failed.extent is not None:
                 check_same_place(failed.extent, extent)
             return failed
@@ -804,29 +800,13 @@ class Engine:
         stripe.error = error
         stripe.done.set()
 
+    @property
+    def failure_memory(self) -> float:
+        """Seconds a stripe or extent that failed for good keeps failing at once (see :mod:`bootseer.fetch.failures`)."""
+        return self._failures.seconds
+
     def _remember_failure(self, stripe: Stripe) -> None:
-        """Fail holds of ``stripe``'s key at once for :attr:`failure_memory` seconds.
-
-        The kernel follows a failed read-ahead read with a single-page read of the
-        same range: without this it would start a fresh retry clock, and a read would
-        fail only after twice ``retry_timeout``."""
-        if self.failure_memory <= 0:
-            return
-        now = trio.current_time()
-        while self._recent_failures and next(iter(self._recent_failures.values()))[0] <= now:
-            self._recent_failures.popitem(last=False)  # oldest first: all expire after the same time
-        self._recent_failures[stripe.key] = (now + self.failure_memory, stripe)
-        self._recent_failures.move_to_end(stripe.key)
-
-    def _failed_recently(self, key: Hashable) -> Stripe | None:
-        """The FAILED stripe of ``key`` if it failed less than :attr:`failure_memory` seconds ago."""
-        remembered = self._recent_failures.get(key)
-        if remembered is None:
-            return None
-        if remembered[0] <= trio.current_time():
-            del self._recent_failures[key]
-            return None
-        return remembered[1]
+        self._failures.remember(stripe)
 
     def _notify(self) -> None:
         """Wake the workers waiting in :meth:`_take`: the queue, memory or evictable stripes changed."""
@@ -847,10 +827,10 @@ class Engine:
         length = stripe.length if length is None else length
         priority = stripe.priority()
         priority = stripe.queued_priority if priority is None else priority
-        limit = self.config.memory_limit - (0 if priority is Priority.DEMAND else self._demand_reserve)
+        limit = self._memory.limit_for(priority)
         short = self._stats.held_bytes + length - limit
         if short > 0:
-            victims = self._eviction_candidates(priority)
+            victims = eviction_candidates(self._buffered.values(), priority)
             if sum(victim.length for victim in victims) < short:
                 return False  # wait for fetches to land and readers to take their bytes
             for victim in victims:
@@ -863,27 +843,6 @@ class Engine:
         self._stats.peak_held_bytes = max(self._stats.peak_held_bytes, self._stats.held_bytes)
         HELD_BYTES.inc(length)
         return True
-
-    def _eviction_candidates(self, priority: Priority) -> list[Stripe]:
-        """Buffered stripes a fetch at ``priority`` may evict, least wanted and least recently used first.
-
-        Nobody evicts a stripe a task is waiting on.  Only demand fetches evict
-        stripes held for a read in progress, which that read will soon take.  Any
-        fetch may evict speculative stripes (loose, prefetched, read ahead): were
-        read-ahead and prefetch unable to evict each other, a prefetch could wait
-        forever on memory held by the windows of idle open files.
-        """
-        loose = len(Priority)  # ranks below every hold
-        ranked = []
-        for stripe in self._buffered.values():
-            if stripe.waiters:
-                continue
-            held = stripe.priority()
-            rank = loose if held is None else int(held)
-            if rank > Priority.DEMAND or priority is Priority.DEMAND:
-                ranked.append((-rank, stripe.last_used, stripe))
-        ranked.sort(key=lambda item: item[:2])
-        return [stripe for _, _, stripe in ranked]
 
     def _unreserve(self, length: int) -> None:
         self._stats.held_bytes -= length

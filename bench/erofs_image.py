@@ -3,7 +3,7 @@
 Walks a directory (``/usr`` by default) into a layer index of its metadata -- every
 entry with its owner, mode, mtime, xattrs, link target, device number and hard links;
 regular files get blocks of the right sizes with made-up digests, nothing is read --
-then times :func:`blockstore.datapath.erofs_image.write_image` (the median of ``--reps``), reports the
+then times :func:`blockstore.objects.erofs_image.write_image` (the median of ``--reps``), reports the
 image's size, bytes per entry and the writer's peak Python memory, runs ``fsck.erofs``
 on it (against a sparse blob of the right size) and, as root, mounts it and checks that
 a stat walk of the mount sees every entry with the tree's metadata.
@@ -25,7 +25,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from bootseer.blockstore.datapath.erofs_image import write_image
+from bootseer.blockstore.objects.erofs_image import write_image
 from bootseer.blockstore.datapath.erofs_mount import mount_erofs, unmount_erofs
 from bootseer.blockstore.objects.format import Block, Entry, EntryType, LayerIndex
 

@@ -14,7 +14,8 @@ import os
 import sys
 
 from bootseer.blockstore.convert.converter import ConversionError, Progress, check_block_size, convert_image
-from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE
+from bootseer.blockstore.convert.layer_image import DEFAULT_INLINE_MAX
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, MAX_BLOCK_SIZE
 from bootseer.blockstore.objects.signing import KeyFileError, load_signing_key
 from bootseer.blockstore.objects.store import ReadOnlyStore, StoreError, open_store_writer
 from bootseer.blockstore.convert.tarlayer import DEFAULT_MAX_LAYER_BYTES, TarLimits
@@ -55,6 +56,13 @@ def _platform(text: str) -> str:
     return text
 
 
+def _inline_max(text: str) -> int:
+    value = parse_size(text)
+    if value < 0 or value > MAX_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"at most {MAX_BLOCK_SIZE} (a file inline is one block)")
+    return value
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     convert = subparsers.add_parser(
         "convert",
@@ -85,6 +93,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     convert.add_argument("--no-verify-existing", dest="verify_existing", action="store_false",
                          help="skip a layer already converted once its record, index and packs exist (default: "
                               "also read back every block it references, and convert it again if one is wrong)")  # fmt: skip
+    convert.add_argument("--inline-max", type=_inline_max, default=DEFAULT_INLINE_MAX, metavar="SIZE",
+                         help="regular files of at most SIZE bytes hold their data in the layer's EROFS image "
+                              f"(default {DEFAULT_INLINE_MAX}; 0: none; docs/FORMAT.md)")  # fmt: skip
+    convert.add_argument("--no-image", dest="image", action="store_false",
+                         help="publish no EROFS image of each layer (nodes then build one from the index, as "
+                              "for conversions made before images existed)")  # fmt: skip
     convert.set_defaults(func=run_convert)
 
 
@@ -123,7 +137,7 @@ def run_convert(args: argparse.Namespace) -> int:
                 result = convert_image(image, writer, block_size=args.block_size, spool_dir=args.spool_dir,
                                        limits=TarLimits(max_layer_bytes=args.max_layer_size),
                                        verify_existing=args.verify_existing, progress=Progress(),
-                                       sign_key=sign_key)  # fmt: skip
+                                       sign_key=sign_key, inline_max=args.inline_max if args.image else None)  # fmt: skip
     except (ConversionError, ImageError, StoreError, SourceError, OSError) as exc:  # OSError: the spool (disk full)
         message = str(exc)
         if not message.startswith(args.ref):

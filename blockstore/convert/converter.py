@@ -30,6 +30,7 @@ Progress goes to stderr (a live line on a terminal, plain lines otherwise).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import hashlib
@@ -57,18 +58,22 @@ from bootseer.blockstore.objects.format import (
     ChainRecord,
     DedupSegment,
     FormatError,
+    LayerImage,
     LayerIndex,
     StoredBlock,
     chain_object,
     decode_block,
     dedup_object,
+    image_object,
     index_object,
     max_stored_length,
     pack_object,
 )
 from bootseer.blockstore.objects.signing import SigningKey
 from bootseer.blockstore.objects.store import StoreWriter
+from bootseer.blockstore.convert.layer_image import DEFAULT_INLINE_MAX, BuiltImage, ImageBuildError, build_layer_image
 from bootseer.blockstore.convert.tarlayer import LayerError, ParsedLayer, TarLimits, read_layer
+from bootseer.blockstore.objects.erofs_image import WRITER_VERSION
 from bootseer import __version__
 from bootseer.images.chains import chain_ids
 from bootseer.images.registry import ImageSource, layer_compression
@@ -118,10 +123,6 @@ def _zero_digest(length: int) -> str:
 _PARALLEL_CHECK_BYTES = 4 << 20
 
 
-def _holds(block: StoredBlock, stored: memoryview) -> bool:
-    """Whether ``stored`` (the bytes at ``block``'s place) is that block (the raw bytes are dropped at once)."""
-    return decode_block(block, stored) is not None  # type: ignore[arg-type]
-
 
 class BlockVerifier:
     """Whether blocks in the store are what they claim: the bytes at each place are that block.
@@ -152,10 +153,19 @@ class BlockVerifier:
 
     def bad(self, blocks: Sequence[StoredBlock]) -> list[StoredBlock]:
         """Those of ``blocks`` whose places do not hold them (each once), reading the places not checked yet."""
+        self._read([block for block in dict.fromkeys(blocks) if block not in self._verdicts], None)
+        return [block for block in dict.fromkeys(blocks) if not self._verdicts[block]]
+
+    def raw(self, blocks: Sequence[StoredBlock]) -> dict[StoredBlock, bytes]:
+        """The raw bytes of those of ``blocks`` whose places hold them (read even if checked before)."""
+        out: dict[StoredBlock, bytes] = {}
+        self._read(list(dict.fromkeys(blocks)), out)
+        return out
+
+    def _read(self, blocks: list[StoredBlock], keep: dict[StoredBlock, bytes] | None) -> None:
+        """Read and judge ``blocks`` in runs (see the class); the raw bytes of good ones into ``keep``."""
         by_pack: dict[str, list[StoredBlock]] = {}
-        for block in dict.fromkeys(blocks):
-            if block in self._verdicts:
-                continue
+        for block in blocks:
             if block.clen > max_stored_length(block.rlen):
                 self._verdicts[block] = False  # no block compresses that badly: not worth reading
                 continue
@@ -166,14 +176,13 @@ class BlockVerifier:
             for block in group:
                 if run and (block.offset - (run[-1].offset + run[-1].clen) > self.max_gap
                             or block.offset + block.clen - run[0].offset > self.max_read):  # fmt: skip
-                    self._check(pack, run)
+                    self._check(pack, run, keep)
                     run = []
                 run.append(block)
             if run:
-                self._check(pack, run)
-        return [block for block in dict.fromkeys(blocks) if not self._verdicts[block]]
+                self._check(pack, run, keep)
 
-    def _check(self, pack: str, run: list[StoredBlock]) -> None:
+    def _check(self, pack: str, run: list[StoredBlock], keep: dict[StoredBlock, bytes] | None) -> None:
         """Read the range of ``pack`` that ``run`` (sorted by offset) lies in and judge each block.
 
         Decompressing and hashing run on threads (zstd and hashlib release the GIL)
@@ -188,10 +197,13 @@ class BlockVerifier:
         workers = default_workers()
         if workers > 1 and len(run) > 1 and len(data) >= _PARALLEL_CHECK_BYTES:
             with ThreadPoolExecutor(workers, thread_name_prefix="bootseer-verify") as pool:
-                verdicts = list(pool.map(_holds, run, pieces))
+                raws = list(pool.map(decode_block, run, pieces))  # type: ignore[arg-type]
         else:
-            verdicts = [_holds(block, piece) for block, piece in zip(run, pieces)]
-        self._verdicts.update(zip(run, verdicts))
+            raws = [decode_block(block, piece) for block, piece in zip(run, pieces)]
+        for block, raw in zip(run, raws):
+            self._verdicts[block] = raw is not None
+            if raw is not None and keep is not None:
+                keep[block] = raw
         self.checked += len(run)
 
 
@@ -621,6 +633,8 @@ class LayerResult:
     stats: BlockStats = field(default_factory=BlockStats)
     files: int = 0
     uploaded_bytes: int = 0
+    image: BuiltImage | None = None  #: the layer's EROFS image, when this run built one
+    image_note: str = ""  #: why a layer already converted kept its record as it was (no image added)
 
 
 @dataclass
@@ -643,8 +657,10 @@ class ImageResult:
     def summary(self) -> str:
         s = self.stats
         converted = sum(not layer.skipped for layer in self.layers)
+        added = sum(layer.skipped and layer.image is not None for layer in self.layers)
         return (f"{self.reference}: {len(self.layers)} layers ({converted} converted, "
-                f"{len(self.layers) - converted} already in the store); {s.blocks} blocks "
+                f"{len(self.layers) - converted} already in the store"
+                f"{f', {added} of them given their EROFS image' if added else ''}); {s.blocks} blocks "
                 f"({_mib(s.raw_bytes)}), {s.stored} stored ({_mib(s.stored_compressed)} compressed), "
                 f"{s.zero} zero, {s.in_store + s.in_layer} deduplicated, dedup ratio {s.dedup_ratio:.0%}; "
                 f"{self.checked_blocks} blocks in the store checked ({_mib(self.checked_bytes)} read); "
@@ -710,6 +726,99 @@ def _upload_pack(writer: StoreWriter, pack: SpooledPack) -> None:
         raise ConversionError(f"{writer.display_url}: pack {pack.sha256} reads back as {size} bytes, not {pack.size}")
 
 
+def _upload_new(writer: StoreWriter, table: DedupTable, packs: PackWriter) -> None:
+    """Upload ``packs``' spooled packs, then its dedup segment (and add it to ``table``)."""
+    for pack in packs.spooled:
+        _upload_pack(writer, pack)
+    segment = packs.segment()
+    if segment is not None:
+        data = segment.encode()
+        _put_verified(writer, dedup_object(_hex(data)), data)
+        table.add(segment)
+
+
+def publish_image(writer: StoreWriter, table: DedupTable, index: LayerIndex, index_name: str, *, spool: Path,
+                  inline_max: int = DEFAULT_INLINE_MAX, block_size: int | None = None) -> tuple[str, BuiltImage]:  # fmt: skip
+    """Build the EROFS image of ``index`` (stored as ``index_name``, its packs in the store) and store it.
+
+    The image (:mod:`~bootseer.blockstore.convert.layer_image`) is cut into blocks of
+    ``block_size`` (the index's), deduplicated and compressed as file contents are, into
+    packs of its own, with their dedup segment; then its :class:`LayerImage` table, read
+    back and checked.  Returns the table's name (what the chain record's ``image`` says) and
+    the image.  Blocks already in the store are never uploaded again, so publishing the same
+    image twice uploads only what is missing.  ConversionError when it cannot be built.
+    """
+    block_size = block_size or index.block_size
+    verifier = table.verifier
+    try:
+        built = build_layer_image(index, spool / "image.erofs", packs=index.packs, inline_max=inline_max,
+                                  read_blocks=verifier.raw)  # fmt: skip
+    except ImageBuildError as exc:
+        raise ConversionError(f"its EROFS image: {exc}") from None
+    numbers: list[int] = []
+    with PackWriter(block_size, table, spool) as packs, open(built.path, "rb") as image:
+        while piece := image.read(block_size):
+            numbers.append(packs.add(piece))
+        packs.finish()
+    _upload_new(writer, table, packs)
+    stored = LayerImage(diff_id=index.diff_id, index=index_name, sha256=built.sha256, size=built.size,
+                        block_size=block_size, inline_max=inline_max, writer=WRITER_VERSION,
+                        blocks=[packs.blocks[number] for number in numbers], packs=list(packs.packs))  # fmt: skip
+    data = stored.encode()
+    name = _hex(data)
+    _put_verified(writer, image_object(name), data)
+    built.path.unlink()
+    return name, built
+
+
+def _verify_image(writer: StoreWriter, record: ChainRecord, blocks: BlockVerifier | None) -> str:
+    """Why the image ``record`` names cannot serve (its table missing or wrong, a pack or block missing), or ""."""
+    try:
+        data = writer.get(image_object(record.image))
+        if data is None:
+            return f"its image table {record.image} is missing"
+        image = LayerImage.decode(data, record=record)
+        for pack in image.packs:
+            if not writer.exists(pack_object(pack)):
+                return f"pack {pack} of its image is missing"
+        if blocks is not None:
+            bad = blocks.bad([StoredBlock(b.digest, image.packs[b.pack], b.offset, b.clen, b.rlen)
+                              for b in image.blocks if not b.is_zero])  # fmt: skip
+            if bad:
+                return f"block sha256:{bad[0].digest} of its image is not at its place"
+    except FormatError as exc:
+        return str(exc)
+    return ""
+
+
+def add_image(writer: StoreWriter, table: DedupTable, record: ChainRecord, *, spool_dir: str | None = None,
+              inline_max: int = DEFAULT_INLINE_MAX, sign_key: SigningKey | None = None) -> tuple[ChainRecord, BuiltImage]:  # fmt: skip
+    """Give the converted layer of ``record`` (checked by :func:`verify_layer`) its EROFS image and rewrite its
+    record naming it (signed with ``sign_key``), uploading no block of the layer again."""
+    index = LayerIndex.decode(writer.get(index_object(record.index)) or b"", record=record)
+    with tempfile.TemporaryDirectory(prefix="bootseer-convert-", dir=spool_dir) as spool:
+        name, built = publish_image(writer, table, index, record.index, spool=Path(spool), inline_max=inline_max)
+    updated = dataclasses.replace(record, image=name, signatures=(), signed=None)
+    if sign_key is not None:
+        updated = updated.sign(sign_key)
+    _put_record(writer, updated)
+    return updated, built
+
+
+def _put_record(writer: StoreWriter, record: ChainRecord) -> None:
+    """Write ``record`` (what makes a layer visible, so always last) and read it back to check it."""
+    chain = record.chain_id
+    writer.put(chain_object(chain), record.encode())
+    back = writer.get(chain_object(chain))
+    try:
+        stored = ChainRecord.decode(back, expected_chain_id=chain) if back is not None else None
+        same = stored == record and stored is not None and stored.signatures == record.signatures
+    except FormatError:
+        same = False
+    if not same:
+        raise ConversionError(f"{writer.display_url}: chain record {chain} reads back different from what was written")
+
+
 def convert_layer(
     writer: StoreWriter,
     table: DedupTable,
@@ -728,11 +837,13 @@ def convert_layer(
     progress: Progress | None = None,
     label: str = "layer",
     sign_key: SigningKey | None = None,
+    inline_max: int | None = DEFAULT_INLINE_MAX,
 ) -> LayerResult:
-    """Convert one layer blob and publish it (packs, dedup segment, index, chain record last).
+    """Convert one layer blob and publish it (packs, dedup segment, index, its EROFS image, chain record last).
 
-    With ``sign_key`` the chain record carries its signature: it names the index by
-    SHA-256, which names every block, so the one signature vouches for the whole layer.
+    With ``sign_key`` the chain record carries its signature: it names the index and the
+    image by SHA-256, which name every block, so the one signature vouches for the whole
+    layer.  ``inline_max`` None publishes no image (a node then builds one from the index).
     """
     puts_before = writer.put_bytes
     with contextlib.ExitStack() as stack:
@@ -760,16 +871,17 @@ def convert_layer(
         except FormatError as exc:  # a converter bug, never the input's fault
             raise ConversionError(f"{label} ({digest}): the index built is invalid: {exc}") from None
         try:
-            for pack in packs.spooled:
-                _upload_pack(writer, pack)
-            segment = packs.segment()
-            if segment is not None:
-                data = segment.encode()
-                _put_verified(writer, dedup_object(_hex(data)), data)
-                table.add(segment)
+            _upload_new(writer, table, packs)
             index_data = index.encode()
             index_name = _hex(index_data)
             _put_verified(writer, index_object(index_name), index_data)
+            image_name, built = "", None
+            if inline_max is not None:
+                try:
+                    image_name, built = publish_image(writer, table, index, index_name, spool=Path(spool),
+                                                      inline_max=inline_max)  # fmt: skip
+                except ConversionError as exc:
+                    raise ConversionError(f"{label} ({digest}): {exc}") from None
             record = ChainRecord(
                 chain_id=chain,
                 parent=parent,
@@ -783,22 +895,15 @@ def convert_layer(
                 bytes=parsed.file_bytes,
                 converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 converter=f"bootseer {__version__}",
+                image=image_name,
             )
             if sign_key is not None:
                 record = record.sign(sign_key)
-            writer.put(chain_object(chain), record.encode())  # last: this is what makes the layer visible
-            back = writer.get(chain_object(chain))
-            try:
-                stored = ChainRecord.decode(back, expected_chain_id=chain) if back is not None else None
-                same = stored == record and stored is not None and stored.signatures == record.signatures
-            except FormatError:
-                same = False
-            if not same:
-                raise ConversionError(f"{writer.display_url}: chain record {chain} reads back different from what was written")
+            _put_record(writer, record)  # last: this is what makes the layer visible
         except ConversionError as exc:
             raise ConversionError(f"{label} ({digest}): {exc}") from None
-    return LayerResult(chain_id=chain, digest=digest, skipped=False, stats=packs.stats,
-                       files=len(index.entries), uploaded_bytes=writer.put_bytes - puts_before)  # fmt: skip
+    return LayerResult(chain_id=chain, digest=digest, skipped=False, stats=packs.stats, files=len(index.entries),
+                       uploaded_bytes=writer.put_bytes - puts_before, image=built)  # fmt: skip
 
 
 def check_block_size(block_size: int) -> int:
@@ -817,6 +922,7 @@ def convert_image(
     progress: Progress | None = None,
     verify_existing: bool = True,
     sign_key: SigningKey | None = None,
+    inline_max: int | None = DEFAULT_INLINE_MAX,
 ) -> ImageResult:
     """Convert every layer of ``image`` into ``writer``'s store, bottom up; idempotent.
 
@@ -833,6 +939,12 @@ def convert_image(
     With ``sign_key``, a layer already in the store is skipped only if ``sign_key``
     signed its record: any other is converted again from its blob, since a signature
     vouches for what this converter made from the tar, never for an index it only found.
+
+    Every layer gets its EROFS image (:func:`publish_image`; ``inline_max`` None: none).  A
+    layer already converted without one (an older conversion), or whose image does not
+    verify, gets it added and its record rewritten, uploading none of its blocks again;
+    unless its record is signed and no ``sign_key`` is given (rewriting it would drop the
+    signature): that is reported, and the record left as it is.
     """
     check_block_size(block_size)
     verifier = BlockVerifier(writer)
@@ -851,9 +963,28 @@ def convert_image(
         existing = verify_layer(writer, chain, blocks=verifier if verify_existing else None)
         signed = sign_key is None or (existing is not None and existing.signature_check().signer([sign_key.public]))
         if existing is not None and existing.block_size == block_size and signed:
+            result = LayerResult(chain_id=chain, digest=descriptor.digest, skipped=True, files=existing.files)
+            missing = "" if inline_max is None else (
+                "it has none" if not existing.image else _verify_image(writer, existing, verifier if verify_existing else None))
+            if missing and existing.signatures and sign_key is None:
+                result.image_note = f"no image added ({missing}): its record is signed and no signing key was given"
+            elif missing:
+                if table is None:
+                    table = DedupTable.load(writer, verifier)
+                before = writer.put_bytes
+                try:
+                    _record, result.image = add_image(writer, table, existing, spool_dir=spool_dir,
+                                                      inline_max=inline_max, sign_key=sign_key)  # fmt: skip
+                except (ConversionError, FormatError) as exc:
+                    raise ConversionError(f"{label} ({descriptor.digest}): {exc}") from None
+                result.uploaded_bytes = writer.put_bytes - before
             if progress is not None:
-                progress.line(f"{label}: already in the store")
-            results.append(LayerResult(chain_id=chain, digest=descriptor.digest, skipped=True, files=existing.files))
+                if result.image is not None:
+                    progress.line(f"{label}: already in the store; its EROFS image added ({_mib(result.image.size)}, "
+                                  f"{result.image.inline_files} small files inline), uploaded {_mib(result.uploaded_bytes)}")  # fmt: skip
+                else:
+                    progress.line(f"{label}: already in the store{'; ' + result.image_note if result.image_note else ''}")
+            results.append(result)
             continue
         if table is None:
             table = DedupTable.load(writer, verifier)
@@ -864,12 +995,14 @@ def convert_image(
                 chain=chain, parent=chains[number - 1] if number else "", diff_id=diff_id,
                 digest=descriptor.digest, media_type=descriptor.media_type, size=descriptor.size,
                 block_size=block_size, compression=compression, spool_dir=spool_dir, limits=limits,
-                progress=progress, label=label, sign_key=sign_key,
+                progress=progress, label=label, sign_key=sign_key, inline_max=inline_max,
             )  # fmt: skip
         if progress is not None:
             s = result.stats
+            made = "" if result.image is None else (f", EROFS image {_mib(result.image.size)} "
+                                                     f"({result.image.inline_files} small files inline)")  # fmt: skip
             progress.line(f"{label}: {result.files} entries, {s.blocks} blocks ({_mib(s.raw_bytes)}), "
-                          f"{s.stored} stored, dedup {s.dedup_ratio:.0%}, uploaded {_mib(result.uploaded_bytes)}")  # fmt: skip
+                          f"{s.stored} stored, dedup {s.dedup_ratio:.0%}{made}, uploaded {_mib(result.uploaded_bytes)}")  # fmt: skip
         results.append(result)
     return ImageResult(reference=resolved.reference, layers=results, seconds=time.monotonic() - started,
                        puts=writer.puts - puts_before, uploaded_bytes=writer.put_bytes - bytes_before,
@@ -878,5 +1011,5 @@ def convert_image(
 
 __all__ = [
     "FORMAT_VERSION", "ConversionError", "DedupTable", "ImageResult", "LayerResult", "PackWriter", "Progress",
-    "convert_image", "convert_layer", "verify_layer",
+    "add_image", "convert_image", "convert_layer", "publish_image", "verify_layer",
 ]

@@ -4,7 +4,7 @@ A node serves every layer one way, chosen once at the layer server's start
 (``--data-path``, the snapshotter's ``[fuse] data_path``):
 
 * ``erofs``: the kernel's EROFS answers the tree, file-backed (Linux 6.12+): one
-  metadata image per layer (:mod:`blockstore.datapath.erofs_image`, built from the verified index
+  metadata image per layer (:mod:`blockstore.objects.erofs_image`, built from the verified index
   and cached under ``ROOT/layers/erofs/``) mounted at ``ROOT/layers/lower/<slot>``
   with ``device=`` the layer's FUSE blob file (``ROOT/layers/mnt/blobs/<slot>``); FUSE
   sees only block reads of the blob.
@@ -37,7 +37,7 @@ import prometheus_client
 import trio
 
 from bootseer.paths import ServerPaths
-from bootseer.blockstore.datapath.erofs_image import build_image, image_cache_name, image_size, write_image
+from bootseer.blockstore.objects.erofs_image import build_image, image_cache_name, image_size, write_image
 from bootseer.blockstore.datapath.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
 from bootseer.blockstore.datapath.tree import LayersRoot

@@ -40,6 +40,7 @@ MIN_BLOCK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 64 << 20
 
 INDEX_MAGIC = b"BSLIDX01"
+IMAGE_MAGIC = b"BSLIMG01"
 DEDUP_MAGIC = b"BSDEDUP1"
 _SEALED_HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256
 MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused, whatever its record says
@@ -126,6 +127,13 @@ def index_object(sha256_hex: str) -> str:
     if not _HEX.fullmatch(sha256_hex):
         raise FormatError(f"index name is not 64 hex digits: {sha256_hex!r}")
     return f"v{FORMAT_VERSION}/indexes/{sha256_hex}"
+
+
+def image_object(sha256_hex: str) -> str:
+    """Store path of a layer's image table (:class:`LayerImage`), named by the SHA-256 of its encoded bytes."""
+    if not _HEX.fullmatch(sha256_hex):
+        raise FormatError(f"image name is not 64 hex digits: {sha256_hex!r}")
+    return f"v{FORMAT_VERSION}/images/{sha256_hex}"
 
 
 def pack_object(sha256_hex: str) -> str:
@@ -525,6 +533,110 @@ def sealed_size_bound(max_payload: int) -> int:
     return _SEALED_HEADER.size + max_payload + max_payload // 128 + (4 << 10)
 
 
+# -- the layer's EROFS image, as the converter built it ----------------------------------------
+
+#: The largest EROFS image a layer may have: its metadata and its small files' data.
+MAX_IMAGE_BYTES = 1 << 30
+#: A layer image table's JSON is a few rows; this bounds it whatever it claims.
+MAX_IMAGE_TABLE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class LayerImage:
+    """A layer's EROFS image as the converter stored it: the image cut into blocks, kept in packs.
+
+    Stored at :func:`image_object` (sealed, like the index) and named by a chain record's
+    ``image`` field, so the record's signature covers it, and through it every block's
+    SHA-256 and the whole image's (:attr:`sha256`).  Its blocks are fetched, verified
+    and shared between peers as a layer's blocks are (it has the ``diff_id``,
+    ``packs`` and ``blocks`` a fetcher asks of a layer).  ``inline_max`` says which
+    regular files hold their data in the image (those of at most that many bytes) and
+    ``writer`` the image writer's version (docs/FORMAT.md, "Converter-built images").
+    """
+
+    diff_id: str
+    index: str  #: SHA-256 hex of the layer index the image was made from (the chain record's ``index``)
+    sha256: str  #: SHA-256 hex of the whole raw image
+    size: int  #: the raw image's bytes
+    block_size: int
+    inline_max: int
+    writer: int
+    blocks: list[Block]
+    packs: list[str]
+
+    def encode(self) -> bytes:
+        document = {
+            "format": FORMAT_VERSION, "diff_id": self.diff_id, "index": self.index, "sha256": self.sha256,
+            "size": self.size, "block_size": self.block_size, "inline_max": self.inline_max, "writer": self.writer,
+            "packs": self.packs, "blocks": [[b.digest, b.pack, b.offset, b.clen, b.rlen] for b in self.blocks],
+        }  # fmt: skip
+        payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+        return encode_sealed(IMAGE_MAGIC, FORMAT_VERSION, payload)
+
+    @classmethod
+    def decode(cls, data: bytes, *, record: ChainRecord) -> LayerImage:
+        """Parse and check the image table ``record`` names; FormatError for anything wrong.
+
+        The object must hash to ``record.image``, be made from ``record.index`` and the
+        layer's diff_id, and its blocks must cut exactly ``size`` bytes, of at most
+        :data:`MAX_IMAGE_BYTES`, into ``block_size`` pieces in order.
+        """
+        if not record.image:
+            raise FormatError(f"chain record {record.chain_id[:19]} names no image")
+        if len(data) > sealed_size_bound(MAX_IMAGE_TABLE_BYTES):
+            raise FormatError(f"image table is {len(data)} bytes, more than one can take")
+        if hashlib.sha256(data).hexdigest() != record.image:
+            raise FormatError(f"image table does not match its digest {record.image}: tampered with or truncated")
+        payload = decode_sealed(data, IMAGE_MAGIC, FORMAT_VERSION, MAX_IMAGE_TABLE_BYTES, "image table")
+        try:
+            document = json.loads(payload)
+            if not isinstance(document, dict) or document.get("format") != FORMAT_VERSION:
+                raise FormatError("image table is not a format-1 JSON object")
+            packs = _list_of(document["packs"])
+            image = cls(
+                diff_id=check_digest(document["diff_id"], "diff_id"),
+                index=str(document["index"]),
+                sha256=str(document["sha256"]),
+                size=int(document["size"]),
+                block_size=int(document["block_size"]),
+                inline_max=int(document["inline_max"]),
+                writer=int(document["writer"]),
+                blocks=[_block_from_json(row) for row in _list_of(document["blocks"])],
+                packs=[str(p) for p in packs],
+            )
+        except FormatError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"image table is malformed: {exc!r}") from None
+        image._check(record)
+        return image
+
+    def _check(self, record: ChainRecord) -> None:
+        if self.index != record.index or self.diff_id != record.diff_id:
+            raise FormatError("image table is of another layer (its index or diff_id is not the chain record's)")
+        if not _HEX.fullmatch(self.sha256):
+            raise FormatError("image table's sha256 is not 64 hex digits")
+        if not 0 < self.size <= MAX_IMAGE_BYTES or self.size % 4096:
+            raise FormatError(f"image size {self.size} is not a whole number of 4 KiB blocks up to {MAX_IMAGE_BYTES}")
+        if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE or not 0 <= self.inline_max <= self.block_size:
+            raise FormatError("image table's block size or inline_max is out of range")
+        if len(self.blocks) != -(-self.size // self.block_size):
+            raise FormatError(f"image of {self.size} bytes in {len(self.blocks)} blocks of {self.block_size}")
+        for pack in self.packs:
+            if not _HEX.fullmatch(pack):
+                raise FormatError("image table names a pack that is not 64 hex digits")
+        for number, block in enumerate(self.blocks):
+            want = min(self.block_size, self.size - number * self.block_size)
+            if block.rlen != want:
+                raise FormatError(f"image block {number} holds {block.rlen} bytes, not {want}")
+            if not _HEX.fullmatch(block.digest):
+                raise FormatError(f"image block {number}'s digest is not 64 hex digits")
+            if block.is_zero:
+                continue
+            if not 0 <= block.pack < len(self.packs) or block.offset < 0 or not 0 < block.clen <= max_stored_length(block.rlen):
+                raise FormatError(f"image block {number} has a bad place")
+
+
 @dataclass(frozen=True)
 class IndexLimits:
     """What a layer index may hold, from the chain record that names it (:func:`index_limits`)."""
@@ -670,6 +782,8 @@ class ChainRecord:
     bytes: int = 0  #: raw bytes of the layer's regular files
     converted_at: str = ""  #: ISO 8601 time of conversion
     converter: str = ""  #: ``bootseer <version>``
+    #: SHA-256 hex of the layer's :class:`LayerImage` table ("" for a conversion without one: the node builds it)
+    image: str = ""
     #: the converters' signatures (docs/trust.md): ``{"key": id, "sig": base64}`` entries
     signatures: tuple[dict[str, str], ...] = field(default=(), compare=False)
     #: what a trust policy checks: the stored document's signed message (set by :meth:`decode`)
@@ -678,6 +792,8 @@ class ChainRecord:
     def _document(self) -> dict[str, Any]:
         document = {"format": FORMAT_VERSION, **self.__dict__}
         del document["signed"]
+        if not self.image:  # as conversions without images wrote it: their signatures still check
+            del document["image"]
         if not self.signatures:
             del document["signatures"]
         else:
@@ -717,6 +833,7 @@ class ChainRecord:
                 bytes=int(document.get("bytes", 0)),
                 converted_at=str(document.get("converted_at", "")),
                 converter=str(document.get("converter", "")),
+                image=str(document.get("image", "")),
                 signatures=tuple(signatures_of(document)),
                 signed=Signed.of("chain", document),
             )
@@ -726,6 +843,8 @@ class ChainRecord:
             raise FormatError(f"chain record is malformed: {exc!r}") from None
         if not _HEX.fullmatch(record.index):
             raise FormatError(f"chain record names an index that is not 64 hex digits: {record.index!r}")
+        if record.image and not _HEX.fullmatch(record.image):
+            raise FormatError(f"chain record names an image that is not 64 hex digits: {record.image!r}")
         if chain_id(record.parent, record.diff_id) != record.chain_id:
             raise FormatError(f"chain record {record.chain_id}: not the ChainID of its parent and diff_id")
         if expected_chain_id is not None and record.chain_id != expected_chain_id:

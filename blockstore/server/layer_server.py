@@ -68,7 +68,7 @@ from bootseer.blockstore.server.index_copies import IndexCopies
 from bootseer.blockstore.server.extension import ExtensionFactory, ServerExtension
 from bootseer.blockstore.server.ops import ControlOps
 from bootseer.blockstore.datapath.choice import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
-from bootseer.blockstore.datapath.erofs_image import ErofsError
+from bootseer.blockstore.objects.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree

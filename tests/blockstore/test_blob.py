@@ -210,7 +210,7 @@ def test_a_tampered_pack_block_is_eio_from_the_blob_never_wrong_bytes(
 @needs_fuse
 def test_an_erofs_image_with_the_blob_file_as_its_device_serves_the_layer(built: Any, server: Any, tmp_path: Path) -> None:
     """The kernel reads files' chunks from ``blobs/<slot>``: the EROFS view equals the per-file FUSE view."""
-    erofs = pytest.importorskip("bootseer.blockstore.datapath.erofs_image", reason="the EROFS writer (branch h/erofs) is not merged here")
+    erofs = pytest.importorskip("bootseer.blockstore.objects.erofs_image", reason="the EROFS writer (branch h/erofs) is not merged here")
     erofs_mount = pytest.importorskip("bootseer.blockstore.datapath.erofs_mount", reason="EROFS mounting (branch h/erofs) is not merged here")
     from tests.support.trees import disk_tree
 

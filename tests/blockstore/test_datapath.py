@@ -252,7 +252,7 @@ def test_a_cached_image_of_the_wrong_size_is_built_again(built: Any, tmp_path: P
 
     from bootseer.paths import ServerPaths
     from bootseer.blockstore.datapath.choice import ErofsLayers
-    from bootseer.blockstore.datapath.erofs_image import build_image
+    from bootseer.blockstore.objects.erofs_image import build_image
 
     layer = built[1][0]
     erofs = ErofsLayers(ServerPaths(tmp_path), "erofs", trio.CapacityLimiter(1))

@@ -1,4 +1,4 @@
-"""blockstore.datapath.erofs_image: EROFS metadata images of layer indexes, checked by erofs-utils and by the kernel.
+"""blockstore.objects.erofs_image: EROFS metadata images of layer indexes, checked by erofs-utils and by the kernel.
 
 Images of the converted test layers (tests/support/oci.rich_layers) and of hand-made
 hostile-but-valid indexes go through ``fsck.erofs`` (with the blob as ``--device``,
@@ -25,8 +25,9 @@ from typing import Iterator
 
 import pytest
 
-from bootseer.blockstore.datapath import erofs_image as erofs, erofs_mount
-from bootseer.blockstore.datapath.erofs_image import (
+from bootseer.blockstore.datapath import erofs_mount
+from bootseer.blockstore.objects import erofs_image as erofs
+from bootseer.blockstore.objects.erofs_image import (
     BLOCK_SIZE,
     ErofsError,
     build_image,

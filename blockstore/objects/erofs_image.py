@@ -15,6 +15,13 @@ The image is a pure function of the index (same index, same bytes): no clock, no
 random UUID, no host state.  It needs no root and no extraction, so a node builds it
 from the index it already verified; the index stays the one source of truth.
 
+The converter writes the same image with one difference (``bootseer convert``, docs/FORMAT.md,
+"Converter-built images"): given ``inline`` (entry number -> the file's bytes), those regular
+files hold their data in the image itself, laid out as directories and symlinks are (whole
+image blocks, and a tail inline after the inode when it fits in the inode's block), so a read
+of a small file is served from the image and never reaches the blob.  Without ``inline``
+the bytes are exactly those of the node-built image.
+
 Written with erofs-utils 1.5 (Debian 12's fsck.erofs/dump.erofs) and the kernel's
 ``fs/erofs/erofs_fs.h`` in mind: 4 KiB blocks, extended (64-byte) inodes only, inline
 xattrs with the short name prefixes only, no shared xattrs, no compression.
@@ -28,7 +35,7 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterator, Mapping
 
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
 
@@ -225,8 +232,9 @@ class _Inode:
 class _Layout:
     """Pass one: every inode's nid, layout and data blocks, every directory's sorted names."""
 
-    def __init__(self, index: LayerIndex) -> None:
+    def __init__(self, index: LayerIndex, inline: Mapping[int, bytes] | None = None) -> None:
         self.index = index
+        self.inline = inline or {}
         self.bits = chunk_bits(index)
         if index.blob_size // BLOCK_SIZE > NULL_ADDR - 1:
             raise ErofsError(f"the blob of {len(index.blocks)} blocks of {index.block_size} bytes is past EROFS's 32-bit block addresses")
@@ -262,7 +270,11 @@ class _Layout:
             nlink = 2 + subdirs[number] if entry.type is EntryType.DIR else links[number]
             inode = _Inode(0, LAYOUT_FLAT_PLAIN, 0, xattrs, icount, nlink, len(self.inodes) + 1)
             self._check_fields(entry, what, nlink)
-            if entry.type is EntryType.FILE and entry.size:
+            if entry.type is EntryType.FILE and entry.size and number in self.inline:
+                if len(self.inline[number]) != entry.size:
+                    raise ErofsError(f"{what}: {len(self.inline[number])} bytes given for a file of {entry.size}")
+                inode.size = entry.size  # data in the image, placed as a directory's (FLAT_*)
+            elif entry.type is EntryType.FILE and entry.size:
                 inode.layout, inode.size = LAYOUT_CHUNK_BASED, entry.size
                 inode.chunks = len(entry.blocks)
             elif entry.type is EntryType.DIR:
@@ -362,8 +374,12 @@ class _Writer:
         self.buffer = bytearray()
 
 
-def write_image(index: LayerIndex, out: BinaryIO) -> int:
+def write_image(index: LayerIndex, out: BinaryIO, *, inline: Mapping[int, bytes] | None = None) -> int:
     """Write the EROFS image of ``index`` to ``out`` (sequentially, no seeks) and return its size in bytes.
+
+    ``inline`` maps entry numbers of non-empty regular files to their bytes: those files
+    hold their data in the image (the converter's images); every other file is chunk-mapped
+    onto the blob.  Whoever passes ``inline`` has checked the bytes against the index.
 
     ``index`` is one :meth:`LayerIndex.validate` accepted -- every index is: decoding
     and the converter check it -- so it is not checked again here (that would double
@@ -371,7 +387,7 @@ def write_image(index: LayerIndex, out: BinaryIO) -> int:
     Memory is a few small records per entry besides the index itself, whatever the
     layer's data size.
     """
-    layout = _Layout(index)
+    layout = _Layout(index, inline)
     entries = index.entries
     writer = _Writer(out)
     superblock = _SUPER.pack(
@@ -406,10 +422,10 @@ def image_size(index: LayerIndex) -> int:
     return _Layout(index).blocks * BLOCK_SIZE
 
 
-def build_image(index: LayerIndex) -> bytes:
+def build_image(index: LayerIndex, *, inline: Mapping[int, bytes] | None = None) -> bytes:
     """The EROFS image of ``index`` as bytes (see :func:`write_image`)."""
     out = io.BytesIO()
-    write_image(index, out)
+    write_image(index, out, inline=inline)
     return out.getvalue()
 
 
@@ -442,8 +458,10 @@ def _chunk_indexes(index: LayerIndex, entry: Entry) -> bytes:
 
 
 def _data(layout: _Layout, number: int) -> bytes:
-    """The data of a directory (its dirents) or symlink (its target) entry."""
+    """The data of a directory (its dirents), symlink (its target) or inline file (its bytes) entry."""
     entry = layout.index.entries[number]
+    if entry.type is EntryType.FILE:
+        return layout.inline[number]
     if entry.type is EntryType.SYMLINK:
         return os.fsencode(entry.target)
     nids = layout.inodes

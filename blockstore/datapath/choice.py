@@ -4,8 +4,9 @@ A node serves every layer one way, chosen once at the layer server's start
 (``--data-path``, the snapshotter's ``[fuse] data_path``):
 
 * ``erofs``: the kernel's EROFS answers the tree, file-backed (Linux 6.12+): one
-  metadata image per layer (:mod:`blockstore.objects.erofs_image`, built from the verified index
-  and cached under ``ROOT/layers/erofs/``) mounted at ``ROOT/layers/lower/<slot>``
+  metadata image per layer (:mod:`blockstore.objects.erofs_image`: the converter's, fetched from
+  the store, verified and checked (:meth:`ErofsLayers.install_image`), or for a conversion
+  without one built from the verified index; cached under ``ROOT/layers/erofs/``) mounted at ``ROOT/layers/lower/<slot>``
   with ``device=`` the layer's FUSE blob file (``ROOT/layers/mnt/blobs/<slot>``); FUSE
   sees only block reads of the blob.
 * ``loop``: the same, the image and the blob each behind a read-only loop device
@@ -28,8 +29,10 @@ FUSE session's blob).
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,10 +58,33 @@ FILESYSTEMS = "/proc/filesystems"
 DATA_PATH = prometheus_client.Gauge(
     "bootseer_layer_server_data_path", "1 for the data path this layer server serves layers by", ["path"]
 )
+IMAGES = prometheus_client.Counter(
+    "bootseer_layer_images",
+    "EROFS images of layers made ready to mount, by where they came from: store (the converter's, fetched "
+    "and checked), cached (on this node already), built (from the index: a conversion without an image), "
+    "refused (the store's failed its digest or its check: the layer is not served)",
+    ["source"],
+)
+for _source in ("store", "cached", "built", "refused"):
+    IMAGES.labels(_source)
+
+
+class ImageRefused(Exception):
+    """A layer's EROFS image from the store that must not reach the kernel (the message says why)."""
 
 
 class DataPathUnavailable(Exception):
     """A forced data path this kernel cannot give (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ImageCheck:
+    """What a store's image is checked against before a mount: its layer's blob size and chunk
+    size (the index's) and how many inodes it may have (the index's entries)."""
+
+    blob_size: int
+    chunk_size: int
+    max_inodes: int
 
 
 @dataclass(frozen=True)
@@ -157,19 +183,54 @@ class ErofsLayers:
         return self.paths.lower_dir(slot, self.path)
 
     def image_path(self, index_name: str) -> Path:
+        """Where the image a node builds from index ``index_name`` is cached."""
         return self.images / image_cache_name(index_name)
+
+    def store_image_path(self, image_name: str) -> Path:
+        """Where the converter's image of table ``image_name`` is kept once verified and checked (a name
+        no build has: the two never stand for each other)."""
+        if len(image_name) != 64 or image_name.strip("0123456789abcdef"):
+            raise ValueError(f"image name is not 64 hex digits: {image_name!r}")
+        return self.images / f"{image_name}.erofs-store"
+
+    def install_image(self, image_name: str, sha256: str, pieces: Sequence[bytes], *, check: ImageCheck | None) -> Path:
+        """Keep the converter's image ``image_name`` made of ``pieces`` (verified blocks of its table).
+
+        Its SHA-256 must be ``sha256``, and ``check`` (None: its record is signed by a trusted
+        converter) must accept it (:func:`~bootseer.blockstore.datapath.erofs_check.check_image`)
+        before it is written (temp name + rename); else ImageRefused naming why, and nothing is
+        written.  CPU work proportional to the image: run it in a worker thread.
+        """
+        path = self.store_image_path(image_name)
+        image = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if hashlib.sha256(image).hexdigest() != sha256:
+            raise ImageRefused(f"the image's bytes do not hash to the sha256 its table names ({sha256[:12]}...)")
+        if check is not None:
+            from bootseer.blockstore.datapath.erofs_check import ImageRefused as ImageError, check_image  # TEMP until merged
+
+            try:
+                check_image(image, blob_size=check.blob_size, chunk_size=check.chunk_size, max_inodes=check.max_inodes)
+            except ImageError as exc:
+                raise ImageRefused(f"the image fails its check: {exc}") from None
+        with replacing(path, durable=False) as out:  # a cache: a lost image is fetched again
+            out.write(image)
+        return path
 
     def prepare(self) -> None:
         """Create the directories, remove half-written images, and lazily unmount every mount on
         ``lower/`` (a killed server's: their blob device was its FUSE session, now dead)."""
         for directory in (self.images, self.lowers):
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for stale in self.images.glob(".*.tmp-*"):
+        for stale in self.images.glob(".*.tmp"):  # bootseer.atomic.replacing's temp names
             stale.unlink(missing_ok=True)
         for lower in self.lowers.iterdir():
             while os.path.ismount(lower):
                 log.warning("unmounting a stale EROFS mount left by a server that is gone", lower_dir=str(lower))
                 unmount_erofs(lower, lazy=True)
+
+    def cached(self, path: Path) -> bool:
+        """Whether ``path`` (a :meth:`store_image_path`) is on this node already: it was checked when it was kept."""
+        return path.is_file()
 
     def ensure_image(self, index: LayerIndex, index_name: str) -> Path:
         """The cached image of ``index``, built (temp name + rename) if missing or of the wrong size."""
@@ -196,9 +257,8 @@ class ErofsLayers:
         mount_erofs(image, lower, device=blob, loop=self.path == "loop", read_ahead_kb=LayersRoot.read_ahead_kb)
         return str(lower)
 
-    async def mount(self, slot: int, index: LayerIndex, index_name: str) -> str:
-        """Mount the layer in ``slot`` (its blob must be served already); its lower dir."""
-        image = await trio.to_thread.run_sync(self.ensure_image, index, index_name, limiter=self._threads)
+    async def mount(self, slot: int, image: Path) -> str:
+        """Mount ``image`` as the layer in ``slot`` (its blob must be served already); its lower dir."""
         return await trio.to_thread.run_sync(self._mount, slot, image)
 
     def _unmount(self, slot: int) -> None:
@@ -217,8 +277,11 @@ class ErofsLayers:
         """Unmount the layer in ``slot`` (lazily if it is busy); nothing if it is not mounted."""
         await trio.to_thread.run_sync(self._unmount, slot)
 
-    def remove_image(self, index_name: str) -> None:
+    def remove_image(self, index_name: str, image_name: str = "") -> None:
+        """Remove the images of a layer no longer served: built from ``index_name``, and the store's ``image_name``."""
         self.image_path(index_name).unlink(missing_ok=True)
+        if image_name:
+            self.store_image_path(image_name).unlink(missing_ok=True)
 
     def _detach_all(self) -> None:
         for lower in self.lowers.iterdir():
@@ -238,5 +301,8 @@ __all__ = [
     "DataPathUnavailable",
     "EROFS_PATHS",
     "ErofsLayers",
+    "IMAGES",
+    "ImageCheck",
+    "ImageRefused",
     "announce",
 ]

@@ -89,6 +89,15 @@ class PackList(Protocol):
     def packs(self) -> Sequence[str]: ...
 
 
+class BlockTable(PackList, Protocol):
+    """Blocks to fetch by number and the packs they lie in: a layer's index, or the table of a layer's
+    EROFS image (:class:`~bootseer.blockstore.objects.format.LayerImage`), whose blocks are fetched,
+    verified, cached and shared with peers as a layer's are."""
+
+    @property
+    def blocks(self) -> Sequence[Block]: ...
+
+
 class _PeerRequest(NamedTuple):
     """The one pack of a block a peer asked for (a :class:`PackList`)."""
 
@@ -185,7 +194,7 @@ class BlockFetcher:
         """The limiter of the worker threads that cache I/O, decompression and hashing run in."""
         return self._threads
 
-    def _counters_of(self, index: LayerIndex) -> LayerCounters:
+    def _counters_of(self, index: PackList) -> LayerCounters:
         label = layer_label(index)
         counters = self._counters.get(label)
         if counters is None:
@@ -197,7 +206,7 @@ class BlockFetcher:
 
     async def blocks(
         self,
-        index: LayerIndex,
+        index: BlockTable,
         refs: Sequence[int],
         priority: Priority = Priority.DEMAND,
         *,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import prometheus_client
 
-from bootseer.blockstore.objects.format import LayerIndex
+from bootseer.blockstore.objects.format import LayerImage, LayerIndex
 
 BLOCKS = prometheus_client.Counter(
     "bootseer_blocks",
@@ -88,6 +88,6 @@ class LayerCounters:
         )
 
 
-def layer_label(index: LayerIndex) -> str:
+def layer_label(index: LayerIndex | LayerImage) -> str:
     """A layer's name in metrics: its diff ID, shortened as ``docker images`` does."""
     return index.diff_id[: len("sha256:") + 12]

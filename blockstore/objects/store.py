@@ -43,10 +43,13 @@ from urllib.parse import unquote, urlsplit
 import trio
 
 from bootseer.blockstore.objects.format import (
+    MAX_IMAGE_TABLE_BYTES,
     ChainRecord,
     FormatError,
+    LayerImage,
     LayerIndex,
     chain_object,
+    image_object,
     index_limits,
     index_object,
     sealed_size_bound,
@@ -733,6 +736,17 @@ class StoreReader:
         if found is None:
             raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names index {record.index}, which is missing")
         return found
+
+    async def image(self, record: ChainRecord) -> LayerImage:
+        """The table of the EROFS image ``record`` names (:class:`LayerImage`), verified against ``record.image``."""
+
+        async def decode(data: bytes) -> LayerImage:
+            return LayerImage.decode(data, record=record)  # a few rows: on the trio thread
+
+        found = await self._read_decoded(image_object(record.image), sealed_size_bound(MAX_IMAGE_TABLE_BYTES), decode)
+        if found is None:
+            raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names image {record.image}, which is missing")
+        return found[0]
 
 
 @asynccontextmanager

@@ -67,7 +67,17 @@ from bootseer.blockstore.server.control_socket import serve_control
 from bootseer.blockstore.server.index_copies import IndexCopies
 from bootseer.blockstore.server.extension import ExtensionFactory, ServerExtension
 from bootseer.blockstore.server.ops import ControlOps
-from bootseer.blockstore.datapath.choice import EROFS_PATHS, FILESYSTEMS, DataPathChoice, DataPathProbe, ErofsLayers, announce
+from bootseer.blockstore.datapath.choice import (
+    EROFS_PATHS,
+    FILESYSTEMS,
+    IMAGES,
+    DataPathChoice,
+    DataPathProbe,
+    ErofsLayers,
+    ImageCheck,
+    ImageRefused,
+    announce,
+)
 from bootseer.blockstore.objects.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
@@ -273,6 +283,52 @@ class LayerServer:
             raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
         return record, index, data
 
+    async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str) -> Path:
+        """The EROFS image to mount for ``record``'s layer (verified ``index``): the converter's, or
+        for a conversion without one, built here from the index (one log line, and the metric).
+
+        The converter's is fetched as a layer's blocks are (node cache, peers, store; each block
+        verified), must hash to the SHA-256 its table names, and unless the record's converter
+        is trusted by signature (keys configured: :meth:`_check_trust` passed), must pass the
+        bounded check (:mod:`~bootseer.blockstore.datapath.erofs_check`) before the kernel sees
+        it.  LayerCorrupt (the snapshotter then downloads the layer) when it is refused.
+        """
+        from bootseer.blockstore.objects.store import StoreReader
+
+        assert self.erofs is not None
+        if not record.image:
+            if not self.erofs.image_path(record.index).exists():
+                log.info("layer has no converter-built EROFS image (an older conversion): building it from its index",
+                         chain_id=record.chain_id, entries=len(index.entries))  # fmt: skip
+            try:
+                path = await trio.to_thread.run_sync(self.erofs.ensure_image, index, record.index, limiter=self.decode_threads)
+            except ErofsError as exc:
+                raise LayerCorrupt(f"{record.chain_id}: its index cannot be an EROFS image: {exc}") from None
+            IMAGES.labels("built").inc()
+            return path
+        path = self.erofs.store_image_path(record.image)
+        if self.erofs.cached(path):
+            IMAGES.labels("cached").inc()
+            return path
+        engine, fetcher = await self.fetcher(store)
+        try:
+            table = await StoreReader(engine, threads=self.decode_threads).image(record)
+            pieces = await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
+            check = None if self.config.trust.enforced("chain") else ImageCheck(index.blob_size, index.block_size, len(index.entries))
+            install = functools.partial(self.erofs.install_image, record.image, table.sha256, pieces, check=check)
+            path = await trio.to_thread.run_sync(install, limiter=self.decode_threads)
+        except (FormatError, ImageRefused) as exc:
+            IMAGES.labels("refused").inc()
+            log.warning("the store's EROFS image of the layer is refused; the layer is not served lazily",
+                        chain_id=record.chain_id, image=record.image, error=str(exc))  # fmt: skip
+            raise LayerCorrupt(f"{record.chain_id}: its EROFS image {record.image[:12]} is refused: {exc}") from None
+        except (FetchError, SourceError) as exc:
+            raise StoreUnavailable(f"{record.chain_id}: the store {engine.url} failed to give its EROFS image: {exc}") from None
+        IMAGES.labels("store").inc()
+        log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=table.size,
+                 checked=check is not None)  # fmt: skip
+        return path
+
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
         from bootseer.blockstore.node.layer_reader import LayerReader
 
@@ -338,7 +394,7 @@ class LayerServer:
                 continue
             if self.erofs is not None:
                 try:
-                    await self._mount_erofs(layer, layer.tree.index)
+                    await self._mount_erofs(layer, layer.tree.index, await self._layer_image(layer.record, layer.tree.index, layer.store))
                 except LayerServerError as exc:
                     layer.tree, layer.error = None, str(exc)
                     self._stop_serving(layer)
@@ -370,13 +426,11 @@ class LayerServer:
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.lower_dir(layer.slot)}
 
-    async def _mount_erofs(self, layer: Layer, index: LayerIndex) -> None:
-        """Mount ``layer``'s EROFS image over its blob (served already); LayerServerError naming why not."""
+    async def _mount_erofs(self, layer: Layer, index: LayerIndex, image: Path) -> None:
+        """Mount ``layer``'s EROFS ``image`` over its blob (served already); LayerServerError naming why not."""
         assert self.erofs is not None
         try:
-            await self.erofs.mount(layer.slot, index, layer.record.index)
-        except ErofsError as exc:
-            raise LayerCorrupt(f"{layer.chain_id}: its index cannot be an EROFS image: {exc}") from None
+            await self.erofs.mount(layer.slot, image)
         except OSError as exc:
             raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot mount its EROFS image: {exc}") from None
 
@@ -415,11 +469,9 @@ class LayerServer:
                 raise StoreUnavailable(
                     f"{chain_id}: the store {redact_url(store)} did not give its chain record and index in {self.config.load_timeout:g}s"
                 )
-            if self.erofs is not None:  # O(entries), cached by index: built before the table lock, for any slot
-                try:
-                    await trio.to_thread.run_sync(self.erofs.ensure_image, index, record.index, limiter=self.decode_threads)
-                except ErofsError as exc:
-                    raise LayerCorrupt(f"{chain_id}: its index cannot be an EROFS image: {exc}") from None
+            image = None
+            if self.erofs is not None:  # fetched (or built) and cached before the table lock, for any slot
+                image = await self._layer_image(record, index, store)
             async with self.layers.lock:
                 if layer is None:
                     layer = Layer(chain_id, self.layers.free_slot(self._slot_referenced), store, record)
@@ -433,9 +485,9 @@ class LayerServer:
                 added = await self.layers.add(layer)
                 layer.tree, layer.error = tree, ""
                 self.root.layers[layer.slot] = tree
-                if self.erofs is not None:  # the blob is served now: EROFS can take it as its device
+                if image is not None:  # the blob is served now: EROFS can take it as its device
                     try:
-                        await self._mount_erofs(layer, index)
+                        await self._mount_erofs(layer, index, image)
                     except LayerServerError as exc:
                         layer.tree, layer.error = None, str(exc)
                         self._stop_serving(layer)
@@ -482,7 +534,7 @@ class LayerServer:
             if not any(other.record.index == layer.record.index for other in self.layers.values()):
                 self.indexes.remove(layer.record)
                 if self.erofs is not None:
-                    self.erofs.remove_image(layer.record.index)
+                    self.erofs.remove_image(layer.record.index, layer.record.image)
         LAYERS.set(len(self.root.layers))
         log.info("unmounted layer", chain_id=chain_id, slot=layer.slot)
         return {"chain_id": chain_id, "slot": layer.slot}

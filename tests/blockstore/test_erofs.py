@@ -25,6 +25,7 @@ from typing import Iterator
 
 import pytest
 
+from bootseer.blockstore.convert.layer_image import inline_candidates
 from bootseer.blockstore.datapath import erofs_mount
 from bootseer.blockstore.objects import erofs_image as erofs
 from bootseer.blockstore.objects.erofs_image import (
@@ -36,7 +37,7 @@ from bootseer.blockstore.objects.erofs_image import (
 )
 from bootseer.blockstore.datapath.erofs_mount import ErofsMount, ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.objects.format import ZERO_PACK, Block, Entry, EntryType, LayerIndex
-from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layer_store import BuiltLayer, build_store, stored_image
 from tests.support.mounts import force_unmount, mount_entry
 from tests.support.oci import (
     APP_FILE,
@@ -109,26 +110,36 @@ def extracted(built: tuple[Path, list[BuiltLayer]], tmp_path_factory: pytest.Tem
     return [base / str(number) for number in range(len(built[1]))]
 
 
-def write_blob(store: Path, index: LayerIndex, path: Path) -> None:
-    """The layer's blob as the layer server will serve it: block ``n`` (verified) at ``n * block_size``."""
+def write_blob(store: Path, index: LayerIndex, path: Path, skip: set[int] = set()) -> None:
+    """The layer's blob as the layer server will serve it: block ``n`` (verified) at ``n * block_size``
+    (zeros for the blocks ``skip`` names)."""
     with open(path, "wb") as blob:
         blob.truncate(index.blob_size)
         for number, block in enumerate(index.blocks):
-            if not block.is_zero:
+            if not block.is_zero and number not in skip:
                 blob.seek(index.blob_offset(number))
                 blob.write(read_block(store, index, number))
 
 
-@pytest.fixture(scope="module")
-def images(built: tuple[Path, list[BuiltLayer]], disk_dir: Path) -> list[tuple[Path, Path]]:
-    """(image, blob) of each test layer, on disk."""
+@pytest.fixture(scope="module", params=["node-built", "converter-built"])
+def images(request: pytest.FixtureRequest, built: tuple[Path, list[BuiltLayer]], disk_dir: Path) -> list[tuple[Path, Path]]:
+    """(image, blob) of each test layer, on disk: the image a node builds from the index, or the one the
+    converter stored (its small files' data inside; their blocks are then zeros in this blob, so a test
+    that reads them right read them from the image)."""
     store, layers = built
     out = []
     for number, layer in enumerate(layers):
-        image, blob = disk_dir / f"layer{number}.erofs", disk_dir / f"layer{number}.blob"
-        with open(image, "wb") as f:
-            write_image(layer.index, f)
-        write_blob(store, layer.index, blob)
+        image, blob = disk_dir / f"layer{number}-{request.param}.erofs", disk_dir / f"layer{number}-{request.param}.blob"
+        if request.param == "node-built":
+            with open(image, "wb") as f:
+                write_image(layer.index, f)
+            write_blob(store, layer.index, blob)
+        else:
+            table, data = stored_image(store, layer.record)
+            image.write_bytes(data)
+            inline = inline_candidates(layer.index, table.inline_max)
+            assert inline, "the test layers have small files"
+            write_blob(store, layer.index, blob, skip={layer.index.entries[n].blocks[0] for n in inline})
         out.append((image, blob))
     return out
 

@@ -283,13 +283,24 @@ class LayerServer:
             raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
         return record, index, data
 
+    def _signed_by_converter(self, record: ChainRecord) -> bool:
+        """Whether a converter key this node trusts signed ``record`` (never without keys; a dependency
+        layer served on its deps record's word is not: that record names its index, not its image)."""
+        if not self.config.trust.enforced("chain"):
+            return False
+        try:
+            self.config.trust.check("chain", record.signature_check(), f"the chain record of {record.chain_id}")
+        except Untrusted:
+            return False
+        return True
+
     async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str) -> Path:
         """The EROFS image to mount for ``record``'s layer (verified ``index``): the converter's, or
         for a conversion without one, built here from the index (one log line, and the metric).
 
         The converter's is fetched as a layer's blocks are (node cache, peers, store; each block
-        verified), must hash to the SHA-256 its table names, and unless the record's converter
-        is trusted by signature (keys configured: :meth:`_check_trust` passed), must pass the
+        verified), must hash to the SHA-256 its table names, and unless a trusted converter
+        signed the record (:meth:`_signed_by_converter`), must pass the
         bounded check (:mod:`~bootseer.blockstore.datapath.erofs_check`) before the kernel sees
         it.  LayerCorrupt (the snapshotter then downloads the layer) when it is refused.
         """
@@ -314,7 +325,7 @@ class LayerServer:
         try:
             table = await StoreReader(engine, threads=self.decode_threads).image(record)
             pieces = await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
-            check = None if self.config.trust.enforced("chain") else ImageCheck(index.blob_size, index.block_size, len(index.entries))
+            check = None if self._signed_by_converter(record) else ImageCheck(index.blob_size, index.block_size, len(index.entries))
             install = functools.partial(self.erofs.install_image, record.image, table.sha256, pieces, check=check)
             path = await trio.to_thread.run_sync(install, limiter=self.decode_threads)
         except (FormatError, ImageRefused) as exc:

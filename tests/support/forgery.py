@@ -4,7 +4,8 @@
 ``diff_id`` (so every check a node can make without the tar passes) whose file at
 ``path`` is the blocks of another layer's file (the attacker's, already in the store),
 and a new chain record naming it, unsigned or signed by whatever key is given.
-:func:`rewrite_index` stores any hand-written index for a layer the same way.
+:func:`rewrite_index` stores any hand-written index for a layer the same way, and
+:func:`replace_image` any bytes as a layer's EROFS image (a consistent table: every digest right).
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ import hashlib
 from pathlib import Path
 from typing import Callable
 
-from bootseer.blockstore.objects.format import ChainRecord, LayerIndex, chain_object, index_object
+import zstandard
+
+from bootseer.blockstore.objects.format import (
+    Block, ChainRecord, LayerImage, LayerIndex, chain_object, image_object, index_object, pack_object,
+)  # fmt: skip
 from bootseer.blockstore.objects.signing import SigningKey
 from bootseer.blockstore.objects.store import FileStoreWriter
 
@@ -64,6 +69,34 @@ def rewrite_index(store: Path, chain: str, change: Callable[[LayerIndex], LayerI
     name = hashlib.sha256(data).hexdigest()
     writer.put(index_object(name), data)
     new = dataclasses.replace(record, index=name, signatures=(), signed=None)
+    if sign is not None:
+        new = new.sign(sign)
+    writer.put(chain_object(chain), new.encode())
+    return new
+
+
+def replace_image(store: Path, chain: str, image: bytes, *, sign: SigningKey | None = None,
+                  sha256: str | None = None) -> ChainRecord:  # fmt: skip
+    """Make ``image`` layer ``chain``'s EROFS image: its blocks in a new pack, a table naming them (and
+    ``sha256`` as the whole image's, by default the right one), a chain record naming the table,
+    unsigned or signed by ``sign``.  What a writer with no converter key can do; the new record."""
+    writer = FileStoreWriter(store)
+    record, index = _layer(writer, chain)
+    size = index.block_size
+    pack, blocks = bytearray(), []
+    for start in range(0, len(image), size):
+        piece = image[start : start + size]
+        compressed = zstandard.ZstdCompressor().compress(piece)
+        blocks.append(Block(hashlib.sha256(piece).hexdigest(), 0, len(pack), len(compressed), len(piece)))
+        pack += compressed
+    pack_name = hashlib.sha256(pack).hexdigest()
+    writer.put(pack_object(pack_name), bytes(pack))
+    table = LayerImage(diff_id=record.diff_id, index=record.index, sha256=sha256 or hashlib.sha256(image).hexdigest(),
+                       size=len(image), block_size=size, inline_max=4096, writer=1, blocks=blocks, packs=[pack_name])  # fmt: skip
+    data = table.encode()
+    name = hashlib.sha256(data).hexdigest()
+    writer.put(image_object(name), data)
+    new = dataclasses.replace(record, image=name, signatures=(), signed=None)
     if sign is not None:
         new = new.sign(sign)
     writer.put(chain_object(chain), new.encode())

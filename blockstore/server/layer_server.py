@@ -97,6 +97,7 @@ from bootseer.fetch.sources import redact_url
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
 from bootseer.locks import TrioKeyedLocks
 from bootseer.log import get_logger
+from bootseer.profile import events as profile_events
 from bootseer.profile import hooks as profile_hooks
 
 log = get_logger(__name__)
@@ -295,6 +296,13 @@ class LayerServer:
         return True
 
     async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str) -> Path:
+        """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler (its source and bytes)."""
+        with profile_events.span("layer.image", phase="image", chain_id=record.chain_id) as span:
+            path, span["source"] = await self._get_image(record, index, store)
+            span["bytes"] = path.stat().st_size if span["source"] == "store" else 0
+            return path
+
+    async def _get_image(self, record: ChainRecord, index: LayerIndex, store: str) -> tuple[Path, str]:
         """The EROFS image to mount for ``record``'s layer (verified ``index``): the converter's, or
         for a conversion without one, built here from the index (one log line, and the metric).
 
@@ -316,11 +324,11 @@ class LayerServer:
             except ErofsError as exc:
                 raise LayerCorrupt(f"{record.chain_id}: its index cannot be an EROFS image: {exc}") from None
             IMAGES.labels("built").inc()
-            return path
+            return path, "built"
         path = self.erofs.store_image_path(record.image)
         if self.erofs.cached(path):
             IMAGES.labels("cached").inc()
-            return path
+            return path, "cached"
         engine, fetcher = await self.fetcher(store)
         try:
             table = await StoreReader(engine, threads=self.decode_threads).image(record)
@@ -338,7 +346,7 @@ class LayerServer:
         IMAGES.labels("store").inc()
         log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=table.size,
                  checked=check is not None)  # fmt: skip
-        return path
+        return path, "store"
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
         from bootseer.blockstore.node.layer_reader import LayerReader
@@ -438,10 +446,12 @@ class LayerServer:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.lower_dir(layer.slot)}
 
     async def _mount_erofs(self, layer: Layer, index: LayerIndex, image: Path) -> None:
-        """Mount ``layer``'s EROFS ``image`` over its blob (served already); LayerServerError naming why not."""
+        """Mount ``layer``'s EROFS ``image`` over its blob (served already); LayerServerError naming why not.
+        One ``layer.mount`` span of the start-up profiler."""
         assert self.erofs is not None
         try:
-            await self.erofs.mount(layer.slot, image)
+            with profile_events.span("layer.mount", phase="image", chain_id=layer.chain_id):
+                await self.erofs.mount(layer.slot, image)
         except OSError as exc:
             raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot mount its EROFS image: {exc}") from None
 
@@ -474,7 +484,8 @@ class LayerServer:
                 store = layer.store
             # The engine fails a store that errors within retry_timeout; this bounds one that
             # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
-            with trio.move_on_after(self.config.load_timeout) as loading:
+            with trio.move_on_after(self.config.load_timeout) as loading, \
+                    profile_events.span("layer.index", phase="image", chain_id=chain_id):
                 record, index, data = await self._fetch_layer(chain_id, store, deps_index)
             if loading.cancelled_caught:
                 raise StoreUnavailable(

@@ -38,6 +38,7 @@ from typing import BinaryIO, Iterable
 
 from bootseer import __version__, confined
 from bootseer.blockstore.convert.converter import ConversionError, DedupTable, convert_layer, verify_layer
+from bootseer.blockstore.convert.layer_image import DEFAULT_INLINE_MAX
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, OVERLAY_XATTR_PREFIX, EntryType, LayerIndex, index_object
 from bootseer.images.chains import chain_id
 from bootseer.blockstore.objects.signing import SigningKey
@@ -447,9 +448,12 @@ def publish_capture(
     spool_dir: str | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     sign_key: SigningKey | None = None,
+    inline_max: int | None = DEFAULT_INLINE_MAX,
 ) -> CaptureResult:
     """Make ``change`` a layer in ``writer``'s store, verify it against ``root``, then publish the deps record
     (signed by ``sign_key``, the node's key, if given: it names the layer's index, so it vouches for the layer).
+    The layer is published with its EROFS image, files of at most ``inline_max`` bytes inside
+    (None: none; a node then builds the image from the index), so a restore mounts it and builds nothing.
 
     Raises CaptureError (nothing published: the tree changed, an entry cannot be
     stored, the layer does not match) or StoreError (the store failed).  Returns a
@@ -465,7 +469,8 @@ def publish_capture(
             with open(tar_path, "rb") as blob:
                 result = convert_layer(writer, table, blob, chain=chain, parent=parent, diff_id=diff_id, digest=diff_id,
                                        media_type=LAYER_MEDIA_TYPE, size=size, block_size=block_size,
-                                       compression="none", spool_dir=spool, label=f"deps {key[:12]}")  # fmt: skip
+                                       compression="none", spool_dir=spool, label=f"deps {key[:12]}",
+                                       inline_max=inline_max)  # fmt: skip
         except ConversionError as exc:
             raise CaptureError(str(exc)) from None
     chain_record = verify_layer(writer, chain)

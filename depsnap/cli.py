@@ -115,6 +115,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--converter-key", action="append", default=[], metavar="FILE",
                      help="for the layer server this starts: serve only conversions this key signed; repeatable")  # fmt: skip
     run.add_argument("--sign-key", metavar="FILE", help="this node's private key: signs the capture it publishes")
+    run.add_argument("--no-image", dest="image", action="store_false",
+                     help="publish the capture without its EROFS image (a restore then builds it from the index)")
     run.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD...")
     run.set_defaults(func=run_command)
 
@@ -179,6 +181,7 @@ def key_command(args: argparse.Namespace) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from bootseer.blockstore.convert.layer_image import DEFAULT_INLINE_MAX
     from bootseer.blockstore.server.client import ServerSettings
     from bootseer.blockstore.objects.signing import KeyFileError
     from bootseer.hotlist.format import HotListError, check_profile
@@ -199,7 +202,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         outcome = run(argv, prefix=args.prefix, store=args.store, publish_store=args.publish_store, root=args.root,
                       python=args.python, extra_files=args.input, settings=settings, publish=not args.no_publish,
-                      hotlist_profile=args.hotlist_profile, scope=args.scope)  # fmt: skip
+                      hotlist_profile=args.hotlist_profile, scope=args.scope,
+                      inline_max=DEFAULT_INLINE_MAX if args.image else None)  # fmt: skip
     except (DepsKeyError, DepsError, KeyFileError) as exc:
         return _error(str(exc))
     except OSError as exc:

@@ -50,6 +50,7 @@ import prometheus_client
 import trio
 
 from bootseer.atomic import write_atomically
+from bootseer.blockstore.convert.layer_image import DEFAULT_INLINE_MAX
 from bootseer.blockstore.datapath.overlay import overlay_options
 from bootseer.blockstore.server import client as control
 from bootseer.blockstore.objects.format import FormatError
@@ -337,6 +338,7 @@ def run(
     publish: bool = True,
     hotlist_profile: str = "",
     scope: str = "",
+    inline_max: int | None = DEFAULT_INLINE_MAX,
 ) -> RunOutcome:
     """Restore the dependency snapshot of this install at ``prefix``, or run the install and capture it.
 
@@ -345,7 +347,8 @@ def run(
     capture is signed.  KeyFileError if a key file is bad.
 
     ``scope``: an input of the key (:func:`bootseer.depsnap.key.compute_key`): snapshots of
-    other scopes are neither restored nor replaced.
+    other scopes are neither restored nor replaced.  ``inline_max``: the capture's EROFS image
+    holds files of at most that many bytes (None: it is published without an image).
     """
     settings = settings or control.ServerSettings(store=store)
     trust = TrustPolicy.load(settings.converter_keys, settings.writer_keys)
@@ -367,7 +370,7 @@ def run(
                     # Installed here, its capture interrupted (killed, store down): the change is all
                     # of the prefix, so it can be captured now.
                     return _capture(node, argv, prefix_path, key, {}, scan(prefix_path), state, store, publish_store,
-                                    sign_key)  # fmt: skip
+                                    sign_key, inline_max)  # fmt: skip
                 return RunOutcome("present", key.key, detail=f"{prefix_path} holds this install already ({state.state})")
             if state.state == "restored" and is_mountpoint(prefix_path):
                 raise DepsError(f"{prefix_path} holds the restored snapshot {state.key[:12]} of another install; "
@@ -393,12 +396,12 @@ def run(
                 except DepsError as exc:
                     # Never a failed job for want of a snapshot: install as without one.
                     log.warning("the dependency snapshot cannot be restored; installing", key=key.key, error=str(exc))
-        return _install_and_capture(node, argv, prefix_path, key, env, store, publish_store, publish, sign_key)
+        return _install_and_capture(node, argv, prefix_path, key, env, store, publish_store, publish, sign_key, inline_max)
 
 
 def _install_and_capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, env: dict[str, str],
                          store: str | None, publish_store: str | None, publish: bool,
-                         sign_key: SigningKey | None) -> RunOutcome:  # fmt: skip
+                         sign_key: SigningKey | None, inline_max: int | None) -> RunOutcome:  # fmt: skip
     before = scan(prefix)
     child_env = {**env, PREFIX_ENV: str(prefix)}
     try:
@@ -414,12 +417,12 @@ def _install_and_capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key:
     node.save_state(state)
     if not publish or not (publish_store or store):
         return RunOutcome("installed", key.key, detail="installed; not published (no store given)")
-    return _capture(node, argv, prefix, key, before, after, state, store, publish_store, sign_key)
+    return _capture(node, argv, prefix, key, before, after, state, store, publish_store, sign_key, inline_max)
 
 
 def _capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, before: Tree, after: Tree,
              state: PrefixState, store: str | None, publish_store: str | None,
-             sign_key: SigningKey | None) -> RunOutcome:  # fmt: skip
+             sign_key: SigningKey | None, inline_max: int | None) -> RunOutcome:  # fmt: skip
     """Publish the change from ``before`` to ``after`` under ``key``; the state remembers that it is published."""
     target = publish_store or store
     assert target
@@ -435,7 +438,7 @@ def _capture(node: NodeRoot, argv: Sequence[str], prefix: Path, key: DepsKey, be
         with writer:
             result = publish_capture(writer, key=key.key, root=prefix, tree=after, change=change, mode="prefix",
                                      prefix=str(prefix), command=list(argv), inputs=key.inputs,
-                                     spool_dir=str(node.spool), sign_key=sign_key)  # fmt: skip
+                                     spool_dir=str(node.spool), sign_key=sign_key, inline_max=inline_max)  # fmt: skip
     except (CaptureError, StoreError) as exc:
         log.error("the install worked but its capture was not published", key=key.key, error=str(exc))
         return RunOutcome("installed", key.key, detail=f"installed; not published: {exc}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -26,6 +27,7 @@ from bootseer.blockstore.objects.store import open_store_writer
 from bootseer.depsnap.capture import diff, publish_capture, scan
 from bootseer.depsnap.key import DepsKeyError, compute_key, strip_credentials
 from bootseer.depsnap.record import DepsRecord, deps_object
+from bootseer.paths import ServerPaths
 from tests.support.mounts import force_unmount, mount_entry
 from tests.support.waiting import wait_until
 
@@ -196,12 +198,15 @@ def test_key_uv_and_errors(tmp_path: Path, wheels: Path) -> None:
 
 
 @needs_root
-def test_pip_target_miss_captures_and_hit_restores_an_identical_tree(work: Path, wheels: Path) -> None:
+@pytest.mark.parametrize("image", ["converter-built", "node-built"])
+def test_pip_target_miss_captures_and_hit_restores_an_identical_tree(work: Path, wheels: Path, image: str) -> None:
+    """A capture publishes its EROFS image and a hit mounts it (built from the index with ``--no-image``)."""
     (work / "req.txt").write_text("beta\n")
     prefix = work / "env"
     install = [PYTHON, "-m", "pip", "install", "-q", "--no-index", "-f", str(wheels), "--target", str(prefix), "-r", "req.txt"]
-    first = deps(work, *run_args(work, prefix, *install))
+    first = deps(work, *run_args(work, prefix, *install, options=() if image == "converter-built" else ("--no-image",)))
     assert "captured" in first.stderr
+    assert bool(list((work / "store" / "v1" / "images").glob("*"))) == (image == "converter-built")
     assert len(records(work / "store")) == 1
     installed = snapshot_tree(prefix)
     assert any(p.endswith(".pyc") for p in installed), "pip compiled bytecode, and it is captured"
@@ -213,6 +218,10 @@ def test_pip_target_miss_captures_and_hit_restores_an_identical_tree(work: Path,
     assert "hit" in hit.stderr, hit.stderr
     assert mount_entry(prefix).fstype == "overlay"
     assert snapshot_tree(prefix) == installed
+    server_log = ServerPaths(work / "node").log.read_text()
+    assert re.search(r"data path chosen.*data_path=erofs", server_log)  # auto, on a kernel with EROFS
+    said = "fetched the layer's EROFS image" if image == "converter-built" else "building it from its index"
+    assert said in server_log
     env = {**clean_env(work), "PYTHONPATH": str(prefix)}
     out = subprocess.run([PYTHON, "-c", "import beta, alpha; print(alpha.VERSION, alpha.__file__)"], env=env,
                          capture_output=True, text=True, check=True)  # fmt: skip

@@ -749,6 +749,7 @@ def publish_image(writer: StoreWriter, table: DedupTable, index: LayerIndex, ind
     image twice uploads only what is missing.  ConversionError when it cannot be built.
     """
     block_size = block_size or index.block_size
+    inline_max = min(inline_max, index.block_size)  # a file inline is one block of the layer
     verifier = table.verifier
     try:
         built = build_layer_image(index, spool / "image.erofs", packs=index.packs, inline_max=inline_max,

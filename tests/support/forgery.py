@@ -62,13 +62,14 @@ def forge_file(store: Path, chain: str, path: str, donor_chain: str, donor_path:
 def rewrite_index(store: Path, chain: str, change: Callable[[LayerIndex], LayerIndex],
                   *, sign: SigningKey | None = None) -> ChainRecord:  # fmt: skip
     """Replace layer ``chain``'s index with ``change(index)``, stored as it is (not validated: a hand-written
-    index), and its chain record with one naming it, unsigned or signed by ``sign``; the new record."""
+    index), and its chain record with one naming it and no EROFS image, unsigned or signed by ``sign``; the new record."""
     writer = FileStoreWriter(store)
     record, index = _layer(writer, chain)
     data = change(index).encode()
     name = hashlib.sha256(data).hexdigest()
     writer.put(index_object(name), data)
-    new = dataclasses.replace(record, index=name, signatures=(), signed=None)
+    # No image: the node builds one from this index (an image naming the old index would be refused).
+    new = dataclasses.replace(record, index=name, image="", signatures=(), signed=None)
     if sign is not None:
         new = new.sign(sign)
     writer.put(chain_object(chain), new.encode())

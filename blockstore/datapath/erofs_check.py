@@ -402,7 +402,8 @@ class _Walk:
         if node.type is not _FILE or not size:
             raise self.refuse(nid, path, "chunk-based, but not a regular file with data")
         if node.union != self.chunk_format:
-            raise self.refuse(nid, path, f"chunk format {node.union:#x}, not {self.chunk_format:#x} (indexes of {self.chunk_size}-byte chunks)")
+            raise self.refuse(nid, path, f"chunk format {node.union:#x}, not {self.chunk_format:#x} "
+                                         f"(indexes of {self.chunk_size}-byte chunks)")  # fmt: skip
         count = -(-size // self.chunk_size)
         start = -(-end // CHUNK_INDEX_SIZE) * CHUNK_INDEX_SIZE
         end = start + count * CHUNK_INDEX_SIZE

@@ -45,7 +45,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
 import prometheus_client
 import pyfuse3
@@ -79,7 +79,7 @@ from bootseer.blockstore.datapath.choice import (
 )
 from bootseer.blockstore.datapath.erofs_check import ImageRefused
 from bootseer.blockstore.objects.erofs_image import ErofsError
-from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerImage, LayerIndex, check_digest
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
 from bootseer.blockstore.objects.format import BlockPlace
@@ -100,6 +100,9 @@ from bootseer.log import get_logger
 from bootseer.profile import events as profile_events
 from bootseer.profile import hooks as profile_hooks
 
+if TYPE_CHECKING:
+    from bootseer.blockstore.objects.store import StoreReader
+
 log = get_logger(__name__)
 
 SUBTYPE = "bootseer-layers"
@@ -112,6 +115,14 @@ LAYERS = prometheus_client.Gauge("bootseer_layer_server_layers", "Layers the lay
 RESTORED = prometheus_client.Counter(
     "bootseer_layer_server_restored_total", "Layers put back at start-up, by outcome", ["outcome"]
 )
+
+
+@dataclass(frozen=True)
+class FetchedImage:
+    """A layer's EROFS image from the store: its table and its blocks, each verified, not yet checked."""
+
+    table: LayerImage
+    pieces: list[bytes]
 
 
 class ServerAlreadyRunning(Exception):
@@ -264,25 +275,74 @@ class LayerServer:
             raise LayerUntrusted(str(exc)) from None
 
     async def _fetch_layer(
-        self, chain_id: str, store: str, deps_index: str | None = None
-    ) -> tuple[ChainRecord, LayerIndex, bytes]:
+        self, chain_id: str, store: str, deps_index: str | None = None, *, with_image: bool = False
+    ) -> tuple[ChainRecord, LayerIndex, bytes, FetchedImage | None]:
         """The chain record and index of ``chain_id`` from ``store`` (verified, and trusted: see
-        :meth:`_check_trust`), and the index's bytes as stored."""
+        :meth:`_check_trust`), the index's bytes as stored, and with ``with_image`` the blocks of
+        the layer's EROFS image when the record names one this node does not keep yet.
+
+        The image's blocks are fetched while the index is (its decompression and hashing run in
+        worker threads, beside the index's decoding), never before the record is trusted.
+        """
         from bootseer.blockstore.objects.store import StoreReader
 
-        engine, _fetcher = await self.fetcher(store)
+        engine, fetcher = await self.fetcher(store)
         reader = StoreReader(engine, threads=self.decode_threads)  # the index decodes off the trio thread
         try:
             record = await reader.chain(chain_id)
             if record is None:
                 raise LayerNotConverted(f"{chain_id} is not converted in {engine.url} (no chain record)")
-            self._check_trust(record, deps_index)  # before the index is even fetched
-            index, data = await reader.index_and_bytes(record)
+            self._check_trust(record, deps_index)  # before the index (or the image) is even fetched
         except FormatError as exc:
             raise LayerCorrupt(f"{chain_id} in {engine.url}: {exc}") from None
         except (FetchError, SourceError) as exc:
             raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
-        return record, index, data
+        wanted = with_image and self.erofs is not None and record.image != ""
+        if wanted and self.erofs is not None and self.erofs.cached(self.erofs.store_image_path(record.image)):
+            wanted = False
+        got: dict[str, Any] = {}
+
+        async def index() -> None:
+            try:
+                got["index"] = await reader.index_and_bytes(record)
+            except FormatError as exc:
+                got["error"] = LayerCorrupt(f"{chain_id} in {engine.url}: {exc}")
+            except (FetchError, SourceError) as exc:
+                got["error"] = StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}")
+
+        async def image() -> None:
+            try:
+                got["image"] = await self._fetch_image(record, reader, fetcher)
+            except LayerServerError as exc:
+                got["image_error"] = exc
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(index)
+            if wanted:
+                nursery.start_soon(image)
+        for failed in ("error", "image_error"):
+            if failed in got:
+                raise got[failed]
+        index_and_data: tuple[LayerIndex, bytes] = got["index"]
+        return record, index_and_data[0], index_and_data[1], got.get("image")
+
+    async def _fetch_image(self, record: ChainRecord, reader: StoreReader, fetcher: BlockFetcher) -> FetchedImage:
+        """The table of ``record``'s EROFS image and its blocks, each verified (as a layer's blocks are:
+        memory, node cache, peers, store); LayerCorrupt if the table is refused, StoreUnavailable if the store fails."""
+        try:
+            table = await reader.image(record)
+            return FetchedImage(table, await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND))
+        except FormatError as exc:
+            raise self._refused(record, str(exc)) from None
+        except (FetchError, SourceError) as exc:
+            raise StoreUnavailable(f"{record.chain_id}: the store {reader.engine.url} failed to give its EROFS image: {exc}") from None
+
+    def _refused(self, record: ChainRecord, why: str) -> LayerCorrupt:
+        """The error of a store image that must not be mounted, counted and logged."""
+        IMAGES.labels("refused").inc()
+        log.warning("the store's EROFS image of the layer is refused; the layer is not served lazily",
+                    chain_id=record.chain_id, image=record.image, error=why)  # fmt: skip
+        return LayerCorrupt(f"{record.chain_id}: its EROFS image {record.image[:12]} is refused: {why}")
 
     def _signed_by_converter(self, record: ChainRecord) -> bool:
         """Whether a converter key this node trusts signed ``record`` (never without keys; a dependency
@@ -295,22 +355,25 @@ class LayerServer:
             return False
         return True
 
-    async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str) -> Path:
+    async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str,
+                           fetched: FetchedImage | None = None) -> Path:  # fmt: skip
         """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler (its source and bytes)."""
         with profile_events.span("layer.image", phase="image", chain_id=record.chain_id) as span:
-            path, span["source"] = await self._get_image(record, index, store)
+            path, span["source"] = await self._get_image(record, index, store, fetched)
             span["bytes"] = path.stat().st_size if span["source"] == "store" else 0
             return path
 
-    async def _get_image(self, record: ChainRecord, index: LayerIndex, store: str) -> tuple[Path, str]:
-        """The EROFS image to mount for ``record``'s layer (verified ``index``): the converter's, or
-        for a conversion without one, built here from the index (one log line, and the metric).
+    async def _get_image(self, record: ChainRecord, index: LayerIndex, store: str,
+                         fetched: FetchedImage | None) -> tuple[Path, str]:  # fmt: skip
+        """The EROFS image to mount for ``record``'s layer (verified ``index``), and where it came from:
+        the converter's, or for a conversion without one, built here from the index (one log line,
+        and the metric).
 
-        The converter's is fetched as a layer's blocks are (node cache, peers, store; each block
-        verified), must hash to the SHA-256 its table names, and unless a trusted converter
-        signed the record (:meth:`_signed_by_converter`), must pass the
-        bounded check (:mod:`~bootseer.blockstore.datapath.erofs_check`) before the kernel sees
-        it.  LayerCorrupt (the snapshotter then downloads the layer) when it is refused.
+        The converter's (``fetched`` with the index by :meth:`_fetch_layer`, else fetched now:
+        :meth:`_fetch_image`) must hash to the SHA-256 its table names and, unless a trusted
+        converter signed the record (:meth:`_signed_by_converter`), pass the bounded check
+        (:mod:`~bootseer.blockstore.datapath.erofs_check`) against the index before the kernel
+        sees it.  LayerCorrupt (the snapshotter then downloads the layer) when it is refused.
         """
         from bootseer.blockstore.objects.store import StoreReader
 
@@ -329,22 +392,17 @@ class LayerServer:
         if self.erofs.cached(path):
             IMAGES.labels("cached").inc()
             return path, "cached"
-        engine, fetcher = await self.fetcher(store)
+        if fetched is None:
+            engine, fetcher = await self.fetcher(store)
+            fetched = await self._fetch_image(record, StoreReader(engine, threads=self.decode_threads), fetcher)
+        check = None if self._signed_by_converter(record) else ImageCheck(index.blob_size, index.block_size, len(index.entries))
+        install = functools.partial(self.erofs.install_image, record.image, fetched.table.sha256, fetched.pieces, check=check)
         try:
-            table = await StoreReader(engine, threads=self.decode_threads).image(record)
-            pieces = await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
-            check = None if self._signed_by_converter(record) else ImageCheck(index.blob_size, index.block_size, len(index.entries))
-            install = functools.partial(self.erofs.install_image, record.image, table.sha256, pieces, check=check)
             path = await trio.to_thread.run_sync(install, limiter=self.decode_threads)
-        except (FormatError, ImageRefused) as exc:
-            IMAGES.labels("refused").inc()
-            log.warning("the store's EROFS image of the layer is refused; the layer is not served lazily",
-                        chain_id=record.chain_id, image=record.image, error=str(exc))  # fmt: skip
-            raise LayerCorrupt(f"{record.chain_id}: its EROFS image {record.image[:12]} is refused: {exc}") from None
-        except (FetchError, SourceError) as exc:
-            raise StoreUnavailable(f"{record.chain_id}: the store {engine.url} failed to give its EROFS image: {exc}") from None
+        except ImageRefused as exc:
+            raise self._refused(record, str(exc)) from None
         IMAGES.labels("store").inc()
-        log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=table.size,
+        log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=fetched.table.size,
                  checked=check is not None)  # fmt: skip
         return path, "store"
 
@@ -390,7 +448,7 @@ class LayerServer:
             index = await trio.to_thread.run_sync(self.indexes.load, layer.record, limiter=self.decode_threads)
             try:
                 if index is None:
-                    _record, index, data = await self._fetch_layer(layer.chain_id, layer.store)
+                    _record, index, data, _image = await self._fetch_layer(layer.chain_id, layer.store)
                     await trio.to_thread.run_sync(self.indexes.save, layer.record, data)
                 layer.tree = await self._tree(layer, index)
             except (LayerServerError, OSError, FormatError) as exc:
@@ -486,18 +544,13 @@ class LayerServer:
             # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
             with trio.move_on_after(self.config.load_timeout) as loading, \
                     profile_events.span("layer.index", phase="image", chain_id=chain_id):
-                record, index, data = await self._fetch_layer(chain_id, store, deps_index)
+                record, index, data, fetched = await self._fetch_layer(chain_id, store, deps_index, with_image=True)
             if loading.cancelled_caught:
-                raise StoreUnavailable(
-                    f"{chain_id}: the store {redact_url(store)} did not give its chain record and index in {self.config.load_timeout:g}s"
-                )
+                raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its chain record, "
+                                       f"index and EROFS image in {self.config.load_timeout:g}s")  # fmt: skip
             image = None
-            if self.erofs is not None:  # fetched (or built) and cached before the table lock, for any slot
-                with trio.move_on_after(self.config.load_timeout) as loading:
-                    image = await self._layer_image(record, index, store)
-                if loading.cancelled_caught:
-                    raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its EROFS image "
-                                           f"in {self.config.load_timeout:g}s")  # fmt: skip
+            if self.erofs is not None:  # checked (or built) and kept before the table lock, for any slot
+                image = await self._layer_image(record, index, store, fetched)
             async with self.layers.lock:
                 if layer is None:
                     layer = Layer(chain_id, self.layers.free_slot(self._slot_referenced), store, record)

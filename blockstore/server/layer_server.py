@@ -356,9 +356,9 @@ class LayerServer:
         return True
 
     async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str,
-                           fetched: FetchedImage | None = None) -> Path:  # fmt: skip
-        """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler (its source and bytes)."""
-        with profile_events.span("layer.image", phase="image", chain_id=record.chain_id) as span:
+                           fetched: FetchedImage | None = None, *, phase: str = "image") -> Path:  # fmt: skip
+        """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler's ``phase`` (its source and bytes)."""
+        with profile_events.span("layer.image", phase=phase, chain_id=record.chain_id) as span:
             path, span["source"] = await self._get_image(record, index, store, fetched)
             span["bytes"] = path.stat().st_size if span["source"] == "store" else 0
             return path
@@ -503,12 +503,12 @@ class LayerServer:
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.lower_dir(layer.slot)}
 
-    async def _mount_erofs(self, layer: Layer, image: Path) -> None:
+    async def _mount_erofs(self, layer: Layer, image: Path, *, phase: str = "image") -> None:
         """Mount ``layer``'s EROFS ``image`` over its blob (served already); LayerServerError naming why not.
-        One ``layer.mount`` span of the start-up profiler."""
+        One ``layer.mount`` span of the start-up profiler's ``phase``."""
         assert self.erofs is not None
         try:
-            with profile_events.span("layer.mount", phase="image", chain_id=layer.chain_id):
+            with profile_events.span("layer.mount", phase=phase, chain_id=layer.chain_id):
                 await self.erofs.mount(layer.slot, image)
         except OSError as exc:
             raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot mount its EROFS image: {exc}") from None
@@ -542,15 +542,18 @@ class LayerServer:
                 store = layer.store
             # The engine fails a store that errors within retry_timeout; this bounds one that
             # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
+            # In the profiler an image's layer is in the pull's phase; a dependency layer's mount, inside
+            # the container's Prepare (whose phases the snapshotter marks), is a span of no phase.
+            phase = "image" if deps_index is None else ""
             with trio.move_on_after(self.config.load_timeout) as loading, \
-                    profile_events.span("layer.index", phase="image", chain_id=chain_id):
+                    profile_events.span("layer.index", phase=phase, chain_id=chain_id):
                 record, index, data, fetched = await self._fetch_layer(chain_id, store, deps_index, with_image=True)
             if loading.cancelled_caught:
                 raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its chain record, "
                                        f"index and EROFS image in {self.config.load_timeout:g}s")  # fmt: skip
             image = None
             if self.erofs is not None:  # checked (or built) and kept before the table lock, for any slot
-                image = await self._layer_image(record, index, store, fetched)
+                image = await self._layer_image(record, index, store, fetched, phase=phase)
             async with self.layers.lock:
                 if layer is None:
                     layer = Layer(chain_id, self.layers.free_slot(self._slot_referenced), store, record)
@@ -566,7 +569,7 @@ class LayerServer:
                 self.root.layers[layer.slot] = tree
                 if image is not None:  # the blob is served now: EROFS can take it as its device
                     try:
-                        await self._mount_erofs(layer, image)
+                        await self._mount_erofs(layer, image, phase=phase)
                     except LayerServerError as exc:
                         layer.tree, layer.error = None, str(exc)
                         self._stop_serving(layer)

@@ -27,12 +27,15 @@ from tests.support.waiting import wait_for_component
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
+# data.bin is larger than the files a layer's EROFS image holds inline: its reads reach the layer's blob.
 INSTALL = ("mkdir -p /opt/deps/bin /opt/deps/lib && echo 'echo tool-ran' > /opt/deps/bin/tool && "
+           "head -c 65536 /dev/urandom > /opt/deps/lib/data.bin && "
            f"chmod 0750 /opt/deps/bin/tool && ln -s ../bin/tool /opt/deps/lib/link && rm {APP_FILE}")  # fmt: skip
 # The one guard line, then what the job does either way.
 JOB = ("[ -e /.bootseer/deps-hit ] && echo HIT || { " + INSTALL + " && touch /.bootseer/deps-done && "
        "until ls /.bootseer | grep -qx deps-captured; do sleep 0.2; done; cat /.bootseer/deps-captured; }; "
-       "sh /opt/deps/bin/tool; ls -l /opt/deps/bin/tool | cut -c1-10; readlink /opt/deps/lib/link; "
+       "sh /opt/deps/bin/tool; cat /opt/deps/lib/data.bin > /dev/null; ls -l /opt/deps/bin/tool | cut -c1-10; "
+       "readlink /opt/deps/lib/link; "
        f"[ -e {APP_FILE} ] && echo app-present || echo app-gone")  # fmt: skip
 
 
@@ -132,4 +135,4 @@ def test_a_stacked_deps_layer_gets_a_hot_list_of_its_own(stacks) -> None:
     [listed] = show(stack, record.chain_id)
     layers = {layer["chain_id"]: layer for layer in listed["layers"]}
     assert set(layers) == {*chain_ids(image.diff_ids), record.chain_id}
-    assert layers[record.chain_id]["blocks"] >= 1  # /opt/deps/bin/tool, read from the deps layer
+    assert layers[record.chain_id]["blocks"] >= 1  # /opt/deps/lib/data.bin, read from the deps layer's blob

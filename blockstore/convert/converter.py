@@ -738,18 +738,18 @@ def _upload_new(writer: StoreWriter, table: DedupTable, packs: PackWriter) -> No
 
 
 def publish_image(writer: StoreWriter, table: DedupTable, index: LayerIndex, index_name: str, *, spool: Path,
-                  inline_max: int = DEFAULT_INLINE_MAX, block_size: int | None = None) -> tuple[str, BuiltImage]:  # fmt: skip
+                  inline_max: int = DEFAULT_INLINE_MAX) -> tuple[str, BuiltImage]:  # fmt: skip
     """Build the EROFS image of ``index`` (stored as ``index_name``, its packs in the store) and store it.
 
     The image (:mod:`~bootseer.blockstore.convert.layer_image`) is cut into blocks of
-    ``block_size`` (the index's), deduplicated and compressed as file contents are, into
+    the index's block size, deduplicated and compressed as file contents are, into
     packs of its own, with their dedup segment; then its :class:`LayerImage` table, read
     back and checked.  Returns the table's name (what the chain record's ``image`` says) and
     the image.  Blocks already in the store are never uploaded again, so publishing the same
     image twice uploads only what is missing.  ConversionError when it cannot be built.
     """
-    block_size = block_size or index.block_size
-    inline_max = min(inline_max, index.block_size)  # a file inline is one block of the layer
+    block_size = index.block_size
+    inline_max = min(inline_max, block_size)  # a file inline is one block of the layer
     verifier = table.verifier
     try:
         built = build_layer_image(index, spool / "image.erofs", packs=index.packs, inline_max=inline_max,
@@ -764,7 +764,8 @@ def publish_image(writer: StoreWriter, table: DedupTable, index: LayerIndex, ind
     _upload_new(writer, table, packs)
     stored = LayerImage(diff_id=index.diff_id, index=index_name, sha256=built.sha256, size=built.size,
                         block_size=block_size, inline_max=inline_max, writer=WRITER_VERSION,
-                        blocks=[packs.blocks[number] for number in numbers], packs=list(packs.packs))  # fmt: skip
+                        blocks=[packs.blocks[number] for number in numbers], packs=list(packs.packs),
+                        blob_size=index.blob_size)  # fmt: skip
     data = stored.encode()
     name = _hex(data)
     _put_verified(writer, image_object(name), data)

@@ -41,7 +41,8 @@ import trio
 
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.erofs_image import build_image, image_cache_name, image_size, write_image
-from bootseer.blockstore.datapath.erofs_check import ImageRefused, check_image
+from bootseer.blockstore.datapath.erofs_check import ImageRefused, ImageSummary
+from bootseer.blockstore.datapath.image_checker import CheckerProcess, ImageCheck
 from bootseer.blockstore.datapath.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
 from bootseer.blockstore.datapath.tree import LayersRoot
@@ -72,16 +73,6 @@ for _source in ("store", "cached", "built", "refused"):
 
 class DataPathUnavailable(Exception):
     """A forced data path this kernel cannot give (the message says why)."""
-
-
-@dataclass(frozen=True)
-class ImageCheck:
-    """What a store's image is checked against before a mount: its layer's blob size and chunk
-    size (the index's) and how many inodes it may have (the index's entries)."""
-
-    blob_size: int
-    chunk_size: int
-    max_inodes: int
 
 
 @dataclass(frozen=True)
@@ -175,6 +166,8 @@ class ErofsLayers:
         self.images = paths.erofs_images
         self.lowers = paths.erofs_lowers
         self._threads = threads  #: the server's decode limiter: image builds are O(entries)
+        #: Where store images are checked (a process of its own, started by :meth:`prepare`).
+        self.checker = CheckerProcess()
 
     def lower_dir(self, slot: int) -> str:
         return self.paths.lower_dir(slot, self.path)
@@ -190,32 +183,34 @@ class ErofsLayers:
             raise ValueError(f"image name is not 64 hex digits: {image_name!r}")
         return self.images / f"{image_name}.erofs-store"
 
-    def install_image(self, image_name: str, sha256: str, pieces: Sequence[bytes], *, check: ImageCheck | None) -> Path:
-        """Keep the converter's image ``image_name`` made of ``pieces`` (verified blocks of its table).
-
-        Its SHA-256 must be ``sha256``, and ``check`` (None: its record is signed by a trusted
-        converter) must accept it (:func:`~bootseer.blockstore.datapath.erofs_check.check_image`)
-        before it is written (temp name + rename); else ImageRefused naming why, and nothing is
-        written.  CPU work proportional to the image: run it in a worker thread.
-        """
-        path = self.store_image_path(image_name)
+    def verified_image(self, sha256: str, pieces: Sequence[bytes], check: ImageCheck | None) -> tuple[bytes, ImageSummary | None]:
+        """The converter's image made of ``pieces`` (verified blocks of its table), once its bytes hash to
+        ``sha256`` and, unless ``check`` is None (its record is signed by a trusted converter), the bounded
+        check accepted it (:mod:`~bootseer.blockstore.datapath.image_checker`: in the checker process),
+        with the check's summary; ImageRefused naming why not.  Blocking: run it in a worker thread."""
         image = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         if hashlib.sha256(image).hexdigest() != sha256:
             raise ImageRefused(f"the image's bytes do not hash to the sha256 its table names ({sha256[:12]}...)")
-        if check is not None:
-            try:
-                check_image(image, blob_size=check.blob_size, chunk_size=check.chunk_size, max_inodes=check.max_inodes)
-            except ImageRefused as exc:
-                raise ImageRefused(f"the image fails its check: {exc}") from None
+        if check is None:
+            return image, None
+        try:
+            return image, self.checker.check(image, check)
+        except ImageRefused as exc:
+            raise ImageRefused(f"the image fails its check: {exc}") from None
+
+    def keep_image(self, image_name: str, image: bytes) -> Path:
+        """Keep ``image`` (from :meth:`verified_image`) as the store's image ``image_name`` (temp name + rename)."""
+        path = self.store_image_path(image_name)
         with replacing(path, durable=False) as out:  # a cache: a lost image is fetched again
             out.write(image)
         return path
 
     def prepare(self) -> None:
-        """Create the directories, remove half-written images, and lazily unmount every mount on
-        ``lower/`` (a killed server's: their blob device was its FUSE session, now dead)."""
+        """Create the directories, start the image checker, remove half-written images, and lazily unmount
+        every mount on ``lower/`` (a killed server's: their blob device was its FUSE session, now dead)."""
         for directory in (self.images, self.lowers):
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.checker.start()
         for stale in self.images.glob(".*.tmp"):  # bootseer.atomic.replacing's temp names
             stale.unlink(missing_ok=True)
         for lower in self.lowers.iterdir():
@@ -285,8 +280,10 @@ class ErofsLayers:
                 log.info("detached EROFS mount", lower_dir=str(lower))
 
     async def detach_all(self) -> None:
-        """Lazily unmount every EROFS mount (before the FUSE mount their blobs are on goes)."""
+        """Lazily unmount every EROFS mount (before the FUSE mount their blobs are on goes), and stop the
+        image checker: the server is stopping."""
         await trio.to_thread.run_sync(self._detach_all)
+        self.checker.close()
 
 
 __all__ = [
@@ -297,6 +294,5 @@ __all__ = [
     "EROFS_PATHS",
     "ErofsLayers",
     "IMAGES",
-    "ImageCheck",
     "announce",
 ]

@@ -563,11 +563,15 @@ class LayerImage:
     writer: int
     blocks: list[Block]
     packs: list[str]
+    #: the layer's blob size (:attr:`LayerIndex.blob_size`): what the image's chunks may address, known
+    #: before the index is decoded (a node checks the image meanwhile, then that the index agrees)
+    blob_size: int = 0
 
     def encode(self) -> bytes:
         document = {
             "format": FORMAT_VERSION, "diff_id": self.diff_id, "index": self.index, "sha256": self.sha256,
             "size": self.size, "block_size": self.block_size, "inline_max": self.inline_max, "writer": self.writer,
+            "blob_size": self.blob_size,
             "packs": self.packs, "blocks": [[b.digest, b.pack, b.offset, b.clen, b.rlen] for b in self.blocks],
         }  # fmt: skip
         payload = json.dumps(document, separators=(",", ":"), ensure_ascii=True).encode("ascii")
@@ -603,6 +607,7 @@ class LayerImage:
                 writer=int(document["writer"]),
                 blocks=[_block_from_json(row) for row in _list_of(document["blocks"])],
                 packs=[str(p) for p in packs],
+                blob_size=int(document["blob_size"]),
             )
         except FormatError:
             raise
@@ -618,8 +623,10 @@ class LayerImage:
             raise FormatError("image table's sha256 is not 64 hex digits")
         if not 0 < self.size <= MAX_IMAGE_BYTES or self.size % 4096:
             raise FormatError(f"image size {self.size} is not a whole number of 4 KiB blocks up to {MAX_IMAGE_BYTES}")
-        if not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE or not 0 <= self.inline_max <= self.block_size:
-            raise FormatError("image table's block size or inline_max is out of range")
+        if self.block_size != record.block_size or not 0 <= self.inline_max <= self.block_size:
+            raise FormatError("image table's block size is not the layer's, or its inline_max is out of range")
+        if self.blob_size < 0 or self.blob_size % self.block_size or self.blob_size // self.block_size > max_blocks(record):
+            raise FormatError(f"image table's blob size {self.blob_size} is not one the layer's blocks can make")
         if len(self.blocks) != -(-self.size // self.block_size):
             raise FormatError(f"image of {self.size} bytes in {len(self.blocks)} blocks of {self.block_size}")
         for pack in self.packs:

@@ -74,9 +74,9 @@ from bootseer.blockstore.datapath.choice import (
     DataPathChoice,
     DataPathProbe,
     ErofsLayers,
-    ImageCheck,
     announce,
 )
+from bootseer.blockstore.datapath.image_checker import ImageCheck
 from bootseer.blockstore.datapath.erofs_check import ImageRefused
 from bootseer.blockstore.objects.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerImage, LayerIndex, check_digest
@@ -119,10 +119,12 @@ RESTORED = prometheus_client.Counter(
 
 @dataclass(frozen=True)
 class FetchedImage:
-    """A layer's EROFS image from the store: its table and its blocks, each verified, not yet checked."""
+    """A layer's EROFS image from the store: its table, and its bytes, every block verified, the whole
+    hashed to the table's SHA-256 and (``checked``) accepted by the bounded check."""
 
     table: LayerImage
-    pieces: list[bytes]
+    image: bytes
+    checked: bool
 
 
 class ServerAlreadyRunning(Exception):
@@ -327,15 +329,28 @@ class LayerServer:
         return record, index_and_data[0], index_and_data[1], got.get("image")
 
     async def _fetch_image(self, record: ChainRecord, reader: StoreReader, fetcher: BlockFetcher) -> FetchedImage:
-        """The table of ``record``'s EROFS image and its blocks, each verified (as a layer's blocks are:
-        memory, node cache, peers, store); LayerCorrupt if the table is refused, StoreUnavailable if the store fails."""
+        """``record``'s EROFS image: its table, its blocks (each verified, as a layer's are: memory, node
+        cache, peers, store), the whole hashed and, unless a trusted converter signed the record, checked
+        (in the checker process, against the table's blob size, the record's block size and entries: the
+        index may still be decoding; :meth:`_get_image` then holds the index to the table's blob size).
+        LayerCorrupt if it is refused, StoreUnavailable if the store fails."""
+        assert self.erofs is not None
         try:
             table = await reader.image(record)
-            return FetchedImage(table, await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND))
+            pieces = await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
         except FormatError as exc:
             raise self._refused(record, str(exc)) from None
         except (FetchError, SourceError) as exc:
             raise StoreUnavailable(f"{record.chain_id}: the store {reader.engine.url} failed to give its EROFS image: {exc}") from None
+        check = None if self._signed_by_converter(record) else ImageCheck(table.blob_size, table.block_size, record.files)
+        verify = functools.partial(self.erofs.verified_image, table.sha256, pieces, check)
+        try:
+            # Not under the decode limiter: this thread hashes (no GIL) and waits for the checker process,
+            # while the index may be decoding under it.
+            image, _summary = await trio.to_thread.run_sync(verify)
+        except ImageRefused as exc:
+            raise self._refused(record, str(exc)) from None
+        return FetchedImage(table, image, check is not None)
 
     def _refused(self, record: ChainRecord, why: str) -> LayerCorrupt:
         """The error of a store image that must not be mounted, counted and logged."""
@@ -370,10 +385,9 @@ class LayerServer:
         and the metric).
 
         The converter's (``fetched`` with the index by :meth:`_fetch_layer`, else fetched now:
-        :meth:`_fetch_image`) must hash to the SHA-256 its table names and, unless a trusted
-        converter signed the record (:meth:`_signed_by_converter`), pass the bounded check
-        (:mod:`~bootseer.blockstore.datapath.erofs_check`) against the index before the kernel
-        sees it.  LayerCorrupt (the snapshotter then downloads the layer) when it is refused.
+        :meth:`_fetch_image`, which hashes and checks it) is kept only if the blob size it was
+        checked against is the index's.  LayerCorrupt (the snapshotter then downloads the layer)
+        when it is refused.
         """
         from bootseer.blockstore.objects.store import StoreReader
 
@@ -395,15 +409,13 @@ class LayerServer:
         if fetched is None:
             engine, fetcher = await self.fetcher(store)
             fetched = await self._fetch_image(record, StoreReader(engine, threads=self.decode_threads), fetcher)
-        check = None if self._signed_by_converter(record) else ImageCheck(index.blob_size, index.block_size, len(index.entries))
-        install = functools.partial(self.erofs.install_image, record.image, fetched.table.sha256, fetched.pieces, check=check)
-        try:
-            path = await trio.to_thread.run_sync(install, limiter=self.decode_threads)
-        except ImageRefused as exc:
-            raise self._refused(record, str(exc)) from None
+        if fetched.table.blob_size != index.blob_size:  # what the check held the chunks to is the blob served
+            raise self._refused(record, f"its table says the blob is {fetched.table.blob_size} bytes, "
+                                        f"the index {index.blob_size}")  # fmt: skip
+        path = await trio.to_thread.run_sync(self.erofs.keep_image, record.image, fetched.image)
         IMAGES.labels("store").inc()
         log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=fetched.table.size,
-                 checked=check is not None)  # fmt: skip
+                 checked=fetched.checked)  # fmt: skip
         return path, "store"
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:

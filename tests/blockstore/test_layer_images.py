@@ -25,6 +25,8 @@ import pytest
 from bootseer.blockstore.objects.erofs_image import build_image
 from bootseer.blockstore.objects.format import Block, EntryType
 from bootseer.blockstore.objects.signing import generate_key
+from bootseer.blockstore.datapath.erofs_check import ImageRefused
+from bootseer.blockstore.datapath.image_checker import CheckerProcess, ImageCheck
 from bootseer.blockstore.server.client import LayerCorrupt, LayerUntrusted
 from tests.blockstore.test_layer_server import BLOCK_SIZE, built, extracted, node_factory, rich_big_bin  # noqa: F401 (fixtures)
 from tests.support.forgery import replace_image
@@ -217,3 +219,33 @@ def test_with_converter_keys_only_a_signed_record_names_the_image_mounted(tmp_pa
     replace_image(store, layers[1].chain_id, stored_image(store, layers[1].record)[1])
     with pytest.raises(LayerUntrusted, match="not signed by a trusted"):
         client.mount(layers[1].chain_id)
+
+
+def test_an_image_checked_against_another_blob_size_than_the_indexs_is_refused(converted: Any, node_factory: Any) -> None:
+    """The check runs while the index decodes, against the blob size the table states; the index must agree."""
+    store, layers = converted
+    image = _chunk_past_the_blob(layers[0])  # well formed for a blob one block longer than the layer's
+    replace_image(store, layers[0].chain_id, image, blob_size=layers[0].index.blob_size + BLOCK_SIZE)
+    node = node_factory(f"file://{store}", data_path="erofs")
+    before = kernel_log()
+    with pytest.raises(LayerCorrupt, match=r"its table says the blob is \d+ bytes, the index \d+"):
+        node.ensure().mount(layers[0].chain_id)
+    assert erofs_errors(before) == [] and os.listdir(node.paths.erofs_images) == []
+
+
+def test_a_check_past_its_deadline_refuses_the_image_and_the_next_check_gets_a_new_checker(converted: Any) -> None:
+    store, layers = converted
+    image = stored_image(store, layers[0].record)[1]
+    check = ImageCheck(layers[0].index.blob_size, BLOCK_SIZE, len(layers[0].index.entries))
+    checker = CheckerProcess(deadline=30)
+    try:
+        checker.start()
+        assert checker.check(image, check).inodes == len(layers[0].index.entries) - sum(
+            e.link is not None for e in layers[0].index.entries)
+        checker.deadline = 0.000001
+        with pytest.raises(ImageRefused, match="its check took longer than"):
+            checker.check(image * 40, ImageCheck(check.blob_size, check.chunk_size, check.max_inodes))
+        checker.deadline = 30
+        assert checker.check(image, check).inodes > 0  # a fresh worker
+    finally:
+        checker.close()

@@ -77,10 +77,11 @@ def rewrite_index(store: Path, chain: str, change: Callable[[LayerIndex], LayerI
 
 
 def replace_image(store: Path, chain: str, image: bytes, *, sign: SigningKey | None = None,
-                  sha256: str | None = None) -> ChainRecord:  # fmt: skip
+                  sha256: str | None = None, blob_size: int | None = None) -> ChainRecord:  # fmt: skip
     """Make ``image`` layer ``chain``'s EROFS image: its blocks in a new pack, a table naming them (and
-    ``sha256`` as the whole image's, by default the right one), a chain record naming the table,
-    unsigned or signed by ``sign``.  What a writer with no converter key can do; the new record."""
+    ``sha256`` as the whole image's, ``blob_size`` as the layer's blob size: by default the right ones),
+    a chain record naming the table, unsigned or signed by ``sign``.  What a writer with no converter
+    key can do; the new record."""
     writer = FileStoreWriter(store)
     record, index = _layer(writer, chain)
     size = index.block_size
@@ -93,7 +94,8 @@ def replace_image(store: Path, chain: str, image: bytes, *, sign: SigningKey | N
     pack_name = hashlib.sha256(pack).hexdigest()
     writer.put(pack_object(pack_name), bytes(pack))
     table = LayerImage(diff_id=record.diff_id, index=record.index, sha256=sha256 or hashlib.sha256(image).hexdigest(),
-                       size=len(image), block_size=size, inline_max=4096, writer=1, blocks=blocks, packs=[pack_name])  # fmt: skip
+                       size=len(image), block_size=size, inline_max=4096, writer=1, blocks=blocks, packs=[pack_name],
+                       blob_size=index.blob_size if blob_size is None else blob_size)  # fmt: skip
     data = table.encode()
     name = hashlib.sha256(data).hexdigest()
     writer.put(image_object(name), data)

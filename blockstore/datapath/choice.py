@@ -41,6 +41,7 @@ import trio
 
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.erofs_image import build_image, image_cache_name, image_size, write_image
+from bootseer.blockstore.datapath.erofs_check import ImageRefused, check_image
 from bootseer.blockstore.datapath.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
 from bootseer.blockstore.datapath.tree import LayersRoot
@@ -67,10 +68,6 @@ IMAGES = prometheus_client.Counter(
 )
 for _source in ("store", "cached", "built", "refused"):
     IMAGES.labels(_source)
-
-
-class ImageRefused(Exception):
-    """A layer's EROFS image from the store that must not reach the kernel (the message says why)."""
 
 
 class DataPathUnavailable(Exception):
@@ -206,11 +203,9 @@ class ErofsLayers:
         if hashlib.sha256(image).hexdigest() != sha256:
             raise ImageRefused(f"the image's bytes do not hash to the sha256 its table names ({sha256[:12]}...)")
         if check is not None:
-            from bootseer.blockstore.datapath.erofs_check import ImageRefused as ImageError, check_image  # TEMP until merged
-
             try:
                 check_image(image, blob_size=check.blob_size, chunk_size=check.chunk_size, max_inodes=check.max_inodes)
-            except ImageError as exc:
+            except ImageRefused as exc:
                 raise ImageRefused(f"the image fails its check: {exc}") from None
         with replacing(path, durable=False) as out:  # a cache: a lost image is fetched again
             out.write(image)
@@ -303,6 +298,5 @@ __all__ = [
     "ErofsLayers",
     "IMAGES",
     "ImageCheck",
-    "ImageRefused",
     "announce",
 ]

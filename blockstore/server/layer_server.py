@@ -75,9 +75,9 @@ from bootseer.blockstore.datapath.choice import (
     DataPathProbe,
     ErofsLayers,
     ImageCheck,
-    ImageRefused,
     announce,
 )
+from bootseer.blockstore.datapath.erofs_check import ImageRefused
 from bootseer.blockstore.objects.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id

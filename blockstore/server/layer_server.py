@@ -413,7 +413,7 @@ class LayerServer:
                 continue
             if self.erofs is not None:
                 try:
-                    await self._mount_erofs(layer, layer.tree.index, await self._layer_image(layer.record, layer.tree.index, layer.store))
+                    await self._mount_erofs(layer, await self._layer_image(layer.record, layer.tree.index, layer.store))
                 except LayerServerError as exc:
                     layer.tree, layer.error = None, str(exc)
                     self._stop_serving(layer)
@@ -445,7 +445,7 @@ class LayerServer:
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.lower_dir(layer.slot)}
 
-    async def _mount_erofs(self, layer: Layer, index: LayerIndex, image: Path) -> None:
+    async def _mount_erofs(self, layer: Layer, image: Path) -> None:
         """Mount ``layer``'s EROFS ``image`` over its blob (served already); LayerServerError naming why not.
         One ``layer.mount`` span of the start-up profiler."""
         assert self.erofs is not None
@@ -493,7 +493,11 @@ class LayerServer:
                 )
             image = None
             if self.erofs is not None:  # fetched (or built) and cached before the table lock, for any slot
-                image = await self._layer_image(record, index, store)
+                with trio.move_on_after(self.config.load_timeout) as loading:
+                    image = await self._layer_image(record, index, store)
+                if loading.cancelled_caught:
+                    raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its EROFS image "
+                                           f"in {self.config.load_timeout:g}s")  # fmt: skip
             async with self.layers.lock:
                 if layer is None:
                     layer = Layer(chain_id, self.layers.free_slot(self._slot_referenced), store, record)
@@ -509,7 +513,7 @@ class LayerServer:
                 self.root.layers[layer.slot] = tree
                 if image is not None:  # the blob is served now: EROFS can take it as its device
                     try:
-                        await self._mount_erofs(layer, index, image)
+                        await self._mount_erofs(layer, image)
                     except LayerServerError as exc:
                         layer.tree, layer.error = None, str(exc)
                         self._stop_serving(layer)

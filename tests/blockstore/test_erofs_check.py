@@ -11,6 +11,7 @@ never another exception.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 import shutil
 import struct
@@ -24,11 +25,10 @@ import pytest
 from bootseer.blockstore.convert.layer_image import inline_candidates
 from bootseer.blockstore.datapath.erofs_check import ImageRefused, ImageSummary, TreeEntry, check_image, read_tree
 from bootseer.blockstore.objects.erofs_image import BLOCK_SIZE, build_image
-from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
+from bootseer.blockstore.objects.format import Block, Entry, EntryType, LayerIndex
 from tests.blockstore.test_erofs import (
     DIFF_ID,
     PACK,
-    _block,
     every_kind_index,
     many_chunks_index,
     random_index,
@@ -37,6 +37,11 @@ from tests.blockstore.test_erofs import (
 from tests.support.layer_store import build_store, stored_image
 from tests.support.oci import rich_layers
 from tests.support.trees import read_block
+
+
+def stored(data: bytes, offset: int = 0) -> Block:
+    """A block of ``data`` in the (made-up) pack: the writer needs only its length and whether it is zeros."""
+    return Block(hashlib.sha256(data).hexdigest(), 0, offset, 100, len(data))
 
 
 def check(image: bytes, index: LayerIndex, **override: int) -> ImageSummary:
@@ -93,7 +98,8 @@ def inline_sizes_index() -> LayerIndex:
     """Files of every size class an inline file's layout turns on: a tail alone, a whole block, blocks and a
     tail, and tails that cannot follow their inode (4000 bytes after 64 + xattrs): FLAT_PLAIN with a tail."""
     sizes = (1, 100, 4095, 4096, 4097, 3 * 4096, 2 * 4096 + 4000, 4000, 5000)
-    blocks = [_block(bytes([n]) * 4096) for n in range(1, 4)] + [_block(bytes(size % 4096), n) for n, size in enumerate(sizes) if size % 4096]
+    blocks = [stored(bytes([n]) * 4096) for n in range(1, 4)]
+    blocks += [stored(bytes(size % 4096), n) for n, size in enumerate(sizes) if size % 4096]
     short = {size % 4096: 3 + n for n, size in enumerate(s for s in sizes if s % 4096)}
     entries = [Entry("", EntryType.DIR, 0o755)]
     for number, size in enumerate(sizes):
@@ -179,8 +185,8 @@ def test_the_converters_images_pass_and_hold_the_files_bytes(tmp_path: Path) -> 
 
 
 @pytest.mark.skipif(shutil.which("fsck.erofs") is None, reason="fsck.erofs (erofs-utils) is not installed")
-@pytest.mark.parametrize(("name", "which"), [("every-kind", "none"), ("every-kind", "all"), ("inline-sizes", "all"), ("random-1", "small"), ("random-2", "all"),
-                                             ("many-chunks", "none")])  # fmt: skip
+@pytest.mark.parametrize(("name", "which"), [("every-kind", "none"), ("every-kind", "all"), ("inline-sizes", "all"), ("random-1", "small"),
+                                             ("random-2", "all"), ("many-chunks", "none")])  # fmt: skip
 def test_fsck_accepts_the_images_the_check_accepts(name: str, which: str, tmp_path: Path) -> None:
     index = INDEXES[name]()
     image = build_image(index, inline=inline_of(index, which))
@@ -209,7 +215,7 @@ def small_index() -> tuple[LayerIndex, dict[int, bytes]]:
     """A layer of one entry of each kind the patches need: ``ab`` chunk-based (two names), ``cd`` inline after
     its inode, ``f4k`` in a data block of the image."""
     data = b"\x01" * BLOCK_SIZE
-    blocks = [_block(data), _block(data[:100], 1), _block(b"0123456789", 2), _block(b"\x02" * BLOCK_SIZE, 3)]
+    blocks = [stored(data), stored(data[:100], 1), stored(b"0123456789", 2), stored(b"\x02" * BLOCK_SIZE, 3)]
     entries = [
         Entry("", EntryType.DIR, 0o755),
         Entry("ab", EntryType.FILE, 0o644, size=BLOCK_SIZE + 100, blocks=(0, 1)),
@@ -372,8 +378,8 @@ def test_each_malformation_is_refused_naming_it(what: str) -> None:
 
 def test_a_chunk_not_aligned_to_a_chunk_is_refused() -> None:
     data = b"\x01" * (64 << 10)
-    index = LayerIndex(DIFF_ID, 64 << 10, [Entry("", EntryType.DIR, 0o755), Entry("big", EntryType.FILE, 0o644, size=len(data), blocks=(1,))],
-                       [_block(data), _block(data, 1)], [PACK])  # fmt: skip
+    entries = [Entry("", EntryType.DIR, 0o755), Entry("big", EntryType.FILE, 0o644, size=len(data), blocks=(1,))]
+    index = LayerIndex(DIFF_ID, 64 << 10, entries, [stored(data), stored(data, 1)], [PACK])
     image = Image(index)
     assert check(bytes(image.bytes), index).chunks == 1
     image.put("<I", image.inode("big") + 64 + 4, 17)  # block 1 is at 16 (4 KiB units); 17 is inside it
@@ -391,8 +397,8 @@ def test_a_tree_larger_than_the_layer_is_refused() -> None:
 
 def test_overlayfs_metadata_in_an_image_is_refused() -> None:
     """The writer writes any trusted.* xattr it is given; an image carrying overlayfs's redirect is refused."""
-    index = LayerIndex(DIFF_ID, BLOCK_SIZE, [Entry("", EntryType.DIR, 0o755),
-                                             Entry("d", EntryType.DIR, 0o755, xattrs={"trusted.overlay.redirect": b"/etc"})], [], [])  # fmt: skip
+    redirected = Entry("d", EntryType.DIR, 0o755, xattrs={"trusted.overlay.redirect": b"/etc"})
+    index = LayerIndex(DIFF_ID, BLOCK_SIZE, [Entry("", EntryType.DIR, 0o755), redirected], [], [])
     with pytest.raises(ImageRefused) as excinfo:
         check(build_image(index), index)
     assert "('d'): xattr 'trusted.overlay.redirect' is overlayfs metadata" in str(excinfo.value)

@@ -175,8 +175,9 @@ def report(args: argparse.Namespace, hot: HotList, results: dict[int, list[dict[
             f"{total(threshold, 'inline_stored') / MB:.1f} | {total(threshold, 'image_raw') / MB:.1f} | "
             f"{total(threshold, 'image_stored') / MB:.1f} | {added / MB:+.1f} | {total(threshold, 'reads_saved')} | "
             f"{total(threshold, 'saved_stored') / MB:.1f} | {change / MB:+.1f} | "
-            + "".join(f"{(mb * MB + change) / (mb * MB):.3f}{'' if (mb * MB + change) <= TARGET_LINK_RATIO * mb * MB else ' (over 1.1×)'} | "
-                      for mb in args.link_mb.values()))
+            + "".join(f"{(mb * MB + change) / (mb * MB):.3f}×"
+                      f"{'' if mb * MB + change <= TARGET_LINK_RATIO * mb * MB else ' (over 1.1×)'} | "
+                      for mb in args.link_mb.values()).rstrip())
     lines += ["", f"Images at inline_max 0 (the node-built image, metadata only): {base_raw / MB:.1f} MB raw, "
               f"{base_stored / MB:.1f} MB stored. Today's link bytes before the first output (node-built images, "
               "`--link-mb`): " + (", ".join(f"{start} {mb:.1f} MB" for start, mb in args.link_mb.items())

@@ -44,7 +44,7 @@ from bootseer.blockstore.node.readahead import READAHEAD_INITIAL
 from tests.support.http import RangeHTTPServer
 from tests.support.processes import wait_process_gone
 from tests.support.waiting import free_port
-from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layer_store import BuiltLayer, build_store, stored_image
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
 from bootseer.blockstore.node.cache_writer import CACHE_WRITE_QUEUE_BYTES
@@ -270,8 +270,12 @@ def test_metadata_fetches_no_block_and_a_read_fetches_its_blocks(built: Any, nod
         entry = next(e for e in index.entries if e.path == "srv/big.bin")
         block = index.blocks[entry.blocks[2]]
         pack = pack_object(index.packs[block.pack])
+        # The mount fetched the layer's EROFS image (its own packs) and no file block.
+        image_packs = {pack_object(name) for name in stored_image(store, layers[0].record)[0].packs}
+        at_mount = [target for _method, target, _headers in http.requests if "/packs/" in target]
+        assert all(any(target.endswith(name) for name in image_packs) for target in at_mount)
         metadata_only(base)
-        assert not any("/packs/" in target for _method, target, _headers in http.requests)
+        assert [target for _method, target, _headers in http.requests if "/packs/" in target] == at_mount
         with open(base / "srv/big.bin", "rb", buffering=0) as file:
             file.seek(2 * BLOCK_SIZE + 100)
             data = file.read(10)
@@ -381,7 +385,8 @@ def test_metrics_endpoint(built: Any, node_factory: Any) -> None:
     node = node_factory(f"file://{built[0]}", metrics_address=f"127.0.0.1:{port}")
     client = node.ensure()
     lower = Path(client.mount(built[1][0].chain_id).lower_dir)
-    assert (lower / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
+    assert (lower / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"  # inline in the layer's EROFS image
+    assert (lower / "srv/big.bin").read_bytes() == rich_big_bin()  # read through the blob: FUSE reads
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     assert "bootseer_layer_server_up 1.0" in text
@@ -622,7 +627,7 @@ def test_the_local_index_copy_is_the_stores_object_byte_for_byte(built: Any, nod
     assert other[:8] == INDEX_MAGIC and other != original and LayerIndex.decode(other) == layer.index
     name = hashlib.sha256(other).hexdigest()
     (store / index_object(name)).write_bytes(other)
-    (store / chain_object(layer.chain_id)).write_bytes(dataclasses.replace(layer.record, index=name).encode())
+    (store / chain_object(layer.chain_id)).write_bytes(dataclasses.replace(layer.record, index=name, image="").encode())
 
     node = node_factory(f"file://{store}")
     client = node.ensure()
@@ -646,10 +651,12 @@ SHARDS, SHARD_SIZE = 8, 32 * MiB
 
 @pytest.fixture(scope="module")
 def shards_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuiltLayer]:
-    """One layer of 8 incompressible 32 MiB files in 1 MiB blocks (the converter's default)."""
+    """One layer of 8 incompressible 32 MiB files in 1 MiB blocks (the converter's default), without an
+    EROFS image (the test counts the files' blocks fetched)."""
     store = tmp_path_factory.mktemp("shards-store")
     files = tuple(BigFile(f"data/shard-{n}", SHARD_SIZE, seed=n) for n in range(SHARDS))
-    [layer] = build_store(store, [Layer(files)], block_size=1 << 20, layout=tmp_path_factory.mktemp("shards-layout"))
+    [layer] = build_store(store, [Layer(files)], block_size=1 << 20, layout=tmp_path_factory.mktemp("shards-layout"),
+                          inline_max=None)
     return store, layer
 
 

@@ -36,10 +36,12 @@ from tests.support import autojump
 from tests.support.http import RangeHTTPServer
 from tests.support.waiting import free_port
 from tests.support.peers import (
-    BIG, TOKEN, FakePeer, Nodes, owned_by, pack_bytes_fetched, place_request, root_only, scrape,
+    BIG, BLOCK_SIZE, TOKEN, FakePeer, Nodes, owned_by, pack_bytes_fetched, place_request, root_only, scrape,
 )  # fmt: skip
 from tests.support.tls import self_signed
 from tests.support.waiting import wait_until
+from tests.support.layer_store import build_store, stored_image
+from tests.support.layers import File, Layer
 
 # -- membership, ownership and the wire, without processes -----------------------------------------
 
@@ -414,3 +416,29 @@ def test_the_peer_config_and_the_control_client_load_without_trio() -> None:
             "print(sorted(m for m in ('trio', 'pyfuse3', 'bootseer.blockstore.peers.service') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
+
+
+@root_only
+def test_a_layers_image_is_fetched_through_peers_like_its_blocks(tmp_path_factory: pytest.TempPathFactory, nodes: Nodes) -> None:
+    """The layer's EROFS image is blocks too: the node that does not own one asks its owner, and the
+    store serves it once for both nodes."""
+    store = tmp_path_factory.mktemp("image-store")
+    (layer,) = build_store(store, [Layer((File("data/big.bin", BIG), File("data/small.txt", b"hello peers\n")))],
+                           block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("image-layout"))  # fmt: skip
+    table, _image = stored_image(store, layer.record)
+    [block] = [b for b in table.blocks if not b.is_zero]  # a small layer's image is one block
+    members = tuple(f"127.0.0.1:{free_port()}" for _ in range(2))
+    owner = max(members, key=lambda m: rendezvous_score(m, block.digest))
+    image_pack = pack_object(table.packs[block.pack])
+    with RangeHTTPServer(store) as http:
+        clients = [nodes.start(http.url, PeerConfig(listen=members[n], members=members, token_file=str(nodes.token),
+                                                    deadline=10), data_path="erofs")
+                   for n in range(2)]  # fmt: skip
+        asker, owning = (1, 0) if members[0] == owner else (0, 1)
+        for n in (asker, owning):  # the node that does not own the image's block mounts first
+            lower = Path(clients[n].mount(layer.chain_id).lower_dir)
+            assert (lower / "data/small.txt").read_bytes() == b"hello peers\n"  # inline: from the image
+        assert len([t for _m, t, _h in http.requests if t.endswith(image_pack)]) == 1
+        statuses = [client.call({"op": "peers.status"}) for client in clients]
+        assert statuses[asker]["received"]["blocks"] == 1 == statuses[owning]["served"]["blocks"]
+        assert "fetched the layer's EROFS image" in nodes.log(asker) + nodes.log(owning)

@@ -857,6 +857,11 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
     # Each BootSeer scenario runs once per data path and image source: ``erofs`` (converter), ``erofs+built``.
     paths = list(dict.fromkeys(variant(path, source) for path in paths for source in sources))
     context["data_paths"], context["image_sources"] = paths, sources
+
+    def source_of(path: str | None) -> str:
+        """The image source whose store a variant reads (the tree path, which mounts no image: the first)."""
+        found = split_variant(path)[1] if path is not None else sources[0]
+        return found if found in sources else sources[0]
     log(f"data paths x image sources: {', '.join(paths)} (--data-path passed to the snapshotter: "
         f"{support['snapshotter']}, to the layer server: {support['layer-server']})")
     scenarios = {named(base, path): Scenario(named(base, path))
@@ -924,13 +929,13 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                                       containerd=installs[0], label=f"record-{source}")
                 hot["data_path"] = first
                 for path in paths:
-                    if split_variant(path)[1] == source:
+                    if source_of(path) == source:
                         context["hots"][path] = hot
                 log(f"  hot list: {hot['blocks']} blocks, {hot['bytes'] / MB:.1f} MB "
                     f"(sealed by {hot['sealed_by']}; the boot took {hot['boot_seconds']:.1f} s)")
             except (BenchError, HarnessError) as e:
                 for path in paths:
-                    if split_variant(path)[1] == source:
+                    if source_of(path) == source:
                         scenarios[named("hot-cold", path)].errors.append(f"no hot list recorded: {e}")
                 log(f"  recording boot FAILED: {e}")
         pass_snapshotter, pass_server = support["snapshotter"], support["layer-server"]
@@ -941,7 +946,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                 profile_dir = context.get("profile_dir") if install is installs[0] else None
                 for kind in kinds:
                     for number, path in enumerate(paths if kind != "overlay" else [None]):
-                        source = split_variant(path)[1] if path is not None else sources[0]
+                        source = source_of(path)
                         if kind == "hot":
                             if path in context["hots"]:
                                 measure_hot_node(rep, work, link, ref, hot_urls[source], hot_stores[source], by_name,

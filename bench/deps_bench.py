@@ -29,12 +29,20 @@ and ``MODE-warm`` (not dropped).  The hit modes run once per node data path of `
 Per run: the page cache's growth (``nodestats.file_pages``, after minus before) and, for the hits, the
 FUSE requests by operation (the layer server's Prometheus counters before and after).
 
+Issue 24, ``--image-sources converter,node`` (both by default): the snapshot is captured twice, once as
+``deps run`` publishes it (with the capture's EROFS image, into ``WORKDIR/store``) and once with
+``deps run --no-image`` (into ``WORKDIR/store-built``: a restore builds the image from the capture's index),
+each store with its hot-list copy and nginx; every hit mode runs once per data path and source, named
+``bootseer-hit@erofs`` (the captured image) and ``bootseer-hit@erofs+built`` (node-built), and the report
+gives the restore alone per source against the target (≤ 0.6 s).
+
 Writes ``bench/results/deps.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -45,8 +53,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import code_version
 from tests.support import netns
 from tests.support.nginx import Nginx
+from bench.lazy_scenarios import IMAGE_SOURCES, split_variant, variant
 from bench.nodestats import file_pages, fuse_requests, scrape_metrics
 
 from bootseer.blockstore.server.client import (
@@ -64,6 +74,12 @@ HIT_MODES = ("bootseer-hit", "bootseer-hot")
 DATA_PATHS = ("erofs", "loop", "tree")
 TREE_PATH = "tree"
 PAGE_CACHE_NOISE = 16 * 2**20  #: a growth below this is noise on a shared machine: no ratio against it
+#: Issue 24: the restore alone of the benchmark's environment on a fresh node, in seconds.
+TARGET_RESTORE_S = 0.6
+#: Per image source: the capture's flags, the store's directory under WORKDIR, and its two nginx ports (the
+#: store, and its copy that holds the hot list).
+SOURCES = {"converter": ((), "store", STORE_PORT, HOT_STORE_PORT),
+           "node": (("--no-image",), "store-built", STORE_PORT + 2, HOT_STORE_PORT + 2)}
 
 
 def layer_server_takes_data_path() -> bool:
@@ -116,11 +132,17 @@ def main() -> int:
     parser.add_argument("--data-paths", default="erofs,tree",
                         help=f"node data paths the hit modes run on, comma-separated: {', '.join(DATA_PATHS)} "
                              "(erofs,tree; only tree where the layer server takes no --data-path)")
+    parser.add_argument("--image-sources", default=",".join(IMAGE_SOURCES),
+                        help="comma-separated: converter (the capture published with its EROFS image, as `deps run` "
+                             "does), node (captured with --no-image: the restore builds the image) (converter,node)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "deps.md")
     args = parser.parse_args()
     args.data_paths = list(dict.fromkeys(p.strip() for p in args.data_paths.split(",") if p.strip()))
     if not args.data_paths or set(args.data_paths) - set(DATA_PATHS):
         parser.error(f"--data-paths takes a comma-separated subset of {','.join(DATA_PATHS)}")
+    args.image_sources = list(dict.fromkeys(s.strip() for s in args.image_sources.split(",") if s.strip()))
+    if not args.image_sources or set(args.image_sources) - set(IMAGE_SOURCES):
+        parser.error(f"--image-sources takes a comma-separated subset of {','.join(IMAGE_SOURCES)}")
     args.pass_data_path = layer_server_takes_data_path()
     args.notes = []
     if not args.pass_data_path:
@@ -129,7 +151,11 @@ def main() -> int:
         args.notes.append("`bootseer layer-server` takes no `--data-path`: the hits ran on its only data path, the "
                           "per-file FUSE tree, without the flag" + (f" ({', '.join(dropped)} not measured)."
                                                                    if dropped else "."))
-    print(f"data paths: {', '.join(args.data_paths)} (--data-path passed: {args.pass_data_path})", flush=True)
+    # Each hit once per data path and image source: ``erofs`` (the captured image), ``erofs+built``.
+    args.variants = list(dict.fromkeys(variant(path, source) for path in args.data_paths
+                                       for source in args.image_sources))
+    print(f"data paths x image sources: {', '.join(args.variants)} (--data-path passed: {args.pass_data_path})",
+          flush=True)
     if os.geteuid() != 0:
         raise SystemExit("deps_bench: run as root (drop_caches, overlayfs, FUSE)")
     work = args.workdir
@@ -141,7 +167,7 @@ def main() -> int:
                        check=True)  # fmt: skip
     (work / "req.txt").write_text("\n".join(REQUIREMENTS) + "\n")
     target = work / "env"
-    store, node = work / "store", work / "node"
+    node = work / "node"
     pip = [PYTHON, "-m", "pip", "install", "-q", "--no-cache-dir", "--no-index", "-f", str(wheels), "--target",
            str(target), "-r", str(work / "req.txt")]  # fmt: skip
     uv = [str(BIN / "uv"), "pip", "install", "-q", "--python", PYTHON, "--no-index", "-f", str(wheels), "--target",
@@ -166,31 +192,43 @@ def main() -> int:
         time.sleep(1)
         remove(root)
 
-    # The snapshot, captured once (timed: what a first run costs on top of its install).
-    for path in (target, store, node):
-        remove(path)
-    capture_s = sh([*deps, "run", "--prefix", str(target), "--store", str(store), "--root", str(node), "--", *pip])
-    installed_bytes = int(subprocess.run(["du", "-sb", str(target)], capture_output=True, text=True).stdout.split()[0])
-    release(node)
-
-    for path in (work, store):
-        path.chmod(0o755)  # nginx's worker (www-data) must reach the store
-    subprocess.run(["chmod", "-R", "a+rX", str(store)], check=True)
-    hot_store = work / "store-hot"  # the store and, once recorded, the deps layer's hot list
-    remove(hot_store)
-    subprocess.run(["cp", "-al", str(store), str(hot_store)], check=True)
-    (hot_store / "v1" / "hotlists").mkdir(exist_ok=True)
+    # The snapshot, captured once per image source (timed: what a first run costs on top of its install).
+    work.chmod(0o755)  # nginx's worker (www-data) must reach the stores
+    captures: dict[str, float] = {}
+    hot_stores: dict[str, Path] = {}
+    for source in args.image_sources:
+        flags, name, _, _ = SOURCES[source]
+        store = work / name
+        for path in (target, store, node):
+            remove(path)
+        captures[source] = sh([*deps, "run", *flags, "--prefix", str(target), "--store", str(store), "--root",
+                               str(node), "--", *pip])  # fmt: skip
+        installed_bytes = int(subprocess.run(["du", "-sb", str(target)], capture_output=True, text=True)
+                              .stdout.split()[0])  # fmt: skip
+        release(node)
+        store.chmod(0o755)
+        subprocess.run(["chmod", "-R", "a+rX", str(store)], check=True)
+        hot_stores[source] = work / f"{name}-hot"  # the store and, once recorded, the deps layer's hot list
+        remove(hot_stores[source])
+        subprocess.run(["cp", "-al", str(store), str(hot_stores[source])], check=True)
+        (hot_stores[source] / "v1" / "hotlists").mkdir(exist_ok=True)
     load_before = os.getloadavg()
-    with netns.ShapedLink(args.rate) as link, \
-            Nginx(store, work / "nginx", STORE_PORT, host=link.server_ip, launcher=link.launcher()) as nginx, \
-            Nginx(hot_store, work / "nginx-hot", HOT_STORE_PORT, host=link.server_ip, launcher=link.launcher()) as hot:
-        recorded = {}
-        if "bootseer-hot" in args.modes.split(","):
-            recorded = record_hot_list(work, target, hot.url, hot_store, pip, deps, release)
-        results, restores, link_bytes, prefetches, costs = measure(args, work, target, {"bootseer-hit": nginx.url,
-                                                                   "bootseer-hot": hot.url}, link, pip, uv, deps, release)  # fmt: skip
+    with netns.ShapedLink(args.rate) as link, contextlib.ExitStack() as servers:
+        store_urls: dict[str, dict[str, str]] = {}  # source -> mode -> URL
+        recorded: dict[str, dict] = {}
+        for source in args.image_sources:
+            _, name, port, hot_port = SOURCES[source]
+            nginx = servers.enter_context(Nginx(work / name, work / f"nginx-{name}", port, host=link.server_ip,
+                                                launcher=link.launcher()))
+            hot = servers.enter_context(Nginx(hot_stores[source], work / f"nginx-{name}-hot", hot_port,
+                                              host=link.server_ip, launcher=link.launcher()))
+            store_urls[source] = {"bootseer-hit": nginx.url, "bootseer-hot": hot.url}
+            if "bootseer-hot" in args.modes.split(","):
+                recorded[source] = record_hot_list(work, target, hot.url, hot_stores[source], pip, deps, release)
+        results, restores, link_bytes, prefetches, costs = measure(args, work, target, store_urls, link, pip, uv,
+                                                                   deps, release)  # fmt: skip
     load_after = os.getloadavg()
-    return report(args, wheels, installed_bytes, capture_s, results, restores, link_bytes, load_before, load_after,
+    return report(args, wheels, installed_bytes, captures, results, restores, link_bytes, load_before, load_after,
                   recorded, prefetches, costs)  # fmt: skip
 
 
@@ -221,9 +259,11 @@ def record_hot_list(work: Path, target: Path, store_url: str, hot_store: Path, p
     return {**summary, "imports_s": seconds}
 
 
-def measure(args: argparse.Namespace, work: Path, target: Path, store_urls: dict[str, str], link: netns.ShapedLink,
+def measure(args: argparse.Namespace, work: Path, target: Path, store_urls: dict[str, dict[str, str]],
+            link: netns.ShapedLink,
             pip: list[str], uv: list[str], deps: list[str], release) -> tuple:  # fmt: skip
-    """Every mode ``--reps`` times (a hit mode once per data path, ``MODE@PATH``); the seconds per mode, the
+    """Every mode ``--reps`` times (a hit mode once per data path and image source, ``MODE@PATH``, the store of
+    each source in ``store_urls``); the seconds per mode, the
     hits' restore times and bytes across the link, the hot runs' prefetch figures, and per mode and run its
     page-cache growth (bytes) and FUSE requests by operation."""
     results: dict[str, list[float]] = {}
@@ -243,9 +283,9 @@ def measure(args: argparse.Namespace, work: Path, target: Path, store_urls: dict
     for rep in range(args.reps):
         for mode in modes:
             if mode in HIT_MODES:
-                for path in args.data_paths:
-                    prefetch = hit(args, work, target, store_urls[mode], mode, path, rep, link, pip, deps, release,
-                                   record, restores, link_bytes)
+                for path in args.variants:
+                    prefetch = hit(args, work, target, store_urls[split_variant(path)[1]][mode], mode, path, rep,
+                                   link, pip, deps, release, record, restores, link_bytes)
                     prefetches.extend(prefetch)
                 continue
             if mode == "local":
@@ -292,7 +332,7 @@ def hit(args: argparse.Namespace, work: Path, target: Path, store_url: str, mode
     remove(fresh)
     metrics = f"http://{(address := free_address())}/metrics"
     settings = ServerSettings(store=store_url, metrics_address=address,
-                              extra_args=("--data-path", path) if args.pass_data_path else ())
+                              extra_args=("--data-path", split_variant(path)[0]) if args.pass_data_path else ())
     drop_caches()
     pages = file_pages()
     before = link.counters()
@@ -329,7 +369,7 @@ def hit(args: argparse.Namespace, work: Path, target: Path, store_url: str, mode
     return prefetch
 
 
-def report(args: argparse.Namespace, wheels: Path, installed_bytes: int, capture_s: float,
+def report(args: argparse.Namespace, wheels: Path, installed_bytes: int, captures: dict[str, float],
            results: dict[str, list[float]], restores: dict[str, list[float]], link_bytes: dict[str, list[int]],
            load_before: tuple[float, ...], load_after: tuple[float, ...], recorded: dict, prefetches: list[dict],
            costs: dict[str, list[dict]]) -> int:  # fmt: skip
@@ -353,7 +393,8 @@ def report(args: argparse.Namespace, wheels: Path, installed_bytes: int, capture
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- Machine: {os.cpu_count()} CPUs, Linux {platform.release()}, Python {platform.python_version()}",
         f"- Command: `python -m bench.deps_bench --reps {args.reps} --modes {args.modes} --data-paths "
-        f"{','.join(args.data_paths)}`",
+        f"{','.join(args.data_paths)} --image-sources {','.join(args.image_sources)}`",
+        f"- Code: {code_version()}",
         f"- Set: {', '.join(REQUIREMENTS)} and their dependencies ({len(list(wheels.glob('*.whl')))} wheels, "
         f"{sum(p.stat().st_size for p in wheels.glob('*.whl')) / 2**20:.0f} MiB), installed "
         f"{installed_bytes / 2**20:.0f} MiB; timed until `{IMPORTS}` returned; page cache dropped before each run",
@@ -362,9 +403,12 @@ def report(args: argparse.Namespace, wheels: Path, installed_bytes: int, capture
         "by the run)",
         f"- Load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} (2 cores shared with "
         "other engineers' work)",
-        f"- First run with capture (pip install + capture + publish, local store): {capture_s:.1f} s",
-        f"- Data paths of the hits: {', '.join(args.data_paths)} (`--data-path` passed to the layer server: "
-        f"{'yes' if args.pass_data_path else 'no, it takes none'}); `MODE-again`: the imports again on the hit's "
+        "- First run with capture (pip install + capture + publish, local store): "
+        + "; ".join(f"{source} {seconds:.1f} s" for source, seconds in captures.items())
+        + " (`converter`: as `deps run` publishes, with the capture's EROFS image; `node`: `deps run --no-image`)",
+        f"- Hits per data path and image source: {', '.join(args.variants)} (`MODE@PATH`: the capture's image; "
+        "`MODE@PATH+built`: the node builds it from the index); `--data-path` passed to the layer server: "
+        f"{'yes' if args.pass_data_path else 'no, it takes none'}; `MODE-again`: the imports again on the hit's "
         "node, page cache dropped; `MODE-warm` and `local-warm`: again, not dropped",
         "- Page cache: growth of the file pages (`Active(file) + Inactive(file)`, /proc/meminfo, machine-wide) over "
         "the run; FUSE requests: the hit's layer server's `bootseer_fuse_requests_total`, before and after", "",
@@ -389,16 +433,28 @@ def report(args: argparse.Namespace, wheels: Path, installed_bytes: int, capture
                   f"layer server start, mounts): {', '.join(f'{s:.2f}' for s in times)} s, median "
                   f"{statistics.median(times):.2f} s. Bytes across the link per hit (restore + imports): "
                   f"{', '.join(f'{b / 2**20:.0f}' for b in link_bytes[mode])} MiB."]  # fmt: skip
-    if recorded:
-        lines += ["", f"Hot list: {recorded['blocks']} blocks, {recorded['bytes'] / 2**20:.0f} MiB, recorded by one "
-                  f"first hit on a fresh node (sealed by {recorded['sealed_by']}: `bootseer deps release`; its "
-                  f"imports took {recorded['imports_s']:.2f} s)."]  # fmt: skip
+    if restores:
+        lines += ["", f"Restore alone per image source (medians, s; target ≤ {TARGET_RESTORE_S:g} s):", "",
+                  "| hit | runs (s) | median (s) | × node-built | link MiB (median) | target |", "|---|---|---|---|---|---|"]
+        for name, times in restores.items():
+            mode, _, path = name.partition("@")
+            built = f"{mode}@{variant(split_variant(path)[0], 'node')}"
+            mine = statistics.median(times)
+            theirs = statistics.median(restores[built]) if built in restores and built != name else None
+            lines.append(f"| {name} | {', '.join(f'{s:.2f}' for s in times)} | {mine:.2f} | "
+                         f"{f'{mine / theirs:.2f}' if theirs else '—'} | "
+                         f"{statistics.median(link_bytes[name]) / 2**20:.0f} | "
+                         f"{'met' if mine <= TARGET_RESTORE_S else 'MISSED'} |")
+    for source, found in recorded.items():
+        lines += ["", f"Hot list ({source}): {found['blocks']} blocks, {found['bytes'] / 2**20:.0f} MiB, recorded by "
+                  f"one first hit on a fresh node (sealed by {found['sealed_by']}: `bootseer deps release`; its "
+                  f"imports took {found['imports_s']:.2f} s)."]  # fmt: skip
     for n, p in enumerate(prefetches, 1):
         lines.append(f"- bootseer-hot@{p['data_path']} run {n}: prefetched {p['fetched_blocks']} blocks ({p['fetched_bytes'] / 2**20:.0f} "
                      f"MiB), hits {p['hits']}, waited {p['waited']}, misses {p['misses']}, median lead "
                      f"{p['lead_median_s']} s")  # fmt: skip
     for hit_mode in HIT_MODES:
-        for path in args.data_paths:
+        for path in args.variants:
             name = f"{hit_mode}@{path}"
             hit = median.get(name)
             if not hit:

@@ -78,13 +78,15 @@ from bench.common import (
 )
 from bench.lazy_report import report
 from bench.lazy_scenarios import (
-    DATA_PATHS, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, Run, Scenario, base_name, named, run_fuse_requests,
+    DATA_PATHS, IMAGE_SOURCES, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, Run, Scenario, base_name, named,
+    run_fuse_requests, split_variant, variant,
 )
 from bench.node import (
     chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, published_hot_list,
     recording_finished,
 )
 from bench.nodestats import file_pages
+from bootseer.units import parse_size
 from bench.nodestats import scrape_metrics as _scrape
 from tests.support import netns
 from tests.support.containerd import BUILTIN_OVERLAY, SNAPSHOTTER_NAME, ContainerdInstall, containerd_install
@@ -101,6 +103,8 @@ REGISTRY_PORT = 5000
 STORE_PORT = 8080
 #: nginx serving the copy of the store that the hot-list scenario records into and reads from.
 HOT_STORE_PORT = 8081
+#: The ports of the stores of the second image source (node-built images: a store converted with --no-image).
+BUILT_STORE_PORT, BUILT_HOT_STORE_PORT = 8082, 8083
 IMAGE_NAME = "bench/torch-train"
 #: containerd namespace of every node (and with it the runc root /run/containerd/runc/NAMESPACE).
 NAMESPACE = f"bench-{os.getpid()}"
@@ -173,6 +177,72 @@ class NetnsRegistry:
     def __exit__(self, *exc: object) -> None:
         if self.process is not None:
             self.process.stop()
+
+
+# --------------------------------------------------------------------------- the stores of the image sources
+
+
+def converted_once(image: image_build.Image, store: Path, marker: Path, flags: list[str],
+                   log_path: Path) -> float | None:
+    """``bootseer convert IMAGE --store STORE FLAGS`` unless ``marker`` says it was done for this image;
+    the seconds it took (None: cached).  A rerun on a store converted by an older version adds what the
+    newer one publishes (images) without uploading any block again."""
+    if marker.exists() and marker.read_text().strip() == image.manifest_digest and store.is_dir():
+        return None
+    store.mkdir(parents=True, exist_ok=True)
+    marker.unlink(missing_ok=True)
+    log(f"bootseer convert {image.oci_ref} --store {store} {' '.join(flags)}")
+    start = time.perf_counter()
+    run_checked(bootseer_argv("convert", image.oci_ref, "--store", str(store), *flags), "bootseer convert",
+                timeout=3600, log_path=log_path)
+    seconds = time.perf_counter() - start
+    subprocess.run(["chmod", "-R", "a+rX", str(store)], check=True)  # nginx's worker runs unprivileged
+    marker.write_text(image.manifest_digest + "\n")
+    return seconds
+
+
+def source_store(image: image_build.Image, cache_dir: Path, source: str, inline_max: int | None,
+                 log_path: Path) -> tuple[Path, dict[str, float | None]]:
+    """The converted store a node of image source ``source`` reads, made once and cached under ``cache_dir``;
+    and the seconds each conversion it took (None: cached).
+
+    ``converter``: the benchmark's store (``CACHE/store``, :func:`bench.node.convert_store`), converted again
+    by this version so that each layer's chain record names its EROFS image (a rerun adds the images to a
+    store converted before they existed); with ``inline_max`` (``--inline-max``) a store of its own,
+    ``CACHE/store-inline-N``, converted with that bound.  ``node``: ``CACHE/store-built``, converted with
+    ``--no-image``, whose records name no image, so the node builds each from the index.
+    """
+    if source == "node":
+        store = cache_dir / "store-built"
+        return store, {"convert --no-image": converted_once(image, store, cache_dir / "store-built.converted",
+                                                            ["--no-image"], log_path)}
+    if inline_max is not None:
+        store = cache_dir / f"store-inline-{inline_max}"
+        return store, {f"convert --inline-max {inline_max}": converted_once(
+            image, store, cache_dir / f"store-inline-{inline_max}.converted", ["--inline-max", str(inline_max)],
+            log_path)}
+    store = cache_dir / "store"
+    first = convert_store(image, store, log_path)
+    return store, {"convert": first, "convert again (adds images)": converted_once(
+        image, store, cache_dir / "store.images", [], log_path)}
+
+
+def layer_image_bytes(store: Path, image: image_build.Image) -> list[dict[str, Any]]:
+    """Per layer of the image in ``store``: its index's stored bytes and, when its chain record names an EROFS
+    image, the image's raw bytes and its blocks' stored (compressed) bytes (``v1/images/<name>``)."""
+    from bootseer.blockstore.objects.format import ChainRecord, LayerImage, chain_object, image_object, index_object
+
+    rows = []
+    for layer, chain in zip(image.layers, chain_ids([layer.diff_id for layer in image.layers])):
+        record = ChainRecord.decode((store / chain_object(chain)).read_bytes(), expected_chain_id=chain)
+        row: dict[str, Any] = {"layer": layer.name, "files": record.files,
+                               "index_bytes": (store / index_object(record.index)).stat().st_size}
+        if record.image:
+            table = LayerImage.decode((store / image_object(record.image)).read_bytes(), record=record)
+            row.update(image_bytes=table.size, image_stored=sum(block.clen for block in table.blocks),
+                       inline_max=table.inline_max)
+        rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------- one node
@@ -445,6 +515,11 @@ def timed_start(stack: Stack, link: netns.ShapedLink, ref: str, name: str, pull:
                page_cache_bytes=page_cache)
 
 
+def _flag(name: str | None) -> str | None:
+    """The ``--data-path`` of a scenario's variant (``erofs+built`` -> ``erofs``: the image source is the store's)."""
+    return split_variant(name)[0] if name is not None else None
+
+
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
                  scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
                  data_path: str | None = None, pass_data_path: bool = False,
@@ -460,7 +535,7 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
     try:
         # Short directory names: containerd's and the layer server's sockets live below it (108-byte limit).
         with fresh_node(work / f"{kind[0]}{data_path or ''}{rep}{containerd.series if containerd else ''}", lazy, store_url, timeout,
-                        data_path=data_path if lazy and pass_data_path else None, containerd=containerd) as stack:
+                        data_path=_flag(data_path) if lazy and pass_data_path else None, containerd=containerd) as stack:
             pull = pull_argv(stack, ref, lazy)
             for scenario, pulling, drop in ((cold, pull, True), (local, None, True), (warm, None, False)):
                 try:
@@ -493,18 +568,18 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
 
 def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: image_build.Image,
                     timeout: float, data_path: str | None = None,
-                    containerd: ContainerdInstall | None = None) -> dict[str, Any]:
+                    containerd: ContainerdInstall | None = None, label: str = "record") -> dict[str, Any]:
     """The image's first boot on a fresh node, which records its hot list into ``hot_store``.
 
     The node reads the store through nginx (``hot_url``, read-only) and publishes to the
     directory behind it (``--publish-store``); the job seals the recording itself by creating
     the marker after its first output.  Returns the list's summary, with the recording's
     ``sealed_by``/``outcome`` from the layer server and the boot's time.  ``data_path``: the
-    daemon's ``--data-path`` (None: not passed).
+    daemon's ``--data-path`` (None: not passed); ``label``: the node's directory and log.
     """
-    log_path = work / "logs" / "record.log"
+    log_path = work / "logs" / f"{label}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with fresh_node(work / "record", True, hot_url, timeout, publish_store=hot_store, data_path=data_path,
+    with fresh_node(work / label, True, hot_url, timeout, publish_store=hot_store, data_path=data_path,
                     containerd=containerd) as stack:
         drop_caches()
         start = time.perf_counter()
@@ -529,7 +604,7 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         with fresh_node(work / f"h{data_path or ''}{rep}{containerd.series if containerd else ''}", True, hot_url, timeout, publish_store=hot_store,
-                        data_path=data_path if pass_data_path else None, containerd=containerd) as stack:
+                        data_path=_flag(data_path) if pass_data_path else None, containerd=containerd) as stack:
             pull = pull_argv(stack, ref, True)
             profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
             run = timed_start(stack, link, ref, f"hot-cold-{rep}", pull, timeout, log_path, True, profile,
@@ -676,7 +751,7 @@ def measure_fuse_node(rep: int, work: Path, link: netns.ShapedLink, image: image
     cold, local, plain = (scenarios[named(name, data_path)] for name in KINDS["fuse"])
     base = work / f"f{data_path or ''}{rep}"
     try:
-        with layer_server_node(base, store_url, data_path if pass_data_path else None) as (socket_path, metrics_url):
+        with layer_server_node(base, store_url, _flag(data_path) if pass_data_path else None) as (socket_path, metrics_url):
             client = LayerServerClient(socket_path)
             lowers: list[str] = []
             for scenario in (cold, local):
@@ -778,9 +853,17 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                                                                 else "."))
     elif not support["layer-server"] and "fuse" in kinds:
         context["notes"].append("`bootseer layer-server` takes no `--data-path`: the fuse scenarios ran on its default.")
-    context["data_paths"] = paths
-    log(f"data paths: {', '.join(paths)} (--data-path passed to the snapshotter: {support['snapshotter']}, "
-        f"to the layer server: {support['layer-server']})")
+    sources: list[str] = list(args.image_sources)
+    # Each BootSeer scenario runs once per data path and image source: ``erofs`` (converter), ``erofs+built``.
+    paths = list(dict.fromkeys(variant(path, source) for path in paths for source in sources))
+    context["data_paths"], context["image_sources"] = paths, sources
+
+    def source_of(path: str | None) -> str:
+        """The image source whose store a variant reads (the tree path, which mounts no image: the first)."""
+        found = split_variant(path)[1] if path is not None else sources[0]
+        return found if found in sources else sources[0]
+    log(f"data paths x image sources: {', '.join(paths)} (--data-path passed to the snapshotter: "
+        f"{support['snapshotter']}, to the layer server: {support['layer-server']})")
     scenarios = {named(base, path): Scenario(named(base, path))
                  for base in SCENARIOS for path in (paths if base in PER_DATA_PATH else [None])}
     # The other containerds run the same starts into scenarios of their own (the fuse ones run no containerd).
@@ -796,27 +879,37 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
         ref = registry.push(image)
         context["link_rate"] = measure_link(link, registry, image)
         log(f"pushed {ref}; one GET across the link: {context['link_rate']:.1f} MB/s")
-        store_url = hot_url = None
-        hot_store = args.cache_dir / "store-hot"
+        # Per image source: the store, its nginx, and the copy the hot-list starts record into and read.
+        store_urls: dict[str, str] = {}
+        hot_urls: dict[str, str] = {}
+        hot_stores = {"converter": args.cache_dir / "store-hot", "node": args.cache_dir / "store-hot-built"}
+        ports = {"converter": (STORE_PORT, HOT_STORE_PORT), "node": (BUILT_STORE_PORT, BUILT_HOT_STORE_PORT)}
+        context["convert_seconds"], context["image_bytes"] = {}, {}
         if "lazy" in kinds or "fuse" in kinds or "hot" in kinds:
             try:
-                context["convert_seconds"] = convert_store(image, args.cache_dir / "store", work / "convert.log")
-                nginx = servers.enter_context(Nginx(args.cache_dir / "store", work / "nginx", STORE_PORT,
-                                                    host=link.server_ip, launcher=link.launcher()))
-                store_url = nginx.url
-                hotlists = args.cache_dir / "store" / "v1" / "hotlists"
-                if hotlists.is_dir():  # (b) is lazy *without* a hot list: one left by other work goes
-                    shutil.rmtree(hotlists)
-                    context["notes"].append(f"Removed the hot lists found in {hotlists} before the runs.")
+                for source in sources:
+                    store, seconds = source_store(image, args.cache_dir, source, args.inline_max,
+                                                  work / f"convert-{source}.log")
+                    context["convert_seconds"].update({f"{what} ({store.name})": value
+                                                       for what, value in seconds.items()})
+                    context["image_bytes"][source] = layer_image_bytes(store, image)
+                    nginx = servers.enter_context(Nginx(store, work / f"nginx-{source}", ports[source][0],
+                                                        host=link.server_ip, launcher=link.launcher()))
+                    store_urls[source] = nginx.url
+                    hotlists = store / "v1" / "hotlists"
+                    if hotlists.is_dir():  # (b) is lazy *without* a hot list: one left by other work goes
+                        shutil.rmtree(hotlists)
+                        context["notes"].append(f"Removed the hot lists found in {hotlists} before the runs.")
+                    if "hot" in kinds:
+                        hot_store_copy(store, hot_stores[source])
+                        hot_nginx = servers.enter_context(Nginx(hot_stores[source], work / f"nginx-hot-{source}",
+                                                                ports[source][1], host=link.server_ip,
+                                                                launcher=link.launcher()))
+                        hot_urls[source] = hot_nginx.url
                 context["notes"].append(
                     "The store of lazy-cold and fuse-cold holds no hot list and is read-only over HTTP (nothing is "
                     "published to it), so those starts are not prefetched; the layer server records each first "
                     "boot as it does by default and fails to publish it.")
-                if "hot" in kinds:
-                    hot_store_copy(args.cache_dir / "store", hot_store)
-                    hot_nginx = servers.enter_context(Nginx(hot_store, work / "nginx-hot", HOT_STORE_PORT,
-                                                            host=link.server_ip, launcher=link.launcher()))
-                    hot_url = hot_nginx.url
             except (BenchError, RuntimeError) as e:
                 for kind in ("lazy", "fuse", "hot"):
                     if kind in kinds:
@@ -825,19 +918,25 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                             for path in paths:
                                 scenarios[named(name, path)].errors.append(f"store not ready: {e}")
                 log(f"lazy path not measured: {e}")
-        if "hot" in kinds:
-            log(f"recording boot: fresh node, store {hot_url}, --publish-store {hot_store}")
+        # One recording boot per image source, on its first data path, into that source's hot store.
+        context["hots"] = {}
+        for source in sources if "hot" in kinds else []:
+            first = variant(split_variant(paths[0])[0], source)
+            log(f"recording boot: fresh node, store {hot_urls[source]}, --publish-store {hot_stores[source]}")
             try:
-                context["hot"] = record_hot_list(work, ref, hot_url, hot_store, image, args.timeout,
-                                                 data_path=paths[0] if support["snapshotter"] else None,
-                                                 containerd=installs[0])
-                context["hot"]["data_path"] = paths[0]
-                log(f"  hot list: {context['hot']['blocks']} blocks, {context['hot']['bytes'] / MB:.1f} MB "
-                    f"(sealed by {context['hot']['sealed_by']}; the boot took {context['hot']['boot_seconds']:.1f} s)")
-            except (BenchError, HarnessError) as e:
-                kinds.remove("hot")
+                hot = record_hot_list(work, ref, hot_urls[source], hot_stores[source], image, args.timeout,
+                                      data_path=split_variant(first)[0] if support["snapshotter"] else None,
+                                      containerd=installs[0], label=f"record-{source}")
+                hot["data_path"] = first
                 for path in paths:
-                    scenarios[named("hot-cold", path)].errors.append(f"no hot list recorded: {e}")
+                    if source_of(path) == source:
+                        context["hots"][path] = hot
+                log(f"  hot list: {hot['blocks']} blocks, {hot['bytes'] / MB:.1f} MB "
+                    f"(sealed by {hot['sealed_by']}; the boot took {hot['boot_seconds']:.1f} s)")
+            except (BenchError, HarnessError) as e:
+                for path in paths:
+                    if source_of(path) == source:
+                        scenarios[named("hot-cold", path)].errors.append(f"no hot list recorded: {e}")
                 log(f"  recording boot FAILED: {e}")
         pass_snapshotter, pass_server = support["snapshotter"], support["layer-server"]
         for rep in range(1, args.reps + 1):
@@ -847,21 +946,26 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                 profile_dir = context.get("profile_dir") if install is installs[0] else None
                 for kind in kinds:
                     for number, path in enumerate(paths if kind != "overlay" else [None]):
+                        source = source_of(path)
                         if kind == "hot":
-                            measure_hot_node(rep, work, link, ref, hot_url, hot_store, by_name, args.timeout,
-                                             profile_dir, path, pass_snapshotter, containerd=install)
+                            if path in context["hots"]:
+                                measure_hot_node(rep, work, link, ref, hot_urls[source], hot_stores[source], by_name,
+                                                 args.timeout, profile_dir, path, pass_snapshotter,
+                                                 containerd=install)
                         elif kind == "fuse":
                             if install is installs[0]:  # the layer server alone: no containerd in it
-                                measure_fuse_node(rep, work, link, image, store_url, scenarios, args.timeout,
+                                measure_fuse_node(rep, work, link, image, store_urls[source], scenarios, args.timeout,
                                                   profile_dir, args.cache_dir, path, pass_server,
                                                   plain_too=number == 0)
                         else:
-                            measure_node(kind, rep, work, link, ref, store_url, by_name, args.timeout,
+                            measure_node(kind, rep, work, link, ref, store_urls.get(source), by_name, args.timeout,
                                          profile_dir, path, pass_snapshotter, containerd=install)
         if args.timeline is not None:
             try:
-                context["timeline"] = record_timeline(args.timeline, work, link, ref, store_url, hot_url, hot_store,
-                                                      kinds, args.timeout, installs[0])
+                context["timeline"] = record_timeline(args.timeline, work, link, ref, store_urls.get(sources[0]),
+                                                      hot_urls.get(sources[0]), hot_stores[sources[0]]
+                                                      if sources[0] in hot_urls else None, kinds, args.timeout,
+                                                      installs[0])
             except (BenchError, HarnessError) as e:
                 context["notes"].append(f"--timeline: not recorded: {e}")
                 log(f"timeline FAILED: {e}")
@@ -885,6 +989,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated node data paths each BootSeer scenario runs on, in the same run against "
                              f"the same baselines: {', '.join(DATA_PATHS)} (erofs,tree; only tree where the installed "
                              "snapshotter takes no --data-path)")
+    parser.add_argument("--image-sources", default=",".join(IMAGE_SOURCES),
+                        help="comma-separated sources of the nodes' EROFS images, each BootSeer scenario once per "
+                             "source against the same baselines: converter (the store's, published by `bootseer "
+                             "convert`; `name@erofs`), node (built by the node from the index: a store converted "
+                             "with --no-image; `name@erofs+built`) (converter,node; the tree path has one)")
+    parser.add_argument("--inline-max", type=parse_size, default=None, metavar="SIZE",
+                        help="the converter store's `bootseer convert --inline-max` (default: the converter's "
+                             "default, the benchmark's store; else a store of its own, CACHE/store-inline-N)")
     parser.add_argument("--jobs", type=int, default=2, help="gzip threads when building the image (2)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one pull or run may take (600)")
     parser.add_argument("--profile", action="store_true",
@@ -910,6 +1022,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.data_paths = list(dict.fromkeys(p.strip() for p in args.data_paths.split(",") if p.strip()))
     if not args.data_paths or set(args.data_paths) - set(DATA_PATHS):
         parser.error(f"--data-paths takes a comma-separated subset of {','.join(DATA_PATHS)}")
+    args.image_sources = list(dict.fromkeys(s.strip() for s in args.image_sources.split(",") if s.strip()))
+    if not args.image_sources or set(args.image_sources) - set(IMAGE_SOURCES):
+        parser.error(f"--image-sources takes a comma-separated subset of {','.join(IMAGE_SOURCES)}")
     args.containerds = list(dict.fromkeys(c.strip() for c in args.containerds.split(",") if c.strip())) or [None]
     args.cache_dir = args.cache_dir.resolve()
     if args.timeline is not None:

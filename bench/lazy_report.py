@@ -20,9 +20,10 @@ from typing import Any
 from bench import image_build
 from bench.common import code_version, fmt, machine
 from bench.lazy_scenarios import (
-    BASELINES, KINDS, MB, SCENARIOS, TARGET_COLD_RATIO, TARGET_FETCH_OVER_READ, TARGET_FUSE_REQUESTS_RATIO,
-    TARGET_HOT_OVER_FLOOR, TARGET_HOT_SPEEDUP, TARGET_LOCAL_RATIO, TARGET_PAGE_CACHE_RATIO, TREE_PATH, Run, Scenario,
-    base_name, named, run_fuse_requests,
+    BASELINES, KINDS, MB, SCENARIOS, SOURCE_SUFFIX, TARGET_COLD_FUSE_REQUESTS, TARGET_COLD_RATIO,
+    TARGET_FETCH_OVER_READ, TARGET_FUSE_REQUESTS_RATIO, TARGET_HOT_OVER_FLOOR, TARGET_HOT_SPEEDUP,
+    TARGET_LINK_OVER_BUILT, TARGET_LOCAL_RATIO, TARGET_PAGE_CACHE_RATIO, TARGET_PULL_SECONDS, TREE_PATH, Run,
+    Scenario, base_name, named, run_fuse_requests, split_variant, variant,
 )
 from tests.support.containerd import ContainerdInstall
 
@@ -71,11 +72,17 @@ def _fetched_bytes(run: Run) -> float | None:
     return float(run.link_bytes)
 
 
+def hot_list(context: dict[str, Any], data_path: str) -> dict[str, Any] | None:
+    """The summary of the hot list the ``hot-cold`` starts of ``data_path`` (a variant: ``erofs+built``)
+    prefetched: each image source records its own."""
+    return context.get("hots", {}).get(data_path) or context.get("hot")
+
+
 def hot_floor(seconds: dict[str, float | None], context: dict[str, Any], data_path: str) -> float | None:
     """The floor of a prefetched start (issue 15's): the hot list's bytes over the measured link rate, plus
     overlayfs's warm start (overlay-warm's median: a start that reads nothing from disk or the link); where
     that did not run, the all-local lazy start on ``data_path`` (lazy-local's median, issue 7's floor)."""
-    hot, rate = context.get("hot"), context.get("link_rate")
+    hot, rate = hot_list(context, data_path), context.get("link_rate")
     warm = seconds.get("overlay-warm") or seconds.get(named("lazy-local", data_path))
     if not hot or not rate or not warm:
         return None
@@ -89,7 +96,7 @@ def _floor_base(seconds: dict[str, float | None], data_path: str) -> str:
 def hot_section(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any],
                 data_path: str) -> list[str]:
     """The report's hot-list section of one data path: the list, the floor, the distance, the prefetch per run."""
-    hot = context.get("hot")
+    hot = hot_list(context, data_path)
     name = named("hot-cold", data_path)
     scenario = scenarios.get(name)
     if scenario is None or (not hot and not scenario.runs):
@@ -218,6 +225,111 @@ def data_path_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[
             "|---|---|---|---|---|---|---|---|", *rows]
 
 
+#: The BootSeer starts compared between image sources.
+SOURCE_STARTS = ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold")
+
+
+def built_twin(path: str) -> str | None:
+    """The node-built variant of a converter-image ``path`` (``erofs`` -> ``erofs+built``); None for the others."""
+    data_path, source = split_variant(path)
+    twin = variant(data_path, "node")
+    return twin if source == "converter" and twin != path else None
+
+
+def image_source_section(scenarios: dict[str, Scenario], context: dict[str, Any], paths: list[str]) -> list[str]:
+    """Issue 24: per start and image source, the pull alone, FUSE requests by operation and the bytes over the
+    link before the first output (medians, beside the node-built start's); then each source's image bytes per
+    layer beside the layer index."""
+    if len(context.get("image_sources") or []) < 2 and not context.get("image_bytes"):
+        return []
+    rows = []
+    for base in SOURCE_STARTS:
+        for path in paths:
+            scenario = scenarios.get(named(base, path))
+            if scenario is None or not scenario.runs:
+                continue
+            data_path, source = split_variant(path)
+            requests = _median_requests(scenario)
+            ops = ", ".join(f"{op} {count:.0f}" for op, count in sorted(requests.items(), key=lambda item: -item[1])
+                            if op != "total") or "—"
+            link = scenario.median(lambda r: r.link_bytes)
+            twin = scenarios.get(named(base, built_twin(path) or ""))
+            theirs = twin.median(lambda r: r.link_bytes) if twin is not None and twin.runs else None
+            pull = scenario.median(lambda r: r.pull_seconds)
+            their_pull = twin.median(lambda r: r.pull_seconds) if twin is not None and twin.runs else None
+            rows.append(f"| {base} | {data_path} | {source} | {fmt(pull) if pull else '—'} | "
+                        f"{fmt(pull / their_pull if pull and their_pull else None)} | "
+                        f"{fmt(scenario.median(lambda r: r.seconds))} | {fmt(requests.get('total'), '.0f')} | {ops} | "
+                        f"{fmt(link / MB, '.1f')} | {fmt(link / theirs if link is not None and theirs else None)} |")
+    lines = ["", "## Image sources: converter-built against node-built images (issue 24)", "",
+             "Each BootSeer start once per image source on fresh nodes, against the same overlayfs baselines: "
+             f"`converter` (`name@PATH`: the store's images, published by `bootseer convert`) and `node` "
+             f"(`name@PATH{SOURCE_SUFFIX['node']}`: a store converted with `--no-image`, so the node builds each "
+             "image from the layer index). Medians. `pull`: `bootseer rpull` until every snapshot is ready (the local "
+             "and warm starts pull nothing); link bytes: what crossed the link from the start of the pull to the "
+             "first output (registry and store); × built: against the node-built start's.", "",
+             "| start | data path | image source | pull (s) | pull × built | first output (s) | FUSE requests "
+             "| by op | link bytes (MB) | link × built |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+    for source, layers in (context.get("image_bytes") or {}).items():
+        lines += ["", f"Image bytes per layer, source `{source}` (the chain records of its store: the index object's "
+                  "bytes; the image table `v1/images/<name>`: `size`, the raw image, and the sum of its blocks' "
+                  "`clen`, what the store holds and a node fetches):", "",
+                  "| layer | files | index (KB) | image raw (KB) | image stored (KB) | stored / index | inline max |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in layers:
+            image, stored = row.get("image_bytes"), row.get("image_stored")
+            lines.append(f"| {row['layer']} | {row['files']} | {row['index_bytes'] / 1000:.0f} | "
+                         f"{fmt(image and image / 1000, '.0f') if image is not None else 'none (built on the node)'} | "
+                         f"{fmt(stored / 1000, '.0f') if stored is not None else '—'} | "
+                         f"{fmt(stored / row['index_bytes']) if stored is not None and row['index_bytes'] else '—'} | "
+                         f"{row.get('inline_max', '—')} |")
+        total = sum(row.get("image_stored", 0) for row in layers)
+        if total:
+            lines.append(f"| all | {sum(row['files'] for row in layers)} | "
+                         f"{sum(row['index_bytes'] for row in layers) / 1000:.0f} | "
+                         f"{sum(row.get('image_bytes', 0) for row in layers) / 1000:.0f} | {total / 1000:.0f} | | |")
+    return lines
+
+
+def source_checks(scenarios: dict[str, Scenario], paths: list[str]) -> list[str]:
+    """Issue 24's target lines per converter-image data path: the pull on a fresh node, FUSE requests per cold
+    start, and the bytes over the link before the first output against the node-built start's."""
+    lines = []
+    for path in paths:
+        twin = built_twin(path)
+        if twin is None:
+            continue
+        for base in ("lazy-cold", "hot-cold"):
+            mine, theirs = scenarios.get(named(base, path)), scenarios.get(named(base, twin))
+            if mine is None or not (mine.runs or mine.errors):
+                continue
+            pull = mine.median(lambda r: r.pull_seconds)
+            requests = _median_requests(mine).get("total")
+            their_pull = theirs.median(lambda r: r.pull_seconds) if theirs is not None else None
+            link = mine.median(lambda r: r.link_bytes)
+            their_link = theirs.median(lambda r: r.link_bytes) if theirs is not None else None
+            lines += [
+                _check(f"[{path}] pull on a fresh node ({base})", pull, TARGET_PULL_SECONDS,
+                       f"≤ {TARGET_PULL_SECONDS:g} s", "s"),
+                f"| [{path}] pull ({base}) / the node-built pull ({twin}) | (reported) | "
+                f"{fmt(pull / their_pull if pull and their_pull else None)}× | |",
+                _check(f"[{path}] FUSE requests per cold start ({base})", requests, TARGET_COLD_FUSE_REQUESTS,
+                       f"≤ {TARGET_COLD_FUSE_REQUESTS:,}", ""),
+                _check(f"[{path}] link bytes before the first output ({base}) / the node-built start's",
+                       link / their_link if link is not None and their_link else None, TARGET_LINK_OVER_BUILT),
+            ]
+    return lines
+
+
+def _check(label: str, value: float | None, target: float, wanted: str | None = None, unit: str = "×") -> str:
+    """One target line: ``| label | wanted | measured | met or MISSED |``."""
+    wanted = wanted or f"≤ {target:g}×"
+    if value is None:
+        return f"| {label} | {wanted} | — | not measured |"
+    shown = f"{value:.0f}" if unit == "" else f"{value:.2f} {unit}" if unit == "s" else f"{value:.2f}{unit}"
+    return f"| {label} | {wanted} | {shown} | {'met' if value <= target else 'MISSED'} |"
+
+
 def target_checks(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any],
                   paths: list[str]) -> list[str]:
     """One check line per target and data path: ``TARGET [path] wanted measured met|MISSED``."""
@@ -227,11 +339,7 @@ def target_checks(scenarios: dict[str, Scenario], seconds: dict[str, float | Non
         a, b = seconds.get(top), seconds.get(bottom)
         return a / b if a and b else None
 
-    def check(label: str, value: float | None, target: float, wanted: str | None = None) -> str:
-        wanted = wanted or f"≤ {target:g}×"
-        if value is None:
-            return f"| {label} | {wanted} | — | not measured |"
-        return f"| {label} | {wanted} | {value:.2f}× | {'met' if value <= target else 'MISSED'} |"
+    check = _check
 
     def growth(name: str) -> float | None:
         scenario = scenarios.get(name)
@@ -285,7 +393,7 @@ def target_checks(scenarios: dict[str, Scenario], seconds: dict[str, float | Non
         if seconds.get(named("fuse-local", path)) and seconds.get("plain-local"):
             lines.append(check(f"{at} (layer server alone) fuse-local / plain-local",
                                ratio(named("fuse-local", path), "plain-local"), TARGET_LOCAL_RATIO))
-    return lines
+    return lines + source_checks(scenarios, paths)
 
 
 def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[str, Scenario],
@@ -300,8 +408,9 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         f"- Machine: {machine(context['containerds'][0])}",
         f"- Command: `{shlex.join(['python', '-m', 'bench.lazy_bench', *sys.argv[1:]])}`",
         f"- Code: {code_version()}",
-        f"- Data paths: {', '.join(paths)} (each BootSeer scenario once per data path, `name@path`; `--data-path` "
-        f"passed to the snapshotter: {'yes' if support.get('snapshotter') else 'no, it takes none'})",
+        f"- Data paths x image sources: {', '.join(paths)} (each BootSeer scenario once per data path and image "
+        f"source, `name@path` with the converter's images, `name@path{SOURCE_SUFFIX['node']}` with node-built ones; "
+        f"`--data-path` passed to the snapshotter: {'yes' if support.get('snapshotter') else 'no, it takes none'})",
         f"- Image: {len(image.layers)} layers, {image.unpacked_bytes / MB:.0f} MB unpacked, "
         f"{image.compressed_bytes / MB:.0f} MB gzip: "
         + ", ".join(f"{layer.name} {layer.tar_size / MB:.0f} MB" for layer in image.layers)
@@ -362,6 +471,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
               f"| whole image, unpacked | {image.unpacked_bytes / MB:.1f} |"]
     lines += containerd_section(scenarios, context)
     lines += data_path_section(scenarios, paths)
+    lines += image_source_section(scenarios, context, paths)
     for path in paths:
         lines += hot_section(scenarios, seconds, context, path)
     for scenario in scenarios.values():
@@ -384,10 +494,15 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     outputs = sorted({r.output for s in scenarios.values() for r in s.runs})
     if outputs:
         lines += ["", "The job's first useful output: " + "; ".join(f"`{text}`" for text in outputs)]
-    if context.get("convert_seconds") is not None:
-        lines += ["", f"`bootseer convert` of the image took {context['convert_seconds']:.1f} s (once; cached after)."]
+    converts = context.get("convert_seconds")
+    if isinstance(converts, dict):
+        done = [f"`{what}` {value:.1f} s" for what, value in converts.items() if value is not None]
+        if done:
+            lines += ["", "Conversions this run made (cached after): " + "; ".join(done) + "."]
+    elif converts is not None:
+        lines += ["", f"`bootseer convert` of the image took {converts:.1f} s (once; cached after)."]
     if context.get("profile_dir"):
-        for name in (named(base, path) for path in paths for base in ("lazy-cold", "lazy-local", "lazy-warm",
+        for name in (named(base, path) for path in paths for base in ("lazy-cold", "hot-cold", "lazy-local", "lazy-warm",
                                                                       "fuse-cold", "fuse-local")):
             rows = summarize_profile(context["profile_dir"] / f"{name}-1.txt")
             if rows:

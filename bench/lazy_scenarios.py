@@ -1,7 +1,9 @@
 """What the lazy-layers benchmark measures: its scenarios, their timed runs, and the targets they are held to.
 
 A scenario is one kind of start (``overlay-cold``, ``lazy-local``, ``hot-cold``, ...), run ``--reps`` times;
-a BootSeer scenario runs once per node data path and is named ``base@PATH`` (:func:`named`).  Each start is a
+a BootSeer scenario runs once per node data path and image source and is named ``base@PATH`` for the
+converter's images (the default), ``base@PATH+built`` for images the node builds from the index
+(:func:`named`, :func:`variant`).  Each start is a
 :class:`Run`; :mod:`bench.lazy_bench` measures them, :mod:`bench.lazy_report` writes them up against the
 targets below (the issues' numbers, checked in the report, never in this module).
 """
@@ -33,6 +35,16 @@ DATA_PATHS = ("erofs", "loop", "tree")
 TREE_PATH = "tree"
 #: Between a BootSeer scenario's name and its data path: ``lazy-cold@erofs``.
 PATH_SEP = "@"
+#: Where a node's EROFS image of a layer comes from (issue 24): the store, as ``bootseer convert`` published it
+#: (``converter``), or the node's own build from the layer index (``node``: a store converted with ``--no-image``).
+IMAGE_SOURCES = ("converter", "node")
+#: After the data path in a scenario's name, per image source: ``lazy-cold@erofs+built``.
+SOURCE_SUFFIX = {"converter": "", "node": "+built"}
+#: Issue 24's targets: the pull alone on a fresh node (s); FUSE requests per cold start; link bytes before the
+#: first output against the node-built start's; a dependency restore (s).
+TARGET_PULL_SECONDS = 0.5
+TARGET_COLD_FUSE_REQUESTS = 1600
+TARGET_LINK_OVER_BUILT = 1.1
 
 SCENARIOS = {
     "overlay-cold": "overlayfs: `ctr images pull` + `ctr run`, cold",
@@ -61,6 +73,20 @@ PER_DATA_PATH = {"lazy-cold", "lazy-local", "lazy-warm", "fuse-cold", "fuse-loca
 def named(base: str, data_path: str | None) -> str:
     """A scenario's name: ``base`` for the baselines, ``base@PATH`` for a BootSeer one."""
     return base if data_path is None or base not in PER_DATA_PATH else f"{base}{PATH_SEP}{data_path}"
+
+
+def variant(data_path: str, source: str) -> str:
+    """What follows ``@`` in a BootSeer scenario's name: the data path, and ``+built`` for node-built images.
+    The per-file tree path mounts no image: it has one variant whatever the source."""
+    return data_path if data_path == TREE_PATH else data_path + SOURCE_SUFFIX[source]
+
+
+def split_variant(name: str) -> tuple[str, str]:
+    """The data path and image source of a :func:`variant` (``erofs+built`` -> ``erofs``, ``node``)."""
+    for source, suffix in SOURCE_SUFFIX.items():
+        if suffix and name.endswith(suffix):
+            return name[: -len(suffix)], source
+    return name, IMAGE_SOURCES[0]
 
 
 def base_name(name: str) -> str:

@@ -20,7 +20,7 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 
 def fsync_directory(path: str | os.PathLike[str]) -> None:
@@ -34,11 +34,13 @@ def fsync_directory(path: str | os.PathLike[str]) -> None:
 
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike[str], *, durable: bool = True, temp_prefix: str | None = None,
-              mode: int = 0o644) -> Iterator[BinaryIO]:
+              mode: int = 0o644, before_rename: Callable[[Path], None] | None = None) -> Iterator[BinaryIO]:
     """A binary file whose content replaces ``path`` when the block ends without an error.
 
     ``temp_prefix``: the temp file's name starts with it (default ``.NAME.``), for callers
     that sweep their own leftovers.  ``mode``: the new file's permissions (as given: not masked by the umask).
+    ``before_rename``: called with the temp file's path once the content is written and flushed,
+    before it replaces ``path``; what it raises stops the replacement (the temp file is removed).
     """
     target = Path(path)
     fd, temp = tempfile.mkstemp(dir=target.parent, prefix=temp_prefix or f".{target.name}.", suffix=".tmp")
@@ -49,6 +51,8 @@ def replacing(path: str | os.PathLike[str], *, durable: bool = True, temp_prefix
             file.flush()
             if durable:
                 os.fsync(file.fileno())
+        if before_rename is not None:
+            before_rename(Path(temp))
         os.rename(temp, target)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

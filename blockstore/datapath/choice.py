@@ -41,7 +41,7 @@ import trio
 
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.erofs_image import build_image, image_cache_name, image_size, write_image
-from bootseer.blockstore.datapath.erofs_check import ImageRefused, ImageSummary
+from bootseer.blockstore.datapath.erofs_check import ImageRefused, blob_blocks
 from bootseer.blockstore.datapath.image_checker import CheckerProcess, ImageCheck
 from bootseer.blockstore.datapath.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
@@ -183,26 +183,28 @@ class ErofsLayers:
             raise ValueError(f"image name is not 64 hex digits: {image_name!r}")
         return self.images / f"{image_name}.erofs-store"
 
-    def verified_image(self, sha256: str, pieces: Sequence[bytes], check: ImageCheck | None) -> tuple[bytes, ImageSummary | None]:
-        """The converter's image made of ``pieces`` (verified blocks of its table), once its bytes hash to
-        ``sha256`` and, unless ``check`` is None (its record is signed by a trusted converter), the bounded
-        check accepted it (:mod:`~bootseer.blockstore.datapath.image_checker`: in the checker process),
-        with the check's summary; ImageRefused naming why not.  Blocking: run it in a worker thread."""
-        image = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        if hashlib.sha256(image).hexdigest() != sha256:
+    def install_image(self, image_name: str, sha256: str, pieces: Sequence[bytes], check: ImageCheck | None) -> Path:
+        """Keep the converter's image ``image_name`` made of ``pieces`` (verified blocks of its table) once
+        its bytes hash to ``sha256`` and, unless ``check`` is None (its record is signed by a trusted
+        converter), the bounded check accepted the file written (in the checker process:
+        :mod:`~bootseer.blockstore.datapath.image_checker`) before it is renamed into place; else
+        ImageRefused naming why, and nothing is kept.  Blocking: run it in a worker thread."""
+        digest = hashlib.sha256()
+        for piece in pieces:
+            digest.update(piece)
+        if digest.hexdigest() != sha256:
             raise ImageRefused(f"the image's bytes do not hash to the sha256 its table names ({sha256[:12]}...)")
-        if check is None:
-            return image, None
-        try:
-            return image, self.checker.check(image, check)
-        except ImageRefused as exc:
-            raise ImageRefused(f"the image fails its check: {exc}") from None
 
-    def keep_image(self, image_name: str, image: bytes) -> Path:
-        """Keep ``image`` (from :meth:`verified_image`) as the store's image ``image_name`` (temp name + rename)."""
+        def checked(written: Path) -> None:
+            if check is not None:
+                try:
+                    self.checker.check(written, check)
+                except ImageRefused as exc:
+                    raise ImageRefused(f"the image fails its check: {exc}") from None
+
         path = self.store_image_path(image_name)
-        with replacing(path, durable=False) as out:  # a cache: a lost image is fetched again
-            out.write(image)
+        with replacing(path, durable=False, before_rename=checked) as out:  # a cache: a lost image is fetched again
+            out.writelines(pieces)
         return path
 
     def prepare(self) -> None:
@@ -221,6 +223,11 @@ class ErofsLayers:
     def cached(self, path: Path) -> bool:
         """Whether ``path`` (a :meth:`store_image_path`) is on this node already: it was checked when it was kept."""
         return path.is_file()
+
+    def blob_size_of(self, path: Path) -> int:
+        """The blob size the kept image ``path`` addresses (its device table, which its check held it to)."""
+        with open(path, "rb") as image:
+            return blob_blocks(image.read(2048)) * 4096
 
     def ensure_image(self, index: LayerIndex, index_name: str) -> Path:
         """The cached image of ``index``, built (temp name + rename) if missing or of the wrong size."""

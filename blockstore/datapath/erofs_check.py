@@ -67,7 +67,8 @@ from bootseer.blockstore.objects.erofs_image import (
 )
 from bootseer.blockstore.objects.format import MAX_NAME_BYTES, MAX_XATTR_NAME_BYTES, EntryType, overlay_xattr_allowed
 
-__all__ = ["ImageRefused", "ImageSummary", "TreeEntry", "check_image", "read_tree"]
+__all__ = [
+    "ImageRefused", "ImageSummary", "TreeEntry", "blob_blocks", "check_image", "read_tree"]
 
 _SUPER = struct.Struct("<IIIBBHQQIIII16s16sIHHHBBIQ24s")  # struct erofs_super_block, 128 bytes
 _DEVICE_SLOT = struct.Struct("<64sII56s")  # struct erofs_deviceslot: tag, blocks, mapped_blkaddr
@@ -155,6 +156,14 @@ def check_image(image: bytes | memoryview, *, blob_size: int, chunk_size: int, m
         if collecting:
             gc.enable()
     return walk.summary()
+
+
+def blob_blocks(head: bytes | memoryview) -> int:
+    """The blob's size in 4 KiB blocks as the device table of an image that :func:`check_image` accepted
+    says it (``head``: at least the image's first 2 KiB).  :func:`check_image` held it to the blob size
+    it was given; a mount holds it to the blob it serves."""
+    _tag, device_blocks, _mapped, _reserved = _DEVICE_SLOT.unpack_from(head, DEVT_SLOTOFF * _DEVICE_SLOT.size)
+    return int(device_blocks)
 
 
 def read_tree(image: bytes | memoryview, *, blob_size: int, chunk_size: int, max_inodes: int) -> Iterator[TreeEntry]:

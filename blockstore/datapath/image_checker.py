@@ -16,12 +16,16 @@ Its calls block: callers run them in a worker thread.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import multiprocessing
+import os
 import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 
 from bootseer.blockstore.datapath.erofs_check import ImageRefused, ImageSummary, check_image
 from bootseer.log import get_logger
@@ -41,6 +45,27 @@ class ImageCheck:
     blob_size: int
     chunk_size: int
     max_inodes: int
+
+
+def check_file(path: str, blob_size: int, chunk_size: int, max_inodes: int) -> ImageSummary:
+    """:func:`check_image` of the image file at ``path``, mapped read-only (what the worker runs: the
+    image's bytes are never copied through a pipe).  Whatever goes wrong is an ImageRefused."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if not size:
+            raise ImageRefused("the image is empty")
+        mapped = mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ)
+        try:
+            try:
+                return check_image(memoryview(mapped), blob_size=blob_size, chunk_size=chunk_size, max_inodes=max_inodes)
+            except ImageRefused as exc:
+                refusal = str(exc)  # not the exception: its frames hold views of the mapping
+            except Exception as exc:  # a checker bug is a refusal, never a mounted image
+                refusal = f"the check failed ({type(exc).__name__}: {exc})"
+            raise ImageRefused(refusal)
+        finally:
+            with contextlib.suppress(BufferError):  # a view still held: the mapping goes with its last view
+                mapped.close()
 
 
 class CheckerProcess:
@@ -69,12 +94,12 @@ class CheckerProcess:
             process.kill()
         pool.shutdown(wait=False, cancel_futures=True)
 
-    def check(self, image: bytes, check: ImageCheck) -> ImageSummary:
-        """:func:`check_image` of ``image`` in the worker; ImageRefused if it refuses the image, or the
-        worker crashes or runs past the deadline on it (then a new worker takes the next check)."""
+    def check(self, image: Path, check: ImageCheck) -> ImageSummary:
+        """:func:`check_image` of the image file ``image`` in the worker (:func:`check_file`); ImageRefused if
+        it refuses the image, or the worker crashes or runs past the deadline on it (then a new worker takes
+        the next check).  Nothing may write to ``image`` meanwhile."""
         pool = self._executor()
-        future = pool.submit(check_image, image, blob_size=check.blob_size, chunk_size=check.chunk_size,
-                             max_inodes=check.max_inodes)  # fmt: skip
+        future = pool.submit(check_file, str(image), check.blob_size, check.chunk_size, check.max_inodes)
         try:
             return future.result(timeout=self.deadline)
         except FutureTimeout:
@@ -94,4 +119,4 @@ class CheckerProcess:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["CHECK_DEADLINE", "CheckerProcess", "ImageCheck"]
+__all__ = ["CHECK_DEADLINE", "CheckerProcess", "ImageCheck", "check_file"]

@@ -119,11 +119,11 @@ RESTORED = prometheus_client.Counter(
 
 @dataclass(frozen=True)
 class FetchedImage:
-    """A layer's EROFS image from the store: its table, and its bytes, every block verified, the whole
-    hashed to the table's SHA-256 and (``checked``) accepted by the bounded check."""
+    """A layer's EROFS image from the store, kept: its table, the file (every block verified, the whole
+    hashed to the table's SHA-256 and, ``checked``, accepted by the bounded check) and whether it was checked."""
 
     table: LayerImage
-    image: bytes
+    path: Path
     checked: bool
 
 
@@ -283,8 +283,8 @@ class LayerServer:
         :meth:`_check_trust`), the index's bytes as stored, and with ``with_image`` the blocks of
         the layer's EROFS image when the record names one this node does not keep yet.
 
-        The image's blocks are fetched while the index is (its decompression and hashing run in
-        worker threads, beside the index's decoding), never before the record is trusted.
+        The image's blocks are fetched once the record is trusted, then checked (in the checker
+        process) while the index is fetched and decoded.
         """
         from bootseer.blockstore.objects.store import StoreReader
 
@@ -303,6 +303,10 @@ class LayerServer:
         if wanted and self.erofs is not None and self.erofs.cached(self.erofs.store_image_path(record.image)):
             wanted = False
         got: dict[str, Any] = {}
+        # The image's blocks first, alone: their fetch is many small steps on the trio thread, which a
+        # decode holding the interpreter lock in a worker would slow to one step per switch interval.
+        # Then the index's decode in the server and the image's check in the checker process, side by side.
+        blocks = await self._fetch_image_blocks(record, reader, fetcher) if wanted else None
 
         async def index() -> None:
             try:
@@ -312,16 +316,16 @@ class LayerServer:
             except (FetchError, SourceError) as exc:
                 got["error"] = StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}")
 
-        async def image() -> None:
+        async def image(table: LayerImage, pieces: list[bytes]) -> None:
             try:
-                got["image"] = await self._fetch_image(record, reader, fetcher)
+                got["image"] = await self._verify_image(record, table, pieces)
             except LayerServerError as exc:
                 got["image_error"] = exc
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(index)
-            if wanted:
-                nursery.start_soon(image)
+            if blocks is not None:
+                nursery.start_soon(image, *blocks)
         for failed in ("error", "image_error"):
             if failed in got:
                 raise got[failed]
@@ -329,28 +333,39 @@ class LayerServer:
         return record, index_and_data[0], index_and_data[1], got.get("image")
 
     async def _fetch_image(self, record: ChainRecord, reader: StoreReader, fetcher: BlockFetcher) -> FetchedImage:
-        """``record``'s EROFS image: its table, its blocks (each verified, as a layer's are: memory, node
-        cache, peers, store), the whole hashed and, unless a trusted converter signed the record, checked
-        (in the checker process, against the table's blob size, the record's block size and entries: the
-        index may still be decoding; :meth:`_get_image` then holds the index to the table's blob size).
-        LayerCorrupt if it is refused, StoreUnavailable if the store fails."""
-        assert self.erofs is not None
+        """``record``'s EROFS image, fetched (:meth:`_fetch_image_blocks`) and verified (:meth:`_verify_image`)."""
+        table, pieces = await self._fetch_image_blocks(record, reader, fetcher)
+        return await self._verify_image(record, table, pieces)
+
+    async def _fetch_image_blocks(self, record: ChainRecord, reader: StoreReader,
+                                  fetcher: BlockFetcher) -> tuple[LayerImage, list[bytes]]:  # fmt: skip
+        """The table of ``record``'s EROFS image and its blocks, each verified as a layer's are (memory,
+        node cache, peers, store).  LayerCorrupt if the table is refused, StoreUnavailable if the store fails."""
         try:
             table = await reader.image(record)
-            pieces = await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
+            return table, await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
         except FormatError as exc:
             raise self._refused(record, str(exc)) from None
         except (FetchError, SourceError) as exc:
             raise StoreUnavailable(f"{record.chain_id}: the store {reader.engine.url} failed to give its EROFS image: {exc}") from None
+
+    async def _verify_image(self, record: ChainRecord, table: LayerImage, pieces: list[bytes]) -> FetchedImage:
+        """The image of ``pieces`` kept once it hashes to its table's SHA-256 and, unless a trusted converter
+        signed the record, the bounded check accepted it (in the checker process, against the table's blob
+        size, the record's block size and entries: the index may still be decoding; :meth:`_get_image` then
+        holds the index to that blob size).  LayerCorrupt if it is refused."""
+        assert self.erofs is not None
         check = None if self._signed_by_converter(record) else ImageCheck(table.blob_size, table.block_size, record.files)
-        verify = functools.partial(self.erofs.verified_image, table.sha256, pieces, check)
+        install = functools.partial(self.erofs.install_image, record.image, table.sha256, pieces, check)
         try:
-            # Not under the decode limiter: this thread hashes (no GIL) and waits for the checker process,
-            # while the index may be decoding under it.
-            image, _summary = await trio.to_thread.run_sync(verify)
+            # Not under the decode limiter: this thread hashes and writes (no GIL) and waits for the checker
+            # process, while the index may be decoding under it.
+            path = await trio.to_thread.run_sync(install)
         except ImageRefused as exc:
             raise self._refused(record, str(exc)) from None
-        return FetchedImage(table, image, check is not None)
+        except OSError as exc:  # the node's disk (full, read-only): not the image's fault
+            raise LayerServerError(f"{record.chain_id}: cannot keep its EROFS image: {exc}") from None
+        return FetchedImage(table, path, check is not None)
 
     def _refused(self, record: ChainRecord, why: str) -> LayerCorrupt:
         """The error of a store image that must not be mounted, counted and logged."""
@@ -403,17 +418,21 @@ class LayerServer:
             IMAGES.labels("built").inc()
             return path, "built"
         path = self.erofs.store_image_path(record.image)
-        if self.erofs.cached(path):
-            IMAGES.labels("cached").inc()
-            return path, "cached"
+        if self.erofs.cached(path) and fetched is None:
+            source = "cached"
+        else:
+            if fetched is None:
+                engine, fetcher = await self.fetcher(store)
+                fetched = await self._fetch_image(record, StoreReader(engine, threads=self.decode_threads), fetcher)
+            source = "store"
+        # What the image's chunks may address (its check held them to its device table) is the blob served.
+        blob_size = await trio.to_thread.run_sync(self.erofs.blob_size_of, path)
+        if blob_size != index.blob_size:
+            path.unlink(missing_ok=True)
+            raise self._refused(record, f"it addresses a blob of {blob_size} bytes, the index's is {index.blob_size}")
+        IMAGES.labels(source).inc()
         if fetched is None:
-            engine, fetcher = await self.fetcher(store)
-            fetched = await self._fetch_image(record, StoreReader(engine, threads=self.decode_threads), fetcher)
-        if fetched.table.blob_size != index.blob_size:  # what the check held the chunks to is the blob served
-            raise self._refused(record, f"its table says the blob is {fetched.table.blob_size} bytes, "
-                                        f"the index {index.blob_size}")  # fmt: skip
-        path = await trio.to_thread.run_sync(self.erofs.keep_image, record.image, fetched.image)
-        IMAGES.labels("store").inc()
+            return path, "cached"
         log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=fetched.table.size,
                  checked=fetched.checked)  # fmt: skip
         return path, "store"

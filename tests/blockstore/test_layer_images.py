@@ -228,24 +228,31 @@ def test_an_image_checked_against_another_blob_size_than_the_indexs_is_refused(c
     replace_image(store, layers[0].chain_id, image, blob_size=layers[0].index.blob_size + BLOCK_SIZE)
     node = node_factory(f"file://{store}", data_path="erofs")
     before = kernel_log()
-    with pytest.raises(LayerCorrupt, match=r"its table says the blob is \d+ bytes, the index \d+"):
+    with pytest.raises(LayerCorrupt, match=r"it addresses a blob of \d+ bytes, the index's is \d+"):
         node.ensure().mount(layers[0].chain_id)
     assert erofs_errors(before) == [] and os.listdir(node.paths.erofs_images) == []
 
 
-def test_a_check_past_its_deadline_refuses_the_image_and_the_next_check_gets_a_new_checker(converted: Any) -> None:
+def test_a_check_past_its_deadline_refuses_the_image_and_the_next_check_gets_a_new_checker(
+    converted: Any, tmp_path: Path
+) -> None:
     store, layers = converted
-    image = stored_image(store, layers[0].record)[1]
+    image = tmp_path / "image.erofs"
+    image.write_bytes(stored_image(store, layers[0].record)[1])
     check = ImageCheck(layers[0].index.blob_size, BLOCK_SIZE, len(layers[0].index.entries))
     checker = CheckerProcess(deadline=30)
     try:
         checker.start()
-        assert checker.check(image, check).inodes == len(layers[0].index.entries) - sum(
-            e.link is not None for e in layers[0].index.entries)
+        inodes = len(layers[0].index.entries) - sum(e.link is not None for e in layers[0].index.entries)
+        assert checker.check(image, check).inodes == inodes
         checker.deadline = 0.000001
         with pytest.raises(ImageRefused, match="its check took longer than"):
-            checker.check(image * 40, ImageCheck(check.blob_size, check.chunk_size, check.max_inodes))
+            checker.check(image, check)
         checker.deadline = 30
-        assert checker.check(image, check).inodes > 0  # a fresh worker
+        assert checker.check(image, check).inodes == inodes  # a fresh worker
+        bad = tmp_path / "bad.erofs"
+        bad.write_bytes(image.read_bytes()[: image.stat().st_size // 2])
+        with pytest.raises(ImageRefused):
+            checker.check(bad, check)
     finally:
         checker.close()

@@ -81,3 +81,23 @@ def test_a_writer_killed_mid_write_leaves_the_old_content(tmp_path: Path) -> Non
     assert target.read_bytes() == b"old"
     leftovers = [name for name in os.listdir(tmp_path) if name not in ("table.json", "started")]
     assert all(name.startswith(".table.json.") and name.endswith(".tmp") for name in leftovers)
+
+
+def test_before_rename_sees_the_whole_new_content_and_can_stop_the_replacement(tmp_path: Path) -> None:
+    """What an image check does: read the written temp file, and refuse it (the old content stays, no temp left)."""
+    target = tmp_path / "image"
+    target.write_bytes(b"old")
+    seen: list[bytes] = []
+
+    def refuse(temp: Path) -> None:
+        seen.append(temp.read_bytes())
+        raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        with replacing(target, durable=False, before_rename=refuse) as out:
+            out.write(b"new ")
+            out.write(b"content")
+    assert seen == [b"new content"] and target.read_bytes() == b"old" and os.listdir(tmp_path) == ["image"]
+    with replacing(target, durable=False, before_rename=lambda temp: seen.append(temp.read_bytes())) as out:
+        out.write(b"accepted")
+    assert seen[-1] == b"accepted" and target.read_bytes() == b"accepted" and os.listdir(tmp_path) == ["image"]

@@ -182,25 +182,6 @@ class NetnsRegistry:
 # --------------------------------------------------------------------------- the stores of the image sources
 
 
-def converted_once(image: image_build.Image, store: Path, marker: Path, flags: list[str],
-                   log_path: Path) -> float | None:
-    """``bootseer convert IMAGE --store STORE FLAGS`` unless ``marker`` says it was done for this image;
-    the seconds it took (None: cached).  A rerun on a store converted by an older version adds what the
-    newer one publishes (images) without uploading any block again."""
-    if marker.exists() and marker.read_text().strip() == image.manifest_digest and store.is_dir():
-        return None
-    store.mkdir(parents=True, exist_ok=True)
-    marker.unlink(missing_ok=True)
-    log(f"bootseer convert {image.oci_ref} --store {store} {' '.join(flags)}")
-    start = time.perf_counter()
-    run_checked(bootseer_argv("convert", image.oci_ref, "--store", str(store), *flags), "bootseer convert",
-                timeout=3600, log_path=log_path)
-    seconds = time.perf_counter() - start
-    subprocess.run(["chmod", "-R", "a+rX", str(store)], check=True)  # nginx's worker runs unprivileged
-    marker.write_text(image.manifest_digest + "\n")
-    return seconds
-
-
 def source_store(image: image_build.Image, cache_dir: Path, source: str, inline_max: int | None,
                  log_path: Path) -> tuple[Path, dict[str, float | None]]:
     """The converted store a node of image source ``source`` reads, made once and cached under ``cache_dir``;
@@ -214,17 +195,17 @@ def source_store(image: image_build.Image, cache_dir: Path, source: str, inline_
     """
     if source == "node":
         store = cache_dir / "store-built"
-        return store, {"convert --no-image": converted_once(image, store, cache_dir / "store-built.converted",
-                                                            ["--no-image"], log_path)}
+        return store, {"convert --no-image": convert_store(image, store, log_path, marker=cache_dir / "store-built.converted",
+                                                           flags=["--no-image"])}
     if inline_max is not None:
         store = cache_dir / f"store-inline-{inline_max}"
-        return store, {f"convert --inline-max {inline_max}": converted_once(
-            image, store, cache_dir / f"store-inline-{inline_max}.converted", ["--inline-max", str(inline_max)],
-            log_path)}
+        return store, {f"convert --inline-max {inline_max}": convert_store(
+            image, store, log_path, marker=cache_dir / f"store-inline-{inline_max}.converted",
+            flags=["--inline-max", str(inline_max)])}
     store = cache_dir / "store"
     first = convert_store(image, store, log_path)
-    return store, {"convert": first, "convert again (adds images)": converted_once(
-        image, store, cache_dir / "store.images", [], log_path)}
+    return store, {"convert": first, "convert again (adds images)": convert_store(
+        image, store, log_path, marker=cache_dir / "store.images")}
 
 
 def layer_image_bytes(store: Path, image: image_build.Image) -> list[dict[str, Any]]:

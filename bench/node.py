@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from bench import image_build
 from bench.common import BenchError, bootseer_argv, log, run_checked, run_until_marker
@@ -23,16 +23,19 @@ from tests.support.processes import HarnessError, ManagedProcess, mounts_under
 from tests.support.waiting import free_port, wait_for_component
 
 
-def convert_store(image: image_build.Image, store: Path, log_path: Path) -> float | None:
-    """``bootseer convert`` the image into ``store`` unless already done; the seconds it took (None: cached)."""
-    marker = store.parent / "store.converted"
+def convert_store(image: image_build.Image, store: Path, log_path: Path, *, marker: Path | None = None,
+                  flags: Sequence[str] = ()) -> float | None:
+    """``bootseer convert IMAGE --store STORE FLAGS`` unless ``marker`` (default ``STORE/../store.converted``)
+    says it was done for this image; the seconds it took (None: cached).  A rerun on a store converted by
+    an older version adds what the newer one publishes (images) without uploading any block again."""
+    marker = marker if marker is not None else store.parent / "store.converted"
     if marker.exists() and marker.read_text().strip() == image.manifest_digest and store.is_dir():
         return None
     store.mkdir(parents=True, exist_ok=True)
     marker.unlink(missing_ok=True)
-    log(f"bootseer convert {image.oci_ref} --store {store}")
+    log(f"bootseer convert {image.oci_ref} --store {store} {' '.join(flags)}")
     start = time.perf_counter()
-    run_checked(bootseer_argv("convert", image.oci_ref, "--store", str(store)), "bootseer convert",
+    run_checked(bootseer_argv("convert", image.oci_ref, "--store", str(store), *flags), "bootseer convert",
                 timeout=3600, log_path=log_path)
     seconds = time.perf_counter() - start
     # nginx's worker runs unprivileged: the store must be world-readable.

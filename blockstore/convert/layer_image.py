@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bootseer.blockstore.objects.erofs_image import write_image
-from bootseer.blockstore.objects.format import Block, EntryType, LayerIndex, StoredBlock
+from bootseer.blockstore.objects.format import MAX_IMAGE_INLINE_BYTES, Block, EntryType, LayerIndex, StoredBlock
 
 #: Regular files of at most this many bytes hold their data in the layer's image (docs/FORMAT.md).
 DEFAULT_INLINE_MAX = 4096
-#: The most file bytes one image holds (what reading them back keeps in memory at once).
-MAX_INLINE_BYTES = 256 << 20
+#: The most file bytes one image holds (what reading them back keeps in memory at once; a node's bound).
+MAX_INLINE_BYTES = MAX_IMAGE_INLINE_BYTES
 
 ReadBlocks = Callable[[Sequence[StoredBlock]], dict[StoredBlock, bytes]]
 

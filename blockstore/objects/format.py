@@ -539,6 +539,23 @@ def sealed_size_bound(max_payload: int) -> int:
 MAX_IMAGE_BYTES = 1 << 30
 #: A layer image table's JSON is a few rows; this bounds it whatever it claims.
 MAX_IMAGE_TABLE_BYTES = 1 << 20
+#: The most file data one image holds inline (the converter keeps to it: the smallest files first).
+MAX_IMAGE_INLINE_BYTES = 256 << 20
+#: What an entry can take in its EROFS image besides its xattrs and its small file's data: the inode,
+#: its dirent and name, a symlink's target block, and the padding that keeps an inode or an inline
+#: tail within one 4 KiB block.
+IMAGE_ENTRY_BYTES = 9 << 10
+
+
+def image_size_bound(record: ChainRecord) -> int:
+    """The most bytes the EROFS image of ``record``'s layer can take: its index's payload bound (which
+    holds every name, target and xattr, and more), :data:`IMAGE_ENTRY_BYTES` an entry, a chunk index
+    a block and the inline data, never more than :data:`MAX_IMAGE_BYTES`.  A node holds an image's
+    table to it before it fetches one block, as it holds an index to :func:`index_limits`."""
+    files = max(record.files, 0)
+    inline = min(max(record.bytes, 0), MAX_IMAGE_INLINE_BYTES)
+    bound = index_limits(record).payload_bytes + files * IMAGE_ENTRY_BYTES + 8 * max_blocks(record) + inline
+    return min(MAX_IMAGE_BYTES, bound)
 
 
 @dataclass(frozen=True)
@@ -621,8 +638,9 @@ class LayerImage:
             raise FormatError("image table is of another layer (its index or diff_id is not the chain record's)")
         if not _HEX.fullmatch(self.sha256):
             raise FormatError("image table's sha256 is not 64 hex digits")
-        if not 0 < self.size <= MAX_IMAGE_BYTES or self.size % 4096:
-            raise FormatError(f"image size {self.size} is not a whole number of 4 KiB blocks up to {MAX_IMAGE_BYTES}")
+        if not 0 < self.size <= image_size_bound(record) or self.size % 4096:
+            raise FormatError(f"image size {self.size} is not a whole number of 4 KiB blocks up to "
+                              f"{image_size_bound(record)} (what a layer of {record.files} entries can take)")
         if self.block_size != record.block_size or not 0 <= self.inline_max <= self.block_size:
             raise FormatError("image table's block size is not the layer's, or its inline_max is out of range")
         if self.blob_size < 0 or self.blob_size % self.block_size or self.blob_size // self.block_size > max_blocks(record):

@@ -8,6 +8,7 @@ tests/blockstore/test_layer_images.py.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 import sys
@@ -19,7 +20,8 @@ from bootseer.blockstore.convert.converter import convert_image, verify_layer
 from bootseer.blockstore.convert.layer_image import inline_candidates
 from bootseer.blockstore.objects.erofs_image import build_image
 from bootseer.blockstore.objects.format import (
-    ChainRecord, EntryType, FormatError, LayerImage, LayerIndex, chain_object, image_object, index_object,
+    ChainRecord, EntryType, FormatError, LayerImage, LayerIndex, chain_object, image_object, image_size_bound,
+    index_object,
 )  # fmt: skip
 from bootseer.blockstore.objects.signing import generate_key
 from bootseer.blockstore.objects.store import FileStoreWriter
@@ -151,3 +153,21 @@ def test_the_cli_takes_the_inline_bound_and_can_publish_no_image(rich_image, tmp
     assert table.inline_max == 0 and image == build_image(index_of(tmp_path / "zero", records(tmp_path / "zero", rich_image)[0]))
     bad = run(tmp_path / "bad", "--inline-max", "128M")
     assert bad.returncode == 2 and "--inline-max" in bad.stderr
+
+
+def test_an_image_table_claiming_more_than_its_layer_can_hold_is_refused_before_a_block_is_fetched(rich_image, tmp_path):
+    """A table is held to what its record's layer can take (image_size_bound), as an index is to index_limits."""
+    store = tmp_path / "store"
+    convert(rich_image.ref, store)
+    record = records(store, rich_image)[0]
+    table = LayerImage.decode(FileStoreWriter(store).get(image_object(record.image)), record=record)
+    bound = image_size_bound(record)
+    assert table.size <= bound < 1 << 30  # the real image fits, and the bound is the record's, not the format's
+    size = -(-(bound + 1) // 4096) * 4096
+    count = -(-size // table.block_size)
+    piece = table.blocks[0]
+    blocks = [dataclasses.replace(piece, rlen=min(table.block_size, size - n * table.block_size)) for n in range(count)]
+    data = dataclasses.replace(table, size=size, blocks=blocks).encode()
+    claimed = dataclasses.replace(record, image=hashlib.sha256(data).hexdigest())
+    with pytest.raises(FormatError, match=f"up to {bound} .what a layer of {record.files} entries can take"):
+        LayerImage.decode(data, record=claimed)

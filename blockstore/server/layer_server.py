@@ -424,7 +424,7 @@ class LayerServer:
             if fetched is None:
                 engine, fetcher = await self.fetcher(store)
                 fetched = await self._fetch_image(record, StoreReader(engine, threads=self.decode_threads), fetcher)
-            source = "store"
+            path, source = fetched.path, "store"
         # What the image's chunks may address (its check held them to its device table) is the blob served.
         blob_size = await trio.to_thread.run_sync(self.erofs.blob_size_of, path)
         if blob_size != index.blob_size:

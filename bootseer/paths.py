@@ -68,13 +68,22 @@ class ServerPaths:
         """Where the layers' EROFS mounts are, one directory per slot."""
         return self.layers / "lower"
 
+    @property
+    def events_socket(self) -> Path:
+        """The event holder's socket (``fanotify`` data path: it holds the group across server restarts)."""
+        return self.layers / "events.sock"
+
+    @property
+    def events_log(self) -> Path:
+        return self.layers / "events.log"
+
     def blob(self, slot: int) -> Path:
         """The FUSE blob file of the layer in ``slot`` (``mnt/blobs/<slot>``: its EROFS image's device)."""
         return self.mountpoint / "blobs" / str(slot)  # blockstore.datapath.tree.BLOBS
 
     def lower_dir(self, slot: int, data_path: str = "tree") -> str:
-        """The lower dir of the layer in ``slot`` on ``data_path``: its EROFS mount (``erofs``, ``loop``)
+        """The lower dir of the layer in ``slot`` on ``data_path``: its EROFS mount (``erofs``, ``loop``, ``fanotify``)
         or its per-file FUSE tree (``tree``, which every data path also serves)."""
-        if data_path in ("erofs", "loop"):
+        if data_path in ("erofs", "loop", "fanotify"):
             return str(self.erofs_lowers / str(slot))
         return str(self.mountpoint / str(slot))

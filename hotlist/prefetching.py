@@ -23,7 +23,7 @@ from bootseer.hotlist.format import HotList, HotListError, resolve
 from bootseer.hotlist.lookup import IGNORED, HotListLookup
 from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker, sample_prefetch
 from bootseer.hotlist.tasks import spawn_guarded
-from bootseer.hotlist.warm import ErofsTarget, PageCacheWarmer, TreeTarget, WarmReads, WarmTarget
+from bootseer.hotlist.warm import BlobTarget, ErofsTarget, PageCacheWarmer, TreeTarget, WarmReads, WarmTarget
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -101,6 +101,9 @@ class Prefetches:
         The layer's row in the server's table says how it is served (``Layer.data_path``).
         """
         layer = self.server.layers[chain_id]
+        blob = self.server.local_blob(chain_id) if layer.data_path == "fanotify" else None
+        if blob is not None:
+            return BlobTarget(blob)
         if layer.data_path in EROFS_PATHS:
             return ErofsTarget(self.server.paths.lower_dir(layer.slot, layer.data_path))
         return TreeTarget(layer.slot, self.server.paths.lower_dir(layer.slot, "tree"))

@@ -22,6 +22,11 @@ warmer is told per layer by a :data:`WarmTarget`:
   block shared by several files (dedup: the same small ``INSTALLER``, ``__init__.py`` or
   licence in many packages) is stored into each of them, up to :data:`MAX_PLACEMENTS`
   files (the page cache is per file).
+* :class:`BlobTarget` (the ``fanotify`` data path: EROFS over a local blob filled on the kernel's
+  pre-access events, :mod:`bootseer.blockstore.datapath.local_blobs`): each block is written into
+  the blob at its blob offset, in the hot list's order; it is then on disk and in the blob's page
+  cache, and the job's read of it raises an event answered at once (or none, once the blob is
+  whole).  Nothing is read back through the mount.
 * :class:`ErofsTarget` (EROFS answers the tree, its files' chunks in the layer's blob):
   EROFS reads the blob with direct I/O (see :mod:`bootseer.blockstore.datapath.erofs_mount`), so
   the only page cache a block lands in is that of the EROFS files that hold it, and a
@@ -63,6 +68,7 @@ from typing import Callable, Iterable, Iterator, Sequence, Union
 
 from bootseer import confined
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
+from bootseer.blockstore.datapath.local_blobs import LocalBlob
 from bootseer.blockstore.datapath.tree import inode_number
 from bootseer.hotlist.format import ResolvedBlock
 from bootseer.log import get_logger
@@ -99,8 +105,16 @@ class ErofsTarget:
     directory: str  #: the layer's EROFS mount (``ROOT/layers/lower/<slot>``)
 
 
+@dataclass(frozen=True)
+class BlobTarget:
+    """A layer on the ``fanotify`` data path: its blocks are written into its local blob (disk and page
+    cache), where EROFS reads them with no event answered late: nothing is read back through the mount."""
+
+    blob: LocalBlob
+
+
 #: Where a layer's blocks live in the kernel's page cache (chosen by the layer's data path).
-WarmTarget = Union[TreeTarget, ErofsTarget]
+WarmTarget = Union[TreeTarget, ErofsTarget, BlobTarget]
 
 
 class WarmReads:
@@ -171,7 +185,8 @@ class PageCacheWarmer:
         self._targets = targets
         self._where: dict[tuple[str, str], list[Placement]] = {}
         for layer, index in indexes.items():
-            self._place_in_files(layer, index, targets[layer], digests)
+            if not isinstance(targets[layer], BlobTarget):  # a blob takes blocks at their blob offsets
+                self._place_in_files(layer, index, targets[layer], digests)
         self._looked_up: set[str] = set()
         #: (layer, digest) -> where its bytes were stored, for :meth:`resident`
         self.stored: dict[tuple[str, str], list[Placement]] = {}
@@ -204,7 +219,7 @@ class PageCacheWarmer:
 
     def wants_bytes(self, layer: str) -> bool:
         """Whether :meth:`warm` needs ``layer``'s blocks' bytes (a tree target's stores do; EROFS reads its own)."""
-        return isinstance(self._targets[layer], TreeTarget)
+        return isinstance(self._targets[layer], (TreeTarget, BlobTarget))
 
     def warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes] | None) -> int:
         """Blocking (a worker thread): put ``blocks`` of ``layer`` in the page cache; file bytes placed.
@@ -213,7 +228,12 @@ class PageCacheWarmer:
         target reads them through its mount and takes None.
         """
         target = self._targets[layer]
-        if isinstance(target, ErofsTarget):
+        if isinstance(target, BlobTarget):
+            if data is None:
+                raise ValueError("a blob target's warming writes the blocks' bytes: give them")
+            target.blob.write([block.ref for block in blocks], data)
+            done = sum(len(payload) for payload in data)
+        elif isinstance(target, ErofsTarget):
             done = self._read_through(layer, target, blocks)
         else:
             if data is None:

@@ -3,6 +3,12 @@
 A node serves every layer one way, chosen once at the layer server's start
 (``--data-path``, the snapshotter's ``[fuse] data_path``):
 
+* ``fanotify``: as ``erofs``, but the image's device is the layer's *local blob*, a sparse
+  file in the node cache's directory (``CACHE/blobs/``) that the layer server fills on the
+  kernel's fanotify pre-access events (:mod:`.local_blobs`; Linux 6.14+ on ext4, xfs or
+  btrfs): a byte already on the node is read by the kernel from local disk, with no
+  userspace at all once the blob is whole.  The fanotify group outlives the layer server
+  (:mod:`.event_holder`), and so do the EROFS mounts: a restarted server takes them over.
 * ``erofs``: the kernel's EROFS answers the tree, file-backed (Linux 6.12+): one
   metadata image per layer (:mod:`blockstore.objects.erofs_image`: the converter's, fetched from
   the store, verified and checked (:meth:`ErofsLayers.install_image`), or for a conversion
@@ -13,7 +19,8 @@ A node serves every layer one way, chosen once at the layer server's start
   (kernels with EROFS that refuse a file-backed mount: ENOTBLK).
 * ``tree``: the per-file FUSE tree ``ROOT/layers/mnt/<slot>`` (no EROFS).
 
-``auto`` (the default) probes: EROFS listed in ``/proc/filesystems`` (the list is read
+``auto`` (the default) probes: ``fanotify`` if the kernel has pre-content events, the cache
+directory's filesystem takes their marks and a file-backed EROFS mount works, else EROFS listed in ``/proc/filesystems`` (the list is read
 from :attr:`DataPathProbe.filesystems`, a test seam: EROFS built into a kernel cannot
 be unloaded to test its absence), then a file-backed mount of the image of an empty
 layer with an empty blob, made under ``ROOT/layers/`` where the layer images live:
@@ -44,6 +51,7 @@ from bootseer.blockstore.objects.erofs_image import build_image, image_cache_nam
 from bootseer.blockstore.datapath.erofs_check import ImageRefused, blob_blocks
 from bootseer.blockstore.datapath.image_checker import CheckerProcess, ImageCheck
 from bootseer.blockstore.datapath.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
+from bootseer.blockstore.datapath.fanotify import unsupported
 from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
 from bootseer.blockstore.datapath.tree import LayersRoot
 from bootseer.atomic import replacing
@@ -52,9 +60,9 @@ from bootseer.log import get_logger
 log = get_logger(__name__)
 
 #: What ``--data-path`` takes.
-DATA_PATHS = ("auto", "erofs", "loop", "tree")
+DATA_PATHS = ("auto", "fanotify", "erofs", "loop", "tree")
 #: The data paths whose lower dirs are EROFS mounts.
-EROFS_PATHS = ("erofs", "loop")
+EROFS_PATHS = ("fanotify", "erofs", "loop")
 FILESYSTEMS = "/proc/filesystems"
 
 DATA_PATH = prometheus_client.Gauge(
@@ -87,26 +95,49 @@ class DataPathProbe:
 
     layers: Path
     filesystems: str = FILESYSTEMS  #: where the kernel's filesystem list is read (a test seam)
+    blobs: Path | None = None  #: where local blobs would live (the ``fanotify`` path's probe); None: no such path
 
     def kernel_has_erofs(self) -> bool:
         with open(self.filesystems, encoding="ascii", errors="replace") as listing:
             return any(line.split()[-1:] == ["erofs"] for line in listing)
 
-    def try_mount(self) -> str:
-        """``file`` or ``loop``: how a mount of an empty layer's image went; ErofsMountError if it failed."""
+    def try_mount(self, blob_directory: Path | None = None) -> str:
+        """``file`` or ``loop``: how a mount of an empty layer's image went (its blob in ``blob_directory``,
+        read buffered, if given); ErofsMountError if it failed."""
         probe = self.layers / f".data-path-probe-{os.getpid()}"
         shutil.rmtree(probe, ignore_errors=True)
         probe.mkdir(mode=0o700)
+        blob = (blob_directory or probe) / f".data-path-probe-blob-{os.getpid()}"
         try:
             empty = LayerIndex("sha256:" + "0" * 64, 4096, [Entry("", EntryType.DIR, 0o755)], [], [])
             (probe / "image").write_bytes(build_image(empty))
-            (probe / "blob").write_bytes(b"")
+            blob.write_bytes(b"")
             (probe / "mnt").mkdir()
-            mounted = mount_erofs(probe / "image", probe / "mnt", device=probe / "blob")
+            mounted = mount_erofs(probe / "image", probe / "mnt", device=blob, direct=blob_directory is None)
             unmount_erofs(probe / "mnt")
             return mounted.mode
         finally:
             shutil.rmtree(probe, ignore_errors=True)
+            blob.unlink(missing_ok=True)
+
+    def fanotify_refused(self) -> str | None:
+        """Why the ``fanotify`` path cannot be had here (None: it can): no pre-content events, a cache
+        filesystem that refuses their marks, or no file-backed EROFS mount with a blob there."""
+        if self.blobs is None:
+            return "no local blob directory"
+        try:
+            self.blobs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            return f"cannot make {self.blobs}: {exc}"
+        why = unsupported(self.blobs)
+        if why is not None:
+            return why
+        try:
+            if self.try_mount(self.blobs) != "file":
+                return f"the kernel refuses a file-backed EROFS mount with a blob in {self.blobs}"
+        except (ErofsMountError, OSError) as exc:
+            return f"the EROFS probe mount with a blob in {self.blobs} failed: {exc}"
+        return None
 
     def choose(self, requested: str) -> DataPathChoice:
         """The data path for ``requested`` (one of :data:`DATA_PATHS`); DataPathUnavailable for a forced one this kernel lacks."""
@@ -126,6 +157,14 @@ class DataPathProbe:
             raise DataPathUnavailable(f"data path {requested}: {missing}")
         if requested == "loop":
             return DataPathChoice("loop", "forced")
+        fanotify_refused = None
+        if requested in ("fanotify", "auto"):
+            fanotify_refused = self.fanotify_refused()
+            if fanotify_refused is None:
+                return DataPathChoice("fanotify", "forced" if requested == "fanotify" else
+                                      "fanotify pre-content events and a file-backed EROFS mount work")  # fmt: skip
+            if requested == "fanotify":
+                raise DataPathUnavailable(f"data path fanotify: {fanotify_refused}")
         try:
             mode = self.try_mount()
         except (ErofsMountError, OSError) as exc:
@@ -133,7 +172,8 @@ class DataPathProbe:
                 return DataPathChoice("tree", f"the EROFS probe mount failed: {exc}")
             raise DataPathUnavailable(f"data path erofs: the EROFS probe mount failed: {exc}") from None
         if mode == "file":
-            return DataPathChoice("erofs", "forced" if requested == "erofs" else "a file-backed EROFS mount works")
+            return DataPathChoice("erofs", "forced" if requested == "erofs" else
+                                  f"a file-backed EROFS mount works (no fanotify path: {fanotify_refused})")  # fmt: skip
         if requested == "erofs":
             raise DataPathUnavailable(
                 f"data path erofs: the kernel refuses a file-backed EROFS mount of an image under {self.layers} "
@@ -144,7 +184,7 @@ class DataPathProbe:
 
 def announce(choice: DataPathChoice) -> None:
     """The start-up log line and the gauge of the chosen data path."""
-    for path in EROFS_PATHS + ("tree",):
+    for path in EROFS_PATHS + ("tree",):  # fanotify, erofs, loop, tree
         DATA_PATH.labels(path).set(1 if path == choice.path else 0)
     log.info("data path chosen", data_path=choice.path, reason=choice.reason)
 
@@ -207,14 +247,18 @@ class ErofsLayers:
             out.writelines(pieces)
         return path
 
-    def prepare(self) -> None:
+    def prepare(self, *, keep_mounts: bool = False) -> None:
         """Create the directories, start the image checker, remove half-written images, and lazily unmount
-        every mount on ``lower/`` (a killed server's: their blob device was its FUSE session, now dead)."""
+        every mount on ``lower/`` (a killed server's: their blob device was its FUSE session, now dead),
+        unless ``keep_mounts``: on ``fanotify`` with the event holder up, those mounts read local blobs
+        still marked in the group that outlived the server, and the restored layers take them over."""
         for directory in (self.images, self.lowers):
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.checker.start()
         for stale in self.images.glob(".*.tmp"):  # bootseer.atomic.replacing's temp names
             stale.unlink(missing_ok=True)
+        if keep_mounts:
+            return
         for lower in self.lowers.iterdir():
             while os.path.ismount(lower):
                 log.warning("unmounting a stale EROFS mount left by a server that is gone", lower_dir=str(lower))
@@ -244,24 +288,31 @@ class ErofsLayers:
             write_image(index, out)
         return path
 
-    def _mount(self, slot: int, image: Path) -> str:
+    def mounted(self, slot: int) -> bool:
+        """Whether the layer in ``slot`` has its EROFS mount (one a server before this one made, on ``fanotify``)."""
+        return os.path.ismount(self.lower_dir(slot))
+
+    def _mount(self, slot: int, image: Path, device: Path | None = None) -> str:
         lower = Path(self.lower_dir(slot))
         lower.mkdir(exist_ok=True, mode=0o755)
         while os.path.ismount(lower):  # left by an earlier mount of this slot that failed half-way
             unmount_erofs(lower, lazy=True)
-        blob = self.paths.blob(slot)
+        blob = device or self.paths.blob(slot)
         # The read-ahead the FUSE tree has (LayersRoot.read_ahead_kb): fewer, larger blob reads.
-        mount_erofs(image, lower, device=blob, loop=self.path == "loop", read_ahead_kb=LayersRoot.read_ahead_kb)
+        # A local blob (fanotify) is read buffered: its fills are in its page cache, read from there.
+        mount_erofs(image, lower, device=blob, loop=self.path == "loop", read_ahead_kb=LayersRoot.read_ahead_kb,
+                    direct=device is None)  # fmt: skip
         return str(lower)
 
-    async def mount(self, slot: int, image: Path) -> str:
-        """Mount ``image`` as the layer in ``slot`` (its blob must be served already); its lower dir."""
-        return await trio.to_thread.run_sync(self._mount, slot, image)
+    async def mount(self, slot: int, image: Path, device: Path | None = None) -> str:
+        """Mount ``image`` as the layer in ``slot`` over its blob (the FUSE one, served already, or the
+        local ``device``, marked already); its lower dir."""
+        return await trio.to_thread.run_sync(self._mount, slot, image, device)
 
-    def _unmount(self, slot: int) -> None:
+    def _unmount(self, slot: int) -> bool:
         lower = self.lower_dir(slot)
         if not os.path.ismount(lower):
-            return
+            return False
         try:
             unmount_erofs(lower)
         except OSError as exc:
@@ -269,10 +320,12 @@ class ErofsLayers:
                 raise
             log.warning("EROFS mount is busy; detaching it lazily (it goes when its last user does)", lower_dir=lower)
             unmount_erofs(lower, lazy=True)
+            return True
+        return False
 
-    async def unmount(self, slot: int) -> None:
-        """Unmount the layer in ``slot`` (lazily if it is busy); nothing if it is not mounted."""
-        await trio.to_thread.run_sync(self._unmount, slot)
+    async def unmount(self, slot: int) -> bool:
+        """Unmount the layer in ``slot`` (lazily if it is busy: True); nothing if it is not mounted."""
+        return await trio.to_thread.run_sync(self._unmount, slot)
 
     def remove_image(self, index_name: str, image_name: str = "") -> None:
         """Remove the images of a layer no longer served: built from ``index_name``, and the store's ``image_name``."""
@@ -286,10 +339,12 @@ class ErofsLayers:
                 unmount_erofs(lower, lazy=True)
                 log.info("detached EROFS mount", lower_dir=str(lower))
 
-    async def detach_all(self) -> None:
-        """Lazily unmount every EROFS mount (before the FUSE mount their blobs are on goes), and stop the
-        image checker: the server is stopping."""
-        await trio.to_thread.run_sync(self._detach_all)
+    async def detach_all(self, *, keep_mounts: bool = False) -> None:
+        """Lazily unmount every EROFS mount (before the FUSE mount their blobs are on goes), unless
+        ``keep_mounts`` (``fanotify``: they read local blobs, and the next server takes them over), and
+        stop the image checker: the server is stopping."""
+        if not keep_mounts:
+            await trio.to_thread.run_sync(self._detach_all)
         self.checker.close()
 
 

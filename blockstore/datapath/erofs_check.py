@@ -176,6 +176,17 @@ def read_tree(image: bytes | memoryview, *, blob_size: int, chunk_size: int, max
     yield from walk.walk(entries=True)
 
 
+def addressed_chunks(image: bytes | memoryview, *, blob_size: int, chunk_size: int, max_inodes: int) -> set[int]:
+    """The blob's chunks (numbers of ``chunk_size`` bytes) that ``image``'s files address, checked as
+    :func:`read_tree` checks: a chunk no file addresses is never read through the image (its file's
+    data is inline, say)."""
+    per_chunk = chunk_size // BLOCK_SIZE
+    found: set[int] = set()
+    for entry in read_tree(image, blob_size=blob_size, chunk_size=chunk_size, max_inodes=max_inodes):
+        found.update(address // per_chunk for address in entry.chunks if address is not None)
+    return found
+
+
 class _Inode:
     """One parsed, checked inode; its data (directory entries, target, file bytes) is read on demand."""
 

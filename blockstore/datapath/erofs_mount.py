@@ -88,20 +88,22 @@ def _mount(source: str, target: str, data: str, flags: int) -> None:
 
 
 def mount_erofs(image: str | os.PathLike[str], mountpoint: str | os.PathLike[str], *, device: str | os.PathLike[str] | None = None,
-                flags: int = DEFAULT_FLAGS, loop: bool = False, read_ahead_kb: int | None = None) -> ErofsMount:  # fmt: skip
+                flags: int = DEFAULT_FLAGS, loop: bool = False, read_ahead_kb: int | None = None,
+                direct: bool = True) -> ErofsMount:  # fmt: skip
     """Mount ``image`` (with blob ``device``, if the image has one) read-only on ``mountpoint``.
 
     File-backed first; on ENOTBLK, over loop devices (``loop``: over loop devices only,
     as a node forced to ``data_path = loop`` wants).  ErofsMountError otherwise, or
     when the loop fallback fails too (nothing is left mounted or attached then).
     With ``read_ahead_kb``, the mount's read-ahead is set to it (see the module
-    docstring; where sysfs refuses, a warning and the kernel's default).
+    docstring; where sysfs refuses, a warning and the kernel's default).  ``direct=False``: the blob is
+    read buffered (the ``fanotify`` data path: its fills land in the blob's page cache, read from there).
     """
     from bootseer.fuse.mount import set_read_ahead
 
     with _mounting:
         before = _erofs_bdis() if read_ahead_kb else set()
-        mounted = _mount_erofs(image, mountpoint, device, flags, loop)
+        mounted = _mount_erofs(image, mountpoint, device, flags, loop, direct)
         if not read_ahead_kb:
             return mounted
         if mounted.mode == "loop":
@@ -124,13 +126,16 @@ def _erofs_bdis() -> set[str]:
 
 
 def _mount_erofs(image: str | os.PathLike[str], mountpoint: str | os.PathLike[str], device: str | os.PathLike[str] | None,
-                 flags: int, loop: bool) -> ErofsMount:  # fmt: skip
+                 flags: int, loop: bool, direct: bool = True) -> ErofsMount:  # fmt: skip
     image, target = os.fspath(image), os.fspath(mountpoint)
     blob = os.fspath(device) if device is not None else None
     if "," in (blob or "") or "\0" in (blob or ""):
         raise ErofsMountError(errno.EINVAL, f"blob path {blob!r} cannot be passed as a mount option")
     if not loop:
         try:
+            if blob and not direct:
+                _mount(image, target, f"device={blob}", flags)
+                return ErofsMount(Path(target), "file", direct=False)
             try:
                 _mount(image, target, f"device={blob},directio" if blob else "", flags)
                 return ErofsMount(Path(target), "file")

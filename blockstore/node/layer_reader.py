@@ -101,6 +101,15 @@ class LayerReader:
         start = self.index.blob_offset(first)
         return _padded_slice(data, offset - start, end - start, self.index.block_size)
 
+    async def blob_blocks(self, refs: Sequence[int]) -> list[bytes]:
+        """Blocks ``refs`` (ascending numbers in the index) as stored (each ``rlen`` bytes, verified), read
+        as a blob read of ``refs[0]`` .. ``refs[-1]`` is (read-ahead included): what a local blob is filled with."""
+        if not refs:
+            return []
+        first, last = refs[0], refs[-1]
+        data = await self._read_blocks(range(len(self.index.blocks)), first, last)
+        return [data[ref - first] for ref in refs]
+
     async def _read_blocks(self, sequence: Sequence[int], first: int, last: int) -> list[bytes]:
         """Blocks ``sequence[first : last + 1]`` at DEMAND, reading ahead of ``sequence[last]`` on a miss.
 

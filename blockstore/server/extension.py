@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import trio
 
+from bootseer.blockstore.datapath.local_blobs import LocalBlob
 from bootseer.blockstore.datapath.tree import ReadObserver
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.node.fetcher import BlockFetcher
@@ -49,6 +50,10 @@ class LayerHost(Protocol):
 
     async def fetcher(self, store: str) -> tuple[Engine, BlockFetcher]:
         """The engine and the block fetcher of store ``store``."""
+        ...
+
+    def local_blob(self, chain_id: str) -> LocalBlob | None:
+        """The local blob of served layer ``chain_id`` on the ``fanotify`` data path (None on the others)."""
         ...
 
 

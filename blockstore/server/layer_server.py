@@ -77,6 +77,7 @@ from bootseer.blockstore.datapath.choice import (
     announce,
 )
 from bootseer.blockstore.datapath.image_checker import ImageCheck
+from bootseer.blockstore.datapath.local_blobs import FanotifyBlobs, LocalBlob
 from bootseer.blockstore.datapath.erofs_check import ImageRefused
 from bootseer.blockstore.objects.erofs_image import ErofsError
 from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerImage, LayerIndex, check_digest
@@ -209,6 +210,9 @@ class LayerServer:
         self.decode_threads = trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2))
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
+        #: The local blobs the EROFS mounts read on the ``fanotify`` path, filled on the kernel's events (else None).
+        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._block_threads) \
+            if self.data_path.path == "fanotify" else None  # fmt: skip
         #: Block sharing with the peer group (None: off).
         self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads,
                                  memory=peer_memory_share(config.engine),
@@ -502,7 +506,13 @@ class LayerServer:
                 continue
             if self.erofs is not None:
                 try:
-                    await self._mount_erofs(layer, await self._layer_image(layer.record, layer.tree.index, layer.store))
+                    image = await self._layer_image(layer.record, layer.tree.index, layer.store)
+                    device = await self._local_blob(layer, layer.tree, image)
+                    if device is not None and self.erofs.mounted(layer.slot):
+                        log.info("took over the EROFS mount of a server before this one (its blob's events wait for "
+                                 "this one)", chain_id=layer.chain_id, slot=layer.slot)  # fmt: skip
+                        continue
+                    await self._mount_erofs(layer, image, device=device)
                 except LayerServerError as exc:
                     layer.tree, layer.error = None, str(exc)
                     self._stop_serving(layer)
@@ -519,11 +529,33 @@ class LayerServer:
             async with self.layers.lock:
                 await self.layers.save()
         LAYERS.set(len(self.root.layers))
+        if self.blobs is not None:
+            self.blobs.ready.set()  # the events waiting (a killed server's too) find their blobs now
 
     async def detach_erofs(self) -> None:
-        """Lazily unmount every EROFS mount: before the FUSE mount their blobs are on goes."""
+        """Lazily unmount every EROFS mount: before the FUSE mount their blobs are on goes.  On ``fanotify``
+        the mounts stay (they read local blobs: the next server takes them over), and the event holder is
+        released only if no blob has a hole left."""
         if self.erofs is not None:
-            await self.erofs.detach_all()
+            await self.erofs.detach_all(keep_mounts=self.blobs is not None)
+        if self.blobs is not None:
+            await self.blobs.release_if_whole()
+
+    async def _local_blob(self, layer: Layer, tree: LayerTree, image: Path) -> Path | None:
+        """On ``fanotify``, ``layer``'s local blob, made or taken over and marked (its path); else None."""
+        if self.blobs is None:
+            return None
+        try:
+            return await self.blobs.open(layer.record.index, tree, image)
+        except OSError as exc:
+            raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot make its local blob: {exc}") from None
+
+    def local_blob(self, chain_id: str) -> LocalBlob | None:
+        """The local blob of a served layer on ``fanotify`` (:class:`~bootseer.blockstore.server.extension.LayerHost`)."""
+        layer = self.layers.get(chain_id)
+        if self.blobs is None or layer is None:
+            return None
+        return self.blobs.blob_of(layer.record.index)
 
     # -- control operations -----------------------------------------------------------------
 
@@ -534,13 +566,13 @@ class LayerServer:
     def _answer(self, layer: Layer) -> dict[str, Any]:
         return {"chain_id": layer.chain_id, "slot": layer.slot, "lower_dir": self.lower_dir(layer.slot)}
 
-    async def _mount_erofs(self, layer: Layer, image: Path, *, phase: str = "image") -> None:
-        """Mount ``layer``'s EROFS ``image`` over its blob (served already); LayerServerError naming why not.
-        One ``layer.mount`` span of the start-up profiler's ``phase``."""
+    async def _mount_erofs(self, layer: Layer, image: Path, *, phase: str = "image", device: Path | None = None) -> None:
+        """Mount ``layer``'s EROFS ``image`` over its blob (served already, or the local ``device``);
+        LayerServerError naming why not.  One ``layer.mount`` span of the start-up profiler's ``phase``."""
         assert self.erofs is not None
         try:
             with profile_events.span("layer.mount", phase=phase, chain_id=layer.chain_id):
-                await self.erofs.mount(layer.slot, image)
+                await self.erofs.mount(layer.slot, image, device)
         except OSError as exc:
             raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot mount its EROFS image: {exc}") from None
 
@@ -600,10 +632,12 @@ class LayerServer:
                 self.root.layers[layer.slot] = tree
                 if image is not None:  # the blob is served now: EROFS can take it as its device
                     try:
-                        await self._mount_erofs(layer, image, phase=phase)
+                        await self._mount_erofs(layer, image, phase=phase, device=await self._local_blob(layer, tree, image))
                     except LayerServerError as exc:
                         layer.tree, layer.error = None, str(exc)
                         self._stop_serving(layer)
+                        if self.blobs is not None:
+                            await self.blobs.close(record.index, tree, remove=False)
                         if added:
                             await self.layers.remove(chain_id)
                         raise
@@ -641,10 +675,16 @@ class LayerServer:
             layer = await self.layers.remove(chain_id)
             if layer is None:
                 raise LayerNotMounted(f"{chain_id} is not mounted by this layer server")
+            lazily = False
             if self.erofs is not None:  # before the blob it reads goes (lazily if a container still has it)
-                await self.erofs.unmount(layer.slot)
+                lazily = await self.erofs.unmount(layer.slot)
+            tree = layer.tree
             self._stop_serving(layer)
-            if not any(other.record.index == layer.record.index for other in self.layers.values()):
+            last = not any(other.record.index == layer.record.index for other in self.layers.values())
+            if self.blobs is not None and tree is not None and not lazily:
+                # A mount still in use (lazily detached) keeps its blob served until this server stops.
+                await self.blobs.close(layer.record.index, tree, remove=last)
+            if last:
                 self.indexes.remove(layer.record)
                 if self.erofs is not None:
                     self.erofs.remove_image(layer.record.index, layer.record.image)
@@ -692,6 +732,7 @@ class LayerServer:
             **(self.extension.status_fields() if self.extension is not None else {}),
             "health": {"fuse": "serving" if own.serving else "down", "open_files": own.open_files},
             "data_path": {"path": self.data_path.path, "reason": self.data_path.reason},
+            **({"fanotify": dataclasses.asdict(self.blobs.statistics())} if self.blobs is not None else {}),
             "layers": [
                 {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,
                  "entries": len(layer.tree.index.entries) if layer.tree else 0,
@@ -752,6 +793,11 @@ def raise_fd_limit() -> int:
     return hard
 
 
+def blob_directory(config: LayerServerConfig) -> Path:
+    """Where the ``fanotify`` data path keeps local blobs: ``blobs/`` in the node cache's directory."""
+    return (config.cache_dir or config.root / "cache") / "blobs"
+
+
 def prepare_root(paths: ServerPaths) -> None:
     """Create the server's directories (0700: only root may reach the mount) and clear
     a dead mount a killed server left; MountError if a live one is in the way."""
@@ -787,7 +833,7 @@ async def run_server(
     try:
         raise_fd_limit()
         prepare_root(paths)
-        data_path = DataPathProbe(paths.layers, config.filesystems).choose(config.data_path)
+        data_path = DataPathProbe(paths.layers, config.filesystems, blobs=blob_directory(config)).choose(config.data_path)
         announce(data_path)
         profile_hooks.use_root(config.root)  # BOOTSEER_PROFILE=1: the start-up profiler's spool is ROOT/profile
         saved = load_table(paths.table, [config.store or ""])
@@ -800,8 +846,9 @@ async def run_server(
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 server = LayerServer(config, nursery, data_path, extension=extension)
-                if server.erofs is not None:
-                    await trio.to_thread.run_sync(server.erofs.prepare)  # a killed server's mounts: detached
+                adopted = await server.blobs.start(nursery) if server.blobs is not None else False
+                if server.erofs is not None:  # a killed server's mounts: detached (kept if the event holder kept their blobs)
+                    await trio.to_thread.run_sync(functools.partial(server.erofs.prepare, keep_mounts=adopted))
                 await server.restore(saved)
                 if server.peers is not None:
                     await nursery.start(server.peers.run)

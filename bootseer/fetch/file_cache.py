@@ -320,7 +320,9 @@ class VerifiedFileCache:
             total = 0
             now = time.time()
             try:
-                subdirs = [entry.path for entry in os.scandir(self.directory) if entry.is_dir()]
+                # Only the entries' shards (``key[:2]``): other directories beside them (a layer server's
+                # local blobs, ``blobs/``) are not the cache's to evict.
+                subdirs = [entry.path for entry in os.scandir(self.directory) if entry.is_dir() and len(entry.name) == 2]
                 for subdir in subdirs:
                     for entry in os.scandir(subdir):
                         try:

@@ -157,7 +157,7 @@ def mount_overlay(node: Node, lowers: list[str], target: Path) -> None:
 # -- the FUSE view against tar -x ------------------------------------------------------------------
 
 
-DATA_PATHS = ["erofs", "loop", "tree"]  #: every forced data path (blockstore.datapath.choice)
+DATA_PATHS = ["fanotify", "erofs", "loop", "tree"]  #: every forced data path (blockstore.datapath.choice)
 
 
 def on_data_path(node_factory: Any, built: Any, data_path: str) -> tuple[Node, LayerServerClient]:

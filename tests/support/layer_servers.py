@@ -18,8 +18,8 @@ from tests.support.mounts import force_unmount
 STOP_TIMEOUT_S = 30.0
 
 
-def layer_server_processes(under: Path) -> dict[int, Path]:
-    """pid -> ``--root`` of every live ``layer-server`` process whose root lies in ``under``."""
+def layer_server_processes(under: Path, program: bytes = b"layer-server") -> dict[int, Path]:
+    """pid -> ``--root`` of every live ``layer-server`` process (or other ``program``) whose root lies in ``under``."""
     under = under.resolve()
     found = {}
     for entry in os.scandir("/proc"):
@@ -30,7 +30,7 @@ def layer_server_processes(under: Path) -> dict[int, Path]:
             state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue  # gone meanwhile, or not ours to read
-        if b"layer-server" not in argv or b"--root" not in argv or state == "Z":
+        if program not in argv or b"--root" not in argv or state == "Z":
             continue
         position = argv.index(b"--root") + 1
         root = Path(os.fsdecode(argv[position])) if position < len(argv) else None
@@ -50,8 +50,13 @@ def fuse_mounts(under: Path) -> list[str]:
             + [_unescape(p) for p, fstype in ours if fstype.startswith("fuse")])  # fmt: skip
 
 
+#: What names the event holder of a root (the ``fanotify`` data path's; it outlives its layer servers).
+EVENT_HOLDER = b"bootseer.blockstore.datapath.event_holder"
+
+
 def stop_layer_servers(under: Path) -> list[int]:
-    """Stop every layer server of a root in ``under``, then unmount the EROFS and FUSE mounts there; the pids stopped."""
+    """Stop every layer server of a root in ``under``, then unmount the EROFS and FUSE mounts there, then
+    stop the roots' event holders (their group's marks go with them); the layer servers' pids stopped."""
     pids = layer_server_processes(under)
     for signum in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
@@ -66,7 +71,21 @@ def stop_layer_servers(under: Path) -> list[int]:
             break
     for mountpoint in fuse_mounts(under):
         force_unmount(mountpoint)
+    stop_event_holders(under)
     return sorted(pids)
+
+
+def stop_event_holders(under: Path) -> None:
+    """Kill the event holders of roots in ``under`` (test teardown: no mount reads their blobs any more)."""
+    holders = layer_server_processes(under, EVENT_HOLDER)
+    for pid in holders:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while set(layer_server_processes(under, EVENT_HOLDER)) & set(holders) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _unescape(field: str) -> str:

@@ -1,0 +1,242 @@
+"""The ``fanotify`` data path for real: local blobs filled on the kernel's pre-access events, and a layer
+server killed under reading containers without a zero or wrong byte reaching them.
+
+Each test starts a real ``bootseer layer-server`` forced to ``fanotify`` (as the snapshotter
+does: tests/blockstore/test_layer_server.py's ``Node``) over layers converted by the real
+converter, mounts real EROFS images over real sparse blobs on this machine's ext4, and reads
+them through the kernel, in reader processes (a read waiting on a killed server must not
+hang the test process).  What is checked is what the kernel, the blob on disk, the event
+holder and the server's metrics show.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bootseer.blockstore.datapath.fanotify import unsupported
+from tests.blockstore.test_layer_server import node_factory  # noqa: F401,F811 (fixture)
+from tests.support.layer_servers import EVENT_HOLDER, layer_server_processes
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import BigFile, File, Layer
+from tests.support.mounts import mount_entry
+from tests.support.waiting import free_port, wait_until
+
+BLOCK_SIZE = 64 << 10
+FILES = 8  #: big files of the layer, each read by one reader at a time
+FILE_SIZE = 1 << 20
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse"),
+    pytest.mark.skipif(unsupported(Path("/var/tmp")) is not None, reason="no fanotify pre-content marks here"),
+]
+
+
+def _layer() -> Layer:
+    entries: list[Any] = [BigFile(f"data/file{n}.bin", FILE_SIZE, seed=n + 1) for n in range(FILES)]
+    entries += [File(f"small/s{n}.txt", f"small file {n}\n".encode() * (n + 1)) for n in range(20)]
+    return Layer(tuple(entries))
+
+
+def _expected() -> dict[str, str]:
+    out = {}
+    for entry in _layer().entries:
+        data = b"".join(entry.chunks()) if isinstance(entry, BigFile) else entry.data
+        out[entry.path] = hashlib.sha256(data).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, BuiltLayer]:
+    store = tmp_path_factory.mktemp("store")
+    built = build_store(store, [_layer()], block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+    return store, built[0]
+
+
+def metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def events(port: int) -> dict[str, float]:
+    return {m[0]: float(m[1]) for m in re.findall(r'bootseer_fanotify_events_total\{outcome="(\w+)"\} ([0-9.]+)', metrics(port))}
+
+
+READER = r"""
+import hashlib, json, os, sys
+root, paths = sys.argv[1], sys.argv[2:]
+out = {}
+for path in paths:
+    digest = hashlib.sha256()
+    with open(os.path.join(root, path), "rb", buffering=0) as f:
+        while chunk := f.read(48 * 1024):
+            digest.update(chunk)
+    out[path] = digest.hexdigest()
+print(json.dumps(out))
+"""
+
+
+def start_reader(lower: str, paths: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", READER, lower, *paths], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def read_all(lower: str, paths: list[str]) -> dict[str, str]:
+    reader = start_reader(lower, paths)
+    out, err = reader.communicate(timeout=120)
+    assert reader.returncode == 0, err
+    return json.loads(out)
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def blob_of(node: Any, built: BuiltLayer) -> Path:
+    return node.root / "cache" / "blobs" / f"{built.record.index}.blob"
+
+
+def test_a_layer_reads_back_byte_for_byte_from_a_blob_filled_on_events_then_unmarked(converted: Any, node_factory: Any) -> None:
+    store, built = converted
+    port = free_port()
+    node = node_factory(f"file://{store}", data_path="fanotify", metrics_address=f"127.0.0.1:{port}")
+    client = node.ensure()
+    assert client.status()["data_path"] == {"path": "fanotify", "reason": "forced"}
+    lower = client.mount(built.chain_id).lower_dir
+    entry = mount_entry(Path(lower))
+    assert entry is not None and entry.fstype == "erofs"
+    blob = blob_of(node, built)
+    assert os.stat(blob).st_size == built.index.blob_size
+    assert os.stat(blob).st_blocks == 0  # sparse: nothing on disk before a read
+    expected = _expected()
+    half = [f"data/file{n}.bin" for n in range(FILES // 2)]  # the small files' data is in the image
+    assert read_all(lower, half) == {path: expected[path] for path in half}
+    counted = events(port)
+    assert counted["filled"] > 0 and counted["denied"] == 0 and counted["unknown"] == 0
+    stats = client.status()["fanotify"]
+    assert stats["blobs"] == 1 and stats["complete"] == 0 and 0 < stats["missing_blocks"] < len(built.index.blocks)
+    # The rest: every block of the layer is then on disk, and the blob loses its mark.
+    assert read_all(lower, sorted(expected)) == expected
+    wait_until("the blob is complete", lambda: client.status()["fanotify"]["complete"] == 1)
+    assert client.status()["fanotify"]["missing_blocks"] == 0
+    # With the page cache dropped, every byte comes from the local disk with no event at all.
+    before = events(port)
+    drop_caches()
+    assert read_all(lower, sorted(expected)) == expected
+    assert events(port) == before
+
+
+def test_a_block_that_fails_verification_is_eio_and_never_written(tmp_path: Path, node_factory: Any) -> None:
+    store = tmp_path / "store"
+    built = build_store(store, [_layer()], block_size=BLOCK_SIZE, layout=tmp_path / "layout")[0]
+    port = free_port()
+    node = node_factory(f"file://{store}", data_path="fanotify", metrics_address=f"127.0.0.1:{port}")
+    client = node.ensure()
+    lower = client.mount(built.chain_id).lower_dir
+    # Flip a byte in every pack: every block read from the store from now on fails its SHA-256.
+    for pack in (store / "v1" / "packs").rglob("*"):
+        if pack.is_file():
+            data = bytearray(pack.read_bytes())
+            for at in range(0, len(data), 4096):
+                data[at] ^= 0xFF
+            pack.write_bytes(bytes(data))
+    reader = start_reader(lower, ["data/file3.bin"])
+    _out, err = reader.communicate(timeout=120)
+    assert reader.returncode != 0 and "Input/output error" in err
+    assert events(port)["denied"] > 0
+    blob = blob_of(node, built)
+    # Nothing was written: the blob's range of that file holds no data on disk (a hole, SEEK_DATA finds none).
+    with open(blob, "rb") as opened:
+        with pytest.raises(OSError):
+            os.lseek(opened.fileno(), 0, os.SEEK_DATA)
+    assert client.status()["fanotify"]["missing_blocks"] == FILES * FILE_SIZE // BLOCK_SIZE  # the big files' blocks, none written
+
+
+def mount_id(path: str) -> int:
+    """The kernel's id of the mount on ``path`` (a new mount gets a new one)."""
+    with open("/proc/self/mountinfo") as mounts:
+        ids = [int(line.split()[0]) for line in mounts if line.split()[4] == os.path.realpath(path)]
+    assert ids, f"{path} is not mounted"
+    return ids[-1]
+
+
+def _holders(node: Any) -> list[int]:
+    return sorted(layer_server_processes(node.root, EVENT_HOLDER))
+
+
+def test_sigkill_under_four_readers_twice_loses_no_read_and_serves_no_wrong_byte(
+    converted: Any, node_factory: Any, range_http_factory: Any
+) -> None:
+    store, built = converted
+    server = range_http_factory(store)
+    node = node_factory(server.url, data_path="fanotify")
+    client = node.ensure()
+    lower = client.mount(built.chain_id).lower_dir
+    mounted = mount_id(lower)
+    holders = _holders(node)
+    assert len(holders) == 1
+    # From now on the store holds every pack GET: the readers' blocks are in flight when the server dies.
+    packs = {"/" + str(p.relative_to(store)) for p in (store / "v1" / "packs").rglob("*") if p.is_file()}
+    release = server.faults.hold(packs)
+    expected = _expected()
+    big = sorted(path for path in expected if path.startswith("data/"))
+    readers = [start_reader(lower, big[n::4]) for n in range(4)]
+    try:
+        wait_until("the server's fetches are held", lambda: server.faults.waiting >= 1)
+        wait_until("events wait on the server", lambda: client.status()["fanotify"]["pending"] >= 1)
+        for restart in range(2):
+            pid = node.pid()
+            held = server.faults.waiting
+            os.kill(pid, signal.SIGKILL)
+            wait_until("the server is gone", lambda: pid not in layer_server_processes(node.root))
+            assert all(reader.poll() is None for reader in readers), "a read ended while its server was dead"
+            client = node.ensure()  # the next server: it takes the group, the mount and the pending events over
+            assert node.pid() != pid
+            if restart == 0:  # its own fetches of the same blocks are held in turn: kill it too
+                wait_until("the new server's fetches are held", lambda: server.faults.waiting > held)
+        assert _holders(node) == holders
+        assert mount_id(lower) == mounted  # the EROFS mount outlived both servers
+        release.set()
+        results = {}
+        for reader in readers:
+            out, err = reader.communicate(timeout=120)
+            assert reader.returncode == 0, err
+            results.update(json.loads(out))
+    finally:
+        release.set()
+        for reader in readers:
+            if reader.poll() is None:
+                reader.kill()
+    assert results == {path: expected[path] for path in big}
+    assert "took over the EROFS mount" in node.log()
+
+
+def test_a_stopped_server_keeps_the_holder_while_a_blob_has_holes_and_releases_it_when_none_has(
+    converted: Any, node_factory: Any
+) -> None:
+    store, built = converted
+    node = node_factory(f"file://{store}", data_path="fanotify")
+    client = node.ensure()
+    lower = client.mount(built.chain_id).lower_dir
+    expected = _expected()
+    assert read_all(lower, ["small/s1.txt"]) == {"small/s1.txt": expected["small/s1.txt"]}
+    node.stop(signal.SIGTERM)
+    assert len(_holders(node)) == 1  # holes: the group must outlive the server
+    assert mount_entry(Path(lower)) is not None
+    client = node.ensure()
+    assert read_all(lower, sorted(expected)) == expected  # the rest, answered by the next server
+    wait_until("the blob is complete", lambda: client.status()["fanotify"]["complete"] == 1)
+    node.stop(signal.SIGTERM)
+    wait_until("the holder is released", lambda: not _holders(node))
+    assert read_all(lower, sorted(expected)) == expected  # a whole blob needs nobody

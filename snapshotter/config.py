@@ -76,7 +76,7 @@ class Config:
     hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
     hotlist_prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)  #: how much a prefetch does at once
     layer_server_metrics_address: str = ""  #: ``HOST:PORT`` of the layer server's Prometheus endpoint; empty: off
-    data_path: str = "auto"  #: ``[fuse] data_path``: auto, erofs, loop or tree (the layer server's ``--data-path``)
+    data_path: str = "auto"  #: ``[fuse] data_path``: auto, fanotify, erofs, loop or tree (the layer server's ``--data-path``)
     converter_keys: tuple[Path, ...] = ()  #: ``[trust] converter_keys``: .pub files whose conversions are served
     writer_keys: tuple[Path, ...] = ()  #: ``[trust] writer_keys``: .pub files whose hot lists and deps records are used
     sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)

@@ -28,7 +28,7 @@ import pytest
 
 from tests.support.daemon import snapd, snapshotter_factory  # noqa: F401  (fixtures)
 from tests.support.http import nginx_factory, range_http_factory  # noqa: F401  (fixtures)
-from tests.support.layer_servers import fuse_mounts, layer_server_processes, stop_layer_servers
+from tests.support.layer_servers import EVENT_HOLDER, fuse_mounts, layer_server_processes, stop_layer_servers
 from tests.support.mounts import force_unmount
 from tests.support.peers import fake_peer, nodes, peer_layer  # noqa: F401  (fixtures)
 from tests.support.s3 import moto_s3, s3_bucket  # noqa: F401  (fixtures)
@@ -49,7 +49,7 @@ def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
     """Fail the session loudly if a test left a layer server or a FUSE mount in its temporary directory."""
     base = tmp_path_factory.getbasetemp()
     yield
-    processes = layer_server_processes(base)
+    processes = {**layer_server_processes(base), **layer_server_processes(base, EVENT_HOLDER)}
     mounts = fuse_mounts(base)
     if processes or mounts:
         stop_layer_servers(base)

@@ -29,7 +29,9 @@ left: only then does the holder exit and the group close.  A server killed at an
 leaves every pending read waiting, and the next server (``bootseer layer-server`` again)
 answers it: reads resume with the right bytes.  The holder itself is the one part that
 must not die; it does nothing but this (about 200 lines, no dependency beyond the
-standard library), and it logs to ``ROOT/layers/events.log``.
+standard library), it ignores SIGTERM, SIGINT and SIGHUP (a service manager stopping the
+layer server's unit must leave it: systemd's ``KillMode=process``), and it logs to
+``ROOT/layers/events.log``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import json
 import os
 import resource
 import select
+import signal
 import socket
 import struct
 import sys
@@ -195,6 +198,11 @@ class Holder:
         return True
 
 
+def _ignored(signum: int, _frame: object) -> None:
+    _log("signal ignored: the holder ends when a layer server releases it (no blob with a hole left), or by SIGKILL",
+         signal=signal.Signals(signum).name)  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bootseer-event-holder", description=__doc__.splitlines()[0])
     parser.add_argument("--root", required=True, help="the layer server's root (names the holder in ps)")
@@ -202,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one descriptor per pending event
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a service manager's stop must not drop the group
+        signal.signal(signum, _ignored)
     listener = socket.socket(fileno=args.listen_fd)
     holder = Holder(listener)
     _log("holding the fanotify group", root=args.root, socket=listener.getsockname())

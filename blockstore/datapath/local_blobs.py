@@ -319,6 +319,7 @@ class FanotifyStatistics:
     complete: int  #: of them, every block on disk (unmarked)
     missing_blocks: int  #: blocks not yet on disk, all blobs together
     pending: int  #: events being answered now
+    answered: int  #: events answered by this server
     holder_adopted: bool  #: the group outlived a server: this one took it over
 
 
@@ -336,6 +337,7 @@ class FanotifyBlobs:
         self._answered: list[int] = []
         self._have_answered = trio.Event()
         self._pending = 0
+        self._answered_total = 0
         #: Set once the layers are restored: events before that wait (a restart's pending ones included).
         self.ready = trio.Event()
 
@@ -354,6 +356,7 @@ class FanotifyBlobs:
             complete=sum(1 for blob in self.blobs.values() if blob.complete),
             missing_blocks=sum(blob.missing_count for blob in self.blobs.values()),
             pending=self._pending,
+            answered=self._answered_total,
             holder_adopted=bool(self.link and self.link.adopted),
         )
 
@@ -470,6 +473,7 @@ class FanotifyBlobs:
             fanotify.answer(self.link.group, number, response)
             os.close(event.fd)
             self._pending -= 1
+            self._answered_total += 1
             self._answered.append(number)
             self._have_answered.set()
 

@@ -264,7 +264,7 @@ class ServerSettings:
     retry_timeout: float | None = None  #: seconds a failing fetch is retried before EIO
     memory_limit: int | None = None  #: stripe bytes each store's engine holds in memory
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
-    data_path: str | None = None  #: auto, erofs, loop or tree (blockstore.datapath.choice); None: the server's default (auto)
+    data_path: str | None = None  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice); None: the server's default (auto)
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     store_proxy: str | None = None  #: HTTP proxy URL http(s) stores are read through (may carry credentials)
     store_proxy_ping_url: str | None = None  #: the proxy's health check URL (never credentials)

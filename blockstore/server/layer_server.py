@@ -148,7 +148,7 @@ class LayerServerConfig:
     load_timeout: float = MOUNT_TIMEOUT - 30
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
-    data_path: str = "auto"  #: auto, erofs, loop or tree (blockstore.datapath.choice)
+    data_path: str = "auto"  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
     #: The options this server was started with that differ from their defaults, URLs redacted (what its
@@ -856,6 +856,9 @@ async def run_server(
                 UP.set(1)
                 await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there
                 nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", server.stores.bytes_fetched, phase="image"))  # profiler: bytes over time
+                if server.blobs is not None:  # profiler: the kernel's pre-access events the server answered
+                    blobs = server.blobs
+                    nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.fanotify_events", lambda: blobs.statistics().answered, phase="image"))
                 if server.peers is not None:  # profiler: the bytes that came from peers instead of the store
                     peers = server.peers
                     nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.peer_bytes", lambda: peers.statistics().received_bytes, phase="image"))

@@ -58,7 +58,7 @@ class Layer:
     deps_index: str = ""
     store_id: str = ""
     shown_store: str = ""
-    data_path: str = "tree"  #: how it is served: erofs, loop or tree (the node's data path when mounted)
+    data_path: str = "tree"  #: how it is served: fanotify, erofs, loop or tree (the node's data path when mounted)
 
     def __post_init__(self) -> None:
         if self.store:

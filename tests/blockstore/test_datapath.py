@@ -78,21 +78,40 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
 # -- choosing ------------------------------------------------------------------------------------
 
 
-def test_auto_picks_erofs_here_with_its_log_line(built: Any, node_factory: Any) -> None:
+def test_auto_picks_fanotify_here_with_its_log_line(built: Any, node_factory: Any) -> None:
     node = node_factory(f"file://{built[0]}", data_path="auto")
     client = node.ensure()
-    assert client.status()["data_path"] == {"path": "erofs", "reason": "a file-backed EROFS mount works"}
-    assert chosen(node.log()) == "erofs"
+    assert client.status()["data_path"] == {
+        "path": "fanotify", "reason": "fanotify pre-content events and a file-backed EROFS mount work"}
+    assert chosen(node.log()) == "fanotify"
     lower = client.mount(built[1][0].chain_id).lower_dir
     assert erofs_mounts(node.root) == [lower] and (Path(lower) / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
-    assert "directio" in mount_entry(lower).options  # the blob is read with direct I/O (blockstore.datapath.erofs_mount)
-    assert not list(node.paths.layers.glob(".data-path-probe-*"))  # the probe leaves nothing behind
-    # The mount's own read-ahead is the FUSE tree's 1 MiB: its backing device is the one the server named,
-    # which goes with the mount.
+    # The device is the local blob, read buffered: its fills are in its page cache, read from there.
+    assert "directio" not in mount_entry(lower).options
+    assert not list(node.paths.layers.glob(".data-path-probe-*"))  # the probes leave nothing behind
+    assert not list((node.root / "cache" / "blobs").glob(".*probe*"))
+    # The mount's own read-ahead is the FUSE tree's 1 MiB, as on erofs.
     [bdi] = re.findall(r"read-ahead set.*path=/sys/class/bdi/(erofs-\d+)/read_ahead_kb", node.log())
     assert Path(f"/sys/class/bdi/{bdi}/read_ahead_kb").read_text().strip() == "1024"
     client.unmount(built[1][0].chain_id)
     assert not Path(f"/sys/class/bdi/{bdi}").exists()
+    assert not list((node.root / "cache" / "blobs").iterdir())  # the last layer of an index takes its blob along
+
+
+def test_a_cache_on_tmpfs_makes_auto_pick_erofs_naming_why_not_fanotify(tmpfs: Path, built: Any, node_factory: Any) -> None:
+    node = node_factory(f"file://{built[0]}", data_path="auto", cache_dir=str(tmpfs / "cache"))
+    client = node.ensure()
+    status = client.status()["data_path"]
+    assert status["path"] == "erofs" and "refuses pre-access marks" in status["reason"], status
+    lower = client.mount(built[1][0].chain_id).lower_dir
+    assert "directio" in mount_entry(lower).options  # the blob is the FUSE one, read with direct I/O
+    assert (Path(lower) / "srv/big.bin").read_bytes() == rich_big_bin()
+
+
+def test_a_forced_fanotify_the_cache_cannot_carry_stops_start_up_with_one_line(tmpfs: Path, built: Any, node_factory: Any) -> None:
+    node = node_factory(f"file://{built[0]}", data_path="fanotify", cache_dir=str(tmpfs / "cache"), start_timeout=60)
+    with pytest.raises(ServerStartError, match="(?s)exited with status 2.*data path fanotify: the filesystem of .* refuses"):
+        node.ensure()
 
 
 def test_a_root_on_tmpfs_falls_back_to_loop_with_its_log_line(tmpfs: Path, built: Any, node_factory: Any) -> None:
@@ -230,7 +249,7 @@ def test_a_full_read_on_erofs_makes_no_per_file_fuse_requests(built: Any, node_f
     port = free_port()
     node = node_factory(f"file://{built[0]}", data_path=data_path, metrics_address=f"127.0.0.1:{port}")
     client = node.ensure()
-    assert _gauge(port) == {"erofs": float(data_path == "erofs"), "loop": 0.0, "tree": float(data_path == "tree")}
+    assert _gauge(port) == {"fanotify": 0.0, "erofs": float(data_path == "erofs"), "loop": 0.0, "tree": float(data_path == "tree")}
     lower = Path(client.mount(built[1][0].chain_id).lower_dir)
     before = _requests(port)
     files = read_all(lower)
@@ -270,12 +289,12 @@ def test_the_data_path_setting_reaches_the_layer_server_and_a_bad_one_is_refused
     from bootseer.blockstore.server.client import ServerSettings
     from bootseer.snapshotter import config
 
-    assert config.resolve({}, {}).data_path == "auto"  # EROFS where the kernel has it, else the tree
+    assert config.resolve({}, {}).data_path == "auto"  # fanotify, else EROFS where the kernel has it, else the tree
     assert config.resolve({"fuse.data_path": "loop"}, {"fuse.data_path": "tree"}).data_path == "tree"  # the flag wins
     from bootseer.snapshotter.daemon import build_parser
 
     assert build_parser().parse_args(["--data-path", "erofs"]).data_path == "erofs"
-    with pytest.raises(config.ConfigError, match="key 'fuse.data_path' in the config file: must be one of auto, erofs, loop, tree"):
+    with pytest.raises(config.ConfigError, match="key 'fuse.data_path' in the config file: must be one of auto, fanotify, erofs, loop, tree"):
         config.resolve({"fuse.data_path": "fast"}, {})
     assert ServerSettings(data_path="erofs").document()["data-path"] == "erofs"
     assert "data-path" not in ServerSettings().document()

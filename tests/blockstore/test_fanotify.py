@@ -240,3 +240,45 @@ def test_a_stopped_server_keeps_the_holder_while_a_blob_has_holes_and_releases_i
     node.stop(signal.SIGTERM)
     wait_until("the holder is released", lambda: not _holders(node))
     assert read_all(lower, sorted(expected)) == expected  # a whole blob needs nobody
+
+
+def test_with_its_holder_gone_too_a_restart_detaches_the_old_mounts_and_mounts_again(converted: Any, node_factory: Any) -> None:
+    """The group died with the holder: the old mount's blob is no longer marked, so it is never used again."""
+    store, built = converted
+    node = node_factory(f"file://{store}", data_path="fanotify")
+    client = node.ensure()
+    lower = client.mount(built.chain_id).lower_dir
+    expected = _expected()
+    assert read_all(lower, ["data/file0.bin"]) == {"data/file0.bin": expected["data/file0.bin"]}
+    pid = node.pid()
+    os.kill(pid, signal.SIGKILL)
+    wait_until("the server is gone", lambda: pid not in layer_server_processes(node.root))
+    for holder in _holders(node):
+        os.kill(holder, signal.SIGKILL)
+    wait_until("the holder is gone", lambda: not _holders(node))
+    client = node.ensure()
+    # A new mount over a newly marked blob (the kernel may give it the old one's number again).
+    assert "unmounting a stale EROFS mount" in node.log() and "took over the EROFS mount" not in node.log()
+    assert mount_id(lower) > 0
+    assert client.status()["fanotify"]["holder_adopted"] is False
+    drop_caches()
+    assert read_all(lower, sorted(expected)) == expected
+
+
+def test_events_parse_with_their_range_and_a_deny_carries_only_an_errno_the_kernel_takes() -> None:
+    import errno
+    import struct
+
+    from bootseer.blockstore.datapath import fanotify
+
+    def record(fd: int, pid: int, offset: int, count: int) -> bytes:
+        info = struct.pack("<BBH", fanotify.FAN_EVENT_INFO_TYPE_RANGE, 0, 24) + b"\0" * 4 + struct.pack("<QQ", offset, count)
+        return struct.pack("<IBBHQii", 24 + len(info), 3, 0, 24, fanotify.FAN_PRE_ACCESS, fd, pid) + info
+
+    events = fanotify.parse_events(record(7, 100, 8192, 4096) + record(8, 101, 1 << 40, 262144))
+    assert [(e.fd, e.pid, e.offset, e.count) for e in events] == [(7, 100, 8192, 4096), (8, 101, 1 << 40, 262144)]
+    with pytest.raises(fanotify.FanotifyError, match="version 2"):
+        fanotify.parse_events(record(7, 100, 0, 1)[:4] + b"\x02" + record(7, 100, 0, 1)[5:])
+    assert fanotify.deny(errno.EIO) == 2 | (errno.EIO << 24)
+    with pytest.raises(ValueError, match="ENOENT"):
+        fanotify.deny(errno.ENOENT)

@@ -41,7 +41,7 @@ def refused(tmp_path: Path, document: object, *argv: str) -> str:
     ({"cache-size": "lots"}, "cache-size: invalid size 'lots'"),
     ({"cache-size": ["8G"]}, "cache-size: want a string or a number, not ['8G']"),
     ({"no-hotlist": "yes"}, "no-hotlist: want true or false, not 'yes'"),
-    ({"data-path": "fast"}, "data-path: 'fast' is not one of auto, erofs, loop, tree"),
+    ({"data-path": "fast"}, "data-path: 'fast' is not one of auto, fanotify, erofs, loop, tree"),
     ({"streams": 0}, "streams: must be at least 1, not 0"),
     ({"converter-key": [{"path": "x"}]}, "converter-key: want a string or a number (or a list of them)"),
     (["store", "file:///s"], "holds list, not a JSON object of settings"),

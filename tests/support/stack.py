@@ -285,6 +285,8 @@ class Stack:
         if self.daemon is None:
             return
         pids = pids_mentioning(f"--root {self.daemon.root} ")
+        holders = set(pids_mentioning("datapath.event_holder"))  # it ignores SIGTERM by design: killed once the server is
+        pids, holders = [pid for pid in pids if pid not in holders], [pid for pid in pids if pid in holders]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -292,7 +294,7 @@ class Stack:
         while pids and time.monotonic() < deadline:
             pids = [pid for pid in pids if Path(f"/proc/{pid}").exists() and not is_zombie(pid)]
             time.sleep(0.1)
-        for pid in pids:
+        for pid in pids + holders:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

@@ -282,3 +282,44 @@ def test_events_parse_with_their_range_and_a_deny_carries_only_an_errno_the_kern
     assert fanotify.deny(errno.EIO) == 2 | (errno.EIO << 24)
     with pytest.raises(ValueError, match="ENOENT"):
         fanotify.deny(errno.ENOENT)
+
+
+def test_the_prefetch_writes_hot_blocks_into_the_blob_and_the_last_one_unmarks_it(converted: Any, tmp_path: Path) -> None:
+    """The hot-list warmer's target on this path (``BlobTarget``): each block at its blob offset, in the fill
+    map, and the blob unmarked once every block a file addresses is there (reads then raise no event)."""
+    from bootseer.blockstore.datapath import fanotify
+    from bootseer.blockstore.datapath.local_blobs import LocalBlob
+    from bootseer.blockstore.objects.erofs_image import build_image
+    from bootseer.hotlist.format import HotBlock, ResolvedBlock
+    from bootseer.hotlist.warm import BlobTarget, PageCacheWarmer
+    from tests.support.trees import read_block
+
+    store, built = converted
+    index = built.index
+    image = tmp_path / "image"
+    image.write_bytes(build_image(index))  # no inline data: every file's blocks are addressed
+    group = fanotify.init_group()
+    try:
+        blob = LocalBlob(tmp_path, built.record.index, index, None, group, image)
+        blob.mark()
+        assert blob.marked and blob.missing_count == len(index.blocks) - blob.filled.count(2) > 0
+        warmer = PageCacheWarmer({"layer": index}, {"layer": BlobTarget(blob)}, set())
+        assert warmer.wants_bytes("layer")
+        order = sorted(range(len(index.blocks)), key=lambda ref: -ref)  # the hot list's order: any
+        resolved = [ResolvedBlock("layer", ref, HotBlock("layer", index.blocks[ref].digest, "", 0, 0, 0, 0.0)) for ref in order]
+        half = len(resolved) // 2
+        data = [read_block(store, index, block.ref) for block in resolved]
+        assert warmer.warm("layer", resolved[:half], data[:half]) == sum(map(len, data[:half]))
+        assert blob.marked and blob.missing_count > 0  # (not read here: nothing answers this group's events)
+        warmer.warm("layer", resolved[half:], data[half:])
+        assert blob.complete and not blob.marked
+        with open(blob.path, "rb") as written:  # unmarked: an ordinary read, no one answers events any more
+            for block, payload in zip(resolved, data):
+                written.seek(index.blob_offset(block.ref))
+                assert written.read(len(payload)) == payload
+        on_disk = (tmp_path / f"{built.record.index}.filled").read_bytes()[-len(index.blocks):]
+        assert set(on_disk) <= {1, 2} and on_disk.count(1) == len(index.blocks) - blob.filled.count(2)
+        blob.close(remove=True)
+        assert not blob.path.exists()
+    finally:
+        os.close(group)

@@ -1,7 +1,8 @@
-"""The EROFS data path under a real containerd: ``bootseer-snapshotter --data-path erofs``.
+"""The EROFS data paths under a real containerd: ``bootseer-snapshotter --data-path erofs`` and ``fanotify``.
 
 The image is pulled lazily (``bootseer rpull``) and run; every layer is an EROFS mount
-under the layer server's ``ROOT/layers/lower/`` over its FUSE blob.  Containers still run
+under the layer server's ``ROOT/layers/lower/`` over its FUSE blob (``erofs``) or its local
+blob filled on fanotify events (``fanotify``, which keeps the mounts across a killed server).  Containers still run
 with the right contents after the daemon restarts and after the layer server is killed
 (it comes back at the same lower dirs); containerd's GC removes the snapshots and leaves
 no EROFS mount and no image behind.
@@ -40,14 +41,14 @@ def erofs_mounts(under: Path) -> list[str]:
     return sorted(head.split()[4] for head, tail in rows if tail.split()[0] == "erofs" and head.split()[4].startswith(prefix))
 
 
-@pytest.fixture
-def on_erofs(stacks) -> Stack:
-    """A started stack with a local store whose layer server serves every layer on the erofs path."""
-    return stacks(daemon_args=["--data-path", "erofs"])
+@pytest.fixture(params=["erofs", "fanotify"])
+def on_erofs(stacks, request) -> tuple[Stack, str]:
+    """A started stack with a local store whose layer server serves every layer on an EROFS path; the path."""
+    return stacks(daemon_args=["--data-path", request.param]), request.param
 
 
-def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount(on_erofs: Stack) -> None:
-    stack = on_erofs
+def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount(on_erofs: tuple[Stack, str]) -> None:
+    stack, path = on_erofs
     image, ref = stack.build_and_push(name="bootseer/erofs", layers=lazy_layers())
     convert(stack, ref)
     out = rpull(stack, ref)
@@ -57,7 +58,7 @@ def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount
     status = layer_server(stack).status()
     lowers = sorted(row["lower_dir"] for row in status["layers"])
     root = stack.daemon.root
-    assert status["data_path"]["path"] == "erofs" and {row["data_path"] for row in status["layers"]} == {"erofs"}
+    assert status["data_path"]["path"] == path and {row["data_path"] for row in status["layers"]} == {path}
     assert erofs_mounts(root) == lowers and all(lower.startswith(str(root / "layers/lower/")) for lower in lowers)
     assert stack.run_container(ref, "first", "sh", "-c", SCRIPT).splitlines() == expected()
 
@@ -68,8 +69,9 @@ def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount
     os.kill(pid, signal.SIGKILL)
     wait_for_component("the layer server to die", lambda: not Path(f"/proc/{pid}/cmdline").exists()
                        or Path(f"/proc/{pid}/cmdline").read_bytes() == b"", 30)  # fmt: skip
-    # The daemon's start finds the server gone and starts it; it mounts its layers again (the
-    # stale mounts' device was the dead session) at the same lower dirs, before it answers.
+    # The daemon's start finds the server gone and starts it; it mounts its layers again (erofs: the
+    # stale mounts' device was the dead session; fanotify: it takes the mounts over from the event
+    # holder) at the same lower dirs, before it answers.
     stack.restart_daemon(signal.SIGTERM)
     assert stack.run_container(ref, "after-server", "sh", "-c", SCRIPT).splitlines() == expected()
     status = layer_server(stack).status()
@@ -81,3 +83,6 @@ def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount
     wait_for_component("the layer server to unmount every layer", lambda: not layer_server(stack).status()["layers"], 60)
     assert erofs_mounts(root) == []
     assert os.listdir(root / "layers/erofs") == []
+    if path == "fanotify":
+        assert "took over the EROFS mount" in (root / "layers/server.log").read_text(errors="replace")
+        assert os.listdir(root / "cache/blobs") == []  # the last layer of an index takes its blob along

@@ -11,6 +11,7 @@ snapshotter starts it) and leaves no process or mount behind.  The layers are
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
@@ -43,7 +44,7 @@ from bootseer.blockstore.objects.format import pack_object
 from bootseer.blockstore.node.readahead import READAHEAD_INITIAL
 from tests.support.http import RangeHTTPServer
 from tests.support.processes import wait_process_gone
-from tests.support.waiting import free_port
+from tests.support.waiting import free_port, wait_until
 from tests.support.layer_store import BuiltLayer, build_store, stored_image
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layers import BigFile, Layer
@@ -230,7 +231,9 @@ def test_an_overlay_stack_equals_the_applied_layers(
     assert {"ro", "nosuid", "nodev", "allow_other"} <= set(entry.options)
 
 
-def test_what_a_running_overlay_sees_when_the_server_dies(node: Node, built: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("data_path", ["erofs", "tree"])
+def test_what_a_running_overlay_sees_when_the_server_dies(node_factory: Any, built: Any, tmp_path: Path, data_path: str) -> None:
+    node = node_factory(f"file://{built[0]}", data_path=data_path)
     client = node.ensure()
     lowers = [client.mount(layer.chain_id).lower_dir for layer in built[1]]
     merged = tmp_path / "merged"
@@ -246,6 +249,30 @@ def test_what_a_running_overlay_sees_when_the_server_dies(node: Node, built: Any
     again = tmp_path / "again"
     mount_overlay(node, list(reversed([client.check(layer.chain_id).lower_dir for layer in built[1]])), again)
     assert (again / "srv/big.bin").read_bytes() == rich_big_bin()
+
+
+def test_on_fanotify_a_running_overlay_waits_for_the_next_server_and_reads_right(node_factory: Any, built: Any,
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """The data path ``auto`` picks here: the mounts and the event holder outlive the server, so a read of
+    what was never read waits for the next server (killable) instead of failing, and gets the right bytes."""
+    node = node_factory(f"file://{built[0]}", data_path="fanotify")
+    client = node.ensure()
+    lowers = [client.mount(layer.chain_id).lower_dir for layer in built[1]]
+    merged = tmp_path / "merged"
+    mount_overlay(node, list(reversed(lowers)), merged)
+    assert (merged / "etc/hosts").read_bytes() == b"127.0.0.1 localhost\n"
+    node.stop(signal.SIGTERM)  # exits 0; the overlay's lowers stay mounted
+    reader = subprocess.Popen([sys.executable, "-c", "import hashlib, sys; "
+                               "print(hashlib.sha256(open(sys.argv[1], 'rb').read()).hexdigest())",
+                               str(merged / "srv/big.bin")], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_until("the read waits on the fanotify group", lambda: "fanotify" in Path(f"/proc/{reader.pid}/stack").read_text())
+        node.ensure()
+        out, _ = reader.communicate(timeout=60)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert reader.returncode == 0 and out.strip() == hashlib.sha256(rich_big_bin()).hexdigest()
 
 
 # -- fetching only what is read --------------------------------------------------------------------
@@ -402,7 +429,7 @@ def _inodes(lower: Path) -> dict[str, int]:
     return {p: os.lstat(lower / p).st_ino for p in ("", "srv", "srv/big.bin", "srv/big.link", "etc/hosts", "dev/null")}
 
 
-@pytest.mark.parametrize("data_path", ["erofs", "tree"])
+@pytest.mark.parametrize("data_path", ["fanotify", "erofs", "tree"])
 def test_restart_after_sigterm_and_sigkill_restores_slots_and_inodes(node_factory: Any, built: Any, data_path: str) -> None:
     node, client = on_data_path(node_factory, built, data_path)
     layers = built[1]

@@ -404,6 +404,17 @@ class FanotifyBlobs:
         await trio.to_thread.run_sync(lambda: blob.close(remove=remove))
         self._gauge()
 
+    async def forget_unclaimed(self) -> None:
+        """After the restore: the writers the holder kept for blobs no served layer took (a layer unmounted
+        as its server died) are closed and forgotten.  Their marks stay: a read of such a blob gets EIO."""
+        if self.link is None:
+            return
+        for name, writer in list(self.link.writers.items()):
+            log.warning("the event holder kept the writer of a blob no served layer has; forgetting it", index=name)
+            os.close(writer)
+            await self.link.forget(name)
+        self.link.writers.clear()
+
     def blob_of(self, index_name: str) -> LocalBlob | None:
         return self.blobs.get(index_name)
 

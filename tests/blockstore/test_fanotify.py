@@ -222,15 +222,22 @@ def test_sigkill_under_four_readers_twice_loses_no_read_and_serves_no_wrong_byte
     assert "took over the EROFS mount" in node.log()
 
 
-def test_a_stopped_server_keeps_the_holder_while_a_blob_has_holes_and_releases_it_when_none_has(
-    converted: Any, node_factory: Any
-) -> None:
+def _read_one(converted: Any, node_factory: Any, path: str) -> tuple[Any, Any, str, dict[str, str]]:
+    """A fanotify node with the layer mounted and ``path`` read through it: the node, its client, the lower dir,
+    and every file's expected SHA-256."""
     store, built = converted
     node = node_factory(f"file://{store}", data_path="fanotify")
     client = node.ensure()
     lower = client.mount(built.chain_id).lower_dir
     expected = _expected()
-    assert read_all(lower, ["small/s1.txt"]) == {"small/s1.txt": expected["small/s1.txt"]}
+    assert read_all(lower, [path]) == {path: expected[path]}
+    return node, client, lower, expected
+
+
+def test_a_stopped_server_keeps_the_holder_while_a_blob_has_holes_and_releases_it_when_none_has(
+    converted: Any, node_factory: Any
+) -> None:
+    node, client, lower, expected = _read_one(converted, node_factory, "small/s1.txt")
     node.stop(signal.SIGTERM)
     assert len(_holders(node)) == 1  # holes: the group must outlive the server
     assert mount_entry(Path(lower)) is not None
@@ -244,12 +251,7 @@ def test_a_stopped_server_keeps_the_holder_while_a_blob_has_holes_and_releases_i
 
 def test_with_its_holder_gone_too_a_restart_detaches_the_old_mounts_and_mounts_again(converted: Any, node_factory: Any) -> None:
     """The group died with the holder: the old mount's blob is no longer marked, so it is never used again."""
-    store, built = converted
-    node = node_factory(f"file://{store}", data_path="fanotify")
-    client = node.ensure()
-    lower = client.mount(built.chain_id).lower_dir
-    expected = _expected()
-    assert read_all(lower, ["data/file0.bin"]) == {"data/file0.bin": expected["data/file0.bin"]}
+    node, client, lower, expected = _read_one(converted, node_factory, "data/file0.bin")
     pid = node.pid()
     os.kill(pid, signal.SIGKILL)
     wait_until("the server is gone", lambda: pid not in layer_server_processes(node.root))

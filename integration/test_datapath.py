@@ -86,3 +86,59 @@ def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount
     if path == "fanotify":
         assert "took over the EROFS mount" in (root / "layers/server.log").read_text(errors="replace")
         assert os.listdir(root / "cache/blobs") == []  # the last layer of an index takes its blob along
+
+
+def _blocked_on_fanotify(needle: str) -> int:
+    """How many processes whose command line holds ``needle`` wait in the kernel on a fanotify answer."""
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle.encode() in (entry / "cmdline").read_bytes() and "fanotify" in (entry / "stack").read_text():
+                count += 1
+        except OSError:
+            continue
+    return count
+
+
+def test_four_containers_reading_while_the_layer_server_is_killed_get_every_byte_right(stacks) -> None:
+    """``auto`` (fanotify here): SIGKILL the layer server, then four containers read never-read files; their
+    reads wait, the daemon's restart brings a server back, and every byte they read is right."""
+    import threading
+
+    stack = stacks()
+    image, ref = stack.build_and_push(name="bootseer/failover", layers=lazy_layers())
+    convert(stack, ref)
+    rpull(stack, ref)
+    assert layer_server(stack).status()["data_path"]["path"] == "fanotify"
+    names = [f"reader{n}" for n in range(4)]
+    for name in names:
+        stack.start_container(ref, name, "sleep", "600")
+    pid = int(layer_server(stack).status()["pid"])
+    os.kill(pid, signal.SIGKILL)
+    wait_for_component("the layer server to die", lambda: not Path(f"/proc/{pid}/cmdline").exists()
+                       or Path(f"/proc/{pid}/cmdline").read_bytes() == b"", 30)  # fmt: skip
+    out: dict[str, str] = {}
+    errors: list[BaseException] = []
+
+    def read(number: int, name: str) -> None:
+        try:
+            out[name] = stack.exec(name, "sha256sum", part_path(2 * number), part_path(2 * number + 1), timeout=180)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    readers = [threading.Thread(target=read, args=(n, name)) for n, name in enumerate(names)]
+    for reader in readers:
+        reader.start()
+    wait_for_component("the four containers' reads to wait for a layer server",
+                       lambda: _blocked_on_fanotify("/data/parts/part") >= 4, 60)  # fmt: skip
+    stack.restart_daemon(signal.SIGTERM)  # its start finds the layer server gone and starts one
+    for reader in readers:
+        reader.join(timeout=240)
+    assert not errors, errors
+    for number, name in enumerate(names):
+        sums = [line.split()[0] for line in out[name].splitlines()]
+        assert sums == [hashlib.sha256(part_data(i)).hexdigest() for i in (2 * number, 2 * number + 1)], name
+    for name in names:
+        stack.remove_container(name)

@@ -404,16 +404,19 @@ class FanotifyBlobs:
         await trio.to_thread.run_sync(lambda: blob.close(remove=remove))
         self._gauge()
 
-    async def forget_unclaimed(self) -> None:
-        """After the restore: the writers the holder kept for blobs no served layer took (a layer unmounted
-        as its server died) are closed and forgotten.  Their marks stay: a read of such a blob gets EIO."""
+    async def forget_unclaimed(self, wanted: set[str]) -> None:
+        """After the restore: the writers the holder kept for blobs of no layer in the table (``wanted``: the
+        table's index names; a row whose restore failed keeps its writer for its retry) are closed and
+        forgotten, and their blobs deleted (a layer unmounted as its server died).  Their marks stay: a
+        read of such a blob through a mount still open gets EIO, never a zero."""
         if self.link is None:
             return
-        for name, writer in list(self.link.writers.items()):
-            log.warning("the event holder kept the writer of a blob no served layer has; forgetting it", index=name)
-            os.close(writer)
+        for name in [name for name in self.link.writers if name not in wanted]:
+            log.warning("the event holder kept the writer of a blob no layer has; forgetting it", index=name)
+            os.close(self.link.writers.pop(name))
             await self.link.forget(name)
-        self.link.writers.clear()
+            for suffix in (".blob", ".filled"):
+                (self.directory / f"{name}{suffix}").unlink(missing_ok=True)
 
     def blob_of(self, index_name: str) -> LocalBlob | None:
         return self.blobs.get(index_name)

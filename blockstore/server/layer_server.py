@@ -530,7 +530,7 @@ class LayerServer:
                 await self.layers.save()
         LAYERS.set(len(self.root.layers))
         if self.blobs is not None:
-            await self.blobs.forget_unclaimed()
+            await self.blobs.forget_unclaimed({layer.record.index for layer in self.layers.values()})
             self.blobs.ready.set()  # the events waiting (a killed server's too) find their blobs now
 
     async def detach_erofs(self) -> None:

@@ -233,6 +233,10 @@ class PageCacheWarmer:
                 raise ValueError("a blob target's warming writes the blocks' bytes: give them")
             target.blob.write([block.ref for block in blocks], data)
             done = sum(len(payload) for payload in data)
+            index = self._indexes[layer]
+            for block, payload in zip(blocks, data):  # what resident() asks the blob's page cache about
+                where = Placement(str(target.blob.path), 0, index.blob_offset(block.ref), len(payload))
+                self.stored.setdefault((layer, block.hot.digest), []).append(where)
         elif isinstance(target, ErofsTarget):
             done = self._read_through(layer, target, blocks)
         else:

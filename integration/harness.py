@@ -104,11 +104,18 @@ def layer_server(stack: Stack):
 
 def served_data_path(requested: str) -> str:
     """The data path a layer server given ``--data-path requested`` serves by on this machine: what the
-    kernel offers for ``auto`` (EROFS file-backed: the stacks live on the root filesystem, not tmpfs)."""
+    kernel offers for ``auto`` (the stacks live on the root filesystem, not tmpfs: fanotify where the kernel
+    has pre-content events and that filesystem takes their marks, else EROFS file-backed)."""
+    import tempfile
+
+    from bootseer.blockstore.datapath.fanotify import unsupported
+
     if requested != "auto":
         return requested
     with open("/proc/filesystems") as listing:
-        return "erofs" if any(line.split()[-1:] == ["erofs"] for line in listing) else "tree"
+        if not any(line.split()[-1:] == ["erofs"] for line in listing):
+            return "tree"
+    return "fanotify" if unsupported(Path(tempfile.gettempdir())) is None else "erofs"
 
 
 def assert_served_on(stack: Stack, requested: str) -> None:

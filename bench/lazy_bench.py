@@ -24,10 +24,15 @@ One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
 
    each BootSeer scenario once per node data path of ``--data-paths`` (``erofs,tree``:
    the layer server's EROFS mounts over FUSE blob files, or its per-file FUSE tree;
-   ``--data-path`` is passed to the daemon and the layer server when they take it),
-   against the same overlayfs baselines; per start, the FUSE requests by operation
-   (the layer server's Prometheus counters, before and after) and the page cache's
-   growth (file pages in ``/proc/meminfo``, after minus before);
+   ``fanotify``: EROFS mounts over local sparse blobs filled on fanotify pre-access
+   events, issue 25; ``--data-path`` is passed to the daemon and the layer server when
+   they take it), against the same overlayfs baselines; per start, the userspace
+   requests its reads made (FUSE requests by operation and fanotify events by outcome:
+   the layer server's Prometheus counters, before and after), the layer server's CPU
+   seconds (its ``process_cpu_seconds_total``, before and after) and, on ``fanotify``,
+   its event holder's (``/proc/PID/stat``), the blobs complete after the start (its
+   ``status``), and the page cache's growth (file pages in ``/proc/meminfo``, after
+   minus before);
 
    each from the start of the pull (or run) to the marker line on the container's
    stdout, with the bytes that crossed the link (the host end's interface counters)
@@ -50,7 +55,9 @@ One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
    cold <= 0.45x overlayfs cold; bytes fetched <= 2x bytes read; lazy local <= 1.15x
    overlayfs local; hot cold <= 1.25x its floor and <= 0.25x overlayfs cold; FUSE
    requests per start <= 1/10 of the tree path's; page-cache growth <= 2x overlayfs's for
-   the same start) to ``--output`` (bench/results/lazy.md).
+   the same start; on ``fanotify``, issue 25's: lazy local <= 1.15x overlayfs local, hot cold
+   <= 1.3x its floor, 0 userspace requests for the bytes of a complete blob) to ``--output``
+   (bench/results/lazy.md).
 
 Everything it starts (namespace, veth pair, registry, nginx, containerd, daemons, the
 layer server, mounts) is torn down at the end, on failure and on Ctrl-C / SIGTERM.
@@ -79,13 +86,13 @@ from bench.common import (
 from bench.lazy_report import report
 from bench.lazy_scenarios import (
     DATA_PATHS, IMAGE_SOURCES, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, Run, Scenario, base_name, named,
-    run_fuse_requests, split_variant, variant,
+    run_fanotify_events, run_fuse_requests, run_userspace_events, split_variant, variant,
 )
 from bench.node import (
     chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, published_hot_list,
     recording_finished,
 )
-from bench.nodestats import file_pages
+from bench.nodestats import cpu_seconds, file_pages
 from bootseer.units import parse_size
 from bench.nodestats import scrape_metrics as _scrape
 from tests.support import netns
@@ -285,9 +292,19 @@ def control_socket(stack: Stack) -> Path:
 
 
 def lazy_node_figures(stack: Stack) -> dict[str, float]:
-    """The layer server's ``status`` figures and its Prometheus metrics, on a lazy node."""
+    """The layer server's ``status`` figures and its Prometheus metrics, on a lazy node, and the CPU time of
+    the node's event holder (``holder.cpu_seconds``) when the ``fanotify`` path runs one."""
     return {**layer_server_figures(control_socket(stack)),
-            **scrape_metrics(getattr(stack, "layer_server_metrics_url", None))}
+            **scrape_metrics(getattr(stack, "layer_server_metrics_url", None)),
+            **event_holder_figures(stack.daemon.root)}
+
+
+def event_holder_figures(root: Path) -> dict[str, float]:
+    """CPU seconds of the event holder of the layer server of ``root`` (``bootseer.blockstore.datapath.event_holder
+    --root ROOT``: the process that reads the fanotify group and hands each event to the server); none without one."""
+    seconds = [cpu_seconds(pid) for pid in pids_mentioning(f"event_holder --root {root} ")]
+    found = [value for value in seconds if value is not None]
+    return {"holder.cpu_seconds": sum(found)} if found else {}
 
 
 def layer_server_figures(socket_path: Path) -> dict[str, float]:
@@ -313,6 +330,7 @@ def layer_server_figures(socket_path: Path) -> dict[str, float]:
     for store in status.get("stores", {}).values():
         add("store", store)
     add("cache", status.get("cache", {}))
+    add("fanotify", status.get("fanotify", {}))  # the fanotify path's blobs (levels) and events answered
     figures["layers"] = len(status.get("layers", []))
     return figures
 
@@ -323,7 +341,9 @@ def scrape_metrics(url: str | None) -> dict[str, float]:
 
 
 #: Figures that are levels, not counters: reported as they are after the run, not as a difference.
-LEVELS = {"cache.max_bytes", "layers", "store.in_flight"}
+LEVELS = {"cache.max_bytes", "layers", "store.in_flight", "fanotify.blobs", "fanotify.complete",
+          "fanotify.missing_blocks", "fanotify.pending", "fanotify.local_blobs.complete",
+          "fanotify.local_blobs.partial"}
 
 
 def diff_figures(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -496,6 +516,18 @@ def timed_start(stack: Stack, link: netns.ShapedLink, ref: str, name: str, pull:
                page_cache_bytes=page_cache)
 
 
+def userspace_summary(run: Run) -> str:
+    """A log line's userspace figures of a lazy run: FUSE requests, fanotify events by outcome, CPU seconds."""
+    events = run_fanotify_events(run)
+    return (f", FUSE requests {sum(run_fuse_requests(run).values()):.0f}"
+            + (f", fanotify events {sum(events.values()):.0f} ("
+               + ", ".join(f"{outcome} {count:.0f}" for outcome, count in sorted(events.items())) + ")"
+               if events else "")
+            + f", userspace {run_userspace_events(run):.0f}"
+            + f", layer-server CPU {fmt(run.server.get('server.cpu_seconds'))} s"
+            + (f" + holder {run.server['holder.cpu_seconds']:.2f} s" if "holder.cpu_seconds" in run.server else ""))
+
+
 def _flag(name: str | None) -> str | None:
     """The ``--data-path`` of a scenario's variant (``erofs+built`` -> ``erofs``: the image source is the store's)."""
     return split_variant(name)[0] if name is not None else None
@@ -534,10 +566,9 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
                 scenario.runs.append(run)
                 extra = "".join(f", {k}={v / MB:.1f} MB" for k, v in run.server.items()
                                 if k.endswith("bytes") or k.endswith("bytes_fetched"))
-                requests = run_fuse_requests(run)
                 log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
                     f"link {run.link_bytes / MB:7.1f} MB, page cache +{run.page_cache_bytes / MB:.0f} MB"
-                    + (f", FUSE requests {sum(requests.values()):.0f}" if lazy else "") + extra)
+                    + (userspace_summary(run) if lazy else "") + extra)
     except (BenchError, HarnessError) as e:
         for scenario in (cold, local, warm):
             scenario.errors.append(f"run {rep}: node did not start: {e}")
@@ -597,7 +628,7 @@ def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot
     scenario.runs.append(run)
     pf = run.prefetch
     log(f"  {scenario.name:14} run {rep}: {run.seconds:6.2f} s (pull {run.pull_seconds:5.2f} s), "
-        f"page cache +{run.page_cache_bytes / MB:.0f} MB, FUSE requests {sum(run_fuse_requests(run).values()):.0f}, "
+        f"page cache +{run.page_cache_bytes / MB:.0f} MB{userspace_summary(run)}, "
         f"link {run.link_bytes / MB:7.1f} MB; prefetch {fmt(pf.get('start_s'))}..{fmt(pf.get('end_s'))} s, "
         f"{pf.get('fetched_bytes', 0) / MB:.1f} MB, hits {pf.get('hits', 0):.0f}, waited {pf.get('waited', 0):.0f}, "
         f"misses {pf.get('misses', 0):.0f}")

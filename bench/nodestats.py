@@ -1,13 +1,17 @@
-"""What a start cost a node besides time, shared by the benchmarks: page-cache growth, the layer server's metrics.
+"""What a start cost a node besides time, shared by the benchmarks: page-cache growth, the layer server's metrics, CPU.
 
 :func:`file_pages` is the page cache's file pages now (take it before and after a start);
 :func:`scrape_metrics` reads a layer server's Prometheus page into flat figures
-(``fuse.requests.lookup``: the FUSE requests by operation), and :func:`fuse_requests`
-picks those out of the difference of two scrapes.
+(``fuse.requests.lookup``: the FUSE requests by operation; ``fanotify.events.filled``: the
+``fanotify`` data path's pre-access events by outcome; ``server.cpu_seconds``: the process's
+CPU time), and :func:`fuse_requests` and :func:`fanotify_events` pick the userspace requests
+out of the difference of two scrapes.  :func:`cpu_seconds` is a process's CPU time from
+``/proc`` (for a process with no metrics page: the ``fanotify`` path's event holder).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import urllib.request
 from pathlib import Path
@@ -29,8 +33,15 @@ FUSE_SERIES = {
     "bootseer_hotlist_prefetch_unread_bytes_total": ("hotlist.prefetch_unread_bytes",),
     "bootseer_hotlist_recordings_total": ("hotlist.recordings", "outcome"),
     "bootseer_hotlist_ignored_total": ("hotlist.ignored", "reason"),
+    # The fanotify data path (issue 25): userspace events by outcome, their fill time, the blobs by state.
+    "bootseer_fanotify_events_total": ("fanotify.events", "outcome"),
+    "bootseer_fanotify_fill_seconds_sum": ("fanotify.fill_seconds",),
+    "bootseer_local_blobs": ("fanotify.local_blobs", "state"),
+    # prometheus_client's process collector: the layer server's user + system CPU time.
+    "process_cpu_seconds_total": ("server.cpu_seconds",),
 }
 _FUSE_REQUESTS = "fuse.requests."
+_FANOTIFY_EVENTS = "fanotify.events."
 
 
 def file_pages() -> int:
@@ -75,7 +86,27 @@ def scrape_metrics(url: str | None, log=print) -> dict[str, float]:
     return figures
 
 
+def _keyed(figures: dict[str, float], prefix: str) -> dict[str, float]:
+    """The figures named ``prefix`` + a label's value, by that value, none that are 0."""
+    return {key[len(prefix):]: value for key, value in figures.items() if key.startswith(prefix) and value}
+
+
 def fuse_requests(figures: dict[str, float]) -> dict[str, float]:
     """The FUSE requests by operation among ``figures`` (as :func:`scrape_metrics` names them), none that are 0."""
-    return {key[len(_FUSE_REQUESTS):]: value for key, value in figures.items()
-            if key.startswith(_FUSE_REQUESTS) and value}
+    return _keyed(figures, _FUSE_REQUESTS)
+
+
+def fanotify_events(figures: dict[str, float]) -> dict[str, float]:
+    """The ``fanotify`` path's pre-access events by outcome (present, filled, denied, unknown) among ``figures``,
+    none that are 0: each one a userspace round trip, as a FUSE request is."""
+    return _keyed(figures, _FANOTIFY_EVENTS)
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/PID/stat`` utime + stime); None when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -2,7 +2,8 @@
 
 :func:`report` turns the :class:`~bench.lazy_scenarios.Scenario` runs that :mod:`bench.lazy_bench` measured
 into the page it writes to ``--output``: the machine and image, one table of medians and ratios to the
-baseline measured in the same run, the sections of the modes that ran (hot lists, data paths, containerds),
+baseline measured in the same run, the sections of the modes that ran (hot lists, data paths with their
+userspace requests and CPU seconds, containerds),
 and one check line per target of :mod:`bench.lazy_scenarios`.  It measures nothing.
 """
 

@@ -50,6 +50,7 @@ import trio
 from bootseer.blockstore.datapath import fanotify
 from bootseer.blockstore.datapath.erofs_check import addressed_chunks
 from bootseer.blockstore.datapath.event_holder import (
+    ANSWERED,
     DONE,
     EVENT,
     EVENTS,
@@ -138,7 +139,7 @@ class LocalBlob:
             raise
         assert writer is not None
         self.writer = writer
-        self._map = map_fd
+        self.map_fd = map_fd  #: the fill map (the event holder maps it too)
         self.filled = filled
         self.missing_count = filled.count(0)
         stat = os.fstat(writer)
@@ -175,7 +176,7 @@ class LocalBlob:
                 if not state and ref not in addressed:
                     self.filled[ref] = UNREAD
                     self.missing_count -= 1
-            os.pwrite(self._map, bytes(self.filled), _MAP_HEADER.size)  # behind the blob at worst, never ahead
+            os.pwrite(self.map_fd, bytes(self.filled), _MAP_HEADER.size)  # behind the blob at worst, never ahead
         return self._complete_if_whole()
 
     def write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
@@ -185,7 +186,7 @@ class LocalBlob:
             if self.filled[ref]:
                 continue
             os.pwrite(self.writer, block, self.index.blob_offset(ref))
-            os.pwrite(self._map, b"\x01", _MAP_HEADER.size + ref)
+            os.pwrite(self.map_fd, b"\x01", _MAP_HEADER.size + ref)
             with self._lock:
                 if not self.filled[ref]:
                     self.filled[ref] = FILLED
@@ -215,7 +216,7 @@ class LocalBlob:
             self.marked = False
         self.closed = True
         os.close(self.writer)
-        os.close(self._map)
+        os.close(self.map_fd)
         if remove:
             self.path.unlink(missing_ok=True)
             self.map_path.unlink(missing_ok=True)
@@ -273,8 +274,10 @@ class HolderLink:
         for start in range(0, len(numbers), 1000):
             await self._send(DONE + struct.pack(f"<{len(numbers[start:start + 1000])}i", *numbers[start : start + 1000]))
 
-    async def keep(self, name: str, writer: int) -> None:
-        await self._send(KEEP + name.encode(), [writer])
+    async def keep(self, name: str, writer: int, fill_map: int) -> None:
+        """The holder keeps blob ``name``'s writer (for the next server) and its fill map (to answer itself
+        the events whose blocks are all on disk)."""
+        await self._send(KEEP + name.encode(), [writer, fill_map])
 
     async def forget(self, name: str) -> None:
         await self._send(FORGET + name.encode())
@@ -282,18 +285,20 @@ class HolderLink:
     async def release(self) -> None:
         await self._send(RELEASE)
 
-    async def events(self) -> tuple[list[tuple[int, fanotify.Event]], bool]:
-        """The next batch of events (holder's number, event with this process's descriptor); False: the holder is gone."""
+    async def events(self) -> tuple[list[tuple[int, fanotify.Event]], bool, int | None]:
+        """The next batch of events (holder's number, event with this process's descriptor); False: the holder
+        is gone; and the count of events the holder answered itself, when this message is that count."""
         data, ancillary, _flags, _ = await self.sock.recvmsg(MESSAGE_SIZE, socket.CMSG_SPACE(4 * 64))
         fds = received_fds(ancillary)
         if not data or data[:1] != EVENTS:
             for fd in fds:
                 os.close(fd)
-            return [], bool(data)
+            answered = struct.unpack("<Q", data[1:9])[0] if data[:1] == ANSWERED and len(data) >= 9 else None
+            return [], bool(data), answered
         out = []
         for position, (number, pid, offset, count) in enumerate(EVENT.iter_unpack(data[1 : 1 + EVENT.size * len(fds)])):
             out.append((number, fanotify.Event(fds[position], pid, offset, count)))
-        return out, True
+        return out, True, None
 
 
 async def _connect(path: Path) -> trio.socket.SocketType | None:
@@ -336,6 +341,7 @@ class FanotifyStatistics:
     missing_blocks: int  #: blocks not yet on disk, all blobs together
     pending: int  #: events being answered now
     answered: int  #: events answered by this server
+    answered_by_holder: int  #: events the event holder answered itself (every block on disk), since it started
     holder_adopted: bool  #: the group outlived a server: this one took it over
 
 
@@ -355,6 +361,7 @@ class FanotifyBlobs:
         self._have_answered = trio.Event()
         self._pending = 0
         self._answered_total = 0
+        self._holder_answered = 0
         #: Set once the layers are restored: events before that wait (a restart's pending ones included).
         self.ready = trio.Event()
 
@@ -375,6 +382,7 @@ class FanotifyBlobs:
             missing_blocks=sum(blob.missing_count for blob in self.blobs.values()),
             pending=self._pending,
             answered=self._answered_total,
+            answered_by_holder=self._holder_answered,
             holder_adopted=bool(self.link and self.link.adopted),
         )
 
@@ -397,10 +405,10 @@ class FanotifyBlobs:
                 return made
 
             blob = await trio.to_thread.run_sync(make)
+            if writer is None:  # a new writer: the holder keeps it, and the fill map it answers from (it kept both else)
+                await self.link.keep(index_name, blob.writer, blob.map_fd)
             assert self._nursery is not None
             self._nursery.start_soon(self._note_unread, blob, image)
-            if writer is None:
-                await self.link.keep(index_name, blob.writer)
             self.blobs[index_name] = blob
             self._by_inode[blob.inode] = blob
             self._gauge()
@@ -477,10 +485,13 @@ class FanotifyBlobs:
         assert self.link is not None
         async with trio.open_nursery() as nursery:
             while True:
-                batch, alive = await self.link.events()
+                batch, alive, answered = await self.link.events()
                 if not alive:
                     log.error("the event holder is gone: reads of blobs with holes now fail or wait; restart the layer server")
                     return
+                if answered is not None:  # the holder's own answers (present), counted with ours
+                    EVENT_OUTCOMES.labels("present").inc(max(0, answered - self._holder_answered))
+                    self._holder_answered = answered
                 for number, event in batch:
                     self._pending += 1
                     nursery.start_soon(self._answer, number, event)

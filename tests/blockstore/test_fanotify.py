@@ -126,6 +126,13 @@ def test_a_layer_reads_back_byte_for_byte_from_a_blob_filled_on_events_then_unma
     assert counted["filled"] > 0 and counted["denied"] == 0 and counted["unknown"] == 0
     stats = client.status()["fanotify"]
     assert stats["blobs"] == 1 and stats["complete"] == 0 and 0 < stats["missing_blocks"] < len(built.index.blocks)
+    # Read again with the page cache dropped: every block is on disk, so the event holder answers each
+    # event itself (from the fill map), and the server sees none.
+    drop_caches()
+    assert read_all(lower, half) == {path: expected[path] for path in half}
+    again = wait_until("the holder's count reaches the server", lambda: (s := client.status()["fanotify"])["answered_by_holder"] and s)
+    assert again["answered"] == stats["answered"] and again["missing_blocks"] == stats["missing_blocks"]
+    assert events(port)["present"] >= again["answered_by_holder"] > 0
     # The rest: every block of the layer is then on disk, and the blob loses its mark.
     assert read_all(lower, sorted(expected)) == expected
     wait_until("the blob is complete", lambda: client.status()["fanotify"]["complete"] == 1)

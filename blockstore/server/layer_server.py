@@ -211,7 +211,7 @@ class LayerServer:
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
         #: The local blobs the EROFS mounts read on the ``fanotify`` path, filled on the kernel's events (else None).
-        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._block_threads, self._addressed) \
+        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._addressed) \
             if self.data_path.path == "fanotify" and self.erofs is not None else None  # fmt: skip
         #: Block sharing with the peer group (None: off).
         self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads,

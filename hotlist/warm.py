@@ -190,6 +190,8 @@ class PageCacheWarmer:
         self._looked_up: set[str] = set()
         #: (layer, digest) -> where its bytes were stored, for :meth:`resident`
         self.stored: dict[tuple[str, str], list[Placement]] = {}
+        #: The local blobs warmed (by path): mapped through their writers (see :func:`cached_ranges`).
+        self._blobs: dict[str, LocalBlob] = {}
         self.enabled = True
         self.stored_bytes = 0
         self.skipped = 0
@@ -234,6 +236,7 @@ class PageCacheWarmer:
             target.blob.write([block.ref for block in blocks], data)
             done = sum(len(payload) for payload in data)
             index = self._indexes[layer]
+            self._blobs[str(target.blob.path)] = target.blob
             for block, payload in zip(blocks, data):  # what resident() asks the blob's page cache about
                 where = Placement(str(target.blob.path), 0, index.blob_offset(block.ref), len(payload))
                 self.stored.setdefault((layer, block.hot.digest), []).append(where)
@@ -307,8 +310,12 @@ class PageCacheWarmer:
                 by_path.setdefault(place.path, []).append((key, place))
         found: set[tuple[str, str]] = set()
         for path, items in by_path.items():
+            blob = self._blobs.get(path)
+            if blob is not None and blob.closed:
+                continue  # its layer is gone: nothing to ask
             try:
-                cached = cached_ranges(path, [(p.offset, p.length) for _key, p in items])
+                cached = cached_ranges(path, [(p.offset, p.length) for _key, p in items],
+                                       opened=blob.writer if blob is not None else None)  # fmt: skip
             except OSError as exc:
                 log.debug("cannot tell which warmed pages are still cached", path=path, error=str(exc))
                 continue
@@ -341,15 +348,18 @@ _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def cached_ranges(path: str, ranges: Iterable[tuple[int, int]]) -> list[bool]:
+def cached_ranges(path: str, ranges: Iterable[tuple[int, int]], *, opened: int | None = None) -> list[bool]:
     """Blocking: for each (offset, length) of file ``path``, whether all its pages are in the page cache.
 
     ``mincore(2)`` of a shared read-only mapping: the kernel answers from the file's page
     cache, reading and faulting nothing (the mapping is never touched).  For a file that
     is not the caller's, the kernel answers only to its owner or a writer (root here).
+    ``opened``: map this descriptor of the file instead of opening ``path``.  A local blob
+    must be mapped through its writer: the kernel raises a pre-access event for the whole
+    mapped range of a marked file, and the writer was opened before the mark (no events).
     """
     ranges = list(ranges)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) if opened is None else os.dup(opened)
     try:
         pages = -(-os.fstat(fd).st_size // PAGE_SIZE)
         # Only the pages the ranges span are mapped and asked about (a blob may be many GiB).

@@ -104,8 +104,7 @@ class LocalBlob:
     Made by :meth:`FanotifyBlobs.open`; every method that touches the disk blocks (worker threads).
     """
 
-    def __init__(self, directory: Path, index_name: str, index: LayerIndex, writer: int | None, group: int,
-                 image: Path) -> None:  # fmt: skip
+    def __init__(self, directory: Path, index_name: str, index: LayerIndex, writer: int | None, group: int) -> None:
         self.name = index_name
         self.index = index
         self.path = directory / f"{index_name}.blob"
@@ -126,11 +125,6 @@ class LocalBlob:
             elif adopted:
                 raise OSError(errno.EUCLEAN, f"the fill map {self.map_path} of a blob still marked is not this boot's")
             else:  # a new blob, or one of another boot: start it again, empty
-                # Blocks no file of the image addresses (their files' data is in the image) are never read:
-                # they never keep the blob from being whole.
-                addressed = addressed_chunks(image.read_bytes(), blob_size=index.blob_size, chunk_size=index.block_size,
-                                             max_inodes=len(index.entries))  # fmt: skip
-                filled = bytearray(UNREAD if ref not in addressed else 0 for ref in range(blocks))
                 os.ftruncate(map_fd, 0)
                 os.pwrite(map_fd, _MAP_HEADER.pack(_MAP_MAGIC, boot.encode(), blocks) + bytes(filled), 0)
                 with open(self.path, "wb"):
@@ -151,6 +145,7 @@ class LocalBlob:
         self.inode = (stat.st_dev, stat.st_ino)
         self.marked = adopted and self.missing_count > 0
         self._lock = threading.Lock()  #: event fills and the hot-list prefetch write from worker threads
+        self.closed = False
 
     @property
     def complete(self) -> bool:
@@ -166,6 +161,23 @@ class LocalBlob:
             fanotify.mark(self.group, self.writer)
             self.marked = True
 
+    def note_unread(self, image: Path) -> bool:
+        """Note the blocks no file of EROFS image ``image`` addresses (their files' data is in the image) as
+        never read: they never keep the blob from being whole.  True if that completed it.  Blocking (it
+        parses the image: run it off the mount's path); any thread; idempotent."""
+        index = self.index
+        addressed = addressed_chunks(image.read_bytes(), blob_size=index.blob_size, chunk_size=index.block_size,
+                                     max_inodes=len(index.entries))  # fmt: skip
+        with self._lock:
+            if self.closed:
+                return False
+            for ref, state in enumerate(self.filled):
+                if not state and ref not in addressed:
+                    self.filled[ref] = UNREAD
+                    self.missing_count -= 1
+            os.pwrite(self._map, bytes(self.filled), _MAP_HEADER.size)  # behind the blob at worst, never ahead
+        return self._complete_if_whole()
+
     def write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
         """Put verified blocks ``refs`` (``data``, each as stored) in the blob, then in the fill map; True if
         that completed the blob (its mark is then removed).  Blocking; any thread."""
@@ -178,6 +190,9 @@ class LocalBlob:
                 if not self.filled[ref]:
                     self.filled[ref] = FILLED
                     self.missing_count -= 1
+        return self._complete_if_whole()
+
+    def _complete_if_whole(self) -> bool:
         with self._lock:
             if not (self.complete and self.marked):
                 return False
@@ -198,6 +213,7 @@ class LocalBlob:
             except OSError:
                 pass
             self.marked = False
+        self.closed = True
         os.close(self.writer)
         os.close(self._map)
         if remove:
@@ -331,6 +347,7 @@ class FanotifyBlobs:
         self.directory = directory
         self._threads = threads
         self.link: HolderLink | None = None
+        self._nursery: trio.Nursery | None = None
         self.blobs: dict[str, LocalBlob] = {}  #: by index name
         self._by_inode: dict[tuple[int, int], LocalBlob] = {}
         self._filling: dict[tuple[str, int], trio.Event] = {}
@@ -346,6 +363,7 @@ class FanotifyBlobs:
         server (its marks and the EROFS mounts on them stand: keep them)."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.link = await HolderLink.connect(self.paths)
+        self._nursery = nursery
         nursery.start_soon(self._serve_events)
         nursery.start_soon(self._report_answered)
         return self.link.adopted
@@ -374,11 +392,13 @@ class FanotifyBlobs:
             writer = self.link.writers.pop(index_name, None)
 
             def make() -> LocalBlob:
-                made = LocalBlob(self.directory, index_name, tree.index, writer, self.link.group, image)  # type: ignore[union-attr]
+                made = LocalBlob(self.directory, index_name, tree.index, writer, self.link.group)  # type: ignore[union-attr]
                 made.mark()
                 return made
 
             blob = await trio.to_thread.run_sync(make)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._note_unread, blob, image)
             if writer is None:
                 await self.link.keep(index_name, blob.writer)
             self.blobs[index_name] = blob
@@ -387,6 +407,15 @@ class FanotifyBlobs:
         if tree not in blob.trees:
             blob.trees.append(tree)
         return blob.path
+
+    async def _note_unread(self, blob: LocalBlob, image: Path) -> None:
+        """:meth:`LocalBlob.note_unread` under the decode limiter, after the mount (a parse of the image)."""
+        try:
+            if await trio.to_thread.run_sync(blob.note_unread, image, limiter=self._threads):
+                self._gauge()
+        except (OSError, ValueError) as exc:  # an image refused here was refused before it was mounted
+            log.warning("cannot tell which blocks of a local blob its image addresses; it stays marked",
+                        index=blob.name, error=str(exc))  # fmt: skip
 
     async def close(self, index_name: str, tree: LayerTree, *, remove: bool) -> None:
         """``tree``'s layer no longer uses its blob; the last one closes it (``remove``: and deletes it)."""
@@ -504,6 +533,8 @@ class FanotifyBlobs:
         wanted = blob.missing(refs)
         if not wanted:
             return "present"
+        log.debug("filling blocks for a pre-access event", index=blob.name, offset=event.offset, count=event.count,
+                  blocks=len(wanted), pid=event.pid)  # fmt: skip
         waits, mine = [], []
         for ref in wanted:
             filling = self._filling.get((blob.name, ref))

@@ -102,13 +102,13 @@ class LayerReader:
         return _padded_slice(data, offset - start, end - start, self.index.block_size)
 
     async def blob_blocks(self, refs: Sequence[int]) -> list[bytes]:
-        """Blocks ``refs`` (ascending numbers in the index) as stored (each ``rlen`` bytes, verified), read
-        as a blob read of ``refs[0]`` .. ``refs[-1]`` is (read-ahead included): what a local blob is filled with."""
+        """Blocks ``refs`` (ascending numbers in the index) as stored (each ``rlen`` bytes, verified), and no
+        other, read ahead of the last as a blob read is: what a local blob is filled with."""
         if not refs:
             return []
-        first, last = refs[0], refs[-1]
-        data = await self._read_blocks(range(len(self.index.blocks)), first, last)
-        return [data[ref - first] for ref in refs]
+        if refs[-1] - refs[0] + 1 == len(refs):  # a run: the blob's own sequence, as read_blob reads it
+            return await self._read_blocks(range(len(self.index.blocks)), refs[0], refs[-1])
+        return await self._read_blocks(refs, 0, len(refs) - 1)  # only these, read ahead of the last
 
     async def _read_blocks(self, sequence: Sequence[int], first: int, last: int) -> list[bytes]:
         """Blocks ``sequence[first : last + 1]`` at DEMAND, reading ahead of ``sequence[last]`` on a miss.

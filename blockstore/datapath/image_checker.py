@@ -26,8 +26,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from bootseer.blockstore.datapath.erofs_check import ImageRefused, ImageSummary, check_image
+from bootseer.blockstore.datapath.erofs_check import ImageRefused, ImageSummary, addressed_chunks, check_image
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -68,6 +69,23 @@ def check_file(path: str, blob_size: int, chunk_size: int, max_inodes: int) -> I
                 mapped.close()
 
 
+def addressed_file(path: str, blob_size: int, chunk_size: int, max_inodes: int) -> list[int]:
+    """:func:`~bootseer.blockstore.datapath.erofs_check.addressed_chunks` of the image file at ``path`` (an image
+    checked already), mapped read-only; sorted.  Whatever goes wrong is an ImageRefused."""
+    with open(path, "rb") as file:
+        mapped = mmap.mmap(file.fileno(), os.fstat(file.fileno()).st_size, prot=mmap.PROT_READ)
+        try:
+            try:
+                return sorted(addressed_chunks(memoryview(mapped), blob_size=blob_size, chunk_size=chunk_size,
+                                               max_inodes=max_inodes))  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - its frames hold views of the mapping: keep only the words
+                refusal = f"{type(exc).__name__}: {exc}"
+            raise ImageRefused(refusal)
+        finally:
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+
 class CheckerProcess:
     """One worker process that runs :func:`check_image` (see the module's docstring)."""
 
@@ -98,8 +116,16 @@ class CheckerProcess:
         """:func:`check_image` of the image file ``image`` in the worker (:func:`check_file`); ImageRefused if
         it refuses the image, or the worker crashes or runs past the deadline on it (then a new worker takes
         the next check).  Nothing may write to ``image`` meanwhile."""
+        return self._call(check_file, image, check)
+
+    def addressed(self, image: Path, check: ImageCheck) -> list[int]:
+        """The chunks of the blob that the files of image ``image`` address (:func:`addressed_file`), in the
+        worker: a parse of the whole image, kept off the layer server's interpreter lock.  As :meth:`check`."""
+        return self._call(addressed_file, image, check)
+
+    def _call(self, function: Any, image: Path, check: ImageCheck) -> Any:
         pool = self._executor()
-        future = pool.submit(check_file, str(image), check.blob_size, check.chunk_size, check.max_inodes)
+        future = pool.submit(function, str(image), check.blob_size, check.chunk_size, check.max_inodes)
         try:
             return future.result(timeout=self.deadline)
         except FutureTimeout:
@@ -119,4 +145,4 @@ class CheckerProcess:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["CHECK_DEADLINE", "CheckerProcess", "ImageCheck", "check_file"]
+__all__ = ["CHECK_DEADLINE", "CheckerProcess", "ImageCheck", "addressed_file", "check_file"]

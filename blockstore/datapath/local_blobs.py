@@ -32,6 +32,7 @@ with that index is mounted and removed with the last one.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
 import struct
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,8 +49,8 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.datapath import fanotify
-from bootseer.blockstore.datapath.erofs_check import addressed_chunks
 from bootseer.blockstore.datapath.event_holder import (
+    ANSWERED,
     DONE,
     EVENT,
     EVENTS,
@@ -62,7 +63,7 @@ from bootseer.blockstore.datapath.event_holder import (
     WRITER,
     received_fds,
 )
-from bootseer.blockstore.objects.format import LayerIndex
+from bootseer.blockstore.objects.format import EntryType, LayerIndex
 from bootseer.log import get_logger
 from bootseer.paths import ServerPaths
 
@@ -104,7 +105,8 @@ class LocalBlob:
     Made by :meth:`FanotifyBlobs.open`; every method that touches the disk blocks (worker threads).
     """
 
-    def __init__(self, directory: Path, index_name: str, index: LayerIndex, writer: int | None, group: int) -> None:
+    def __init__(self, directory: Path, index_name: str, index: LayerIndex, writer: int | None, group: int,
+                 addressed: Callable[[], Collection[int]] | None = None) -> None:  # fmt: skip
         self.name = index_name
         self.index = index
         self.path = directory / f"{index_name}.blob"
@@ -138,7 +140,7 @@ class LocalBlob:
             raise
         assert writer is not None
         self.writer = writer
-        self._map = map_fd
+        self.map_fd = map_fd  #: the fill map (the event holder maps it too)
         self.filled = filled
         self.missing_count = filled.count(0)
         stat = os.fstat(writer)
@@ -146,6 +148,13 @@ class LocalBlob:
         self.marked = adopted and self.missing_count > 0
         self._lock = threading.Lock()  #: event fills and the hot-list prefetch write from worker threads
         self.closed = False
+        #: The blocks the image's files address (a parse of the image: asked only when the blob is nearly whole).
+        self._addressed = addressed
+        #: An upper bound of the blocks no file may address: those of one-block files that fit a block (their
+        #: data may be inline in the image).  Below it, the blob may be whole already: the image is asked.
+        self._maybe_unread = sum(1 for entry in index.entries if entry.type is EntryType.FILE and entry.link is None
+                                 and len(entry.blocks) == 1 and 0 < entry.size <= index.block_size)  # fmt: skip
+        self._noted = False
 
     @property
     def complete(self) -> bool:
@@ -161,13 +170,25 @@ class LocalBlob:
             fanotify.mark(self.group, self.writer)
             self.marked = True
 
-    def note_unread(self, image: Path) -> bool:
-        """Note the blocks no file of EROFS image ``image`` addresses (their files' data is in the image) as
-        never read: they never keep the blob from being whole.  True if that completed it.  Blocking (it
-        parses the image: run it off the mount's path); any thread; idempotent."""
-        index = self.index
-        addressed = addressed_chunks(image.read_bytes(), blob_size=index.blob_size, chunk_size=index.block_size,
-                                     max_inodes=len(index.entries))  # fmt: skip
+    def note_unread_if_near(self) -> bool:
+        """Ask the image which blocks its files address, once, when the blob may be whole but for blocks no file
+        reads (:meth:`note_unread`); True if that completed it.  Blocking; any thread."""
+        if self._noted or self._addressed is None or self.missing_count > self._maybe_unread or self.closed:
+            return False
+        self._noted = True
+        try:
+            addressed = self._addressed()
+        except (OSError, ValueError) as exc:  # refused now, but it was checked before it was mounted: stay marked
+            log.warning("cannot tell which blocks of a local blob its image addresses; it stays marked",
+                        index=self.name, error=str(exc))  # fmt: skip
+            return False
+        return self.note_unread(addressed)
+
+    def note_unread(self, addressed: Collection[int]) -> bool:
+        """Note the blocks that no file of the EROFS image addresses (``addressed``: those it does; the others'
+        files have their data in the image) as never read: they never keep the blob from being whole.  True
+        if that completed it.  Blocking; any thread; idempotent."""
+        addressed = set(addressed)
         with self._lock:
             if self.closed:
                 return False
@@ -175,7 +196,7 @@ class LocalBlob:
                 if not state and ref not in addressed:
                     self.filled[ref] = UNREAD
                     self.missing_count -= 1
-            os.pwrite(self._map, bytes(self.filled), _MAP_HEADER.size)  # behind the blob at worst, never ahead
+            os.pwrite(self.map_fd, bytes(self.filled), _MAP_HEADER.size)  # behind the blob at worst, never ahead
         return self._complete_if_whole()
 
     def write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
@@ -185,12 +206,12 @@ class LocalBlob:
             if self.filled[ref]:
                 continue
             os.pwrite(self.writer, block, self.index.blob_offset(ref))
-            os.pwrite(self._map, b"\x01", _MAP_HEADER.size + ref)
+            os.pwrite(self.map_fd, b"\x01", _MAP_HEADER.size + ref)
             with self._lock:
                 if not self.filled[ref]:
                     self.filled[ref] = FILLED
                     self.missing_count -= 1
-        return self._complete_if_whole()
+        return self.note_unread_if_near() or self._complete_if_whole()
 
     def _complete_if_whole(self) -> bool:
         with self._lock:
@@ -215,7 +236,7 @@ class LocalBlob:
             self.marked = False
         self.closed = True
         os.close(self.writer)
-        os.close(self._map)
+        os.close(self.map_fd)
         if remove:
             self.path.unlink(missing_ok=True)
             self.map_path.unlink(missing_ok=True)
@@ -273,8 +294,10 @@ class HolderLink:
         for start in range(0, len(numbers), 1000):
             await self._send(DONE + struct.pack(f"<{len(numbers[start:start + 1000])}i", *numbers[start : start + 1000]))
 
-    async def keep(self, name: str, writer: int) -> None:
-        await self._send(KEEP + name.encode(), [writer])
+    async def keep(self, name: str, writer: int, fill_map: int) -> None:
+        """The holder keeps blob ``name``'s writer (for the next server) and its fill map (to answer itself
+        the events whose blocks are all on disk)."""
+        await self._send(KEEP + name.encode(), [writer, fill_map])
 
     async def forget(self, name: str) -> None:
         await self._send(FORGET + name.encode())
@@ -282,18 +305,20 @@ class HolderLink:
     async def release(self) -> None:
         await self._send(RELEASE)
 
-    async def events(self) -> tuple[list[tuple[int, fanotify.Event]], bool]:
-        """The next batch of events (holder's number, event with this process's descriptor); False: the holder is gone."""
+    async def events(self) -> tuple[list[tuple[int, fanotify.Event]], bool, int | None]:
+        """The next batch of events (holder's number, event with this process's descriptor); False: the holder
+        is gone; and the count of events the holder answered itself, when this message is that count."""
         data, ancillary, _flags, _ = await self.sock.recvmsg(MESSAGE_SIZE, socket.CMSG_SPACE(4 * 64))
         fds = received_fds(ancillary)
         if not data or data[:1] != EVENTS:
             for fd in fds:
                 os.close(fd)
-            return [], bool(data)
+            answered = struct.unpack("<Q", data[1:9])[0] if data[:1] == ANSWERED and len(data) >= 9 else None
+            return [], bool(data), answered
         out = []
         for position, (number, pid, offset, count) in enumerate(EVENT.iter_unpack(data[1 : 1 + EVENT.size * len(fds)])):
             out.append((number, fanotify.Event(fds[position], pid, offset, count)))
-        return out, True
+        return out, True, None
 
 
 async def _connect(path: Path) -> trio.socket.SocketType | None:
@@ -336,18 +361,21 @@ class FanotifyStatistics:
     missing_blocks: int  #: blocks not yet on disk, all blobs together
     pending: int  #: events being answered now
     answered: int  #: events answered by this server
+    answered_by_holder: int  #: events the event holder answered itself (every block on disk), since it started
     holder_adopted: bool  #: the group outlived a server: this one took it over
 
 
 class FanotifyBlobs:
     """The local blobs of one layer server and the answers to their events (see the module docstring)."""
 
-    def __init__(self, paths: ServerPaths, directory: Path, threads: trio.CapacityLimiter) -> None:
+    def __init__(self, paths: ServerPaths, directory: Path, threads: trio.CapacityLimiter,
+                 addressed: Callable[[Path, LayerIndex], Collection[int]]) -> None:  # fmt: skip
         self.paths = paths
+        #: The blocks an image's files address (blocking: the image checker's process parses it).
+        self._addressed = addressed
         self.directory = directory
         self._threads = threads
         self.link: HolderLink | None = None
-        self._nursery: trio.Nursery | None = None
         self.blobs: dict[str, LocalBlob] = {}  #: by index name
         self._by_inode: dict[tuple[int, int], LocalBlob] = {}
         self._filling: dict[tuple[str, int], trio.Event] = {}
@@ -355,6 +383,7 @@ class FanotifyBlobs:
         self._have_answered = trio.Event()
         self._pending = 0
         self._answered_total = 0
+        self._holder_answered = 0
         #: Set once the layers are restored: events before that wait (a restart's pending ones included).
         self.ready = trio.Event()
 
@@ -363,7 +392,6 @@ class FanotifyBlobs:
         server (its marks and the EROFS mounts on them stand: keep them)."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.link = await HolderLink.connect(self.paths)
-        self._nursery = nursery
         nursery.start_soon(self._serve_events)
         nursery.start_soon(self._report_answered)
         return self.link.adopted
@@ -375,6 +403,7 @@ class FanotifyBlobs:
             missing_blocks=sum(blob.missing_count for blob in self.blobs.values()),
             pending=self._pending,
             answered=self._answered_total,
+            answered_by_holder=self._holder_answered,
             holder_adopted=bool(self.link and self.link.adopted),
         )
 
@@ -392,30 +421,21 @@ class FanotifyBlobs:
             writer = self.link.writers.pop(index_name, None)
 
             def make() -> LocalBlob:
-                made = LocalBlob(self.directory, index_name, tree.index, writer, self.link.group)  # type: ignore[union-attr]
+                addressed = functools.partial(self._addressed, image, tree.index)
+                made = LocalBlob(self.directory, index_name, tree.index, writer, self.link.group, addressed)  # type: ignore[union-attr]
+                made.note_unread_if_near()  # a layer of small files only: whole, or nearly, from the start
                 made.mark()
                 return made
 
             blob = await trio.to_thread.run_sync(make)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._note_unread, blob, image)
-            if writer is None:
-                await self.link.keep(index_name, blob.writer)
+            if writer is None:  # a new writer: the holder keeps it, and the fill map it answers from (it kept both else)
+                await self.link.keep(index_name, blob.writer, blob.map_fd)
             self.blobs[index_name] = blob
             self._by_inode[blob.inode] = blob
             self._gauge()
         if tree not in blob.trees:
             blob.trees.append(tree)
         return blob.path
-
-    async def _note_unread(self, blob: LocalBlob, image: Path) -> None:
-        """:meth:`LocalBlob.note_unread` under the decode limiter, after the mount (a parse of the image)."""
-        try:
-            if await trio.to_thread.run_sync(blob.note_unread, image, limiter=self._threads):
-                self._gauge()
-        except (OSError, ValueError) as exc:  # an image refused here was refused before it was mounted
-            log.warning("cannot tell which blocks of a local blob its image addresses; it stays marked",
-                        index=blob.name, error=str(exc))  # fmt: skip
 
     async def close(self, index_name: str, tree: LayerTree, *, remove: bool) -> None:
         """``tree``'s layer no longer uses its blob; the last one closes it (``remove``: and deletes it)."""
@@ -477,10 +497,13 @@ class FanotifyBlobs:
         assert self.link is not None
         async with trio.open_nursery() as nursery:
             while True:
-                batch, alive = await self.link.events()
+                batch, alive, answered = await self.link.events()
                 if not alive:
                     log.error("the event holder is gone: reads of blobs with holes now fail or wait; restart the layer server")
                     return
+                if answered is not None:  # the holder's own answers (present), counted with ours
+                    EVENT_OUTCOMES.labels("present").inc(max(0, answered - self._holder_answered))
+                    self._holder_answered = answered
                 for number, event in batch:
                     self._pending += 1
                     nursery.start_soon(self._answer, number, event)

@@ -211,8 +211,8 @@ class LayerServer:
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
         #: The local blobs the EROFS mounts read on the ``fanotify`` path, filled on the kernel's events (else None).
-        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._block_threads) \
-            if self.data_path.path == "fanotify" else None  # fmt: skip
+        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._block_threads, self._addressed) \
+            if self.data_path.path == "fanotify" and self.erofs is not None else None  # fmt: skip
         #: Block sharing with the peer group (None: off).
         self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads,
                                  memory=peer_memory_share(config.engine),
@@ -550,6 +550,11 @@ class LayerServer:
             return await self.blobs.open(layer.record.index, tree, image)
         except OSError as exc:
             raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot make its local blob: {exc}") from None
+
+    def _addressed(self, image: Path, index: LayerIndex) -> list[int]:
+        """The blob blocks the files of ``image`` (``index``'s layer's) address, parsed in the checker's process."""
+        assert self.erofs is not None
+        return self.erofs.checker.addressed(image, ImageCheck(index.blob_size, index.block_size, len(index.entries)))
 
     def local_blob(self, chain_id: str) -> LocalBlob | None:
         """The local blob of a served layer on ``fanotify`` (:class:`~bootseer.blockstore.server.extension.LayerHost`)."""

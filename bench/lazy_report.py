@@ -254,6 +254,9 @@ def userspace_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[
             outcomes = sorted({outcome for events in per_run for outcome in events})
             by_outcome = ", ".join(f"{outcome} {statistics.median(e.get(outcome, 0.0) for e in per_run):.0f}"
                                    for outcome in outcomes) or "—"
+            by_holder = _median_server(scenario, "fanotify.answered_by_holder")
+            if by_holder is not None:
+                by_outcome += f" (the holder answered {by_holder:.0f})"
             events = statistics.median(sum(e.values()) for e in per_run)
             blobs = _median_server(scenario, "fanotify.blobs")
             complete = _median_server(scenario, "fanotify.complete")
@@ -274,7 +277,8 @@ def userspace_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[
             "(`bootseer_fuse_requests_total`, every filesystem it serves) plus fanotify pre-access events "
             "(`bootseer_fanotify_events_total` by `outcome`: present = every block already on disk, filled = "
             "blocks fetched and written first, denied / unknown = EIO), both scraped from its Prometheus page "
-            "before and after the start. Fill: the summed seconds of the filled events "
+            "before and after the start; of the events, those the event holder answered itself from the fill map "
+            "(its status's `answered_by_holder`, where it has one) never reached the server. Fill: the summed seconds of the filled events "
             "(`bootseer_fanotify_fill_seconds_sum`). CPU: the layer server's `process_cpu_seconds_total` over "
             "the start (a cold start's includes the server's own start-up: it starts with the pull) and, on "
             "fanotify, the event holder's (the process that reads the group and passes each event on; "

@@ -64,7 +64,6 @@ from bootseer.blockstore.datapath.event_holder import (
     received_fds,
 )
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
-from bootseer.fetch.stripes import Priority
 from bootseer.log import get_logger
 from bootseer.paths import ServerPaths
 
@@ -383,7 +382,6 @@ class FanotifyBlobs:
         self._by_inode: dict[tuple[int, int], LocalBlob] = {}
         self._filling: dict[tuple[str, int], trio.Event] = {}
         self._answered: list[int] = []
-        self._ahead_nursery: trio.Nursery | None = None
         self._have_answered = trio.Event()
         self._pending = 0
         self._answered_total = 0
@@ -501,7 +499,6 @@ class FanotifyBlobs:
     async def _serve_events(self) -> None:
         assert self.link is not None
         async with trio.open_nursery() as nursery:
-            self._ahead_nursery = nursery
             while True:
                 batch, alive, answered = await self.link.events()
                 if not alive:
@@ -579,8 +576,6 @@ class FanotifyBlobs:
                 except Exception as exc:  # FetchError (EIO after the retries), a refused block: never written
                     raise _Denied("denied", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name}: {exc}") from None
                 await self.write_blocks(blob, mine, data)
-                if self._ahead_nursery is not None:
-                    self._ahead_nursery.start_soon(self._fill_ahead, blob, tree, mine[-1])
         finally:
             for ref in mine:
                 self._filling.pop((blob.name, ref)).set()
@@ -589,27 +584,6 @@ class FanotifyBlobs:
         if blob.missing(refs):
             raise _Denied("denied", f"blocks of layer {tree.name} could not be filled")
         return "filled"
-
-
-    async def _fill_ahead(self, blob: LocalBlob, tree: LayerTree, last: int) -> None:
-        """Write into the blob the blocks the reader reads ahead of block ``last`` (fetched already, or on their
-        way: the fill's read-ahead), so that the reads to come find them on disk.  EROFS submits its own
-        read-ahead from the reading process, which on this path waits for each range's answer: a block written
-        ahead is one the reader does not wait for.  A failure here is left to the read that wants the block."""
-        ahead = [ref for ref in tree.reader.blob_ahead(last) if not blob.filled[ref] and (blob.name, ref) not in self._filling]
-        if not ahead:
-            return
-        ahead.sort()
-        for ref in ahead:
-            self._filling[(blob.name, ref)] = trio.Event()
-        try:
-            data = await tree.reader.fetcher.blocks(blob.index, ahead, Priority.READAHEAD)
-            await self.write_blocks(blob, ahead, data)
-        except Exception as exc:  # noqa: BLE001 - a read that wants the block fetches it and says why
-            log.debug("blocks read ahead not written into the blob", index=blob.name, error=str(exc))
-        finally:
-            for ref in ahead:
-                self._filling.pop((blob.name, ref)).set()
 
 
 class _Denied(Exception):

@@ -110,13 +110,6 @@ class LayerReader:
             return await self._read_blocks(range(len(self.index.blocks)), refs[0], refs[-1])
         return await self._read_blocks(refs, 0, len(refs) - 1)  # only these, read ahead of the last
 
-    def blob_ahead(self, last: int) -> list[int]:
-        """The blocks a blob read ending at block ``last`` reads ahead (the window now); [] before the
-        first read that went to the store (the packs' order is learnt then)."""
-        if self._next is None or not self.readahead_max:
-            return []
-        return self._ahead_of(range(len(self.index.blocks)), last)
-
     async def _read_blocks(self, sequence: Sequence[int], first: int, last: int) -> list[bytes]:
         """Blocks ``sequence[first : last + 1]`` at DEMAND, reading ahead of ``sequence[last]`` on a miss.
 

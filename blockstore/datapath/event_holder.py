@@ -34,7 +34,7 @@ pending), which writers to keep or forget, and ``release`` when no marked blob h
 left: only then does the holder exit and the group close.  A server killed at any point
 leaves every pending read waiting, and the next server (``bootseer layer-server`` again)
 answers it: reads resume with the right bytes.  The holder itself is the one part that
-must not die; it does nothing but this (about 200 lines, no dependency beyond the
+must not die; it does nothing but this (about 300 lines, no dependency beyond the
 standard library), it ignores SIGTERM, SIGINT and SIGHUP (a service manager stopping the
 layer server's unit must leave it: systemd's ``KillMode=process``), and it logs to
 ``ROOT/layers/events.log``.

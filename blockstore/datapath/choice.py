@@ -5,8 +5,8 @@ A node serves every layer one way, chosen once at the layer server's start
 
 * ``fanotify``: as ``erofs``, but the image's device is the layer's *local blob*, a sparse
   file in the node cache's directory (``CACHE/blobs/``) that the layer server fills on the
-  kernel's fanotify pre-access events (:mod:`.local_blobs`; Linux 6.14+ on ext4, xfs or
-  btrfs): a byte already on the node is read by the kernel from local disk, with no
+  kernel's fanotify pre-access events (:mod:`.local_blobs`; Linux 6.14+ on a filesystem that
+  takes the marks: ext4 here): a byte already on the node is read by the kernel from local disk, with no
   userspace at all once the blob is whole.  The fanotify group outlives the layer server
   (:mod:`.event_holder`), and so do the EROFS mounts: a restarted server takes them over.
 * ``erofs``: the kernel's EROFS answers the tree, file-backed (Linux 6.12+): one

@@ -54,6 +54,7 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from bootseer.blockstore.datapath.fanotify import ALLOW, READ_SIZE, Event, answer, init_group, parse_events
@@ -72,10 +73,14 @@ HELLO, WRITER, READY, EVENTS, ANSWERED = b"H", b"K", b"Z", b"E", b"S"  # holder 
 DONE, KEEP, FORGET, RELEASE = b"D", b"K", b"F", b"R"  # server -> holder
 
 
+def rights(fds: Sequence[int]) -> list[tuple[int, int, array.array[int]]]:
+    """The ancillary data that passes ``fds`` with a message (none for no descriptor)."""
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+
+
 def send_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
     """One message with ``fds`` attached (blocking)."""
-    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    sock.sendmsg([data], ancillary)
+    sock.sendmsg([data], rights(fds))
 
 
 def received_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:

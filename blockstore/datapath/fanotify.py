@@ -22,7 +22,8 @@ Facts this module relies on, checked on Linux 6.18 (docs/fanotify.md says more):
   descriptor of the group may write it.  An event read by a process that died unanswered
   stays pending until the group closes; a group that closes allows every pending and later
   read, and a hole then reads as zeros.  Hence :mod:`.event_holder`: the one reader.
-* ext4, xfs and btrfs take the mark; tmpfs, overlayfs and EROFS refuse it (EOPNOTSUPP).
+* ext4 takes the mark; tmpfs, overlayfs and EROFS refuse it (EOPNOTSUPP). Other filesystems are
+  not checked here: :func:`unsupported` asks the kernel.
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ from bootseer.blockstore.datapath.event_holder import (
     RELEASE,
     WRITER,
     received_fds,
+    rights,
 )
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
 from bootseer.log import get_logger
@@ -129,6 +130,10 @@ class LocalBlob:
             elif adopted:
                 raise OSError(errno.EUCLEAN, f"the fill map {self.map_path} of a blob still marked is not this boot's")
             else:  # a new blob, or one of another boot: start it again, empty
+                # All-zero blocks are holes in the image (never read through it): never missing.
+                for ref, block in enumerate(index.blocks):
+                    if block.is_zero:
+                        filled[ref] = UNREAD
                 os.ftruncate(map_fd, 0)
                 os.pwrite(map_fd, _MAP_HEADER.pack(_MAP_MAGIC, boot.encode(), blocks) + bytes(filled), 0)
                 with open(self.path, "wb"):
@@ -286,11 +291,8 @@ class HolderLink:
         return cls(sock, group, writers, adopted)
 
     async def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
-        import array
-
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         async with self._sending:
-            await self.sock.sendmsg([data], ancillary)
+            await self.sock.sendmsg([data], rights(fds))
 
     async def done(self, numbers: Sequence[int]) -> None:
         for start in range(0, len(numbers), 1000):

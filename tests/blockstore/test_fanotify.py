@@ -349,3 +349,20 @@ def test_the_prefetch_writes_hot_blocks_into_the_blob_and_the_last_one_unmarks_i
         assert not blob.path.exists()
     finally:
         os.close(group)
+
+
+def test_a_layer_with_all_zero_blocks_becomes_whole_and_unmarked_once_its_data_is_read(tmp_path: Path, node_factory: Any) -> None:
+    """All-zero blocks are holes in the image, never read through it: they never keep a blob marked."""
+    store = tmp_path / "store"
+    data = os.urandom(3 * BLOCK_SIZE)
+    layer = Layer((File("data/zeros.bin", bytes(4 * BLOCK_SIZE)), File("data/random.bin", data)))
+    built = build_store(store, [layer], block_size=BLOCK_SIZE, layout=tmp_path / "layout")[0]
+    assert any(block.is_zero for block in built.index.blocks)
+    node = node_factory(f"file://{store}", data_path="fanotify")
+    client = node.ensure()
+    lower = client.mount(built.chain_id).lower_dir
+    assert client.status()["fanotify"]["missing_blocks"] == 3  # the random file's; none of the zeros
+    digests = read_all(lower, ["data/zeros.bin", "data/random.bin"])
+    assert digests == {"data/zeros.bin": hashlib.sha256(bytes(4 * BLOCK_SIZE)).hexdigest(),
+                       "data/random.bin": hashlib.sha256(data).hexdigest()}  # fmt: skip
+    wait_until("the blob is whole and unmarked", lambda: client.status()["fanotify"]["complete"] == 1)

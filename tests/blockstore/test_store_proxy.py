@@ -479,8 +479,10 @@ def test_a_proxy_that_answers_ranges_wrong_is_set_aside_and_every_read_is_done_d
         proxy.faults.range_answer = fault
     metrics_port = free_port()
     root = tmp_path / "node"
+    # A check's ping may take as long as the interval: at 0.2 s, a ping on a loaded 2-core CI machine missed
+    # it and a healthy proxy was set aside before the fault (the "after-the-mount" assertion failed).
     settings = ServerSettings(
-        store=store.url, store_proxy=f"http://127.0.0.1:{proxy.port}", store_proxy_check_interval=0.2,
+        store=store.url, store_proxy=f"http://127.0.0.1:{proxy.port}", store_proxy_check_interval=1.0,
         store_proxy_block_size=PROXY_BLOCK, metrics_address=f"127.0.0.1:{metrics_port}", retry_timeout=20,
         log_level="debug", extra_args=("--stripe-size", str(4 * BLOCK_SIZE)),
     )  # fmt: skip

@@ -66,7 +66,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
-from bootseer import confined
+from bootseer import confined, cpu
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
 from bootseer.blockstore.datapath.local_blobs import LocalBlob
 from bootseer.blockstore.datapath.tree import inode_number
@@ -229,6 +229,10 @@ class PageCacheWarmer:
         ``data`` are their raw bytes (verified), which a tree target stores; an EROFS
         target reads them through its mount and takes None.
         """
+        with cpu.stage("page_cache_warm"):
+            return self._warm(layer, blocks, data)
+
+    def _warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes] | None) -> int:
         target = self._targets[layer]
         if isinstance(target, BlobTarget):
             if data is None:

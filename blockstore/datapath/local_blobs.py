@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import prometheus_client
 import trio
 
+from bootseer import cpu
 from bootseer.blockstore.datapath import fanotify
 from bootseer.blockstore.datapath.event_holder import (
     ANSWERED,
@@ -209,6 +210,10 @@ class LocalBlob:
     def write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
         """Put verified blocks ``refs`` (``data``, each as stored) in the blob, then in the fill map; True if
         that completed the blob (its mark is then removed).  Blocking; any thread."""
+        with cpu.stage("blob_fill"):
+            return self._write(refs, data)
+
+    def _write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
         for ref, block in zip(refs, data):
             if self.filled[ref]:
                 continue

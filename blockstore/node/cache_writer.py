@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
+from bootseer import cpu
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.log import get_logger
 
@@ -73,7 +74,8 @@ class CacheWriter:
 
     def _put(self, digest: str, data: bytes) -> None:
         try:
-            self.cache.put(digest, data)  # counts and logs its own OSErrors
+            with cpu.stage("cache_write"):
+                self.cache.put(digest, data)  # counts and logs its own OSErrors
         except Exception as exc:  # a bug must not kill the writer and strand the queue
             log.error("writing a block into the node cache failed", block=digest, error=repr(exc))
 

@@ -43,13 +43,16 @@ from typing import NamedTuple, Protocol
 
 import trio
 
+from bootseer import cpu
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.node.cache_writer import CacheWriter
 from bootseer.blockstore.node.memory import RecentBlocks
 from bootseer.blockstore.node.metrics import FetcherStats, LayerCounters, layer_label
-from bootseer.blockstore.node.peers import UNCHARGED, PeerAllowance, PeerBlocks, fetch_hedged
+from bootseer.blockstore.node.peers import UNCHARGED, PeerAllowance, PeerBlocks, PeerPayload, fetch_hedged
 from bootseer.blockstore.node.readahead import READAHEAD_MAX_BLOCKS, AheadLedger
-from bootseer.blockstore.objects.format import Block, BlockPlace, LayerIndex, decode_block, pack_object
+from bootseer.blockstore.objects.format import (
+    Block, BlockPlace, LayerIndex, decode_block, max_stored_length, pack_object,
+)  # fmt: skip
 from bootseer.fetch.engine import Engine
 from bootseer.fetch.stripes import Extent, FetchError, Priority
 from bootseer.log import get_logger
@@ -147,7 +150,10 @@ class BlockFetcher:
     all is fetched from the store (hedged: both may run, the first answer wins).
     Read-ahead then takes only the blocks this node owns (into the engine's buffer, as
     without peers): reading ahead another owner's blocks moved raw blocks that were
-    never read (bench/results/peers.md).
+    never read (bench/results/peers.md).  With peers, the store's compressed frames of
+    the blocks verified lately are kept too (as many bytes as ``memory_bytes``, least
+    recently used out first), so that an owner sends a peer the frame the store sent
+    rather than the raw block (:meth:`served_for_peer`).
     """
 
     def __init__(
@@ -169,6 +175,8 @@ class BlockFetcher:
         # Cache I/O, decompression and hashing: one thread per core is all they can use.
         self._threads = threads or trio.CapacityLimiter(os.cpu_count() or 2)
         self._recent = RecentBlocks(memory_bytes)  # raises ValueError for a negative one
+        # The store's frames of verified blocks, for peers (an owner sends the frame, not the raw block).
+        self._frames = RecentBlocks(memory_bytes if peers is not None else 0)
         self._pending: dict[str, _Pending] = {}  # digest -> the call getting it now
         self._ahead = AheadLedger()  # blocks read ahead and not read yet
         self._counters: dict[str, LayerCounters] = {}  # layer label -> its metric children
@@ -372,11 +380,12 @@ class BlockFetcher:
         which of ``probe`` (read-ahead candidates: not worth fetching if cached) it holds."""
         assert self.cache is not None
         found = {}
-        for digest in digests:
-            data = self.cache.get(digest)
-            if data is not None:
-                found[digest] = data
-        return found, {digest for digest in probe if self.cache.contains(digest)}
+        with cpu.stage("cache_read"):
+            for digest in digests:
+                data = self.cache.get(digest)
+                if data is not None:
+                    found[digest] = data
+            return found, {digest for digest in probe if self.cache.contains(digest)}
 
     def _read_ahead(self, index: PackList, candidates: Sequence[Block], counters: LayerCounters) -> None:
         """Queue ``candidates`` in the engine at READAHEAD and remember them, to count them when read."""
@@ -385,6 +394,25 @@ class BlockFetcher:
         self._stats.readahead_blocks += len(queued)
         self._stats.readahead_bytes += queued_bytes
         counters.ahead_queued.inc(queued_bytes)
+
+    async def served_for_peer(self, place: BlockPlace, priority: Priority, allowance: PeerAllowance | None = None,
+                              *, compressed: bool = False) -> PeerPayload | None:  # fmt: skip
+        """What to send a peer that asks for ``place``: with ``compressed`` (the peer takes frames) the
+        store's frame of the block when this node verified one lately, else its raw bytes
+        (:meth:`block_for_peer`, whose contract this keeps).  A frame is sent only when no larger
+        than the block's worst case (:func:`~bootseer.blockstore.objects.format.max_stored_length`)."""
+        if compressed:
+            frame = self._frames.peek(place.digest)
+            if frame is not None and len(frame) <= max_stored_length(place.rlen):
+                return PeerPayload(frame, True)
+        data = await self.block_for_peer(place, priority, allowance)
+        if data is None:
+            return None
+        if compressed:  # fetched from the store just now: its frame is kept
+            frame = self._frames.peek(place.digest)
+            if frame is not None and len(frame) <= max_stored_length(place.rlen):
+                return PeerPayload(frame, True)
+        return PeerPayload(data, False)
 
     async def block_for_peer(self, place: BlockPlace, priority: Priority,
                              allowance: PeerAllowance | None = None) -> bytes | None:  # fmt: skip
@@ -484,6 +512,7 @@ class BlockFetcher:
                 self._stats.readahead_read_bytes += used_bytes
                 counters.ahead_read.inc(used_bytes)
         raw = await self._decode_and_cache(blocks, stored)
+        self._keep_frames(blocks, stored, raw)
         bad = [number for number, data in enumerate(raw) if data is None]
         if bad and not refetch:
             for number in bad:
@@ -510,6 +539,7 @@ class BlockFetcher:
             counters.refetched.inc(len(bad))
             again = await self.engine.fetch_extents([extents[number] for number in bad], priority)
             redone = await self._decode_and_cache([blocks[number] for number in bad], again)
+            self._keep_frames([blocks[number] for number in bad], again, redone)
             for number, data in zip(bad, redone):
                 if data is None:
                     bad_extent = extents[number]  # the next read asks the store again
@@ -533,6 +563,13 @@ class BlockFetcher:
         counters.fetched_bytes.inc(fetched_bytes)
         return raw  # type: ignore[return-value]  # no None is left
 
+    def _keep_frames(self, blocks: Sequence[Block], stored: Sequence[bytes], raw: Sequence[bytes | None]) -> None:
+        """Keep the store's frames of the blocks that verified, for peers (nothing without peers)."""
+        if self._frames.limit_bytes:
+            for block, frame, data in zip(blocks, stored, raw):
+                if data is not None:
+                    self._frames.remember(block.digest, frame)
+
     async def _decode_and_cache(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
         """Each block's verified raw bytes (None where ``stored`` is not that block), the good ones cached.
 
@@ -542,7 +579,8 @@ class BlockFetcher:
         """
         size = sum(block.clen + block.rlen for block in blocks)
         if size <= OFF_THREAD_BYTES:
-            raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
+            with cpu.stage("decode"):
+                raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
             if self._writer is not None:
                 behind = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
                 if behind and not self._writer.submit(behind):
@@ -551,7 +589,8 @@ class BlockFetcher:
         return await trio.to_thread.run_sync(self._decode_and_cache_blocking, blocks, stored, limiter=self._threads)
 
     def _decode_and_cache_blocking(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
-        raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
+        with cpu.stage("decode"):
+            raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
         if self._writer is not None:
             behind = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
             if behind and not self._writer.submit(behind):

@@ -14,12 +14,24 @@ first answer wins (docs/peers.md).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import trio
 
 from bootseer.blockstore.objects.format import BlockPlace, max_stored_length
 from bootseer.fetch.stripes import FetchError, Priority
+
+
+class PeerPayload(NamedTuple):
+    """What an owner sends a peer for one block: the store's compressed frame of it, or its raw bytes.
+
+    ``compressed``: ``body`` is a zstd frame the owner verified (it decompresses to the block and
+    hashes to its digest), the one the store sent; the asker decompresses and verifies it as a
+    frame from the store.  Otherwise ``body`` is the raw block (an owner holding no frame of it).
+    """
+
+    body: bytes
+    compressed: bool
 
 
 class PeerAllowance(Protocol):

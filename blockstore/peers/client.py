@@ -5,7 +5,8 @@ speak the protocol of :mod:`~bootseer.blockstore.peers.wire`.  What keeps a peer
 ever making a start slower or wrong:
 
 * every block from a peer is checked against its SHA-256 and length before it is
-  used; a bad one is counted (``bootseer_peer_requests_total{outcome="bad_block"}``),
+  used (a compressed frame, as owners send when they hold the store's, is decompressed
+  to at most the block's length first, as a frame from the store is); a bad one is counted (``bootseer_peer_requests_total{outcome="bad_block"}``),
   the peer is skipped, and the block is fetched from the store;
 * a peer that sends nothing for ``deadline`` seconds (an owner at work on a store
   fetch sends ``102 Processing`` every :data:`~bootseer.blockstore.peers.wire.KEEPALIVE` seconds) makes the block
@@ -31,11 +32,12 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import trio
 
-from bootseer.blockstore.objects.format import BlockPlace
+from bootseer import cpu
+from bootseer.blockstore.objects.format import BlockPlace, decode_block, max_stored_length
 from bootseer.blockstore.peers.config import PeerConfig, split_address
 from bootseer.blockstore.peers.limits import PriorityLimiter
 from bootseer.blockstore.peers.membership import Membership
@@ -44,7 +46,7 @@ from bootseer.blockstore.peers.stats import (
     PEER_BYTES, PEER_FALLBACKS, PEER_REQUESTS, PEER_SKIPPED, PeerCounters, PeerStatistics,
 )  # fmt: skip
 from bootseer.blockstore.peers.wire import (
-    PATIENCE, HttpStream, WireError, block_target, client_tls_context, content_length, parse_head,
+    FRAME_ENCODING, PATIENCE, HttpStream, WireError, block_target, client_tls_context, content_length, parse_head,
 )  # fmt: skip
 from bootseer.fetch.stripes import Priority
 from bootseer.log import get_logger
@@ -57,6 +59,8 @@ REQUEST_LIMIT = 60.0
 MIN_BODY_RATE = 1 << 20
 #: Idle connections kept per peer.
 IDLE_PER_PEER = 4
+#: Blocks whose owner ranking is kept (a few hundred bytes each), the oldest computed dropped first.
+RANKINGS_KEPT = 1 << 16
 #: Blocks at least this large are hashed in a worker thread (below it a thread hop costs more).
 OFF_THREAD_BYTES = 256 << 10
 
@@ -90,6 +94,8 @@ class PeerClient:
         self._peers: dict[str, PeerState] = {}
         self._tls = client_tls_context(config.ca) if config.ca else None
         self._counters = counters if counters is not None else PeerCounters()
+        self._rankings: dict[str, tuple[str, ...]] = {}  #: digest -> its ranking, for ``_ranked_members``
+        self._ranked_members: tuple[str, ...] | None = None
 
     def statistics(self) -> PeerStatistics:
         """What this client counted (with a service's server, what both counted), as a frozen copy."""
@@ -105,6 +111,23 @@ class PeerClient:
         state = self._peers.get(address)
         return state is not None and state.skipped_until > now
 
+    def ranking(self, digest: str) -> tuple[str, ...]:
+        """The members by their rendezvous score for block ``digest``, highest first, computed once per
+        block and membership (a fetch asks for a block's owner several times: before, during and
+        after the fetch; the scores are hashes)."""
+        members = self.membership.members()
+        if members is not self._ranked_members:
+            self._ranked_members = members
+            self._rankings.clear()
+        ranking = self._rankings.get(digest)
+        if ranking is None:
+            if len(self._rankings) >= RANKINGS_KEPT:
+                del self._rankings[next(iter(self._rankings))]  # the oldest computed
+            ranking = self._rankings[digest] = tuple(
+                sorted(members, key=lambda member: rendezvous_score(member, digest), reverse=True)
+            )
+        return ranking
+
     def owner(self, digest: str) -> str | None:
         """The member to ask for block ``digest``; None when this node owns it (fetch it from the store).
 
@@ -112,16 +135,12 @@ class PeerClient:
         is always a candidate (never skipped), so with every peer failing it owns all.
         """
         now = time.monotonic()
-        best, best_score = None, -1
-        for member in self.membership.members():
-            if member != self.self_address and self._skipped(member, now):
-                continue
-            score = rendezvous_score(member, digest)
-            if score > best_score:
-                best, best_score = member, score
-        if best is None or best == self.self_address:
-            return None
-        return best
+        for member in self.ranking(digest):
+            if member == self.self_address:
+                return None
+            if not self._skipped(member, now):
+                return member
+        return None
 
     def _failed(self, state: PeerState, why: str) -> None:
         state.failures += 1
@@ -186,13 +205,13 @@ class PeerClient:
                     stream = await self._connect(state)
                     try:
                         await stream.send(self._request(store, place, priority))
-                        data = await self._answer(stream, place, fallback)
+                        body, compressed = await self._answer(stream, place, fallback)
                     except (OSError, WireError, trio.BrokenResourceError) if reused else ():
                         # A kept-alive connection the peer has closed meanwhile: once more on a new one.
                         stream.close_now()
                         stream = await self._connect(state, fresh=True)
                         await stream.send(self._request(store, place, priority))
-                        data = await self._answer(stream, place, fallback)
+                        body, compressed = await self._answer(stream, place, fallback)
                 except trio.TooSlowError:  # no connection within the deadline
                     self._counters.errors += 1
                     self._outcome("error")
@@ -219,12 +238,13 @@ class PeerClient:
                     self._failed(state, f"{type(exc).__name__}: {exc}")
                     fallback("error")
                     return
-                if await self._verified(place, data):
+                data = await self._verified(place, body, compressed)
+                if data is not None:
                     reusable = True
                     state.ok += 1
                     self._counters.received_blocks += 1
-                    self._counters.received_bytes += len(data)
-                    PEER_BYTES.labels("received").inc(len(data))
+                    self._counters.received_bytes += len(body)
+                    PEER_BYTES.labels("received").inc(len(body))
                     self._outcome("ok")
                     deliver(place.digest, data)
                 else:
@@ -254,10 +274,12 @@ class PeerClient:
     def _request(self, store: str, place: BlockPlace, priority: Priority) -> bytes:
         target = block_target(store, place, _PRIORITY_NAMES.get(priority, "demand"))
         auth = f"Authorization: Bearer {self._token}\r\n" if self._token else ""
-        return f"GET {target} HTTP/1.1\r\nHost: bootseer-peer\r\n{auth}\r\n".encode()
+        return f"GET {target} HTTP/1.1\r\nHost: bootseer-peer\r\nAccept-Encoding: {FRAME_ENCODING}\r\n{auth}\r\n".encode()
 
-    async def _answer(self, stream: HttpStream, place: BlockPlace, on_late: Callable[[str], None]) -> bytes:
-        """The body of a 200 answer to ``place``'s request (1xx skipped; _Refused for another status).
+    async def _answer(self, stream: HttpStream, place: BlockPlace,
+                      on_late: Callable[[str], None]) -> tuple[bytes, bool]:  # fmt: skip
+        """The body of a 200 answer to ``place``'s request, and whether it is a compressed frame
+        (1xx skipped; _Refused for another status).
 
         A receive that waits more than the deadline calls ``on_late("late")`` (the store
         is asked meanwhile: hedged) and goes on waiting; so does a peer that keeps talking
@@ -301,11 +323,19 @@ class PeerClient:
             if outcome is None:
                 raise WireError(f"answered {status}")
             raise _Refused(outcome, headers.get("connection", "") != "close")
-        length = content_length(headers, place.rlen)
-        if length != place.rlen:
-            raise WireError(f"answered {length} bytes for a block of {place.rlen}")
-        return await patiently(lambda timeout: stream.read_exact(length, timeout),
+        encoding = headers.get("content-encoding", "")
+        compressed = encoding == FRAME_ENCODING
+        if compressed:
+            length = content_length(headers, max_stored_length(place.rlen))
+        elif encoding:
+            raise WireError(f"answered in an encoding not asked for: {encoding[:40]!r}")
+        else:
+            length = content_length(headers, place.rlen)
+            if length != place.rlen:
+                raise WireError(f"answered {length} bytes for a block of {place.rlen}")
+        body = await patiently(lambda timeout: stream.read_exact(length, timeout),
                                answer_patience + length / MIN_BODY_RATE)  # fmt: skip
+        return body, compressed
 
     def _late_why(self, reason: str) -> str:
         """What a peer the store beat did, for its ``last_error`` (``reason`` as given to the fallback)."""
@@ -314,13 +344,16 @@ class PeerClient:
                     f"after asking, or a body slower than {MIN_BODY_RATE >> 10} KiB/s")  # fmt: skip
         return f"silent for more than the {self.deadline} s deadline"
 
-    async def _verified(self, place: BlockPlace, data: bytes) -> bool:
-        if len(data) != place.rlen:
-            return False
-        if len(data) < OFF_THREAD_BYTES:
-            return hashlib.sha256(data).hexdigest() == place.digest
-        digest = await trio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest(), limiter=self._threads)
-        return digest == place.digest
+    async def _verified(self, place: BlockPlace, body: bytes, compressed: bool) -> bytes | None:
+        """The raw block ``body`` is, or is the frame of, verified; None if it is not that block.
+
+        A frame is decompressed (to at most the block's length) and hashed in one worker-thread
+        call (zstd and hashlib release the GIL), a small one on this thread."""
+        if len(body) != place.rlen and not compressed:
+            return None
+        if place.rlen < OFF_THREAD_BYTES:
+            return _decoded(place, body, compressed)
+        return await trio.to_thread.run_sync(_decoded, place, body, compressed, limiter=self._threads)
 
     @staticmethod
     def _outcome(outcome: str) -> None:
@@ -349,6 +382,22 @@ class PeerClient:
             for stream in state.idle:
                 await stream.aclose()
             state.idle.clear()
+
+
+def _decoded(place: BlockPlace, body: bytes, compressed: bool) -> bytes | None:
+    """The raw block ``body`` is (or is the frame of), verified; None if it is not that block."""
+    with cpu.stage("decode"):
+        if compressed:
+            return decode_block(_Frame(place.digest, len(body), place.rlen), body)
+        return body if hashlib.sha256(body).hexdigest() == place.digest else None
+
+
+class _Frame(NamedTuple):
+    """A peer's frame of a block, as :func:`~bootseer.blockstore.objects.format.decode_block` checks it."""
+
+    digest: str
+    clen: int
+    rlen: int
 
 
 class _Refused(Exception):

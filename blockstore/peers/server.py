@@ -41,13 +41,13 @@ from typing import Any
 
 import trio
 
-from bootseer.blockstore.node.peers import PeerAllowance
+from bootseer.blockstore.node.peers import PeerAllowance, PeerPayload
 from bootseer.blockstore.objects.format import MAX_BLOCK_SIZE, BlockPlace
 from bootseer.blockstore.peers.config import PeerConfig, parse_address, split_address
 from bootseer.blockstore.peers.limits import ByteLimiter, PeerBudgets, PeerRefused, TokenBucket
 from bootseer.blockstore.peers.stats import PEER_BYTES, PEER_CONNECTIONS, PEER_SERVED, PeerCounters, PeerStatistics
 from bootseer.blockstore.peers.wire import (
-    BLOCKS_PATH, KEEPALIVE, PATIENCE, PING_PATH, PROCESSING, HttpStream, WireError, parse_block_target, parse_head,
+    BLOCKS_PATH, FRAME_ENCODING, KEEPALIVE, PATIENCE, PING_PATH, PROCESSING, HttpStream, WireError, parse_block_target, parse_head,
     response_head, server_tls_context,
 )  # fmt: skip
 from bootseer.fetch.stripes import Priority
@@ -83,10 +83,11 @@ QUEUE_PER_UPLOAD = 8
 _SERVED_AT = {"demand": Priority.READAHEAD, "readahead": Priority.PREFETCH, "prefetch": Priority.PREFETCH}
 
 
-#: Finds the verified raw bytes of a block for a peer: (store id, place, priority, allowance) -> bytes,
-#: or None when this node has no store of that id, the store fails (FetchError) or its bytes there
-#: are not that block; a store fetch is charged to the allowance first (which raises PeerRefused).
-BlockGetter = Callable[[str, BlockPlace, Priority, PeerAllowance], Awaitable[bytes | None]]
+#: Finds a verified block for a peer: (store id, place, priority, allowance, whether the peer takes
+#: compressed frames) -> what to send (the store's frame of it, or its raw bytes), or None when this
+#: node has no store of that id, the store fails (FetchError) or its bytes there are not that block;
+#: a store fetch is charged to the allowance first (which raises PeerRefused).
+BlockGetter = Callable[[str, BlockPlace, Priority, PeerAllowance, bool], Awaitable[PeerPayload | None]]
 
 
 def largest_format_block() -> int:
@@ -381,8 +382,9 @@ class PeerServer:
             return keep
         held = place.clen + place.rlen  # the most a request holds: the fetched bytes and the raw block
         taken = uploading = False
+        compressed = FRAME_ENCODING in headers.get("accept-encoding", "").replace(" ", "").split(",")
 
-        async def get() -> bytes | None:
+        async def get() -> PeerPayload | None:
             """The block, with an upload slot taken for it; PeerRefused 503 if that takes BUSY_AFTER deadlines."""
             nonlocal taken, uploading
             with trio.move_on_after(BUSY_AFTER * self.config.deadline):
@@ -390,7 +392,7 @@ class PeerServer:
                 taken = True
                 async with self._getting:
                     allowance = self._budgets.allowance(_peer_host(stream))
-                    data = await self._get_block(store, place, _SERVED_AT[priority], allowance)
+                    data = await self._get_block(store, place, _SERVED_AT[priority], allowance, compressed)
                 if data is not None:
                     await self._uploads.acquire_on_behalf_of(stream)
                     uploading = True  # (no checkpoint between: a cancel cannot leave the slot taken unnoted)
@@ -413,31 +415,30 @@ class PeerServer:
             if data is None:
                 await self._reply(stream, 404, "Not Found", "missing")
                 return keep
-            await stream.send(response_head(200, "OK", len(data), kind="application/octet-stream"))
-            view = memoryview(data)
-            for start in range(0, len(view), 256 << 10):
-                piece = view[start : start + (256 << 10)]
-                await self._bucket.take(len(piece))
-                await stream.send(piece)
+            body = data.body
+            encoding = FRAME_ENCODING if data.compressed else None
+            await self._bucket.take(len(body))
+            await stream.send(response_head(200, "OK", len(body), kind="application/octet-stream", encoding=encoding)
+                              + body)  # fmt: skip
         finally:
             if uploading:
                 self._uploads.release_on_behalf_of(stream)
             if taken:
                 self._memory.release(held)
         PEER_SERVED.labels("ok").inc()
-        PEER_BYTES.labels("served").inc(len(data))
+        PEER_BYTES.labels("served").inc(len(body))
         self._counters.served_blocks += 1
-        self._counters.served_bytes += len(data)
+        self._counters.served_bytes += len(body)
         return keep
 
     async def _block_with_keepalive(self, stream: HttpStream,
-                                    get: Callable[[], Awaitable[bytes | None]]) -> bytes | PeerRefused | None:  # fmt: skip
+                                    get: Callable[[], Awaitable[PeerPayload | None]]) -> PeerPayload | PeerRefused | None:  # fmt: skip
         """What ``get`` gives (the block's bytes, None, or the PeerRefused it raised), telling the asker
         ``102 Processing`` every KEEPALIVE seconds meanwhile.
 
         WireError when the asker goes away meanwhile (the fetch for it is then cancelled).
         """
-        result: list[bytes | PeerRefused | None] = []
+        result: list[PeerPayload | PeerRefused | None] = []
         done = trio.Event()
         gone: BaseException | None = None
 

@@ -16,7 +16,7 @@ from bootseer.counters import Counters
 
 PEER_BYTES = prometheus_client.Counter(
     "bootseer_peer_bytes",
-    "Raw block bytes exchanged with peers, by direction (received: from peers and verified, served: to peers)",
+    "Block bytes exchanged with peers as they crossed (compressed frames or raw blocks), by direction (received: from peers and verified, served: to peers)",
     ["direction"],
 )
 PEER_REQUESTS = prometheus_client.Counter(
@@ -63,9 +63,9 @@ class PeerCounts:
     """What a node's peer sharing counted: the part of :class:`PeerStatistics` that only goes up."""
 
     received_blocks: int = 0  #: blocks peers served this node, verified
-    received_bytes: int = 0  #: their raw bytes
+    received_bytes: int = 0  #: the bytes that crossed: compressed frames, or raw blocks
     served_blocks: int = 0  #: blocks this node served peers
-    served_bytes: int = 0  #: their raw bytes
+    served_bytes: int = 0  #: the bytes sent: compressed frames, or raw blocks
     late: int = 0  #: receives from a peer that waited past the deadline (the store asked too)
     slow: int = 0  #: requests whose peer kept talking without delivering (the store asked too)
     fallbacks: int = 0  #: blocks asked of a peer that the store was asked for too

@@ -2,8 +2,12 @@
 
 A peer request is one ``GET`` (no body) naming a block by its digest and where it
 lies in the store (:class:`BlockPlace`), with the cluster token; the answer is
-``200`` with the block's raw bytes (``Content-Length`` = its raw length), or a
-status with a short text body.  An owner that has to fetch the block from the
+``200`` with the block's bytes, or a status with a short text body.  An asker that
+says ``Accept-Encoding: zstd`` may get the store's compressed frame of the block
+(``Content-Encoding: zstd``, ``Content-Length`` at most the block's worst case,
+:func:`~bootseer.blockstore.objects.format.max_stored_length`), which it decompresses
+and verifies as a frame from the store; otherwise the answer is the raw block
+(``Content-Length`` = its raw length).  An owner that has to fetch the block from the
 store first sends ``102 Processing`` interim answers meanwhile (RFC 2518; any
 HTTP/1.1 client must skip 1xx answers) so that its peer can tell an owner at work
 from a hung one.  Connections are kept alive and reused.
@@ -30,6 +34,8 @@ HEAD_LIMIT = 8 << 10
 BLOCKS_PATH = "/v1/blocks/"
 PING_PATH = "/v1/ping"
 PRIORITIES = ("demand", "readahead", "prefetch")
+#: The content coding of a block sent as the store's compressed frame.
+FRAME_ENCODING = "zstd"
 
 # The protocol's timing, which both ends count on (``deadline`` is the group's, shared by its members).
 #: An owner fetching a block from the store tells its asker it is at work this often.
@@ -95,6 +101,21 @@ class HttpStream:
             raise trio.TooSlowError
         return data
 
+    async def _receive_at_least(self, length: int, timeout: float) -> None:
+        """Receive until :attr:`_buffer` holds ``length`` bytes, each receive within ``timeout`` of the last.
+
+        One cancel scope for all the receives, its deadline moved on after each (not a scope per
+        receive), and each receive asks for all that is still missing (not 256 KiB at a time)."""
+        with trio.CancelScope() as scope:
+            while len(self._buffer) < length:
+                scope.deadline = trio.current_time() + timeout
+                data = await self.stream.receive_some(min(max(length - len(self._buffer), 64 << 10), 1 << 20))
+                if not data:
+                    raise WireError(f"connection closed after {len(self._buffer)} of {length} body bytes")
+                self._buffer += data
+        if scope.cancelled_caught:
+            raise trio.TooSlowError
+
     async def read_head(self, timeout: float, *, whole: float | None = None,
                         since: float | None = None) -> bytes | None:  # fmt: skip
         """The next head (without its blank line), None at a clean end of stream before one began.
@@ -136,12 +157,14 @@ class HttpStream:
         What came before a TooSlowError or a cancellation stays buffered: a later call
         goes on from there.
         """
-        while len(self._buffer) < length:
-            data = await self._receive(timeout)
-            if not data:
-                raise WireError(f"connection closed after {len(self._buffer)} of {length} body bytes")
-            self._buffer += data
-        out = bytes(self._buffer[:length])
+        if len(self._buffer) < length:
+            await self._receive_at_least(length, timeout)
+        if len(self._buffer) == length:  # the usual case: one copy out, none left to move
+            out = bytes(self._buffer)
+            self._buffer.clear()
+            return out
+        with memoryview(self._buffer) as view:
+            out = bytes(view[:length])
         del self._buffer[:length]
         return out
 
@@ -212,11 +235,13 @@ def content_length(headers: dict[str, str], limit: int) -> int:
     return length
 
 
-def response_head(status: int, reason: str, length: int, *, close: bool = False, kind: str = "text/plain") -> bytes:
-    """A response head with its blank line."""
+def response_head(status: int, reason: str, length: int, *, close: bool = False, kind: str = "text/plain",
+                  encoding: str | None = None) -> bytes:  # fmt: skip
+    """A response head with its blank line (``encoding``: its Content-Encoding, if any)."""
     connection = "close" if close else "keep-alive"
+    coding = f"Content-Encoding: {encoding}\r\n" if encoding else ""
     return (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {length}\r\n"
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {kind}\r\nContent-Length: {length}\r\n{coding}"
         f"Connection: {connection}\r\n\r\n"
     ).encode("ascii")
 
@@ -244,6 +269,7 @@ def client_tls_context(ca: str | None) -> ssl.SSLContext:
 
 __all__ = [
     "BLOCKS_PATH",
+    "FRAME_ENCODING",
     "HttpStream",
     "PING_PATH",
     "PROCESSING",

@@ -51,6 +51,7 @@ import prometheus_client
 import pyfuse3
 import trio
 
+from bootseer import cpu
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.server.client import (
     MOUNT_TIMEOUT,
@@ -88,7 +89,7 @@ from bootseer.blockstore.peers.limits import peer_memory_share
 from bootseer.blockstore.peers.service import PeerService
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.blockstore.node.fetcher import BlockFetcher
-from bootseer.blockstore.node.peers import PeerAllowance
+from bootseer.blockstore.node.peers import PeerAllowance, PeerPayload
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.server.store_registry import StoreRegistry
 from bootseer.fetch.engine import Engine, EngineConfig
@@ -258,11 +259,13 @@ class LayerServer:
         """The engine and block fetcher of ``store``, started on first use (:class:`StoreRegistry`)."""
         return await self.stores.fetcher(store)
 
-    async def _block_for_peer(self, store: str, place: BlockPlace, priority: Priority,
-                              allowance: PeerAllowance) -> bytes | None:  # fmt: skip
+    async def _block_for_peer(self, store: str, place: BlockPlace, priority: Priority, allowance: PeerAllowance,
+                              compressed: bool) -> PeerPayload | None:  # fmt: skip
         """A block a peer asks for, from this node's store that the peers call ``store`` (None: no such store)."""
         fetcher = await self.stores.for_peer(store)
-        return None if fetcher is None else await fetcher.block_for_peer(place, priority, allowance)
+        if fetcher is None:
+            return None
+        return await fetcher.served_for_peer(place, priority, allowance, compressed=compressed)
 
     def _largest_block(self) -> int:
         """The largest block a peer may ask for: the block size of the layers served (the default's, before any)."""
@@ -748,7 +751,26 @@ class LayerServer:
             "stores": self.stores.status(),
             "cache": dataclasses.asdict(self.cache.stats()),
             "peers": await self.peers.status() if self.peers is not None else {"enabled": False},
+            "cpu_seconds": _cpu_status(),
         }
+
+
+def _cpu_status() -> dict[str, float]:
+    """The status answer's CPU seconds: each stage's, what no stage counted, and the process's."""
+    spent = cpu.statistics()
+    return {**{name: round(seconds, 6) for name, seconds in spent.stages.items()},
+            "outside_stages": round(spent.outside_stages, 6), "process": round(spent.process, 6)}  # fmt: skip
+
+
+async def _sample_cpu() -> None:
+    """The profiler's timeline: each stage's CPU milliseconds, and the process's (``cpu.<stage>``, ``cpu.process``)."""
+    async with trio.open_nursery() as nursery:
+        for name in cpu.STAGES:
+            nursery.start_soon(functools.partial(
+                profile_hooks.sample_counter, f"cpu.{name}",
+                functools.partial(lambda name: int(cpu.statistics().stages[name] * 1000), name), phase="image"))  # fmt: skip
+        nursery.start_soon(functools.partial(
+            profile_hooks.sample_counter, "cpu.process", lambda: int(cpu.statistics().process * 1000), phase="image"))  # fmt: skip
 
 
 # -- control requests ------------------------------------------------------------------------------
@@ -862,6 +884,7 @@ async def run_server(
                 UP.set(1)
                 await server.mount_restored()  # before the control socket: nobody is told a lower dir that is not there
                 nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.bytes", server.stores.bytes_fetched, phase="image"))  # profiler: bytes over time
+                nursery.start_soon(_sample_cpu)  # profiler: CPU per stage over time
                 if server.blobs is not None:  # profiler: the kernel's pre-access events the server answered
                     blobs = server.blobs
                     nursery.start_soon(functools.partial(profile_hooks.sample_counter, "layers.fanotify_events", lambda: blobs.statistics().answered, phase="image"))

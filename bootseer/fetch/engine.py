@@ -88,6 +88,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from bootseer import cpu
 from bootseer.counters import Counters
 from bootseer.fetch.failures import FailureMemory
 from bootseer.fetch.file_cache import StripeCache
@@ -963,8 +964,9 @@ class Engine:
         first, last = group[0], group[-1]
         start, end = first.offset, last.offset + last.length
         try:
-            connection = stream.connect(self.source)
-            data = connection.read_range(first.path, start, end - start, first.file.version)
+            with cpu.stage("fetch"):
+                connection = stream.connect(self.source)
+                data = connection.read_range(first.path, start, end - start, first.file.version)
             if len(data) > end - start:
                 raise PermanentError(
                     f"{self.url}: {first.path or '.'} bytes {start}-{end - 1}: the source returned "
@@ -1011,8 +1013,9 @@ class Engine:
             if data is not None and len(data) == stripe.length:
                 return data, True, cache_key
         try:
-            connection = stream.connect(self.source)
-            data = connection.read_range(stripe.path, stripe.offset, stripe.length, stripe.file.version)
+            with cpu.stage("fetch"):
+                connection = stream.connect(self.source)
+                data = connection.read_range(stripe.path, stripe.offset, stripe.length, stripe.file.version)
             if len(data) > stripe.length:
                 raise PermanentError(
                     f"{self.url}: {stripe.describe()}: the source returned {len(data)} bytes "

@@ -14,7 +14,7 @@ import html
 from typing import Any, Sequence
 
 from bootseer.profile.events import PHASES, Event
-from bootseer.profile.trace import Trace, phases, start_window, totals
+from bootseer.profile.trace import Trace, counter_unit, phases, start_window, totals
 
 COLOURS = {"image": "#4e79a7", "container": "#f28e2b", "dependencies": "#59a14f", "checkpoint": "#e15759",
            "import": "#b07aa1", "first_step": "#edc948", "": "#9c9c9c"}
@@ -54,6 +54,8 @@ def table(trace: Trace) -> str:
                  f"{max(0.0, total - accounted) / max(total, 1e-9) * 100:5.1f}%")
     for name, grown in sorted(totals(trace).items()):
         lines.append(f"  {name}: {human_bytes(grown)} fetched")
+    for name, grown in sorted(totals(trace, "ms").items()):
+        lines.append(f"  {name}: {grown / 1000:.3f} CPU s")
     return "\n".join(lines)
 
 
@@ -96,7 +98,7 @@ def _row(e: Event) -> str:
     if e.name.startswith("mark."):
         return "marks"
     if e.kind == "counter":
-        return "bytes"
+        return counter_unit(e.name)
     return e.phase or e.name.split(".")[0]
 
 
@@ -120,7 +122,7 @@ def chrome_trace(traces: Sequence[Trace]) -> dict[str, Any]:
             if e.kind == "span":
                 out.append({**base, "ph": "X", "dur": round(e.duration * 1e6, 3)})
             elif e.kind == "counter":
-                out.append({**base, "ph": "C", "args": {"bytes": e.value}})
+                out.append({**base, "ph": "C", "args": {counter_unit(e.name): e.value}})
             else:
                 out.append({**base, "ph": "i", "s": "t"})
         for p in phases(trace):
@@ -189,7 +191,7 @@ def _svg_timeline(trace: Trace, origin: float, scale_s: float, title: str) -> st
     parts.append(f'<rect x="{LEFT}" y="{base}" width="{WIDTH - LEFT - RIGHT}" height="{CHART}" fill="none" stroke="#ccc"/>')
     series: dict[str, list[tuple[float, float]]] = {}
     for e in trace.events:
-        if e.kind == "counter":
+        if e.kind == "counter" and counter_unit(e.name) == "bytes":
             series.setdefault(e.name, []).append((e.start, float(e.value or 0)))
     grew = {name: points for name, points in series.items() if max(v for _, v in points) > points[0][1]}
     for i, (name, points) in enumerate(sorted(grew.items())):

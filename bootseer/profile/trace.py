@@ -42,6 +42,17 @@ MARK_ALIASES = {"deps-done": "dependencies.end"}
 #: Counters whose bytes another series of the trace already holds: drawn, never added to a phase twice
 #: (the hot-list prefetch's bytes are fetched by the layer server's engines, so ``layers.bytes`` has them).
 COUNTED_IN = {"prefetch.bytes": "layers.bytes"}
+#: Counter series that count something other than bytes, by name prefix or name, and their unit:
+#: never added to a phase's bytes nor drawn or totalled as bytes.
+UNITS = {"cpu.": "ms", "layers.fanotify_events": "events"}
+
+
+def counter_unit(name: str) -> str:
+    """What a counter series counts: ``bytes`` unless :data:`UNITS` says otherwise (``ms`` of CPU, ``events``)."""
+    for prefix, unit in UNITS.items():
+        if name.startswith(prefix):
+            return unit
+    return "bytes"
 
 
 class TraceError(ValueError):
@@ -235,7 +246,7 @@ def phases(trace: Trace) -> list[Phase]:
                 counts[base] += 1
             continue
         if e.kind == "counter":
-            if e.phase:
+            if e.phase and counter_unit(e.name) == "bytes":
                 counters.setdefault((e.name, e.phase), []).append(e)
             continue
         if not e.phase or _background(e):
@@ -307,11 +318,12 @@ def start_window(trace: Trace, found: list[Phase] | None = None) -> tuple[float,
     return first, max(e.end or e.start for e in trace.events)
 
 
-def totals(trace: Trace) -> dict[str, int]:
-    """Bytes each counter series (``layers.bytes``, ``checkpoint.bytes``...) grew by in the trace."""
+def totals(trace: Trace, unit: str = "bytes") -> dict[str, int]:
+    """What each counter series of ``unit`` grew by in the trace: bytes (``layers.bytes``,
+    ``checkpoint.bytes``...), or ``ms`` of CPU (``cpu.decode``...), or ``events``."""
     series: dict[str, list[float]] = {}
     for e in trace.events:
-        if e.kind == "counter":
+        if e.kind == "counter" and counter_unit(e.name) == unit:
             series.setdefault(e.name, []).append(float(e.value or 0))
     return {name: int(max(values) - values[0]) for name, values in series.items()}
 

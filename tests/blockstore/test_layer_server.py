@@ -412,7 +412,7 @@ def test_control_api(node: Node, built: Any) -> None:
     assert (Path(third.lower_dir) / "replace-me").read_bytes() == b"fourth and last\n"
 
 
-def test_metrics_endpoint(built: Any, node_factory: Any) -> None:
+def test_the_metrics_and_status_say_what_was_served_and_the_cpu_each_stage_spent(built: Any, node_factory: Any) -> None:
     port = free_port()
     node = node_factory(f"file://{built[0]}", metrics_address=f"127.0.0.1:{port}")
     client = node.ensure()
@@ -429,6 +429,14 @@ def test_metrics_endpoint(built: Any, node_factory: Any) -> None:
     assert filled and float(filled.group(1)) >= 1, text
     assert 'bootseer_local_blobs{state="partial"} 1.0' in text
     assert 'bootseer_fuse_requests_total{fs="bootseer-layers",op="read"}' not in text  # no FUSE on the data path
+    # CPU per stage (issue 26): the big file's blocks were fetched, decoded and written into the blob.
+    spent = {stage: float(seconds) for stage, seconds in
+             re.findall(r'^bootseer_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}  # fmt: skip
+    assert set(spent) == {"fetch", "decode", "cache_read", "cache_write", "blob_fill", "page_cache_warm"}, text
+    assert spent["fetch"] > 0 and spent["decode"] > 0 and spent["blob_fill"] > 0, spent
+    status = client.status()["cpu_seconds"]
+    assert status["decode"] >= spent["decode"] > 0
+    assert status["process"] >= sum(status[stage] for stage in spent) and status["outside_stages"] >= 0, status
 
 
 # -- starting, dying, restarting --------------------------------------------------------------------

@@ -27,7 +27,7 @@ from bootseer.blockstore.objects.format import pack_object
 from bootseer.blockstore.peers.membership import DnsMembers, FileMembers
 from bootseer.blockstore.peers.wire import parse_block_target, block_target
 from bootseer.blockstore.objects.format import BlockPlace
-from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError, parse_address
+from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError, parse_address, split_address
 from bootseer.blockstore.peers.limits import PriorityLimiter
 from bootseer.blockstore.peers.ownership import peer_store_id, rendezvous_score
 from bootseer.fetch.sources import redact_url
@@ -36,7 +36,8 @@ from tests.support import autojump
 from tests.support.http import RangeHTTPServer
 from tests.support.waiting import free_port
 from tests.support.peers import (
-    BIG, BLOCK_SIZE, TOKEN, FakePeer, Nodes, owned_by, pack_bytes_fetched, place_request, root_only, scrape,
+    BIG, BLOCK_SIZE, TOKEN, FakePeer, Nodes, block_request, owned_by, pack_bytes_fetched, place_request, read_answer,
+    root_only, scrape,
 )  # fmt: skip
 from tests.support.tls import self_signed
 from tests.support.waiting import wait_until
@@ -225,6 +226,12 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
         assert statuses[0]["received"]["blocks"] == len(mine[1]) == statuses[1]["served"]["blocks"]
         assert statuses[1]["received"]["blocks"] == len(mine[0]) == statuses[0]["served"]["blocks"]
         assert statuses[0]["fallbacks"] == statuses[0]["bad_blocks"] == statuses[0]["errors"] == 0
+        # The owners sent the store's frames, not the raw blocks: the bytes that crossed are the
+        # stored lengths (this file's blocks do not compress: a frame is a little longer than its block).
+        for asker, owner in ((0, 1), (1, 0)):
+            frames = sum(layer.index.blocks[number].clen for number in mine[owner])
+            assert statuses[asker]["received"]["bytes"] == frames == statuses[owner]["served"]["bytes"]
+            assert frames != sum(layer.index.blocks[number].rlen for number in mine[owner])
         assert clients[0].status()["peers"]["received"] == statuses[0]["received"]  # the server's status has it too
         # The metrics say the same, and bootseer peers status prints it.
         samples = scrape(metrics[0])
@@ -248,9 +255,36 @@ def test_two_nodes_fetch_each_block_from_the_store_once_and_the_rest_from_each_o
 
 
 @root_only
+def test_an_owner_sends_the_stores_frame_to_a_member_that_takes_frames_and_the_raw_block_to_one_that_does_not(
+    peer_layer: Any, nodes: Nodes
+) -> None:
+    """Peers send what the store sent (issue 26): a member that says ``Accept-Encoding: zstd`` gets the
+    store's compressed frame of a block the owner verified, byte for byte the pack's; a member that
+    does not (as before frames) gets the raw block."""
+    store, layer = peer_layer
+    listen = f"127.0.0.1:{free_port()}"
+    with RangeHTTPServer(store) as http:
+        client = nodes.start(http.url, PeerConfig(listen=listen, members=(listen,), token_file=str(nodes.token)))
+        assert read_whole(Path(client.mount(layer.chain_id).lower_dir)) == BIG  # every block verified here
+        address = split_address(listen)
+        big = next(e for e in layer.index.entries if e.path == "data/big.bin").blocks
+        for position in (0, len(big) // 2):
+            block = layer.index.blocks[big[position]]
+            frame = (store / pack_object(layer.index.packs[block.pack])).read_bytes()[block.offset : block.offset + block.clen]
+            raw = BIG[position * BLOCK_SIZE :][: block.rlen]
+            for frames, body, coding in ((True, frame, "zstd"), (False, raw, None)):
+                with socket.create_connection((address[0], int(address[1])), timeout=30) as sock:
+                    sock.sendall(block_request(http.url, layer.index, block, TOKEN, frames=frames))
+                    status, headers, answer = read_answer(sock)
+                assert (status, headers.get("content-encoding"), answer) == (200, coding, body), (frames, status, headers)
+
+
+@root_only
 @pytest.mark.parametrize(
     "behaviour, reason",
-    [("corrupt", "bad_blocks"), ("cut", "errors"), ("silent", "late"), ("refuse", "fallbacks")],
+    [("corrupt", "bad_blocks"), ("cut", "errors"), ("silent", "late"), ("refuse", "fallbacks"),
+     ("frame-bomb", "bad_blocks"), ("frame-corrupt", "bad_blocks"), ("frame-oversize", "errors"),
+     ("encoding", "errors")],
 )
 def test_a_peer_that_lies_cuts_hangs_or_refuses_costs_a_store_fetch_never_a_wrong_byte(
     peer_layer: Any, nodes: Nodes, fake_peer: Callable[[str], FakePeer], behaviour: str, reason: str

@@ -28,6 +28,7 @@ from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.server import PeerServer
 from bootseer.blockstore.peers.config import BUDGET_WINDOW, PeerConfig
 from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.peers import PeerPayload
 from bootseer.fetch.engine import open_engine
 from bootseer.fetch.stripes import Priority
 from bootseer.fetch.faults import FaultySource
@@ -153,9 +154,10 @@ def test_an_owner_fetches_a_peers_block_below_its_own_reads_whatever_priority_th
     node's DEMAND queue (the node's own 1 MiB reads took 5.4 s under 16 hostile requests)."""
     asked: list[Priority] = []
 
-    async def get_block(store: str, place: BlockPlace, priority: Priority, allowance: Any) -> bytes:
+    async def get_block(store: str, place: BlockPlace, priority: Priority, allowance: Any,
+                        compressed: bool) -> PeerPayload:  # fmt: skip
         asked.append(priority)
-        return b"x" * place.rlen
+        return PeerPayload(b"x" * place.rlen, False)
 
     async def main() -> None:
         server = PeerServer(PeerConfig(listen=f"127.0.0.1:{free_port()}"), None, get_block)
@@ -188,13 +190,14 @@ def test_peer_serving_holds_at_most_its_memory_and_max_uploads_blocks_at_once() 
     running, most = 0, 0
     release = trio.Event()
 
-    async def get_block(store: str, place: BlockPlace, priority: Priority, allowance: Any) -> bytes:
+    async def get_block(store: str, place: BlockPlace, priority: Priority, allowance: Any,
+                        compressed: bool) -> PeerPayload:  # fmt: skip
         nonlocal running, most
         running += 1
         most = max(most, running)
         await release.wait()
         running -= 1
-        return b"x" * place.rlen
+        return PeerPayload(b"x" * place.rlen, False)
 
     answered = processing = 0
 

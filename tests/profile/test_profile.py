@@ -339,6 +339,25 @@ def test_prefetch_bytes_are_not_counted_twice_in_the_image_phase() -> None:
     assert next(p for p in phases(alone) if p.name == "image").bytes == 2048 + 2048 + 3000
 
 
+def test_cpu_and_event_counters_are_shown_in_their_units_never_as_a_phases_bytes() -> None:
+    """The layer server samples its CPU per stage (``cpu.<stage>``, ms) and the kernel's pre-access events
+    (``layers.fanotify_events``) in the image phase: the table totals them in their units, Chrome's
+    trace names the unit, and the image phase's bytes are the bytes alone."""
+    trace = demo_trace()
+    t0 = 1000.0
+    extra = [Event("cpu.decode", "counter", t0 + 1.0, phase="image", value=0),
+             Event("cpu.decode", "counter", t0 + 2.0, phase="image", value=1250),
+             Event("layers.fanotify_events", "counter", t0 + 1.0, phase="image", value=0),
+             Event("layers.fanotify_events", "counter", t0 + 2.0, phase="image", value=40)]
+    both = Trace(node=trace.node, job=trace.job, events=sorted(trace.events + extra, key=lambda e: e.start))
+    assert next(p for p in phases(both) if p.name == "image").bytes == 2048 + 2048 + 4000
+    text = table(both)
+    assert "cpu.decode: 1.250 CPU s" in text
+    assert not [line for line in text.splitlines() if line.endswith("fetched") and ("cpu." in line or "fanotify" in line)]
+    counters = {e["name"]: e["args"] for e in chrome_trace([both])["traceEvents"] if e["ph"] == "C"}
+    assert counters["cpu.decode"] == {"ms": 1250} and counters["layers.fanotify_events"] == {"events": 40}
+
+
 def test_phases_in_order_with_their_durations_and_bytes() -> None:
     trace = demo_trace()
     found = phases(trace)

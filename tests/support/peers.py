@@ -16,7 +16,10 @@ The tests of peers (tests/blockstore/test_peers*.py) share these rather than imp
 * :class:`FakePeer` (the ``fake_peer`` fixture makes them) answers block requests the way a test
   asks ("corrupt": the right length, the wrong bytes; "cut": half a body, then the connection
   shut; "silent": nothing; "refuse": 401; "processing": ``102 Processing`` every 0.1 s, never an
-  answer; "drip": a 200 head, then the body one byte every 0.3 s), records each request's path
+  answer; "drip": a 200 head, then the body one byte every 0.3 s; and as compressed frames
+  (``Content-Encoding: zstd``): "frame-bomb", a frame that decompresses to 4 times the block;
+  "frame-corrupt", a good frame of the wrong bytes; "frame-oversize", a body beyond the block's
+  worst case; "encoding", an encoding the asker never asked for), records each request's path
   and Authorization header, and runs in a thread of the test, or in another network namespace as
   ``python -m tests.support.peers HOST:PORT BEHAVIOUR`` (which prints ``listening`` once it is,
   then each request's path as it gets it).
@@ -26,6 +29,7 @@ The fixtures are offered to every test by tests/conftest.py.
 
 from __future__ import annotations
 
+import gzip
 import os
 import socket
 import sys
@@ -36,11 +40,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import zstandard
 
 from bootseer.blockstore.server.client import LayerServerClient, ServerSettings, ensure_server
 
 from bootseer.paths import ServerPaths
-from bootseer.blockstore.objects.format import Block, LayerIndex
+from bootseer.blockstore.objects.format import Block, LayerIndex, max_stored_length
 from bootseer.blockstore.peers.wire import block_target, content_length, parse_block_target, parse_head
 from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.ownership import peer_store_id, rendezvous_score
@@ -144,18 +149,22 @@ def owned_by(index: LayerIndex, members: list[str], member: str) -> list[int]:
     ]  # fmt: skip
 
 
-def block_request(store_url: str, index: LayerIndex, block: Block, token: str | None) -> bytes:
-    """The request a member sends for ``block`` of ``index`` in the store at ``store_url``."""
+def block_request(store_url: str, index: LayerIndex, block: Block, token: str | None, *, frames: bool = False) -> bytes:
+    """The request a member sends for ``block`` of ``index`` in the store at ``store_url`` (``frames``:
+    saying it takes the store's compressed frames)."""
     return place_request(store_url, BlockPlace(block.digest, index.packs[block.pack], block.offset, block.clen,
-                                               block.rlen), token)  # fmt: skip
+                                               block.rlen), token, frames=frames)  # fmt: skip
 
 
-def place_request(store_url: str, place: BlockPlace, token: str | None, priority: str = "demand") -> bytes:
+def place_request(store_url: str, place: BlockPlace, token: str | None, priority: str = "demand", *,
+                  frames: bool = False) -> bytes:  # fmt: skip
     """A member's request for whatever ``place`` names (a real block or a made-up one) in the store at
-    ``store_url``, at ``priority``."""
+    ``store_url``, at ``priority`` (``frames``: saying it takes the store's compressed frames; without,
+    as a member before frames asks)."""
     auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    coding = "Accept-Encoding: zstd\r\n" if frames else ""
     target = block_target(peer_store_id(redact_url(store_url)), place, priority)
-    return f"GET {target} HTTP/1.1\r\nHost: bootseer-peer\r\n{auth}\r\n".encode()
+    return f"GET {target} HTTP/1.1\r\nHost: bootseer-peer\r\n{coding}{auth}\r\n".encode()
 
 
 def read_answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
@@ -231,7 +240,15 @@ class FakePeerHandler(BaseHTTPRequestHandler):
             return
         body = os.urandom(place.rlen)  # the right length, the wrong bytes
         self.send_response(200)
-        self.send_header("Content-Length", str(place.rlen))
+        if behaviour.startswith("frame-") or behaviour == "encoding":
+            body = {
+                "frame-bomb": lambda: zstandard.ZstdCompressor().compress(bytes(4 * place.rlen)),
+                "frame-corrupt": lambda: zstandard.ZstdCompressor().compress(body),
+                "frame-oversize": lambda: os.urandom(max_stored_length(place.rlen) + 1),
+                "encoding": lambda: gzip.compress(body),
+            }[behaviour]()
+            self.send_header("Content-Encoding", "gzip" if behaviour == "encoding" else "zstd")
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if behaviour == "drip":  # the body at 3 bytes a second: never in time
             for byte in body:

@@ -75,6 +75,14 @@ MB = 1_000_000
 #: The issue's targets.
 TARGET_EGRESS_RATIO = 1.2
 TARGET_SLOWEST_RATIO = 1.5
+#: Issue 26's: bytes a node receives from peers against its share of the hot set as the store stores it,
+#: a node's CPU with peers against without, and a layer server's CPU for the hot set against the cost of
+#: decompressing and verifying its blocks on one core.
+TARGET_PEER_BYTES_RATIO = 1.1
+TARGET_PEER_CPU_RATIO = 1.15
+TARGET_DECODE_CPU_RATIO = 2.0
+#: The stages of bootseer/cpu.py, as the layer server's metrics name them.
+CPU_STAGES = ("fetch", "decode", "cache_read", "cache_write", "blob_fill", "page_cache_warm")
 #: Extrapolated to this many nodes.
 MODEL_NODES = 1000
 SCENARIOS = {
@@ -105,8 +113,10 @@ class Image:
     chains: list[str]  #: ChainIDs bottom first
     hot: dict[str, Any]  #: the hot list's summary (``bootseer hotlist show``)
     replay: list[ReplayBlock]
-    hot_clen: int  #: compressed bytes of the hot blocks (what a store sends for them)
-    hot_rlen: int  #: raw bytes (what a peer sends)
+    hot_clen: int  #: compressed bytes of the hot blocks (what a store sends for them, and a peer holding the frames)
+    hot_rlen: int  #: raw bytes (what the replay reads)
+    #: each hot block's frame in the store: (pack file, offset, clen, rlen, digest), to time decoding them
+    frames: list[tuple[str, int, int, int, str]] = dataclasses.field(default_factory=list)
 
 
 def peers_store_copy(cache: Path) -> Path:
@@ -151,7 +161,7 @@ def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: 
 def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Image:
     """The hot list resolved against the layers' indexes (from ``store``): the replay's reads in its order."""
     from bootseer.blockstore.convert.converter import verify_layer
-    from bootseer.blockstore.objects.format import EntryType, LayerIndex, index_object
+    from bootseer.blockstore.objects.format import EntryType, LayerIndex, index_object, pack_object
     from bootseer.blockstore.objects.store import FileStoreWriter
     from bootseer.hotlist.format import HotList, hotlist_object, resolve
 
@@ -173,11 +183,35 @@ def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Im
                 for position, ref in enumerate(entry.blocks):
                     table.setdefault(ref, (entry.path, position * index.block_size))
     replay = []
+    frames = []
     for block in resolve(listed, chains, indexes):
         path, offset = places[block.layer][block.ref]
         replay.append(ReplayBlock(chains.index(block.layer), path, offset, block.hot.rlen, block.hot.digest))
+        stored = indexes[block.layer].blocks[block.ref]
+        if not stored.is_zero:
+            pack = str(store / pack_object(indexes[block.layer].packs[stored.pack]))
+            frames.append((pack, stored.offset, stored.clen, stored.rlen, stored.digest))
     return Image(chains, hot, replay, hot_clen=sum(b.hot.clen for b in resolve(listed, chains, indexes)),
-                 hot_rlen=sum(b.size for b in replay))
+                 hot_rlen=sum(b.size for b in replay), frames=frames)
+
+
+def decode_cost(image: Image) -> dict[str, float]:
+    """CPU seconds on one core to decompress and verify the hot set's frames as the fetcher does
+    (``decode_block``: zstd to at most the block, SHA-256), the frames read into memory first (untimed):
+    what the layer server's CPU for the hot set is held against."""
+    from bootseer.blockstore.objects.format import StoredBlock, decode_block
+
+    frames = []
+    for pack, offset, clen, rlen, digest in dict.fromkeys(image.frames):  # each distinct block once, as fetched
+        with open(pack, "rb") as file:
+            file.seek(offset)
+            frames.append((StoredBlock(digest, "", offset, clen, rlen), file.read(clen)))
+    started = time.thread_time()
+    for block, data in frames:
+        if decode_block(block, data) is None:
+            raise BenchError(f"{block.digest}: the store's frame does not decode to its block")
+    return {"cpu_s": time.thread_time() - started, "blocks": float(len(frames)),
+            "clen": float(sum(b.clen for b, _ in frames)), "rlen": float(sum(b.rlen for b, _ in frames))}
 
 
 # --------------------------------------------------------------------------- one start on a set of nodes
@@ -236,6 +270,7 @@ NODE_METRICS = (
     ("bootseer_peer_bytes_total", {"direction": "served"}, "peer_served_bytes"),
     ("bootseer_peer_fallbacks_total", {}, "peer_fallbacks"),
     ("bootseer_peer_requests_total", {"outcome": "ok"}, "peer_requests_ok"),
+    *(("bootseer_stage_cpu_seconds_total", {"stage": stage}, f"cpu_{stage}_s") for stage in CPU_STAGES),
 )
 
 
@@ -452,7 +487,7 @@ def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, 
     """Fitted figures and the 1,000-node extrapolation (see the report's model section).
 
     A start takes a fixed part plus its bottleneck, the slowest of: the store's link (egress / its
-    rate), the node's link (raw bytes from peers / its rate) and the CPU.  A layer server runs on
+    rate), the node's link (bytes from peers / its rate) and the CPU.  A layer server runs on
     about one core (its Python holds the GIL), so a node's CPU term is its server's CPU seconds; on
     this machine, where every node shares its cores, it is also at least the machine's busy CPU
     seconds over the start divided by its cores (nginx, the kernel's FUSE and EROFS work and the
@@ -480,7 +515,8 @@ def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, 
         egress = med([s.store_egress for s in starts])
         cpu = med([statistics.mean(r.cpu_s for r in s.alive()) for s in starts])
         machine = med([s.machine_cpu_s for s in starts])
-        ingress = image.hot_rlen * (n - 1) / n if scenario == "peers" else 0.0  # raw bytes a node gets from peers
+        # What a node gets from peers: the frames of (N-1)/N of the hot set (measured below, in the report)
+        ingress = image.hot_clen * (n - 1) / n if scenario == "peers" else 0.0
         terms = {"store link": egress / store_rate, "node link": ingress / node_rate,
                  "CPU": max(cpu, machine / cores)}
         model[scenario] = {"n": n, "egress": egress, "egress_over_e1": egress / e1, "cpu": cpu, "machine": machine,
@@ -503,7 +539,7 @@ def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, 
                 egress, ingress = fitted["egress"] / fitted["n"] * n, 0.0
             else:
                 # Each block crosses the store's link about once, whatever N: the measured excess over E1 stays.
-                egress, ingress = (fitted["egress"] if n > 1 else e1), image.hot_rlen * (n - 1) / n
+                egress, ingress = (fitted["egress"] if n > 1 else e1), image.hot_clen * (n - 1) / n
             terms = {"store link": egress / store_rate, "node link": ingress / node_rate, "CPU": fitted["cpu"]}
             limit = max(terms, key=lambda k: terms[k])
             model["rows"].append({"scenario": scenario, "n": n, "egress": egress,
@@ -516,13 +552,13 @@ def fit_model(results: dict[str, list[Start]], image: Image, store_rate: float, 
 
 def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any], model: dict[str, Any]) -> str:
     settings = context["settings"]
-    lines = [f"# Peer-assisted block sharing: a job start on {settings['nodes']} nodes (issue 16)", "",
+    lines = [f"# Peer-assisted block sharing: a job start on {settings['nodes']} nodes (issues 16, 26)", "",
              f"Measured {context['when']} on {context['machine']}; load average {context['load']:.2f} before; "
              f"code {context['code']}; `{' '.join(context['argv'])}`, {context['minutes']:.1f} min.", "",
              f"Image: the lazy-layers benchmark's ({len(image.chains)} layers, torch CPU); its hot list (recorded once "
              f"by a layer server alone, the job in a chroot): {image.hot['blocks']} blocks, "
-             f"{image.hot_clen / MB:.1f} MB compressed (what the store sends), {image.hot_rlen / MB:.1f} MB raw "
-             f"(what the replay reads and a peer sends).",
+             f"{image.hot_clen / MB:.1f} MB compressed (what the store sends, and an owner holding the store's frames), "
+             f"{image.hot_rlen / MB:.1f} MB raw (what the replay reads).",
              "",
              f"Nodes: network namespaces on one bridge, each behind its own tbf link of `{settings['rate']}`; the store "
              f"(nginx serving the converted store) in a namespace of its own behind one `{settings['store_rate']}` "
@@ -562,8 +598,9 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
     lines += ["", "Scenarios: " + "; ".join(f"`{k}`: {v}" for k, v in SCENARIOS.items()) + ". *finished*: nodes "
               "(not killed) that had their hot set and replayed the start within the timeout; a start where one "
               "did not has no slowest node.", ""]
-    lines += ["## Targets", ""] + checks(results, model, context) + [""]
+    lines += ["## Targets", ""] + checks(results, model, context, image) + [""]
     lines += stall_note(results) + peer_bytes_note(results, image)
+    lines += cpu_section(results, context)
     lines += model_section(model, image, context)
     lines += ["", "## Every start", ""]
     for scenario in SCENARIOS:
@@ -574,7 +611,8 @@ def report(results: dict[str, list[Start]], image: Image, context: dict[str, Any
                             if start.killed_at_s is not None else ""))
             for run in start.nodes:
                 state = "killed" if run.killed else (f"FAILED: {run.error}" if run.error else "ok")
-                figures = ", ".join(f"{k} {v / MB:.1f} MB" if k.endswith("bytes") else f"{k} {v:.0f}"
+                figures = ", ".join(f"{k} {v / MB:.1f} MB" if k.endswith("bytes") else
+                                    f"{k} {v:.2f}" if k.endswith("_s") else f"{k} {v:.0f}"
                                     for k, v in run.figures.items() if v or k == "peer_late")
                 prefetch = run.prefetch or {}
                 lines.append(f"  * node {run.node}: hot set {fmt(run.hot_s)} s, done {fmt(run.done_s)} s, "
@@ -599,20 +637,46 @@ def cpu_bound_note(model: dict[str, Any]) -> str:
 
 
 def peer_bytes_note(results: dict[str, list[Start]], image: Image) -> list[str]:
-    """A note when the nodes got more raw bytes from peers than their share of the hot set."""
+    """A note when the nodes got more bytes from peers than their share of the hot set as stored."""
     starts = [s for s in results.get("peers", []) if s.complete()]
     received = [r.figures.get("peer_received_bytes", 0) for s in starts for r in s.alive()]
     if not received:
         return []
     n = len(starts[0].nodes)
-    share = image.hot_rlen * (n - 1) / n
+    share = image.hot_clen * (n - 1) / n
     got = statistics.median(received)
-    if got <= 1.1 * share:
+    if got <= TARGET_PEER_BYTES_RATIO * share:
         return []
     return [f"*With peers a node received {got / MB:.0f} MB (median) from its peers, {got / share:.2f}x its share of "
-            f"the hot set ((N−1)/N of {image.hot_rlen / MB:.0f} MB raw = {share / MB:.0f} MB): read-ahead through "
-            f"the peers moves blocks beyond the hot list, and each costs the sender and the receiver CPU and link.*",
-            ""]
+            f"the hot set as stored ((N−1)/N of {image.hot_clen / MB:.0f} MB compressed = {share / MB:.0f} MB): "
+            f"blocks beyond the hot list (read-ahead) and blocks an owner held only raw (no frame in its memory) "
+            f"cost the sender and the receiver CPU and link.*", ""]
+
+
+def cpu_section(results: dict[str, list[Start]], context: dict[str, Any]) -> list[str]:
+    """Where a node's layer server spent its CPU, per stage (bootseer/cpu.py), against decoding the hot set."""
+    cost = context.get("decode_cost")
+    lines = ["## Where the CPU goes", ""]
+    if cost:
+        lines += [f"Decompressing and verifying the hot set's {cost['blocks']:.0f} blocks ({cost['clen'] / MB:.1f} MB "
+                  f"compressed, {cost['rlen'] / MB:.1f} MB raw) as the fetcher does, on one core of this machine in the "
+                  f"benchmark's process: **{cost['cpu_s']:.2f} CPU s**. A node's layer server, median per node, its "
+                  "CPU seconds per stage (`bootseer_stage_cpu_seconds_total`) and the rest of its process (trio's own "
+                  "work: FUSE replies, the peers' wire, scheduling; the garbage collector):", ""]
+    lines += ["| scenario | CPU s per node | x decode cost | " + " | ".join(CPU_STAGES) + " | outside stages |",
+              "|---|---|---|" + "---|" * len(CPU_STAGES) + "---|"]
+    for scenario in SCENARIOS:
+        runs = [r for s in results.get(scenario, []) for r in s.alive() if r.done_s is not None]
+        if not runs or not any(f"cpu_{stage}_s" in r.figures for r in runs for stage in CPU_STAGES):
+            continue
+        total = statistics.median(r.cpu_s for r in runs)
+        stages = [statistics.median(r.figures.get(f"cpu_{stage}_s", 0.0) for r in runs) for stage in CPU_STAGES]
+        outside = statistics.median(
+            r.cpu_s - sum(r.figures.get(f"cpu_{stage}_s", 0.0) for stage in CPU_STAGES) for r in runs)
+        ratio = f"{total / cost['cpu_s']:.2f}" if cost and cost["cpu_s"] > 0 else "—"
+        lines.append(f"| {scenario} | {total:.2f} | {ratio} | " + " | ".join(f"{v:.2f}" for v in stages)
+                     + f" | {outside:.2f} |")
+    return lines + [""]
 
 
 def stall_note(results: dict[str, list[Start]]) -> list[str]:
@@ -630,7 +694,7 @@ def stall_note(results: dict[str, list[Start]]) -> list[str]:
     return [f"*{text}*", ""]
 
 
-def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict[str, Any]) -> list[str]:
+def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict[str, Any], image: Image) -> list[str]:
     e1, t1 = model.get("e1"), model.get("t1")
     out = []
     timeout = context["settings"]["timeout"]
@@ -673,6 +737,28 @@ def checks(results: dict[str, list[Start]], model: dict[str, Any], context: dict
                    f"one node's alone (about {n}x expected); slowest "
                    f"{statistics.median(s.slowest() for s in no_peers):.2f} s = "
                    f"{statistics.median(s.slowest() for s in no_peers) / t1:.2f}x one node alone")
+    if complete:
+        n = len(complete[0].nodes)
+        share = image.hot_clen * (n - 1) / n
+        received = statistics.median(r.figures.get("peer_received_bytes", 0) for s in complete for r in s.alive())
+        if share:
+            line(received <= TARGET_PEER_BYTES_RATIO * share,
+                 f"bytes a node received from peers {received / MB:.1f} MB (median) = {received / share:.2f}x its "
+                 f"share of the hot set as stored ((N−1)/N of the compressed hot set = {share / MB:.1f} MB) "
+                 f"(target <= {TARGET_PEER_BYTES_RATIO}x)")
+        if no_peers_complete := [s for s in results.get("no-peers", []) if s.complete()]:
+            with_cpu = statistics.median(r.cpu_s for s in complete for r in s.alive())
+            without = statistics.median(r.cpu_s for s in no_peers_complete for r in s.alive())
+            line(with_cpu <= TARGET_PEER_CPU_RATIO * without,
+                 f"a node's layer-server CPU with peers {with_cpu:.2f} s = {with_cpu / without:.2f}x without "
+                 f"({without:.2f} s) (target <= {TARGET_PEER_CPU_RATIO}x)")
+    cost = context.get("decode_cost")
+    alone = [s for s in results.get("alone", []) if s.complete()]
+    if cost and alone:
+        cpu = statistics.median(s.nodes[0].cpu_s for s in alone)
+        line(cpu <= TARGET_DECODE_CPU_RATIO * cost["cpu_s"],
+             f"a layer server's CPU for the hot set (node alone) {cpu:.2f} s = {cpu / cost['cpu_s']:.2f}x decompressing "
+             f"and verifying its blocks on one core ({cost['cpu_s']:.2f} s) (target <= {TARGET_DECODE_CPU_RATIO}x)")
     kill = results.get("peers-kill")
     deadline = context["settings"]["peer_deadline"]
     if kill and peers:
@@ -715,7 +801,7 @@ def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) 
         return lines + ["Not fitted: the runs it needs did not complete.", ""]
     lines += [
         "A start is a fixed part plus its bottleneck, the slowest of three: the store's link (store egress / its "
-        "rate), the node's own link (raw bytes the node receives from peers / its rate) and the CPU. A layer "
+        "rate), the node's own link (bytes the node receives from peers / its rate) and the CPU. A layer "
         "server runs on about one core (its Python holds the GIL; decompression threads add a little), so a "
         "node's CPU term is its server's CPU seconds for the start (fetch, decompress, verify, serve, FUSE); on "
         "this machine, where every node shares its "
@@ -727,8 +813,8 @@ def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) 
         f"and a node's {model['node_rate'] / MB:.0f} MB/s (configured); fixed part t1 − its bottleneck = "
         f"{model['t_fixed']:.2f} s. Without peers, egress grows as N x the measured egress per node; with peers "
         "it stays at the measured N-node figure (each block crosses the store's link about once; the excess "
-        "over E1 is hedged fallbacks and owners' duplicate misses), and each node receives (N−1)/N of the raw "
-        "hot set from peers.", "",
+        "over E1 is hedged fallbacks and owners' duplicate misses), and each node receives (N−1)/N of the hot "
+        "set from peers, as the store's compressed frames.", "",
         "Against the measured points on this machine:", ""]
     for scenario in ("no-peers", "peers"):
         fitted = model.get(scenario)
@@ -740,7 +826,7 @@ def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) 
     if model.get("peers_design"):
         lines += ["* `peers`: no start with peers completed, so nothing with peers is fitted: the rows *with* "
                   "below are the design's figures (store egress E1 whatever N, each node receiving (N−1)/N of the "
-                  "raw hot set, the alone node's CPU), not a measurement."]
+                  "hot set's frames, the alone node's CPU), not a measurement."]
     lines += ["", "Extrapolated, every node with its own cores (as on a real cluster):", "",
               "| peers | nodes | store egress | start (slowest node) s | limited by |", "|---|---|---|---|---|"]
     for row in model["rows"]:
@@ -752,9 +838,10 @@ def model_section(model: dict[str, Any], image: Image, context: dict[str, Any]) 
     lines += ["", "What limits it:", "",
               "* **Without peers, the store's link**: 1,000 nodes each pull the hot set across one store link, "
               "so the start grows linearly with N (E1 x N / store rate); the slowest node is the last served.",
-              "* **With peers, the node's own link and the CPU**: every node receives almost the whole raw hot set "
-              "from peers and its owners send as much, so each node's link carries the raw hot set once each way "
-              "whatever N; the CPU of decompressing and verifying every block is per node and does not grow.",
+              "* **With peers, the node's own link and the CPU**: every node receives almost the whole hot set "
+              "from peers (the store's frames) and its owners send as much, so each node's link carries the "
+              "compressed hot set once each way whatever N; the CPU of decompressing and verifying every block is "
+              "per node and does not grow.",
               "* **Owner fan-out**: each block's owner serves it to N−1 peers, at most `--peer-max-uploads` at once "
               "and within `--peer-upload-rate`; at 1,000 nodes, 999 requests arrive for each block at about the "
               "same moment, so a peer waits its turn at the owner, and one that waits past `--peer-deadline` "
@@ -829,13 +916,15 @@ def main(argv: list[str] | None = None) -> int:
     hot = record_hot_list(image_built, store, work, args.timeout)
     image = load_image(image_built, store, hot)
     log(f"hot list: {hot['blocks']} blocks, {image.hot_clen / MB:.1f} MB compressed, {image.hot_rlen / MB:.1f} MB raw")
+    cost = decode_cost(image)
+    log(f"decompressing and verifying the hot set's {cost['blocks']:.0f} blocks on one core: {cost['cpu_s']:.2f} CPU s")
     settings = {key: getattr(args, key) for key in ("nodes", "reps", "rate", "store_rate", "peer_deadline",
                                                     "kill_at", "timeout")}
     context: dict[str, Any] = {"settings": settings, "notes": [], "not_run": {}, "load": load,
                                "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                                "argv": ["python", "-m", "bench.peers_bench", *(argv if argv is not None else sys.argv[1:])],
                                "machine": machine(), "code": code_version(),
-                               "rates": rates}
+                               "rates": rates, "decode_cost": cost}
     with_peers = peers_supported()
     if not with_peers:
         for scenario in ("peers", "peers-kill"):
@@ -890,7 +979,7 @@ def save_run(path: Path, results: dict[str, list[Start]], image: Image, context:
     """A run's measurements as JSON (``--report-from`` writes the report again from them)."""
     data = {"context": context, "results": {k: [dataclasses.asdict(s) for s in v] for k, v in results.items()},
             "image": {"chains": image.chains, "hot": image.hot, "hot_clen": image.hot_clen,
-                      "hot_rlen": image.hot_rlen}}
+                      "hot_rlen": image.hot_rlen}}  # not its frames: the decode cost is in the context
     path.write_text(json.dumps(data, indent=1, default=str))
 
 

@@ -26,7 +26,10 @@ costs more than the work); verified blocks are written into the node cache behin
 (:mod:`~bootseer.blockstore.node.cache_writer`; :meth:`BlockFetcher.flush` waits for it), so a
 read never waits for the disk.  All-zero blocks are stored nowhere and cost nothing.
 
-Read-ahead (:mod:`~bootseer.blockstore.node.readahead`) is queued in the engine with a read that
+A read the node cache serves takes its read-ahead candidates from the cache too, in the same
+worker-thread call (up to :data:`CACHE_AHEAD_BYTES`, each verified by the cache), into memory: on
+a restarted node the reads that follow are memory hits, with no thread hop or disk wait of their
+own.  Read-ahead (:mod:`~bootseer.blockstore.node.readahead`) is queued in the engine with a read that
 goes to the store; a block read ahead is verified when read, like any fetched block.  Blocks in
 memory, pending, in the node cache or known to the engine are never read ahead.  What the fetcher
 counts is :class:`~bootseer.blockstore.node.metrics.FetcherStats` (:meth:`BlockFetcher.statistics`)
@@ -59,6 +62,10 @@ from bootseer.log import get_logger
 
 log = get_logger(__name__)
 
+#: Raw bytes of read-ahead candidates a read that goes to the node cache takes from it too, into the
+#: fetcher's memory, in the same worker-thread call: the reads that follow are memory hits, with no
+#: thread hop and no disk wait of their own.
+CACHE_AHEAD_BYTES = 4 << 20
 #: A call whose blocks (compressed and raw bytes together) exceed this decompresses and
 #: hashes them in a worker thread (zstd and hashlib release the GIL there); below it
 #: the thread hop (tens of microseconds) costs more than the work.
@@ -321,15 +328,19 @@ class BlockFetcher:
                 assert isinstance(index, LayerIndex)  # ``ahead`` comes with a layer's read
                 candidates = self._ahead_candidates(index, ahead(), mine)
             if self.cache is not None and (probe or candidates):
-                got, cached = await trio.to_thread.run_sync(
-                    self._cache_get, probe, [block.digest for block in candidates], limiter=self._threads
-                )
+                got, cached, loaded = await trio.to_thread.run_sync(
+                    self._cache_get, probe, [block.digest for block in candidates], bool(probe),
+                    limiter=self._threads,
+                )  # fmt: skip
                 if got:
                     self._stats.blocks_cached += len(got)
                     counters.cached.inc(len(got))
                 for digest, data in got.items():
                     self._recent.remember(digest, data)
                     pending[digest].data = data
+                for digest, data in loaded.items():  # read ahead from the node cache: the next reads' memory hits
+                    self._recent.remember(digest, data)
+                self._stats.cache_ahead_blocks += len(loaded)
                 if cached:
                     candidates = [block for block in candidates if block.digest not in cached]
             rest = [block for digest, block in mine.items() if digest not in got]
@@ -375,17 +386,32 @@ class BlockFetcher:
             chosen[digest] = block
         return list(chosen.values())
 
-    def _cache_get(self, digests: list[str], probe: list[str]) -> tuple[dict[str, bytes], set[str]]:
-        """In a worker thread: the blocks of ``digests`` the cache holds (each verified by it), and
-        which of ``probe`` (read-ahead candidates: not worth fetching if cached) it holds."""
+    def _cache_get(self, digests: list[str], probe: list[str],
+                   load: bool) -> tuple[dict[str, bytes], set[str], dict[str, bytes]]:  # fmt: skip
+        """In a worker thread: the blocks of ``digests`` the cache holds (each verified by it), which
+        of ``probe`` (read-ahead candidates: not worth fetching if cached) it holds, and, with
+        ``load`` when every one of ``digests`` was there, the first of those candidates read (and
+        verified) too, up to :data:`CACHE_AHEAD_BYTES`."""
         assert self.cache is not None
         found = {}
+        loaded: dict[str, bytes] = {}
         with cpu.stage("cache_read"):
             for digest in digests:
                 data = self.cache.get(digest)
                 if data is not None:
                     found[digest] = data
-            return found, {digest for digest in probe if self.cache.contains(digest)}
+            held = {digest for digest in probe if self.cache.contains(digest)}
+            if load and len(found) == len(digests):  # a read the node cache served: its next blocks likely are too
+                room = CACHE_AHEAD_BYTES
+                for digest in probe:
+                    if digest not in held or room <= 0:
+                        break  # in order: up to the first one the cache does not hold
+                    data = self.cache.get(digest)
+                    if data is None:
+                        break
+                    loaded[digest] = data
+                    room -= len(data)
+            return found, held, loaded
 
     def _read_ahead(self, index: PackList, candidates: Sequence[Block], counters: LayerCounters) -> None:
         """Queue ``candidates`` in the engine at READAHEAD and remember them, to count them when read."""

@@ -68,6 +68,7 @@ class FetcherStats:
     readahead_bytes: int = 0  #: their compressed bytes
     readahead_read: int = 0  #: of those, blocks later read (served from the engine's buffer: no request of their own)
     readahead_read_bytes: int = 0  #: their compressed bytes (``readahead_bytes - readahead_read_bytes``: never read)
+    cache_ahead_blocks: int = 0  #: blocks read ahead from the node cache into memory, with a read the cache served
 
 
 class LayerCounters:

@@ -541,6 +541,48 @@ def test_the_cache_serves_a_second_fetcher_after_a_restart_and_drops_a_corrupt_e
     assert [(r.offset, r.length) for r in source.reads[reads:]] == [(victim.offset, victim.clen)]
 
 
+def test_a_read_the_node_cache_serves_takes_the_next_blocks_too_so_the_reads_after_it_are_memory_hits(
+    tmp_path, store, source, files
+):
+    """Issue 26: on a restarted node (blocks in the node cache, none in memory) a sequential read cost a
+    worker-thread hop and a disk read per block; a read the cache serves now reads its read-ahead
+    candidates from the cache in the same call, into memory.  A damaged entry among them is not taken
+    (the cache verifies each), and its block comes from the store when read."""
+    index = pack_layer(store, files)
+    cache_dir = str(tmp_path / "cache")
+    big = entry(index, "big.bin")
+    stored = len({index.blocks[ref].digest for ref in big.blocks})
+
+    async def read_block_by_block(fetcher: BlockFetcher) -> bytes:
+        layer = LayerReader(index, fetcher)
+        pieces = [await layer.read(big, offset, BLOCK) for offset in range(0, big.size, BLOCK)]
+        await fetcher.flush()
+        return b"".join(pieces)
+
+    async def cold() -> None:
+        async with open_engine(source, engine_config()) as engine:
+            assert await read_block_by_block(BlockFetcher(engine, BlockCache(cache_dir, 64 << 20))) == files["big.bin"]
+
+    async def restarted() -> BlockFetcher:
+        async with open_engine(source, engine_config()) as engine:
+            fetcher = BlockFetcher(engine, BlockCache(cache_dir, 64 << 20))
+            assert await read_block_by_block(fetcher) == files["big.bin"]
+            return fetcher
+
+    run(cold)
+    victim = index.blocks[big.blocks[20]]
+    path = Path(BlockCache(cache_dir, 64 << 20).path_of(victim.digest))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    reads = len(source.reads)
+    stats = run(restarted).statistics()
+    assert stats.cache_ahead_blocks >= stored // 2 and stats.blocks_from_memory >= stored // 2, stats
+    assert stats.blocks_cached + stats.blocks_fetched <= stored // 4, stats  # reads that went to the cache or store
+    # The damaged block alone came from the store (its request may carry read-ahead of what follows it).
+    assert stats.blocks_fetched == 1 and (victim.offset, victim.clen) in [(r.offset, r.length) for r in source.reads[reads:]]
+
+
 def test_the_node_cache_is_written_behind_the_read_and_a_block_on_its_way_is_served(tmp_path, store, source, files):
     index = pack_layer(store, files)
     tiny = entry(index, "tiny")

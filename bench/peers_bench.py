@@ -82,7 +82,7 @@ TARGET_PEER_BYTES_RATIO = 1.1
 TARGET_PEER_CPU_RATIO = 1.15
 TARGET_DECODE_CPU_RATIO = 2.0
 #: The stages of bootseer/cpu.py, as the layer server's metrics name them.
-CPU_STAGES = ("fetch", "decode", "cache_read", "cache_write", "blob_fill", "page_cache_warm")
+CPU_STAGES = ("fetch", "decode", "cache_read", "cache_write", "blob_fill", "page_cache_warm", "gc")
 #: Extrapolated to this many nodes.
 MODEL_NODES = 1000
 SCENARIOS = {

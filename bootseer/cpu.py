@@ -20,6 +20,7 @@ them into its timeline (``cpu.<stage>`` counters, in milliseconds).
 from __future__ import annotations
 
 import contextlib
+import gc
 import resource
 import threading
 import time
@@ -36,6 +37,7 @@ STAGES = (
     "cache_write",  #: writing verified blocks into the node cache
     "blob_fill",  #: writing verified blocks into a local blob (the fanotify data path)
     "page_cache_warm",  #: putting prefetched blocks into the page cache
+    "gc",  #: the garbage collector (with :func:`count_gc`), wherever it ran
 )
 
 STAGE_CPU = prometheus_client.Counter(
@@ -49,24 +51,53 @@ _lock = threading.Lock()
 _inner = threading.local()  # .spent: CPU seconds of the stages entered inside the current one, in this thread
 
 
+def _enter() -> tuple[float | None, float]:
+    """Open a stage in this thread: what to give :func:`_leave`."""
+    outer_inner = getattr(_inner, "spent", None)
+    _inner.spent = 0.0
+    return outer_inner, time.thread_time()
+
+
+def _leave(name: str, opened: tuple[float | None, float]) -> None:
+    """Close the stage ``opened`` by :func:`_enter`: its CPU, less its inner stages', to ``name``."""
+    outer_inner, started = opened
+    total = time.thread_time() - started
+    spent = max(0.0, total - (_inner.spent or 0.0))
+    _inner.spent = None if outer_inner is None else outer_inner + total
+    _COUNTERS[name].inc(spent)
+    with _lock:
+        _seconds[name] += spent
+
+
 @contextlib.contextmanager
 def stage(name: str) -> Iterator[None]:
     """Count the CPU time this thread spends in the block to stage ``name`` (KeyError for another name).
 
     The block must not ``await``: another task's work would be counted."""
-    counter = _COUNTERS[name]
-    outer_inner = getattr(_inner, "spent", None)
-    _inner.spent = 0.0
-    started = time.thread_time()
+    _COUNTERS[name]  # an unknown stage fails before the block runs
+    opened = _enter()
     try:
         yield
     finally:
-        total = time.thread_time() - started
-        spent = total - _inner.spent
-        _inner.spent = None if outer_inner is None else outer_inner + total
-        counter.inc(max(0.0, spent))
-        with _lock:
-            _seconds[name] += max(0.0, spent)
+        _leave(name, opened)
+
+
+_collecting = threading.local()  # .opened: the collection under way in this thread
+
+
+def _on_gc(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _collecting.opened = _enter()
+    elif (opened := getattr(_collecting, "opened", None)) is not None:
+        _collecting.opened = None
+        _leave("gc", opened)
+
+
+def count_gc() -> None:
+    """Count the garbage collector's CPU as the ``gc`` stage from now on, in whatever thread it runs
+    (it interrupts the code that allocated: that code's stage is counted without it).  Once per process."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
 
 
 @dataclass(frozen=True)
@@ -90,4 +121,4 @@ def statistics() -> CpuStatistics:
     return CpuStatistics(stages, usage.ru_utime + usage.ru_stime)
 
 
-__all__ = ["STAGES", "STAGE_CPU", "CpuStatistics", "stage", "statistics"]
+__all__ = ["STAGES", "STAGE_CPU", "CpuStatistics", "count_gc", "stage", "statistics"]

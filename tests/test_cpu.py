@@ -45,3 +45,21 @@ def test_an_unknown_stage_is_refused() -> None:
     with pytest.raises(KeyError):
         with cpu.stage("no such stage"):
             pass
+
+
+def test_the_garbage_collectors_cpu_is_its_own_stage_and_not_the_stage_it_interrupted() -> None:
+    import gc
+
+    cpu.count_gc()
+    cpu.count_gc()  # once: a second call adds no second callback
+    assert sum(1 for callback in gc.callbacks if callback is cpu._on_gc) == 1
+    junk = [[object() for _ in range(10)] for _ in range(100_000)]  # many objects for a full collection to walk
+    before = cpu.statistics().stages
+    with cpu.stage("decode"):
+        started = time.thread_time()
+        gc.collect()
+        spent = time.thread_time() - started
+    after = cpu.statistics().stages
+    collected = after["gc"] - before["gc"]
+    assert collected >= 0.8 * spent > 0 and after["decode"] - before["decode"] <= 0.2 * spent + 0.001, (collected, spent)
+    del junk

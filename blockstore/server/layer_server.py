@@ -860,6 +860,7 @@ async def run_server(
     lock_fd = _hold_lock(paths.server_lock)
     try:
         raise_fd_limit()
+        cpu.count_gc()  # the garbage collector's CPU is a stage of its own (bootseer/cpu.py)
         prepare_root(paths)
         data_path = DataPathProbe(paths.layers, config.filesystems, blobs=blob_directory(config)).choose(config.data_path)
         announce(data_path)

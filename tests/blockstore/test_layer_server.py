@@ -432,7 +432,7 @@ def test_the_metrics_and_status_say_what_was_served_and_the_cpu_each_stage_spent
     # CPU per stage (issue 26): the big file's blocks were fetched, decoded and written into the blob.
     spent = {stage: float(seconds) for stage, seconds in
              re.findall(r'^bootseer_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}  # fmt: skip
-    assert set(spent) == {"fetch", "decode", "cache_read", "cache_write", "blob_fill", "page_cache_warm"}, text
+    assert set(spent) == {"fetch", "decode", "cache_read", "cache_write", "blob_fill", "page_cache_warm", "gc"}, text
     assert spent["fetch"] > 0 and spent["decode"] > 0 and spent["blob_fill"] > 0, spent
     status = client.status()["cpu_seconds"]
     assert status["decode"] >= spent["decode"] > 0

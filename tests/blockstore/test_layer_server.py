@@ -435,7 +435,7 @@ def test_the_metrics_and_status_say_what_was_served_and_the_cpu_each_stage_spent
     assert set(spent) == {"fetch", "decode", "cache_read", "cache_write", "blob_fill", "page_cache_warm", "gc"}, text
     assert spent["fetch"] > 0 and spent["decode"] > 0 and spent["blob_fill"] > 0, spent
     status = client.status()["cpu_seconds"]
-    assert status["decode"] >= spent["decode"] > 0
+    assert status["decode"] >= spent["decode"] - 1e-6 and status["decode"] > 0  # rounded to the microsecond
     assert status["process"] >= sum(status[stage] for stage in spent) and status["outside_stages"] >= 0, status
 
 

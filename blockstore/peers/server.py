@@ -75,6 +75,8 @@ AUTH_ADDRESSES = 4096
 AUTH_LOG_INTERVAL = 10.0
 #: An accept that fails for want of file descriptors or memory is retried after this many seconds.
 ACCEPT_RETRY = 0.1
+#: A block's body goes out in pieces of this many bytes, each taken from ``upload_rate`` as it is sent.
+UPLOAD_PIECE = 256 << 10
 #: Block requests an owner queues beyond those it serves before answering 503.
 QUEUE_PER_UPLOAD = 8
 
@@ -417,9 +419,12 @@ class PeerServer:
                 return keep
             body = data.body
             encoding = FRAME_ENCODING if data.compressed else None
-            await self._bucket.take(len(body))
-            await stream.send(response_head(200, "OK", len(body), kind="application/octet-stream", encoding=encoding)
-                              + body)  # fmt: skip
+            head = response_head(200, "OK", len(body), kind="application/octet-stream", encoding=encoding)
+            view = memoryview(body)
+            for start in range(0, len(view), UPLOAD_PIECE):  # each piece within upload_rate as it goes
+                piece = view[start : start + UPLOAD_PIECE]
+                await self._bucket.take(len(piece))
+                await stream.send(head + piece if start == 0 else piece)
         finally:
             if uploading:
                 self._uploads.release_on_behalf_of(stream)

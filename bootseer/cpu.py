@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import prometheus_client
+from prometheus_client.core import CounterMetricFamily
 
 #: The stages, in the order bytes pass them.
 STAGES = (
@@ -40,12 +41,6 @@ STAGES = (
     "gc",  #: the garbage collector (with :func:`count_gc`), wherever it ran
 )
 
-STAGE_CPU = prometheus_client.Counter(
-    "bootseer_stage_cpu_seconds_total",
-    "CPU seconds the process spent in each stage of the block pipeline (its threads' own CPU time)",
-    ["stage"],
-)
-_COUNTERS = {name: STAGE_CPU.labels(name) for name in STAGES}
 _seconds = dict.fromkeys(STAGES, 0.0)
 _lock = threading.Lock()
 _inner = threading.local()  # .spent: CPU seconds of the stages entered inside the current one, in this thread
@@ -64,7 +59,6 @@ def _leave(name: str, opened: tuple[float | None, float]) -> None:
     total = time.thread_time() - started
     spent = max(0.0, total - (_inner.spent or 0.0))
     _inner.spent = None if outer_inner is None else outer_inner + total
-    _COUNTERS[name].inc(spent)
     with _lock:
         _seconds[name] += spent
 
@@ -74,7 +68,8 @@ def stage(name: str) -> Iterator[None]:
     """Count the CPU time this thread spends in the block to stage ``name`` (KeyError for another name).
 
     The block must not ``await``: another task's work would be counted."""
-    _COUNTERS[name]  # an unknown stage fails before the block runs
+    if name not in _seconds:
+        raise KeyError(f"no CPU stage {name!r} (the stages: {', '.join(STAGES)})")
     opened = _enter()
     try:
         yield
@@ -120,5 +115,25 @@ def statistics() -> CpuStatistics:
         stages = dict(_seconds)
     return CpuStatistics(stages, usage.ru_utime + usage.ru_stime)
 
+
+class _StageCollector:
+    """``bootseer_stage_cpu_seconds_total{stage}``, read from the counts at each scrape: a stage's
+    exit (and a garbage collection's, many a second) adds to one float, not to a metric."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "bootseer_stage_cpu_seconds",
+            "CPU seconds the process spent in each stage of the block pipeline (its threads' own CPU time)",
+            labels=["stage"],
+        )
+        with _lock:
+            counted = list(_seconds.items())
+        for name, seconds in counted:
+            family.add_metric([name], seconds)
+        yield family
+
+
+STAGE_CPU = _StageCollector()
+prometheus_client.REGISTRY.register(STAGE_CPU)
 
 __all__ = ["STAGES", "STAGE_CPU", "CpuStatistics", "count_gc", "stage", "statistics"]

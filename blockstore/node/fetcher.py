@@ -427,18 +427,16 @@ class BlockFetcher:
         store's frame of the block when this node verified one lately, else its raw bytes
         (:meth:`block_for_peer`, whose contract this keeps).  A frame is sent only when no larger
         than the block's worst case (:func:`~bootseer.blockstore.objects.format.max_stored_length`)."""
-        if compressed:
-            frame = self._frames.peek(place.digest)
-            if frame is not None and len(frame) <= max_stored_length(place.rlen):
-                return PeerPayload(frame, True)
+        def frame() -> PeerPayload | None:
+            kept = self._frames.peek(place.digest) if compressed else None
+            return PeerPayload(kept, True) if kept is not None and len(kept) <= max_stored_length(place.rlen) else None
+
+        if (payload := frame()) is not None:
+            return payload
         data = await self.block_for_peer(place, priority, allowance)
         if data is None:
             return None
-        if compressed:  # fetched from the store just now: its frame is kept
-            frame = self._frames.peek(place.digest)
-            if frame is not None and len(frame) <= max_stored_length(place.rlen):
-                return PeerPayload(frame, True)
-        return PeerPayload(data, False)
+        return frame() or PeerPayload(data, False)  # a block fetched from the store just now: its frame is kept
 
     async def block_for_peer(self, place: BlockPlace, priority: Priority,
                              allowance: PeerAllowance | None = None) -> bytes | None:  # fmt: skip

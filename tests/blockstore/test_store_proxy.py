@@ -44,7 +44,7 @@ from bootseer.blockstore.objects.format import BlockPlace
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.fetch.sources import open_source
 from bootseer.fetch.sources.http import HttpSource
-from bootseer.fetch.sources.http_proxy import ProxyConfig
+from bootseer.fetch.sources.http_proxy import ProxyConfig, ProxyHealth
 from tests.support.daemon import BINARY
 from tests.support.http import RangeHTTPServer, RangeRequestHandler, range_gets, wait_for_port
 from tests.support.waiting import free_port, wait_until
@@ -324,6 +324,26 @@ def test_a_proxy_that_hangs_is_found_down_by_its_check_and_the_read_in_flight_go
         source.close()
 
 
+def test_a_healthy_proxy_slower_to_answer_its_check_than_a_short_interval_is_kept() -> None:
+    """Regression (CI, twice): a check waited at most its interval, so at 0.2 s a healthy proxy whose ping
+    took longer on a loaded machine was set aside.  A check now waits at least a second (never past the
+    connect timeout)."""
+    waits: list[float] = []
+
+    def ping(timeout: float) -> None:  # a proxy that answers in 0.5 s, if the check waits that long
+        waits.append(timeout)
+        if timeout < 0.5:
+            raise TimeoutError(f"no answer in {timeout} s")
+
+    health = ProxyHealth(ProxyConfig("http://127.0.0.1:1", check_interval=0.2), ping, connect_timeout=10)
+    try:
+        assert health.check() is True and health.up, waits
+        assert waits == [1.0]
+        assert ProxyHealth(ProxyConfig("http://127.0.0.1:1", check_interval=0.2), ping, connect_timeout=0.3).ping_timeout == 0.3
+    finally:
+        health.close()
+
+
 def test_a_ping_url_that_fails_sends_reads_direct_and_one_that_answers_brings_them_back(
     store: Store, proxy_factory: Any
 ) -> None:
@@ -479,10 +499,8 @@ def test_a_proxy_that_answers_ranges_wrong_is_set_aside_and_every_read_is_done_d
         proxy.faults.range_answer = fault
     metrics_port = free_port()
     root = tmp_path / "node"
-    # A check's ping may take as long as the interval: at 0.2 s, a ping on a loaded 2-core CI machine missed
-    # it and a healthy proxy was set aside before the fault (the "after-the-mount" assertion failed).
     settings = ServerSettings(
-        store=store.url, store_proxy=f"http://127.0.0.1:{proxy.port}", store_proxy_check_interval=1.0,
+        store=store.url, store_proxy=f"http://127.0.0.1:{proxy.port}", store_proxy_check_interval=0.2,
         store_proxy_block_size=PROXY_BLOCK, metrics_address=f"127.0.0.1:{metrics_port}", retry_timeout=20,
         log_level="debug", extra_args=("--stripe-size", str(4 * BLOCK_SIZE)),
     )  # fmt: skip

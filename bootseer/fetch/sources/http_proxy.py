@@ -55,6 +55,10 @@ from bootseer.log import get_logger
 log = get_logger(__name__)
 
 DEFAULT_CHECK_INTERVAL = 5.0  #: seconds between health checks (nydus's default ``check_interval``)
+#: The least a health check waits for its answer, whatever the interval: checks run one after another,
+#: so a slow answer only delays the next; at 0.2 s a healthy proxy's ping on a loaded 2-core machine
+#: missed it, and the proxy was set aside (found by CI, twice).
+MIN_PING_TIMEOUT = 1.0
 #: Seconds a request of one grid block through the proxy may take, all of it (connect, head, body): a
 #: proxy on or near the node sends 1 MiB in milliseconds, and fetches it from the store on a miss in well
 #: under a second; past this the read is done direct.  Raise it with a large ``block_size`` or a slow store.
@@ -249,8 +253,9 @@ class ProxyHealth:
         self.config = config
         self._ping = ping
         self._probe = probe
-        #: a check waits at most this long: never past the next check, nor longer than a connect may take
-        self.ping_timeout = min(config.check_interval, connect_timeout)
+        #: a check waits at most this long: the interval, but never less than MIN_PING_TIMEOUT (a short
+        #: interval on a loaded node must not set a healthy proxy aside), nor longer than a connect may take
+        self.ping_timeout = min(max(config.check_interval, MIN_PING_TIMEOUT), connect_timeout)
         self._up = True
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -372,5 +377,5 @@ class ProxyHealth:
             thread.join(timeout=self.ping_timeout + 1)
 
 
-__all__ = ["BYTES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHECK_INTERVAL", "DEFAULT_READ_TIMEOUT", "FALLBACKS", "PROXY_UP", "REQUESTS",
+__all__ = ["BYTES", "DEFAULT_BLOCK_SIZE", "DEFAULT_CHECK_INTERVAL", "DEFAULT_READ_TIMEOUT", "FALLBACKS", "MIN_PING_TIMEOUT", "PROXY_UP", "REQUESTS",
            "ProxyConfig", "ProxyHealth"]  # fmt: skip

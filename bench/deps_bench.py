@@ -23,7 +23,7 @@ nginx serves from inside a network namespace behind a veth pair shaped to ``--ra
 ``local`` is followed by ``local-warm`` (the imports again, page cache not dropped), and each hit by
 two more starts on the same node: ``MODE-again`` (page cache dropped, every block in the node cache)
 and ``MODE-warm`` (not dropped).  The hit modes run once per node data path of ``--data-paths``
-(``erofs,tree``; named ``bootseer-hit@erofs``...): the timed hit starts the node's layer server itself
+(``fanotify,erofs`` by default; named ``bootseer-hit@fanotify``...): the timed hit starts the node's layer server itself
 (``blockstore.server.client.ensure_server``, as ``deps run`` would) so that it serves its metrics and gets
 ``--data-path`` when ``bootseer layer-server`` takes it (else the tree path alone, without the flag).
 Per run: the page cache's growth (``nodestats.file_pages``, after minus before) and, for the hits, the
@@ -71,7 +71,7 @@ IMPORTS = "import torch, numpy, transformers"
 STORE_PORT = 8080
 HOT_STORE_PORT = 8081
 HIT_MODES = ("bootseer-hit", "bootseer-hot")
-DATA_PATHS = ("erofs", "loop", "tree")
+DATA_PATHS = ("fanotify", "erofs", "loop", "tree")
 TREE_PATH = "tree"
 PAGE_CACHE_NOISE = 16 * 2**20  #: a growth below this is noise on a shared machine: no ratio against it
 #: Issue 24: the restore alone of the benchmark's environment on a fresh node, in seconds.
@@ -129,9 +129,10 @@ def main() -> int:
     parser.add_argument("--wheels", type=Path, help="a wheel directory holding the set (default WORKDIR/wheels, downloaded once)")
     parser.add_argument("--modes", default="local,pip-cold,uv-cold,uv-warm,bootseer-hit,bootseer-hot")
     parser.add_argument("--rate", default="1gbit", help="the store link's rate (tc syntax)")
-    parser.add_argument("--data-paths", default="erofs,tree",
+    parser.add_argument("--data-paths", default="fanotify,erofs",
                         help=f"node data paths the hit modes run on, comma-separated: {', '.join(DATA_PATHS)} "
-                             "(erofs,tree; only tree where the layer server takes no --data-path)")
+                             "(fanotify,erofs: what `auto` picks here and the FUSE fallback; only tree where the layer server "
+                             "takes no --data-path)")
     parser.add_argument("--image-sources", default=",".join(IMAGE_SOURCES),
                         help="comma-separated: converter (the capture published with its EROFS image, as `deps run` "
                              "does), node (captured with --no-image: the restore builds the image) (converter,node)")

@@ -134,6 +134,10 @@ def test_rpull_is_lazy_and_ctr_run_sees_the_image(lazy: Stack, converted, reques
     # No layer blob was fetched into containerd: its content store holds the manifest and the config only.
     content = set(lazy.containerd.ctr_out("content", "ls", "-q").split())
     assert content == {image.manifest_digest, image.config_digest}
+    # The first layer's Prepare named the layers above it: the layer server loaded them while it mounted
+    # the first, and their mounts took those loads.
+    warm = layer_server(lazy).status()["warm"]
+    assert (warm["requested"], warm["taken"], warm["failed"]) == (len(chain) - 1, len(chain) - 1, 0), warm
 
     script = (f"cat {APP_FILE} {PATCH_FILE}; ls {OPAQUE_DIR}; [ -e {DELETED_FILE} ] && echo present; "
               f"sha256sum {BLOB_FILE} {part_path(0)}")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bootseer.images import registry as images
+from bootseer.images.chains import LABEL_LAYERS_ABOVE
 from bootseer.images.registry import Descriptor
 from bootseer.images.rpull import (
     LABEL_CRI_IMAGE_LAYERS, MAX_LABEL_BYTES, child_gc_labels, distribution_source, layer_digest_list,
@@ -138,6 +139,7 @@ def test_rpull_then_ctr_run(stack: Stack):
     assert info["Labels"]["containerd.io/snapshot/cri.layer-digest"] == image.layer_digests[1]
     assert info["Labels"]["containerd.io/snapshot/cri.image-ref"] == ref
     assert info["Labels"]["containerd.io/snapshot/cri.image-layers"] == ",".join(image.layer_digests[1:])
+    assert info["Labels"][LABEL_LAYERS_ABOVE] == ",".join(chain[2:])  # the layers above, for a lazy snapshotter
     assert stack.containerd.ctr_out("leases", "ls").splitlines()[1:] == []  # the pull's lease is gone
 
     out = stack.run_container(ref, "rpulled", "sh", "-c",

@@ -47,6 +47,12 @@ class LayerBackend(Protocol):
         """
         ...
 
+    def warm(self, chain_ids: Sequence[str]) -> None:
+        """Start loading ``chain_ids`` (an image's layers above the one being prepared) so that their
+        mounts find them loaded; returns at once.  Best effort: it never raises (a failure only
+        leaves the mounts to load as they would)."""
+        ...
+
     def check(self, chain_id: str) -> str:
         """The lower directory of ``chain_id`` if it is served and healthy; LayerUnavailable if not."""
         ...

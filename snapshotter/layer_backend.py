@@ -148,6 +148,12 @@ class LayerServerBackend:
         """See :meth:`LayerBackend.mount`; ``deps_index``: a dependency layer's index, from a trusted deps record."""
         return self._call(lambda client: client.mount(chain_id, deps_index=deps_index).lower_dir)
 
+    def warm(self, chain_ids: Sequence[str]) -> None:
+        try:
+            self._client.warm(chain_ids)
+        except control.LayerServerError as exc:  # an older server, one gone or slow: the mounts load as before
+            log.info("the layer server did not take the layers to load ahead", layers=len(chain_ids), error=str(exc))
+
     def check(self, chain_id: str) -> str:
         return self._call(lambda client: client.check(chain_id).lower_dir)
 

@@ -42,6 +42,7 @@ import prometheus_client
 
 from bootseer import confined
 from bootseer.atomic import fsync_directory
+from bootseer.images.chains import layers_above
 from bootseer.locks import KeyedLocks
 from bootseer.profile import events as profile_events, hooks as profile_hooks
 from bootseer.log import get_logger
@@ -50,7 +51,7 @@ from .backend import LayerBackend, RemoteLayer
 from .errors import AlreadyExists, FailedPrecondition, LayerUnavailable, NotFound, RootLocked, SnapshotError
 from .filters import parse_all as parse_filters
 from .filters import snapshot_adaptor
-from .metastore import BACKING_DIR, BACKING_REMOTE, STATE_MOUNTING, Layer, MetaStore, Record, Snapshot
+from .metastore import BACKING_DIR, BACKING_REMOTE, STATE_MOUNTING, Layer, MetaStore, Record, Snapshot, Transaction
 from .mounts import snapshot_mounts
 from .observers import PreparedContainer, ProfileObserver, SnapshotObserver
 from .types import Info, Kind, Mount, Usage
@@ -467,6 +468,7 @@ class Snapshotter:
             for name, label in (("image_ref", CRI_IMAGE_REF_LABEL), ("layer_digest", CRI_LAYER_DIGEST_LABEL))
             if label in labels
         }
+        self._warm_above(labels)
         with self._chain_locks.hold(chain_id):
             layer, reason, detail = self._find_remote(chain_id, parent, labels)
             if layer is None:
@@ -502,6 +504,18 @@ class Snapshotter:
         REMOTE_PREPARES.inc()
         log.info("layer served lazily from the store", key=key, chain_id=chain_id, lower_dir=lower, **hints)
         raise AlreadyExists(f"target snapshot {chain_id!r} already exists (served lazily from the store)")
+
+    def _warm_above(self, labels: dict[str, str]) -> None:
+        """Have the backend load the layers a pull will prepare next (``bootseer rpull``'s
+        :data:`~bootseer.images.chains.LABEL_LAYERS_ABOVE`), those this node does not hold yet."""
+        assert self.backend is not None
+        above = layers_above(labels)
+        if not above:
+            return
+        with self._ms.read() as tx:
+            wanted = [chain for chain in above if not _has_snapshot(tx, chain)]
+        if wanted:
+            self.backend.warm(wanted)
 
     def _find_remote(
         self, chain_id: str, parent: str, labels: dict[str, str]
@@ -622,6 +636,14 @@ class Snapshotter:
             log.warning("recovering directory of a snapshot whose removal did not complete", key=ids[id_], id=id_)
             os.rename(self._snapshots_dir / entry, target)
             fsync_directory(self._snapshots_dir)
+
+
+def _has_snapshot(tx: Transaction, key: str) -> bool:
+    try:
+        tx.get_info(key)
+    except NotFound:
+        return False
+    return True
 
 
 def _remote_usage(layer: RemoteLayer) -> Usage:

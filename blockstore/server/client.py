@@ -30,7 +30,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.paths import ServerPaths
@@ -178,6 +178,14 @@ class LayerServerClient:
         if deps_index is not None:
             request["deps_index"] = deps_index
         return _mounted(self.call(request, timeout=timeout))
+
+    def warm(self, chain_ids: Sequence[str], *, store: str | None = None) -> int:
+        """Have the server load ``chain_ids`` ahead of their mounts (an image's layers above the one being
+        prepared: :mod:`blockstore.server.warming`); answers at once, with how many loads it started."""
+        request: dict[str, Any] = {"op": "warm", "chain_ids": list(chain_ids)}
+        if store is not None:
+            request["store"] = store
+        return int(self.call(request)["warming"])
 
     def check(self, chain_id: str) -> MountedLayer:
         """Where ``chain_id`` is, if it is served and healthy; raises :class:`LayerNotMounted`

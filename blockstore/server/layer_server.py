@@ -10,7 +10,7 @@
   node-local block cache that every layer shares;
 * the control API on ``ROOT/layers/control.sock`` (JSON lines, served by
   :mod:`blockstore.server.control_socket`; the callers' end is :mod:`blockstore.server.client`):
-  ``mount``, ``check``, ``unmount``, ``status``;
+  ``mount``, ``warm`` (load layers ahead of their mounts: :mod:`.warming`), ``check``, ``unmount``, ``status``;
 * on the ``erofs`` and ``loop`` data paths (:mod:`blockstore.datapath.choice`, chosen at
   start), one EROFS mount per layer at ``ROOT/layers/lower/<slot>`` over its FUSE blob
   ``ROOT/layers/mnt/blobs/<slot>``: that mount is the layer's lower dir, and FUSE
@@ -92,6 +92,7 @@ from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.node.peers import PeerAllowance, PeerPayload
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
 from bootseer.blockstore.server.store_registry import StoreRegistry
+from bootseer.blockstore.server.warming import WARM_MAX_ENTRIES, LayerWarmer
 from bootseer.fetch.engine import Engine, EngineConfig
 from bootseer.fetch.stripes import FetchError, Priority
 from bootseer.fetch.source import SourceError
@@ -172,6 +173,16 @@ class LayerServerStatistics:
     served: int  #: layers whose tree is served
 
 
+@dataclass(frozen=True)
+class LoadedLayer:
+    """What a mount loads before it takes the table's lock (:meth:`LayerServer._load`)."""
+
+    record: ChainRecord  #: the chain record, trusted
+    index: LayerIndex  #: the layer's index, verified
+    data: bytes  #: the index as stored (the node's copy, for restarts)
+    image: Path | None  #: the EROFS image, checked or built (None on the tree path)
+
+
 # -- the server ---------------------------------------------------------------------------------
 
 
@@ -222,6 +233,8 @@ class LayerServer:
         self.stores = StoreRegistry(nursery, config.engine, config.source_options, self.cache, self._block_threads,
                                     peers=self.peers.client if self.peers else None,
                                     known=[config.store] if config.store else [])  # fmt: skip
+        #: Layers loaded ahead of their mounts (the ``warm`` operation), taken by :meth:`mount`.
+        self.warmer: LayerWarmer[LoadedLayer] = LayerWarmer(nursery, self._load)
         # A mount and an unmount of one layer never interleave; requests name any ChainID
         # they like, so a lock lives only while it is held or waited for.
         self._chain_locks = TrioKeyedLocks()
@@ -234,6 +247,7 @@ class LayerServer:
         self.control = ControlOps()
         self.control.register("status", lambda request: self.status())
         self.control.register("mount", self._mount_request)
+        self.control.register("warm", self._warm_request)
         self.control.register("check", lambda request: self.check(_checked_chain_id(request)))
         self.control.register("unmount", lambda request: self.unmount(_checked_chain_id(request)))
         self.control.register("shutdown", lambda request: self.shutdown())
@@ -612,20 +626,11 @@ class LayerServer:
                 if not layer.store:
                     raise StoreUnavailable(f"{chain_id} (slot {layer.slot}) cannot be served: {layer.error}")
                 store = layer.store
-            # The engine fails a store that errors within retry_timeout; this bounds one that
-            # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
-            # In the profiler an image's layer is in the pull's phase; a dependency layer's mount, inside
-            # the container's Prepare (whose phases the snapshotter marks), is a span of no phase.
+            loaded = await self.warmer.take(chain_id, store) if deps_index is None else None
+            if loaded is None or (loaded.image is not None and not loaded.image.exists()):
+                loaded = await self._load(chain_id, store, deps_index)
+            record, index, data, image = loaded.record, loaded.index, loaded.data, loaded.image
             phase = "image" if deps_index is None else ""
-            with trio.move_on_after(self.config.load_timeout) as loading, \
-                    profile_events.span("layer.index", phase=phase, chain_id=chain_id):
-                record, index, data, fetched = await self._fetch_layer(chain_id, store, deps_index, with_image=True)
-            if loading.cancelled_caught:
-                raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its chain record, "
-                                       f"index and EROFS image in {self.config.load_timeout:g}s")  # fmt: skip
-            image = None
-            if self.erofs is not None:  # checked (or built) and kept before the table lock, for any slot
-                image = await self._layer_image(record, index, store, fetched, phase=phase)
             async with self.layers.lock:
                 if layer is None:
                     layer = Layer(chain_id, self.layers.free_slot(self._slot_referenced), store, record)
@@ -656,6 +661,43 @@ class LayerServer:
             if self.extension is not None:
                 self.extension.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
+
+    async def _load(self, chain_id: str, store: str, deps_index: str | None = None) -> LoadedLayer:
+        """What a mount of ``chain_id`` from ``store`` needs before it takes the table's lock: the chain
+        record (trusted), the index (verified) and its bytes, and on the EROFS paths the image, checked
+        (or built) and kept, for any slot.  What a mount and a warm (:mod:`.warming`) both run."""
+        # The engine fails a store that errors within retry_timeout; this bounds one that
+        # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
+        # In the profiler an image's layer is in the pull's phase; a dependency layer's mount, inside
+        # the container's Prepare (whose phases the snapshotter marks), is a span of no phase.
+        phase = "image" if deps_index is None else ""
+        with trio.move_on_after(self.config.load_timeout) as loading, \
+                profile_events.span("layer.index", phase=phase, chain_id=chain_id):
+            record, index, data, fetched = await self._fetch_layer(chain_id, store, deps_index, with_image=True)
+        if loading.cancelled_caught:
+            raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its chain record, "
+                                   f"index and EROFS image in {self.config.load_timeout:g}s")  # fmt: skip
+        image = None
+        if self.erofs is not None:
+            image = await self._layer_image(record, index, store, fetched, phase=phase)
+        return LoadedLayer(record, index, data, image)
+
+    async def _warm_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The control operation ``warm``: ``chain_ids`` (a list of ChainIDs), optionally ``store``: load
+        those layers ahead of their mounts (:mod:`.warming`); answers at once with how many it started."""
+        chain_ids = request.get("chain_ids")
+        if not isinstance(chain_ids, list) or len(chain_ids) > WARM_MAX_ENTRIES:
+            raise InvalidRequest(f"chain_ids must be a list of at most {WARM_MAX_ENTRIES} ChainIDs")
+        checked = [_checked_chain_id({"chain_id": chain_id}) for chain_id in chain_ids]
+        store = request.get("store") or self.config.store
+        if not isinstance(store, str) or not store:
+            raise InvalidRequest("no store: the server has no --store and the request names none")
+
+        def served(chain_id: str) -> bool:
+            layer = self.layers.get(chain_id)
+            return layer is not None and (layer.tree is not None or layer.store != store)
+
+        return {"warming": self.warmer.warm(checked, store, served)}
 
     async def _mount_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """The control operation ``mount``: ``chain_id``, and optionally ``store`` and ``deps_index``."""
@@ -741,6 +783,7 @@ class LayerServer:
             **(self.extension.status_fields() if self.extension is not None else {}),
             "health": {"fuse": "serving" if own.serving else "down", "open_files": own.open_files},
             "data_path": {"path": self.data_path.path, "reason": self.data_path.reason},
+            "warm": dataclasses.asdict(self.warmer.statistics()),
             **({"fanotify": dataclasses.asdict(self.blobs.statistics())} if self.blobs is not None else {}),
             "layers": [
                 {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,

@@ -44,7 +44,7 @@ import grpc
 from google.protobuf import field_mask_pb2
 
 from bootseer.images import registry as images
-from bootseer.images.chains import chain_ids
+from bootseer.images.chains import LABEL_LAYERS_ABOVE, MAX_LABEL_BYTES, chain_ids, layers_above_label
 from bootseer.images.registry import Descriptor, ImageSource, ResolvedImage
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
@@ -73,8 +73,6 @@ LABEL_CRI_IMAGE_REF = "containerd.io/snapshot/cri.image-ref"
 LABEL_CRI_MANIFEST_DIGEST = "containerd.io/snapshot/cri.manifest-digest"
 LABEL_CRI_LAYER_DIGEST = "containerd.io/snapshot/cri.layer-digest"
 LABEL_CRI_IMAGE_LAYERS = "containerd.io/snapshot/cri.image-layers"
-#: containerd refuses labels whose key and value together exceed this (labels/validate.go).
-MAX_LABEL_BYTES = 4096
 
 #: gRPC headers containerd reads the namespace and lease from.
 NAMESPACE_HEADER = "containerd-namespace"
@@ -371,11 +369,15 @@ def layer_digest_list(layers: Sequence[Descriptor], key: str = LABEL_CRI_IMAGE_L
     return out
 
 
-def snapshot_labels(resolved: ResolvedImage, index: int, chain_id: str) -> dict[str, str]:
-    """The labels of layer ``index``'s Prepare and Commit: inherited annotations, the target, the CRI hints."""
+def snapshot_labels(resolved: ResolvedImage, index: int, chain: Sequence[str]) -> dict[str, str]:
+    """The labels of layer ``index``'s Prepare and Commit (``chain``: the image's ChainIDs, bottom first):
+    inherited annotations, the target, the CRI hints, and the ChainIDs of the layers above it
+    (:data:`~bootseer.images.chains.LABEL_LAYERS_ABOVE`: BootSeer's snapshotter loads them meanwhile)."""
     layer = resolved.layers[index]
     labels = {k: v for k, v in layer.annotations.items() if k.startswith(INHERITED_LABEL_PREFIX)}
-    labels[LABEL_SNAPSHOT_REF] = chain_id
+    labels[LABEL_SNAPSHOT_REF] = chain[index]
+    if above := layers_above_label(chain, index):
+        labels[LABEL_LAYERS_ABOVE] = above
     labels[LABEL_CRI_IMAGE_REF] = resolved.reference
     labels[LABEL_CRI_LAYER_DIGEST] = layer.digest
     labels[LABEL_CRI_MANIFEST_DIGEST] = resolved.manifest_descriptor.digest
@@ -537,7 +539,7 @@ class _Puller:
         total = len(resolved.layers)
         if self.client.snapshot_exists(self.snapshotter, chain_id):
             return LayerResult(layer.digest, chain_id, "unpacked")
-        labels = snapshot_labels(resolved, index, chain_id)
+        labels = snapshot_labels(resolved, index, chain)
         mounts = None
         for attempt in range(PREPARE_ATTEMPTS):
             key = f"extract-{time.time_ns() % 1_000_000_000}-{base64.urlsafe_b64encode(os.urandom(3)).decode()} {chain_id}"

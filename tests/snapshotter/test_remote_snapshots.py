@@ -30,7 +30,7 @@ from bootseer.blockstore.server.client import LayerServerClient, LayerServerErro
 
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.objects.format import ChainRecord, chain_object
-from bootseer.images.chains import chain_id
+from bootseer.images.chains import LABEL_LAYERS_ABOVE, chain_id
 from bootseer.fetch.engine import EngineConfig
 from bootseer.snapshotter.errors import AlreadyExists, FailedPrecondition, LayerUnavailable, NotFound
 from bootseer.snapshotter.layer_backend import LayerServerBackend
@@ -128,6 +128,20 @@ def test_converted_layers_are_committed_remote_and_answer_already_exists(
     (view,) = sn.view("view", CHAIN_A)
     assert (view.type, view.source, view.options) == ("bind", str(layers.lower_dir(CHAIN_A)), ("ro", "rbind"))
     assert all(state == "ready" for *_, state, _ in rows(sn.root))
+
+
+def test_a_prepare_naming_the_layers_above_has_the_backend_load_those_not_held_first(
+    sn: Snapshotter, layers: DirectoryLayers
+):
+    chain_c = chain_id(CHAIN_B, "sha256:" + "c" * 64)
+    prepare_remote(sn, "extract-1", "", CHAIN_A)
+    layers.calls.clear()
+    # CHAIN_A is held already; a malformed ChainID is the caller's word, and dropped.
+    labels = {**unpack_labels(CHAIN_B), LABEL_LAYERS_ABOVE: f"{CHAIN_A},{chain_c},not-a-chain"}
+    with pytest.raises(AlreadyExists, match="served lazily"):
+        sn.prepare("extract-2", CHAIN_A, labels)
+    assert layers.calls[0] == ("warm", chain_c)  # before this layer's own look-up and mount
+    assert [call for call in layers.calls if call[0] == "warm"] == [("warm", chain_c)]
 
 
 def test_prepare_of_an_existing_chain_answers_already_exists_without_a_mount(sn: Snapshotter, layers: DirectoryLayers):

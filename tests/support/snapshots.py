@@ -125,6 +125,9 @@ class DirectoryLayers:
             return None
         return RemoteLayer(**json.loads(record.read_text()))
 
+    def warm(self, chain_ids: Sequence[str]) -> None:
+        self.calls.extend(("warm", chain_id) for chain_id in chain_ids)
+
     def mount(self, chain_id: str, deps_index: str | None = None) -> str:
         self.calls.append(("mount", chain_id))
         self.mounting.set()

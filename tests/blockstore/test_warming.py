@@ -1,0 +1,139 @@
+"""Layers loaded ahead of their mounts (``blockstore.server.warming``): what a warm saves, and what it never changes.
+
+The layer server's ``warm`` operation against a real server over an HTTP store that logs its
+requests; :class:`LayerWarmer`'s bounds (concurrency, expiry, stores) in trio with a mock clock.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import trio
+import trio.testing
+
+from bootseer.blockstore.objects.format import chain_object
+from bootseer.blockstore.server.client import InvalidRequest, LayerNotConverted, ServerSettings, ensure_server
+from bootseer.blockstore.server.warming import LayerWarmer
+from bootseer.paths import ServerPaths
+from tests.support.http import RangeHTTPServer
+from tests.support.layer_servers import stop_layer_servers
+from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.oci import rich_layers
+from tests.support.waiting import wait_until
+
+BLOCK_SIZE = 64 << 10
+
+
+# -- LayerWarmer ---------------------------------------------------------------------------------
+
+
+def test_loads_run_a_few_at_a_time_and_a_mount_takes_only_its_own_stores() -> None:
+    running, most = 0, 0
+
+    async def load(chain_id: str, store: str) -> str:
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        await trio.sleep(1)
+        running -= 1
+        return f"{chain_id}@{store}"
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            warmer = LayerWarmer(nursery, load, concurrency=2, keep=60)
+            assert warmer.warm(["a", "b", "c", "served"], "s1", served=lambda chain: chain == "served") == 3
+            assert warmer.warm(["a"], "s1", served=lambda chain: False) == 0  # loading already
+            assert await warmer.take("a", "other-store") is None  # not of this store: it stays
+            assert await warmer.take("c", "s1") == "c@s1"  # waited for: the third load ran after one of two
+            assert most == 2
+            assert await warmer.take("a", "s1") == "a@s1"
+            assert await warmer.take("a", "s1") is None  # taken once
+            stats = warmer.statistics()
+            assert (stats.requested, stats.loaded, stats.taken, stats.held) == (3, 3, 2, 1)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_failed_load_is_counted_and_a_load_no_mount_takes_expires() -> None:
+    async def load(chain_id: str, store: str) -> str:
+        if chain_id == "bad":
+            raise RuntimeError("the store lied")
+        return chain_id
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            warmer = LayerWarmer(nursery, load, keep=10, max_entries=2)
+            assert warmer.warm(["bad", "unused", "over"], "s", served=lambda chain: False) == 2
+            assert await warmer.take("bad", "s") is None  # the mount loads it itself
+            await trio.sleep(11)
+            stats = warmer.statistics()
+            assert (stats.failed, stats.loaded, stats.expired, stats.ignored, stats.held) == (1, 1, 1, 1, 0)
+            assert await warmer.take("unused", "s") is None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- the layer server's warm ------------------------------------------------------------------------
+
+
+pytestmark_server = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/dev/fuse"), reason="needs root and /dev/fuse")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
+    store = tmp_path_factory.mktemp("store")
+    return store, build_store(store, rich_layers(BLOCK_SIZE), block_size=BLOCK_SIZE,
+                              layout=tmp_path_factory.mktemp("layout"))  # fmt: skip
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "root"
+    stop_layer_servers(tmp_path / "root")
+
+
+def _chain_requests(http: RangeHTTPServer, layers: list[BuiltLayer]) -> list[str]:
+    names = {chain_object(layer.chain_id) for layer in layers}
+    return [target for method, target, _ in http.requests if any(target.endswith(name) for name in names)]
+
+
+@pytestmark_server
+def test_layers_warmed_ahead_mount_without_asking_the_store_for_them_again(built: Any, root: Path) -> None:
+    store, layers = built
+    with RangeHTTPServer(store) as http:
+        client = ensure_server(root, ServerSettings(store=http.url, retry_timeout=5))
+        above = [layer.chain_id for layer in layers[1:]]
+        assert client.warm(above) == len(above)
+        assert client.warm(above) == 0  # loading or loaded already
+        wait_until("the layers above loaded", lambda: client.status()["warm"]["loaded"] == len(above))
+        asked = len(_chain_requests(http, layers[1:]))
+        assert asked >= len(above)  # each chain record read (a size, then its bytes)
+        lowers = [client.mount(layer.chain_id).lower_dir for layer in layers]
+        assert len(_chain_requests(http, layers[1:])) == asked  # the mounts took what the warm loaded
+        warm = client.status()["warm"]
+        assert (warm["taken"], warm["failed"], warm["held"]) == (len(above), 0, 0)
+        assert client.warm(above) == 0  # served now
+    assert (Path(lowers[-1]) / "replace-me").read_bytes() == b"fourth and last\n"
+
+
+@pytestmark_server
+def test_a_warm_that_fails_leaves_the_mount_its_own_error_and_a_bad_request_is_refused(built: Any, root: Path) -> None:
+    store, _ = built
+    client = ensure_server(root, ServerSettings(store=f"file://{store}", retry_timeout=5))
+    missing = "sha256:" + "0" * 64
+    assert client.warm([missing]) == 1
+    wait_until("the warm failed", lambda: client.status()["warm"]["failed"] == 1)
+    with pytest.raises(LayerNotConverted, match="not converted"):
+        client.mount(missing)
+    with pytest.raises(InvalidRequest, match="chain_id"):
+        client.warm(["latest"])
+    with pytest.raises(InvalidRequest, match="chain_ids"):
+        client.call({"op": "warm", "chain_ids": "sha256:" + "0" * 64})
+    with pytest.raises(InvalidRequest, match="chain_ids"):
+        client.warm([missing] * 65)
+    assert ServerPaths(root).socket.exists()

@@ -33,8 +33,9 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-#: Loads running at once (each fetches, decodes and checks one layer).
-WARM_CONCURRENCY = 4
+#: Loads running at once beside the mounts' own (each fetches, decodes and checks one layer; the decodes
+#: share the server's decode threads and the checks its one checker process, so more would only queue).
+WARM_CONCURRENCY = 2
 #: Seconds a load's result waits for its mount before it is dropped.
 WARM_KEEP = 120.0
 #: Loads held or running at most.

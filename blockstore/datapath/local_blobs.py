@@ -101,6 +101,10 @@ _MAP_MAGIC = b"BSBLOBMAP1"
 FILLED, UNREAD = 1, 2  #: a fill map's bytes: 0 missing, 1 on disk, 2 addressed by no file of the image (3: AHEAD)
 _MAP_HEADER = struct.Struct("<10s36sQ")  #: magic, boot id, blocks
 HOLDER_CONNECT_TIMEOUT = 30.0
+#: Blocks a fill writes ahead of the reads, at most: the next read's, about (EROFS reads a blob in ranges of
+#: up to its read-ahead, a block or two).  Each costs a decode, a hash and two writes whether or not a read
+#: comes: on a busy node, all that the read-ahead queued cost more than the waits they saved (bench/results).
+FILL_AHEAD_BLOCKS = 2
 #: Worker threads writing fills into blobs at once (page-cache writes: they release the interpreter lock).
 WRITE_THREADS = 4
 
@@ -664,7 +668,7 @@ class FanotifyBlobs:
         this is getting waits for that block alone.  Their first reads still reach the server (the hot-list
         recorder sees them: :meth:`LocalBlob.first_reads`).  A block that cannot be had is left to its read."""
         try:
-            for ref in tree.reader.queued_ahead(after):
+            for ref in tree.reader.queued_ahead(after)[:FILL_AHEAD_BLOCKS]:
                 if blob.closed or not blob.trees:
                     return
                 if blob.filled[ref] or (blob.name, ref) in self._filling:

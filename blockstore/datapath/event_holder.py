@@ -66,9 +66,6 @@ BATCH = 64
 MESSAGE_SIZE = 1 + BATCH * EVENT.size + 4096
 #: A fill map's header (magic, boot id, blocks), then a byte per block: 0 missing (local_blobs.LocalBlob).
 MAP_HEADER = struct.Struct("<10s36sQ")
-#: A fill map's byte for a block the server wrote ahead of any read (read-ahead on a fill): on disk, but its
-#: first read still goes to the server, which sees it (the hot-list recorder does) and sets it to filled.
-AHEAD = 3
 #: Seconds between the holder's counts of events it answered itself, sent to the server.
 COUNT_INTERVAL = 0.5
 #: Message kinds (first byte).
@@ -115,15 +112,13 @@ class BlobView:
         self.block_size = stat.st_size // self.blocks if self.blocks else 0
 
     def present(self, offset: int, count: int) -> bool:
-        """Whether every block of the range is on disk (or addressed by no file) and none is a first read
-        of a block written ahead: the read may go on without the server."""
+        """Whether every block of the range is on disk (or addressed by no file): the read may go on."""
         if not count or not self.block_size:
             return False
         first, last = offset // self.block_size, min(self.blocks, -(-(offset + count) // self.block_size)) - 1
         if last < first:
             return False
-        states = self.map[MAP_HEADER.size + first : MAP_HEADER.size + last + 1]
-        return 0 not in states and AHEAD not in states
+        return 0 not in self.map[MAP_HEADER.size + first : MAP_HEADER.size + last + 1]
 
     def close(self) -> None:
         self.map.close()

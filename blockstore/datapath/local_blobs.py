@@ -14,13 +14,6 @@ verification is answered ``EIO``, and nothing is written.  A read whose blocks a
 disk is allowed at once, and a blob whose every block is on disk loses its mark: from then
 on the kernel reads it with no userspace at all.
 
-A fill also writes ahead: the blocks its read queued as read-ahead in the engine (the rest of
-the file, the next files) are written, one at a time as they arrive and verified as any block,
-as ``AHEAD`` (:meth:`FanotifyBlobs._fill_ahead`), so that the reads that follow find them on
-disk instead of waiting on a fetch, a decode and a write each.  The holder passes the first
-read of an ``AHEAD`` block on to the server all the same (outcome ``ahead``): the hot-list
-recorder sees every block a start reads, and only then is the block noted filled.
-
 Which blocks are on disk is the fill map ``CACHE/blobs/<index>.filled`` (a header naming
 the boot, then a byte per block), written after the block: a crash leaves it behind the
 blob, never ahead.  After a reboot the page cache the map relied on is gone, so a blob of
@@ -58,7 +51,6 @@ import trio
 from bootseer import cpu
 from bootseer.blockstore.datapath import fanotify
 from bootseer.blockstore.datapath.event_holder import (
-    AHEAD,
     ANSWERED,
     DONE,
     EVENT,
@@ -89,7 +81,7 @@ EVENT_OUTCOMES = prometheus_client.Counter(
     "unknown (a file this server serves no blob of: EIO)",
     ["outcome"],
 )
-for _outcome in ("present", "ahead", "filled", "denied", "unknown"):
+for _outcome in ("present", "filled", "denied", "unknown"):
     EVENT_OUTCOMES.labels(_outcome)
 FILL_SECONDS = prometheus_client.Histogram(
     "bootseer_fanotify_fill_seconds", "Seconds from a pre-access event's arrival to its answer, for events that filled blocks",
@@ -98,13 +90,9 @@ FILL_SECONDS = prometheus_client.Histogram(
 BLOBS = prometheus_client.Gauge("bootseer_local_blobs", "Local blobs of served layers, by state", ["state"])
 
 _MAP_MAGIC = b"BSBLOBMAP1"
-FILLED, UNREAD = 1, 2  #: a fill map's bytes: 0 missing, 1 on disk, 2 addressed by no file of the image (3: AHEAD)
+FILLED, UNREAD = 1, 2  #: a fill map's bytes: 0 missing, 1 on disk, 2 addressed by no file of the image
 _MAP_HEADER = struct.Struct("<10s36sQ")  #: magic, boot id, blocks
 HOLDER_CONNECT_TIMEOUT = 30.0
-#: Blocks a fill writes ahead of the reads, at most: the next read's, about (EROFS reads a blob in ranges of
-#: up to its read-ahead, a block or two).  Each costs a decode, a hash and two writes whether or not a read
-#: comes: on a busy node, all that the read-ahead queued cost more than the waits they saved (bench/results).
-FILL_AHEAD_BLOCKS = 2
 #: Worker threads writing fills into blobs at once (page-cache writes: they release the interpreter lock).
 WRITE_THREADS = 4
 
@@ -139,7 +127,7 @@ class LocalBlob:
             ours = len(header) == _MAP_HEADER.size and _MAP_HEADER.unpack(header) == (_MAP_MAGIC, boot.encode(), blocks)
             if ours and (adopted or self.path.is_file()):
                 got = os.pread(map_fd, blocks, _MAP_HEADER.size)
-                filled[: len(got)] = bytes(b if b in (FILLED, UNREAD, AHEAD) else 0 for b in got)
+                filled[: len(got)] = bytes(b if b in (FILLED, UNREAD) else 0 for b in got)
             elif adopted:
                 raise OSError(errno.EUCLEAN, f"the fill map {self.map_path} of a blob still marked is not this boot's")
             else:  # a new blob, or one of another boot: start it again, empty
@@ -163,7 +151,6 @@ class LocalBlob:
         self.map_fd = map_fd  #: the fill map (the event holder maps it too)
         self.filled = filled
         self.missing_count = filled.count(0)
-        self.ahead_count = filled.count(AHEAD)  #: blocks written ahead and not read yet (the holder passes their reads on)
         stat = os.fstat(writer)
         self.inode = (stat.st_dev, stat.st_ino)
         self.marked = adopted and self.missing_count > 0
@@ -179,7 +166,6 @@ class LocalBlob:
 
     @property
     def complete(self) -> bool:
-        """Every block on disk (written ahead or not): the blob needs no mark, and no read of it is seen again."""
         return self.missing_count == 0
 
     def missing(self, refs: range) -> list[int]:
@@ -221,43 +207,23 @@ class LocalBlob:
             os.pwrite(self.map_fd, bytes(self.filled), _MAP_HEADER.size)  # behind the blob at worst, never ahead
         return self._complete_if_whole()
 
-    def write(self, refs: Sequence[int], data: Sequence[bytes], *, ahead: bool = False) -> int:
-        """Put verified blocks ``refs`` (``data``, each as stored) in the blob, then in the fill map, those not
-        on disk yet; how many.  ``ahead``: written ahead of any read (:data:`AHEAD`: their first reads still
-        reach the server).  Removes the mark if that completed the blob.  Blocking; any thread."""
+    def write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
+        """Put verified blocks ``refs`` (``data``, each as stored) in the blob, then in the fill map; True if
+        that completed the blob (its mark is then removed).  Blocking; any thread."""
         with cpu.stage("blob_fill"):
-            return self._write(refs, data, AHEAD if ahead else FILLED)
+            return self._write(refs, data)
 
-    def _write(self, refs: Sequence[int], data: Sequence[bytes], state: int) -> int:
-        written = 0
+    def _write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
         for ref, block in zip(refs, data):
             if self.filled[ref]:
                 continue
             os.pwrite(self.writer, block, self.index.blob_offset(ref))
-            with self._lock:  # the map's byte too: two writers of one block (a fill, a fill-ahead) set it once
-                if not self.filled[ref]:
-                    os.pwrite(self.map_fd, bytes((state,)), _MAP_HEADER.size + ref)
-                    self.filled[ref] = state
-                    self.missing_count -= 1
-                    self.ahead_count += state == AHEAD
-                    written += 1
-        self.note_unread_if_near() or self._complete_if_whole()
-        return written
-
-    def first_reads(self, refs: range) -> int:
-        """Of blocks ``refs`` (a read's), those written ahead are read now: noted filled; how many.  Blocking;
-        any thread."""
-        read = 0
-        for ref in refs:
-            if self.filled[ref] != AHEAD:
-                continue
+            os.pwrite(self.map_fd, b"\x01", _MAP_HEADER.size + ref)
             with self._lock:
-                if self.filled[ref] == AHEAD:
-                    os.pwrite(self.map_fd, bytes((FILLED,)), _MAP_HEADER.size + ref)
+                if not self.filled[ref]:
                     self.filled[ref] = FILLED
-                    self.ahead_count -= 1
-                    read += 1
-        return read
+                    self.missing_count -= 1
+        return self.note_unread_if_near() or self._complete_if_whole()
 
     def _complete_if_whole(self) -> bool:
         with self._lock:
@@ -405,9 +371,6 @@ class FanotifyStatistics:
     pending: int  #: events being answered now
     answered: int  #: events answered by this server
     answered_by_holder: int  #: events the event holder answered itself (every block on disk), since it started
-    filled_ahead: int  #: blocks written ahead of any read (a fill's read-ahead, from the engine's buffer)
-    ahead_read: int  #: of those, blocks a read then reached (the rest are on disk, unread)
-    filling_ahead: int  #: blobs being filled ahead now
     holder_adopted: bool  #: the group outlived a server: this one took it over
 
 
@@ -430,10 +393,6 @@ class FanotifyBlobs:
         self._pending = 0
         self._answered_total = 0
         self._holder_answered = 0
-        self._filled_ahead = 0
-        self._ahead_read = 0
-        self._filling_ahead: set[str] = set()  #: blobs a fill-ahead runs for (one at a time each)
-        self._events: trio.Nursery | None = None  #: where event answers and fill-aheads run
         #: Set once the layers are restored: events before that wait (a restart's pending ones included).
         self.ready = trio.Event()
 
@@ -455,9 +414,6 @@ class FanotifyBlobs:
             answered=self._answered_total,
             answered_by_holder=self._holder_answered,
             holder_adopted=bool(self.link and self.link.adopted),
-            filled_ahead=self._filled_ahead,
-            ahead_read=self._ahead_read,
-            filling_ahead=len(self._filling_ahead),
         )
 
     def _gauge(self) -> None:
@@ -539,22 +495,17 @@ class FanotifyBlobs:
         await self.link.release()
         return True
 
-    async def write_blocks(self, blob: LocalBlob, refs: Sequence[int], data: Sequence[bytes], *,
-                           ahead: bool = False) -> int:  # fmt: skip
-        """Write verified blocks into ``blob`` (the hot-list prefetch's way in), in a worker thread; how many
-        were not on disk yet.  ``ahead``: see :meth:`LocalBlob.write`."""
+    async def write_blocks(self, blob: LocalBlob, refs: Sequence[int], data: Sequence[bytes]) -> None:
+        """Write verified blocks into ``blob`` (the hot-list prefetch's way in): in a worker thread."""
         # Threads of their own: a fill's write must not queue behind the fetcher's decodes (a reader waits on it).
-        written = await trio.to_thread.run_sync(functools.partial(blob.write, refs, data, ahead=ahead), limiter=self._writers)
-        if blob.complete:
+        if await trio.to_thread.run_sync(blob.write, refs, data, limiter=self._writers):
             self._gauge()
-        return written
 
     # -- events ---------------------------------------------------------------------------
 
     async def _serve_events(self) -> None:
         assert self.link is not None
         async with trio.open_nursery() as nursery:
-            self._events = nursery
             while True:
                 batch, alive, answered = await self.link.events()
                 if not alive:
@@ -614,7 +565,7 @@ class FanotifyBlobs:
             tree.observer.blob_read(tree.name, tree.index, refs, event.pid)
         wanted = blob.missing(refs)
         if not wanted:
-            return "ahead" if await self._first_reads(blob, refs) else "present"
+            return "present"
         log.debug("filling blocks for a pre-access event", index=blob.name, offset=event.offset, count=event.count,
                   blocks=len(wanted), pid=event.pid)  # fmt: skip
         waits, mine = [], []
@@ -632,7 +583,6 @@ class FanotifyBlobs:
                 except Exception as exc:  # FetchError (EIO after the retries), a refused block: never written
                     raise _Denied("denied", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name}: {exc}") from None
                 await self.write_blocks(blob, mine, data)
-                self._fill_ahead_soon(blob, tree, mine[-1])
         finally:
             for ref in mine:
                 self._filling.pop((blob.name, ref)).set()
@@ -640,48 +590,7 @@ class FanotifyBlobs:
             await filling.wait()
         if blob.missing(refs):
             raise _Denied("denied", f"blocks of layer {tree.name} could not be filled")
-        await self._first_reads(blob, refs)  # a block written ahead while this read fetched it too
         return "filled"
-
-    async def _first_reads(self, blob: LocalBlob, refs: range) -> int:
-        """Note the blocks of ``refs`` written ahead as read now (:meth:`LocalBlob.first_reads`); how many."""
-        if not blob.ahead_count or AHEAD not in blob.filled[refs.start : refs.stop]:
-            return 0
-        read = await trio.to_thread.run_sync(blob.first_reads, refs, limiter=self._writers)
-        self._ahead_read += read
-        return read
-
-
-    def _fill_ahead_soon(self, blob: LocalBlob, tree: LayerTree, after: int) -> None:
-        """After a fill whose last block is ``after``: write ahead the blocks its read queued ahead of it."""
-        if self._events is not None and blob.name not in self._filling_ahead:
-            self._filling_ahead.add(blob.name)
-            self._events.start_soon(self._fill_ahead, blob, tree, after)
-
-    async def _fill_ahead(self, blob: LocalBlob, tree: LayerTree, after: int) -> None:
-        """Write into ``blob``, as :data:`AHEAD`, the blocks a fill's read queued ahead of block ``after`` (the
-        reader's read-ahead: the rest of the file, the next files), one at a time, in order, as the engine
-        has them, so that the reads that follow find them on disk instead of waiting on a fill each.
-
-        Only blocks already queued are taken (nothing more crosses the link than the read-ahead did), at
-        read-ahead priority, each verified as any block is; one at a time, so that a read of a block
-        this is getting waits for that block alone.  Their first reads still reach the server (the hot-list
-        recorder sees them: :meth:`LocalBlob.first_reads`).  A block that cannot be had is left to its read."""
-        try:
-            for ref in tree.reader.queued_ahead(after)[:FILL_AHEAD_BLOCKS]:
-                if blob.closed or not blob.trees:
-                    return
-                if blob.filled[ref] or (blob.name, ref) in self._filling:
-                    continue
-                try:
-                    data = await tree.reader.block_ahead(ref)
-                except (OSError, ValueError):
-                    return  # its read fetches it again and answers EIO if it must
-                if blob.closed:
-                    return
-                self._filled_ahead += await self.write_blocks(blob, [ref], [data], ahead=True)
-        finally:
-            self._filling_ahead.discard(blob.name)
 
 
 class _Denied(Exception):

@@ -94,18 +94,6 @@ class BlockReader(Protocol):
         Raises OSError (EIO) as :meth:`read` does."""
         ...
 
-    async def blob_blocks(self, refs: Sequence[int]) -> list[bytes]:
-        """Blocks ``refs`` of the blob as stored, verified (what a local blob is filled with); raises as :meth:`read`."""
-        ...
-
-    def queued_ahead(self, after: int) -> list[int]:
-        """The blob's blocks read ahead of a read ending at block ``after`` and not read since."""
-        ...
-
-    async def block_ahead(self, ref: int) -> bytes:
-        """Block ``ref`` as stored, verified, at read-ahead priority; raises as :meth:`read`."""
-        ...
-
 
 Tag = TypeVar("Tag")
 

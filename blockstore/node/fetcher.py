@@ -204,11 +204,6 @@ class BlockFetcher:
         """
         return self._stats.readahead_read, self._stats.blocks_fetched
 
-    def queued_ahead(self, index: BlockTable, refs: Sequence[int]) -> list[int]:
-        """Those of ``refs`` (blocks of ``index``) queued as read-ahead of an earlier read and not read since:
-        their bytes are in the engine's buffer, or on their way into it."""
-        return [ref for ref in refs if index.blocks[ref].digest in self._ahead]
-
     @property
     def threads(self) -> trio.CapacityLimiter:
         """The limiter of the worker threads that cache I/O, decompression and hashing run in."""

@@ -110,20 +110,6 @@ class LayerReader:
             return await self._read_blocks(range(len(self.index.blocks)), refs[0], refs[-1])
         return await self._read_blocks(refs, 0, len(refs) - 1)  # only these, read ahead of the last
 
-    def queued_ahead(self, after: int) -> list[int]:
-        """The blocks a read of the blob ending at block ``after`` read ahead of it (:meth:`_ahead_of`, the
-        window as it stands) that are still queued in the engine, unread: what a local blob may be filled
-        with ahead of its reads (:meth:`block_ahead`) without anything more crossing the link."""
-        if self._next is None or not self.readahead_max:
-            return []
-        return self.fetcher.queued_ahead(self.index, self._ahead_of(range(len(self.index.blocks)), after))
-
-    async def block_ahead(self, ref: int) -> bytes:
-        """Block ``ref`` as stored (verified), at read-ahead priority: one :meth:`queued_ahead` named.  Raises
-        as :meth:`blob_blocks` does."""
-        (data,) = await self.fetcher.blocks(self.index, [ref], Priority.READAHEAD)
-        return data
-
     async def _read_blocks(self, sequence: Sequence[int], first: int, last: int) -> list[bytes]:
         """Blocks ``sequence[first : last + 1]`` at DEMAND, reading ahead of ``sequence[last]`` on a miss.
 

@@ -24,9 +24,7 @@ from typing import Any
 
 import pytest
 
-from bootseer.blockstore.datapath.event_holder import MAP_HEADER
 from bootseer.blockstore.datapath.fanotify import unsupported
-from bootseer.blockstore.objects.format import pack_object
 from tests.blockstore.test_layer_server import node_factory  # noqa: F401,F811 (fixture)
 from tests.support.layer_servers import EVENT_HOLDER, layer_server_processes
 from tests.support.layer_store import BuiltLayer, build_store
@@ -126,8 +124,7 @@ def test_a_layer_reads_back_byte_for_byte_from_a_blob_filled_on_events_then_unma
     assert read_all(lower, half) == {path: expected[path] for path in half}
     counted = events(port)
     assert counted["filled"] > 0 and counted["denied"] == 0 and counted["unknown"] == 0
-    # The fills' read-ahead was written ahead of the reads; once it is done the blob stays as it is.
-    stats = wait_until("the fill-ahead is done", lambda: (s := client.status()["fanotify"])["filling_ahead"] == 0 and s)
+    stats = client.status()["fanotify"]
     assert stats["blobs"] == 1 and stats["complete"] == 0 and 0 < stats["missing_blocks"] < len(built.index.blocks)
     # Read again with the page cache dropped: every block is on disk, so the event holder answers each
     # event itself (from the fill map), and the server sees none.
@@ -172,59 +169,6 @@ def test_a_block_that_fails_verification_is_eio_and_never_written(tmp_path: Path
         with pytest.raises(OSError):
             os.lseek(opened.fileno(), 0, os.SEEK_DATA)
     assert client.status()["fanotify"]["missing_blocks"] == missing > 0  # none written
-
-
-PREFIX_READER = r"""
-import hashlib, os, sys
-path, size = sys.argv[1], int(sys.argv[2])
-digest, left = hashlib.sha256(), size
-with open(path, "rb", buffering=0) as f:
-    while left and (chunk := f.read(min(left, 48 * 1024))):
-        digest.update(chunk)
-        left -= len(chunk)
-print(digest.hexdigest())
-"""
-
-
-def test_a_fill_writes_its_read_ahead_ahead_of_the_reads_and_no_block_that_fails_verification(
-    tmp_path: Path, node_factory: Any
-) -> None:
-    size = 8 << 20
-    big = BigFile("data/big.bin", size, seed=7)
-    store = tmp_path / "store"
-    built = build_store(store, [Layer((big,))], block_size=BLOCK_SIZE, layout=tmp_path / "layout")[0]
-    index = built.index
-    refs = next(entry for entry in index.entries if entry.path == "data/big.bin").blocks
-    # The file's blocks from 4.5 MiB on fail their SHA-256 in the store; its first 4 MiB are read.
-    bad = refs[(9 << 19) // BLOCK_SIZE :]
-    for ref in bad:
-        block = index.blocks[ref]
-        pack = store / pack_object(index.packs[block.pack])
-        with open(pack, "r+b") as opened:
-            opened.seek(block.offset + block.clen // 2)
-            byte = opened.read(1)
-            opened.seek(block.offset + block.clen // 2)
-            opened.write(bytes((byte[0] ^ 0xFF,)))
-    port = free_port()
-    node = node_factory(f"file://{store}", data_path="fanotify", metrics_address=f"127.0.0.1:{port}")
-    client = node.ensure()
-    lower = client.mount(built.chain_id).lower_dir
-    head = 4 << 20
-    done = subprocess.run([sys.executable, "-c", PREFIX_READER, os.path.join(lower, "data/big.bin"), str(head)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == hashlib.sha256(b"".join(big.chunks())[:head]).hexdigest()
-    stats = wait_until("the fill-ahead is done", lambda: (s := client.status()["fanotify"])["filling_ahead"] == 0 and s)
-    # Blocks were written ahead of the reads, and reads then reached some of them (the server saw those).
-    assert stats["filled_ahead"] > 0 and stats["ahead_read"] > 0, stats
-    (blocks,) = [store["blocks"] for store in client.status()["stores"].values()]
-    assert blocks["corrupt"] > 0  # bad blocks were fetched (read ahead by the kernel or the fill) and refused
-    fill_map = (node.root / "cache" / "blobs" / f"{built.record.index}.filled").read_bytes()[MAP_HEADER.size :]
-    assert all(fill_map[ref] == 0 for ref in bad)  # none of them is on disk
-    assert all(fill_map[ref] == 1 for ref in refs[: head // BLOCK_SIZE])  # what was read is, and noted read
-    rest = start_reader(lower, ["data/big.bin"])
-    _out, err = rest.communicate(timeout=120)
-    assert rest.returncode != 0 and "Input/output error" in err  # their reads get EIO
 
 
 def mount_id(path: str) -> int:

@@ -22,6 +22,7 @@ from bench import image_build
 from bench.common import code_version, fmt, machine
 from bench.lazy_scenarios import (
     BASELINES, FANOTIFY_PATH, KINDS, MB, SCENARIOS, SIGKILL_TEST, SOURCE_SUFFIX, TARGET_COLD_FUSE_REQUESTS,
+    TARGET_26_COLD_RATIO, TARGET_26_FALLBACK_LOCAL, TARGET_26_HOT_OVER_FLOOR, TARGET_26_HOT_SPEEDUP,
     TARGET_COLD_RATIO, TARGET_COMPLETE_BLOB_REQUESTS, TARGET_FANOTIFY_HOT_OVER_FLOOR, TARGET_FETCH_OVER_READ,
     TARGET_FUSE_REQUESTS_RATIO, TARGET_HOT_OVER_FLOOR, TARGET_HOT_SPEEDUP, TARGET_LINK_OVER_BUILT,
     TARGET_LOCAL_RATIO, TARGET_PAGE_CACHE_RATIO, TARGET_PULL_SECONDS, TREE_PATH, Run, Scenario, base_name, named,
@@ -343,6 +344,34 @@ def fanotify_targets(scenarios: dict[str, Scenario], seconds: dict[str, float | 
             "overlayfs's warm start).", "", "| target | wanted | measured | |", "|---|---|---|---|", *lines]
 
 
+def issue26_targets(seconds: dict[str, float | None], context: dict[str, Any], paths: list[str]) -> list[str]:
+    """Issue 26's target lines of this benchmark, per data path among ``paths``: the hot-list start against
+    overlayfs's cold start and against its floor, the lazy cold start against overlayfs's, and (on the FUSE
+    fallbacks) the second start with the page cache dropped against overlayfs's local start.  The layer
+    server's CPU and the peers' are the peers benchmark's; the dependency hit, the deps benchmark's."""
+    lines = []
+    for path in paths:
+        data_path = split_variant(path)[0]
+        hot, floor, overlay = seconds.get(named("hot-cold", path)), hot_floor(seconds, context, path), seconds.get("overlay-cold")
+        lazy, local = seconds.get(named("lazy-cold", path)), seconds.get(named("lazy-local", path))
+        lines += [
+            _check(f"[{path}] hot-list start (hot-cold) / overlayfs cold start", hot / overlay if hot and overlay else None,
+                   1 / TARGET_26_HOT_SPEEDUP, f"≤ {1 / TARGET_26_HOT_SPEEDUP:.3g}× (≥ {TARGET_26_HOT_SPEEDUP:g}× faster)"),
+            _check(f"[{path}] hot-list start / its floor", hot / floor if hot and floor else None, TARGET_26_HOT_OVER_FLOOR),
+            _check(f"[{path}] lazy cold start / overlayfs cold start", lazy / overlay if lazy and overlay else None,
+                   TARGET_26_COLD_RATIO),
+        ]
+        if data_path != FANOTIFY_PATH:
+            base = seconds.get("overlay-local")
+            lines.append(_check(f"[{path}] second start, page cache dropped (lazy-local, a FUSE fallback) / overlayfs "
+                                "local start", local / base if local and base else None, TARGET_26_FALLBACK_LOCAL))
+    if not lines:
+        return []
+    return ["", "## Targets of issue 26", "",
+            "Ratios of medians of this run; the hot-list floor as above.", "", "| target | wanted | measured | |",
+            "|---|---|---|---|", *lines]
+
+
 #: The BootSeer starts compared between image sources.
 SOURCE_STARTS = ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold")
 
@@ -608,6 +637,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     lines += ["", "## Targets", "", "Each a ratio of medians of this run, per data path.", "",
               "| target | wanted | measured | |", "|---|---|---|---|", *checks]
     lines += fanotify_targets(scenarios, seconds, context, paths)
+    lines += issue26_targets(seconds, context, paths)
     summaries = sorted({r.pull_summary for name, s in scenarios.items() if base_name(name) == "lazy-cold"
                         for r in s.runs if r.pull_summary})
     if summaries:

@@ -468,7 +468,6 @@ class Snapshotter:
             for name, label in (("image_ref", CRI_IMAGE_REF_LABEL), ("layer_digest", CRI_LAYER_DIGEST_LABEL))
             if label in labels
         }
-        self._warm_above(labels)
         with self._chain_locks.hold(chain_id):
             layer, reason, detail = self._find_remote(chain_id, parent, labels)
             if layer is None:
@@ -487,6 +486,9 @@ class Snapshotter:
                     self._count_fallback(key, chain_id, reason, str(exc), hints)
                     self._release_remote(chain_id)
                     return mounts
+                # This layer is served: now the ones above it load while containerd commits it and prepares the
+                # next (never before: they would hold back this one's load, which the pull waits for first).
+                self._warm_above(labels)
                 try:
                     with self._ms.write() as tx:
                         tx.commit_active(

@@ -5,7 +5,7 @@ lowest first, and each remote layer's mount waits for its chain record, index an
 from the store, decoded and checked: most of a lazy pull.  ``bootseer rpull`` names, on each
 layer's Prepare, the ChainIDs of the layers above it
 (:data:`~bootseer.images.chains.LABEL_LAYERS_ABOVE`); the snapshotter passes them to the layer
-server (the control operation ``warm``), and :class:`LayerWarmer` loads them now, at most
+server (the control operation ``warm``) once that layer is mounted, and :class:`LayerWarmer` loads them now, at most
 ``concurrency`` at once, by the mount's own load (the server's ``_load``: chain record trusted,
 index verified, image checked and kept), and holds each result until the layer's mount takes it,
 for at most ``keep`` seconds.

@@ -408,10 +408,12 @@ class LayerServer:
 
     async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str,
                            fetched: FetchedImage | None = None, *, phase: str = "image") -> Path:  # fmt: skip
-        """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler's ``phase`` (its source and bytes)."""
+        """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler's ``phase`` (its source, and the
+        image's size as ``image_bytes``: not the span's ``bytes``, which a phase adds up, since the blocks it
+        was fetched in are in ``layers.bytes`` already, compressed)."""
         with profile_events.span("layer.image", phase=phase, chain_id=record.chain_id) as span:
             path, span["source"] = await self._get_image(record, index, store, fetched)
-            span["bytes"] = path.stat().st_size if span["source"] == "store" else 0
+            span["image_bytes"] = path.stat().st_size if span["source"] == "store" else 0
             return path
 
     async def _get_image(self, record: ChainRecord, index: LayerIndex, store: str,

@@ -122,6 +122,23 @@ def test_layers_warmed_ahead_mount_without_asking_the_store_for_them_again(built
 
 
 @pytestmark_server
+def test_a_mount_adds_the_image_phase_its_image_once_not_again_in_its_span(built: Any, root: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image's blocks are fetched through the store's engine (``layers.bytes``); its ``layer.image``
+    span says the image's size apart, so the profiler's image phase does not count it twice."""
+    from bootseer.profile.events import ENV_PROFILE, read_spool
+
+    store, layers = built
+    monkeypatch.setenv(ENV_PROFILE, "1")  # the server's spool: ROOT/profile
+    client = ensure_server(root, ServerSettings(store=f"file://{store}", retry_timeout=5, data_path="erofs"))
+    client.mount(layers[0].chain_id)
+    spans = lambda: [e for e in read_spool(root / "profile")[0] if e.name == "layer.image"]  # noqa: E731
+    (image,) = wait_until("the layer.image span is spooled", spans)
+    assert image.attrs["source"] == "store" and image.attrs["image_bytes"] > 0
+    assert image.bytes == 0
+
+
+@pytestmark_server
 def test_a_warm_that_fails_leaves_the_mount_its_own_error_and_a_bad_request_is_refused(built: Any, root: Path) -> None:
     store, _ = built
     client = ensure_server(root, ServerSettings(store=f"file://{store}", retry_timeout=5))

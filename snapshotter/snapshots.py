@@ -516,8 +516,12 @@ class Snapshotter:
             return
         with self._ms.read() as tx:
             wanted = [chain for chain in above if not _has_snapshot(tx, chain)]
-        if wanted:
+        if not wanted:
+            return
+        try:
             self.backend.warm(wanted)
+        except Exception as exc:  # a load ahead is a hint: a bug below us must not fail the pull
+            log.error("asking the layer server to load the layers above failed unexpectedly", layers=len(wanted), exc_info=exc)
 
     def _find_remote(
         self, chain_id: str, parent: str, labels: dict[str, str]

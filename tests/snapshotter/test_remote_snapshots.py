@@ -144,6 +144,20 @@ def test_a_prepare_naming_the_layers_above_has_the_backend_load_those_not_held_f
     assert layers.calls == [("lookup", CHAIN_B), ("mount", CHAIN_B), ("warm", chain_c)]
 
 
+def test_a_backend_whose_load_ahead_fails_unexpectedly_still_serves_the_layer_lazily(
+    sn: Snapshotter, layers: DirectoryLayers, monkeypatch: pytest.MonkeyPatch
+):
+    def broken(chain_ids) -> None:
+        raise RuntimeError("a bug in the backend's warm")
+
+    monkeypatch.setattr(layers, "warm", broken)
+    chain_c = chain_id(CHAIN_A, "sha256:" + "c" * 64)
+    prepare_remote(sn, "extract-1", "", CHAIN_A)  # and no label: no warm asked
+    with pytest.raises(AlreadyExists, match="served lazily"):
+        sn.prepare("extract-2", CHAIN_A, {**unpack_labels(CHAIN_B), LABEL_LAYERS_ABOVE: chain_c})
+    assert sn.stat(CHAIN_B).kind is Kind.COMMITTED
+
+
 def test_prepare_of_an_existing_chain_answers_already_exists_without_a_mount(sn: Snapshotter, layers: DirectoryLayers):
     prepare_remote(sn, "extract-1", "", CHAIN_A)
     layers.calls.clear()

@@ -40,16 +40,22 @@ def chain_ids(diff_ids: Iterable[str]) -> list[str]:
     return result
 
 
-def layers_above_label(chain: Sequence[str], index: int) -> str:
-    """The value of :data:`LABEL_LAYERS_ABOVE` on the Prepare of layer ``index`` of ``chain`` (its ChainIDs,
-    bottom first): those above it, lowest first, as many as fit ("" for the top layer)."""
+def label_list(items: Iterable[str], key: str) -> str:
+    """``items`` comma-separated, as many as fit in one label named ``key`` (containerd's pkg/snapshotters
+    getLayers does the same for the CRI's layer digests)."""
     out = ""
-    for above in chain[index + 1 : index + 1 + MAX_LAYERS_ABOVE]:
-        item = above if not out else "," + above
-        if len(LABEL_LAYERS_ABOVE) + len(out) + len(item) > MAX_LABEL_BYTES:
+    for value in items:
+        item = value if not out else "," + value
+        if len(key) + len(out) + len(item) > MAX_LABEL_BYTES:
             break
         out += item
     return out
+
+
+def layers_above_label(chain: Sequence[str], index: int) -> str:
+    """The value of :data:`LABEL_LAYERS_ABOVE` on the Prepare of layer ``index`` of ``chain`` (its ChainIDs,
+    bottom first): those above it, lowest first, as many as fit ("" for the top layer)."""
+    return label_list(chain[index + 1 : index + 1 + MAX_LAYERS_ABOVE], LABEL_LAYERS_ABOVE)
 
 
 def layers_above(labels: dict[str, str]) -> list[str]:
@@ -64,4 +70,4 @@ def layers_above(labels: dict[str, str]) -> list[str]:
     return out
 
 
-__all__ = ["LABEL_LAYERS_ABOVE", "MAX_LABEL_BYTES", "chain_id", "chain_ids", "layers_above", "layers_above_label"]
+__all__ = ["LABEL_LAYERS_ABOVE", "MAX_LABEL_BYTES", "chain_id", "chain_ids", "label_list", "layers_above", "layers_above_label"]

@@ -44,7 +44,7 @@ import grpc
 from google.protobuf import field_mask_pb2
 
 from bootseer.images import registry as images
-from bootseer.images.chains import LABEL_LAYERS_ABOVE, MAX_LABEL_BYTES, chain_ids, layers_above_label
+from bootseer.images.chains import LABEL_LAYERS_ABOVE, MAX_LABEL_BYTES, chain_ids, label_list, layers_above_label
 from bootseer.images.registry import Descriptor, ImageSource, ResolvedImage
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
@@ -360,13 +360,7 @@ def _label_fits(key: str, value: str) -> bool:
 
 def layer_digest_list(layers: Sequence[Descriptor], key: str = LABEL_CRI_IMAGE_LAYERS) -> str:
     """Comma-separated digests, as many as fit in one label (pkg/snapshotters getLayers)."""
-    out = ""
-    for layer in layers:
-        item = layer.digest if not out else "," + layer.digest
-        if not _label_fits(key, out + item):
-            break
-        out += item
-    return out
+    return label_list((layer.digest for layer in layers), key)
 
 
 def snapshot_labels(resolved: ResolvedImage, index: int, chain: Sequence[str]) -> dict[str, str]:

@@ -6,6 +6,7 @@ requests; :class:`LayerWarmer`'s bounds (concurrency, expiry, stores) in trio wi
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
@@ -154,3 +155,15 @@ def test_a_warm_that_fails_leaves_the_mount_its_own_error_and_a_bad_request_is_r
     with pytest.raises(InvalidRequest, match="chain_ids"):
         client.warm([missing] * 65)
     assert ServerPaths(root).socket.exists()
+
+
+@pytestmark_server
+def test_a_warm_from_a_store_url_with_a_credential_never_shows_it(built: Any, root: Path) -> None:
+    store, _ = built
+    client = ensure_server(root, ServerSettings(store=f"file://{store}", retry_timeout=1))
+    secret = "s3cr3t-t0ken"
+    assert client.warm(["sha256:" + "1" * 64], store=f"http://user:{secret}@127.0.0.1:9/store") == 1
+    wait_until("the warm failed", lambda: client.status()["warm"]["failed"] == 1, timeout=60)
+    log = ServerPaths(root).log.read_text(errors="replace")
+    assert "loading a layer ahead of its mount failed" in log
+    assert secret not in log and secret not in json.dumps(client.status())

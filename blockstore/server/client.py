@@ -273,6 +273,7 @@ class ServerSettings:
     memory_limit: int | None = None  #: stripe bytes each store's engine holds in memory
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
     data_path: str | None = None  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice); None: the server's default (auto)
+    hole_wait: float | None = None  #: seconds a read of a hole on ``fanotify`` waits with no server before EIO
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     store_proxy: str | None = None  #: HTTP proxy URL http(s) stores are read through (may carry credentials)
     store_proxy_ping_url: str | None = None  #: the proxy's health check URL (never credentials)
@@ -316,6 +317,7 @@ class ServerSettings:
             ("memory-limit", self.memory_limit),
             ("metrics-address", self.metrics_address),
             ("data-path", self.data_path),
+            ("hole-wait", self.hole_wait),
             ("store-proxy-ping-url", self.store_proxy_ping_url),
             ("store-proxy-check-interval", self.store_proxy_check_interval),
             ("store-proxy-block-size", self.store_proxy_block_size),
@@ -338,8 +340,10 @@ class ServerSettings:
 
     def argv(self, root: str | os.PathLike[str], settings_file: str) -> list[str]:
         """The command line that starts the server for ``root`` with its settings in ``settings_file``
-        (:meth:`document`, on a pipe: ``/dev/fd/N``): no setting, let alone a credential, in it."""
-        return [self.python, "-m", "bootseer.cli", "--log-level", self.log_level, "layer-server",
+        (:meth:`document`, on a pipe: ``/dev/fd/N``): no setting, let alone a credential, in it.  ``-P``: no
+        directory is put ahead of the installed package on the server's ``sys.path`` (``-m`` would put the
+        working directory there, where a ``bootseer/`` folder, a checkout's say, would shadow it)."""
+        return [self.python, "-P", "-m", "bootseer.cli", "--log-level", self.log_level, "layer-server",
                 "--root", os.fspath(root), "--settings-file", settings_file, *self.extra_args]  # fmt: skip
 
     def _peer_options(self) -> list[tuple[str, Any]]:

@@ -237,7 +237,13 @@ class PageCacheWarmer:
         if isinstance(target, BlobTarget):
             if data is None:
                 raise ValueError("a blob target's warming writes the blocks' bytes: give them")
-            target.blob.write([block.ref for block in blocks], data)
+            try:
+                target.blob.write([block.ref for block in blocks], data)
+            except OSError as exc:  # a full disk, say: those blocks stay missing (a read fills them, or fails)
+                self.skipped += len(blocks)
+                log.warning("page-cache warming cannot write hot blocks into a local blob; skipped",
+                            blob=str(target.blob.path), blocks=len(blocks), error=str(exc))  # fmt: skip
+                return 0
             done = sum(len(payload) for payload in data)
             index = self._indexes[layer]
             self._blobs[str(target.blob.path)] = target.blob

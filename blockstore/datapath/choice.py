@@ -12,7 +12,8 @@ A node serves every layer one way, chosen once at the layer server's start
 * ``erofs``: the kernel's EROFS answers the tree, file-backed (Linux 6.12+): one
   metadata image per layer (:mod:`blockstore.objects.erofs_image`: the converter's, fetched from
   the store, verified and checked (:meth:`ErofsLayers.install_image`), or for a conversion
-  without one built from the verified index; cached under ``ROOT/layers/erofs/``) mounted at ``ROOT/layers/lower/<slot>``
+  without one built from the verified index; cached under ``ROOT/layers/erofs/``, and a kept
+  one verified and checked again before each mount: :meth:`ErofsLayers.kept_image`) mounted at ``ROOT/layers/lower/<slot>``
   with ``device=`` the layer's FUSE blob file (``ROOT/layers/mnt/blobs/<slot>``); FUSE
   sees only block reads of the blob.
 * ``loop``: the same, the image and the blob each behind a read-only loop device
@@ -52,7 +53,16 @@ from bootseer.blockstore.datapath.erofs_check import ImageRefused, blob_blocks
 from bootseer.blockstore.datapath.image_checker import CheckerProcess, ImageCheck
 from bootseer.blockstore.datapath.erofs_mount import ErofsMountError, mount_erofs, unmount_erofs
 from bootseer.blockstore.datapath.fanotify import unsupported
-from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
+from bootseer.blockstore.objects.format import (
+    MAX_IMAGE_TABLE_BYTES,
+    ChainRecord,
+    Entry,
+    EntryType,
+    FormatError,
+    LayerImage,
+    LayerIndex,
+    sealed_size_bound,
+)
 from bootseer.blockstore.datapath.tree import LayersRoot
 from bootseer.atomic import replacing
 from bootseer.log import get_logger
@@ -72,10 +82,11 @@ IMAGES = prometheus_client.Counter(
     "bootseer_layer_images",
     "EROFS images of layers made ready to mount, by where they came from: store (the converter's, fetched "
     "and checked), cached (on this node already), built (from the index: a conversion without an image), "
-    "refused (the store's failed its digest or its check: the layer is not served)",
+    "refused (the store's failed its digest or its check: the layer is not served), kept_refused (one kept on "
+    "this node failed its digest or its check before a mount or a restart's restore: removed, fetched again)",
     ["source"],
 )
-for _source in ("store", "cached", "built", "refused"):
+for _source in ("store", "cached", "built", "refused", "kept_refused"):
     IMAGES.labels(_source)
 
 
@@ -182,6 +193,12 @@ class DataPathProbe:
         return DataPathChoice("loop", f"file-backed EROFS refused under {self.layers} (ENOTBLK): over loop devices")
 
 
+def store_image_check(table: LayerImage, record: ChainRecord) -> ImageCheck:
+    """What the converter's image of ``record``'s layer is checked against (fetched, or kept): the blob size
+    and block size its table names, and the record's entries."""
+    return ImageCheck(table.blob_size, table.block_size, record.files)
+
+
 def announce(choice: DataPathChoice) -> None:
     """The start-up log line and the gauge of the chosen data path."""
     for path in EROFS_PATHS + ("tree",):  # fanotify, erofs, loop, tree
@@ -223,12 +240,22 @@ class ErofsLayers:
             raise ValueError(f"image name is not 64 hex digits: {image_name!r}")
         return self.images / f"{image_name}.erofs-store"
 
-    def install_image(self, image_name: str, sha256: str, pieces: Sequence[bytes], check: ImageCheck | None) -> Path:
+    def store_table_path(self, image_name: str) -> Path:
+        """Where the local copy of the store's image table ``image_name`` is kept while its image is: the
+        store's object byte for byte, beside the layers' index copies (``ROOT/layers/indexes/``), verified
+        by its name (the SHA-256 a chain record names it by) when it is read, as the store's object is."""
+        self.store_image_path(image_name)  # the same name, the same check
+        return self.paths.indexes / f"{image_name}.image-table"
+
+    def install_image(self, image_name: str, sha256: str, pieces: Sequence[bytes], check: ImageCheck | None,
+                      *, table: bytes) -> Path:  # fmt: skip
         """Keep the converter's image ``image_name`` made of ``pieces`` (verified blocks of its table) once
         its bytes hash to ``sha256`` and, unless ``check`` is None (its record is signed by a trusted
         converter), the bounded check accepted the file written (in the checker process:
         :mod:`~bootseer.blockstore.datapath.image_checker`) before it is renamed into place; else
-        ImageRefused naming why, and nothing is kept.  Blocking: run it in a worker thread."""
+        ImageRefused naming why, and nothing is kept.  ``table`` (the table object's bytes, which hash to
+        ``image_name``) is kept first, at :meth:`store_table_path`: what :meth:`kept_image` verifies the
+        kept image against before a later mount.  Blocking: run it in a worker thread."""
         digest = hashlib.sha256()
         for piece in pieces:
             digest.update(piece)
@@ -243,19 +270,84 @@ class ErofsLayers:
                     raise ImageRefused(f"the image fails its check: {exc}") from None
 
         path = self.store_image_path(image_name)
+        with replacing(self.store_table_path(image_name), durable=False) as out:  # a cache, as the image is
+            out.write(table)
         with replacing(path, durable=False, before_rename=checked) as out:  # a cache: a lost image is fetched again
             out.writelines(pieces)
         return path
+
+    def kept_image(self, record: ChainRecord, *, check: bool) -> Path | None:
+        """The converter's image of ``record``'s layer kept on this node, verified again before it is mounted:
+        the local copy of its table must hash to ``record.image`` (:meth:`LayerImage.decode`: so the SHA-256
+        it names is the one the trusted record names, whatever was edited on this node), the image must be
+        the table's size and hash to the table's SHA-256 and, with ``check`` (no trusted converter signed
+        ``record``), the bounded check must accept it (in the checker process).  None if no image is kept;
+        ImageRefused naming why, once the image and its table copy are removed (the caller fetches it
+        again).  Blocking (one read of the image, then its check): run it in a worker thread."""
+        path = self.store_image_path(record.image)
+        try:
+            image = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # a directory in its place, say: nothing to remove, and nothing mounted
+            raise ImageRefused(f"it cannot be opened: {exc}") from None
+        kept = os.fstat(image.fileno())
+        try:
+            with image:
+                table = self._kept_table(record)
+                size = kept.st_size
+                if size != table.size:
+                    raise ImageRefused(f"it is {size} bytes, its table's {table.size}")
+                if hashlib.file_digest(image, "sha256").hexdigest() != table.sha256:
+                    raise ImageRefused(f"its bytes do not hash to the sha256 its table names ({table.sha256[:12]}...)")
+            if check:
+                try:
+                    self.checker.check(path, store_image_check(table, record))
+                except ImageRefused as exc:
+                    raise ImageRefused(f"it fails its check: {exc}") from None
+        except ImageRefused:
+            self._remove_refused(record.image, kept)
+            raise
+        except OSError as exc:  # EIO, say: whatever it holds, it is not mounted
+            self._remove_refused(record.image, kept)
+            raise ImageRefused(f"it cannot be read: {exc}") from None
+        return path
+
+    def _remove_refused(self, image_name: str, refused: os.stat_result) -> None:
+        """Remove the kept image ``image_name`` and its table copy if the image is still the file ``refused``
+        (not one a fresh fetch put in its place meanwhile)."""
+        try:
+            now = self.store_image_path(image_name).stat()
+        except FileNotFoundError:
+            return
+        if (now.st_dev, now.st_ino) == (refused.st_dev, refused.st_ino):
+            self.remove_image("", image_name)
+
+    def _kept_table(self, record: ChainRecord) -> LayerImage:
+        """The local copy of ``record``'s image table, verified against ``record.image``; ImageRefused if it is
+        missing (an image kept by a server before tables were kept) or refused."""
+        bound = sealed_size_bound(MAX_IMAGE_TABLE_BYTES)
+        try:
+            with open(self.store_table_path(record.image), "rb") as copy:
+                data = copy.read(bound + 1)  # more than the bound: refused by the decode, unread past it
+        except FileNotFoundError:
+            raise ImageRefused("its table's local copy is missing") from None
+        try:
+            return LayerImage.decode(data, record=record)
+        except FormatError as exc:
+            raise ImageRefused(f"its table's local copy is refused: {exc}") from None
 
     def prepare(self, *, keep_mounts: bool = False) -> None:
         """Create the directories, start the image checker, remove half-written images, and lazily unmount
         every mount on ``lower/`` (a killed server's: their blob device was its FUSE session, now dead),
         unless ``keep_mounts``: on ``fanotify`` with the event holder up, those mounts read local blobs
         still marked in the group that outlived the server, and the restored layers take them over."""
-        for directory in (self.images, self.lowers):
+        for directory in (self.images, self.lowers, self.paths.indexes):
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.checker.start()
         for stale in self.images.glob(".*.tmp"):  # bootseer.atomic.replacing's temp names
+            stale.unlink(missing_ok=True)
+        for stale in self.paths.indexes.glob(".*.image-table.*.tmp"):  # the table copies' (store_table_path)
             stale.unlink(missing_ok=True)
         if keep_mounts:
             return
@@ -265,7 +357,8 @@ class ErofsLayers:
                 unmount_erofs(lower, lazy=True)
 
     def cached(self, path: Path) -> bool:
-        """Whether ``path`` (a :meth:`store_image_path`) is on this node already: it was checked when it was kept."""
+        """Whether ``path`` (a :meth:`store_image_path`) is on this node already (not whether it is still right:
+        :meth:`kept_image` verifies it again before it is mounted)."""
         return path.is_file()
 
     def blob_size_of(self, path: Path) -> int:
@@ -328,10 +421,13 @@ class ErofsLayers:
         return await trio.to_thread.run_sync(self._unmount, slot)
 
     def remove_image(self, index_name: str, image_name: str = "") -> None:
-        """Remove the images of a layer no longer served: built from ``index_name``, and the store's ``image_name``."""
-        self.image_path(index_name).unlink(missing_ok=True)
+        """Remove the images of a layer no longer served: built from ``index_name`` (none if it is ""), and the
+        store's ``image_name`` with its table copy."""
+        if index_name:
+            self.image_path(index_name).unlink(missing_ok=True)
         if image_name:
             self.store_image_path(image_name).unlink(missing_ok=True)
+            self.store_table_path(image_name).unlink(missing_ok=True)
 
     def _detach_all(self) -> None:
         for lower in self.lowers.iterdir():
@@ -357,4 +453,5 @@ __all__ = [
     "ErofsLayers",
     "IMAGES",
     "announce",
+    "store_image_check",
 ]

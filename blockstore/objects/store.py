@@ -739,6 +739,11 @@ class StoreReader:
 
     async def image(self, record: ChainRecord) -> LayerImage:
         """The table of the EROFS image ``record`` names (:class:`LayerImage`), verified against ``record.image``."""
+        return (await self.image_and_bytes(record))[0]
+
+    async def image_and_bytes(self, record: ChainRecord) -> tuple[LayerImage, bytes]:
+        """:meth:`image`, and the exact bytes the table was decoded from (their SHA-256 is ``record.image``):
+        what a node keeps beside the image, to verify the kept image against before a later mount."""
 
         async def decode(data: bytes) -> LayerImage:
             return LayerImage.decode(data, record=record)  # a few rows: on the trio thread
@@ -746,7 +751,7 @@ class StoreReader:
         found = await self._read_decoded(image_object(record.image), sealed_size_bound(MAX_IMAGE_TABLE_BYTES), decode)
         if found is None:
             raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names image {record.image}, which is missing")
-        return found[0]
+        return found
 
 
 @asynccontextmanager

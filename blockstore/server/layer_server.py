@@ -76,6 +76,7 @@ from bootseer.blockstore.datapath.choice import (
     DataPathProbe,
     ErofsLayers,
     announce,
+    store_image_check,
 )
 from bootseer.blockstore.datapath.image_checker import ImageCheck
 from bootseer.blockstore.datapath.local_blobs import FanotifyBlobs, LocalBlob
@@ -233,8 +234,12 @@ class LayerServer:
         self.stores = StoreRegistry(nursery, config.engine, config.source_options, self.cache, self._block_threads,
                                     peers=self.peers.client if self.peers else None,
                                     known=[config.store] if config.store else [])  # fmt: skip
-        #: Layers loaded ahead of their mounts (the ``warm`` operation), taken by :meth:`mount`.
-        self.warmer: LayerWarmer[LoadedLayer] = LayerWarmer(nursery, self._load)
+        #: Layers loaded ahead of their mounts (the ``warm`` operation), taken by :meth:`mount`; what no mount
+        #: takes leaves nothing on disk (:meth:`_discard_load`).
+        self.warmer: LayerWarmer[LoadedLayer] = LayerWarmer(nursery, self._load, discard=self._discard_load)
+        #: The chain record each load (:meth:`_load`) got, by ChainID, while a mount or a warm of it holds it:
+        #: whose image a load no mount took must leave on disk (:meth:`_image_in_use`).
+        self._loaded: dict[str, ChainRecord] = {}
         # A mount and an unmount of one layer never interleave; requests name any ChainID
         # they like, so a lock lives only while it is held or waited for.
         self._chain_locks = TrioKeyedLocks()
@@ -337,9 +342,9 @@ class LayerServer:
             except (FetchError, SourceError) as exc:
                 got["error"] = StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}")
 
-        async def image(table: LayerImage, pieces: list[bytes]) -> None:
+        async def image(table: LayerImage, table_data: bytes, pieces: list[bytes]) -> None:
             try:
-                got["image"] = await self._verify_image(record, table, pieces)
+                got["image"] = await self._verify_image(record, table, table_data, pieces)
             except LayerServerError as exc:
                 got["image_error"] = exc
 
@@ -347,6 +352,9 @@ class LayerServer:
             nursery.start_soon(index)
             if blocks is not None:
                 nursery.start_soon(image, *blocks)
+        if "error" in got and "image" in got and not self._image_in_use(record, other_than=chain_id):
+            assert self.erofs is not None  # the image kept for a layer whose index failed: nothing mounts it
+            self.erofs.remove_image("", record.image)
         for failed in ("error", "image_error"):
             if failed in got:
                 raise got[failed]
@@ -355,29 +363,32 @@ class LayerServer:
 
     async def _fetch_image(self, record: ChainRecord, reader: StoreReader, fetcher: BlockFetcher) -> FetchedImage:
         """``record``'s EROFS image, fetched (:meth:`_fetch_image_blocks`) and verified (:meth:`_verify_image`)."""
-        table, pieces = await self._fetch_image_blocks(record, reader, fetcher)
-        return await self._verify_image(record, table, pieces)
+        table, table_data, pieces = await self._fetch_image_blocks(record, reader, fetcher)
+        return await self._verify_image(record, table, table_data, pieces)
 
     async def _fetch_image_blocks(self, record: ChainRecord, reader: StoreReader,
-                                  fetcher: BlockFetcher) -> tuple[LayerImage, list[bytes]]:  # fmt: skip
-        """The table of ``record``'s EROFS image and its blocks, each verified as a layer's are (memory,
-        node cache, peers, store).  LayerCorrupt if the table is refused, StoreUnavailable if the store fails."""
+                                  fetcher: BlockFetcher) -> tuple[LayerImage, bytes, list[bytes]]:  # fmt: skip
+        """The table of ``record``'s EROFS image, the table's bytes as stored and the image's blocks, each verified
+        as a layer's are (memory, node cache, peers, store).  LayerCorrupt if the table is refused,
+        StoreUnavailable if the store fails."""
         try:
-            table = await reader.image(record)
-            return table, await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
+            table, table_data = await reader.image_and_bytes(record)
+            return table, table_data, await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
         except FormatError as exc:
             raise self._refused(record, str(exc)) from None
         except (FetchError, SourceError) as exc:
             raise StoreUnavailable(f"{record.chain_id}: the store {reader.engine.url} failed to give its EROFS image: {exc}") from None
 
-    async def _verify_image(self, record: ChainRecord, table: LayerImage, pieces: list[bytes]) -> FetchedImage:
+    async def _verify_image(self, record: ChainRecord, table: LayerImage, table_data: bytes,
+                            pieces: list[bytes]) -> FetchedImage:  # fmt: skip
         """The image of ``pieces`` kept once it hashes to its table's SHA-256 and, unless a trusted converter
         signed the record, the bounded check accepted it (in the checker process, against the table's blob
         size, the record's block size and entries: the index may still be decoding; :meth:`_get_image` then
-        holds the index to that blob size).  LayerCorrupt if it is refused."""
+        holds the index to that blob size), with ``table_data`` (the table as stored) beside it: what a later
+        mount verifies the kept image against (:meth:`_kept_image`).  LayerCorrupt if it is refused."""
         assert self.erofs is not None
-        check = None if self._signed_by_converter(record) else ImageCheck(table.blob_size, table.block_size, record.files)
-        install = functools.partial(self.erofs.install_image, record.image, table.sha256, pieces, check)
+        check = None if self._signed_by_converter(record) else store_image_check(table, record)
+        install = functools.partial(self.erofs.install_image, record.image, table.sha256, pieces, check, table=table_data)
         try:
             # Not under the decode limiter: this thread hashes and writes (no GIL) and waits for the checker
             # process, while the index may be decoding under it.
@@ -407,14 +418,14 @@ class LayerServer:
         return True
 
     async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str,
-                           fetched: FetchedImage | None = None, *, phase: str = "image") -> Path:  # fmt: skip
+                           fetched: FetchedImage | None = None, *, phase: str = "image") -> tuple[Path, str]:  # fmt: skip
         """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler's ``phase`` (its source, and the
         image's size as ``image_bytes``: not the span's ``bytes``, which a phase adds up, since the blocks it
         was fetched in are in ``layers.bytes`` already, compressed)."""
         with profile_events.span("layer.image", phase=phase, chain_id=record.chain_id) as span:
             path, span["source"] = await self._get_image(record, index, store, fetched)
             span["image_bytes"] = path.stat().st_size if span["source"] == "store" else 0
-            return path
+            return path, span["source"]
 
     async def _get_image(self, record: ChainRecord, index: LayerIndex, store: str,
                          fetched: FetchedImage | None) -> tuple[Path, str]:  # fmt: skip
@@ -422,10 +433,11 @@ class LayerServer:
         the converter's, or for a conversion without one, built here from the index (one log line,
         and the metric).
 
-        The converter's (``fetched`` with the index by :meth:`_fetch_layer`, else fetched now:
-        :meth:`_fetch_image`, which hashes and checks it) is kept only if the blob size it was
-        checked against is the index's.  LayerCorrupt (the snapshotter then downloads the layer)
-        when it is refused.
+        The converter's (``fetched`` with the index by :meth:`_fetch_layer`; else the one this node
+        keeps, verified and checked again (:meth:`_kept_image`); else, or if that one is refused,
+        fetched now: :meth:`_fetch_image`, which hashes and checks it) is kept only if the blob size
+        it was checked against is the index's.  LayerCorrupt (the snapshotter then downloads the
+        layer) when it is refused.
         """
         from bootseer.blockstore.objects.store import StoreReader
 
@@ -440,9 +452,9 @@ class LayerServer:
                 raise LayerCorrupt(f"{record.chain_id}: its index cannot be an EROFS image: {exc}") from None
             IMAGES.labels("built").inc()
             return path, "built"
-        path = self.erofs.store_image_path(record.image)
-        if self.erofs.cached(path) and fetched is None:
-            source = "cached"
+        kept = await self._kept_image(record) if fetched is None else None
+        if kept is not None:
+            path, source = kept, "cached"
         else:
             if fetched is None:
                 engine, fetcher = await self.fetcher(store)
@@ -451,7 +463,7 @@ class LayerServer:
         # What the image's chunks may address (its check held them to its device table) is the blob served.
         blob_size = await trio.to_thread.run_sync(self.erofs.blob_size_of, path)
         if blob_size != index.blob_size:
-            path.unlink(missing_ok=True)
+            self.erofs.remove_image("", record.image)
             raise self._refused(record, f"it addresses a blob of {blob_size} bytes, the index's is {index.blob_size}")
         IMAGES.labels(source).inc()
         if fetched is None:
@@ -459,6 +471,46 @@ class LayerServer:
         log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=fetched.table.size,
                  checked=fetched.checked)  # fmt: skip
         return path, "store"
+
+    async def _kept_image(self, record: ChainRecord) -> Path | None:
+        """The image of ``record``'s layer this node keeps, verified against the local copy of its table and
+        checked (unless a trusted converter signed ``record``) again before it is mounted
+        (:meth:`ErofsLayers.kept_image`); None if none is kept, or it is refused: then it is removed, logged
+        and counted (``kept_refused``), and the caller fetches it from the store, verified and checked as a
+        fresh one is."""
+        assert self.erofs is not None
+        verify = functools.partial(self.erofs.kept_image, record, check=not self._signed_by_converter(record))
+        try:
+            # Not under the decode limiter, as a fetched image's install: a hash (no GIL) and the checker's wait.
+            return await trio.to_thread.run_sync(verify)
+        except ImageRefused as exc:
+            IMAGES.labels("kept_refused").inc()
+            log.warning("the EROFS image kept on this node is refused: removed, fetched again from the store",
+                        chain_id=record.chain_id, image=record.image, error=str(exc))  # fmt: skip
+            return None
+
+    def _image_in_use(self, record: ChainRecord, *, other_than: str = "") -> bool:
+        """Whether a layer in the table, or a load a mount or a warm still holds (but ``other_than``'s), has
+        ``record``'s index or image: what must stay on disk when a load no mount took is discarded."""
+        self._forget_loads_done()
+        users = [layer.record for layer in self.layers.values()]
+        users += [record for chain_id, record in self._loaded.items() if chain_id != other_than]
+        return any(other.index == record.index or (record.image and other.image == record.image) for other in users)
+
+    def _forget_loads_done(self) -> None:
+        """Drop from :attr:`_loaded` the loads no mount or warm holds any more (a mount done: its row, if any,
+        is in the table; or failed), so that it never holds more than the loads in progress or held."""
+        for chain_id in [c for c in self._loaded if not self._chain_locks.users(c) and not self.warmer.holds(c)]:
+            del self._loaded[chain_id]
+
+    def _discard_load(self, loaded: LoadedLayer) -> None:
+        """The warmer's ``discard``: a load no mount took (expired, or dropped as the server stops) leaves nothing
+        on disk; the EROFS image it kept (and its table copy) is removed, unless :meth:`_image_in_use`."""
+        if self.erofs is None or loaded.image is None or self._image_in_use(loaded.record):
+            return
+        self.erofs.remove_image(loaded.record.index, loaded.record.image)
+        log.info("removed the EROFS image of a layer loaded ahead that no mount took", chain_id=loaded.record.chain_id,
+                 image=loaded.record.image or loaded.record.index)  # fmt: skip
 
     async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
         from bootseer.blockstore.node.layer_reader import LayerReader
@@ -525,9 +577,10 @@ class LayerServer:
                 continue
             if self.erofs is not None:
                 try:
-                    image = await self._layer_image(layer.record, layer.tree.index, layer.store)
+                    image, source = await self._layer_image(layer.record, layer.tree.index, layer.store)
                     device = await self._local_blob(layer, layer.tree, image)
-                    if device is not None and self.erofs.mounted(layer.slot):
+                    # A kept image refused and fetched again is a new file: the mount of the old one goes.
+                    if device is not None and self.erofs.mounted(layer.slot) and source != "store":
                         log.info("took over the EROFS mount of a server before this one (its blob's events wait for "
                                  "this one)", chain_id=layer.chain_id, slot=layer.slot)  # fmt: skip
                         continue
@@ -676,12 +729,14 @@ class LayerServer:
         with trio.move_on_after(self.config.load_timeout) as loading, \
                 profile_events.span("layer.index", phase=phase, chain_id=chain_id):
             record, index, data, fetched = await self._fetch_layer(chain_id, store, deps_index, with_image=True)
+            self._forget_loads_done()
+            self._loaded[chain_id] = record  # its image is this load's now (_image_in_use)
         if loading.cancelled_caught:
             raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its chain record, "
                                    f"index and EROFS image in {self.config.load_timeout:g}s")  # fmt: skip
         image = None
         if self.erofs is not None:
-            image = await self._layer_image(record, index, store, fetched, phase=phase)
+            image, _source = await self._layer_image(record, index, store, fetched, phase=phase)
         return LoadedLayer(record, index, data, image)
 
     async def _warm_request(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -8,14 +8,17 @@ layer's Prepare, the ChainIDs of the layers above it
 server (the control operation ``warm``) once that layer is mounted, and :class:`LayerWarmer` loads them now, at most
 ``concurrency`` at once, by the mount's own load (the server's ``_load``: chain record trusted,
 index verified, image checked and kept), and holds each result until the layer's mount takes it,
-for at most ``keep`` seconds.
+for at most ``keep`` seconds.  A result no mount took (expired, or dropped as the server stops)
+is handed to ``discard``: the server removes what the load kept on disk (its EROFS image), so a
+warm never taken leaves nothing behind.
 
 A warm never changes what a mount does, only how long it waits:
 - nothing loaded ahead is served before a mount takes it, and a mount takes only a load of its
   own store;
 - a mount that finds its layer loading waits for that load; one that finds the load failed
   loads again itself (and fails, if it does, with its own error and context);
-- a load that raises anything is counted and logged, never the server's failure.
+- a load that raises anything is counted and logged, never the server's failure, and frees its
+  slot at once (a warm naming ChainIDs the store lacks never holds slots a real layer could use).
 At most ``max_entries`` loads are held or running; a warm beyond that is ignored.
 """
 
@@ -48,7 +51,7 @@ class WarmStatistics:
 
     requested: int  #: ChainIDs a warm asked for that were not loaded, loading or served already
     loaded: int  #: loads that finished
-    failed: int  #: loads that failed (their mount loaded again)
+    failed: int  #: loads that failed (their mount loads again; their slot was freed at once)
     taken: int  #: loads a mount took
     expired: int  #: loads dropped with no mount taking them
     ignored: int  #: ChainIDs not loaded: the table of loads was full
@@ -69,10 +72,13 @@ class LayerWarmer(Generic[T]):
     """Loads layers ahead of their mounts with ``load(chain_id, store)`` in tasks of ``nursery``."""
 
     def __init__(self, nursery: trio.Nursery, load: Callable[[str, str], Awaitable[T]], *,
-                 concurrency: int = WARM_CONCURRENCY, keep: float = WARM_KEEP,
-                 max_entries: int = WARM_MAX_ENTRIES) -> None:  # fmt: skip
+                 discard: Callable[[T], None] | None = None, concurrency: int = WARM_CONCURRENCY,
+                 keep: float = WARM_KEEP, max_entries: int = WARM_MAX_ENTRIES) -> None:  # fmt: skip
+        """``discard`` is called with each result no mount took, once it is dropped (at its expiry, or when the
+        load's task is cancelled: the server stops); it must not block, and what it raises is logged."""
         self._nursery = nursery
         self._load = load
+        self._discard = discard
         self._limit = trio.Semaphore(concurrency)
         self._keep = keep
         self._max = max_entries
@@ -108,6 +114,10 @@ class LayerWarmer(Generic[T]):
             self._counts["taken"] += 1
         return entry.result
 
+    def holds(self, chain_id: str) -> bool:
+        """Whether a load of ``chain_id`` is running or waiting for its mount now."""
+        return chain_id in self._loads
+
     def statistics(self) -> WarmStatistics:
         return WarmStatistics(**self._counts, held=len(self._loads))
 
@@ -122,14 +132,23 @@ class LayerWarmer(Generic[T]):
                         self._counts["failed"] += 1
                         log.info("loading a layer ahead of its mount failed; its mount will load it", chain_id=chain_id,
                                  error=str(exc) or type(exc).__name__)  # fmt: skip
+                        if self._loads.get(chain_id) is entry:
+                            del self._loads[chain_id]  # its slot, free at once (a mount waiting on it gets None)
                 entry.done.set()
-                await trio.sleep(self._keep)
-                if self._loads.get(chain_id) is entry:
-                    self._counts["expired"] += 1
+                if entry.result is not None:
+                    await trio.sleep(self._keep)
+                    if self._loads.get(chain_id) is entry:
+                        self._counts["expired"] += 1
         finally:
             entry.done.set()
-            if self._loads.get(chain_id) is entry:
+            if self._loads.get(chain_id) is entry:  # not taken: expired, or dropped (the server stops)
                 del self._loads[chain_id]
+                if entry.result is not None and self._discard is not None:
+                    try:
+                        self._discard(entry.result)
+                    except Exception as exc:  # what the load kept stays on disk: logged, never the server's failure
+                        log.warning("cannot discard a layer loaded ahead that no mount took", chain_id=chain_id,
+                                    error=str(exc) or type(exc).__name__)  # fmt: skip
 
 
 __all__ = ["LayerWarmer", "WarmStatistics", "WARM_CONCURRENCY", "WARM_KEEP", "WARM_MAX_ENTRIES"]

@@ -1,7 +1,9 @@
 """Layers loaded ahead of their mounts (``blockstore.server.warming``): what a warm saves, and what it never changes.
 
 The layer server's ``warm`` operation against a real server over an HTTP store that logs its
-requests; :class:`LayerWarmer`'s bounds (concurrency, expiry, stores) in trio with a mock clock.
+requests; :class:`LayerWarmer`'s bounds (concurrency, expiry, stores, slots freed by failures, what
+is discarded) in trio with a mock clock; and what an expired warm leaves on disk, with a real server's
+loads (real store, real EROFS images, real checker process) in trio with a mock clock run at real speed.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import trio.testing
 
 from bootseer.blockstore.objects.format import chain_object
 from bootseer.blockstore.server.client import InvalidRequest, LayerNotConverted, ServerSettings, ensure_server
-from bootseer.blockstore.server.warming import LayerWarmer
+from bootseer.blockstore.server.warming import WARM_KEEP, WARM_MAX_ENTRIES, LayerWarmer
 from bootseer.paths import ServerPaths
 from tests.support.http import RangeHTTPServer
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer, build_store
+from tests.support.layers import File, Layer
 from tests.support.oci import rich_layers
-from tests.support.waiting import wait_until
+from tests.support.waiting import wait_until, wait_until_async
 
 BLOCK_SIZE = 64 << 10
 
@@ -75,6 +78,35 @@ def test_a_failed_load_is_counted_and_a_load_no_mount_takes_expires() -> None:
             assert (stats.failed, stats.loaded, stats.expired, stats.ignored, stats.held) == (1, 1, 1, 1, 0)
             assert await warmer.take("unused", "s") is None
             nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_failed_load_frees_its_slot_at_once_and_a_result_no_mount_takes_is_discarded() -> None:
+    discarded: list[str] = []
+
+    async def load(chain_id: str, store: str) -> str:
+        await trio.sleep(0.1)
+        if chain_id.startswith("missing"):
+            raise LayerNotConverted(f"{chain_id} is not converted")
+        return chain_id
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            warmer = LayerWarmer(nursery, load, discard=discarded.append, keep=10, max_entries=2)
+            assert warmer.warm(["missing-1", "missing-2"], "s", served=lambda chain: False) == 2
+            await wait_until_async("both loads failed", lambda: warmer.statistics().failed == 2)
+            assert warmer.statistics().held == 0  # their slots are free at once, not after `keep`
+            assert warmer.warm(["real", "unused"], "s", served=lambda chain: False) == 2
+            assert await warmer.take("real", "s") == "real"
+            await trio.sleep(11)  # "unused" expires; the taken "real" is the mount's, never discarded
+            stats = warmer.statistics()
+            assert (stats.loaded, stats.taken, stats.expired, stats.held, stats.ignored) == (2, 1, 1, 0, 0)
+            assert discarded == ["unused"]
+            assert warmer.warm(["dropped"], "s", served=lambda chain: False) == 1
+            await wait_until_async("the load finished", lambda: warmer.statistics().loaded == 3)
+            nursery.cancel_scope.cancel()  # the server stops: what it holds is dropped, and discarded
+        assert discarded == ["unused", "dropped"]
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
@@ -167,3 +199,74 @@ def test_a_warm_from_a_store_url_with_a_credential_never_shows_it(built: Any, ro
     log = ServerPaths(root).log.read_text(errors="replace")
     assert "loading a layer ahead of its mount failed" in log
     assert secret not in log and secret not in json.dumps(client.status())
+
+
+@pytestmark_server
+def test_a_warm_of_chain_ids_the_store_lacks_leaves_its_slots_to_the_next_warm(built: Any, root: Path) -> None:
+    """One stale ``layers-above`` label (ChainIDs the store lacks) fills every slot for as long as the loads
+    fail, never for the keep time after: the next warm's real layer is loaded."""
+    store, layers = built
+    client = ensure_server(root, ServerSettings(store=f"file://{store}", retry_timeout=5))
+    missing = [f"sha256:{n:064x}" for n in range(WARM_MAX_ENTRIES)]
+    assert client.warm(missing) == WARM_MAX_ENTRIES
+    wait_until("the loads failed", lambda: client.status()["warm"]["failed"] == WARM_MAX_ENTRIES)
+    assert client.status()["warm"]["held"] == 0
+    assert client.warm([layers[0].chain_id]) == 1
+    wait_until("the real layer loaded", lambda: client.status()["warm"]["loaded"] == 1)
+    warm = client.status()["warm"]
+    assert (warm["ignored"], warm["held"]) == (0, 1)
+    assert (Path(client.mount(layers[0].chain_id).lower_dir) / "etc/hosts").exists()
+    assert client.status()["warm"]["taken"] == 1
+
+
+@pytest.fixture(scope="module")
+def doubled(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[BuiltLayer]]:
+    """One layer twice, one on the other: two ChainIDs whose records name one index and one EROFS image."""
+    store = tmp_path_factory.mktemp("doubled")
+    layer = Layer(tuple(File(f"small/s{n}.txt", f"small file {n}\n".encode() * (n + 1)) for n in range(8)))
+    layers = build_store(store, [layer, layer], block_size=BLOCK_SIZE, layout=tmp_path_factory.mktemp("layout"))
+    assert layers[0].record.image == layers[1].record.image != ""
+    return store, layers
+
+
+@pytestmark_server
+def test_a_warm_no_mount_takes_leaves_nothing_on_disk_once_no_load_uses_its_image(doubled: Any, tmp_path: Path) -> None:
+    """A real server's loads on the ``erofs`` data path (no FUSE mount: loads mount nothing), the keep time
+    jumped over: the image a warm kept (and its table copy) goes when it expires, but not while another
+    load held for its mount uses the same image."""
+    from bootseer.blockstore.datapath.choice import DataPathChoice
+    from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig
+
+    store, (first, second) = doubled
+    clock = trio.testing.MockClock(rate=1)  # real time for the loads; the keep time is jumped over
+    paths = ServerPaths(tmp_path / "root")
+    image = paths.erofs_images / f"{first.record.image}.erofs-store"
+    table_copy = paths.indexes / f"{first.record.image}.image-table"
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            config = LayerServerConfig(root=paths.root, store=f"file://{store}", cache_dir=tmp_path / "cache")
+            config.paths.indexes.mkdir(parents=True)
+            server = LayerServer(config, nursery, DataPathChoice("erofs", "forced"))
+            assert server.erofs is not None
+            await trio.to_thread.run_sync(server.erofs.prepare)
+            try:
+                warm = server.warmer.statistics
+                assert (await server._warm_request({"chain_ids": [first.chain_id]}))["warming"] == 1
+                await wait_until_async("the first load", lambda: warm().loaded == 1)
+                assert image.is_file()
+                clock.jump(WARM_KEEP / 2)
+                assert (await server._warm_request({"chain_ids": [second.chain_id]}))["warming"] == 1
+                await wait_until_async("the second load", lambda: warm().loaded == 2)
+                clock.jump(WARM_KEEP / 2 + 1)
+                await wait_until_async("the first load expired", lambda: warm().expired == 1)
+                assert image.is_file()  # the second load, held, uses it
+                clock.jump(WARM_KEEP / 2)
+                await wait_until_async("the second load expired", lambda: warm().expired == 2)
+                assert (warm().held, os.listdir(paths.erofs_images), table_copy.exists()) == (0, [], False)
+                assert server._loaded == {}  # the server forgets loads no one holds
+            finally:
+                server.erofs.checker.close()
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=clock)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
+from bootseer.blockstore.datapath.event_holder import HOLE_WAIT
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
@@ -77,6 +78,8 @@ class Config:
     hotlist_prefetch: PrefetchLimits = field(default_factory=PrefetchLimits)  #: how much a prefetch does at once
     layer_server_metrics_address: str = ""  #: ``HOST:PORT`` of the layer server's Prometheus endpoint; empty: off
     data_path: str = "auto"  #: ``[fuse] data_path``: auto, fanotify, erofs, loop or tree (the layer server's ``--data-path``)
+    #: ``[datapath] hole_wait``: seconds a read of a hole on ``fanotify`` waits with no layer server before EIO
+    hole_wait: float = HOLE_WAIT
     converter_keys: tuple[Path, ...] = ()  #: ``[trust] converter_keys``: .pub files whose conversions are served
     writer_keys: tuple[Path, ...] = ()  #: ``[trust] writer_keys``: .pub files whose hot lists and deps records are used
     sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)
@@ -120,6 +123,7 @@ DEFAULTS: dict[str, Any] = {
     "hotlist.prefetch_page_cache": PrefetchLimits.page_cache,
     "fuse.metrics_address": "",
     "fuse.data_path": "auto",
+    "datapath.hole_wait": HOLE_WAIT,
     "trust.converter_keys": [],
     "trust.writer_keys": [],
     "trust.sign_key": "",
@@ -158,6 +162,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "hotlist.prefetch_batch": (str, int),
     "hotlist.prefetch_cold_rate": (str, int),
     "hotlist.prefetch_page_cache": (bool,),
+    "datapath.hole_wait": (float, int),
     "trust.converter_keys": (list,),
     "trust.writer_keys": (list,),
     "peers.members": (list,),
@@ -188,7 +193,7 @@ FLAGS: dict[str, str] = {
     "depsnap.scope": "deps_scope",
 }
 
-SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "trust", "depsnap", "peers")
+SECTIONS = ("store", "cache", "fetch", "hotlist", "fuse", "datapath", "trust", "depsnap", "peers")
 
 
 def read_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -268,6 +273,8 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
 
     if merged["fuse.data_path"] not in DATA_PATHS:
         raise invalid("fuse.data_path", f"must be one of {', '.join(DATA_PATHS)}, not {merged['fuse.data_path']!r}")
+    if not 0 < float(merged["datapath.hole_wait"]) <= 86400:
+        raise invalid("datapath.hole_wait", f"must be seconds in (0, 86400], not {merged['datapath.hole_wait']!r}")
     store_url = merged["store.url"]
     if store_url:
         try:
@@ -370,6 +377,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         hotlist_prefetch=prefetch,
         layer_server_metrics_address=layer_server_metrics,
         data_path=merged["fuse.data_path"],
+        hole_wait=float(merged["datapath.hole_wait"]),
         converter_keys=key_files["trust.converter_keys"],
         writer_keys=key_files["trust.writer_keys"],
         sign_key=sign_key,

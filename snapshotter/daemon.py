@@ -303,6 +303,7 @@ class Daemon:
             prefetch_page_cache=settings.hotlist_prefetch.page_cache,
             metrics_address=settings.layer_server_metrics_address or None,
             data_path=settings.data_path,
+            hole_wait=settings.hole_wait,
             converter_keys=tuple(map(str, settings.converter_keys)),
             writer_keys=tuple(map(str, settings.writer_keys)),
             sign_key=str(settings.sign_key) if settings.sign_key else None,

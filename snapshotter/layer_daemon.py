@@ -140,6 +140,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
              "tree (the per-file FUSE tree; see docs/lazy-layers.md, 'Data paths'); "
              "a forced path the kernel cannot give refuses start-up",
     )  # fmt: skip
+    parser.add_argument(
+        "--hole-wait", type=_seconds, default=LayerServerConfig.hole_wait, metavar="SECONDS",
+        help="fanotify data path: how long a read of a hole may wait with no layer server to answer it "
+             f"before it fails with EIO (the event holder's bound; {LayerServerConfig.hole_wait:g})",
+    )  # fmt: skip
     # A test seam (undocumented in --help): the kernel's filesystem list the data-path probe
     # reads, so a test can show a node without EROFS on a kernel that has it built in.
     parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
@@ -334,6 +339,7 @@ def layer_server_command(args: argparse.Namespace) -> int:
         source_options={"proxy": proxy} if proxy is not None else {},
         shutdown_grace=args.shutdown_grace,
         data_path=args.data_path,
+        hole_wait=args.hole_wait,
         filesystems=args.kernel_filesystems,
         started_with=_started_with(args, args.settings_parser),
     )

@@ -52,16 +52,23 @@ from bootseer import cpu
 from bootseer.blockstore.datapath import fanotify
 from bootseer.blockstore.datapath.event_holder import (
     ANSWERED,
+    BATCH,
     DONE,
     EVENT,
     EVENTS,
     FORGET,
+    GROUP,
     HELLO,
+    HOLE_WAIT,
+    IDLE_EXIT,
     KEEP,
     MESSAGE_SIZE,
     READY,
+    REFUSED,
     RELEASE,
     WRITER,
+    holder_argv,
+    mirror_message,
     received_fds,
     rights,
 )
@@ -78,10 +85,13 @@ EVENT_OUTCOMES = prometheus_client.Counter(
     "bootseer_fanotify_events",
     "Pre-access events of local blobs answered, by outcome: present (every block on disk already), filled "
     "(blocks fetched and written first), denied (a block could not be had or failed verification: EIO), "
+    "store_failing (blocks to fetch from a store whose fetch failed within the engine's failure memory: EIO at "
+    "once, nothing fetched), write_failed (fetched blocks could not be written into the blob, a full disk say: "
+    "ENOSPC or EDQUOT as the write failed, else EIO; nothing noted as on disk), "
     "unknown (a file this server serves no blob of: EIO)",
     ["outcome"],
 )
-for _outcome in ("present", "filled", "denied", "unknown"):
+for _outcome in ("present", "filled", "denied", "store_failing", "write_failed", "unknown"):
     EVENT_OUTCOMES.labels(_outcome)
 FILL_SECONDS = prometheus_client.Histogram(
     "bootseer_fanotify_fill_seconds", "Seconds from a pre-access event's arrival to its answer, for events that filled blocks",
@@ -97,6 +107,16 @@ HOLDER_CONNECT_TIMEOUT = 30.0
 WRITE_THREADS = 4
 
 
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` (a short write goes on; no progress at all is ENOSPC)."""
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, "a write into a local blob made no progress")
+        view, offset = view[written:], offset + written
+
+
 def boot_id() -> str:
     """This boot's id (the kernel's random ``boot_id``)."""
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as source:
@@ -106,7 +126,10 @@ def boot_id() -> str:
 class LocalBlob:
     """One layer's blob on the node's disk: its writer, its fill map, and whether it is still marked.
 
-    Made by :meth:`FanotifyBlobs.open`; every method that touches the disk blocks (worker threads).
+    Made by :meth:`FanotifyBlobs.open`; every method that touches the disk blocks (worker threads).  Opened
+    again over this boot's blob and map (made anew, or adopted from the event holder's kept writer), it first
+    checks every block the map claims against the blob (:mod:`.blob_check`: size, holes, and digests unless
+    the files are as the last clean close left them) and drops those that fail: they are fetched again.
     """
 
     def __init__(self, directory: Path, index_name: str, index: LayerIndex, writer: int | None, group: int,
@@ -118,16 +141,27 @@ class LocalBlob:
         self.group = group
         self.trees: list[LayerTree] = []  #: the served layers whose device it is (their reader, observer, name)
         blocks = len(index.blocks)
-        boot = boot_id()
+        boot = self._boot = boot_id()
         adopted = writer is not None
         filled = bytearray(blocks)
+        #: What checking this boot's blob against its map found when it was opened again (None: started anew).
+        self.check: blob_check.CheckResult | None = None
+        #: An adopted blob that was whole (unmarked) lost blocks to the check: it is marked again, and a kept mount
+        #: that opened it while it had holes raises events for them again; one that opened it whole (its open raises
+        #: no events, ever) would read their holes: to be sure, the server mounts it again over the marked blob.
+        self.needs_remount = False
+        record = self._take_close_record()  # opened for serving: no record until the next clean close
         map_fd = os.open(self.map_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        opened = -1
+        was_missing = True
         try:
             header = os.pread(map_fd, _MAP_HEADER.size, 0)
             ours = len(header) == _MAP_HEADER.size and _MAP_HEADER.unpack(header) == (_MAP_MAGIC, boot.encode(), blocks)
-            if ours and (adopted or self.path.is_file()):
+            trusted = ours and (adopted or self.path.is_file())
+            if trusted:
                 got = os.pread(map_fd, blocks, _MAP_HEADER.size)
                 filled[: len(got)] = bytes(b if b in (FILLED, UNREAD) else 0 for b in got)
+                was_missing = 0 in filled
             elif adopted:
                 raise OSError(errno.EUCLEAN, f"the fill map {self.map_path} of a blob still marked is not this boot's")
             else:  # a new blob, or one of another boot: start it again, empty
@@ -141,19 +175,28 @@ class LocalBlob:
                     pass
             if not adopted:
                 # Opened before the mark: writes through it never wait for the group.
-                writer = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+                writer = opened = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+            assert writer is not None
+            if trusted:  # before the blob is extended: a blob cut short loses the blocks past its end
+                self.check = self._check_claims(writer, map_fd, filled, record, adopted)
+                self.needs_remount = adopted and not was_missing and bool(self.check.dropped)
+                if self.needs_remount:
+                    log.warning("a whole local blob kept across a restart lost blocks to its check: a mount made over "
+                                "it while it was whole reads their holes until it is mounted again", index=index_name)  # fmt: skip
+            if os.fstat(writer).st_size != index.blob_size:
                 os.ftruncate(writer, index.blob_size)
         except BaseException:
+            if opened >= 0:
+                os.close(opened)
             os.close(map_fd)
             raise
-        assert writer is not None
         self.writer = writer
         self.map_fd = map_fd  #: the fill map (the event holder maps it too)
         self.filled = filled
         self.missing_count = filled.count(0)
         stat = os.fstat(writer)
         self.inode = (stat.st_dev, stat.st_ino)
-        self.marked = adopted and self.missing_count > 0
+        self.marked = adopted and was_missing  # an adopted blob with holes is marked; a whole one was unmarked
         self._lock = threading.Lock()  #: event fills and the hot-list prefetch write from worker threads
         self.closed = False
         #: The blocks the image's files address (a parse of the image: asked only when the blob is nearly whole).
@@ -163,6 +206,50 @@ class LocalBlob:
         self._maybe_unread = sum(1 for entry in index.entries if entry.type is EntryType.FILE and entry.link is None
                                  and len(entry.blocks) == 1 and 0 < entry.size <= index.block_size)  # fmt: skip
         self._noted = False
+
+    def _take_close_record(self) -> blob_check.CloseRecord | None:
+        """The record of this blob's last clean close, taken (deleted): any crash from now on leaves none."""
+        from bootseer.blockstore.datapath import blob_check  # (the module's imports are being rewritten meanwhile)
+
+        return blob_check.take_record(blob_check.record_path(self.path))
+
+    def _check_claims(self, writer: int, map_fd: int, filled: bytearray, record: blob_check.CloseRecord | None,
+                      adopted: bool) -> blob_check.CheckResult:  # fmt: skip
+        """Check the blocks this boot's map claims against the blob before any is served (:mod:`.blob_check`:
+        size, holes, and digests unless ``record`` shows both files as their last clean close left them); those
+        that fail are 0 in ``filled`` and the map, and holes in the blob.  One log line per blob."""
+        from bootseer.blockstore.datapath import blob_check
+
+        verify = not blob_check.unchanged_since(record, writer, map_fd, self._boot)
+        result = blob_check.check_claims(writer, self.index, filled, verify=verify)
+        if result.dropped:
+            blob_check.drop(writer, map_fd, _MAP_HEADER.size, self.index, result.dropped)
+        hashed = result.claimed - len(result.beyond_end) - len(result.in_holes) if verify else 0
+        (log.warning if result.dropped else log.info)(
+            "local blob checked before it is served" + ("; blocks that failed are fetched again" if result.dropped else ""),
+            index=self.name, adopted=adopted, claimed=result.claimed, verified=verify, hashed=hashed,
+            dropped=len(result.dropped), beyond_end=len(result.beyond_end), in_holes=len(result.in_holes),
+            corrupt=len(result.corrupt), seconds=round(result.seconds, 3),
+        )  # fmt: skip
+        return result
+
+    def record_clean_close(self) -> bool:
+        """Record that the blob and its fill map are as a clean stop leaves them (``<index>.closed``,
+        :func:`.blob_check.write_record`), so that the next server to open the blob skips re-hashing its blocks
+        if neither file changed meanwhile.  Call it once no fill writes any more (the server's orderly stop;
+        :meth:`close` does it): a later write only costs the next open a full re-verification.  False if no
+        record was written (closed, or an error: logged).  Blocking."""
+        from bootseer.blockstore.datapath import blob_check
+
+        if self.closed:
+            return False
+        try:
+            with self._lock:
+                blob_check.write_record(blob_check.record_path(self.path), self.writer, self.map_fd, self._boot)
+        except OSError as exc:  # no record: the next open verifies every block, as after a crash
+            log.warning("cannot record a local blob's clean close", index=self.name, error=str(exc))
+            return False
+        return True
 
     @property
     def complete(self) -> bool:
@@ -217,7 +304,7 @@ class LocalBlob:
         for ref, block in zip(refs, data):
             if self.filled[ref]:
                 continue
-            os.pwrite(self.writer, block, self.index.blob_offset(ref))
+            _pwrite_all(self.writer, block, self.index.blob_offset(ref))  # whole, or OSError: never marked half-written
             os.pwrite(self.map_fd, b"\x01", _MAP_HEADER.size + ref)
             with self._lock:
                 if not self.filled[ref]:
@@ -239,65 +326,110 @@ class LocalBlob:
         return True
 
     def close(self, *, remove: bool) -> None:
-        """Unmark (a blob whose layer is gone), close, and with ``remove`` delete the blob and its map."""
+        """Unmark (a blob whose layer is gone), close, and with ``remove`` delete the blob, its map and its
+        clean-close record; without, record the clean close first (:meth:`record_clean_close`)."""
         if self.marked:
             try:
                 fanotify.unmark(self.group, self.writer)
             except OSError:
                 pass
             self.marked = False
+        if not remove:
+            self.record_clean_close()
         self.closed = True
         os.close(self.writer)
         os.close(self.map_fd)
         if remove:
+            from bootseer.blockstore.datapath import blob_check
+
             self.path.unlink(missing_ok=True)
             self.map_path.unlink(missing_ok=True)
+            blob_check.record_path(self.path).unlink(missing_ok=True)
 
 
 class HolderLink:
-    """The layer server's end of the event holder's socket (:mod:`.event_holder`)."""
+    """The layer server's end of the event holder's socket (:mod:`.event_holder`), made again whenever the
+    holder it talks to dies (its standby takes over, or this server starts a holder seeded with what it holds)."""
 
-    def __init__(self, sock: trio.socket.SocketType, group: int, writers: dict[str, int], adopted: bool) -> None:
-        self.sock = sock
-        self.group = group  #: the group (a dup of the holder's): marks and answers go through it
-        self.writers = writers  #: the blob writers the holder kept, by blob name (taken by :meth:`FanotifyBlobs.open`)
-        self.adopted = adopted  #: the holder was up already: the group, its marks and mounts outlived a server
+    def __init__(self, paths: ServerPaths, *, hole_wait: float = HOLE_WAIT, idle_exit: float = IDLE_EXIT,
+                 lock_fd: int | None = None) -> None:  # fmt: skip
+        self.paths = paths
+        self.hole_wait, self.idle_exit = hole_wait, idle_exit
+        self.lock_fd = lock_fd  #: the blob directory's lock (:func:`hold_blob_directory`): the holders hold it too
+        self.sock: trio.socket.SocketType | None = None
+        self.group = -1  #: the group (a dup of the holder's): marks and answers go through it
+        self.writers: dict[str, int] = {}  #: the blob writers the holder kept, by blob name (taken by :meth:`FanotifyBlobs.open`)
+        self.adopted = False  #: the holder was up already: the group, its marks and mounts outlived a server
         self._sending = trio.Lock()
 
-    @classmethod
-    async def connect(cls, paths: ServerPaths) -> HolderLink:
-        """Connect to the root's holder, starting one (and with it a new group) if none is up."""
-        adopted = True
-        sock = await _connect(paths.events_socket)
+    async def connect(self, seed: Callable[[], HolderSeed] | None = None) -> set[str]:
+        """Connect to the root's holder, starting one if none answers: seeded by ``seed()`` once this server
+        holds the group (both holders died), else with a new group.  The names of the blobs whose writers
+        the holder offered (on the first connection, :attr:`writers` takes the writers; later they are closed).
+        FanotifyError if the holder refuses (another server is connected) or does not answer."""
+        first = self.group < 0
+        sock = await _connect(self.paths.events_socket)
+        started = sock is None
         if sock is None:
-            adopted = False
-            _start_holder(paths)
-            sock = await _connect(paths.events_socket)
+            _start_holder(self.paths, hole_wait=self.hole_wait, idle_exit=self.idle_exit, lock_fd=self.lock_fd,
+                          seed=seed() if seed is not None and not first else None)  # fmt: skip
+            sock = await _connect(self.paths.events_socket)
             if sock is None:
-                raise fanotify.FanotifyError(errno.ECONNREFUSED, f"the event holder did not answer on {paths.events_socket}")
-        group, writers = -1, {}
-        with trio.fail_after(HOLDER_CONNECT_TIMEOUT):
-            while True:
-                data, ancillary, _flags, _ = await sock.recvmsg(MESSAGE_SIZE, socket.CMSG_SPACE(4 * 4))
-                fds = received_fds(ancillary)
-                if not data:
-                    raise fanotify.FanotifyError(errno.ECONNRESET, "the event holder closed the connection")
-                if data[:1] == HELLO and fds:
-                    group = fds.pop(0)
-                elif data[:1] == WRITER and fds:
-                    writers[data[1:].decode()] = fds.pop(0)
-                elif data[:1] == READY:
-                    break
-                for fd in fds:
-                    os.close(fd)
-        if group < 0:
+                raise fanotify.FanotifyError(errno.ECONNREFUSED, f"the event holder did not answer on {self.paths.events_socket}")
+        offered: set[str] = set()
+        try:
+            with trio.fail_after(HOLDER_CONNECT_TIMEOUT):
+                while True:
+                    data, ancillary, _flags, _ = await sock.recvmsg(MESSAGE_SIZE, socket.CMSG_SPACE(4 * 4))
+                    fds = received_fds(ancillary)
+                    if not data:
+                        raise fanotify.FanotifyError(errno.ECONNRESET, "the event holder closed the connection")
+                    if data[:1] == REFUSED:
+                        raise fanotify.FanotifyError(errno.EBUSY, f"the event holder refused: {data[1:].decode(errors='replace')}")
+                    if data[:1] == HELLO and fds:
+                        fd = fds.pop(0)
+                        if first and self.group < 0:
+                            self.group = fd
+                        else:
+                            os.close(fd)  # the same group: this server holds it already
+                    elif data[:1] == WRITER and fds:
+                        name = data[1:].decode(errors="replace")
+                        offered.add(name)
+                        if first:
+                            self.writers[name] = fds.pop(0)
+                    elif data[:1] == READY:
+                        break
+                    for fd in fds:
+                        os.close(fd)
+        except BaseException:
+            sock.close()
+            raise
+        if self.group < 0:
+            sock.close()
             raise fanotify.FanotifyError(errno.EPROTO, "the event holder sent no group")
-        log.info("event holder connected", adopted=adopted, writers=len(writers), socket=str(paths.events_socket))
-        return cls(sock, group, writers, adopted)
+        if first:
+            self.adopted = not started
+        self.sock = sock
+        log.info("event holder connected", adopted=not started, writers=len(offered), socket=str(self.paths.events_socket),
+                 again=not first)  # fmt: skip
+        return offered
 
-    async def _send(self, data: bytes, fds: Sequence[int] = ()) -> None:
+    def disconnect(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    async def _send(self, data: bytes, fds: Sequence[int] = ()) -> bool:
+        """Send one message; False if the holder is gone (what it missed is sent again once a holder is back)."""
         async with self._sending:
-            await self.sock.sendmsg([data], rights(fds))
+            if self.sock is None:
+                return False
+            try:
+                await self.sock.sendmsg([data], rights(fds))
+            except OSError as exc:
+                log.debug("the event holder did not take a message", kind=data[:1].decode(errors="replace"), error=str(exc))
+                return False
+            return True
 
     async def done(self, numbers: Sequence[int]) -> None:
         for start in range(0, len(numbers), 1000):
@@ -317,7 +449,11 @@ class HolderLink:
     async def events(self) -> tuple[list[tuple[int, fanotify.Event]], bool, int | None]:
         """The next batch of events (holder's number, event with this process's descriptor); False: the holder
         is gone; and the count of events the holder answered itself, when this message is that count."""
-        data, ancillary, _flags, _ = await self.sock.recvmsg(MESSAGE_SIZE, socket.CMSG_SPACE(4 * 64))
+        assert self.sock is not None
+        try:
+            data, ancillary, _flags, _ = await self.sock.recvmsg(MESSAGE_SIZE, socket.CMSG_SPACE(4 * 64))
+        except OSError:
+            return [], False, None
         fds = received_fds(ancillary)
         if not data or data[:1] != EVENTS:
             for fd in fds:
@@ -330,6 +466,16 @@ class HolderLink:
         return out, True, None
 
 
+@dataclass(frozen=True)
+class HolderSeed:
+    """What a server gives the holder it starts when both holders died: the group, each blob's name, writer
+    and fill map, and the events it was given and has not answered (holder number, event)."""
+
+    group: int
+    blobs: list[tuple[str, int, int]]
+    events: list[tuple[int, fanotify.Event]]
+
+
 async def _connect(path: Path) -> trio.socket.SocketType | None:
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
@@ -340,25 +486,45 @@ async def _connect(path: Path) -> trio.socket.SocketType | None:
     return sock
 
 
-def _start_holder(paths: ServerPaths) -> None:
-    """Start the root's event holder on a listening socket made here (connections queue until it accepts)."""
+def _start_holder(paths: ServerPaths, *, hole_wait: float, idle_exit: float, seed: HolderSeed | None = None,
+                  lock_fd: int | None = None) -> None:
+    """Start the root's event holder on a listening socket made here (connections queue until it accepts):
+    with a new group, or with ``seed`` (handed over on a socket pair it takes over from once it closes); it
+    holds ``lock_fd`` (the blob directory's lock) for as long as it or a standby of it lives."""
     path = paths.events_socket
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if seed is not None else (None, None)
     try:
         listener.bind(str(path))
         os.chmod(path, 0o600)
         listener.listen(8)
         with open(paths.events_log, "ab") as holder_log:
             subprocess.Popen(
-                [sys.executable, "-m", "bootseer.blockstore.datapath.event_holder", "--root", str(paths.root),
-                 "--listen-fd", str(listener.fileno())],
-                pass_fds=[listener.fileno()], start_new_session=True, stdin=subprocess.DEVNULL,
-                stdout=holder_log, stderr=holder_log,
+                holder_argv(str(paths.root), listener.fileno(), hole_wait=hole_wait, idle_exit=idle_exit,
+                            standby_fd=theirs.fileno() if theirs is not None else None, lock_fd=lock_fd),
+                pass_fds=[listener.fileno()] + [fd for fd in (theirs and theirs.fileno(), lock_fd) if fd is not None],
+                start_new_session=True, stdin=subprocess.DEVNULL, stdout=holder_log, stderr=holder_log,
             )  # fmt: skip
+        if ours is not None and seed is not None:
+            ours.settimeout(HOLDER_CONNECT_TIMEOUT)
+            ours.sendmsg([GROUP], rights([seed.group]))
+            for name, writer, fill_map in seed.blobs:
+                ours.sendmsg([KEEP + name.encode()], rights([writer, fill_map]))
+            now = time.monotonic()
+            for start in range(0, len(seed.events), BATCH):
+                batch = [(number, event, now) for number, event in seed.events[start : start + BATCH]]
+                ours.sendmsg([mirror_message(batch)], rights([event.fd for _n, event, _s in batch]))
     finally:
         listener.close()
-    log.info("started the event holder (it holds the fanotify group across server restarts)", socket=str(path))
+        for end in (ours, theirs):
+            if end is not None:
+                end.close()  # ours closed: the seeded holder takes over
+    if seed is not None:
+        log.warning("started an event holder seeded with this server's group, blobs and events (both holders were gone)",
+                    blobs=len(seed.blobs), events=len(seed.events), socket=str(path))  # fmt: skip
+    else:
+        log.info("started the event holder (it holds the fanotify group across server restarts)", socket=str(path))
 
 
 @dataclass(frozen=True)
@@ -374,12 +540,112 @@ class FanotifyStatistics:
     holder_adopted: bool  #: the group outlived a server: this one took it over
 
 
+#: The lock file of a blob directory (:func:`hold_blob_directory`): the pid and root of the server holding it.
+BLOB_DIRECTORY_LOCK = "server.lock"
+
+
+class BlobDirectoryInUse(ValueError):
+    """Another layer server holds the blob directory (the message names its pid and root, on one line).
+
+    A ``ValueError``, as a cache directory that cannot be written is (``block_cache.check_cache_dir``): the
+    server refuses to start with that line and exit status 2."""
+
+
+def hold_blob_directory(directory: Path, root: Path) -> int:
+    """Lock ``directory`` (a server's ``CACHE/blobs``) for this process's life, for the server of ``root``; the
+    lock file's descriptor (closing it, or the process's end, releases it).
+
+    Two servers on one ``--cache-dir`` would share its blobs and fill maps, each marking them with its own
+    group, and readers would wait in both groups' events: the second one is refused here with
+    :class:`BlobDirectoryInUse`.  The lock is an ``flock`` of ``directory/server.lock``, which records the
+    holder's pid and root.  The root's event holders hold it too (:func:`_start_holder` passes it on), so a
+    server killed while the holders keep its blobs leaves the directory locked for its root: the next server
+    of the same root goes through (the lock's record names its root), any other is refused."""
+    import fcntl  # (here: the module's imports are another change's)
+
+    path = directory / BLOB_DIRECTORY_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip().split("\n", 1)
+        if len(holder) > 1 and holder[1] == str(root):
+            return fd  # held for this root by its event holders (a server before this one): ours to use
+        os.close(fd)
+        pid = holder[0] if holder and holder[0].isdigit() else "?"
+        other = holder[1] if len(holder) > 1 else "?"
+        raise BlobDirectoryInUse(f"the blob directory {directory} is another layer server's (pid {pid}, root {other}): "
+                                 f"give each root its own --cache-dir") from None  # fmt: skip
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n{root}\n".encode(), 0)
+    return fd
+
+
+class FailingStores:
+    """The stores (their :class:`~bootseer.blockstore.node.fetcher.BlockFetcher`) whose fetch for a fill failed
+    lately, each until the engine's failure memory of it ends (``Engine.failure_memory``: ``retry_timeout``, at most
+    10 s; :mod:`bootseer.fetch.failures`).
+
+    The kernel raises a read's pre-access events one after another (a block or a few each, the next once the
+    last is denied): were each to fetch, a store that fails would make each wait its own ``retry_timeout`` (a
+    1 MiB read waited four).  So while a store is failing, an event that needs blocks fetched from it is denied
+    at once (EIO), as the engine fails a stripe it remembers failing: a read fails within one ``retry_timeout``
+    whatever the number of its blocks, as on the other data paths.  Blocks on disk are still served, and a fill
+    from that store that succeeds ends it.  Runs in the trio thread (trio's clock)."""
+
+    def __init__(self) -> None:
+        import weakref  # (here: the module's imports are another change's)
+
+        self._until: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
+
+    def failing(self, store: object) -> float:
+        """Seconds ``store`` is still taken as failing (0: it is not)."""
+        until = self._until.get(store)
+        if until is None:
+            return 0.0
+        left = until - trio.current_time()
+        if left <= 0:
+            self._until.pop(store, None)
+            return 0.0
+        return left
+
+    def failed(self, store: object, seconds: float) -> bool:
+        """``store``'s fetch failed after its retries: take it as failing for ``seconds``; True if it was not yet."""
+        new = not self.failing(store)
+        if seconds > 0:
+            self._until[store] = trio.current_time() + seconds
+        return new
+
+    def served(self, store: object) -> None:
+        """``store`` served a fill: it is no longer taken as failing."""
+        self._until.pop(store, None)
+
+
+#: The stores failing lately, for every :class:`FanotifyBlobs` of this process (a store is its fetcher).
+FAILING_STORES = FailingStores()
+
+
+def _store_failed(exc: BaseException) -> bool:
+    """Whether a fill's fetch error is its store failing until the engine gave up retrying (``FetchError`` chained
+    to what the store raised, a retried error): not an answer that failed at once (a missing object: no wait to
+    spare), nor a block refused by its verification (which says nothing of the other blocks)."""
+    from bootseer.fetch.retry import is_permanent  # (here: the module's imports are another change's)
+    from bootseer.fetch.stripes import FetchError
+
+    return isinstance(exc, FetchError) and exc.__cause__ is not None and not is_permanent(exc.__cause__)
+
+
 class FanotifyBlobs:
     """The local blobs of one layer server and the answers to their events (see the module docstring)."""
 
-    def __init__(self, paths: ServerPaths, directory: Path,
-                 addressed: Callable[[Path, LayerIndex], Collection[int]]) -> None:  # fmt: skip
+    def __init__(self, paths: ServerPaths, directory: Path, addressed: Callable[[Path, LayerIndex], Collection[int]],
+                 *, hole_wait: float = HOLE_WAIT) -> None:  # fmt: skip
         self.paths = paths
+        #: Seconds a read of a hole may wait with no server before the holder denies it EIO (``[datapath] hole_wait``).
+        self.hole_wait = hole_wait
         #: The blocks an image's files address (blocking: the image checker's process parses it).
         self._addressed = addressed
         self.directory = directory
@@ -390,6 +656,9 @@ class FanotifyBlobs:
         self._filling: dict[tuple[str, int], trio.Event] = {}
         self._answered: list[int] = []
         self._have_answered = trio.Event()
+        #: The events being answered, by holder number (a holder that took over passes them on again).
+        self._in_flight: dict[int, fanotify.Event] = {}
+        self._released = False  #: the holder was told to release the group (an orderly stop with no hole left)
         self._pending = 0
         self._answered_total = 0
         self._holder_answered = 0
@@ -400,7 +669,9 @@ class FanotifyBlobs:
         """Connect to (or start) the holder and serve its events; True if the group outlived an earlier
         server (its marks and the EROFS mounts on them stand: keep them)."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.link = await HolderLink.connect(self.paths)
+        self._directory_lock = hold_blob_directory(self.directory, self.paths.root)  # held for the server's life
+        self.link = HolderLink(self.paths, hole_wait=self.hole_wait, lock_fd=self._directory_lock)
+        await self.link.connect()
         nursery.start_soon(self._serve_events)
         nursery.start_soon(self._report_answered)
         return self.link.adopted
@@ -473,7 +744,7 @@ class FanotifyBlobs:
             log.warning("the event holder kept the writer of a blob no layer has; forgetting it", index=name)
             os.close(self.link.writers.pop(name))
             await self.link.forget(name)
-            for suffix in (".blob", ".filled"):
+            for suffix in (".blob", ".filled", ".closed"):
                 (self.directory / f"{name}{suffix}").unlink(missing_ok=True)
 
     def blob_of(self, index_name: str) -> LocalBlob | None:
@@ -488,15 +759,19 @@ class FanotifyBlobs:
         depends on a server); True if released.  Otherwise the holder stays, and the next server answers."""
         if self.link is None:
             return False
+        for blob in list(self.blobs.values()):  # the next server need not re-hash what nobody changed meanwhile
+            await trio.to_thread.run_sync(blob.record_clean_close)
         if self.holes():
             log.info("blobs with holes stay marked: the event holder keeps the group for the next server",
                      blobs=self.holes())  # fmt: skip
             return False
+        self._released = True  # the holder exits now: no holder is started again
         await self.link.release()
         return True
 
     async def write_blocks(self, blob: LocalBlob, refs: Sequence[int], data: Sequence[bytes]) -> None:
-        """Write verified blocks into ``blob`` (the hot-list prefetch's way in): in a worker thread."""
+        """Write verified blocks into ``blob`` (a fill's way in), in a worker thread; OSError as the write raised
+        it (ENOSPC, EIO: the blocks it did not write stay missing, never noted as on disk)."""
         # Threads of their own: a fill's write must not queue behind the fetcher's decodes (a reader waits on it).
         if await trio.to_thread.run_sync(blob.write, refs, data, limiter=self._writers):
             self._gauge()
@@ -509,14 +784,51 @@ class FanotifyBlobs:
             while True:
                 batch, alive, answered = await self.link.events()
                 if not alive:
-                    log.error("the event holder is gone: reads of blobs with holes now fail or wait; restart the layer server")
-                    return
+                    if self._released:
+                        return
+                    await self._relink()
+                    continue
                 if answered is not None:  # the holder's own answers (present), counted with ours
                     EVENT_OUTCOMES.labels("present").inc(max(0, answered - self._holder_answered))
                     self._holder_answered = answered
                 for number, event in batch:
+                    if number in self._in_flight:  # passed on again by a holder that took over: being answered
+                        os.close(event.fd)
+                        continue
+                    self._in_flight[number] = event
                     self._pending += 1
-                    nursery.start_soon(self._answer, number, event)
+                    nursery.start_soon(self._answer_tracked, number, event)
+
+    async def _answer_tracked(self, number: int, event: fanotify.Event) -> None:
+        try:
+            await self._answer(number, event)
+        finally:
+            self._in_flight.pop(number, None)
+
+    def _seed(self) -> HolderSeed:
+        """What this server holds, for a holder it starts when both holders died."""
+        assert self.link is not None
+        return HolderSeed(self.link.group, [(name, blob.writer, blob.map_fd) for name, blob in self.blobs.items()],
+                          list(self._in_flight.items()))  # fmt: skip
+
+    async def _relink(self) -> None:
+        """The holder died: connect to its standby (which takes over), or start a holder seeded with what this
+        server holds; then hand it every open blob's writer and map again, and have it forget any other."""
+        assert self.link is not None
+        self.link.disconnect()
+        log.warning("the event holder is gone; connecting to the holder that takes over", in_flight=len(self._in_flight))
+        while True:
+            try:
+                offered = await self.link.connect(seed=self._seed)
+                break
+            except (OSError, trio.TooSlowError) as exc:
+                log.error("cannot reach an event holder; trying again in 1s", error=str(exc) or type(exc).__name__)
+                await trio.sleep(1)
+        for name in sorted(offered - set(self.blobs)):
+            await self.link.forget(name)
+        for name, blob in list(self.blobs.items()):
+            if not blob.closed:
+                await self.link.keep(name, blob.writer, blob.map_fd)
 
     async def _report_answered(self) -> None:
         assert self.link is not None
@@ -524,11 +836,7 @@ class FanotifyBlobs:
             await self._have_answered.wait()
             self._have_answered = trio.Event()
             answered, self._answered = self._answered, []
-            try:
-                await self.link.done(answered)
-            except OSError as exc:
-                log.error("cannot tell the event holder which events are answered", error=str(exc))
-                return
+            await self.link.done(answered)  # lost with a dead holder: the one that takes over passes them on again
 
     async def _answer(self, number: int, event: fanotify.Event) -> None:
         assert self.link is not None
@@ -541,7 +849,11 @@ class FanotifyBlobs:
                 response = fanotify.ALLOW
             except _Denied as exc:
                 outcome = exc.outcome
-                log.warning("pre-access event denied (EIO)", reason=str(exc), offset=event.offset, count=event.count, pid=event.pid)
+                response = fanotify.deny(exc.errno)
+                # A failing store's later events (denied at once) were logged once, when it failed.
+                (log.debug if outcome == "store_failing" else log.warning)(
+                    f"pre-access event denied ({errno.errorcode.get(exc.errno, exc.errno)})", reason=str(exc),
+                    offset=event.offset, count=event.count, pid=event.pid)  # fmt: skip
             EVENT_OUTCOMES.labels(outcome).inc()
             if outcome == "filled":
                 FILL_SECONDS.observe(time.perf_counter() - started)
@@ -568,6 +880,11 @@ class FanotifyBlobs:
             return "present"
         log.debug("filling blocks for a pre-access event", index=blob.name, offset=event.offset, count=event.count,
                   blocks=len(wanted), pid=event.pid)  # fmt: skip
+        store = getattr(tree.reader, "fetcher", tree.reader)  # one fetcher per store, for every layer of it
+        failing = FAILING_STORES.failing(store)
+        if failing and any((blob.name, ref) not in self._filling for ref in wanted):
+            raise _Denied("store_failing", f"blocks of layer {tree.name}: its store failed a fill lately "
+                                           f"(EIO at once for {failing:.1f}s more)")  # fmt: skip
         waits, mine = [], []
         for ref in wanted:
             filling = self._filling.get((blob.name, ref))
@@ -581,8 +898,20 @@ class FanotifyBlobs:
                 try:
                     data = await tree.reader.blob_blocks(mine)
                 except Exception as exc:  # FetchError (EIO after the retries), a refused block: never written
+                    if _store_failed(exc):
+                        seconds = getattr(getattr(store, "engine", None), "failure_memory", 0.0)
+                        if FAILING_STORES.failed(store, seconds):
+                            log.error("the store failed a fill after its retries: for a while, reads that need its "
+                                      "blocks fail at once (EIO)", layer=tree.name, seconds=seconds,
+                                      store=getattr(store, "source_label", ""), error=str(exc))  # fmt: skip
                     raise _Denied("denied", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name}: {exc}") from None
-                await self.write_blocks(blob, mine, data)
+                FAILING_STORES.served(store)
+                try:
+                    await self.write_blocks(blob, mine, data)
+                except OSError as exc:  # a full disk, say: this read fails with it (the kernel takes a few errnos)
+                    code = exc.errno if exc.errno in fanotify.DENY_ERRNOS else errno.EIO
+                    raise _Denied("write_failed", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name} cannot be "
+                                                  f"written into {blob.path}: {exc}", code) from None  # fmt: skip
         finally:
             for ref in mine:
                 self._filling.pop((blob.name, ref)).set()
@@ -594,9 +923,13 @@ class FanotifyBlobs:
 
 
 class _Denied(Exception):
-    def __init__(self, outcome: str, why: str) -> None:
+    """An event answered deny: ``outcome`` (its count's label), why, and the ``errno`` the read fails with (one
+    of :data:`~.fanotify.DENY_ERRNOS`)."""
+
+    def __init__(self, outcome: str, why: str, code: int = errno.EIO) -> None:
         super().__init__(why)
         self.outcome = outcome
+        self.errno = code if code in fanotify.DENY_ERRNOS else errno.EIO
 
 
 __all__ = ["BLOBS", "EVENT_OUTCOMES", "FILL_SECONDS", "FanotifyBlobs", "FanotifyStatistics", "HolderLink", "LocalBlob", "boot_id"]

@@ -78,6 +78,7 @@ from bootseer.blockstore.datapath.choice import (
     announce,
     store_image_check,
 )
+from bootseer.blockstore.datapath.event_holder import HOLE_WAIT
 from bootseer.blockstore.datapath.image_checker import ImageCheck
 from bootseer.blockstore.datapath.local_blobs import FanotifyBlobs, LocalBlob
 from bootseer.blockstore.datapath.erofs_check import ImageRefused
@@ -152,6 +153,8 @@ class LayerServerConfig:
     trust: TrustPolicy = field(default_factory=TrustPolicy)  #: the keys whose objects are served (docs/trust.md)
     sign_key: SigningKey | None = None  #: the node's key: signs the hot lists this server publishes
     data_path: str = "auto"  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice)
+    #: ``fanotify``: seconds a read of a hole waits with no server before the event holder denies it EIO
+    hole_wait: float = HOLE_WAIT
     peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
     #: The options this server was started with that differ from their defaults, URLs redacted (what its
@@ -224,7 +227,7 @@ class LayerServer:
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
         #: The local blobs the EROFS mounts read on the ``fanotify`` path, filled on the kernel's events (else None).
-        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._addressed) \
+        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._addressed, hole_wait=config.hole_wait) \
             if self.data_path.path == "fanotify" and self.erofs is not None else None  # fmt: skip
         #: Block sharing with the peer group (None: off).
         self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads,
@@ -580,7 +583,12 @@ class LayerServer:
                     image, source = await self._layer_image(layer.record, layer.tree.index, layer.store)
                     device = await self._local_blob(layer, layer.tree, image)
                     # A kept image refused and fetched again is a new file: the mount of the old one goes.
-                    if device is not None and self.erofs.mounted(layer.slot) and source != "store":
+                    blob = self.blobs.blob_of(layer.record.index) if self.blobs is not None else None
+                    # A blob whose check dropped blocks of a whole blob: the old mount never asks for them again.
+                    if blob is not None and blob.needs_remount:
+                        log.warning("local blob lost blocks while no server held it: its EROFS mount is made again",
+                                    chain_id=layer.chain_id, slot=layer.slot)  # fmt: skip
+                    elif device is not None and self.erofs.mounted(layer.slot) and source != "store":
                         log.info("took over the EROFS mount of a server before this one (its blob's events wait for "
                                  "this one)", chain_id=layer.chain_id, slot=layer.slot)  # fmt: skip
                         continue

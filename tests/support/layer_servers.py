@@ -75,17 +75,22 @@ def stop_layer_servers(under: Path) -> list[int]:
     return sorted(pids)
 
 
-def stop_event_holders(under: Path) -> None:
-    """Kill the event holders of roots in ``under`` (test teardown: no mount reads their blobs any more)."""
-    holders = layer_server_processes(under, EVENT_HOLDER)
-    for pid in holders:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def stop_event_holders(under: Path) -> list[int]:
+    """Kill the event holders of roots in ``under`` all at once (each active holder and its standby: stopped
+    first, so that none sees the other die and starts a new one), until none is left; their pids."""
+    killed: list[int] = []
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    while set(layer_server_processes(under, EVENT_HOLDER)) & set(holders) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while (holders := layer_server_processes(under, EVENT_HOLDER)) and time.monotonic() < deadline:
+        for signum in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in holders:
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        killed += [pid for pid in holders if pid not in killed]
+        while set(layer_server_processes(under, EVENT_HOLDER)) & set(holders) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return killed
 
 
 def _unescape(field: str) -> str:

@@ -20,6 +20,7 @@ import pytest
 from integration.harness import (
     bootseer_convert as convert, bootseer_rpull as rpull, layer_server, lazy_layers, part_data, part_path,
 )
+from tests.support.layer_servers import active_event_holder
 from tests.support.oci import APP_FILE, APP_FILE_DATA, BLOB_FILE, PATCH_FILE, PATCH_FILE_DATA, blob_data
 from tests.support.stack import Stack
 from tests.support.waiting import wait_for_component
@@ -65,8 +66,12 @@ def test_a_container_on_erofs_runs_through_restarts_and_gc_leaves_no_erofs_mount
     stack.restart_daemon(signal.SIGKILL)
     assert stack.run_container(ref, "after-daemon", "sh", "-c", SCRIPT).splitlines() == expected()
 
-    pid = int(layer_server(stack).status()["pid"])
-    os.kill(pid, signal.SIGKILL)
+    status = layer_server(stack).status()
+    pid = int(status["pid"])
+    victims = [pid] + ([active_event_holder(Path(status["root"]))] if killed == "server-and-holder" else [])
+    for signum in (signal.SIGSTOP, signal.SIGKILL):  # together: none sees another die first
+        for victim in victims:
+            os.kill(victim, signum)
     wait_for_component("the layer server to die", lambda: not Path(f"/proc/{pid}/cmdline").exists()
                        or Path(f"/proc/{pid}/cmdline").read_bytes() == b"", 30)  # fmt: skip
     # The daemon's start finds the server gone and starts it; it mounts its layers again (erofs: the
@@ -102,9 +107,11 @@ def _blocked_on_fanotify(needle: str) -> int:
     return count
 
 
-def test_four_containers_reading_while_the_layer_server_is_killed_get_every_byte_right(stacks) -> None:
-    """``auto`` (fanotify here): SIGKILL the layer server, then four containers read never-read files; their
-    reads wait, the daemon's restart brings a server back, and every byte they read is right."""
+@pytest.mark.parametrize("killed", ["server", "server-and-holder"])
+def test_four_containers_reading_while_the_layer_server_is_killed_get_every_byte_right(stacks, killed: str) -> None:
+    """``auto`` (fanotify here): SIGKILL the layer server (and with it, at once, the event holder reading the
+    group: its standby takes over), then four containers read never-read files; their reads wait, the
+    daemon's restart brings a server back, and every byte they read is right (never a zero)."""
     import threading
 
     stack = stacks()
@@ -115,8 +122,12 @@ def test_four_containers_reading_while_the_layer_server_is_killed_get_every_byte
     names = [f"reader{n}" for n in range(4)]
     for name in names:
         stack.start_container(ref, name, "sleep", "600")
-    pid = int(layer_server(stack).status()["pid"])
-    os.kill(pid, signal.SIGKILL)
+    status = layer_server(stack).status()
+    pid = int(status["pid"])
+    victims = [pid] + ([active_event_holder(Path(status["root"]))] if killed == "server-and-holder" else [])
+    for signum in (signal.SIGSTOP, signal.SIGKILL):  # together: none sees another die first
+        for victim in victims:
+            os.kill(victim, signum)
     wait_for_component("the layer server to die", lambda: not Path(f"/proc/{pid}/cmdline").exists()
                        or Path(f"/proc/{pid}/cmdline").read_bytes() == b"", 30)  # fmt: skip
     out: dict[str, str] = {}

@@ -42,7 +42,7 @@ from bootseer.blockstore.datapath.local_blobs import _start_holder
 from bootseer.paths import ServerPaths
 from tests.blockstore.test_fanotify import _expected, blob_of, converted, drop_caches, read_all, start_reader  # noqa: F401
 from tests.blockstore.test_layer_server import node_factory  # noqa: F401,F811 (fixture)
-from tests.support.layer_servers import EVENT_HOLDER, fuse_mounts, layer_server_processes, stop_event_holders
+from tests.support.layer_servers import EVENT_HOLDER, active_event_holder, fuse_mounts, layer_server_processes, stop_event_holders
 from tests.support.mounts import force_unmount
 from tests.support.waiting import wait_until
 
@@ -59,23 +59,6 @@ def holders(root: Path) -> list[int]:
     return sorted(layer_server_processes(root, EVENT_HOLDER))
 
 
-def parent(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("PPid:"):
-            return int(line.split()[1])
-    return 0
-
-
-def active_holder(root: Path) -> int:
-    """The active holder of ``root``: the one whose child is the other (its standby), or the only one."""
-    found = holders(root)
-    if len(found) == 1:
-        return found[0]
-    assert len(found) == 2, found
-    first, second = found
-    return first if parent(second) == first else second
-
-
 def kill_together(*pids: int) -> None:
     """SIGKILL ``pids`` at once (each stopped first: none sees another die)."""
     for signum in (signal.SIGSTOP, signal.SIGKILL):
@@ -89,6 +72,14 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def waits_on_fanotify(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in the kernel on a fanotify permission event."""
+    try:
+        return "fanotify" in Path(f"/proc/{pid}/stack").read_text()
+    except OSError:
+        return False
 
 
 def cpu_seconds(pid: int) -> float:
@@ -127,7 +118,7 @@ def test_killing_the_server_and_the_active_holder_together_leaves_reads_waiting_
     readers = [start_reader(lower, BIG[n::4]) for n in range(4)]
     try:
         wait_until("events wait on the server", lambda: client.status()["fanotify"]["pending"] >= 1)
-        active, server_pid = active_holder(node.root), node.pid()
+        active, server_pid = active_event_holder(node.root), node.pid()
         kill_together(server_pid, active)
         late = start_reader(lower, ["data/file7.bin"])  # started with no server and the active holder dead
         wait_until("the standby took over and started a standby of its own", lambda: len(holders(node.root)) == 2)
@@ -251,10 +242,11 @@ def test_a_holder_whose_server_went_away_while_it_passed_events_on_sleeps(
     reader = start_reader(lower, BIG[:1])
     try:
         wait_until("events wait on the server", lambda: client.status()["fanotify"]["pending"] >= 1)
-        active = active_holder(node.root)
+        active = active_event_holder(node.root)
         os.kill(active, signal.SIGSTOP)  # it finds a new event and its server's end closed in one wake-up
         node.stop(signal.SIGKILL)
         late = start_reader(lower, BIG[1:2])
+        wait_until("the new read waits in the kernel for the stopped holder", lambda: waits_on_fanotify(late.pid))
         os.kill(active, signal.SIGCONT)
         log = node.root / "layers" / "events.log"
         wait_until("the holder notices its server is gone", lambda: "server gone" in log.read_text())

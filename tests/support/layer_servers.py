@@ -75,6 +75,23 @@ def stop_layer_servers(under: Path) -> list[int]:
     return sorted(pids)
 
 
+def active_event_holder(root: Path) -> int:
+    """The pid of ``root``'s active event holder: the one whose child is the other (its standby), or the only one."""
+    found = sorted(layer_server_processes(root, EVENT_HOLDER))
+    if len(found) == 1:
+        return found[0]
+    assert len(found) == 2, f"event holders of {root}: {found}"
+    first, second = found
+    return first if _parent(second) == first else second
+
+
+def _parent(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("PPid:"):
+            return int(line.split()[1])
+    return 0
+
+
 def stop_event_holders(under: Path) -> list[int]:
     """Kill the event holders of roots in ``under`` all at once (each active holder and its standby: stopped
     first, so that none sees the other die and starts a new one), until none is left; their pids."""

@@ -31,7 +31,7 @@ import pytest
 
 from bootseer.blockstore.datapath.fanotify import unsupported
 from bootseer.blockstore.objects.format import EntryType
-from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings, ServerUnavailable
+from bootseer.blockstore.server.client import LayerServerClient, ServerPaths, ServerSettings
 from tests.blockstore.test_layer_server import built, extracted  # noqa: F401 (fixtures)
 from tests.support.layer_servers import stop_layer_servers
 from tests.support.layer_store import BuiltLayer
@@ -121,14 +121,6 @@ def checkout(tmp_path: Path, wheel_env: Path) -> Path:
     return place
 
 
-def _answers(client: LayerServerClient) -> bool:
-    try:
-        client.status()
-        return True
-    except ServerUnavailable:
-        return False
-
-
 def _reads_right(client: LayerServerClient, layer: BuiltLayer, extracted: Path) -> None:
     """Mount ``layer`` and read its small files (the image's) and a big one (the blob's) against ``tar -x``."""
     lower = Path(client.mount(layer.chain_id).lower_dir)
@@ -153,7 +145,7 @@ def _serves_from_the_checkout(argv: list[str], checkout: Path, root: Path, layer
     server = Started("layer server", argv, checkout, root.parent / "server.log")
     client = LayerServerClient(ServerPaths(root).socket)
     try:
-        wait_until("the layer server to answer", lambda: _answers(client), START_TIMEOUT_S, interval=0.05, alive=server)
+        wait_until("the layer server to answer", client.answers, START_TIMEOUT_S, interval=0.05, alive=server)
         assert client.status()["data_path"]["path"] == data_path
         _reads_right(client, layer, extracted)
     except BaseException:
@@ -210,7 +202,7 @@ def test_the_snapshotter_daemon_started_inside_a_checkout_starts_a_layer_server_
     paths = ServerPaths(root)
     client = LayerServerClient(paths.socket)
     try:
-        wait_until("the daemon's layer server to answer", lambda: _answers(client), START_TIMEOUT_S, interval=0.05,
+        wait_until("the daemon's layer server to answer", client.answers, START_TIMEOUT_S, interval=0.05,
                    alive=daemon)  # fmt: skip
         wait_until("the daemon's socket", (tmp_path / "snapshotter.sock").exists, START_TIMEOUT_S, alive=daemon)
         server = int(client.status()["pid"])

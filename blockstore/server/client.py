@@ -205,6 +205,14 @@ class LayerServerClient:
         """The server's state: pid, layers and slots, fetch and cache statistics, health."""
         return self.call({"op": "status"})
 
+    def answers(self) -> bool:
+        """Whether a server answers on the socket now (its ``status``)."""
+        try:
+            self.status()
+            return True
+        except ServerUnavailable:
+            return False
+
     def call(self, request: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
         """Send one request and return the answer's fields; raises the answer's error kind."""
         timeout = self.timeout if timeout is None else timeout
@@ -388,14 +396,6 @@ def _locked(path: Path, timeout: float) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _answers(client: LayerServerClient) -> bool:
-    try:
-        client.status()
-        return True
-    except ServerUnavailable:
-        return False
-
-
 def _log_tail(path: Path, start: int, limit: int = 4000) -> str:
     try:
         with open(path, "rb") as log:
@@ -472,12 +472,12 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
     """
     paths = ServerPaths(Path(root))
     client = LayerServerClient(paths.socket)
-    if _answers(client):
+    if client.answers():
         return client
     paths.layers.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(paths.layers, 0o700)
     with _locked(paths.start_lock, settings.start_timeout):
-        if _answers(client):  # someone else started it while we waited
+        if client.answers():  # someone else started it while we waited
             return client
         with open(paths.log, "ab") as log, _settings_pipe(settings.document()) as (settings_file, settings_fd):
             argv = settings.argv(root, settings_file)
@@ -493,7 +493,7 @@ def ensure_server(root: str | os.PathLike[str], settings: ServerSettings = Serve
         threading.Thread(target=process.wait, name=f"layer server {process.pid} reaper", daemon=True).start()
         deadline = time.monotonic() + settings.start_timeout
         while time.monotonic() < deadline:
-            if _answers(client):
+            if client.answers():
                 return client
             if process.poll() is not None:
                 tail = _log_tail(paths.log, log_start)

@@ -50,11 +50,7 @@ def _layer() -> Layer:
 
 
 def _expected() -> dict[str, str]:
-    out = {}
-    for entry in _layer().entries:
-        data = b"".join(entry.chunks()) if isinstance(entry, BigFile) else entry.data
-        out[entry.path] = hashlib.sha256(data).hexdigest()
-    return out
+    return _layer().file_digests()
 
 
 @pytest.fixture(scope="module")

@@ -184,6 +184,18 @@ class Layer:
     add_parents: bool = True  #: add missing parent directories before their first child
     end_marker: bool = True  #: end with the two zero blocks (False: a tar cut off after its last member)
 
+    def file_digests(self) -> dict[str, str]:
+        """The SHA-256 (hex) of each regular file's content (:class:`File` and :class:`BigFile`), by path."""
+        import hashlib
+
+        out = {}
+        for entry in self.entries:
+            if isinstance(entry, BigFile):
+                out[entry.path] = hashlib.sha256(b"".join(entry.chunks())).hexdigest()
+            elif isinstance(entry, File):
+                out[entry.path] = hashlib.sha256(entry.data).hexdigest()
+        return out
+
 
 def clean(path: str) -> str:
     """A spec's path as the tar names it: no leading ``/``."""

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 from urllib.parse import urlsplit
 
+from bootseer.blockstore.datapath.background_fill import BackgroundFillConfig
 from bootseer.blockstore.datapath.event_holder import HOLE_WAIT
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError
@@ -80,6 +81,9 @@ class Config:
     data_path: str = "auto"  #: ``[fuse] data_path``: auto, fanotify, erofs, loop or tree (the layer server's ``--data-path``)
     #: ``[datapath] hole_wait``: seconds a read of a hole on ``fanotify`` waits with no layer server before EIO
     hole_wait: float = HOLE_WAIT
+    #: ``[datapath] background_fill``, ``background_fill_rate``, ``background_fill_idle``: the rest of each blob
+    #: filled once the link is idle (blockstore.datapath.background_fill)
+    background_fill: BackgroundFillConfig = field(default_factory=BackgroundFillConfig)
     converter_keys: tuple[Path, ...] = ()  #: ``[trust] converter_keys``: .pub files whose conversions are served
     writer_keys: tuple[Path, ...] = ()  #: ``[trust] writer_keys``: .pub files whose hot lists and deps records are used
     sign_key: Path | None = None  #: ``[trust] sign_key``: the node's private key (signs hot lists, deps captures)
@@ -124,6 +128,9 @@ DEFAULTS: dict[str, Any] = {
     "fuse.metrics_address": "",
     "fuse.data_path": "auto",
     "datapath.hole_wait": HOLE_WAIT,
+    "datapath.background_fill": BackgroundFillConfig.enabled,
+    "datapath.background_fill_rate": f"{BackgroundFillConfig.rate >> 20}M",
+    "datapath.background_fill_idle": BackgroundFillConfig.idle,
     "trust.converter_keys": [],
     "trust.writer_keys": [],
     "trust.sign_key": "",
@@ -163,6 +170,9 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "hotlist.prefetch_cold_rate": (str, int),
     "hotlist.prefetch_page_cache": (bool,),
     "datapath.hole_wait": (float, int),
+    "datapath.background_fill": (bool,),
+    "datapath.background_fill_rate": (str, int),
+    "datapath.background_fill_idle": (float, int),
     "trust.converter_keys": (list,),
     "trust.writer_keys": (list,),
     "peers.members": (list,),
@@ -328,6 +338,18 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         except ValueError as exc:
             raise invalid(key, f"{exc}, not {value!r}") from None
     prefetch = dataclasses.replace(prefetch, page_cache=merged["hotlist.prefetch_page_cache"])
+    rate = merged["datapath.background_fill_rate"]
+    try:
+        rate = rate if isinstance(rate, int) else parse_size(rate)
+    except argparse.ArgumentTypeError as exc:
+        raise invalid("datapath.background_fill_rate", str(exc)) from None
+    background_fill = BackgroundFillConfig(enabled=merged["datapath.background_fill"])
+    for key, field_name, value in (("datapath.background_fill_rate", "rate", rate),
+                                   ("datapath.background_fill_idle", "idle", float(merged["datapath.background_fill_idle"]))):
+        try:
+            background_fill = dataclasses.replace(background_fill, **{field_name: value})
+        except ValueError as exc:
+            raise invalid(key, str(exc)) from None
     key_files: dict[str, tuple[Path, ...]] = {}
     for key in ("trust.converter_keys", "trust.writer_keys"):
         if not all(isinstance(item, str) and item for item in merged[key]):
@@ -378,6 +400,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         layer_server_metrics_address=layer_server_metrics,
         data_path=merged["fuse.data_path"],
         hole_wait=float(merged["datapath.hole_wait"]),
+        background_fill=background_fill,
         converter_keys=key_files["trust.converter_keys"],
         writer_keys=key_files["trust.writer_keys"],
         sign_key=sign_key,

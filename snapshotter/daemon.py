@@ -304,6 +304,7 @@ class Daemon:
             metrics_address=settings.layer_server_metrics_address or None,
             data_path=settings.data_path,
             hole_wait=settings.hole_wait,
+            background_fill=settings.background_fill,
             converter_keys=tuple(map(str, settings.converter_keys)),
             writer_keys=tuple(map(str, settings.writer_keys)),
             sign_key=str(settings.sign_key) if settings.sign_key else None,

@@ -24,6 +24,7 @@ import trio
 from bootseer.blockstore.node.block_cache import check_cache_dir
 from bootseer.blockstore.server.client import read_secret_file, read_setting_file
 from bootseer.paths import ServerPaths
+from bootseer.blockstore.datapath.background_fill import BackgroundFillConfig
 from bootseer.blockstore.datapath.choice import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
 from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
@@ -145,6 +146,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fanotify data path: how long a read of a hole may wait with no layer server to answer it "
              f"before it fails with EIO (the event holder's bound; {LayerServerConfig.hole_wait:g})",
     )  # fmt: skip
+    parser.add_argument("--no-background-fill", action="store_true",
+                        help="fanotify data path: never fill the rest of a layer's blob in the background (it is "
+                             "filled, once the link has been idle a while, so that blobs complete)")  # fmt: skip
+    parser.add_argument("--background-fill-rate", type=parse_size, default=BackgroundFillConfig.rate, metavar="SIZE",
+                        help=f"stored bytes per second the background fill takes at most ({BackgroundFillConfig.rate >> 20}M)")
+    parser.add_argument("--background-fill-idle", type=_seconds, default=BackgroundFillConfig.idle, metavar="SECONDS",
+                        help=f"seconds without any fetch before the background fill starts ({BackgroundFillConfig.idle:g})")
     # A test seam (undocumented in --help): the kernel's filesystem list the data-path probe
     # reads, so a test can show a node without EROFS on a kernel that has it built in.
     parser.add_argument("--kernel-filesystems", default=FILESYSTEMS, metavar="FILE", help=argparse.SUPPRESS)
@@ -346,6 +354,8 @@ def layer_server_command(args: argparse.Namespace) -> int:
     try:
         hotlist = layer_server_hotlist_config(args)
         config = dataclasses.replace(config, peers=layer_server_peer_config(args))
+        config = dataclasses.replace(config, background_fill=BackgroundFillConfig(
+            enabled=not args.no_background_fill, rate=args.background_fill_rate, idle=args.background_fill_idle))
     except ValueError as exc:
         return _usage_error(str(exc))
     try:

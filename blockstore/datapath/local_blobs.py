@@ -50,6 +50,7 @@ import trio
 
 from bootseer import cpu
 from bootseer.blockstore.datapath import fanotify
+from bootseer.blockstore.datapath.background_fill import BackgroundFill, BackgroundFillConfig, BackgroundFillStatistics
 from bootseer.blockstore.datapath.event_holder import (
     ANSWERED,
     BATCH,
@@ -73,6 +74,7 @@ from bootseer.blockstore.datapath.event_holder import (
     rights,
 )
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
+from bootseer.fetch.stripes import Priority
 from bootseer.log import get_logger
 from bootseer.paths import ServerPaths
 
@@ -206,6 +208,7 @@ class LocalBlob:
         self._maybe_unread = sum(1 for entry in index.entries if entry.type is EntryType.FILE and entry.link is None
                                  and len(entry.blocks) == 1 and 0 < entry.size <= index.block_size)  # fmt: skip
         self._noted = False
+        self._cursor = 0  #: where :meth:`next_missing` looks next
 
     def _take_close_record(self) -> blob_check.CloseRecord | None:
         """The record of this blob's last clean close, taken (deleted): any crash from now on leaves none."""
@@ -258,6 +261,28 @@ class LocalBlob:
     def missing(self, refs: range) -> list[int]:
         filled = self.filled
         return [ref for ref in refs if not filled[ref]]
+
+    def next_missing(self, limit: int) -> list[int]:
+        """The next run of missing blocks, adjacent in the blob (one range of its packs, mostly), of at most
+        ``limit`` stored bytes (one block at least), after the last run this gave; [] if none is missing."""
+        start = self.filled.find(0, self._cursor)
+        if start < 0:
+            start = self.filled.find(0)
+        if start < 0:
+            return []
+        refs, total, blocks = [], 0, self.index.blocks
+        for ref in range(start, len(self.filled)):
+            if self.filled[ref] or (refs and total + blocks[ref].clen > limit):
+                break
+            refs.append(ref)
+            total += blocks[ref].clen
+        self._cursor = refs[-1] + 1
+        return refs
+
+    def stored_bytes(self, refs: Sequence[int]) -> int:
+        """The stored (compressed) bytes of blocks ``refs``."""
+        blocks = self.index.blocks
+        return sum(blocks[ref].clen for ref in refs)
 
     def mark(self) -> None:
         """Mark the blob (before EROFS opens it), unless every block is on disk."""
@@ -538,6 +563,7 @@ class FanotifyStatistics:
     answered: int  #: events answered by this server
     answered_by_holder: int  #: events the event holder answered itself (every block on disk), since it started
     holder_adopted: bool  #: the group outlived a server: this one took it over
+    background_fill: BackgroundFillStatistics  #: the fill of the blobs' rest while the link is idle
 
 
 #: The lock file of a blob directory (:func:`hold_blob_directory`): the pid and root of the server holding it.
@@ -642,8 +668,12 @@ class FanotifyBlobs:
     """The local blobs of one layer server and the answers to their events (see the module docstring)."""
 
     def __init__(self, paths: ServerPaths, directory: Path, addressed: Callable[[Path, LayerIndex], Collection[int]],
-                 *, hole_wait: float = HOLE_WAIT) -> None:  # fmt: skip
+                 *, hole_wait: float = HOLE_WAIT, background: BackgroundFillConfig = BackgroundFillConfig(enabled=False),
+                 fetched: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.paths = paths
+        #: Fills the rest of the blobs once the link is idle (``fetched``: every store's bytes fetched so far).
+        self.background: BackgroundFill[LocalBlob] = BackgroundFill(background, lambda: list(self.blobs.values()),
+                                                                    self.fill_in_background, fetched)  # fmt: skip
         #: Seconds a read of a hole may wait with no server before the holder denies it EIO (``[datapath] hole_wait``).
         self.hole_wait = hole_wait
         #: The blocks an image's files address (blocking: the image checker's process parses it).
@@ -673,6 +703,7 @@ class FanotifyBlobs:
         self.link = HolderLink(self.paths, hole_wait=self.hole_wait, lock_fd=self._directory_lock)
         await self.link.connect()
         nursery.start_soon(self._serve_events)
+        nursery.start_soon(self.background.run)
         nursery.start_soon(self._report_answered)
         return self.link.adopted
 
@@ -685,6 +716,7 @@ class FanotifyBlobs:
             answered=self._answered_total,
             answered_by_holder=self._holder_answered,
             holder_adopted=bool(self.link and self.link.adopted),
+            background_fill=self.background.statistics(),
         )
 
     def _gauge(self) -> None:
@@ -798,6 +830,26 @@ class FanotifyBlobs:
                     self._in_flight[number] = event
                     self._pending += 1
                     nursery.start_soon(self._answer_tracked, number, event)
+
+    async def fill_in_background(self, blob: LocalBlob, refs: list[int]) -> int:
+        """Fill blocks ``refs`` of ``blob`` at prefetch priority (:mod:`.background_fill`), except those an event
+        fills already (it waits for none); how many it wrote.  Its blocks are not reads: no observer sees them."""
+        await self.ready.wait()
+        if not blob.trees or blob.closed:
+            return 0
+        tree = blob.trees[0]
+        mine = [ref for ref in refs if not blob.filled[ref] and (blob.name, ref) not in self._filling]
+        if not mine:
+            return 0
+        for ref in mine:
+            self._filling[(blob.name, ref)] = trio.Event()
+        try:
+            data = await tree.reader.fetcher.blocks(tree.index, mine, Priority.PREFETCH)
+            await self.write_blocks(blob, mine, data)
+        finally:
+            for ref in mine:
+                self._filling.pop((blob.name, ref)).set()
+        return len(mine)
 
     async def _answer_tracked(self, number: int, event: fanotify.Event) -> None:
         try:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
+from bootseer.blockstore.datapath.background_fill import BackgroundFillConfig
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.paths import ServerPaths
 
@@ -282,6 +283,7 @@ class ServerSettings:
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
     data_path: str | None = None  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice); None: the server's default (auto)
     hole_wait: float | None = None  #: seconds a read of a hole on ``fanotify`` waits with no server before EIO
+    background_fill: BackgroundFillConfig | None = None  #: ``fanotify``: the blobs' rest filled while idle; None: the server's default
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     store_proxy: str | None = None  #: HTTP proxy URL http(s) stores are read through (may carry credentials)
     store_proxy_ping_url: str | None = None  #: the proxy's health check URL (never credentials)
@@ -326,6 +328,7 @@ class ServerSettings:
             ("metrics-address", self.metrics_address),
             ("data-path", self.data_path),
             ("hole-wait", self.hole_wait),
+            *self._background_fill_options(),
             ("store-proxy-ping-url", self.store_proxy_ping_url),
             ("store-proxy-check-interval", self.store_proxy_check_interval),
             ("store-proxy-block-size", self.store_proxy_block_size),
@@ -353,6 +356,13 @@ class ServerSettings:
         working directory there, where a ``bootseer/`` folder, a checkout's say, would shadow it)."""
         return [self.python, "-P", "-m", "bootseer.cli", "--log-level", self.log_level, "layer-server",
                 "--root", os.fspath(root), "--settings-file", settings_file, *self.extra_args]  # fmt: skip
+
+    def _background_fill_options(self) -> list[tuple[str, Any]]:
+        fill = self.background_fill
+        if fill is None:
+            return []
+        return [("no-background-fill", True if not fill.enabled else None), ("background-fill-rate", fill.rate),
+                ("background-fill-idle", fill.idle)]  # fmt: skip
 
     def _peer_options(self) -> list[tuple[str, Any]]:
         """The ``peer-*`` settings of :attr:`peers` (file paths only: the token stays in its file)."""

@@ -78,6 +78,7 @@ from bootseer.blockstore.datapath.choice import (
     announce,
     store_image_check,
 )
+from bootseer.blockstore.datapath.background_fill import BackgroundFillConfig
 from bootseer.blockstore.datapath.event_holder import HOLE_WAIT
 from bootseer.blockstore.datapath.image_checker import ImageCheck
 from bootseer.blockstore.datapath.local_blobs import FanotifyBlobs, LocalBlob
@@ -155,6 +156,8 @@ class LayerServerConfig:
     data_path: str = "auto"  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice)
     #: ``fanotify``: seconds a read of a hole waits with no server before the event holder denies it EIO
     hole_wait: float = HOLE_WAIT
+    #: ``fanotify``: the rest of each blob filled while the link is idle (blockstore.datapath.background_fill)
+    background_fill: BackgroundFillConfig = field(default_factory=BackgroundFillConfig)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
     filesystems: str = FILESYSTEMS  #: the kernel's filesystem list the data-path probe reads (a test seam)
     #: The options this server was started with that differ from their defaults, URLs redacted (what its
@@ -227,7 +230,8 @@ class LayerServer:
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
         #: The local blobs the EROFS mounts read on the ``fanotify`` path, filled on the kernel's events (else None).
-        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._addressed, hole_wait=config.hole_wait) \
+        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._addressed, hole_wait=config.hole_wait,
+                                   background=config.background_fill, fetched=lambda: self.stores.bytes_fetched()) \
             if self.data_path.path == "fanotify" and self.erofs is not None else None  # fmt: skip
         #: Block sharing with the peer group (None: off).
         self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads,

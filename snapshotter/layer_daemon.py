@@ -24,7 +24,7 @@ import trio
 from bootseer.blockstore.node.block_cache import check_cache_dir
 from bootseer.blockstore.server.client import read_secret_file, read_setting_file
 from bootseer.paths import ServerPaths
-from bootseer.blockstore.datapath.background_fill import BackgroundFillConfig
+from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.choice import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
 from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server

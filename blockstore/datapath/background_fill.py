@@ -27,6 +27,7 @@ from typing import Generic, Protocol, TypeVar
 import prometheus_client
 import trio
 
+from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -42,24 +43,6 @@ BATCHES = prometheus_client.Counter(
 )
 for _outcome in ("filled", "failed"):
     BATCHES.labels(_outcome)
-
-
-@dataclass(frozen=True)
-class BackgroundFillConfig:
-    """The ``[datapath]`` settings of the background fill (the layer server's ``--*background-fill*`` options)."""
-
-    enabled: bool = True  #: ``background_fill``: fill the rest of each served blob once the link is idle
-    rate: int = 8 << 20  #: ``background_fill_rate``: stored bytes per second at most
-    idle: float = 5.0  #: ``background_fill_idle``: seconds without any fetch before it starts (or goes on)
-    batch: int = 4 << 20  #: stored bytes per batch at most (one fetch, one write)
-
-    def __post_init__(self) -> None:
-        if self.rate <= 0:
-            raise ValueError(f"background_fill_rate must be a positive number of bytes per second, not {self.rate}")
-        if not 0 < self.idle <= 86400:
-            raise ValueError(f"background_fill_idle must be seconds in (0, 86400], not {self.idle}")
-        if self.batch <= 0:
-            raise ValueError(f"the background fill's batch must be positive, not {self.batch}")
 
 
 class Fillable(Protocol):
@@ -161,4 +144,4 @@ class BackgroundFill(Generic[B]):
         log.info("background fill: every served blob is complete", blocks=self._counts["blocks"])
 
 
-__all__ = ["BackgroundFill", "BackgroundFillConfig", "BackgroundFillStatistics", "FAILURE_PAUSE", "Fillable"]
+__all__ = ["BackgroundFill", "BackgroundFillStatistics", "FAILURE_PAUSE", "Fillable"]

@@ -50,7 +50,8 @@ import trio
 
 from bootseer import cpu
 from bootseer.blockstore.datapath import fanotify
-from bootseer.blockstore.datapath.background_fill import BackgroundFill, BackgroundFillConfig, BackgroundFillStatistics
+from bootseer.blockstore.datapath.background_fill import BackgroundFill, BackgroundFillStatistics
+from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.event_holder import (
     ANSWERED,
     BATCH,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
-from bootseer.blockstore.datapath.background_fill import BackgroundFillConfig
+from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.paths import ServerPaths
 

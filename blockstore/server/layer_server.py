@@ -78,7 +78,7 @@ from bootseer.blockstore.datapath.choice import (
     announce,
     store_image_check,
 )
-from bootseer.blockstore.datapath.background_fill import BackgroundFillConfig
+from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.event_holder import HOLE_WAIT
 from bootseer.blockstore.datapath.image_checker import ImageCheck
 from bootseer.blockstore.datapath.local_blobs import FanotifyBlobs, LocalBlob

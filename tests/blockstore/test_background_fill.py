@@ -18,7 +18,8 @@ import pytest
 import trio
 import trio.testing
 
-from bootseer.blockstore.datapath.background_fill import BackgroundFill, BackgroundFillConfig
+from bootseer.blockstore.datapath.background_fill import BackgroundFill
+from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.fanotify import unsupported
 from tests.blockstore.test_fanotify import _expected, converted, drop_caches, read_all  # noqa: F401
 from tests.blockstore.test_layer_server import node_factory  # noqa: F401,F811 (fixture)

@@ -236,6 +236,10 @@ def layer_image_bytes(store: Path, image: image_build.Image) -> list[dict[str, A
 # --------------------------------------------------------------------------- one node
 
 
+#: Whether the lazy nodes fill the rest of their blobs once the link is idle (``--background-fill``).
+BACKGROUND_FILL = True
+
+
 @contextlib.contextmanager
 def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
                publish_store: Path | None = None, data_path: str | None = None,
@@ -255,7 +259,11 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
     if lazy:
         # The daemon's layer server serves its metrics too, so lazy runs show FUSE requests.
         metrics = f"127.0.0.1:{free_port()}"
-        stack.daemon = Snapshotter(base / "snap", log_level="info", extra_args=[
+        settings = []
+        if not BACKGROUND_FILL:
+            (base / "snapshotter.toml").write_text("[datapath]\nbackground_fill = false\n")
+            settings = ["--config", str(base / "snapshotter.toml")]
+        stack.daemon = Snapshotter(base / "snap", log_level="info", extra_args=[*settings,
             "--store", store_url, "--layer-server-metrics-address", metrics,
             *(["--publish-store", str(publish_store)] if publish_store is not None else []),
             *(["--data-path", data_path] if data_path is not None else [])])
@@ -1023,6 +1031,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated containerds to measure the containerd starts on, side by side: each a "
                              "value of BOOTSEER_CONTAINERD (1.6, 1.7, 2.1 or a directory; the first is the main one, "
                              "the hot list is recorded on it) (default: BOOTSEER_CONTAINERD's choice alone)")
+    parser.add_argument("--background-fill", choices=("on", "off"), default="on",
+                        help="the lazy nodes' [datapath] background_fill (fanotify: the rest of each blob filled once "
+                             "the link is idle) (on, the daemon's default); off: a config file turning it off")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "results" / "lazy.md",
                         help="Markdown results (bench/results/lazy.md)")
     args = parser.parse_args(argv)
@@ -1052,6 +1063,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    global BACKGROUND_FILL
+    BACKGROUND_FILL = args.background_fill == "on"
     if os.geteuid() != 0:
         sys.exit("error: the benchmark needs root (network namespace, tc, containerd, mounts)")
     missing = [tool for tool in ("runc", "docker-registry", "skopeo", "nginx", "ip", "tc",

@@ -562,6 +562,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         f"{image.compressed_bytes / MB:.0f} MB gzip: "
         + ", ".join(f"{layer.name} {layer.tar_size / MB:.0f} MB" for layer in image.layers)
         + f"; command `python3 /app/train.py` (import torch, one SGD step, prints `{image_build.FIRST_OUTPUT_MARKER}`)",
+        f"- The lazy nodes' background fill ([datapath] background_fill): {getattr(args, 'background_fill', 'on')}",
         f"- Link: veth pair into a private network namespace holding the registry and the store's nginx, "
         f"tbf {args.rate} each way (measured {fmt(context.get('link_rate'), '.1f')} MB/s with one HTTP GET)",
         f"- Each node fresh (new containerd root and snapshotter root, empty caches); the page cache dropped "

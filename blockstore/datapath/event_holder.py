@@ -213,6 +213,8 @@ class BlobView:
         if len(header) != MAP_HEADER.size:
             raise ValueError("the fill map has no header")
         _magic, _boot, self.blocks = MAP_HEADER.unpack(header)
+        if self.blocks > os.fstat(map_fd).st_size - MAP_HEADER.size:  # a map names no more blocks than it holds
+            raise ValueError(f"the fill map claims {self.blocks} blocks it does not hold")
         self.block_size = info.st_size // self.blocks if self.blocks else 0
 
     def present(self, offset: int, count: int) -> bool:
@@ -227,11 +229,15 @@ class BlobView:
 
     def has_hole(self) -> bool:
         """Whether a block is missing (or the map cannot say: then it counts as a hole)."""
-        try:
-            states = os.pread(self.map_fd, self.blocks, MAP_HEADER.size)
-        except OSError:
-            return True
-        return len(states) != self.blocks or 0 in states
+        for start in range(0, self.blocks, 1 << 20):  # a megabyte of the map at a time
+            want = min(1 << 20, self.blocks - start)
+            try:
+                states = os.pread(self.map_fd, want, MAP_HEADER.size + start)
+            except OSError:
+                return True
+            if len(states) != want or 0 in states:
+                return True
+        return False
 
     def close(self) -> None:
         os.close(self.writer)

@@ -32,6 +32,7 @@ from bootseer.blockstore.datapath.event_holder import (
     FORGET,
     HELLO,
     KEEP,
+    MAP_HEADER,
     READY,
     REFUSED,
     RELEASE,
@@ -301,6 +302,7 @@ HOSTILE = [
     ("KEEP, one descriptor", KEEP + b"abc", 1),
     ("KEEP, three descriptors", KEEP + b"abc", 3),
     ("KEEP, a pipe's descriptors", KEEP + b"abc", -2),
+    ("KEEP, a fill map claiming 2**40 blocks", KEEP + b"abc", -3),
     ("DONE, a ragged body", DONE + b"\x01\x02\x03", 0),
     ("DONE, numbers never given", DONE + struct.pack("<3i", 0, 1, 2), 0),
     ("unknown kind", b"Q" + b"x" * 100, 1),
@@ -312,6 +314,10 @@ HOSTILE = [
 def _fds(count: int, scratch: Path) -> list[int]:
     if count == -2:
         return list(os.pipe())
+    if count == -3:  # a blob and a fill map whose header names far more blocks than the map holds
+        forged = scratch.with_name("forged.filled")
+        forged.write_bytes(MAP_HEADER.pack(b"BSBLOBMAP1", b"0" * 36, 1 << 40) + b"\x01")
+        return [os.open(scratch, os.O_RDONLY), os.open(forged, os.O_RDONLY)]
     return [os.open(scratch, os.O_RDONLY) for _ in range(count)]
 
 

@@ -3,12 +3,14 @@
 On the ``fanotify`` data path a lazy start fills only the blocks it reads (:mod:`.local_blobs`): after
 it, most blobs still have holes, so they stay marked, every later start raises an event per range
 read (a round trip to the event holder each), and the window in which a node-wide kill of the holders
-would turn a hole into zeros never closes.  :class:`BackgroundFill` closes it: once the node's
-fetches have been idle for ``idle`` seconds (no read, no hot-list prefetch crossed the link), it fills
-the missing blocks of the served blobs, a batch of at most ``batch`` stored bytes at a time through
+would turn a hole into zeros never closes.  :class:`BackgroundFill` closes it: once the node has
+been idle for ``idle`` seconds (no fetch crossed the link, no read and no hot-list prefetch, and no
+blob was read: a start that reads only what is on the node needs the disk and the CPU, if not the
+link), it fills the missing blocks of the served blobs, a batch of at most ``batch`` stored bytes at a time through
 the one fill path the events use (:meth:`FanotifyBlobs.fill_in_background`: verified blocks, written
 once, concurrent events for the same blocks wait for it instead of fetching them again), at most
-``rate`` stored bytes a second, and goes back to waiting for idle as soon as anything else fetches.
+``rate`` stored bytes a second, and goes back to waiting for idle as soon as anything else fetches or
+a blob is read.
 So it never competes with a start for the link, and its CPU is bounded by its rate.  The last block
 of a blob completes it: its mark is removed, and the kernel reads it alone from then on.
 
@@ -76,14 +78,14 @@ class BackgroundFill(Generic[B]):
     """Fills the served blobs' missing blocks while the node's fetches are idle (see the module docstring).
 
     ``blobs()`` lists the blobs served now; ``fill(blob, refs)`` fills those blocks of it (those an event is
-    filling already are left to it) and returns how many it wrote; ``fetched()`` is a counter of the bytes
-    every store has fetched (what says whether the link is idle).
+    filling already are left to it) and returns how many it wrote; ``activity()`` is a counter that grows
+    whenever the node fetches or a blob is read (what says whether the node is idle).
     """
 
     def __init__(self, config: BackgroundFillConfig, blobs: Callable[[], Iterable[B]],
-                 fill: Callable[[B, list[int]], Awaitable[int]], fetched: Callable[[], int]) -> None:  # fmt: skip
+                 fill: Callable[[B, list[int]], Awaitable[int]], activity: Callable[[], int]) -> None:  # fmt: skip
         self.config = config
-        self._blobs, self._fill, self._fetched = blobs, fill, fetched
+        self._blobs, self._fill, self._fetched = blobs, fill, activity
         self._counts = dict.fromkeys(("batches", "blocks", "stored_bytes", "failed", "yielded"), 0)
         self._running = False
 

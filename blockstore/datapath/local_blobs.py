@@ -672,9 +672,11 @@ class FanotifyBlobs:
                  *, hole_wait: float = HOLE_WAIT, background: BackgroundFillConfig = BackgroundFillConfig(enabled=False),
                  fetched: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
         self.paths = paths
-        #: Fills the rest of the blobs once the link is idle (``fetched``: every store's bytes fetched so far).
-        self.background: BackgroundFill[LocalBlob] = BackgroundFill(background, lambda: list(self.blobs.values()),
-                                                                    self.fill_in_background, fetched)  # fmt: skip
+        #: Fills the rest of the blobs once the node is idle: nothing fetched (``fetched``: every store's bytes
+        #: fetched so far) and no blob read (the events answered, here and by the holder).
+        self.background: BackgroundFill[LocalBlob] = BackgroundFill(
+            background, lambda: list(self.blobs.values()), self.fill_in_background,
+            lambda: fetched() + self._answered_total + self._holder_answered)  # fmt: skip
         #: Seconds a read of a hole may wait with no server before the holder denies it EIO (``[datapath] hole_wait``).
         self.hole_wait = hole_wait
         #: The blocks an image's files address (blocking: the image checker's process parses it).

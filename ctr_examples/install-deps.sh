@@ -17,7 +17,7 @@ packages=(
     golang-go golang-github-containerd-containerd-dev busybox-static nginx-light
     containernetworking-plugins iproute2
     curl ca-certificates openssl gcc python3 python3-dev python3-venv
-    debootstrap pigz chromium erofs-utils tinyproxy
+    debootstrap pigz chromium erofs-utils tinyproxy e2fsprogs
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -354,6 +354,8 @@ def layer_server_command(args: argparse.Namespace) -> int:
     try:
         hotlist = layer_server_hotlist_config(args)
         config = dataclasses.replace(config, peers=layer_server_peer_config(args))
+        if not args.hole_wait > 0:
+            raise ValueError(f"--hole-wait must be a positive number of seconds, not {args.hole_wait:g}")
         config = dataclasses.replace(config, background_fill=BackgroundFillConfig(
             enabled=not args.no_background_fill, rate=args.background_fill_rate, idle=args.background_fill_idle))
     except ValueError as exc:

@@ -329,7 +329,7 @@ class Holder:
             self.expire(now)
             if self.standby is None and now - self._standby_started >= RESPAWN_INTERVAL:
                 self.start_standby()
-        if now - self._checked_root >= 2 * TICK:
+        if now - self._checked_root >= 2 * TICK:  # the checks that read files: once a second
             self._checked_root = now
             why = self._root_gone()
             if why:
@@ -337,8 +337,8 @@ class Holder:
                 return
             if self.standby_process is not None and self.standby_process.poll() is not None and self.standby is None:
                 self.standby_process = None  # reaped
-        if self.active and self.server is None and not self.pending and now - self.server_since >= self.idle_exit:
-            if not self.any_hole():
+            idle = self.active and self.server is None and not self.pending and now - self.server_since >= self.idle_exit
+            if idle and not self.any_hole():
                 self.finish(f"idle: no server for {self.idle_exit:g}s, no event pending, no blob with a hole")
                 return
         if self._stop_asked:

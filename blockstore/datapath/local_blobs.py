@@ -32,6 +32,7 @@ with that index is mounted and removed with the last one.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import os
 import socket
@@ -40,7 +41,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+import weakref
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,7 +51,7 @@ import prometheus_client
 import trio
 
 from bootseer import cpu
-from bootseer.blockstore.datapath import fanotify
+from bootseer.blockstore.datapath import blob_check, fanotify
 from bootseer.blockstore.datapath.background_fill import BackgroundFill, BackgroundFillStatistics
 from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.event_holder import (
@@ -75,7 +77,8 @@ from bootseer.blockstore.datapath.event_holder import (
     rights,
 )
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
-from bootseer.fetch.stripes import Priority
+from bootseer.fetch.retry import is_permanent
+from bootseer.fetch.stripes import FetchError
 from bootseer.log import get_logger
 from bootseer.paths import ServerPaths
 
@@ -213,8 +216,6 @@ class LocalBlob:
 
     def _take_close_record(self) -> blob_check.CloseRecord | None:
         """The record of this blob's last clean close, taken (deleted): any crash from now on leaves none."""
-        from bootseer.blockstore.datapath import blob_check  # (the module's imports are being rewritten meanwhile)
-
         return blob_check.take_record(blob_check.record_path(self.path))
 
     def _check_claims(self, writer: int, map_fd: int, filled: bytearray, record: blob_check.CloseRecord | None,
@@ -222,8 +223,6 @@ class LocalBlob:
         """Check the blocks this boot's map claims against the blob before any is served (:mod:`.blob_check`:
         size, holes, and digests unless ``record`` shows both files as their last clean close left them); those
         that fail are 0 in ``filled`` and the map, and holes in the blob.  One log line per blob."""
-        from bootseer.blockstore.datapath import blob_check
-
         verify = not blob_check.unchanged_since(record, writer, map_fd, self._boot)
         result = blob_check.check_claims(writer, self.index, filled, verify=verify)
         if result.dropped:
@@ -243,8 +242,6 @@ class LocalBlob:
         if neither file changed meanwhile.  Call it once no fill writes any more (the server's orderly stop;
         :meth:`close` does it): a later write only costs the next open a full re-verification.  False if no
         record was written (closed, or an error: logged).  Blocking."""
-        from bootseer.blockstore.datapath import blob_check
-
         if self.closed:
             return False
         try:
@@ -366,8 +363,6 @@ class LocalBlob:
         os.close(self.writer)
         os.close(self.map_fd)
         if remove:
-            from bootseer.blockstore.datapath import blob_check
-
             self.path.unlink(missing_ok=True)
             self.map_path.unlink(missing_ok=True)
             blob_check.record_path(self.path).unlink(missing_ok=True)
@@ -588,8 +583,6 @@ def hold_blob_directory(directory: Path, root: Path) -> int:
     holder's pid and root.  The root's event holders hold it too (:func:`_start_holder` passes it on), so a
     server killed while the holders keep its blobs leaves the directory locked for its root: the next server
     of the same root goes through (the lock's record names its root), any other is refused."""
-    import fcntl  # (here: the module's imports are another change's)
-
     path = directory / BLOB_DIRECTORY_LOCK
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
@@ -612,7 +605,7 @@ def hold_blob_directory(directory: Path, root: Path) -> int:
 
 
 class FailingStores:
-    """The stores (their :class:`~bootseer.blockstore.node.fetcher.BlockFetcher`) whose fetch for a fill failed
+    """The stores (each a layer reader's :attr:`~.tree.BlockReader.store`) whose fetch for a fill failed
     lately, each until the engine's failure memory of it ends (``Engine.failure_memory``: ``retry_timeout``, at most
     10 s; :mod:`bootseer.fetch.failures`).
 
@@ -624,11 +617,9 @@ class FailingStores:
     from that store that succeeds ends it.  Runs in the trio thread (trio's clock)."""
 
     def __init__(self) -> None:
-        import weakref  # (here: the module's imports are another change's)
+        self._until: weakref.WeakKeyDictionary[Hashable, float] = weakref.WeakKeyDictionary()
 
-        self._until: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
-
-    def failing(self, store: object) -> float:
+    def failing(self, store: Hashable) -> float:
         """Seconds ``store`` is still taken as failing (0: it is not)."""
         until = self._until.get(store)
         if until is None:
@@ -639,29 +630,22 @@ class FailingStores:
             return 0.0
         return left
 
-    def failed(self, store: object, seconds: float) -> bool:
+    def failed(self, store: Hashable, seconds: float) -> bool:
         """``store``'s fetch failed after its retries: take it as failing for ``seconds``; True if it was not yet."""
         new = not self.failing(store)
         if seconds > 0:
             self._until[store] = trio.current_time() + seconds
         return new
 
-    def served(self, store: object) -> None:
+    def served(self, store: Hashable) -> None:
         """``store`` served a fill: it is no longer taken as failing."""
         self._until.pop(store, None)
-
-
-#: The stores failing lately, for every :class:`FanotifyBlobs` of this process (a store is its fetcher).
-FAILING_STORES = FailingStores()
 
 
 def _store_failed(exc: BaseException) -> bool:
     """Whether a fill's fetch error is its store failing until the engine gave up retrying (``FetchError`` chained
     to what the store raised, a retried error): not an answer that failed at once (a missing object: no wait to
     spare), nor a block refused by its verification (which says nothing of the other blocks)."""
-    from bootseer.fetch.retry import is_permanent  # (here: the module's imports are another change's)
-    from bootseer.fetch.stripes import FetchError
-
     return isinstance(exc, FetchError) and exc.__cause__ is not None and not is_permanent(exc.__cause__)
 
 
@@ -692,6 +676,8 @@ class FanotifyBlobs:
         #: The events being answered, by holder number (a holder that took over passes them on again).
         self._in_flight: dict[int, fanotify.Event] = {}
         self._released = False  #: the holder was told to release the group (an orderly stop with no hole left)
+        #: The stores (their fetchers) whose fetch for a fill failed lately: later fills from them fail at once.
+        self._failing = FailingStores()
         self._pending = 0
         self._answered_total = 0
         self._holder_answered = 0
@@ -790,8 +776,9 @@ class FanotifyBlobs:
         return sum(1 for blob in self.blobs.values() if not blob.complete)
 
     async def release_if_whole(self) -> bool:
-        """At a server's stop: tell the holder to close the group if no blob has a hole left (nothing then
-        depends on a server); True if released.  Otherwise the holder stays, and the next server answers."""
+        """At a server's stop: record each blob's clean close (:meth:`LocalBlob.record_clean_close`), then tell
+        the holder to close the group if no blob has a hole left (nothing then depends on a server); True if
+        released.  Otherwise the holder stays, and the next server answers."""
         if self.link is None:
             return False
         for blob in list(self.blobs.values()):  # the next server need not re-hash what nobody changed meanwhile
@@ -847,7 +834,7 @@ class FanotifyBlobs:
         for ref in mine:
             self._filling[(blob.name, ref)] = trio.Event()
         try:
-            data = await tree.reader.fetcher.blocks(tree.index, mine, Priority.PREFETCH)
+            data = await tree.reader.background_blocks(mine)
             await self.write_blocks(blob, mine, data)
         finally:
             for ref in mine:
@@ -935,8 +922,8 @@ class FanotifyBlobs:
             return "present"
         log.debug("filling blocks for a pre-access event", index=blob.name, offset=event.offset, count=event.count,
                   blocks=len(wanted), pid=event.pid)  # fmt: skip
-        store = getattr(tree.reader, "fetcher", tree.reader)  # one fetcher per store, for every layer of it
-        failing = FAILING_STORES.failing(store)
+        store = tree.reader.store  # one for every layer of a store
+        failing = self._failing.failing(store)
         if failing and any((blob.name, ref) not in self._filling for ref in wanted):
             raise _Denied("store_failing", f"blocks of layer {tree.name}: its store failed a fill lately "
                                            f"(EIO at once for {failing:.1f}s more)")  # fmt: skip
@@ -954,13 +941,13 @@ class FanotifyBlobs:
                     data = await tree.reader.blob_blocks(mine)
                 except Exception as exc:  # FetchError (EIO after the retries), a refused block: never written
                     if _store_failed(exc):
-                        seconds = getattr(getattr(store, "engine", None), "failure_memory", 0.0)
-                        if FAILING_STORES.failed(store, seconds):
+                        seconds = tree.reader.failure_memory
+                        if self._failing.failed(store, seconds):
                             log.error("the store failed a fill after its retries: for a while, reads that need its "
                                       "blocks fail at once (EIO)", layer=tree.name, seconds=seconds,
-                                      store=getattr(store, "source_label", ""), error=str(exc))  # fmt: skip
+                                      store=tree.reader.store_label, error=str(exc))  # fmt: skip
                     raise _Denied("denied", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name}: {exc}") from None
-                FAILING_STORES.served(store)
+                self._failing.served(store)
                 try:
                     await self.write_blocks(blob, mine, data)
                 except OSError as exc:  # a full disk, say: this read fails with it (the kernel takes a few errnos)

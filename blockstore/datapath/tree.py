@@ -41,7 +41,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import Any, Mapping, Protocol, Sequence, TypeVar
+from typing import Any, Hashable, Mapping, Protocol, Sequence, TypeVar
 
 from bootseer.blockstore.objects.format import Entry, EntryType, FormatError, LayerIndex
 from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, Special, Symlink
@@ -92,6 +92,30 @@ class BlockReader(Protocol):
     async def read_blob(self, offset: int, size: int) -> bytes:
         """Up to ``size`` bytes of the layer's blob from ``offset``; fewer only at its end.
         Raises OSError (EIO) as :meth:`read` does."""
+        ...
+
+    async def blob_blocks(self, refs: Sequence[int]) -> list[bytes]:
+        """Blocks ``refs`` (ascending) as stored, verified, read as a blob read is (read-ahead included): what
+        a fill on the ``fanotify`` path writes into the layer's local blob.  Raises OSError (EIO) as :meth:`read`."""
+        ...
+
+    async def background_blocks(self, refs: Sequence[int]) -> list[bytes]:
+        """Blocks ``refs`` as :meth:`blob_blocks`, at prefetch priority and without read-ahead (a background fill)."""
+        ...
+
+    @property
+    def store(self) -> Hashable:
+        """What stands for the layer's store: equal for every layer of one store (a failing store's key)."""
+        ...
+
+    @property
+    def store_label(self) -> str:
+        """The store's name for logs and metrics (credentials redacted)."""
+        ...
+
+    @property
+    def failure_memory(self) -> float:
+        """Seconds the store's fetches keep failing at once what failed for good."""
         ...
 
 

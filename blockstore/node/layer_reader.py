@@ -101,6 +101,25 @@ class LayerReader:
         start = self.index.blob_offset(first)
         return _padded_slice(data, offset - start, end - start, self.index.block_size)
 
+    @property
+    def store(self) -> BlockFetcher:
+        """What stands for this layer's store (its fetcher: one for every layer of a store)."""
+        return self.fetcher
+
+    @property
+    def store_label(self) -> str:
+        return self.fetcher.source_label
+
+    @property
+    def failure_memory(self) -> float:
+        """Seconds this layer's store's engine keeps failing at once what failed for good (``Engine.failure_memory``)."""
+        return self.fetcher.engine.failure_memory
+
+    async def background_blocks(self, refs: Sequence[int]) -> list[bytes]:
+        """Blocks ``refs`` as stored (verified), at prefetch priority and with no read-ahead: what a background
+        fill writes into a local blob (not a read: nothing adapts to it)."""
+        return await self.fetcher.blocks(self.index, refs, Priority.PREFETCH)
+
     async def blob_blocks(self, refs: Sequence[int]) -> list[bytes]:
         """Blocks ``refs`` (ascending numbers in the index) as stored (each ``rlen`` bytes, verified), and no
         other, read ahead of the last as a blob read is: what a local blob is filled with."""

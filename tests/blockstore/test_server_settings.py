@@ -43,6 +43,8 @@ def refused(tmp_path: Path, document: object, *argv: str) -> str:
     ({"no-hotlist": "yes"}, "no-hotlist: want true or false, not 'yes'"),
     ({"data-path": "fast"}, "data-path: 'fast' is not one of auto, fanotify, erofs, loop, tree"),
     ({"streams": 0}, "streams: must be at least 1, not 0"),
+    ({"hole-wait": 0}, "--hole-wait must be a positive number of seconds, not 0"),
+    ({"background-fill-idle": 0}, "background_fill_idle must be seconds in (0, 86400], not 0"),
     ({"converter-key": [{"path": "x"}]}, "converter-key: want a string or a number (or a list of them)"),
     (["store", "file:///s"], "holds list, not a JSON object of settings"),
 ])

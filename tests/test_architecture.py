@@ -288,6 +288,23 @@ def circles(arrows_: dict[tuple[str, str], int]) -> list[list[str]]:
     return sorted(sorted(part) for part in parts if len(part) > 1)
 
 
+#: The modules of the two seams issue 36 cut (the fetch engine with its queue, workers and reader; the layer
+#: server with its loader and warming): none of them is in a circle of module imports, TYPE_CHECKING's included.
+ONE_WAY_MODULES = frozenset({
+    "bootseer.fetch.engine", "bootseer.fetch.reader", "bootseer.fetch.queue", "bootseer.fetch.workers",
+    "bootseer.blockstore.server.layer_server", "bootseer.blockstore.server.layer_loader",
+    "bootseer.blockstore.server.warming",
+})
+
+
+def test_the_fetch_engine_and_the_layer_server_modules_import_in_no_circle():
+    """The engine asks nothing of its reader's module but ``Reader`` (the reader asks the engine through the
+    ``ReaderEngine`` Protocol), and the loader knows nothing of the layer server: module arrows run one way."""
+    found = circles(graph(modules(), lambda module: module))
+    wrong = [part for part in found if ONE_WAY_MODULES & set(part)]
+    assert not wrong, "module import circles: " + "; ".join(" <-> ".join(part) for part in wrong)
+
+
 if __name__ == "__main__":
     # python tests/test_architecture.py            the arrows between the table's packages, with import counts
     # python tests/test_architecture.py --folders [CHECKOUT]

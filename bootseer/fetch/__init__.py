@@ -7,7 +7,8 @@ Layers, each knowing only the one below:
 * :mod:`bootseer.fetch.sources` -- the backends: local/NFS/Lustre paths, HTTP(S),
   S3, HDFS (native protocol) and WebHDFS; :func:`open_source` picks one by URL.
 * :mod:`bootseer.fetch.engine` -- stripes files, detects sequential reads and grows a
-  read-ahead window, runs a prioritised pool of parallel streams, retries failed
+  read-ahead window (:mod:`bootseer.fetch.reader`), runs a prioritised pool of parallel
+  streams (:mod:`bootseer.fetch.queue`, :mod:`bootseer.fetch.workers`), retries failed
   stripes on fresh connections and bounds memory.
 * :mod:`bootseer.fetch.api` -- the same engine for plain Python code, without FUSE.
 """

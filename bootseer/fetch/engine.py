@@ -1,11 +1,14 @@
 """The striped, prioritised, memory-bounded range-fetch engine.
 
-This module is the engine's orchestration (queue, holds, memory, workers, failures, the disk
-cache); how much a fetch may hold and whom it evicts is :mod:`bootseer.fetch.memory`, which keys
-fail at once is :mod:`bootseer.fetch.failures`; what it fetches is :mod:`bootseer.fetch.stripes` (priorities, file versions, extents, the
-stripe state machine), an open file's read-ahead is :mod:`bootseer.fetch.reader`, when a failure
-is retried is :mod:`bootseer.fetch.retry`, and what it counts is :mod:`bootseer.fetch.metrics` and
-:meth:`Engine.statistics`.
+This module is the engine's orchestration (the table of stripes, holds, memory, failures); which
+stripe is fetched next and which neighbours ride with it is :mod:`bootseer.fetch.queue`, the
+worker tasks that fetch them (their connections, threads, deadlines and the disk cache) are
+:mod:`bootseer.fetch.workers`, how much a fetch may hold and whom it evicts is
+:mod:`bootseer.fetch.memory`, which keys fail at once is :mod:`bootseer.fetch.failures`; what it
+fetches is :mod:`bootseer.fetch.stripes` (priorities, file versions, extents, the stripe state
+machine), an open file's read-ahead and the bound on windows is :mod:`bootseer.fetch.reader`,
+when a failure is retried is :mod:`bootseer.fetch.retry`, and what it counts is
+:mod:`bootseer.fetch.metrics` (with :class:`EngineStatistics`) and :meth:`Engine.statistics`.
 
 Files at a :class:`~bootseer.fetch.source.RangeSource` are cut into fixed-size
 *stripes*.  A stripe is fetched once, by one of ``streams`` worker tasks, and shared
@@ -73,14 +76,8 @@ way, so it never waits on a silent source.
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
-import errno
-import heapq
 import itertools
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -88,23 +85,23 @@ from typing import Any, TypeVar
 
 import trio
 
-from bootseer import cpu
 from bootseer.counters import Counters
 from bootseer.fetch.failures import FailureMemory
 from bootseer.fetch.file_cache import StripeCache
 from bootseer.fetch.memory import MemoryBound, eviction_candidates
 from bootseer.fetch.metrics import (
-    BYTES_FETCHED, EXTENT_JOINS, EXTENT_REQUESTS, EXTENTS, GAP_BYTES, HELD_BYTES, IN_FLIGHT, RETRIES, STRIPES,
+    BYTES_FETCHED, COUNTED, EXTENT_JOINS, EXTENTS, HELD_BYTES, RETRIES, STRIPES, EngineStatistics,
 )
-from bootseer.fetch.reader import Reader
+from bootseer.fetch.queue import StripeQueue
+from bootseer.fetch.reader import ReadaheadWindows, Reader
 from bootseer.fetch.retry import RetryPolicy, is_permanent
 from bootseer.fetch.source import (
-    Connection, Entry, NotADirectory, NotFound, PermanentError, ProxiedSource, ProxyStatus, RangeSource, TransientError,
+    Entry, NotADirectory, NotFound, PermanentError, ProxiedSource, RangeSource,
 )  # fmt: skip
-from bootseer.fetch.sources import redact_url
 from bootseer.fetch.stripes import (
-    Extent, ExtentKey, FetchError, FileVersion, Priority, Stripe, StripeKey, StripeState, check_same_place, span,
+    Extent, ExtentKey, FetchError, FileVersion, Priority, Stripe, StripeKey, StripeState, check_same_place,
 )
+from bootseer.fetch.workers import FetchWorkers, display_url, run_abandoning
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -163,111 +160,6 @@ class EngineConfig:
             raise ValueError("invalid fetch engine configuration: " + "; ".join(problems))
 
 
-@dataclass(frozen=True)
-class EngineStatistics:
-    """One engine at one moment (:meth:`Engine.statistics`): for status answers, metrics samplers, tests
-    and benchmarks.  The engine counts into a :class:`~bootseer.counters.Counters` of it, its own."""
-
-    bytes_fetched: int = 0  #: bytes read from the source
-    stripes_fetched: int = 0  #: stripes read from the source
-    cache_hits: int = 0  #: stripes served by the disk cache
-    retries: int = 0  #: failed fetches put back to be retried
-    failures: int = 0  #: stripes that failed for good
-    evictions: int = 0  #: buffered stripes evicted to make room
-    in_flight: int = 0  #: fetches running now
-    held_bytes: int = 0  #: stripe bytes in flight or buffered now
-    peak_held_bytes: int = 0  #: the most ``held_bytes`` has ever been
-    extents_fetched: int = 0  #: caller extents read from the source
-    extent_requests: int = 0  #: range requests that fetched extents
-    coalesced_requests: int = 0  #: of those, requests that carried more than one extent
-    gap_bytes: int = 0  #: bytes between coalesced extents, fetched and dropped (in ``bytes_fetched``)
-    discards: int = 0  #: buffered extents and stripes dropped by :meth:`Engine.discard` and :meth:`Engine.corrupt`
-    extents_joined_in_flight: int = 0  #: urgent asks for an extent a less urgent fetch was already fetching
-    extents_raised: int = 0  #: urgent asks for an extent queued at a lower priority, which they raised
-    extents_read_ahead: int = 0  #: extents queued by :meth:`Engine.readahead_extents`
-    proxy: ProxyStatus | None = None  #: the store proxy the source reads through, if it has one
-
-
-#: What the engine counts itself (the rest of :class:`EngineStatistics` it asks for when asked).
-_COUNTED = tuple(field.name for field in dataclasses.fields(EngineStatistics) if field.name != "proxy")
-
-
-class _SizeChanged(PermanentError):
-    """The file no longer has the size it was opened with."""
-
-
-class _Stream:
-    """A worker's connection, shared by the worker and the thread that reads with it.
-
-    A read blocked on a silent source is aborted by :meth:`abort` from the trio
-    thread: the connection is closed from a thread of its own (a backend's ``close``
-    may wait for the read it aborts) and the stream is dead for good; the abandoned
-    read fails on its own and the worker goes on with a new stream.
-    """
-
-    def __init__(self) -> None:
-        self.connection: Connection | None = None
-        self.aborted = False
-        self._lock = threading.Lock()
-
-    def connect(self, source: RangeSource) -> Connection:
-        """In the reading thread: the connection, opened if there is none."""
-        with self._lock:
-            if self.connection is not None:
-                return self.connection
-        connection = source.connect()
-        with self._lock:
-            if not self.aborted:
-                self.connection = connection
-                return connection
-        _close_quietly(connection)  # aborted while connecting: nobody will use it
-        raise TransientError(f"{display_url(source)}: connection abandoned")
-
-    def discard(self) -> None:
-        """In the reading thread: close the connection after a failure (the next read opens another)."""
-        with self._lock:
-            connection, self.connection = self.connection, None
-        if connection is not None:
-            _close_quietly(connection)
-
-    def abort(self) -> None:
-        """From the trio thread, without blocking: close the connection under a blocked read."""
-        with self._lock:
-            self.aborted = True
-            connection, self.connection = self.connection, None
-        if connection is not None:
-            threading.Thread(target=_close_quietly, args=(connection,), name="bootseer-fetch-abort", daemon=True).start()
-
-
-def display_url(source: RangeSource) -> str:
-    """What logs and messages show of ``source``: its URL without credentials or query."""
-    shown = getattr(source, "display_url", None)
-    return shown if isinstance(shown, str) else redact_url(source.url)
-
-
-def _close_quietly(connection: Connection) -> None:
-    try:
-        connection.close()
-    except Exception as exc:  # a broken connection may fail to close; it is gone either way
-        log.debug("closing a connection failed", error=repr(exc))
-
-
-async def _run_abandoning(function: Callable[..., T], *args: Any, on_abandon: Callable[[], None] | None = None) -> T:
-    """``function(*args)`` in a worker thread that is abandoned if this task is cancelled.
-
-    ``on_abandon`` (say, closing the connection the thread reads from) runs first, so
-    the thread fails soon rather than at the backend's own timeout.  Each call has a
-    limiter of its own: the callers bound the threads (one per stream), and an
-    abandoned thread must not hold a slot of the engine's until it ends.
-    """
-    try:
-        return await trio.to_thread.run_sync(function, *args, abandon_on_cancel=True, limiter=trio.CapacityLimiter(1))
-    except trio.Cancelled:
-        if on_abandon is not None:
-            on_abandon()
-        raise
-
-
 # -- the engine ----------------------------------------------------------------------
 
 
@@ -284,7 +176,7 @@ class Engine:
         self.streams = config.streams or int(getattr(source, "default_streams", 16))
         if self.streams < 1:
             raise ValueError(f"{source!r}: default_streams must be at least 1, not {self.streams}")
-        self._stats: Counters[EngineStatistics] = Counters(EngineStatistics, _COUNTED)
+        self._stats: Counters[EngineStatistics] = Counters(EngineStatistics, COUNTED)
         stripes_in_memory = config.memory_limit // config.stripe_size
         # How many stripes of one long read are held (and so fetched in parallel) ahead
         # of the one being copied: enough for every stream, no more than memory allows.
@@ -297,26 +189,25 @@ class Engine:
         self.retry = RetryPolicy(timeout=config.retry_timeout)
         # How much memory a fetch at each priority may fill (demand reads keep a stripe's worth).
         self._memory = MemoryBound.for_stripes(config.memory_limit, config.stripe_size)
-        self._cache = StripeCache(config.cache_dir, config.cache_size) if config.cache_dir else None
-        # One thread per stream: trio's default limiter (40 threads, shared by everything
-        # in the process) would cap a wide engine and let one engine starve another.
-        self._threads = trio.CapacityLimiter(self.streams)
         self._stripes: dict[StripeKey, Stripe] = {}
         self._buffered: dict[StripeKey, Stripe] = {}  # the DONE stripes
-        self._queue: list[tuple[int, int, Stripe]] = []  # (priority, seq, stripe); stale entries skipped
-        self._backoff: list[tuple[float, int, Stripe]] = []  # (due time, seq, stripe)
-        self._seq = itertools.count()
         self._clock = itertools.count(1)  # use order, for LRU
-        self._changed = trio.Event()
-        self._starved = False  # a worker waits for memory that evictions could not free
-        self._windows: OrderedDict[Reader, None] = OrderedDict()  # readers holding a window, LRU first
-        # The queued extents of each object version, by offset: where workers find neighbours to coalesce.
-        self._queued_extents: dict[tuple[str, str], list[tuple[int, int, Stripe]]] = {}
+        #: The stripes waiting for a worker, their retries and the neighbours a request takes along.
+        self._queue = StripeQueue(stripe_size=config.stripe_size, coalesce_gap=config.coalesce_gap,
+                                  readahead_join=config.readahead_join)  # fmt: skip
+        #: The readers holding a read-ahead window, at most ``max_windows`` of them.
+        self.windows = ReadaheadWindows(config.max_windows)
         # The holder of extents queued by readahead_extents until they are fetched (then loose).
         self._speculative = object()
+        self.url = display_url(source)  #: the source's URL as logs and messages show it (no secrets)
+        #: The ``streams`` tasks that fetch what the queue gives them, each on a connection of its own.
+        self._workers = FetchWorkers(
+            source, url=self.url, streams=self.streams, stripe_size=self.stripe_size, queue=self._queue,
+            retry=self.retry, cache=StripeCache(config.cache_dir, config.cache_size) if config.cache_dir else None,
+            stats=self._stats, reserve=self._reserve, unreserve=self._unreserve, publish=self._publish,
+            failed=self._fetch_failed)  # fmt: skip
         self._running = False
         self._stopped = False
-        self.url = display_url(source)  #: the source's URL as logs and messages show it (no secrets)
 
     def __repr__(self) -> str:
         return f"<Engine {self.url} streams={self.streams} stripe={self.stripe_size}>"
@@ -332,7 +223,7 @@ class Engine:
         try:
             async with trio.open_nursery() as nursery:
                 for number in range(self.streams):
-                    nursery.start_soon(self._worker, number, name=f"fetch worker {number} {self.url}")
+                    nursery.start_soon(self._workers.worker, number, name=f"fetch worker {number} {self.url}")
                 task_status.started()
                 await trio.sleep_forever()
         finally:
@@ -380,7 +271,7 @@ class Engine:
             attempts += 1
             try:
                 with trio.move_on_at(self.retry.deadline(first_attempt)):
-                    return await _run_abandoning(function, *args)
+                    return await run_abandoning(function, *args)
                 error: Exception = TimeoutError(f"no answer in {self.config.retry_timeout:g}s")
             except (NotFound, NotADirectory):
                 raise
@@ -536,7 +427,7 @@ class Engine:
             stripe = Stripe(FileVersion(extent.path, -1, extent.version), -1, self.stripe_size, extent)
             self._stripes[key] = stripe
             stripe.holders[self._speculative] = priority
-            self._enqueue(stripe, priority)
+            self._queue.enqueue(stripe, priority)
             queued.append(extent)
         self._stats.extents_read_ahead += len(queued)
         return queued
@@ -632,7 +523,7 @@ class Engine:
                 stripe.waiters -= 1
                 if not stripe.wanted() and stripe.state in (StripeState.QUEUED, StripeState.BACKOFF):
                     self._forget(stripe)  # the waiting read was cancelled
-                self._evictable_changed()
+                self._queue.evictable_changed()
         if stripe.state is StripeState.DONE:
             assert stripe.data is not None
             stripe.last_used = next(self._clock)
@@ -666,7 +557,7 @@ class Engine:
             stripe = Stripe(file, index, self.stripe_size, extent)
             self._stripes[key] = stripe
             stripe.holders[holder] = priority
-            self._enqueue(stripe, priority)
+            self._queue.enqueue(stripe, priority)
             return stripe
         if not stripe.wanted() and stripe.state is StripeState.BACKOFF:
             # Wanted again after everyone gave up on it: its retry time starts anew.
@@ -678,7 +569,7 @@ class Engine:
         if held is None or priority < held:
             stripe.holders[holder] = priority
         if stripe.state is StripeState.QUEUED and priority < stripe.queued_priority:
-            self._enqueue(stripe, priority)  # a more urgent entry; the old one goes stale
+            self._queue.enqueue(stripe, priority)  # a more urgent entry; the old one goes stale
         elif stripe.state is StripeState.BACKOFF:
             stripe.queued_priority = min(stripe.queued_priority, priority)
         stripe.last_used = next(self._clock)
@@ -707,82 +598,15 @@ class Engine:
         stripe = stripe_or_key if isinstance(stripe_or_key, Stripe) else self._stripes.get(stripe_or_key)
         if stripe is None or stripe.holders.pop(holder, None) is None:
             return
-        self._evictable_changed()
+        self._queue.evictable_changed()
         if stripe.wanted():
             return
         if stripe.state in (StripeState.QUEUED, StripeState.BACKOFF) or (drop and stripe.state is StripeState.DONE):
             self._forget(stripe)
 
-    def _enqueue(self, stripe: Stripe, priority: Priority) -> None:
-        stripe.state = StripeState.QUEUED
-        stripe.queued_priority = priority
-        heapq.heappush(self._queue, (priority, next(self._seq), stripe))
-        if stripe.extent is not None and not stripe.indexed:
-            bisect.insort(self._queued_extents.setdefault(stripe.object(), []), (stripe.offset, id(stripe), stripe))
-            stripe.indexed = True
-        self._notify()
-
-    def _unindex(self, stripe: Stripe) -> None:
-        """Take a queued extent out of the table of neighbours (it is taken, cancelled or failed)."""
-        if not stripe.indexed:
-            return
-        stripe.indexed = False
-        queued = self._queued_extents[stripe.object()]
-        position = bisect.bisect_left(queued, (stripe.offset, id(stripe)))
-        assert queued[position][2] is stripe
-        del queued[position]
-        if not queued:
-            del self._queued_extents[stripe.object()]
-
-    def _coalesce(self, head: Stripe) -> list[Stripe]:
-        """``head`` and the queued extents beside it that one range request fetches with it, in offset order.
-
-        Only extents queued at ``head``'s priority join it, and READAHEAD ones a
-        DEMAND head, up to ``readahead_join`` bytes of them: a demand read must not
-        wait for the prefetch of its neighbours, nor for much read-ahead.  Extents
-        that overlap are not joined (each keeps a buffer of its own); gaps up to
-        ``coalesce_gap`` are, and the request spans at most ``stripe_size`` bytes.
-        """
-        if head.extent is None or not head.indexed:
-            return [head]
-        queued = self._queued_extents[head.object()]
-        at = bisect.bisect_left(queued, (head.offset, id(head)))
-        cap, gap = self.stripe_size, self.config.coalesce_gap
-        own = head.queued_priority
-        riders = self.config.readahead_join if own is Priority.DEMAND else 0  # READAHEAD bytes still allowed
-
-        def joins(stripe: Stripe) -> bool:
-            nonlocal riders
-            if stripe.queued_priority == own:
-                return True
-            if stripe.queued_priority is Priority.READAHEAD and stripe.length <= riders:
-                riders -= stripe.length
-                return True
-            return False
-
-        start, end = head.offset, head.offset + head.length
-        after: list[Stripe] = []
-        for _, _, stripe in queued[at + 1 :]:
-            if not end <= stripe.offset <= end + gap or stripe.offset + stripe.length - start > cap:
-                break
-            if not joins(stripe):
-                break
-            after.append(stripe)
-            end = stripe.offset + stripe.length
-        before: list[Stripe] = []
-        for _, _, stripe in reversed(queued[:at]):
-            stripe_end = stripe.offset + stripe.length
-            if not start - gap <= stripe_end <= start or end - stripe.offset > cap:
-                break
-            if not joins(stripe):
-                break
-            before.append(stripe)
-            start = stripe.offset
-        return [*reversed(before), head, *after]
-
     def _forget(self, stripe: Stripe) -> None:
         """Take a stripe out of the engine (cancelled, dropped or evicted), freeing its bytes."""
-        self._unindex(stripe)
+        self._queue.unindex(stripe)
         if self._stripes.get(stripe.key) is stripe:
             del self._stripes[stripe.key]
         if stripe.state is StripeState.DONE:
@@ -792,7 +616,7 @@ class Engine:
         stripe.data = None
 
     def _fail(self, stripe: Stripe, error: BaseException) -> None:
-        self._unindex(stripe)
+        self._queue.unindex(stripe)
         if stripe.state is StripeState.FETCHING:
             self._unreserve(stripe.length)
         if self._stripes.get(stripe.key) is stripe:
@@ -808,17 +632,6 @@ class Engine:
 
     def _remember_failure(self, stripe: Stripe) -> None:
         self._failures.remember(stripe)
-
-    def _notify(self) -> None:
-        """Wake the workers waiting in :meth:`_take`: the queue, memory or evictable stripes changed."""
-        self._starved = False
-        self._changed.set()
-        self._changed = trio.Event()
-
-    def _evictable_changed(self) -> None:
-        """A stripe lost a holder or a waiter, so it may be evictable now."""
-        if self._starved:
-            self._notify()
 
     # -- memory ----------------------------------------------------------------------
 
@@ -848,205 +661,7 @@ class Engine:
     def _unreserve(self, length: int) -> None:
         self._stats.held_bytes -= length
         HELD_BYTES.dec(length)
-        self._notify()
-
-    # -- workers -----------------------------------------------------------------------
-
-    async def _worker(self, number: int) -> None:
-        stream = _Stream()
-        try:
-            while True:
-                stripes = await self._take()
-                if stream.aborted:  # its connection was closed under a hung read
-                    stream = _Stream()
-                await self._fetch(stripes, stream)
-        finally:
-            # Idle here (a fetch in flight was aborted), so closing cannot hang.
-            if stream.connection is not None and not stream.aborted:
-                with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(_close_quietly, stream.connection, limiter=self._threads)
-
-    async def _take(self) -> list[Stripe]:
-        """The most urgent queued stripe whose bytes fit in memory, marked FETCHING; for
-        an extent, with the neighbours one range request fetches with it (in offset order)."""
-        while True:
-            now = trio.current_time()
-            while self._backoff and self._backoff[0][0] <= now:
-                _, _, stripe = heapq.heappop(self._backoff)
-                if stripe.state is StripeState.BACKOFF:
-                    held = stripe.priority()
-                    self._enqueue(stripe, stripe.queued_priority if held is None else held)
-            while self._queue and self._queue[0][2].state is not StripeState.QUEUED:
-                heapq.heappop(self._queue)  # stale: cancelled, or queued again more urgently
-            if self._queue:
-                head = self._queue[0][2]
-                group = self._coalesce(head)
-                if len(group) > 1 and not self._reserve(head, span(group)):
-                    group = [head]  # no room for its neighbours now: the head alone, like any stripe
-                if len(group) > 1 or self._reserve(head):
-                    heapq.heappop(self._queue)  # the others' entries go stale: they are no longer QUEUED
-                    for stripe in group:
-                        self._unindex(stripe)
-                        stripe.state = StripeState.FETCHING
-                    return group
-                self._starved = True  # wake me when a buffered stripe may have become evictable
-            with trio.move_on_at(self._backoff[0][0] if self._backoff else float("inf")):
-                await self._changed.wait()
-
-    async def _fetch(self, group: list[Stripe], stream: _Stream) -> None:
-        """Fetch reserved stripes (one stripe, or extents one range request covers) and
-        publish each, or put it back to retry, or fail it."""
-        stripe = group[0]
-        self._stats.in_flight += 1
-        IN_FLIGHT.inc()
-        now = trio.current_time()
-        for member in group:
-            if member.first_attempt is None:
-                member.first_attempt = now
-        # The bytes between coalesced extents were reserved with them; they go when the request ends.
-        gap = span(group) - sum(member.length for member in group)
-        cached, cache_key = False, None
-        try:
-            # Past the deadline the attempt is abandoned and its connection closed: a
-            # source that accepts and never answers fails the stripe after
-            # retry_timeout, not after the backend's read timeout on top.
-            deadline_at = min(self.retry.deadline(member.first_attempt) for member in group if member.first_attempt is not None)
-            with trio.move_on_at(deadline_at) as deadline:
-                if stripe.extent is None:
-                    data, cached, cache_key = await _run_abandoning(
-                        self._fetch_blocking, stripe, stream, on_abandon=stream.abort
-                    )
-                    outcomes: list[bytes | Exception] = [data]
-                else:
-                    self._count_request(group)
-                    outcomes = await _run_abandoning(
-                        self._fetch_extents_blocking, group, stream, on_abandon=stream.abort
-                    )
-            if deadline.cancelled_caught:
-                raise TimeoutError(f"no answer in {self.config.retry_timeout:g}s")
-        except Exception as exc:
-            for member in group:
-                self._fetch_failed(member, exc)
-            return
-        finally:
-            # A cancelled fetch (the engine stopping) stays FETCHING: run() fails it.
-            self._stats.in_flight -= 1
-            IN_FLIGHT.dec()
-            if gap:
-                self._unreserve(gap)
-        if gap and not any(isinstance(outcome, Exception) for outcome in outcomes):
-            self._stats.gap_bytes += gap
-            self._stats.bytes_fetched += gap
-            GAP_BYTES.inc(gap)
-            BYTES_FETCHED.inc(gap)
-        for member, outcome in zip(group, outcomes):
-            if isinstance(outcome, Exception):
-                self._fetch_failed(member, outcome)
-            else:
-                self._publish(member, outcome, cached)
-        if self._cache is not None and not cached and cache_key is not None:
-            await trio.to_thread.run_sync(self._cache.put, cache_key, data, limiter=self._threads)
-
-    def _count_request(self, group: list[Stripe]) -> None:
-        kind = "coalesced" if len(group) > 1 else "single"
-        self._stats.extent_requests += 1
-        self._stats.coalesced_requests += len(group) > 1
-        EXTENT_REQUESTS.labels(kind).inc()
-
-    def _fetch_extents_blocking(self, group: list[Stripe], stream: _Stream) -> list[bytes | Exception]:
-        """In a worker thread: the bytes of extents of one object, in offset order, with one range request.
-
-        Returns each extent's bytes, or the error it failed with where the answer
-        was short: an extent beyond the object's end fails for good, one the
-        answer was merely cut off before is retried.  On any failure the stream's
-        connection is closed.
-        """
-        first, last = group[0], group[-1]
-        start, end = first.offset, last.offset + last.length
-        try:
-            with cpu.stage("fetch"):
-                connection = stream.connect(self.source)
-                data = connection.read_range(first.path, start, end - start, first.file.version)
-            if len(data) > end - start:
-                raise PermanentError(
-                    f"{self.url}: {first.path or '.'} bytes {start}-{end - 1}: the source returned "
-                    f"{len(data)} bytes for a range of {end - start}"
-                )
-            size = None
-            if len(data) < end - start:
-                size = self.source.stat(first.path).size  # a truncated object, or a cut-off answer?
-                stream.discard()
-        except BaseException:
-            stream.discard()
-            raise
-        outcomes: list[bytes | Exception] = []
-        for member in group:
-            lo, hi = member.offset - start, member.offset + member.length - start
-            if hi <= len(data):
-                outcomes.append(data if lo == 0 and hi == len(data) else data[lo:hi])
-            elif size is not None and member.offset + member.length > size:
-                outcomes.append(PermanentError(
-                    f"{self.url}: {member.describe()}: the object is only {size} bytes long"
-                ))  # fmt: skip
-            else:
-                outcomes.append(OSError(
-                    errno.EIO, f"{self.url}: {member.describe()}: short read, {len(data)} of {end - start} bytes"
-                ))  # fmt: skip
-        return outcomes
-
-    def _fetch_blocking(self, stripe: Stripe, stream: _Stream) -> tuple[bytes, bool, str | None]:
-        """In a worker thread: the stripe's bytes from the disk cache or the source.
-
-        Returns (bytes, whether they came from the cache, the cache key when the cache
-        is on).  On any failure the stream's connection is closed.
-        """
-        cache_key = None
-        if self._cache is not None:
-            file = stripe.file
-            mtime = file.mtime
-            if not file.version and mtime is None:
-                entry = self.source.stat(stripe.path)
-                self._check_size(stripe, entry.size)
-                mtime = entry.mtime
-            cache_key = self._cache_key(stripe, mtime or 0.0)
-            data = self._cache.get(cache_key)
-            if data is not None and len(data) == stripe.length:
-                return data, True, cache_key
-        try:
-            with cpu.stage("fetch"):
-                connection = stream.connect(self.source)
-                data = connection.read_range(stripe.path, stripe.offset, stripe.length, stripe.file.version)
-            if len(data) > stripe.length:
-                raise PermanentError(
-                    f"{self.url}: {stripe.describe()}: the source returned {len(data)} bytes "
-                    f"for a range of {stripe.length}"
-                )
-            if len(data) < stripe.length:
-                # Short before the end of the file we were told about: a cut-off response,
-                # or the file shrank.  Only the latter is worth failing at once for.
-                self._check_size(stripe, self.source.stat(stripe.path).size)
-                raise OSError(
-                    errno.EIO,
-                    f"{self.url}: {stripe.describe()}: short read, {len(data)} of {stripe.length} bytes",
-                )
-        except BaseException:
-            stream.discard()
-            raise
-        return data, False, cache_key
-
-    def _check_size(self, stripe: Stripe, size: int) -> None:
-        if size != stripe.file_size:
-            raise _SizeChanged(
-                f"{self.url}: {stripe.path or '.'}: the file is now {size} bytes, "
-                f"not the {stripe.file_size} it was opened with"
-            )
-
-    def _cache_key(self, stripe: Stripe, mtime: float) -> str:
-        # The full URL, not the display one: a query may select the content.
-        file = stripe.file
-        return StripeCache.key(
-            self.source.url, file.path, file.size, file.version, mtime, stripe.index, self.stripe_size
-        )
+        self._queue.notify()
 
     def _publish(self, stripe: Stripe, data: bytes, cached: bool) -> None:
         stripe.holders.pop(self._speculative, None)  # read ahead: a loose buffer from now on
@@ -1104,15 +719,14 @@ class Engine:
         log.log(level, "stripe fetch failed; retrying on a new connection", url=self.url, path=stripe.path,
                 offset=stripe.offset, attempt=stripe.attempts, delay=round(delay, 3), error=repr(exc))  # fmt: skip
         stripe.state = StripeState.BACKOFF
-        heapq.heappush(self._backoff, (now + delay, next(self._seq), stripe))
-        self._notify()
+        self._queue.back_off(stripe, now + delay)
 
     # -- what a Reader uses ------------------------------------------------------------
     #
     # A Reader keeps one handle's stream (position, window); the engine keeps the
-    # stripes and who holds them.  These, check_running and the sizes a Reader plans
-    # with (stripe_size, read_lookahead, readahead_*_stripes, config.max_windows) are
-    # all a Reader asks of the engine.
+    # stripes and who holds them.  These, check_running, the windows and the sizes a
+    # Reader plans with (stripe_size, read_lookahead, readahead_*_stripes) are all a
+    # Reader asks of the engine: bootseer.fetch.reader.ReaderEngine, which it satisfies.
 
     def hold_stripe(self, holder: object, file: FileVersion, index: int, priority: Priority) -> None:
         """``holder`` wants stripe ``index`` of ``file`` at ``priority``: queued unless fetched or on its way."""
@@ -1140,17 +754,6 @@ class Engine:
         """
         await self._walk(file, offset, end, Priority.DEMAND, deliver, drop_passed=sequential, token=holder)
 
-    def take_window(self, reader: Reader) -> None:
-        """``reader`` holds a window now; take the window of the least recently used reader beyond ``max_windows``."""
-        self._windows[reader] = None
-        self._windows.move_to_end(reader)
-        while len(self._windows) > self.config.max_windows:
-            victim, _ = self._windows.popitem(last=False)
-            victim.lose_window()
-
-    def drop_window(self, reader: Reader) -> None:
-        """``reader`` holds no window any more."""
-        self._windows.pop(reader, None)
 
 
 @asynccontextmanager

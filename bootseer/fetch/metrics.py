@@ -1,12 +1,20 @@
-"""The fetch engines' Prometheus metrics, one set for every engine in the process.
+"""What the fetch engines count: the Prometheus metrics of every engine in the process, and one engine's figures.
 
-Named ``bootseer_fetch_*``; each labelled metric has its label values made at import, so a scrape
-shows them at zero before the first fetch.  Counted by :mod:`bootseer.fetch.engine` only.
+The metrics are named ``bootseer_fetch_*``; each labelled metric has its label values made at import,
+so a scrape shows them at zero before the first fetch.  :class:`EngineStatistics` is one engine at one
+moment (:meth:`Engine.statistics <bootseer.fetch.engine.Engine.statistics>`), counted into a
+:class:`~bootseer.counters.Counters` of it.  Both are counted by :mod:`bootseer.fetch.engine` and its
+workers (:mod:`bootseer.fetch.workers`) only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import prometheus_client
+
+from bootseer.fetch.source import ProxyStatus
 
 BYTES_FETCHED = prometheus_client.Counter(
     "bootseer_fetch_bytes", "Stripe bytes read from sources (not from the disk cache)"
@@ -46,3 +54,33 @@ for _kind in ("single", "coalesced"):
     EXTENT_REQUESTS.labels(_kind)
 for _state in ("in_flight", "queued"):
     EXTENT_JOINS.labels(_state)
+
+
+@dataclass(frozen=True)
+class EngineStatistics:
+    """One engine at one moment (:meth:`Engine.statistics <bootseer.fetch.engine.Engine.statistics>`): for status
+    answers, metrics samplers, tests and benchmarks.  The engine counts into a
+    :class:`~bootseer.counters.Counters` of it, its own."""
+
+    bytes_fetched: int = 0  #: bytes read from the source
+    stripes_fetched: int = 0  #: stripes read from the source
+    cache_hits: int = 0  #: stripes served by the disk cache
+    retries: int = 0  #: failed fetches put back to be retried
+    failures: int = 0  #: stripes that failed for good
+    evictions: int = 0  #: buffered stripes evicted to make room
+    in_flight: int = 0  #: fetches running now
+    held_bytes: int = 0  #: stripe bytes in flight or buffered now
+    peak_held_bytes: int = 0  #: the most ``held_bytes`` has ever been
+    extents_fetched: int = 0  #: caller extents read from the source
+    extent_requests: int = 0  #: range requests that fetched extents
+    coalesced_requests: int = 0  #: of those, requests that carried more than one extent
+    gap_bytes: int = 0  #: bytes between coalesced extents, fetched and dropped (in ``bytes_fetched``)
+    discards: int = 0  #: buffered extents and stripes dropped by ``Engine.discard`` and ``Engine.corrupt``
+    extents_joined_in_flight: int = 0  #: urgent asks for an extent a less urgent fetch was already fetching
+    extents_raised: int = 0  #: urgent asks for an extent queued at a lower priority, which they raised
+    extents_read_ahead: int = 0  #: extents queued by ``Engine.readahead_extents``
+    proxy: ProxyStatus | None = None  #: the store proxy the source reads through, if it has one
+
+
+#: What the engine counts itself (the rest of :class:`EngineStatistics` it asks for when asked).
+COUNTED = tuple(field.name for field in dataclasses.fields(EngineStatistics) if field.name != "proxy")

@@ -1,21 +1,71 @@
 """One open file of the fetch engine: its reads, and the read-ahead window of its handle.
 
 :class:`Reader` (from :meth:`Engine.open <bootseer.fetch.engine.Engine.open>`) follows one sequential
-stream per handle and holds stripes ahead of it; it asks the engine only what the engine's "what a
-Reader uses" methods offer (holding, keeping and releasing stripes, reading a range, a window slot).
+stream per handle and holds stripes ahead of it.  It asks its engine only what :class:`ReaderEngine`
+names (holding, keeping and releasing stripes, reading a range, the sizes it plans with): a Protocol
+the :class:`~bootseer.fetch.engine.Engine` satisfies, so this module imports nothing of the engine.
+:class:`ReadaheadWindows` bounds how many open files of one engine hold a window at once: the
+least recently used reader beyond ``max_windows`` loses its window.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, Protocol
 
 from bootseer.fetch.bytes_builder import BytesBuilder
 from bootseer.fetch.stripes import FileVersion, Priority
 
-if TYPE_CHECKING:
-    from bootseer.fetch.engine import Engine
-
 _MAX_AHEAD_EXTENTS = 16  # extents read ahead of a stream that a reader remembers
+
+
+class ReadaheadWindows:
+    """The readers of one engine that hold a read-ahead window, least recently used first: at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  #: open files that may hold a read-ahead window at once (``EngineConfig.max_windows``)
+        self._readers: OrderedDict[Reader, None] = OrderedDict()
+
+    def take(self, reader: Reader) -> None:
+        """``reader`` holds a window now; the least recently used reader beyond ``limit`` loses its window."""
+        self._readers[reader] = None
+        self._readers.move_to_end(reader)
+        while len(self._readers) > self.limit:
+            victim, _ = self._readers.popitem(last=False)
+            victim.lose_window()
+
+    def drop(self, reader: Reader) -> None:
+        """``reader`` holds no window any more."""
+        self._readers.pop(reader, None)
+
+
+class ReaderEngine(Protocol):
+    """What a :class:`Reader` asks of its engine: the stripes' holds, a range read, and the sizes it plans with."""
+
+    url: str  #: the source's URL as messages show it
+    stripe_size: int
+    read_lookahead: int  #: stripes of one long read held ahead of the one being copied
+    readahead_max_stripes: int  #: the largest read-ahead window, in stripes
+    readahead_initial_stripes: int  #: a new stream's window, in stripes
+    windows: ReadaheadWindows  #: who holds a window now
+
+    def check_running(self) -> None:
+        """FetchError (EIO) once the engine has stopped."""
+
+    def hold_stripe(self, holder: object, file: FileVersion, index: int, priority: Priority) -> None:
+        """``holder`` wants stripe ``index`` of ``file`` at ``priority``: queued unless fetched or on its way."""
+
+    def keep_stripe(self, holder: object, file: FileVersion, index: int, priority: Priority) -> bool:
+        """Add ``holder`` to the stripe if it is fetched or on its way (queueing nothing); whether it is."""
+
+    def release_stripe(self, holder: object, file: FileVersion, index: int, *, drop: bool = False) -> None:
+        """``holder`` no longer wants the stripe (with ``drop``, its buffer goes if nobody else wants it)."""
+
+    async def read_range(
+        self, file: FileVersion, offset: int, end: int, deliver: Callable[[int, memoryview], None], *,
+        holder: object, sequential: bool,
+    ) -> None:  # fmt: skip
+        """Hand bytes [offset, end) of ``file`` to ``deliver`` at DEMAND priority, stripe by stripe, in order."""
 
 
 class Reader:
@@ -41,7 +91,7 @@ class Reader:
     which late reads of a read-around may still come back for.
     """
 
-    def __init__(self, engine: Engine, path: str, size: int, *, version: str = "", mtime: float | None = None) -> None:
+    def __init__(self, engine: ReaderEngine, path: str, size: int, *, version: str = "", mtime: float | None = None) -> None:
         self.engine = engine
         self.path = path
         self.size = size
@@ -141,7 +191,7 @@ class Reader:
             # this extent without reading it again.
             self._ahead.append((offset, end))
             del self._ahead[:-_MAX_AHEAD_EXTENTS]
-            engine.take_window(self)
+            engine.windows.take(self)
             return False
         if missed_end is not None and missed_end - stripe_size <= offset <= missed_end + stripe_size // 2:
             # Continues a read elsewhere: a new stream starts there.
@@ -152,7 +202,7 @@ class Reader:
         if self._window:
             self._paused_window = self._window
             self._window = 0
-            engine.drop_window(self)
+            engine.windows.drop(self)
         for index in self._held:
             engine.release_stripe(self, self.file, index)
         self._held = set()
@@ -172,7 +222,7 @@ class Reader:
                 ahead.append((start, stop))
         self._ahead = ahead
         current = (position - 1) // stripe_size  # the stripe of the last byte read
-        if not (engine.readahead_max_stripes and engine.config.max_windows):
+        if not (engine.readahead_max_stripes and engine.windows.limit):
             self._window = 0
         elif restart or self._window == 0:
             paused = 0 if restart else self._paused_window
@@ -181,9 +231,9 @@ class Reader:
             self._window = min(2 * self._window, engine.readahead_max_stripes)
         self._paused_window = 0
         if self._window:
-            engine.take_window(self)
+            engine.windows.take(self)
         else:
-            engine.drop_window(self)
+            engine.windows.drop(self)
         self._position = position
         self._last_stripe = current
         end_stripe = (self.size - 1) // stripe_size
@@ -202,7 +252,7 @@ class Reader:
         self._held = wanted
 
     def lose_window(self) -> None:
-        """Give up the read-ahead window (the engine has too many); called by the engine."""
+        """Give up the read-ahead window (the engine has too many); called by :class:`ReadaheadWindows`."""
         self._window = 0
         self._paused_window = 0
         for index in self._held:
@@ -215,7 +265,7 @@ class Reader:
         if self.closed:
             return
         self.closed = True
-        self.engine.drop_window(self)
+        self.engine.windows.drop(self)
         for index in self._held:
             self.engine.release_stripe(self, self.file, index)
         self._held = set()

@@ -9,8 +9,9 @@
   and its retry clock; :class:`StripeKey` and :class:`ExtentKey` name them in the engine's table.
 * :class:`FetchError`: what a read gets (EIO) when a stripe cannot be fetched.
 
-Plain data and its invariants only: the engine (:mod:`bootseer.fetch.engine`) moves stripes
-between states, the :class:`~bootseer.fetch.reader.Reader` holds them for an open file.
+Plain data and its invariants only: the engine (:mod:`bootseer.fetch.engine`, with its queue and
+workers: :mod:`bootseer.fetch.queue`, :mod:`bootseer.fetch.workers`) moves stripes between
+states, the :class:`~bootseer.fetch.reader.Reader` holds them for an open file.
 """
 
 from __future__ import annotations

@@ -20,7 +20,8 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.datapath.tree import LayerTree
-from bootseer.blockstore.objects.format import Entry, LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import Entry
 from bootseer.fuse.operations import OPENER_PID
 from bootseer.hotlist.attribution import cgroup_paths, container_of
 from bootseer.hotlist.prefetch import Prefetch
@@ -71,7 +72,7 @@ class ReadAccounting:
             return
         try:
             index = tree.index
-            target = index.entries[entry.link] if entry.link is not None else entry
+            target = tree.entries[entry.link] if entry.link is not None else entry
             end = min(offset + size, target.size)
             if end <= offset:
                 return
@@ -80,7 +81,11 @@ class ReadAccounting:
         except Exception:  # accounting must never fail a read
             log.error("hot-list read hook failed", layer=tree.name, exc_info=True)
 
-    def blob_read(self, layer: str, index: LayerIndex, refs: Sequence[int], pid: int) -> None:
+    def watches(self, layer: str) -> bool:
+        """Whether a recording not sealed yet covers ``layer`` (its first reads go into a hot list)."""
+        return any(recording.covers(layer) and not recording.sealed.is_set() for recording in self.recordings.values())
+
+    def blob_read(self, layer: str, index: LayerBlocks, refs: Sequence[int], pid: int) -> None:
         """Account for a read of blocks ``refs`` of ``layer``'s blob by process ``pid`` (0: unknown).
 
         A blob has no open per reader, so the reader is looked up now, as
@@ -113,7 +118,7 @@ class ReadAccounting:
         claimed = container_of(paths, [r.container for r in recording if not r.any_reader])
         return OpenTag(pid, claimed or any_reader, True)
 
-    def account(self, layer: str, index: LayerIndex, refs: Sequence[int], tag: OpenTag) -> None:
+    def account(self, layer: str, index: LayerBlocks, refs: Sequence[int], tag: OpenTag) -> None:
         """Record blocks ``refs`` of ``layer`` to the reader's recording (first touches, in order), classify them
         for the prefetches of the layer."""
         now = trio.current_time()

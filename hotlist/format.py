@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from bootseer.blockstore.objects.format import FORMAT_VERSION as STORE_FORMAT_VERSION
-from bootseer.blockstore.objects.format import FormatError, LayerIndex, check_digest, encode_sealed, open_sealed, sealed_size_bound
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import FormatError, check_digest, encode_sealed, open_sealed, sealed_size_bound
 from bootseer.blockstore.objects.jsonstream import ArrayRule, read_document
 from bootseer.blockstore.objects.signing import Signed, SigningKey, sign_document, signatures_of
 
@@ -368,7 +369,7 @@ class ResolvedBlock:
     hot: HotBlock
 
 
-def resolve(hot: HotList, image_layers: Sequence[str], indexes: Mapping[str, LayerIndex]) -> list[ResolvedBlock]:
+def resolve(hot: HotList, image_layers: Sequence[str], indexes: Mapping[str, LayerBlocks]) -> list[ResolvedBlock]:
     """Each hot block as a reference into its layer's index, in recorded order.
 
     ``image_layers`` is the image's chain, bottom first (from the chain records of the

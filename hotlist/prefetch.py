@@ -49,7 +49,8 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.node.block_cache import BlockCache
-from bootseer.blockstore.objects.format import LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import BlockSink
 from bootseer.fetch.stripes import Priority
 from bootseer.hotlist.format import ResolvedBlock
 from bootseer.log import get_logger
@@ -109,6 +110,11 @@ class Warmer(Protocol):
         """Whether :meth:`warm` needs the blocks' bytes for ``layer`` (else it is given None)."""
         ...
 
+    def sink(self, layer: str, refs: Sequence[int]) -> BlockSink | None:
+        """Where the fetcher puts blocks ``refs`` of ``layer`` it fetches for a batch, if not the node cache (a
+        local blob: the one copy on the node; :meth:`warm` then finds them there)."""
+        ...
+
     def warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes] | None) -> int:
         """Blocking: put ``blocks`` in the page cache; the file bytes placed."""
         ...
@@ -121,8 +127,10 @@ class Warmer(Protocol):
 class Fetcher(Protocol):
     """What a prefetch fetches through: ``blockstore.node.fetcher.BlockFetcher``."""
 
-    async def blocks(self, index: LayerIndex, refs: Sequence[int], priority: Priority = Priority.DEMAND) -> list[bytes]:
-        """The raw, verified blocks ``refs`` of ``index`` (OSError, EIO, when they cannot be had)."""
+    async def blocks(self, index: LayerBlocks, refs: Sequence[int], priority: Priority = Priority.DEMAND, *,
+                     sink: BlockSink | None = None) -> list[bytes]:  # fmt: skip
+        """The raw, verified blocks ``refs`` of ``index`` (OSError, EIO, when they cannot be had); those fetched
+        go to ``sink`` rather than the node cache."""
         ...
 
 
@@ -194,7 +202,7 @@ class Prefetch:
         image: str,
         profile: str,
         plan: Sequence[ResolvedBlock],
-        indexes: dict[str, LayerIndex],
+        indexes: dict[str, LayerBlocks],
         fetchers: dict[str, Fetcher],
         cached: Callable[[str], bool] | None,
         limits: PrefetchLimits = PrefetchLimits(),
@@ -356,9 +364,10 @@ class Prefetch:
                 return
             digests = [block.hot.digest for block in wanted]
             self.in_flight.update(digests)
+            refs = [block.ref for block in wanted]
             try:
-                data = await self.fetchers[layer].blocks(self.indexes[layer], [block.ref for block in wanted],
-                                                         Priority.PREFETCH)  # fmt: skip
+                sink = self._warmer.sink(layer, refs) if self._warmer is not None else None
+                data = await self.fetchers[layer].blocks(self.indexes[layer], refs, Priority.PREFETCH, sink=sink)
             except (OSError, ValueError) as exc:
                 self.stats.failed_blocks += len(wanted)
                 PREFETCHED_BLOCKS.labels("failed").inc(len(wanted))
@@ -400,7 +409,7 @@ class Prefetch:
             if refs:
                 await self._cold_batch(layer, index, refs, size)
 
-    async def _cold_batch(self, layer: str, index: LayerIndex, refs: list[int], size: int) -> None:
+    async def _cold_batch(self, layer: str, index: LayerBlocks, refs: list[int], size: int) -> None:
         started = trio.current_time()
         try:
             await self.fetchers[layer].blocks(index, refs, Priority.PREFETCH)

@@ -18,7 +18,12 @@ import prometheus_client
 import trio
 
 from bootseer.blockstore.datapath.choice import EROFS_PATHS
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import FormatError, LayerIndex
+from bootseer.blockstore.server.client import LayerServerError
 from bootseer.blockstore.server.extension import LayerHost
+from bootseer.fetch.source import SourceError
+from bootseer.fetch.stripes import FetchError
 from bootseer.hotlist.format import HotList, HotListError, resolve
 from bootseer.hotlist.lookup import IGNORED, HotListLookup
 from bootseer.hotlist.prefetch import UNREAD_BYTES, Prefetch, PrefetchLimits, cache_checker, sample_prefetch
@@ -80,9 +85,10 @@ class Prefetches:
         if limits.page_cache and self.server.session is not None:  # no FUSE session (tests): no page cache to fill
             targets = {layer: self.warm_target(layer) for layer in layers}
             digests = {block.hot.digest for block in plan}
+            placed = await self._with_files(indexes, targets)
             # One pass over every entry of the image's tree-served layers: not in the FUSE session's thread.
-            warmer = await trio.to_thread.run_sync(functools.partial(PageCacheWarmer, indexes, targets, digests,
-                                                                     reads=self.warm_reads))  # fmt: skip
+            warmer = None if placed is None else await trio.to_thread.run_sync(functools.partial(
+                PageCacheWarmer, placed, targets, digests, reads=self.warm_reads))  # fmt: skip
         prefetch = Prefetch(
             image=hot.image, profile=hot.profile, plan=plan, indexes=indexes, fetchers=fetchers,
             cached=cache_checker(self.server.cache), limits=limits, warmer=warmer,
@@ -94,6 +100,22 @@ class Prefetches:
         spawn_guarded(self.server.nursery, self._run, prefetch)
         spawn_guarded(self.server.nursery, sample_prefetch, prefetch)  # start-up profiler: start, progress, end
         return prefetch
+
+    async def _with_files(self, indexes: dict[str, LayerBlocks], targets: dict[str, WarmTarget]) -> dict[str, LayerBlocks] | None:
+        """``indexes`` with the JSON index in the place of each block table whose layer is warmed through its files
+        (an EROFS mount's: a block table lists no files; :meth:`LayerHost.layer_index`); None, logged, if one
+        cannot be had (the prefetch then warms no page cache)."""
+        placed = dict(indexes)
+        for layer, index in indexes.items():
+            if isinstance(targets[layer], BlobTarget) or isinstance(index, LayerIndex):
+                continue
+            try:
+                placed[layer] = await self.server.layer_index(layer)
+            except (LayerServerError, FormatError, FetchError, SourceError, OSError) as exc:  # warming only ever saves time
+                log.warning("hot-list prefetch warms no page cache: a layer's index cannot be had", layer=layer,
+                            error=str(exc))  # fmt: skip
+                return None
+        return placed
 
     def warm_target(self, chain_id: str) -> WarmTarget:
         """Where the kernel caches ``chain_id``'s blocks: the files of its EROFS mount or of its FUSE tree.

@@ -33,7 +33,7 @@ from typing import Sequence
 import trio
 
 from bootseer import __version__, confined
-from bootseer.blockstore.objects.format import LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
 from bootseer.hotlist.format import HotBlock, HotList
 
 #: Why a recording ended (the hot list's ``sealed_by``).
@@ -100,7 +100,7 @@ class Recording:
     def covers(self, layer: str) -> bool:
         return layer in self._layer_set
 
-    def touch(self, layer: str, index: LayerIndex, refs: Sequence[int], now: float) -> int:
+    def touch(self, layer: str, index: LayerBlocks, refs: Sequence[int], now: float) -> int:
         """Record the first touch of each block ``refs`` of ``layer`` at trio time ``now``; how many were new.
 
         Zero blocks are not recorded (nothing to fetch).  Ignored once sealed.

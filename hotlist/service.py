@@ -46,7 +46,8 @@ from typing import Any, Sequence
 import trio
 
 from bootseer.blockstore.datapath.tree import LayerTree
-from bootseer.blockstore.objects.format import Entry, LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import Entry
 from bootseer.blockstore.server.extension import LayerHost
 from bootseer.blockstore.server.ops import ControlOps
 from bootseer.fetch.sources import redact_url
@@ -317,9 +318,13 @@ class HotListService:
         """Account for a read of ``entry`` in ``tree``'s layer (:meth:`ReadAccounting.read`)."""
         self.reads.read(tree, entry, offset, size, tag)
 
-    def blob_read(self, layer: str, index: LayerIndex, refs: Sequence[int], pid: int) -> None:
+    def blob_read(self, layer: str, index: LayerBlocks, refs: Sequence[int], pid: int) -> None:
         """Account for a read of blocks of ``layer``'s blob (:meth:`ReadAccounting.blob_read`)."""
         self.reads.blob_read(layer, index, refs, pid)
+
+    def watches(self, layer: str) -> bool:
+        """Whether a recording takes ``layer``'s first reads now (:meth:`ReadAccounting.watches`)."""
+        return self.reads.watches(layer)
 
 
 __all__ = ["HotListConfig", "HotListService", "HotListStatistics", "OpenTag", "PrefetchStatistics", "RecordingStatistics"]

@@ -67,8 +67,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence, Union
 
 from bootseer import confined, cpu
+from bootseer.blockstore.objects.block_table import LayerBlocks
 from bootseer.blockstore.objects.format import EntryType, LayerIndex
-from bootseer.blockstore.datapath.local_blobs import LocalBlob
+from bootseer.blockstore.datapath.local_blobs import BlobFill, LocalBlob
 from bootseer.blockstore.datapath.tree import inode_number
 from bootseer.hotlist.format import ResolvedBlock
 from bootseer.log import get_logger
@@ -173,7 +174,7 @@ class PageCacheWarmer:
 
     def __init__(
         self,
-        indexes: dict[str, LayerIndex],
+        indexes: dict[str, LayerBlocks],
         targets: dict[str, WarmTarget],
         digests: set[str],
         store: Store = _notify_store,
@@ -196,7 +197,9 @@ class PageCacheWarmer:
         self.stored_bytes = 0
         self.skipped = 0
 
-    def _place_in_files(self, layer: str, index: LayerIndex, target: WarmTarget, digests: set[str]) -> None:
+    def _place_in_files(self, layer: str, index: LayerBlocks, target: WarmTarget, digests: set[str]) -> None:
+        if not isinstance(index, LayerIndex):  # a block table lists no files: the prefetch hands in the index
+            raise ValueError(f"layer {layer}: placing blocks in files takes the layer's index, not its block table")
         for number, entry in enumerate(index.entries):
             if entry.type is not EntryType.FILE or entry.link is not None or not entry.blocks:
                 continue
@@ -222,6 +225,12 @@ class PageCacheWarmer:
     def wants_bytes(self, layer: str) -> bool:
         """Whether :meth:`warm` needs ``layer``'s blocks' bytes (a tree target's stores do; EROFS reads its own)."""
         return isinstance(self._targets[layer], (TreeTarget, BlobTarget))
+
+    def sink(self, layer: str, refs: Sequence[int]) -> BlobFill | None:
+        """A blob target's: the fetcher writes the blocks it fetches for ``refs`` straight into the layer's local
+        blob (the one copy of them on the node; :meth:`warm` then finds them there), not the node cache."""
+        target = self._targets.get(layer)
+        return BlobFill(target.blob, refs, None) if isinstance(target, BlobTarget) else None
 
     def warm(self, layer: str, blocks: Sequence[ResolvedBlock], data: Sequence[bytes] | None) -> int:
         """Blocking (a worker thread): put ``blocks`` of ``layer`` in the page cache; file bytes placed.

@@ -237,6 +237,9 @@ class DepsObserver:
 
     def __init__(self, backend: LayerBackend, snapshots_dir: Path, stat: Callable[[str], Info], context: DepsContext) -> None:
         self.backend = backend
+        #: the lower dir of a deps layer a Prepare just mounted, by the snapshot's upper dir: what that Prepare's own
+        #: mounts take (:meth:`lowers`) without asking the layer server again (a later Mounts asks)
+        self._just_mounted: dict[str, str] = {}
         self.snapshots_dir = snapshots_dir
         self.stat = stat
         self.context = context
@@ -285,6 +288,7 @@ class DepsObserver:
                 return False
             _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "index": record.index,
                                  "lower_dir": lower})  # fmt: skip
+            self._just_mounted[upper] = lower
             _marker(upper, HIT_MARKER, requested)
             log.info("dependency snapshot stacked", key=key, deps=deps_key, label=requested, namespace=namespace,
                      chain_id=record.chain_id)  # fmt: skip
@@ -309,6 +313,9 @@ class DepsObserver:
         state = _read_state(Path(upper).parent)
         if state is None or state.get("state") != "stacked":
             return []
+        just = self._just_mounted.pop(upper, None)
+        if just is not None:  # the Prepare that mounted it, a moment ago: its own answer stands
+            return [just]
         chain = str(state["chain_id"])
         try:
             try:
@@ -337,6 +344,9 @@ class DepsObserver:
         """Unmount the snapshot's deps layer if it was the last to stack it."""
         if not active or snapshot_dir is None:
             return
+        for upper in list(self._just_mounted):  # (a copy: gRPC threads add to it) a Prepare that failed after its mount
+            if Path(upper).parent == snapshot_dir:
+                self._just_mounted.pop(upper, None)
         state = _read_state(snapshot_dir)
         WATCHER.forget_upper(snapshot_dir)
         if state is None or state.get("state") != "stacked":

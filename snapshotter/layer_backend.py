@@ -2,8 +2,10 @@
 
 ``lookup`` reads the chain record straight from the store through the fetch engine
 (:class:`bootseer.blockstore.objects.store.StoreReader`), so the snapshot logic can check the
-parent before anything is mounted.  ``mount``/``check``/``unmount``/``mounted`` go to
-the long-lived layer server (``bootseer layer-server``) over its control socket
+parent before anything is mounted, and keeps its bytes for the layer's ``mount``, which hands
+them to the layer server: a layer's record is read from the store once per Prepare, not once
+here and again in the server (which decodes and trust-checks what it is handed as its own read).
+``mount``/``check``/``unmount``/``mounted`` go to the long-lived layer server (``bootseer layer-server``) over its control socket
 (:mod:`bootseer.blockstore.server.client`), which the daemon starts at start-up with
 :func:`~bootseer.blockstore.server.client.ensure_server` and finds again after its own
 restart.  A server that died is started again by the next call that finds it gone
@@ -15,7 +17,9 @@ store that fails is never read as "not converted".
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -24,7 +28,7 @@ import trio
 
 from bootseer.blockstore.server import client as control
 from bootseer.paths import ServerPaths
-from bootseer.blockstore.objects.format import FormatError
+from bootseer.blockstore.objects.format import ChainRecord, FormatError
 from bootseer.blockstore.objects.signing import TrustPolicy, Untrusted
 from bootseer.blockstore.objects.store import open_store
 from bootseer.fetch.engine import EngineConfig
@@ -41,6 +45,10 @@ log = get_logger(__name__)
 #: store that does not answer makes Prepare fall back to downloading soon, not after
 #: the mount's full retry timeout.
 LOOKUP_TIMEOUT = 10.0
+
+#: Chain records kept from look-ups for the mounts that follow them (a look-up whose layer is not mounted, a
+#: parent mismatch say, leaves its record until this many newer ones push it out).
+KEPT_RECORDS = 64
 
 #: The store's health as the snapshotter sees it: each lookup that gets an answer (a chain
 #: record or its absence) sets 1, each one the store fails sets 0, so a store that cannot be
@@ -85,6 +93,9 @@ class LayerServerBackend:
         self._engine = dataclasses.replace(engine, retry_timeout=min(engine.retry_timeout, lookup_timeout))
         #: every call but mount (which waits up to control.MOUNT_TIMEOUT) waits ``call_timeout`` for its answer
         self._client = control.LayerServerClient(ServerPaths(root).socket, timeout=call_timeout)
+        #: the bytes of the chain records look-ups read, by ChainID, until their mount hands them over (gRPC threads)
+        self._records: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._records_lock = threading.Lock()
 
     def start(self) -> None:
         """Find the running layer server or start one (daemon start-up); ServerStartError if it cannot."""
@@ -112,7 +123,7 @@ class LayerServerBackend:
 
     def lookup(self, chain_id: str) -> RemoteLayer | None:
         try:
-            record = trio.run(self._read_chain, chain_id)
+            found = trio.run(self._read_chain, chain_id)
         except FormatError as exc:
             self.store_up = True  # the store answered: with a bad object
             STORE_UP.set(1)
@@ -129,12 +140,18 @@ class LayerServerBackend:
             log.info("the store answers look-ups again", store=redact_url(self.store_url))
         self.store_up = True
         STORE_UP.set(1)
-        if record is None:
+        if found is None:
             return None
+        record, data = found
         try:
             self.trust.check("chain", record.signature_check(), f"the store's chain record of {chain_id}")
         except Untrusted as exc:
             raise LayerUnavailable("untrusted", str(exc)) from None
+        with self._records_lock:
+            self._records[chain_id] = data
+            self._records.move_to_end(chain_id)
+            while len(self._records) > KEPT_RECORDS:
+                self._records.popitem(last=False)
         return RemoteLayer(
             chain_id=record.chain_id,
             parent=record.parent,
@@ -145,8 +162,11 @@ class LayerServerBackend:
         )
 
     def mount(self, chain_id: str, deps_index: str | None = None) -> str:
-        """See :meth:`LayerBackend.mount`; ``deps_index``: a dependency layer's index, from a trusted deps record."""
-        return self._call(lambda client: client.mount(chain_id, deps_index=deps_index).lower_dir)
+        """See :meth:`LayerBackend.mount`; ``deps_index``: a dependency layer's index, from a trusted deps record.
+        The chain record :meth:`lookup` read of ``chain_id`` goes with it (once: a later mount reads its own)."""
+        with self._records_lock:
+            record = self._records.pop(chain_id, None)
+        return self._call(lambda client: client.mount(chain_id, deps_index=deps_index, record=record).lower_dir)
 
     def warm(self, chain_ids: Sequence[str]) -> None:
         try:
@@ -174,10 +194,10 @@ class LayerServerBackend:
         self.store_up = False
         STORE_UP.set(0)
 
-    async def _read_chain(self, chain_id: str):  # -> ChainRecord | None
+    async def _read_chain(self, chain_id: str) -> tuple[ChainRecord, bytes] | None:
         with trio.fail_after(self.lookup_timeout + 5):  # the engine's own bound, plus its shutdown
             async with open_store(self.store_url, self._engine) as store:
-                return await store.chain(chain_id)
+                return await store.chain_and_bytes(chain_id)
 
     def _call(self, operation: Callable[[control.LayerServerClient], T]) -> T:
         """Run ``operation``; a server found gone is started again once, then the call retried.

@@ -47,6 +47,7 @@ from typing import BinaryIO, Callable, Sequence, TextIO
 
 import zstandard
 
+from bootseer.blockstore.objects.block_table import LayerBlockTable
 from bootseer.blockstore.objects.format import (
     DEDUP_PREFIX,
     DEFAULT_BLOCK_SIZE,
@@ -61,6 +62,7 @@ from bootseer.blockstore.objects.format import (
     LayerImage,
     LayerIndex,
     StoredBlock,
+    block_table_object,
     chain_object,
     decode_block,
     dedup_object,
@@ -692,6 +694,10 @@ def verify_layer(writer: StoreWriter, chain: str, *, blocks: BlockVerifier | Non
         for pack in index.packs:
             if not writer.exists(pack_object(pack)):
                 raise FormatError(f"pack {pack} is missing")
+        # The table is the index's blocks, encoded: the one the index makes, or it is missing or wrong.
+        if record.block_table and writer.get(block_table_object(record.block_table)) != \
+                LayerBlockTable.of_index(index, record.index).encode():
+            raise FormatError(f"block table {record.block_table} is missing or is not its index's")
         if blocks is not None:
             stored = [block for block in index.blocks if not block.is_zero]
             for start in range(0, len(stored), _VERIFY_INDEX_BATCH):
@@ -773,6 +779,15 @@ def publish_image(writer: StoreWriter, table: DedupTable, index: LayerIndex, ind
     return name, built
 
 
+def publish_block_table(writer: StoreWriter, index: LayerIndex, index_name: str) -> str:
+    """Store the binary block table of ``index`` (stored as ``index_name``: :mod:`~.objects.block_table`), read back
+    and checked; its name (what the chain record's ``block_table`` says)."""
+    data = LayerBlockTable.of_index(index, index_name).encode()
+    name = _hex(data)
+    _put_verified(writer, block_table_object(name), data)
+    return name
+
+
 def _verify_image(writer: StoreWriter, record: ChainRecord, blocks: BlockVerifier | None) -> str:
     """Why the image ``record`` names cannot serve (its table missing or wrong, a pack or block missing), or ""."""
     try:
@@ -795,16 +810,29 @@ def _verify_image(writer: StoreWriter, record: ChainRecord, blocks: BlockVerifie
 
 def add_image(writer: StoreWriter, table: DedupTable, record: ChainRecord, *, spool_dir: str | None = None,
               inline_max: int = DEFAULT_INLINE_MAX, sign_key: SigningKey | None = None) -> tuple[ChainRecord, BuiltImage]:  # fmt: skip
-    """Give the converted layer of ``record`` (checked by :func:`verify_layer`) its EROFS image and rewrite its
-    record naming it (signed with ``sign_key``), uploading no block of the layer again."""
+    """Give the converted layer of ``record`` (checked by :func:`verify_layer`) its EROFS image and block table
+    and rewrite its record naming them (signed with ``sign_key``), uploading no block of the layer again."""
     index = LayerIndex.decode(writer.get(index_object(record.index)) or b"", record=record)
     with tempfile.TemporaryDirectory(prefix="bootseer-convert-", dir=spool_dir) as spool:
         name, built = publish_image(writer, table, index, record.index, spool=Path(spool), inline_max=inline_max)
-    updated = dataclasses.replace(record, image=name, signatures=(), signed=None)
+    blocks = record.block_table or publish_block_table(writer, index, record.index)
+    updated = dataclasses.replace(record, image=name, block_table=blocks, signatures=(), signed=None)
     if sign_key is not None:
         updated = updated.sign(sign_key)
     _put_record(writer, updated)
     return updated, built
+
+
+def add_block_table(writer: StoreWriter, record: ChainRecord, *, sign_key: SigningKey | None = None) -> ChainRecord:
+    """Give the converted layer of ``record`` (checked by :func:`verify_layer`), converted before block tables, its
+    block table and rewrite its record naming it (signed with ``sign_key``)."""
+    index = LayerIndex.decode(writer.get(index_object(record.index)) or b"", record=record)
+    updated = dataclasses.replace(record, block_table=publish_block_table(writer, index, record.index), signatures=(),
+                                  signed=None)  # fmt: skip
+    if sign_key is not None:
+        updated = updated.sign(sign_key)
+    _put_record(writer, updated)
+    return updated
 
 
 def _put_record(writer: StoreWriter, record: ChainRecord) -> None:
@@ -843,9 +871,10 @@ def convert_layer(
 ) -> LayerResult:
     """Convert one layer blob and publish it (packs, dedup segment, index, its EROFS image, chain record last).
 
-    With ``sign_key`` the chain record carries its signature: it names the index and the
-    image by SHA-256, which name every block, so the one signature vouches for the whole
-    layer.  ``inline_max`` None publishes no image (a node then builds one from the index).
+    With ``sign_key`` the chain record carries its signature: it names the index, the
+    image and the block table by SHA-256, which name every block, so the one signature vouches
+    for the whole layer.  ``inline_max`` None publishes no image (a node then builds one from the
+    index) and no block table (what a node that mounts the image reads instead of the index).
     """
     puts_before = writer.put_bytes
     with contextlib.ExitStack() as stack:
@@ -877,6 +906,8 @@ def convert_layer(
             index_data = index.encode()
             index_name = _hex(index_data)
             _put_verified(writer, index_object(index_name), index_data)
+            # The block table serves the nodes that mount the image (they need no file list): with the image only.
+            table_name = publish_block_table(writer, index, index_name) if inline_max is not None else ""
             image_name, built = "", None
             if inline_max is not None:
                 try:
@@ -898,6 +929,7 @@ def convert_layer(
                 converted_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 converter=f"bootseer {__version__}",
                 image=image_name,
+                block_table=table_name,
             )
             if sign_key is not None:
                 record = record.sign(sign_key)
@@ -980,6 +1012,8 @@ def convert_image(
                 except (ConversionError, FormatError) as exc:
                     raise ConversionError(f"{label} ({descriptor.digest}): {exc}") from None
                 result.uploaded_bytes = writer.put_bytes - before
+            elif inline_max is not None and not existing.block_table and not (existing.signatures and sign_key is None):
+                add_block_table(writer, existing, sign_key=sign_key)  # an image from before block tables
             if progress is not None:
                 if result.image is not None:
                     progress.line(f"{label}: already in the store; its EROFS image added ({_mib(result.image.size)}, "
@@ -1013,5 +1047,5 @@ def convert_image(
 
 __all__ = [
     "FORMAT_VERSION", "ConversionError", "DedupTable", "ImageResult", "LayerResult", "PackWriter", "Progress",
-    "add_image", "convert_image", "convert_layer", "publish_image", "verify_layer",
+    "add_block_table", "add_image", "convert_image", "convert_layer", "publish_image", "verify_layer",
 ]

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import prometheus_client
 
-from bootseer.blockstore.objects.format import LayerImage, LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import LayerImage
 
 BLOCKS = prometheus_client.Counter(
     "bootseer_blocks",
@@ -89,6 +90,6 @@ class LayerCounters:
         )
 
 
-def layer_label(index: LayerIndex | LayerImage) -> str:
+def layer_label(index: LayerBlocks | LayerImage) -> str:
     """A layer's name in metrics: its diff ID, shortened as ``docker images`` does."""
     return index.diff_id[: len("sha256:") + 12]

@@ -42,12 +42,15 @@ from urllib.parse import unquote, urlsplit
 
 import trio
 
+from bootseer.blockstore.objects.block_table import LayerBlockTable, block_table_bound
 from bootseer.blockstore.objects.format import (
+    MAX_CHAIN_RECORD_BYTES,
     MAX_IMAGE_TABLE_BYTES,
     ChainRecord,
     FormatError,
     LayerImage,
     LayerIndex,
+    block_table_object,
     chain_object,
     image_object,
     index_limits,
@@ -65,8 +68,6 @@ log = get_logger(__name__)
 
 T = TypeVar("T")
 
-#: A chain record larger than this is refused before it is read (they are a few hundred bytes).
-MAX_CHAIN_RECORD_BYTES = 1 << 20
 #: An encoded index larger than this is refused before it is read.
 MAX_INDEX_OBJECT_BYTES = 1 << 30
 
@@ -678,7 +679,13 @@ class StoreReader:
         raise AssertionError("unreachable")
 
     async def chain(self, chain_id: str) -> ChainRecord | None:
-        """The chain record of ``chain_id``; None if the layer is not converted in this store.
+        """The chain record of ``chain_id``; None if the layer is not converted in this store (:meth:`chain_and_bytes`)."""
+        found = await self.chain_and_bytes(chain_id)
+        return None if found is None else found[0]
+
+    async def chain_and_bytes(self, chain_id: str) -> tuple[ChainRecord, bytes] | None:
+        """The chain record of ``chain_id`` and the bytes it was decoded from (what the snapshotter hands the layer
+        server, so that a layer's record is read once); None if the layer is not converted in this store.
 
         FetchError when the store fails, FormatError when the record is tampered with.
         A missing record is "not converted" only in a store that exists: when the
@@ -693,7 +700,7 @@ class StoreReader:
         if found is None:
             await self._check_root()
             return None
-        return found[0]
+        return found
 
     async def _check_root(self) -> None:
         """FetchError if the store's root does not exist or is not a directory.
@@ -735,6 +742,22 @@ class StoreReader:
         found = await self._read_decoded(name, min(MAX_INDEX_OBJECT_BYTES, sealed_size_bound(index_limits(record).payload_bytes)), decode)
         if found is None:
             raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names index {record.index}, which is missing")
+        return found
+
+    async def block_table_and_bytes(self, record: ChainRecord) -> tuple[LayerBlockTable, bytes]:
+        """The binary block table ``record`` names (:mod:`.block_table`), verified against ``record.block_table``,
+        its index, diff_id and counts, and the exact bytes it was decoded from (the node's local copy)."""
+
+        async def decode(data: bytes) -> LayerBlockTable:
+            # Milliseconds for tens of thousands of blocks, but a hash and a decompression of megabytes: in a thread.
+            return await trio.to_thread.run_sync(functools.partial(LayerBlockTable.decode, data, record=record),
+                                                 limiter=self.threads)  # fmt: skip
+
+        bound = sealed_size_bound(block_table_bound(record))  # a larger object is refused from its size, unread
+        found = await self._read_decoded(block_table_object(record.block_table), bound, decode)
+        if found is None:
+            raise FormatError(f"{self.engine.url}: chain record {record.chain_id} names block table "
+                              f"{record.block_table}, which is missing")  # fmt: skip
         return found
 
     async def image(self, record: ChainRecord) -> LayerImage:

@@ -20,6 +20,7 @@ from bootseer.blockstore.datapath.local_blobs import LocalBlob
 from bootseer.blockstore.datapath.tree import ReadObserver
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.objects.format import LayerIndex
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy
 from bootseer.blockstore.server.layer_table import Layer
 from bootseer.blockstore.server.ops import ControlOps
@@ -54,6 +55,12 @@ class LayerHost(Protocol):
 
     def local_blob(self, chain_id: str) -> LocalBlob | None:
         """The local blob of served layer ``chain_id`` on the ``fanotify`` data path (None on the others)."""
+        ...
+
+    async def layer_index(self, chain_id: str) -> LayerIndex:
+        """The JSON index (the file list) of served layer ``chain_id``, for what needs its files: the layer's tree
+        index, or for a layer served from its block table, its index loaded now (the local copy, else the
+        store's, verified against the chain record).  LayerServerError, FormatError, FetchError if it cannot be had."""
         ...
 
 

@@ -11,6 +11,8 @@
 * the control API on ``ROOT/layers/control.sock`` (JSON lines, served by
   :mod:`blockstore.server.control_socket`; the callers' end is :mod:`blockstore.server.client`):
   ``mount``, ``warm`` (load layers ahead of their mounts: :mod:`.warming`), ``check``, ``unmount``, ``status``;
+* one :class:`~bootseer.blockstore.server.layer_loader.LayerLoader`, the load path of a layer (chain
+  record and trust, index or block table, EROFS image) that the mounts, the restores and the warms share;
 * on the ``erofs`` and ``loop`` data paths (:mod:`blockstore.datapath.choice`, chosen at
   start), one EROFS mount per layer at ``ROOT/layers/lower/<slot>`` over its FUSE blob
   ``ROOT/layers/mnt/blobs/<slot>``: that mount is the layer's lower dir, and FUSE
@@ -45,7 +47,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import prometheus_client
 import pyfuse3
@@ -56,35 +58,31 @@ from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.server.client import (
     MOUNT_TIMEOUT,
     InvalidRequest,
-    LayerCorrupt,
-    LayerNotConverted,
     LayerNotMounted,
     LayerServerError,
-    LayerUntrusted,
     ServerPaths,
     StoreUnavailable,
 )
 from bootseer.blockstore.server.control_socket import serve_control
 from bootseer.blockstore.server.index_copies import IndexCopies
+from bootseer.blockstore.server.layer_loader import FetchedImage, LayerLoader, LoadedLayer
 from bootseer.blockstore.server.extension import ExtensionFactory, ServerExtension
 from bootseer.blockstore.server.ops import ControlOps
 from bootseer.blockstore.datapath.choice import (
     EROFS_PATHS,
     FILESYSTEMS,
-    IMAGES,
     DataPathChoice,
     DataPathProbe,
     ErofsLayers,
     announce,
-    store_image_check,
 )
 from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.event_holder import HOLE_WAIT
+from bootseer.blockstore.datapath.fill_group import FILL_GROUP
 from bootseer.blockstore.datapath.image_checker import ImageCheck
 from bootseer.blockstore.datapath.local_blobs import FanotifyBlobs, LocalBlob
-from bootseer.blockstore.datapath.erofs_check import ImageRefused
-from bootseer.blockstore.objects.erofs_image import ErofsError
-from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, ChainRecord, FormatError, LayerImage, LayerIndex, check_digest
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import DEFAULT_BLOCK_SIZE, MAX_CHAIN_RECORD_BYTES, FormatError, LayerIndex, check_digest
 from bootseer.blockstore.server.layer_table import Layer, LayerTable, load_table, save_table, store_id
 from bootseer.blockstore.datapath.tree import LayersRoot, LayerTree
 from bootseer.blockstore.objects.format import BlockPlace
@@ -93,21 +91,17 @@ from bootseer.blockstore.peers.service import PeerService
 from bootseer.blockstore.peers.config import PeerConfig
 from bootseer.blockstore.node.fetcher import BlockFetcher
 from bootseer.blockstore.node.peers import PeerAllowance, PeerPayload
-from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, Untrusted
+from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy
 from bootseer.blockstore.server.store_registry import StoreRegistry
 from bootseer.blockstore.server.warming import WARM_MAX_ENTRIES, LayerWarmer
 from bootseer.fetch.engine import Engine, EngineConfig
-from bootseer.fetch.stripes import FetchError, Priority
-from bootseer.fetch.source import SourceError
+from bootseer.fetch.stripes import Priority
 from bootseer.fetch.sources import redact_url
 from bootseer.fuse import FuseSession, ReadOnlyOperations, end_on_signals, mount_options, serve, unmount_dead
 from bootseer.locks import TrioKeyedLocks
 from bootseer.log import get_logger
 from bootseer.profile import events as profile_events
 from bootseer.profile import hooks as profile_hooks
-
-if TYPE_CHECKING:
-    from bootseer.blockstore.objects.store import StoreReader
 
 log = get_logger(__name__)
 
@@ -123,16 +117,6 @@ RESTORED = prometheus_client.Counter(
 )
 
 
-@dataclass(frozen=True)
-class FetchedImage:
-    """A layer's EROFS image from the store, kept: its table, the file (every block verified, the whole
-    hashed to the table's SHA-256 and, ``checked``, accepted by the bounded check) and whether it was checked."""
-
-    table: LayerImage
-    path: Path
-    checked: bool
-
-
 class ServerAlreadyRunning(Exception):
     """Another layer server holds this root's lock."""
 
@@ -144,7 +128,8 @@ class LayerServerConfig:
     root: Path
     store: str | None = None  #: default store URL of a mount that names none
     cache_dir: Path | None = None  #: default ``ROOT/cache``
-    cache_size: int = DEFAULT_CACHE_SIZE  #: bytes the block cache may hold
+    #: bytes the node cache and, on ``fanotify``, the local blobs may hold together (blockstore.datapath.blob_store)
+    cache_size: int = DEFAULT_CACHE_SIZE
     engine: EngineConfig = field(default_factory=EngineConfig)
     source_options: dict[str, Any] = field(default_factory=dict)  #: passed to open_source for every store
     shutdown_grace: float = 10.0
@@ -156,6 +141,8 @@ class LayerServerConfig:
     data_path: str = "auto"  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice)
     #: ``fanotify``: seconds a read of a hole waits with no server before the event holder denies it EIO
     hole_wait: float = HOLE_WAIT
+    #: ``fanotify``: raw bytes of the fill group an event fills at once (blockstore.datapath.fill_group)
+    fill_group: int = FILL_GROUP
     #: ``fanotify``: the rest of each blob filled while the link is idle (blockstore.datapath.background_fill)
     background_fill: BackgroundFillConfig = field(default_factory=BackgroundFillConfig)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
@@ -178,16 +165,6 @@ class LayerServerStatistics:
     open_files: int  #: files of served layers open through FUSE now
     layers: int  #: rows of the table of mounted layers (a layer whose restore failed included)
     served: int  #: layers whose tree is served
-
-
-@dataclass(frozen=True)
-class LoadedLayer:
-    """What a mount loads before it takes the table's lock (:meth:`LayerServer._load`)."""
-
-    record: ChainRecord  #: the chain record, trusted
-    index: LayerIndex  #: the layer's index, verified
-    data: bytes  #: the index as stored (the node's copy, for restarts)
-    image: Path | None  #: the EROFS image, checked or built (None on the tree path)
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -220,7 +197,15 @@ class LayerServer:
         self.layers = LayerTable(self.paths.table)
         #: The local copies of the served layers' indexes (what a restart restores from).
         self.indexes = IndexCopies(self.paths.indexes)
-        self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size)
+        #: The local blobs the EROFS mounts read on the ``fanotify`` path, filled on the kernel's events (else None);
+        #: they share ``--cache-size`` with the node cache, which leaves room for the blobs in use.
+        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._addressed, hole_wait=config.hole_wait,
+                                   background=config.background_fill, fetched=lambda: self.stores.bytes_fetched(),
+                                   budget=config.cache_size, cache_bytes=lambda: self.cache.stats().bytes,
+                                   fill_group=config.fill_group) \
+            if self.data_path.path == "fanotify" and erofs else None  # fmt: skip
+        self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size,
+                                others=self.blobs.store.in_use_bytes if self.blobs is not None else None)  # fmt: skip
         # Cache I/O, decompression and hashing, for every store's fetcher together.
         self._block_threads = trio.CapacityLimiter(os.cpu_count() or 2)
         #: Decoding store objects (layer indexes, hot lists): in worker threads, never the
@@ -229,10 +214,6 @@ class LayerServer:
         self.decode_threads = trio.CapacityLimiter(max(1, (os.cpu_count() or 2) // 2))
         #: The layers' EROFS mounts (None on the tree path, where the FUSE tree is the lower dir).
         self.erofs = ErofsLayers(self.paths, self.data_path.path, self.decode_threads) if erofs else None
-        #: The local blobs the EROFS mounts read on the ``fanotify`` path, filled on the kernel's events (else None).
-        self.blobs = FanotifyBlobs(self.paths, blob_directory(config), self._addressed, hole_wait=config.hole_wait,
-                                   background=config.background_fill, fetched=lambda: self.stores.bytes_fetched()) \
-            if self.data_path.path == "fanotify" and self.erofs is not None else None  # fmt: skip
         #: Block sharing with the peer group (None: off).
         self.peers = PeerService(config.peers, self._block_for_peer, self._block_threads,
                                  memory=peer_memory_share(config.engine),
@@ -240,13 +221,17 @@ class LayerServer:
         #: One engine and block fetcher per store URL.
         self.stores = StoreRegistry(nursery, config.engine, config.source_options, self.cache, self._block_threads,
                                     peers=self.peers.client if self.peers else None,
+                                    local=self.blobs.filled_blocks if self.blobs is not None else None,
                                     known=[config.store] if config.store else [])  # fmt: skip
+        #: The load path of a layer (chain record, trust, index or block table, EROFS image), shared by
+        #: the mounts, the restores and the warms.
+        self.loader = LayerLoader(trust=config.trust, stores=self.stores, erofs=self.erofs, indexes=self.indexes,
+                                  decode_threads=self.decode_threads, load_timeout=config.load_timeout,
+                                  mounted=lambda: [layer.record for layer in self.layers.values()],
+                                  held=self._held)  # fmt: skip
         #: Layers loaded ahead of their mounts (the ``warm`` operation), taken by :meth:`mount`; what no mount
-        #: takes leaves nothing on disk (:meth:`_discard_load`).
-        self.warmer: LayerWarmer[LoadedLayer] = LayerWarmer(nursery, self._load, discard=self._discard_load)
-        #: The chain record each load (:meth:`_load`) got, by ChainID, while a mount or a warm of it holds it:
-        #: whose image a load no mount took must leave on disk (:meth:`_image_in_use`).
-        self._loaded: dict[str, ChainRecord] = {}
+        #: takes leaves nothing on disk (:meth:`LayerLoader.discard`).
+        self.warmer: LayerWarmer[LoadedLayer] = LayerWarmer(nursery, self.loader.load, discard=self.loader.discard)
         # A mount and an unmount of one layer never interleave; requests name any ChainID
         # they like, so a lock lives only while it is held or waited for.
         self._chain_locks = TrioKeyedLocks()
@@ -270,12 +255,16 @@ class LayerServer:
         else:
             self.control.register("peers.status", lambda request: _peers_off())
 
+    def _held(self, chain_id: str) -> bool:
+        """Whether a mount (or an unmount) or a warm of ``chain_id`` holds it now: the loader's ``held``."""
+        return bool(self._chain_locks.users(chain_id)) or self.warmer.holds(chain_id)
+
     def _statfs(self) -> pyfuse3.StatvfsData:
         """What ``df`` shows: the served layers' file bytes and entries, nothing free (read-only)."""
         data = pyfuse3.StatvfsData()
         data.f_bsize = data.f_frsize = 4096
         data.f_blocks = sum(tree.index_bytes for tree in self.root.layers.values()) // 4096
-        data.f_files = sum(len(tree.index.entries) for tree in self.root.layers.values())
+        data.f_files = sum(tree.index.entry_count for tree in self.root.layers.values())
         data.f_namemax = 255
         return data
 
@@ -297,229 +286,8 @@ class LayerServer:
         """The largest block a peer may ask for: the block size of the layers served (the default's, before any)."""
         return max((tree.index.block_size for tree in self.root.layers.values()), default=DEFAULT_BLOCK_SIZE)
 
-    # -- loading a layer ------------------------------------------------------------------
 
-    def _check_trust(self, record: ChainRecord, deps_index: str | None) -> None:
-        """LayerUntrusted unless a trusted converter signed ``record``, or it is the dependency layer
-        whose index ``deps_index`` the caller took from a deps record a trusted writer signed."""
-        if deps_index is not None and deps_index == record.index:
-            return  # the index's SHA-256 pins the layer as a signed chain record would
-        try:
-            self.config.trust.check("chain", record.signature_check(), f"the chain record of {record.chain_id}")
-        except Untrusted as exc:
-            raise LayerUntrusted(str(exc)) from None
-
-    async def _fetch_layer(
-        self, chain_id: str, store: str, deps_index: str | None = None, *, with_image: bool = False
-    ) -> tuple[ChainRecord, LayerIndex, bytes, FetchedImage | None]:
-        """The chain record and index of ``chain_id`` from ``store`` (verified, and trusted: see
-        :meth:`_check_trust`), the index's bytes as stored, and with ``with_image`` the blocks of
-        the layer's EROFS image when the record names one this node does not keep yet.
-
-        The image's blocks are fetched once the record is trusted, then checked (in the checker
-        process) while the index is fetched and decoded.
-        """
-        from bootseer.blockstore.objects.store import StoreReader
-
-        engine, fetcher = await self.fetcher(store)
-        reader = StoreReader(engine, threads=self.decode_threads)  # the index decodes off the trio thread
-        try:
-            record = await reader.chain(chain_id)
-            if record is None:
-                raise LayerNotConverted(f"{chain_id} is not converted in {engine.url} (no chain record)")
-            self._check_trust(record, deps_index)  # before the index (or the image) is even fetched
-        except FormatError as exc:
-            raise LayerCorrupt(f"{chain_id} in {engine.url}: {exc}") from None
-        except (FetchError, SourceError) as exc:
-            raise StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}") from None
-        wanted = with_image and self.erofs is not None and record.image != ""
-        if wanted and self.erofs is not None and self.erofs.cached(self.erofs.store_image_path(record.image)):
-            wanted = False
-        got: dict[str, Any] = {}
-        # The image's blocks first, alone: their fetch is many small steps on the trio thread, which a
-        # decode holding the interpreter lock in a worker would slow to one step per switch interval.
-        # Then the index's decode in the server and the image's check in the checker process, side by side.
-        blocks = await self._fetch_image_blocks(record, reader, fetcher) if wanted else None
-
-        async def index() -> None:
-            try:
-                got["index"] = await reader.index_and_bytes(record)
-            except FormatError as exc:
-                got["error"] = LayerCorrupt(f"{chain_id} in {engine.url}: {exc}")
-            except (FetchError, SourceError) as exc:
-                got["error"] = StoreUnavailable(f"{chain_id}: the store {engine.url} failed: {exc}")
-
-        async def image(table: LayerImage, table_data: bytes, pieces: list[bytes]) -> None:
-            try:
-                got["image"] = await self._verify_image(record, table, table_data, pieces)
-            except LayerServerError as exc:
-                got["image_error"] = exc
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(index)
-            if blocks is not None:
-                nursery.start_soon(image, *blocks)
-        if "error" in got and "image" in got and not self._image_in_use(record, other_than=chain_id):
-            assert self.erofs is not None  # the image kept for a layer whose index failed: nothing mounts it
-            self.erofs.remove_image("", record.image)
-        for failed in ("error", "image_error"):
-            if failed in got:
-                raise got[failed]
-        index_and_data: tuple[LayerIndex, bytes] = got["index"]
-        return record, index_and_data[0], index_and_data[1], got.get("image")
-
-    async def _fetch_image(self, record: ChainRecord, reader: StoreReader, fetcher: BlockFetcher) -> FetchedImage:
-        """``record``'s EROFS image, fetched (:meth:`_fetch_image_blocks`) and verified (:meth:`_verify_image`)."""
-        table, table_data, pieces = await self._fetch_image_blocks(record, reader, fetcher)
-        return await self._verify_image(record, table, table_data, pieces)
-
-    async def _fetch_image_blocks(self, record: ChainRecord, reader: StoreReader,
-                                  fetcher: BlockFetcher) -> tuple[LayerImage, bytes, list[bytes]]:  # fmt: skip
-        """The table of ``record``'s EROFS image, the table's bytes as stored and the image's blocks, each verified
-        as a layer's are (memory, node cache, peers, store).  LayerCorrupt if the table is refused,
-        StoreUnavailable if the store fails."""
-        try:
-            table, table_data = await reader.image_and_bytes(record)
-            return table, table_data, await fetcher.blocks(table, range(len(table.blocks)), Priority.DEMAND)
-        except FormatError as exc:
-            raise self._refused(record, str(exc)) from None
-        except (FetchError, SourceError) as exc:
-            raise StoreUnavailable(f"{record.chain_id}: the store {reader.engine.url} failed to give its EROFS image: {exc}") from None
-
-    async def _verify_image(self, record: ChainRecord, table: LayerImage, table_data: bytes,
-                            pieces: list[bytes]) -> FetchedImage:  # fmt: skip
-        """The image of ``pieces`` kept once it hashes to its table's SHA-256 and, unless a trusted converter
-        signed the record, the bounded check accepted it (in the checker process, against the table's blob
-        size, the record's block size and entries: the index may still be decoding; :meth:`_get_image` then
-        holds the index to that blob size), with ``table_data`` (the table as stored) beside it: what a later
-        mount verifies the kept image against (:meth:`_kept_image`).  LayerCorrupt if it is refused."""
-        assert self.erofs is not None
-        check = None if self._signed_by_converter(record) else store_image_check(table, record)
-        install = functools.partial(self.erofs.install_image, record.image, table.sha256, pieces, check, table=table_data)
-        try:
-            # Not under the decode limiter: this thread hashes and writes (no GIL) and waits for the checker
-            # process, while the index may be decoding under it.
-            path = await trio.to_thread.run_sync(install)
-        except ImageRefused as exc:
-            raise self._refused(record, str(exc)) from None
-        except OSError as exc:  # the node's disk (full, read-only): not the image's fault
-            raise LayerServerError(f"{record.chain_id}: cannot keep its EROFS image: {exc}") from None
-        return FetchedImage(table, path, check is not None)
-
-    def _refused(self, record: ChainRecord, why: str) -> LayerCorrupt:
-        """The error of a store image that must not be mounted, counted and logged."""
-        IMAGES.labels("refused").inc()
-        log.warning("the store's EROFS image of the layer is refused; the layer is not served lazily",
-                    chain_id=record.chain_id, image=record.image, error=why)  # fmt: skip
-        return LayerCorrupt(f"{record.chain_id}: its EROFS image {record.image[:12]} is refused: {why}")
-
-    def _signed_by_converter(self, record: ChainRecord) -> bool:
-        """Whether a converter key this node trusts signed ``record`` (never without keys; a dependency
-        layer served on its deps record's word is not: that record names its index, not its image)."""
-        if not self.config.trust.enforced("chain"):
-            return False
-        try:
-            self.config.trust.check("chain", record.signature_check(), f"the chain record of {record.chain_id}")
-        except Untrusted:
-            return False
-        return True
-
-    async def _layer_image(self, record: ChainRecord, index: LayerIndex, store: str,
-                           fetched: FetchedImage | None = None, *, phase: str = "image") -> tuple[Path, str]:  # fmt: skip
-        """:meth:`_get_image`, one ``layer.image`` span of the start-up profiler's ``phase`` (its source, and the
-        image's size as ``image_bytes``: not the span's ``bytes``, which a phase adds up, since the blocks it
-        was fetched in are in ``layers.bytes`` already, compressed)."""
-        with profile_events.span("layer.image", phase=phase, chain_id=record.chain_id) as span:
-            path, span["source"] = await self._get_image(record, index, store, fetched)
-            span["image_bytes"] = path.stat().st_size if span["source"] == "store" else 0
-            return path, span["source"]
-
-    async def _get_image(self, record: ChainRecord, index: LayerIndex, store: str,
-                         fetched: FetchedImage | None) -> tuple[Path, str]:  # fmt: skip
-        """The EROFS image to mount for ``record``'s layer (verified ``index``), and where it came from:
-        the converter's, or for a conversion without one, built here from the index (one log line,
-        and the metric).
-
-        The converter's (``fetched`` with the index by :meth:`_fetch_layer`; else the one this node
-        keeps, verified and checked again (:meth:`_kept_image`); else, or if that one is refused,
-        fetched now: :meth:`_fetch_image`, which hashes and checks it) is kept only if the blob size
-        it was checked against is the index's.  LayerCorrupt (the snapshotter then downloads the
-        layer) when it is refused.
-        """
-        from bootseer.blockstore.objects.store import StoreReader
-
-        assert self.erofs is not None
-        if not record.image:
-            if not self.erofs.image_path(record.index).exists():
-                log.info("layer has no converter-built EROFS image (an older conversion): building it from its index",
-                         chain_id=record.chain_id, entries=len(index.entries))  # fmt: skip
-            try:
-                path = await trio.to_thread.run_sync(self.erofs.ensure_image, index, record.index, limiter=self.decode_threads)
-            except ErofsError as exc:
-                raise LayerCorrupt(f"{record.chain_id}: its index cannot be an EROFS image: {exc}") from None
-            IMAGES.labels("built").inc()
-            return path, "built"
-        kept = await self._kept_image(record) if fetched is None else None
-        if kept is not None:
-            path, source = kept, "cached"
-        else:
-            if fetched is None:
-                engine, fetcher = await self.fetcher(store)
-                fetched = await self._fetch_image(record, StoreReader(engine, threads=self.decode_threads), fetcher)
-            path, source = fetched.path, "store"
-        # What the image's chunks may address (its check held them to its device table) is the blob served.
-        blob_size = await trio.to_thread.run_sync(self.erofs.blob_size_of, path)
-        if blob_size != index.blob_size:
-            self.erofs.remove_image("", record.image)
-            raise self._refused(record, f"it addresses a blob of {blob_size} bytes, the index's is {index.blob_size}")
-        IMAGES.labels(source).inc()
-        if fetched is None:
-            return path, "cached"
-        log.info("fetched the layer's EROFS image", chain_id=record.chain_id, image_bytes=fetched.table.size,
-                 checked=fetched.checked)  # fmt: skip
-        return path, "store"
-
-    async def _kept_image(self, record: ChainRecord) -> Path | None:
-        """The image of ``record``'s layer this node keeps, verified against the local copy of its table and
-        checked (unless a trusted converter signed ``record``) again before it is mounted
-        (:meth:`ErofsLayers.kept_image`); None if none is kept, or it is refused: then it is removed, logged
-        and counted (``kept_refused``), and the caller fetches it from the store, verified and checked as a
-        fresh one is."""
-        assert self.erofs is not None
-        verify = functools.partial(self.erofs.kept_image, record, check=not self._signed_by_converter(record))
-        try:
-            # Not under the decode limiter, as a fetched image's install: a hash (no GIL) and the checker's wait.
-            return await trio.to_thread.run_sync(verify)
-        except ImageRefused as exc:
-            IMAGES.labels("kept_refused").inc()
-            log.warning("the EROFS image kept on this node is refused: removed, fetched again from the store",
-                        chain_id=record.chain_id, image=record.image, error=str(exc))  # fmt: skip
-            return None
-
-    def _image_in_use(self, record: ChainRecord, *, other_than: str = "") -> bool:
-        """Whether a layer in the table, or a load a mount or a warm still holds (but ``other_than``'s), has
-        ``record``'s index or image: what must stay on disk when a load no mount took is discarded."""
-        self._forget_loads_done()
-        users = [layer.record for layer in self.layers.values()]
-        users += [record for chain_id, record in self._loaded.items() if chain_id != other_than]
-        return any(other.index == record.index or (record.image and other.image == record.image) for other in users)
-
-    def _forget_loads_done(self) -> None:
-        """Drop from :attr:`_loaded` the loads no mount or warm holds any more (a mount done: its row, if any,
-        is in the table; or failed), so that it never holds more than the loads in progress or held."""
-        for chain_id in [c for c in self._loaded if not self._chain_locks.users(c) and not self.warmer.holds(c)]:
-            del self._loaded[chain_id]
-
-    def _discard_load(self, loaded: LoadedLayer) -> None:
-        """The warmer's ``discard``: a load no mount took (expired, or dropped as the server stops) leaves nothing
-        on disk; the EROFS image it kept (and its table copy) is removed, unless :meth:`_image_in_use`."""
-        if self.erofs is None or loaded.image is None or self._image_in_use(loaded.record):
-            return
-        self.erofs.remove_image(loaded.record.index, loaded.record.image)
-        log.info("removed the EROFS image of a layer loaded ahead that no mount took", chain_id=loaded.record.chain_id,
-                 image=loaded.record.image or loaded.record.index)  # fmt: skip
-
-    async def _tree(self, layer: Layer, index: LayerIndex) -> LayerTree:
+    async def _tree(self, layer: Layer, index: LayerBlocks) -> LayerTree:
         from bootseer.blockstore.node.layer_reader import LayerReader
 
         _engine, fetcher = await self.fetcher(layer.store)
@@ -558,11 +326,14 @@ class LayerServer:
                 RESTORED.labels("failed").inc()
                 log.error("cannot restore layer", chain_id=layer.chain_id, slot=layer.slot, error=layer.error)
                 continue
-            index = await trio.to_thread.run_sync(self.indexes.load, layer.record, limiter=self.decode_threads)
+            table = self.loader.from_table(layer.record, layer.deps_index or None)
+            load = functools.partial(self.indexes.load, layer.record, table=table)
+            index = await trio.to_thread.run_sync(load, limiter=self.decode_threads)
             try:
                 if index is None:
-                    _record, index, data, _image = await self._fetch_layer(layer.chain_id, layer.store)
-                    await trio.to_thread.run_sync(self.indexes.save, layer.record, data)
+                    _record, index, data, _image = await self.loader.fetch_layer(layer.chain_id, layer.store)
+                    table = not isinstance(index, LayerIndex)
+                    await trio.to_thread.run_sync(functools.partial(self.indexes.save, layer.record, data, table=table))
                 layer.tree = await self._tree(layer, index)
             except (LayerServerError, OSError, FormatError) as exc:
                 layer.error = str(exc)
@@ -571,7 +342,7 @@ class LayerServer:
                 continue
             self.root.layers[layer.slot] = layer.tree
             RESTORED.labels("restored").inc()
-            log.info("restored layer", chain_id=layer.chain_id, slot=layer.slot, entries=len(index.entries))
+            log.info("restored layer", chain_id=layer.chain_id, slot=layer.slot, entries=index.entry_count, from_table=table)
         LAYERS.set(len(self.root.layers))
 
     async def mount_restored(self) -> None:
@@ -584,7 +355,7 @@ class LayerServer:
                 continue
             if self.erofs is not None:
                 try:
-                    image, source = await self._layer_image(layer.record, layer.tree.index, layer.store)
+                    image, source = await self.loader.layer_image(layer.record, layer.tree.index, layer.store)
                     device = await self._local_blob(layer, layer.tree, image)
                     # A kept image refused and fetched again is a new file: the mount of the old one goes.
                     blob = self.blobs.blob_of(layer.record.index) if self.blobs is not None else None
@@ -635,10 +406,10 @@ class LayerServer:
         except OSError as exc:
             raise LayerServerError(f"{layer.chain_id} (slot {layer.slot}): cannot make its local blob: {exc}") from None
 
-    def _addressed(self, image: Path, index: LayerIndex) -> list[int]:
+    def _addressed(self, image: Path, index: LayerBlocks) -> list[int]:
         """The blob blocks the files of ``image`` (``index``'s layer's) address, parsed in the checker's process."""
         assert self.erofs is not None
-        return self.erofs.checker.addressed(image, ImageCheck(index.blob_size, index.block_size, len(index.entries)))
+        return self.erofs.checker.addressed(image, ImageCheck(index.blob_size, index.block_size, index.entry_count))
 
     def local_blob(self, chain_id: str) -> LocalBlob | None:
         """The local blob of a served layer on ``fanotify`` (:class:`~bootseer.blockstore.server.extension.LayerHost`)."""
@@ -646,6 +417,17 @@ class LayerServer:
         if self.blobs is None or layer is None:
             return None
         return self.blobs.blob_of(layer.record.index)
+
+    async def layer_index(self, chain_id: str) -> LayerIndex:
+        """The JSON index of served layer ``chain_id`` (:class:`~bootseer.blockstore.server.extension.LayerHost`):
+        its tree's, or for a layer served from its block table, loaded now from its local copy, else from the
+        store (verified against the layer's chain record, trusted when it was mounted) and kept as a copy."""
+        layer = self.layers.get(chain_id)
+        if layer is None or layer.tree is None:
+            raise LayerNotMounted(f"{chain_id} is not served by this layer server")
+        if isinstance(layer.tree.index, LayerIndex):
+            return layer.tree.index
+        return await self.loader.json_index(layer.record, layer.store)
 
     # -- control operations -----------------------------------------------------------------
 
@@ -674,7 +456,10 @@ class LayerServer:
         for parent, name in LayersRoot.slot_names(layer.slot):
             pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
 
-    async def mount(self, chain_id: str, store: str | None = None, deps_index: str | None = None) -> dict[str, Any]:
+    async def mount(self, chain_id: str, store: str | None = None, deps_index: str | None = None,
+                    record_data: bytes | None = None) -> dict[str, Any]:  # fmt: skip
+        """Serve ``chain_id`` from ``store`` (idempotent; the control operation ``mount``); ``record_data``: its chain
+        record as the caller read it from that store (:meth:`LayerLoader.fetch_layer`)."""
         store = store or self.config.store
         if not store:
             raise InvalidRequest("no store: the server has no --store and the request names none")
@@ -684,7 +469,7 @@ class LayerServer:
                 if layer.deps_index and deps_index != layer.deps_index:
                     # Served as a dependency layer on a deps record's word: as anything else it
                     # needs what any layer needs (else a writer key could stand in for a converter's).
-                    self._check_trust(layer.record, deps_index)
+                    self.loader.check_trust(layer.record, deps_index)
                 return self._answer(layer)
             # A row whose restore failed keeps its slot and store; this is its retry.
             if layer is not None:
@@ -695,7 +480,7 @@ class LayerServer:
                 store = layer.store
             loaded = await self.warmer.take(chain_id, store) if deps_index is None else None
             if loaded is None or (loaded.image is not None and not loaded.image.exists()):
-                loaded = await self._load(chain_id, store, deps_index)
+                loaded = await self.loader.load(chain_id, store, deps_index, record_data)
             record, index, data, image = loaded.record, loaded.index, loaded.data, loaded.image
             phase = "image" if deps_index is None else ""
             async with self.layers.lock:
@@ -707,7 +492,8 @@ class LayerServer:
                 layer.deps_index = "" if trusted_by_signature else deps_index
                 tree = await self._tree(layer, index)
                 # Disk first (the index copy, then the table), the served tree last.
-                await trio.to_thread.run_sync(self.indexes.save, record, data)
+                save = functools.partial(self.indexes.save, record, data, table=not isinstance(index, LayerIndex))
+                await trio.to_thread.run_sync(save)
                 added = await self.layers.add(layer)
                 layer.tree, layer.error = tree, ""
                 self.root.layers[layer.slot] = tree
@@ -723,33 +509,12 @@ class LayerServer:
                             await self.layers.remove(chain_id)
                         raise
             LAYERS.set(len(self.root.layers))
-            log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=len(index.entries), store=redact_url(store),
+            log.info("mounted layer", chain_id=chain_id, slot=layer.slot, entries=index.entry_count, store=redact_url(store),
+                     from_table=not isinstance(index, LayerIndex),
                  data_path=layer.data_path, lower_dir=self.lower_dir(layer.slot))  # fmt: skip
             if self.extension is not None:
                 self.extension.layer_mounted(chain_id)  # an image's top with a hot list: prefetch from now
             return self._answer(layer)
-
-    async def _load(self, chain_id: str, store: str, deps_index: str | None = None) -> LoadedLayer:
-        """What a mount of ``chain_id`` from ``store`` needs before it takes the table's lock: the chain
-        record (trusted), the index (verified) and its bytes, and on the EROFS paths the image, checked
-        (or built) and kept, for any slot.  What a mount and a warm (:mod:`.warming`) both run."""
-        # The engine fails a store that errors within retry_timeout; this bounds one that
-        # trickles (a 1 GiB index at a few KiB/s), which the engine keeps reading.
-        # In the profiler an image's layer is in the pull's phase; a dependency layer's mount, inside
-        # the container's Prepare (whose phases the snapshotter marks), is a span of no phase.
-        phase = "image" if deps_index is None else ""
-        with trio.move_on_after(self.config.load_timeout) as loading, \
-                profile_events.span("layer.index", phase=phase, chain_id=chain_id):
-            record, index, data, fetched = await self._fetch_layer(chain_id, store, deps_index, with_image=True)
-            self._forget_loads_done()
-            self._loaded[chain_id] = record  # its image is this load's now (_image_in_use)
-        if loading.cancelled_caught:
-            raise StoreUnavailable(f"{chain_id}: the store {redact_url(store)} did not give its chain record, "
-                                   f"index and EROFS image in {self.config.load_timeout:g}s")  # fmt: skip
-        image = None
-        if self.erofs is not None:
-            image, _source = await self._layer_image(record, index, store, fetched, phase=phase)
-        return LoadedLayer(record, index, data, image)
 
     async def _warm_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """The control operation ``warm``: ``chain_ids`` (a list of ChainIDs), optionally ``store``: load
@@ -776,7 +541,11 @@ class LayerServer:
         deps_index = request.get("deps_index")
         if deps_index is not None and not (isinstance(deps_index, str) and re.fullmatch(r"[0-9a-f]{64}", deps_index)):
             raise InvalidRequest("deps_index must be 64 hex digits")
-        return await self.mount(_checked_chain_id(request), store, deps_index)
+        record = request.get("record")
+        if record is not None and not (isinstance(record, str) and len(record) <= MAX_CHAIN_RECORD_BYTES):
+            raise InvalidRequest(f"record must be a chain record's JSON text of at most {MAX_CHAIN_RECORD_BYTES} bytes")
+        data = None if record is None else record.encode("utf-8", "surrogateescape")
+        return await self.mount(_checked_chain_id(request), store, deps_index, data)
 
     async def check(self, chain_id: str) -> dict[str, Any]:
         layer = self.layers.get(chain_id)
@@ -802,8 +571,10 @@ class LayerServer:
             self._stop_serving(layer)
             last = not any(other.record.index == layer.record.index for other in self.layers.values())
             if self.blobs is not None and tree is not None and not lazily:
-                # A mount still in use (lazily detached) keeps its blob served until this server stops.
-                await self.blobs.close(layer.record.index, tree, remove=last)
+                # A mount still in use (lazily detached) keeps its blob served until this server stops.  The last
+                # layer of an index closes its blob and keeps it (the node's copy of its blocks, for the next
+                # mount of the index), within --cache-size (blockstore.datapath.blob_store).
+                await self.blobs.close(layer.record.index, tree)
             if last:
                 self.indexes.remove(layer.record)
                 if self.erofs is not None:
@@ -856,7 +627,7 @@ class LayerServer:
             **({"fanotify": dataclasses.asdict(self.blobs.statistics())} if self.blobs is not None else {}),
             "layers": [
                 {**self._answer(layer), "store": layer.shown_store, "index": layer.record.index,
-                 "entries": len(layer.tree.index.entries) if layer.tree else 0,
+                 "entries": layer.tree.index.entry_count if layer.tree else 0,
                  "served": layer.tree is not None, "error": layer.error, "data_path": layer.data_path}
                 for layer in self.layers.by_slot()
             ],  # fmt: skip
@@ -1022,10 +793,12 @@ async def run_server(
 
 __all__ = [
     "CACHE_TIMEOUT",
+    "FetchedImage",
     "Layer",
     "LayerServer",
     "LayerServerConfig",
     "LayerServerStatistics",
+    "LoadedLayer",
     "ServerAlreadyRunning",
     "load_table",
     "prepare_root",

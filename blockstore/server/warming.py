@@ -6,11 +6,13 @@ from the store, decoded and checked: most of a lazy pull.  ``bootseer rpull`` na
 layer's Prepare, the ChainIDs of the layers above it
 (:data:`~bootseer.images.chains.LABEL_LAYERS_ABOVE`); the snapshotter passes them to the layer
 server (the control operation ``warm``) once that layer is mounted, and :class:`LayerWarmer` loads them now, at most
-``concurrency`` at once, by the mount's own load (the server's ``_load``: chain record trusted,
+``concurrency`` at once, by the mount's own load (the server passes its
+:meth:`LayerLoader.load <bootseer.blockstore.server.layer_loader.LayerLoader.load>`: chain record trusted,
 index verified, image checked and kept), and holds each result until the layer's mount takes it,
 for at most ``keep`` seconds.  A result no mount took (expired, or dropped as the server stops)
-is handed to ``discard``: the server removes what the load kept on disk (its EROFS image), so a
-warm never taken leaves nothing behind.
+is handed to ``discard`` (the loader's
+:meth:`~bootseer.blockstore.server.layer_loader.LayerLoader.discard`), which removes what the load
+kept on disk (its EROFS image), so a warm never taken leaves nothing behind.
 
 A warm never changes what a mount does, only how long it waits:
 - nothing loaded ahead is served before a mount takes it, and a mount takes only a load of its

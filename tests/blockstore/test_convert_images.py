@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from bootseer.blockstore.convert.converter import convert_image, verify_layer
+from bootseer.blockstore.objects.block_table import LayerBlockTable
 from bootseer.blockstore.convert.layer_image import inline_candidates
 from bootseer.blockstore.objects.erofs_image import build_image
 from bootseer.blockstore.objects.format import (
-    ChainRecord, EntryType, FormatError, LayerImage, LayerIndex, chain_object, image_object, image_size_bound,
-    index_object,
+    ChainRecord, EntryType, FormatError, LayerImage, LayerIndex, block_table_object, chain_object, image_object,
+    image_size_bound, index_object,
 )  # fmt: skip
 from bootseer.blockstore.objects.signing import generate_key
 from bootseer.blockstore.objects.store import FileStoreWriter
@@ -99,6 +100,52 @@ def test_the_chain_records_signature_covers_the_image(rich_image, tmp_path):
         LayerImage.decode(forged_table, record=record)
 
 
+def test_every_layer_gets_its_block_table_named_and_signed_by_its_record(rich_image, tmp_path):
+    key = generate_key(tmp_path / "converter")
+    store = tmp_path / "store"
+    convert(rich_image.ref, store, sign_key=key)
+    for record in records(store, rich_image):
+        index = index_of(store, record)
+        data = FileStoreWriter(store).get(block_table_object(record.block_table))
+        assert hashlib.sha256(data).hexdigest() == record.block_table
+        table = LayerBlockTable.decode(data, record=record)
+        assert (list(table.blocks), table.packs, table.block_size) == (index.blocks, index.packs, index.block_size)
+        assert (table.entry_count, table.file_bytes, table.small_files) == (len(index.entries), index.file_bytes, index.small_files)
+        assert table.small_files > 0
+        assert record.signature_check().signer([key.public]) is not None
+        other = hashlib.sha256(data + b"\0").hexdigest()  # any other table has another name
+        forged = ChainRecord.decode(record.encode().replace(record.block_table.encode(), other.encode()))
+        assert forged.block_table == other and forged.signature_check().signer([key.public]) is None
+
+
+def test_a_layer_whose_block_table_is_missing_is_converted_again_and_no_image_means_no_table(rich_image, tmp_path):
+    store = tmp_path / "store"
+    convert(rich_image.ref, store)
+    record = records(store, rich_image)[0]
+    (store / block_table_object(record.block_table)).unlink()
+    assert verify_layer(FileStoreWriter(store), record.chain_id) is None
+    again, writer = convert(rich_image.ref, store)
+    assert not again.layers[0].skipped and block_table_object(record.block_table) in writer.put_names
+    none = tmp_path / "none"
+    convert(rich_image.ref, none, inline_max=None)
+    assert all(not r.block_table and not r.image for r in records(none, rich_image))
+    assert not (none / "v1" / "blocktables").exists()
+
+
+def test_a_rerun_gives_an_image_from_before_block_tables_its_table_uploading_nothing_else(rich_image, tmp_path):
+    store = tmp_path / "store"
+    convert(rich_image.ref, store)
+    writer = FileStoreWriter(store)
+    for record in records(store, rich_image):  # as a conversion before block tables left it
+        old = dataclasses.replace(record, block_table="", signatures=(), signed=None)
+        writer.put(chain_object(record.chain_id), old.encode())
+        (store / block_table_object(record.block_table)).unlink()
+    again, writer = convert(rich_image.ref, store)
+    assert all(layer.skipped and layer.image is None for layer in again.layers)
+    assert {name.split("/")[1] for name in writer.put_names} == {"blocktables", "chains"}
+    assert all(record.block_table for record in records(store, rich_image))
+
+
 def test_a_rerun_adds_images_to_an_older_conversion_uploading_no_layer_block_then_nothing(rich_image, tmp_path):
     store = tmp_path / "store"
     older, writer = convert(rich_image.ref, store, inline_max=None)
@@ -108,9 +155,9 @@ def test_a_rerun_adds_images_to_an_older_conversion_uploading_no_layer_block_the
     assert [layer.skipped for layer in again.layers] == [True] * len(again.layers)
     assert all(layer.image is not None for layer in again.layers)
     assert not layer_objects & set(writer.put_names)  # no pack, index or segment of the layers put again (records are)
-    assert {name.split("/")[1] for name in writer.put_names} == {"packs", "dedup", "images", "chains"}
+    assert {name.split("/")[1] for name in writer.put_names} == {"packs", "dedup", "images", "blocktables", "chains"}
     assert "given their EROFS image" in again.summary()
-    assert all(record.image for record in records(store, rich_image))
+    assert all(record.image and record.block_table for record in records(store, rich_image))
     third, writer = convert(rich_image.ref, store)
     assert writer.put_names == [] and all(layer.image is None for layer in third.layers)
 

@@ -264,7 +264,7 @@ def test_a_warm_no_mount_takes_leaves_nothing_on_disk_once_no_load_uses_its_imag
                 clock.jump(WARM_KEEP / 2)
                 await wait_until_async("the second load expired", lambda: warm().expired == 2)
                 assert (warm().held, os.listdir(paths.erofs_images), table_copy.exists()) == (0, [], False)
-                assert server._loaded == {}  # the server forgets loads no one holds
+                assert server.loader.remembered() == []  # the loader forgets loads no one holds
             finally:
                 server.erofs.checker.close()
                 nursery.cancel_scope.cancel()

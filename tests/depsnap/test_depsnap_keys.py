@@ -346,3 +346,54 @@ def test_the_nodes_image_mapping_is_checked_and_gives_a_container_its_key(tmp_pa
     assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", "") is None  # not over an image layer
     node.deps_images = {}
     assert mapped_key(node.deps_images, node.stat, "k8s.io/9/ctr", chain) is None
+
+
+def _control_requests(address: str) -> dict[str, float]:
+    """The layer server's control requests so far, by operation (its watch's ``status`` left out)."""
+    from tests.support.daemon import scrape
+
+    counts: dict[str, float] = {}
+    for (name, labels), value in scrape(address).items():
+        if name == "bootseer_layer_server_requests_total":
+            op = dict(labels)["op"]
+            if op != "status":
+                counts[op] = counts.get(op, 0) + value
+    return counts
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {op: after[op] - before.get(op, 0) for op in after if after[op] != before.get(op, 0)}
+
+
+@needs_root
+def test_a_container_start_makes_one_control_round_trip_and_a_dependency_hit_three(tmp_path: Path, snapshotter_factory) -> None:
+    """The round trips to the layer server's control socket of a container's start (containerd's Prepare, then the
+    task's Mounts), counted by the server: the hot-list notice; on a dependency hit also the deps layer's mount,
+    whose lower dir the Prepare's mounts take as the mount answered it (no ``check`` of a layer mounted a moment
+    ago: four round trips before), and the Mounts' ``check`` that the layer is still served."""
+    from tests.support.waiting import free_port
+
+    store = tmp_path / "store"
+    store.mkdir()
+    metrics = f"127.0.0.1:{free_port()}"
+    daemon = snapshotter_factory("--store", str(store), "--layer-server-metrics-address", metrics)
+    parent = _image(daemon, "ns")
+    before = _control_requests(metrics)
+    _prepare(daemon, "ns", "3/plain", parent=parent)
+    daemon.stub.Mounts(api.MountsRequest(key="ns/3/plain"))
+    assert _delta(before, _control_requests(metrics)) == {"hotlist.prepared": 1}
+    labels = {DEPS_LABEL: compute_key(["sh", "-c", "install"], base_chain=TOP).key}
+    upper = Path(_options(_prepare(daemon, "ns", "4/job-1", parent=parent, labels=labels))["upperdir"])
+    (upper / "opt" / "deps").mkdir(parents=True)
+    (upper / "opt" / "deps" / "tool").write_text("installed\n")
+    (upper / ".bootseer" / "deps-done").touch()
+    assert _wait_for(upper / ".bootseer" / "deps-captured", daemon) == "published"
+    before = _control_requests(metrics)
+    hit = _options(_prepare(daemon, "ns", "5/job-2", parent=parent, labels=labels))
+    assert (Path(hit["upperdir"]) / ".bootseer" / "deps-hit").exists()
+    assert _delta(before, _control_requests(metrics)) == {"mount": 1, "hotlist.prepared": 1}
+    before = _control_requests(metrics)
+    assert _options(daemon.stub.Mounts(api.MountsRequest(key="ns/5/job-2")).mounts)["lowerdir"] == hit["lowerdir"]
+    assert _delta(before, _control_requests(metrics)) == {"check": 1}
+    for key in ("5/job-2", "4/job-1", "3/plain"):
+        daemon.stub.Remove(api.RemoveSnapshotRequest(key=f"ns/{key}"))

@@ -54,7 +54,8 @@ def check_cache_dir(directory: str | os.PathLike[str]) -> None:
         raise ValueError(f"cache directory {path!r} {what}: {exc.strerror or exc}") from None
 
 #: Bytes the node's block cache may hold unless told otherwise (``bootseer layer-server --cache-size``,
-#: the snapshotter's ``[cache] size``).
+#: the snapshotter's ``[cache] size``), together with the ``fanotify`` path's local blobs
+#: (:mod:`bootseer.blockstore.datapath.blob_store`: the cache is bounded by it less the blobs in use).
 DEFAULT_CACHE_SIZE = 16 << 30
 
 

@@ -24,6 +24,7 @@ import trio
 from bootseer.blockstore.server.client import InvalidRequest
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.node.fetcher import BlockFetcher
+from bootseer.blockstore.node.local_blocks import LocalBlocks
 from bootseer.blockstore.node.peers import PeerBlocks
 from bootseer.fetch.engine import Engine, EngineConfig
 from bootseer.fetch.source import SourceError
@@ -38,13 +39,16 @@ class StoreRegistry:
     ``cache`` is the node block cache every fetcher reads through and fills; ``threads``
     bounds their cache I/O, decompression and hashing together; ``peers`` is the peer
     group's client (None: no sharing) and ``known`` the store URLs this node is
-    configured with, that peers may ask for before a layer of them is mounted here.
+    configured with, that peers may ask for before a layer of them is mounted here; ``local``
+    the blocks on this node's disk outside the node cache (the ``fanotify`` path's blobs), which
+    every fetcher serves peers from before the node cache and the store.
     """
 
     def __init__(self, nursery: trio.Nursery, engine: EngineConfig, source_options: dict[str, Any], cache: BlockCache | None,
                  threads: trio.CapacityLimiter, *, peers: PeerBlocks | None = None,
-                 known: Iterable[str] = ()) -> None:  # fmt: skip
+                 known: Iterable[str] = (), local: LocalBlocks | None = None) -> None:  # fmt: skip
         self._nursery = nursery
+        self._local = local
         self._peers = peers
         if peers is not None:
             # A member fetches from the store only the blocks it owns, about one in N of them: a gap
@@ -77,7 +81,7 @@ class StoreRegistry:
                 self._engines[store] = engine
                 self._fetchers[store] = BlockFetcher(
                     engine, self._cache, threads=self._threads, peers=self._peers,
-                    peer_store=peer_store_id(redact_url(store)),
+                    peer_store=peer_store_id(redact_url(store)), local=self._local,
                 )  # fmt: skip
         return self._engines[store], self._fetchers[store]
 

@@ -20,7 +20,9 @@ readers in this or another process see a whole entry or none; no fsync is needed
 because a torn entry after a crash fails its checksum.  Recency is the entry file's
 mtime (touched on every hit), and whoever finds the cache over ``max_bytes`` scans
 it and deletes least recently used entries down to 90%; concurrent deletion by two
-processes is harmless.  The cache never raises: a disk problem is logged and behaves
+processes is harmless.  A cache that shares its bound with something else (a layer server's
+local blobs in use) is given ``others``, what that holds now: the entries are bounded by
+``max_bytes`` less it.  The cache never raises: a disk problem is logged and behaves
 as a miss.
 
 A subclass may keep its entries' file pages out of the kernel's page cache
@@ -43,6 +45,7 @@ import re
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import prometheus_client
@@ -137,13 +140,16 @@ class VerifiedFileCache:
     #: file it serves them through).  Costs a wait for the disk per write and a disk read per hit.
     keep_out_of_page_cache = False
 
-    def __init__(self, directory: str, max_bytes: int) -> None:
+    def __init__(self, directory: str, max_bytes: int, *, others: Callable[[], int] | None = None) -> None:
         if max_bytes < 1:
             raise ValueError(f"cache size must be positive, not {max_bytes}")
         if len(self.MAGIC) != 8:
             raise TypeError(f"{type(self).__name__}.MAGIC must be 8 bytes")
         self.directory = os.path.abspath(directory)
         self.max_bytes = max_bytes
+        #: Bytes that others hold within the same ``max_bytes`` (a layer server's local blobs in use): the
+        #: entries are evicted down from what they leave.  Called in whichever thread writes or scans.
+        self._others = others
         os.makedirs(self.directory, exist_ok=True)
         self._lock = threading.Lock()
         self._stats = CacheStats(max_bytes=max_bytes)
@@ -282,10 +288,14 @@ class VerifiedFileCache:
         with self._lock:
             self._estimate += size
             self._written_since_scan += size
-            due = self._estimate > self.max_bytes or self._written_since_scan > self.max_bytes // 8
+            due = self._estimate > self._limit() or self._written_since_scan > self.max_bytes // 8
         self._bytes.set(self._estimate)
         if due:
             self._evict()
+
+    def _limit(self) -> int:
+        """The bytes the entries may hold now: ``max_bytes`` less what others hold within it."""
+        return max(0, self.max_bytes - self._others()) if self._others is not None else self.max_bytes
 
     def _write_failed(self, path: str, exc: OSError) -> None:
         """Count a failed write; say so on the first, then once per :data:`WRITE_FAILURE_SUMMARY_SECONDS`."""
@@ -340,9 +350,10 @@ class VerifiedFileCache:
                 self._errors.inc()
                 log.warning("cache scan failed", cache=self.kind, directory=self.directory, error=str(exc))
                 return
-            if total > self.max_bytes:
+            limit = self._limit()
+            if total > limit:
                 entries.sort()
-                target = int(self.max_bytes * _LOW_WATER)
+                target = int(limit * _LOW_WATER)
                 for _mtime, path, size in entries:
                     if total <= target:
                         break

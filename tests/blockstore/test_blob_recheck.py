@@ -61,9 +61,10 @@ def _checks(node: Any) -> list[dict[str, str]]:
 
 
 def _fill(converted: Any, node_factory: Any, paths: list[str]) -> tuple[Any, Any, str, dict[str, str]]:
-    """A fanotify node with the layer mounted and ``paths`` read through it (their blocks on disk)."""
+    """A fanotify node with the layer mounted and ``paths`` read through it (their blocks on disk, and no other:
+    no fill groups, so the blob keeps its holes)."""
     store, built = converted
-    node = node_factory(f"file://{store}", data_path="fanotify")
+    node = node_factory(f"file://{store}", data_path="fanotify", fill_group=0)
     client = node.ensure()
     lower = client.mount(built.chain_id).lower_dir
     expected = _expected()

@@ -95,8 +95,11 @@ def test_auto_picks_fanotify_here_with_its_log_line(built: Any, node_factory: An
     assert Path(f"/sys/class/bdi/{bdi}/read_ahead_kb").read_text().strip() == "1024"
     client.unmount(built[1][0].chain_id)
     assert not Path(f"/sys/class/bdi/{bdi}").exists()
-    # The last layer of an index takes its blob and fill map along (the directory's lock stays: the server lives).
-    assert [path.name for path in (node.root / "cache" / "blobs").iterdir()] == ["server.lock"]
+    # The last layer of an index closes its blob cleanly and keeps it for a later mount (blob, fill map and clean-close
+    # record, within --cache-size: blockstore.datapath.blob_store); nothing else is left (the probes' files are gone).
+    index = built[1][0].record.index
+    assert sorted(path.name for path in (node.root / "cache" / "blobs").iterdir()) == sorted(
+        ["server.lock", f"{index}.blob", f"{index}.filled", f"{index}.closed"])
 
 
 def test_a_cache_on_tmpfs_makes_auto_pick_erofs_naming_why_not_fanotify(tmpfs: Path, built: Any, node_factory: Any) -> None:

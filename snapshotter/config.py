@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.event_holder import HOLE_WAIT
+from bootseer.blockstore.datapath.fill_group import FILL_GROUP, check_fill_group
 from bootseer.blockstore.node.block_cache import DEFAULT_CACHE_SIZE
 from bootseer.blockstore.peers.config import PeerConfig, PeerConfigError
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
@@ -69,7 +70,7 @@ class Config:
     store_url: str = ""  #: where converted layers are; empty: no remote snapshots
     store_proxy: ProxyConfig | None = None  #: ``[store] proxy`` and its ``proxy_*`` keys; None: read the store direct
     cache_dir: Path | None = None  #: the node's block cache; None: ``ROOT/cache``
-    cache_size: int = DEFAULT_CACHE_SIZE  #: bytes the block cache may hold
+    cache_size: int = DEFAULT_CACHE_SIZE  #: bytes the block cache and the local blobs may hold together
     fetch_streams: int = 16  #: parallel range requests per store
     fetch_retry_timeout: float = EngineConfig.retry_timeout  #: seconds a failing fetch is retried before the read fails (EIO)
     fetch_memory_limit: int = EngineConfig.memory_limit  #: stripe bytes the layer server holds in memory per store
@@ -81,6 +82,8 @@ class Config:
     data_path: str = "auto"  #: ``[fuse] data_path``: auto, fanotify, erofs, loop or tree (the layer server's ``--data-path``)
     #: ``[datapath] hole_wait``: seconds a read of a hole on ``fanotify`` waits with no layer server before EIO
     hole_wait: float = HOLE_WAIT
+    #: ``[datapath] fill_group``: raw bytes an event for a hole on ``fanotify`` fills at once (datapath.fill_group)
+    fill_group: int = FILL_GROUP
     #: ``[datapath] background_fill``, ``background_fill_rate``, ``background_fill_idle``: the rest of each blob
     #: filled once the link is idle (blockstore.datapath.background_fill)
     background_fill: BackgroundFillConfig = field(default_factory=BackgroundFillConfig)
@@ -128,6 +131,7 @@ DEFAULTS: dict[str, Any] = {
     "fuse.metrics_address": "",
     "fuse.data_path": "auto",
     "datapath.hole_wait": HOLE_WAIT,
+    "datapath.fill_group": f"{FILL_GROUP >> 20}M",
     "datapath.background_fill": BackgroundFillConfig.enabled,
     "datapath.background_fill_rate": f"{BackgroundFillConfig.rate >> 20}M",
     "datapath.background_fill_idle": BackgroundFillConfig.idle,
@@ -170,6 +174,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "hotlist.prefetch_cold_rate": (str, int),
     "hotlist.prefetch_page_cache": (bool,),
     "datapath.hole_wait": (float, int),
+    "datapath.fill_group": (str, int),
     "datapath.background_fill": (bool,),
     "datapath.background_fill_rate": (str, int),
     "datapath.background_fill_idle": (float, int),
@@ -197,6 +202,7 @@ FLAGS: dict[str, str] = {
     "hotlist.publish_store": "publish_store",
     "fuse.metrics_address": "layer_server_metrics_address",
     "fuse.data_path": "data_path",
+    "datapath.fill_group": "fill_group",
     "trust.converter_keys": "converter_key",
     "trust.writer_keys": "writer_key",
     "trust.sign_key": "sign_key",
@@ -338,6 +344,11 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         except ValueError as exc:
             raise invalid(key, f"{exc}, not {value!r}") from None
     prefetch = dataclasses.replace(prefetch, page_cache=merged["hotlist.prefetch_page_cache"])
+    fill_group = merged["datapath.fill_group"]
+    try:
+        fill_group = check_fill_group(fill_group if isinstance(fill_group, int) else parse_size(fill_group))
+    except (argparse.ArgumentTypeError, ValueError) as exc:
+        raise invalid("datapath.fill_group", str(exc)) from None
     rate = merged["datapath.background_fill_rate"]
     try:
         rate = rate if isinstance(rate, int) else parse_size(rate)
@@ -400,6 +411,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         layer_server_metrics_address=layer_server_metrics,
         data_path=merged["fuse.data_path"],
         hole_wait=float(merged["datapath.hole_wait"]),
+        fill_group=fill_group,
         background_fill=background_fill,
         converter_keys=key_files["trust.converter_keys"],
         writer_keys=key_files["trust.writer_keys"],

@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     lazy = parser.add_argument_group("lazy layers (remote snapshots; off unless a store is given)")
     lazy.add_argument("--store", metavar="URL", help="store of converted layers: file://, s3://, http(s)://, hdfs://")
     lazy.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (default ROOT/cache)")
-    lazy.add_argument("--cache-size", metavar="SIZE", help=f"block cache size (default {config.DEFAULTS['cache.size']})")
+    lazy.add_argument("--cache-size", metavar="SIZE", help=f"bytes the block cache and the local blobs may hold together (default {config.DEFAULTS['cache.size']})")
     lazy.add_argument(
         "--publish-store", metavar="URL",
         help="writable store the layer server publishes hot lists to, where --store is read-only (an http front); "
@@ -127,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-path", metavar="PATH",
         help="[fuse] data_path: how the layer server gives overlayfs a layer's tree: auto (default: EROFS "
              "where the kernel has it), erofs (file-backed), loop (EROFS over loop devices) or tree (per-file FUSE)",
+    )  # fmt: skip
+    lazy.add_argument(
+        "--fill-group", metavar="SIZE",
+        help=f"[datapath] fill_group: on fanotify, raw bytes of adjacent blocks an event for a hole fills at once "
+             f"(0: only the read's; default {config.DEFAULTS['datapath.fill_group']})",
     )  # fmt: skip
     trust = parser.add_argument_group("trust (docs/trust.md; no keys: the store is trusted as it is)")
     trust.add_argument("--converter-key", action="append", metavar="FILE",
@@ -304,6 +309,7 @@ class Daemon:
             metrics_address=settings.layer_server_metrics_address or None,
             data_path=settings.data_path,
             hole_wait=settings.hole_wait,
+            fill_group=settings.fill_group,
             background_fill=settings.background_fill,
             converter_keys=tuple(map(str, settings.converter_keys)),
             writer_keys=tuple(map(str, settings.writer_keys)),

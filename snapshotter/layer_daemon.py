@@ -26,6 +26,7 @@ from bootseer.blockstore.server.client import read_secret_file, read_setting_fil
 from bootseer.paths import ServerPaths
 from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
 from bootseer.blockstore.datapath.choice import DATA_PATHS, FILESYSTEMS, DataPathUnavailable
+from bootseer.blockstore.datapath.fill_group import check_fill_group
 from bootseer.blockstore.objects.signing import KeyFileError, TrustPolicy
 from bootseer.blockstore.server.layer_server import LayerServer, LayerServerConfig, ServerAlreadyRunning, run_server
 from bootseer.units import parse_size
@@ -113,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              f"is done direct and the proxy set aside ({DEFAULT_READ_TIMEOUT:g})")  # fmt: skip
     parser.add_argument("--cache-dir", metavar="DIR", help="the node's block cache (ROOT/cache)")
     parser.add_argument("--cache-size", type=parse_size, default=LayerServerConfig.cache_size, metavar="SIZE",
-                        help=f"block cache size ({LayerServerConfig.cache_size >> 30}G)")
+                        help=f"bytes the block cache and the fanotify local blobs may hold together ({LayerServerConfig.cache_size >> 30}G)")
     parser.add_argument("--streams", type=_positive_int, metavar="N", help="parallel range requests per store (16)")
     parser.add_argument(
         "--retry-timeout", type=_seconds, metavar="SECONDS",
@@ -146,6 +147,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="fanotify data path: how long a read of a hole may wait with no layer server to answer it "
              f"before it fails with EIO (the event holder's bound; {LayerServerConfig.hole_wait:g})",
     )  # fmt: skip
+    parser.add_argument("--fill-group", type=parse_size, default=LayerServerConfig.fill_group, metavar="SIZE",
+                        help="fanotify data path: raw bytes of the blob an event for a hole fills at once, the read's "
+                             f"blocks with their neighbours (0: only the read's; {LayerServerConfig.fill_group >> 20}M)")
     parser.add_argument("--no-background-fill", action="store_true",
                         help="fanotify data path: never fill the rest of a layer's blob in the background (it is "
                              "filled, once the link has been idle a while, so that blobs complete)")  # fmt: skip
@@ -348,12 +352,14 @@ def layer_server_command(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         data_path=args.data_path,
         hole_wait=args.hole_wait,
+        fill_group=args.fill_group,
         filesystems=args.kernel_filesystems,
         started_with=_started_with(args, args.settings_parser),
     )
     try:
         hotlist = layer_server_hotlist_config(args)
         config = dataclasses.replace(config, peers=layer_server_peer_config(args))
+        check_fill_group(args.fill_group)
         if not args.hole_wait > 0:
             raise ValueError(f"--hole-wait must be a positive number of seconds, not {args.hole_wait:g}")
         config = dataclasses.replace(config, background_fill=BackgroundFillConfig(

@@ -7,7 +7,7 @@ server holds the blob (a block is written, then noted); between two servers anyt
 happened to the files: the blob truncated (its tail reads as zeros once it is extended again),
 a hole punched, a byte changed.  So whenever a blob of this boot is opened again, made anew over
 its files or adopted from the event holder's kept writer, :func:`check_claims` checks each
-block the map claims (``FILLED``; ``UNREAD`` blocks are read by no file and stay):
+block the map claims (``FILLED`` or ``AHEAD``; ``UNREAD`` blocks are read by no file and stay):
 
 * **the blob's size**: a block whose bytes reach past the blob's end is missing (the blob is
   extended to its size only after that, never trusted as it was);
@@ -51,9 +51,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bootseer.atomic import write_atomically
-from bootseer.blockstore.objects.format import LayerIndex
+from bootseer.blockstore.datapath.event_holder import AHEAD
+from bootseer.blockstore.objects.block_table import LayerBlocks
 
 FILLED = 1  #: a fill map's byte for a block on disk (local_blobs: 0 missing, 1 on disk, 2 read by no file)
+#: The map's bytes that claim a block on disk: read (``FILLED``) or written ahead of any read (``AHEAD``).
+ON_DISK = frozenset({FILLED, AHEAD})
 #: Threads hashing one blob's claimed blocks at once.
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 #: The most bytes one ``pread`` of adjacent claimed blocks reads for hashing.
@@ -124,7 +127,8 @@ def record_path(blob: Path) -> Path:
 def write_record(path: Path, writer: int, map_fd: int, boot: str) -> CloseRecord:
     """Record that the blob (open as ``writer``) and its fill map (``map_fd``) are closed cleanly now: written
     last, after every write to either (a later write changes their stamps, and the record no longer matches).
-    Not made durable: a boot that loses it starts the blob again anyway (its map is of another boot)."""
+    Not made durable: a record names its boot, so after a reboot it never matches, and every block the map
+    claims is hashed anyway."""
     record = CloseRecord(boot, FileStamp.of(writer), FileStamp.of(map_fd))
     write_atomically(path, record.encode(), durable=False, mode=0o600)
     return record
@@ -160,7 +164,7 @@ def unchanged_since(record: CloseRecord | None, writer: int, map_fd: int, boot: 
 class CheckResult:
     """What :func:`check_claims` found: the blocks it dropped, by the check each failed (ascending, disjoint)."""
 
-    claimed: int  #: blocks the map claimed (``FILLED``) before the checks
+    claimed: int  #: blocks the map claimed (``FILLED`` or ``AHEAD``) before the checks
     verified: bool  #: whether their digests were checked (the blob may have changed since a clean close)
     beyond_end: list[int]  #: blocks whose bytes reach past the blob's end
     in_holes: list[int]  #: blocks whose bytes are not all data on disk
@@ -191,12 +195,12 @@ def data_extents(fd: int, size: int) -> list[tuple[int, int]]:
     return extents
 
 
-def beyond_end(index: LayerIndex, refs: Sequence[int], size: int) -> list[int]:
+def beyond_end(index: LayerBlocks, refs: Sequence[int], size: int) -> list[int]:
     """The blocks of ``refs`` whose raw bytes reach past ``size`` (a blob cut short)."""
     return [ref for ref in refs if index.blob_offset(ref) + index.blocks[ref].rlen > size]
 
 
-def in_holes(index: LayerIndex, refs: Sequence[int], extents: Sequence[tuple[int, int]]) -> list[int]:
+def in_holes(index: LayerBlocks, refs: Sequence[int], extents: Sequence[tuple[int, int]]) -> list[int]:
     """The blocks of ``refs`` (ascending) whose raw bytes do not lie wholly in one of ``extents`` (ascending, as
     :func:`data_extents` gives them: adjacent data is one extent)."""
     out, position = [], 0
@@ -210,7 +214,7 @@ def in_holes(index: LayerIndex, refs: Sequence[int], extents: Sequence[tuple[int
     return out
 
 
-def _runs(index: LayerIndex, refs: Sequence[int]) -> Iterator[list[int]]:
+def _runs(index: LayerBlocks, refs: Sequence[int]) -> Iterator[list[int]]:
     """``refs`` (ascending) in runs of adjacent blocks of at most :data:`READ_BYTES` (one ``pread`` each)."""
     run: list[int] = []
     for ref in refs:
@@ -222,7 +226,7 @@ def _runs(index: LayerIndex, refs: Sequence[int]) -> Iterator[list[int]]:
         yield run
 
 
-def _corrupt_in_run(fd: int, index: LayerIndex, run: list[int]) -> list[int]:
+def _corrupt_in_run(fd: int, index: LayerBlocks, run: list[int]) -> list[int]:
     first = index.blob_offset(run[0])
     length = index.blob_offset(run[-1]) - first + index.blocks[run[-1]].rlen
     data = memoryview(os.pread(fd, length, first))
@@ -236,7 +240,7 @@ def _corrupt_in_run(fd: int, index: LayerIndex, run: list[int]) -> list[int]:
     return bad
 
 
-def corrupt(fd: int, index: LayerIndex, refs: Sequence[int], threads: int = HASH_THREADS) -> list[int]:
+def corrupt(fd: int, index: LayerBlocks, refs: Sequence[int], threads: int = HASH_THREADS) -> list[int]:
     """The blocks of ``refs`` (ascending) whose raw bytes in the blob (read through ``fd``) do not hash to their
     digest, as the fetcher checks a block: SHA-256 of the block's ``rlen`` bytes at its blob offset."""
     runs = list(_runs(index, refs))
@@ -246,12 +250,12 @@ def corrupt(fd: int, index: LayerIndex, refs: Sequence[int], threads: int = HASH
         return sorted(ref for bad in pool.map(lambda run: _corrupt_in_run(fd, index, run), runs) for ref in bad)
 
 
-def check_claims(fd: int, index: LayerIndex, filled: bytearray, *, verify: bool) -> CheckResult:
+def check_claims(fd: int, index: LayerBlocks, filled: bytearray, *, verify: bool) -> CheckResult:
     """Check every block ``filled`` claims (``FILLED``) against the blob open as ``fd`` (not yet extended to its
     size: its size is part of the check), digests too when ``verify``; every block that fails is set to 0 in
     ``filled`` (the caller writes the map and punches the blob: :func:`drop`).  Blocking."""
     started = time.perf_counter()
-    claimed = [ref for ref, state in enumerate(filled) if state == FILLED]
+    claimed = [ref for ref, state in enumerate(filled) if state in ON_DISK]
     size = os.fstat(fd).st_size
     cut = beyond_end(index, claimed, size)
     if cut:
@@ -283,7 +287,7 @@ def punch(fd: int, offset: int, length: int) -> bool:
     raise OSError(code, f"cannot punch a hole at {offset}+{length}: {os.strerror(code)}")
 
 
-def drop(writer: int, map_fd: int, map_start: int, index: LayerIndex, refs: Sequence[int]) -> None:
+def drop(writer: int, map_fd: int, map_start: int, index: LayerBlocks, refs: Sequence[int]) -> None:
     """Mark blocks ``refs`` missing in the fill map (``map_start``: where its block bytes begin), then punch their
     slots out of the blob (``writer``, a descriptor that raises no event), only up to the blob's end."""
     for ref in refs:

@@ -48,7 +48,9 @@ An event whose blocks are all on disk already is answered by the holder itself: 
 each kept blob's fill map (``pread``: a map truncated under it only passes the event on;
 a byte is set only after its block is written) and allows the read when no block of the
 range is missing, without the server.  It tells the server how many it answered, every half
-second.
+second, and, at once, each read it allowed that reached a block written ahead of any read
+(:data:`AHEAD`: a fill group's or the background fill's), so that the server sees every
+block's first read (the hot-list recorder does) without the read waiting on it.
 
 The server says back which events it answered (the holder closes their descriptors only
 then: the kernel names an event by that number, which must not be reused while it is
@@ -100,6 +102,11 @@ BATCH = 64
 MESSAGE_SIZE = 1 + BATCH * MIRRORED.size + 4096
 #: A fill map's header (magic, boot id, blocks), then a byte per block: 0 missing (local_blobs.LocalBlob).
 MAP_HEADER = struct.Struct("<10s36sQ")
+#: A fill map's byte for a block written ahead of any read (a fill group's, the background fill's): on disk, so the
+#: holder allows its read, and tells the server the first read of it (:data:`FIRST_READ`), which notes it filled.
+AHEAD = 3
+#: A first read of blocks written ahead, holder -> server: the reader's pid, offset, count, then the blob's name.
+FIRST = struct.Struct("<iQQ")
 #: Seconds between the holder's counts of events it answered itself, sent to the server.
 COUNT_INTERVAL = 0.5
 #: Seconds between the holder's checks of its root, its waits and its standby.
@@ -115,7 +122,7 @@ STANDBY_SEND_TIMEOUT = 5.0
 #: Blob writers kept at most (each is two descriptors).
 MAX_BLOBS = 4096
 #: Message kinds (first byte).
-HELLO, WRITER, READY, EVENTS, ANSWERED, REFUSED = b"H", b"K", b"Z", b"E", b"S", b"X"  # holder -> server
+HELLO, WRITER, READY, EVENTS, ANSWERED, REFUSED, FIRST_READ = b"H", b"K", b"Z", b"E", b"S", b"X", b"A"  # holder -> server
 DONE, KEEP, FORGET, RELEASE = b"D", b"K", b"F", b"R"  # server -> holder
 GROUP, BYE = b"G", b"B"  # holder (or a server seeding one) -> standby, with KEEP, FORGET, EVENTS (MIRRORED), DONE
 #: This module, as the holders' command lines name it (``python -P -m``: never a module of the working directory).
@@ -207,6 +214,7 @@ class BlobView:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError("a blob's writer and fill map are regular files")
         self.writer, self.map_fd = writer, map_fd
+        self.name = ""  #: what the server calls the blob (set when kept)
         info = os.fstat(writer)
         self.key = (info.st_dev, info.st_ino)
         header = os.pread(map_fd, MAP_HEADER.size, 0)
@@ -217,15 +225,16 @@ class BlobView:
             raise ValueError(f"the fill map claims {self.blocks} blocks it does not hold")
         self.block_size = info.st_size // self.blocks if self.blocks else 0
 
-    def present(self, offset: int, count: int) -> bool:
-        """Whether every block of the range is on disk (or addressed by no file): the read may go on."""
+    def present(self, offset: int, count: int) -> bytes | None:
+        """The fill map's bytes of the range's blocks if every one is on disk (or addressed by no file): the read
+        may go on; else None."""
         if not count or not self.block_size:
-            return False
+            return None
         first, last = offset // self.block_size, min(self.blocks, -(-(offset + count) // self.block_size)) - 1
         if last < first:
-            return False
+            return None
         states = os.pread(self.map_fd, last - first + 1, MAP_HEADER.size + first)
-        return len(states) == last - first + 1 and 0 not in states
+        return states if len(states) == last - first + 1 and 0 not in states else None
 
     def has_hole(self) -> bool:
         """Whether a block is missing (or the map cannot say: then it counts as a hole)."""
@@ -469,9 +478,13 @@ class Holder:
         try:
             info = os.fstat(event.fd)
             view = self.views.get((info.st_dev, info.st_ino))
-            if view is None or not view.present(event.offset, event.count):
+            states = view.present(event.offset, event.count) if view is not None else None
+            if states is None:
                 return False
             answer(self.group, event.fd, ALLOW)
+            if AHEAD in states:
+                assert view is not None
+                self.send_first_read(view.name, event)
         except (OSError, ValueError) as exc:  # anything odd: the server decides
             _log("event passed on after an error", error=str(exc))
             return False
@@ -506,6 +519,16 @@ class Holder:
             self.drop_server(f"cannot send it the count: {exc}")
             return
         self._counted, self._count_sent = self.answered, now
+
+    def send_first_read(self, name: str, event: Event) -> None:
+        """Tell the server a read allowed here reached blocks written ahead (lost with no server connected: the
+        hot-list recorder then misses it, the read does not)."""
+        if self.server is None:
+            return
+        try:
+            send_fds(self.server, FIRST_READ + FIRST.pack(event.pid, event.offset, event.count) + name.encode(), [])
+        except OSError as exc:
+            self.drop_server(f"cannot send it a first read: {exc}")
 
     def send_events(self, events: Sequence[Event]) -> None:
         for start in range(0, len(events), BATCH):
@@ -588,6 +611,7 @@ class Holder:
             raise ValueError(f"{MAX_BLOBS} blobs kept already")
         view = BlobView(writer, map_fd)  # raises: the caller still owns (and closes) both
         view.writer, view.map_fd = _high(writer), _high(map_fd)
+        view.name = name
         self.forget(name)
         self.writers[name] = self.views[view.key] = view
         return view

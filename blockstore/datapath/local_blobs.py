@@ -16,33 +16,40 @@ on the kernel reads it with no userspace at all.
 
 Which blocks are on disk is the fill map ``CACHE/blobs/<index>.filled`` (a header naming
 the boot, then a byte per block), written after the block: a crash leaves it behind the
-blob, never ahead.  After a reboot the page cache the map relied on is gone, so a blob of
-another boot starts again empty (its blocks come back from the node cache).
+blob, never ahead.  After a reboot the page cache the map relied on is gone (a block noted in
+the map may never have reached the disk), so a map of another boot is trusted only block by
+block: every block it claims is hashed against its digest (:mod:`.blob_check`, as for a blob
+no server held cleanly), those that fail are missing again, and the header then names this boot.
 
 The group is held, and its events read, by the event holder (:mod:`.event_holder`): the
 layer server may be killed or upgraded at any time and the reads waiting on it resume when
 the next server is up.  :class:`HolderLink` is the server's end of that socket.
 
-The node cache and the blob stay two things: the node cache is content-addressed
-(deduplicated across layers, what peers are served from, bounded by ``--cache-size`` with
-LRU eviction); a blob is one layer's bytes at their EROFS addresses, kept while a layer
-with that index is mounted and removed with the last one.
+A layer's blob is the node's copy of its blocks: it outlives its mounts and the server's
+restarts (the last unmount closes it cleanly and keeps it; the next mount of its index opens it
+again with its fill map), within ``--cache-size`` together with the node cache, evicted whole,
+least recently used first, once no layer uses it (:mod:`.blob_store`).  Peers are served from
+the blocks on disk in the open blobs (:mod:`.blob_blocks`, the block fetcher's
+:class:`~bootseer.blockstore.node.local_blocks.LocalBlocks`).  The node cache is content-addressed
+(deduplicated across layers); it holds the blocks the fetcher gets for anything but a blob fill
+(the per-file tree's reads, the other data paths' FUSE blob reads, the EROFS images' blocks).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import bisect
+import dataclasses
 import functools
 import os
 import socket
 import struct
 import subprocess
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Container, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,14 +59,20 @@ import trio
 
 from bootseer import cpu
 from bootseer.blockstore.datapath import blob_check, fanotify
+from bootseer.blockstore.datapath.blob_blocks import FilledBlocks, FilledBlocksStatistics
+from bootseer.blockstore.datapath.blob_store import BlobStore, BlobStoreStatistics
 from bootseer.blockstore.datapath.background_fill import BackgroundFill, BackgroundFillStatistics
 from bootseer.blockstore.datapath.background_fill_config import BackgroundFillConfig
+from bootseer.blockstore.datapath.fill_group import FILL_GROUP, group_starts
 from bootseer.blockstore.datapath.event_holder import (
+    AHEAD,
     ANSWERED,
     BATCH,
+    FIRST_READ,
     DONE,
     EVENT,
     EVENTS,
+    FIRST,
     FORGET,
     GROUP,
     HELLO,
@@ -76,7 +89,7 @@ from bootseer.blockstore.datapath.event_holder import (
     received_fds,
     rights,
 )
-from bootseer.blockstore.objects.format import EntryType, LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
 from bootseer.fetch.retry import is_permanent
 from bootseer.fetch.stripes import FetchError
 from bootseer.log import get_logger
@@ -106,11 +119,16 @@ FILL_SECONDS = prometheus_client.Histogram(
 BLOBS = prometheus_client.Gauge("bootseer_local_blobs", "Local blobs of served layers, by state", ["state"])
 
 _MAP_MAGIC = b"BSBLOBMAP1"
-FILLED, UNREAD = 1, 2  #: a fill map's bytes: 0 missing, 1 on disk, 2 addressed by no file of the image
+FILLED, UNREAD = 1, 2  #: a fill map's bytes: 0 missing, 1 on disk, 2 addressed by no file of the image (3: AHEAD)
 _MAP_HEADER = struct.Struct("<10s36sQ")  #: magic, boot id, blocks
 HOLDER_CONNECT_TIMEOUT = 30.0
 #: Worker threads writing fills into blobs at once (page-cache writes: they release the interpreter lock).
 WRITE_THREADS = 4
+#: Seconds between two looks at which blobs a recording watches (:meth:`FanotifyBlobs._settle`).
+SETTLE_INTERVAL = 0.5
+#: Seconds a whole blob with blocks written ahead and not read keeps its mark after the last recording of its layer
+#: (:meth:`FanotifyBlobs._watched`): a recording that starts meanwhile still sees their first reads.
+WATCH_HOLD = 60.0
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -123,6 +141,55 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[written:], offset + written
 
 
+def _runs(refs: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending ``refs`` as runs of adjacent numbers: (start, stop) each."""
+    out: list[tuple[int, int]] = []
+    for ref in refs:
+        if out and out[-1][1] == ref:
+            out[-1] = (out[-1][0], ref + 1)
+        else:
+            out.append((ref, ref + 1))
+    return out
+
+
+class BlobFill:
+    """A fill's :class:`~bootseer.blockstore.objects.format.BlockSink`: the blocks the fetcher verifies go straight
+    into the blob (one worker-thread call decodes, hashes and writes a batch), never into the node cache.
+
+    With ``read`` (the blocks a waiting read needs) those are written first, and ``on_read`` is called (from the
+    worker thread: it must be thread-safe) once they are all on disk, before the rest of the batch is written: the
+    read goes on while the fill group's other blocks are written."""
+
+    def __init__(self, blob: LocalBlob, refs: Sequence[int], read: Container[int] | None,
+                 on_read: Callable[[], None] | None = None) -> None:  # fmt: skip
+        self.blob, self.read, self.on_read = blob, read, on_read
+        self._refs: dict[str, list[int]] = {}
+        for ref in refs:
+            self._refs.setdefault(blob.index.blocks[ref].digest, []).append(ref)
+        self.completed = False  #: a put completed the blob
+
+    def put(self, blocks: Sequence[tuple[str, bytes]]) -> None:
+        first: list[tuple[int, bytes]] = []
+        rest: list[tuple[int, bytes]] = []
+        read = self.read
+        for digest, raw in blocks:
+            for ref in self._refs.get(digest, ()):
+                (first if read is not None and ref in read else rest).append((ref, raw))
+        try:
+            for part in (first, rest):
+                if part and self.blob.write([ref for ref, _ in part], [raw for _, raw in part], read):
+                    self.completed = True
+                if part is first and first and self.on_read is not None and not self.blob.missing_of(read):
+                    self.on_read()
+        except OSError as exc:
+            raise BlobWriteError(exc.errno or errno.EIO, f"writing into {self.blob.path}: {exc.strerror or exc}") from None
+
+
+class BlobWriteError(OSError):
+    """Verified blocks could not be written into a local blob (a full disk, say): raised through the fetch that
+    handed them over, and told apart from the fetch's own failures (the read fails with this errno)."""
+
+
 def boot_id() -> str:
     """This boot's id (the kernel's random ``boot_id``)."""
     with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as source:
@@ -133,13 +200,15 @@ class LocalBlob:
     """One layer's blob on the node's disk: its writer, its fill map, and whether it is still marked.
 
     Made by :meth:`FanotifyBlobs.open`; every method that touches the disk blocks (worker threads).  Opened
-    again over this boot's blob and map (made anew, or adopted from the event holder's kept writer), it first
+    again over a kept blob and its map (made anew, or adopted from the event holder's kept writer), it first
     checks every block the map claims against the blob (:mod:`.blob_check`: size, holes, and digests unless
-    the files are as the last clean close left them) and drops those that fail: they are fetched again.
+    the files are as this boot's last clean close left them: a map of another boot is always hashed in full)
+    and drops those that fail: they are fetched again.
     """
 
-    def __init__(self, directory: Path, index_name: str, index: LayerIndex, writer: int | None, group: int,
-                 addressed: Callable[[], Collection[int]] | None = None) -> None:  # fmt: skip
+    def __init__(self, directory: Path, index_name: str, index: LayerBlocks, writer: int | None, group: int,
+                 addressed: Callable[[], Collection[int]] | None = None, *,
+                 fill_group: int = FILL_GROUP) -> None:  # fmt: skip
         self.name = index_name
         self.index = index
         self.path = directory / f"{index_name}.blob"
@@ -162,15 +231,20 @@ class LocalBlob:
         was_missing = True
         try:
             header = os.pread(map_fd, _MAP_HEADER.size, 0)
-            ours = len(header) == _MAP_HEADER.size and _MAP_HEADER.unpack(header) == (_MAP_MAGIC, boot.encode(), blocks)
-            trusted = ours and (adopted or self.path.is_file())
+            magic, their_boot, their_blocks = _MAP_HEADER.unpack(header) if len(header) == _MAP_HEADER.size else (b"", b"", -1)
+            layers = magic == _MAP_MAGIC and their_blocks == blocks  # a map of this layer's geometry
+            ours = layers and their_boot == boot.encode()
+            #: The map is of an earlier boot (the node rebooted since it was written): every block it claims is
+            #: hashed against its digest before it is served (the page cache it relied on is gone).
+            self.other_boot = layers and not ours and not adopted
+            trusted = (ours or self.other_boot) and (adopted or self.path.is_file())
             if trusted:
                 got = os.pread(map_fd, blocks, _MAP_HEADER.size)
-                filled[: len(got)] = bytes(b if b in (FILLED, UNREAD) else 0 for b in got)
+                filled[: len(got)] = bytes(b if b in (FILLED, UNREAD, AHEAD) else 0 for b in got)
                 was_missing = 0 in filled
             elif adopted:
                 raise OSError(errno.EUCLEAN, f"the fill map {self.map_path} of a blob still marked is not this boot's")
-            else:  # a new blob, or one of another boot: start it again, empty
+            else:  # a new blob, or a map not of this layer's (or a blob gone): start it again, empty
                 # All-zero blocks are holes in the image (never read through it): never missing.
                 for ref, block in enumerate(index.blocks):
                     if block.is_zero:
@@ -185,6 +259,8 @@ class LocalBlob:
             assert writer is not None
             if trusted:  # before the blob is extended: a blob cut short loses the blocks past its end
                 self.check = self._check_claims(writer, map_fd, filled, record, adopted)
+                if self.other_boot:  # checked (and what failed dropped): the map is this boot's from now on
+                    os.pwrite(map_fd, _MAP_HEADER.pack(_MAP_MAGIC, boot.encode(), blocks), 0)
                 self.needs_remount = adopted and not was_missing and bool(self.check.dropped)
                 if self.needs_remount:
                     log.warning("a whole local blob kept across a restart lost blocks to its check: a mount made over "
@@ -209,10 +285,13 @@ class LocalBlob:
         self._addressed = addressed
         #: An upper bound of the blocks no file may address: those of one-block files that fit a block (their
         #: data may be inline in the image).  Below it, the blob may be whole already: the image is asked.
-        self._maybe_unread = sum(1 for entry in index.entries if entry.type is EntryType.FILE and entry.link is None
-                                 and len(entry.blocks) == 1 and 0 < entry.size <= index.block_size)  # fmt: skip
+        self._maybe_unread = index.small_files
         self._noted = False
         self._cursor = 0  #: where :meth:`next_missing` looks next
+        self._group_starts = group_starts(index.blocks, fill_group)  #: each fill group's first block (.fill_group)
+        #: A recording takes this layer's first reads (:meth:`FanotifyBlobs.settle`): a whole blob with blocks
+        #: written ahead and not yet read stays marked, so that their first reads are still seen.
+        self.watched = False
 
     def _take_close_record(self) -> blob_check.CloseRecord | None:
         """The record of this blob's last clean close, taken (deleted): any crash from now on leaves none."""
@@ -223,14 +302,15 @@ class LocalBlob:
         """Check the blocks this boot's map claims against the blob before any is served (:mod:`.blob_check`:
         size, holes, and digests unless ``record`` shows both files as their last clean close left them); those
         that fail are 0 in ``filled`` and the map, and holes in the blob.  One log line per blob."""
-        verify = not blob_check.unchanged_since(record, writer, map_fd, self._boot)
+        # A record of another boot never matches (it names its boot): a rebooted node's blob is hashed in full.
+        verify = self.other_boot or not blob_check.unchanged_since(record, writer, map_fd, self._boot)
         result = blob_check.check_claims(writer, self.index, filled, verify=verify)
         if result.dropped:
             blob_check.drop(writer, map_fd, _MAP_HEADER.size, self.index, result.dropped)
         hashed = result.claimed - len(result.beyond_end) - len(result.in_holes) if verify else 0
         (log.warning if result.dropped else log.info)(
             "local blob checked before it is served" + ("; blocks that failed are fetched again" if result.dropped else ""),
-            index=self.name, adopted=adopted, claimed=result.claimed, verified=verify, hashed=hashed,
+            index=self.name, adopted=adopted, other_boot=self.other_boot, claimed=result.claimed, verified=verify, hashed=hashed,
             dropped=len(result.dropped), beyond_end=len(result.beyond_end), in_holes=len(result.in_holes),
             corrupt=len(result.corrupt), seconds=round(result.seconds, 3),
         )  # fmt: skip
@@ -260,6 +340,10 @@ class LocalBlob:
         filled = self.filled
         return [ref for ref in refs if not filled[ref]]
 
+    def missing_of(self, refs: Container[int] | None) -> bool:
+        """Whether a block of ``refs`` (a range, or None: none) is not on disk."""
+        return isinstance(refs, range) and 0 in self.filled[refs.start : refs.stop]
+
     def next_missing(self, limit: int) -> list[int]:
         """The next run of missing blocks, adjacent in the blob (one range of its packs, mostly), of at most
         ``limit`` stored bytes (one block at least), after the last run this gave; [] if none is missing."""
@@ -281,6 +365,33 @@ class LocalBlob:
         """The stored (compressed) bytes of blocks ``refs``."""
         blocks = self.index.blocks
         return sum(blocks[ref].clen for ref in refs)
+
+    def group_of(self, refs: range) -> range:
+        """The blocks of the fill groups ``refs`` touches: runs of adjacent blocks of the blob of at most the fill
+        group's raw bytes (or one block), fixed by the index alone, so that reads of one group coalesce."""
+        if not refs:
+            return refs
+        starts = self._group_starts
+        first = starts[bisect.bisect_right(starts, refs.start) - 1]
+        after = bisect.bisect_right(starts, refs.stop - 1)
+        return range(first, starts[after] if after < len(starts) else len(self.filled))
+
+    def first_reads(self, refs: range) -> list[int]:
+        """The blocks of ``refs`` written ahead of any read (:data:`AHEAD`), now read: noted filled (map and
+        memory); which.  A page-cache write of a few bytes: any thread."""
+        if AHEAD not in self.filled[refs.start : refs.stop]:
+            return []
+        read: list[int] = []
+        with self._lock:
+            if self.closed:
+                return []
+            for ref in refs:
+                if self.filled[ref] == AHEAD:
+                    self.filled[ref] = FILLED
+                    read.append(ref)
+            for start, stop in _runs(read):
+                os.pwrite(self.map_fd, bytes(self.filled[start:stop]), _MAP_HEADER.size + start)
+        return read
 
     def mark(self) -> None:
         """Mark the blob (before EROFS opens it), unless every block is on disk."""
@@ -315,29 +426,64 @@ class LocalBlob:
                     self.filled[ref] = UNREAD
                     self.missing_count -= 1
             os.pwrite(self.map_fd, bytes(self.filled), _MAP_HEADER.size)  # behind the blob at worst, never ahead
-        return self._complete_if_whole()
+        return self.complete_if_whole()
 
-    def write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
-        """Put verified blocks ``refs`` (``data``, each as stored) in the blob, then in the fill map; True if
-        that completed the blob (its mark is then removed).  Blocking; any thread."""
+    def write(self, refs: Sequence[int], data: Sequence[bytes], read: Container[int] | None = None) -> bool:
+        """Put verified blocks ``refs`` (``data``, each as stored) in the blob, then in the fill map, those not on
+        disk yet: as :data:`FILLED` those of ``read`` (all when None), as :data:`AHEAD` the others (written ahead of
+        any read: their first read is still told to the server).  True if that completed the blob (its mark is then
+        removed).  Adjacent full blocks go in one ``pwritev``.  Blocking; any thread."""
         with cpu.stage("blob_fill"):
-            return self._write(refs, data)
+            return self._write(refs, data, read)
 
-    def _write(self, refs: Sequence[int], data: Sequence[bytes]) -> bool:
-        for ref, block in zip(refs, data):
-            if self.filled[ref]:
-                continue
-            _pwrite_all(self.writer, block, self.index.blob_offset(ref))  # whole, or OSError: never marked half-written
-            os.pwrite(self.map_fd, b"\x01", _MAP_HEADER.size + ref)
-            with self._lock:
-                if not self.filled[ref]:
-                    self.filled[ref] = FILLED
-                    self.missing_count -= 1
-        return self.note_unread_if_near() or self._complete_if_whole()
-
-    def _complete_if_whole(self) -> bool:
+    def _write(self, refs: Sequence[int], data: Sequence[bytes], read: Container[int] | None) -> bool:
+        filled, block_size = self.filled, self.index.block_size
+        todo = sorted((ref, block) for ref, block in zip(refs, data) if not filled[ref])
+        if not todo:
+            return False
+        # Runs of adjacent slots, each block but the run's last filling its slot: one write each.
+        run: list[tuple[int, bytes]] = []
+        for item in todo:
+            if run and (item[0] != run[-1][0] + 1 or len(run[-1][1]) != block_size):
+                self._write_run(run)
+                run = []
+            run.append(item)
+        self._write_run(run)
+        noted: list[int] = []
         with self._lock:
-            if not (self.complete and self.marked):
+            if self.closed:
+                return False
+            for ref, _ in todo:
+                if not filled[ref]:
+                    filled[ref] = FILLED if read is None or ref in read else AHEAD
+                    self.missing_count -= 1
+                    noted.append(ref)
+            for start, stop in _runs(noted):  # behind the blob's bytes, never ahead
+                os.pwrite(self.map_fd, bytes(filled[start:stop]), _MAP_HEADER.size + start)
+        return self.note_unread_if_near() or self.complete_if_whole()
+
+    def _write_run(self, run: Sequence[tuple[int, bytes]]) -> None:
+        """Write blocks of adjacent slots, whole (or OSError: never noted as on disk half-written)."""
+        offset = self.index.blob_offset(run[0][0])
+        if len(run) == 1:
+            _pwrite_all(self.writer, run[0][1], offset)
+            return
+        buffers = [block for _, block in run]
+        total = sum(len(block) for block in buffers)
+        written = os.pwritev(self.writer, buffers, offset)
+        if written < total:  # a short write (a signal, a nearly full disk): the rest one block at a time
+            done = 0
+            for block in buffers:
+                if done + len(block) > written:
+                    skip = max(0, written - done)
+                    _pwrite_all(self.writer, memoryview(block)[skip:], offset + done + skip)
+                done += len(block)
+
+    def complete_if_whole(self) -> bool:
+        """Unmark the blob if every block is on disk, unless it is :attr:`watched` with blocks written ahead and not
+        yet read; True if it was unmarked now.  Blocking (a syscall); any thread."""
+        with self._lock:
+            if not (self.complete and self.marked) or (self.watched and AHEAD in self.filled):
                 return False
             self.marked = False
             try:
@@ -348,9 +494,17 @@ class LocalBlob:
         log.info("local blob complete: its mark is removed, the kernel reads it alone now", index=self.name)
         return True
 
+    def duplicate_writer(self) -> int | None:
+        """A duplicate of the blob's writer (its reads raise no event), for the caller to close; None once the blob
+        is closed.  Any thread: taken under the blob's lock, so a writer closed meanwhile is never duplicated."""
+        with self._lock:
+            return None if self.closed else os.dup(self.writer)
+
     def close(self, *, remove: bool) -> None:
-        """Unmark (a blob whose layer is gone), close, and with ``remove`` delete the blob, its map and its
-        clean-close record; without, record the clean close first (:meth:`record_clean_close`)."""
+        """Unmark (a blob whose layer is gone), close, and with ``remove`` delete the clean-close record, the map and
+        the blob, in that order (a kill between leaves a blob without its map: :meth:`.BlobStore.sweep` removes it);
+        without, record the clean close first (:meth:`record_clean_close`): the blob is kept, for the next mount of
+        its index, within the blob directory's budget (:mod:`.blob_store`)."""
         if self.marked:
             try:
                 fanotify.unmark(self.group, self.writer)
@@ -359,13 +513,14 @@ class LocalBlob:
             self.marked = False
         if not remove:
             self.record_clean_close()
-        self.closed = True
-        os.close(self.writer)
-        os.close(self.map_fd)
+        with self._lock:
+            self.closed = True
+            os.close(self.writer)
+            os.close(self.map_fd)
         if remove:
-            self.path.unlink(missing_ok=True)
-            self.map_path.unlink(missing_ok=True)
             blob_check.record_path(self.path).unlink(missing_ok=True)
+            self.map_path.unlink(missing_ok=True)
+            self.path.unlink(missing_ok=True)
 
 
 class HolderLink:
@@ -467,24 +622,51 @@ class HolderLink:
     async def release(self) -> None:
         await self._send(RELEASE)
 
-    async def events(self) -> tuple[list[tuple[int, fanotify.Event]], bool, int | None]:
-        """The next batch of events (holder's number, event with this process's descriptor); False: the holder
-        is gone; and the count of events the holder answered itself, when this message is that count."""
+    async def events(self) -> HolderMessage:
+        """The holder's next message: a batch of events (holder's number, event with this process's descriptor),
+        the count of events it answered itself, or a first read of blocks written ahead; ``alive`` False: the
+        holder is gone."""
         assert self.sock is not None
         try:
             data, ancillary, _flags, _ = await self.sock.recvmsg(MESSAGE_SIZE, socket.CMSG_SPACE(4 * 64))
         except OSError:
-            return [], False, None
+            return HolderMessage(alive=False)
         fds = received_fds(ancillary)
         if not data or data[:1] != EVENTS:
             for fd in fds:
                 os.close(fd)
-            answered = struct.unpack("<Q", data[1:9])[0] if data[:1] == ANSWERED and len(data) >= 9 else None
-            return [], bool(data), answered
+            kind, body = data[:1], data[1:]
+            if kind == ANSWERED and len(body) >= 8:
+                return HolderMessage(answered=struct.unpack("<Q", body[:8])[0])
+            if kind == FIRST_READ and len(body) > FIRST.size:
+                pid, offset, count = FIRST.unpack(body[: FIRST.size])
+                name = body[FIRST.size :].decode("ascii", "replace")
+                return HolderMessage(first_read=FirstRead(name, pid, offset, count))
+            return HolderMessage(alive=bool(data))
         out = []
         for position, (number, pid, offset, count) in enumerate(EVENT.iter_unpack(data[1 : 1 + EVENT.size * len(fds)])):
             out.append((number, fanotify.Event(fds[position], pid, offset, count)))
-        return out, True, None
+        return HolderMessage(events=out)
+
+
+@dataclass(frozen=True)
+class FirstRead:
+    """A read the holder allowed that reached blocks of blob ``name`` written ahead of any read."""
+
+    name: str
+    pid: int
+    offset: int
+    count: int
+
+
+@dataclass(frozen=True)
+class HolderMessage:
+    """One message of the event holder, as :meth:`HolderLink.events` reads it."""
+
+    events: list[tuple[int, fanotify.Event]] = dataclasses.field(default_factory=list)  #: (holder's number, event)
+    alive: bool = True  #: False: the holder is gone
+    answered: int | None = None  #: the count of events it answered itself, when the message is that
+    first_read: FirstRead | None = None
 
 
 @dataclass(frozen=True)
@@ -553,13 +735,19 @@ class FanotifyStatistics:
     """What :meth:`FanotifyBlobs.statistics` reports."""
 
     blobs: int  #: local blobs open
-    complete: int  #: of them, every block on disk (unmarked)
+    complete: int  #: of them, every block on disk (unmarked, unless held)
+    held_marked: int  #: of the complete ones, those kept marked while a recording watches their unread blocks
+    settle_rounds: int  #: looks at which blobs a recording watches so far (every SETTLE_INTERVAL seconds)
     missing_blocks: int  #: blocks not yet on disk, all blobs together
     pending: int  #: events being answered now
     answered: int  #: events answered by this server
     answered_by_holder: int  #: events the event holder answered itself (every block on disk), since it started
+    fills: int  #: fills made (each the missing blocks of a read's fill groups, in one batch)
+    first_reads: int  #: blocks written ahead of any read whose first read the holder told this server
     holder_adopted: bool  #: the group outlived a server: this one took it over
     background_fill: BackgroundFillStatistics  #: the fill of the blobs' rest while the link is idle
+    store: BlobStoreStatistics  #: the blob directory's budget: blobs kept with no layer, evictions
+    peer_reads: FilledBlocksStatistics  #: blocks peers were served from the blobs
 
 
 #: The lock file of a blob directory (:func:`hold_blob_directory`): the pid and root of the server holding it.
@@ -652,10 +840,17 @@ def _store_failed(exc: BaseException) -> bool:
 class FanotifyBlobs:
     """The local blobs of one layer server and the answers to their events (see the module docstring)."""
 
-    def __init__(self, paths: ServerPaths, directory: Path, addressed: Callable[[Path, LayerIndex], Collection[int]],
-                 *, hole_wait: float = HOLE_WAIT, background: BackgroundFillConfig = BackgroundFillConfig(enabled=False),
-                 fetched: Callable[[], int] = lambda: 0) -> None:  # fmt: skip
+    def __init__(self, paths: ServerPaths, directory: Path, addressed: Callable[[Path, LayerBlocks], Collection[int]],
+                 *, budget: int, hole_wait: float = HOLE_WAIT,
+                 background: BackgroundFillConfig = BackgroundFillConfig(enabled=False),
+                 fetched: Callable[[], int] = lambda: 0, cache_bytes: Callable[[], int] = lambda: 0,
+                 fill_group: int = FILL_GROUP) -> None:  # fmt: skip
         self.paths = paths
+        #: The blob directory's budget (``budget``: ``--cache-size``, shared with the node cache, whose bytes on disk
+        #: ``cache_bytes`` gives): blobs kept once no layer uses them, evicted whole (:mod:`.blob_store`).
+        self.store = BlobStore(directory, budget, in_use=self._in_use, cache_bytes=cache_bytes)
+        #: The blocks on disk in the open blobs, by digest: what peers are served from (:mod:`.blob_blocks`).
+        self.filled_blocks = FilledBlocks()
         #: Fills the rest of the blobs once the node is idle: nothing fetched (``fetched``: every store's bytes
         #: fetched so far) and no blob read (the events answered, here and by the holder).
         self.background: BackgroundFill[LocalBlob] = BackgroundFill(
@@ -663,6 +858,8 @@ class FanotifyBlobs:
             lambda: fetched() + self._answered_total + self._holder_answered)  # fmt: skip
         #: Seconds a read of a hole may wait with no server before the holder denies it EIO (``[datapath] hole_wait``).
         self.hole_wait = hole_wait
+        #: Raw bytes an event fills at once (``[datapath] fill_group``: :mod:`.fill_group`).
+        self.fill_group = fill_group
         #: The blocks an image's files address (blocking: the image checker's process parses it).
         self._addressed = addressed
         self.directory = directory
@@ -681,6 +878,11 @@ class FanotifyBlobs:
         self._pending = 0
         self._answered_total = 0
         self._holder_answered = 0
+        self._nursery: trio.Nursery | None = None  #: where events are answered and fill groups written
+        self._settle_rounds = 0
+        self._watched_at: dict[str, float] = {}  #: by blob name: when a recording last watched its layer (trio time)
+        self._fills = 0  #: fills made (each a group's missing blocks in one batch)
+        self._first_read_blocks = 0  #: blocks written ahead whose first read the holder told
         #: Set once the layers are restored: events before that wait (a restart's pending ones included).
         self.ready = trio.Event()
 
@@ -689,24 +891,37 @@ class FanotifyBlobs:
         server (its marks and the EROFS mounts on them stand: keep them)."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._directory_lock = hold_blob_directory(self.directory, self.paths.root)  # held for the server's life
+        await trio.to_thread.run_sync(self.store.sweep)  # what an eviction or a removal cut short left
         self.link = HolderLink(self.paths, hole_wait=self.hole_wait, lock_fd=self._directory_lock)
         await self.link.connect()
         nursery.start_soon(self._serve_events)
+        nursery.start_soon(self.store.run, self.ready)
         nursery.start_soon(self.background.run)
         nursery.start_soon(self._report_answered)
+        nursery.start_soon(self._settle)
         return self.link.adopted
 
     def statistics(self) -> FanotifyStatistics:
         return FanotifyStatistics(
             blobs=len(self.blobs),
             complete=sum(1 for blob in self.blobs.values() if blob.complete),
+            held_marked=sum(1 for blob in self.blobs.values() if blob.complete and blob.marked),
+            settle_rounds=self._settle_rounds,
             missing_blocks=sum(blob.missing_count for blob in self.blobs.values()),
             pending=self._pending,
             answered=self._answered_total,
             answered_by_holder=self._holder_answered,
+            fills=self._fills,
+            first_reads=self._first_read_blocks,
             holder_adopted=bool(self.link and self.link.adopted),
             background_fill=self.background.statistics(),
+            store=self.store.statistics(),
+            peer_reads=self.filled_blocks.statistics(),
         )
+
+    def _in_use(self) -> set[str]:
+        """The blobs a layer uses: open, or kept by the holder for a layer whose restore is retried (never evicted)."""
+        return set(self.blobs) | (set(self.link.writers) if self.link is not None else set())
 
     def _gauge(self) -> None:
         complete = sum(1 for blob in self.blobs.values() if blob.complete)
@@ -714,32 +929,44 @@ class FanotifyBlobs:
         BLOBS.labels("partial").set(len(self.blobs) - complete)
 
     async def open(self, index_name: str, tree: LayerTree, image: Path) -> Path:
-        """The marked local blob of ``tree``'s layer (index ``index_name``, EROFS image ``image``), made or
-        taken over; its path."""
+        """The marked local blob of ``tree``'s layer (index ``index_name``, EROFS image ``image``), made, taken
+        over, or opened again from the blob an earlier mount of the index kept (its fill map's blocks are not
+        fetched again); its path."""
         assert self.link is not None
         blob = self.blobs.get(index_name)
         if blob is None:
-            writer = self.link.writers.pop(index_name, None)
-
-            def make() -> LocalBlob:
-                addressed = functools.partial(self._addressed, image, tree.index)
-                made = LocalBlob(self.directory, index_name, tree.index, writer, self.link.group, addressed)  # type: ignore[union-attr]
-                made.note_unread_if_near()  # a layer of small files only: whole, or nearly, from the start
-                made.mark()
-                return made
-
-            blob = await trio.to_thread.run_sync(make)
-            if writer is None:  # a new writer: the holder keeps it, and the fill map it answers from (it kept both else)
-                await self.link.keep(index_name, blob.writer, blob.map_fd)
-            self.blobs[index_name] = blob
-            self._by_inode[blob.inode] = blob
-            self._gauge()
+            async with self.store.hold(index_name):  # never evicted while it is being opened
+                blob = self.blobs.get(index_name)  # another layer of the index opened it meanwhile
+                if blob is None:
+                    blob = await self._make(index_name, tree, image)
         if tree not in blob.trees:
             blob.trees.append(tree)
         return blob.path
 
-    async def close(self, index_name: str, tree: LayerTree, *, remove: bool) -> None:
-        """``tree``'s layer no longer uses its blob; the last one closes it (``remove``: and deletes it)."""
+    async def _make(self, index_name: str, tree: LayerTree, image: Path) -> LocalBlob:
+        assert self.link is not None
+        writer = self.link.writers.pop(index_name, None)
+
+        def make() -> LocalBlob:
+            addressed = functools.partial(self._addressed, image, tree.index)
+            made = LocalBlob(self.directory, index_name, tree.index, writer, self.link.group, addressed,  # type: ignore[union-attr]
+                             fill_group=self.fill_group)  # fmt: skip
+            made.note_unread_if_near()  # a layer of small files only: whole, or nearly, from the start
+            made.mark()
+            return made
+
+        blob = await trio.to_thread.run_sync(make)
+        if writer is None:  # a new writer: the holder keeps it, and the fill map it answers from (it kept both else)
+            await self.link.keep(index_name, blob.writer, blob.map_fd)
+        self.blobs[index_name] = blob
+        self._by_inode[blob.inode] = blob
+        self.filled_blocks.add(blob)
+        self._gauge()
+        return blob
+
+    async def close(self, index_name: str, tree: LayerTree, *, remove: bool = False) -> None:
+        """``tree``'s layer no longer uses its blob; the last one closes it cleanly and keeps it, within the blob
+        directory's budget (checked now: :mod:`.blob_store`), or with ``remove`` deletes it."""
         blob = self.blobs.get(index_name)
         if blob is None:
             return
@@ -749,24 +976,28 @@ class FanotifyBlobs:
             return
         del self.blobs[index_name]
         self._by_inode.pop(blob.inode, None)
-        if self.link is not None:
-            await self.link.forget(index_name)
-        await trio.to_thread.run_sync(lambda: blob.close(remove=remove))
+        self.filled_blocks.remove(blob)
+        async with self.store.hold(index_name):  # taken at once (nothing awaited since the blob left ``blobs``)
+            if self.link is not None:
+                await self.link.forget(index_name)
+            await trio.to_thread.run_sync(lambda: blob.close(remove=remove))
         self._gauge()
+        if self.ready.is_set():
+            await self.store.check()
 
     async def forget_unclaimed(self, wanted: set[str]) -> None:
         """After the restore: the writers the holder kept for blobs of no layer in the table (``wanted``: the
         table's index names; a row whose restore failed keeps its writer for its retry) are closed and
-        forgotten, and their blobs deleted (a layer unmounted as its server died).  Their marks stay: a
-        read of such a blob through a mount still open gets EIO, never a zero."""
+        forgotten, and their blobs deleted (a layer unmounted as its server died), not kept as an unmount
+        keeps them: their marks stay, so that a read of such a blob through a mount still open gets EIO,
+        never a zero, and a writer opened after a mark would raise events of its own."""
         if self.link is None:
             return
         for name in [name for name in self.link.writers if name not in wanted]:
             log.warning("the event holder kept the writer of a blob no layer has; forgetting it", index=name)
             os.close(self.link.writers.pop(name))
             await self.link.forget(name)
-            for suffix in (".blob", ".filled", ".closed"):
-                (self.directory / f"{name}{suffix}").unlink(missing_ok=True)
+            await self.store.remove(name)
 
     def blob_of(self, index_name: str) -> LocalBlob | None:
         return self.blobs.get(index_name)
@@ -791,35 +1022,81 @@ class FanotifyBlobs:
         await self.link.release()
         return True
 
-    async def write_blocks(self, blob: LocalBlob, refs: Sequence[int], data: Sequence[bytes]) -> None:
-        """Write verified blocks into ``blob`` (a fill's way in), in a worker thread; OSError as the write raised
-        it (ENOSPC, EIO: the blocks it did not write stay missing, never noted as on disk)."""
+    async def write_blocks(self, blob: LocalBlob, refs: Sequence[int], data: Sequence[bytes],
+                           read: Container[int] | None = None) -> None:  # fmt: skip
+        """Write verified blocks into ``blob`` (:meth:`LocalBlob.write`: ``read`` as there), those not on disk yet
+        (the fetcher handed most to the blob already, :class:`BlobFill`), in a worker thread; OSError as the write
+        raised it (ENOSPC, EIO: the blocks it did not write stay missing, never noted as on disk)."""
+        rest = [(ref, block) for ref, block in zip(refs, data) if not blob.filled[ref]]
+        if not rest:
+            return
         # Threads of their own: a fill's write must not queue behind the fetcher's decodes (a reader waits on it).
-        if await trio.to_thread.run_sync(blob.write, refs, data, limiter=self._writers):
+        write = functools.partial(blob.write, [ref for ref, _ in rest], [block for _, block in rest], read)
+        if await trio.to_thread.run_sync(write, limiter=self._writers):
             self._gauge()
+
+    def _first_read(self, read: FirstRead) -> None:
+        """The holder allowed a read that reached blocks written ahead: note them filled and tell the observer."""
+        blob = self.blobs.get(read.name)
+        if blob is None or not blob.trees or blob.closed:
+            return
+        try:
+            refs = blob.index.blob_blocks(read.offset, read.count)
+            first = blob.first_reads(refs)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot note a first read of blocks written ahead", index=read.name, error=str(exc))
+            return
+        self._first_read_blocks += len(first)
+        tree = blob.trees[0]
+        if first and tree.observer is not None:
+            tree.observer.blob_read(tree.name, tree.index, refs, read.pid)
 
     # -- events ---------------------------------------------------------------------------
 
     async def _serve_events(self) -> None:
         assert self.link is not None
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             while True:
-                batch, alive, answered = await self.link.events()
-                if not alive:
+                message = await self.link.events()
+                if not message.alive:
                     if self._released:
                         return
                     await self._relink()
                     continue
-                if answered is not None:  # the holder's own answers (present), counted with ours
-                    EVENT_OUTCOMES.labels("present").inc(max(0, answered - self._holder_answered))
-                    self._holder_answered = answered
-                for number, event in batch:
+                if message.answered is not None:  # the holder's own answers (present), counted with ours
+                    EVENT_OUTCOMES.labels("present").inc(max(0, message.answered - self._holder_answered))
+                    self._holder_answered = message.answered
+                if message.first_read is not None:
+                    self._first_read(message.first_read)
+                for number, event in message.events:
                     if number in self._in_flight:  # passed on again by a holder that took over: being answered
                         os.close(event.fd)
                         continue
                     self._in_flight[number] = event
                     self._pending += 1
                     nursery.start_soon(self._answer_tracked, number, event)
+
+    def _watched(self, blob: LocalBlob) -> bool:
+        """Whether a recording watches ``blob``'s layer now, or did within :data:`WATCH_HOLD` seconds (another often
+        follows: a profile's, a restarted job's): its whole blob keeps its mark meanwhile."""
+        now = trio.current_time()
+        if any(tree.observer is not None and tree.observer.watches(tree.name) for tree in blob.trees):
+            self._watched_at[blob.name] = now
+            return True
+        return now - self._watched_at.get(blob.name, -WATCH_HOLD) < WATCH_HOLD
+
+    async def _settle(self) -> None:
+        """Every :data:`SETTLE_INTERVAL` seconds: note which blobs a recording watches (:attr:`LocalBlob.watched`),
+        and unmark the whole ones no recording holds marked any more."""
+        while True:
+            await trio.sleep(SETTLE_INTERVAL)
+            self._settle_rounds += 1
+            for blob in list(self.blobs.values()):
+                blob.watched = self._watched(blob)
+                if blob.complete and blob.marked and not blob.closed:
+                    if await trio.to_thread.run_sync(blob.complete_if_whole, limiter=self._writers):
+                        self._gauge()
 
     async def fill_in_background(self, blob: LocalBlob, refs: list[int]) -> int:
         """Fill blocks ``refs`` of ``blob`` at prefetch priority (:mod:`.background_fill`), except those an event
@@ -834,8 +1111,11 @@ class FanotifyBlobs:
         for ref in mine:
             self._filling[(blob.name, ref)] = trio.Event()
         try:
-            data = await tree.reader.background_blocks(mine)
-            await self.write_blocks(blob, mine, data)
+            sink = BlobFill(blob, mine, ())  # written ahead of any read: a later first read is still seen
+            data = await tree.reader.background_blocks(mine, sink)
+            if sink.completed:
+                self._gauge()
+            await self.write_blocks(blob, mine, data, ())
         finally:
             for ref in mine:
                 self._filling.pop((blob.name, ref)).set()
@@ -908,6 +1188,9 @@ class FanotifyBlobs:
             self._have_answered.set()
 
     async def _fill(self, event: fanotify.Event) -> str:
+        """Answer an event the holder passed on: the read's missing blocks, with the rest of their fill groups
+        (:meth:`LocalBlob.group_of`), fetched, verified and written in one batch; a read of blocks another fill
+        is writing waits for it.  The observer sees the read's blocks (and only those)."""
         await self.ready.wait()
         stat = os.fstat(event.fd)
         blob = self._by_inode.get((stat.st_dev, stat.st_ino))
@@ -915,53 +1198,87 @@ class FanotifyBlobs:
             raise _Denied("unknown", f"no served layer's blob is inode {stat.st_ino}")
         refs = blob.index.blob_blocks(event.offset, event.count)
         tree = blob.trees[0]
+        blob.watched = self._watched(blob)  # before a fill may complete it
         if tree.observer is not None and len(refs):
             tree.observer.blob_read(tree.name, tree.index, refs, event.pid)
         wanted = blob.missing(refs)
         if not wanted:
+            blob.first_reads(refs)  # written ahead by another fill meanwhile: read now (the observer was told)
             return "present"
-        log.debug("filling blocks for a pre-access event", index=blob.name, offset=event.offset, count=event.count,
-                  blocks=len(wanted), pid=event.pid)  # fmt: skip
         store = tree.reader.store  # one for every layer of a store
         failing = self._failing.failing(store)
         if failing and any((blob.name, ref) not in self._filling for ref in wanted):
             raise _Denied("store_failing", f"blocks of layer {tree.name}: its store failed a fill lately "
                                            f"(EIO at once for {failing:.1f}s more)")  # fmt: skip
-        waits, mine = [], []
-        for ref in wanted:
-            filling = self._filling.get((blob.name, ref))
-            if filling is None:
-                self._filling[(blob.name, ref)] = trio.Event()
-                mine.append(ref)
-            else:
-                waits.append(filling)
-        try:
-            if mine:
-                try:
-                    data = await tree.reader.blob_blocks(mine)
-                except Exception as exc:  # FetchError (EIO after the retries), a refused block: never written
-                    if _store_failed(exc):
-                        seconds = tree.reader.failure_memory
-                        if self._failing.failed(store, seconds):
-                            log.error("the store failed a fill after its retries: for a while, reads that need its "
-                                      "blocks fail at once (EIO)", layer=tree.name, seconds=seconds,
-                                      store=tree.reader.store_label, error=str(exc))  # fmt: skip
-                    raise _Denied("denied", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name}: {exc}") from None
-                self._failing.served(store)
-                try:
-                    await self.write_blocks(blob, mine, data)
-                except OSError as exc:  # a full disk, say: this read fails with it (the kernel takes a few errnos)
-                    code = exc.errno if exc.errno in fanotify.DENY_ERRNOS else errno.EIO
-                    raise _Denied("write_failed", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name} cannot be "
-                                                  f"written into {blob.path}: {exc}", code) from None  # fmt: skip
-        finally:
+        waits = [filling for ref in wanted if (filling := self._filling.get((blob.name, ref))) is not None]
+        group = blob.group_of(refs)
+        mine = [ref for ref in blob.missing(group) if (blob.name, ref) not in self._filling]
+        log.debug("filling blocks for a pre-access event", index=blob.name, offset=event.offset, count=event.count,
+                  blocks=len(wanted), group=len(mine), pid=event.pid)  # fmt: skip
+        failed: list[_Denied] = []
+        if mine:
             for ref in mine:
-                self._filling.pop((blob.name, ref)).set()
+                self._filling[(blob.name, ref)] = trio.Event()
+            self._fills += 1
+            read_written = trio.Event()
+            token = trio.lowlevel.current_trio_token()
+            sink = BlobFill(blob, mine, refs, on_read=lambda: token.run_sync_soon(read_written.set))
+            assert self._nursery is not None  # events are answered only while _serve_events runs
+            self._nursery.start_soon(self._fill_group, blob, tree, mine, refs, sink, read_written, failed)
+            await read_written.wait()  # the read's blocks are on disk (the group's others may still be written)
         for filling in waits:
             await filling.wait()
         if blob.missing(refs):
+            if failed:
+                raise failed[0]
             raise _Denied("denied", f"blocks of layer {tree.name} could not be filled")
+        blob.first_reads(refs)  # those another fill wrote ahead while this one waited
         return "filled"
+
+    async def _fill_group(self, blob: LocalBlob, tree: LayerTree, mine: list[int], refs: range, sink: BlobFill,
+                          read_written: trio.Event, failed: list[_Denied]) -> None:  # fmt: skip
+        """Fetch, verify and write the blocks ``mine`` of a fill group (the read's ``refs`` first: ``sink`` sets
+        ``read_written`` once they are on disk); a failure goes in ``failed``.  Sets ``read_written`` at the end
+        whatever happened, and frees the blocks for other fills."""
+        store = tree.reader.store
+        try:
+            try:
+                data = await tree.reader.blob_blocks(mine, sink)
+            except BlobWriteError as exc:  # fetched and verified, but the blob's disk refused them
+                failed.append(self._write_failed(blob, tree, mine, exc))
+                return
+            except Exception as exc:  # FetchError (EIO after the retries), a refused block: never written
+                self._fetch_failed(store, tree, exc)
+                failed.append(_Denied("denied", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name}: {exc}"))
+                return
+            self._failing.served(store)
+            if sink.completed:
+                self._gauge()
+            try:
+                await self.write_blocks(blob, mine, data, refs)  # those that came from memory, a cache or a peer
+            except OSError as exc:  # a full disk, say: this read fails with it (the kernel takes a few errnos)
+                failed.append(self._write_failed(blob, tree, mine, exc))
+            except Exception as exc:  # never the serving loop's end: this read fails, the next fill tries again
+                log.error("a fill group could not be written", index=blob.name, error=repr(exc))
+                failed.append(_Denied("denied", f"blocks {mine[0]}..{mine[-1]} of layer {tree.name}: {exc!r}"))
+        finally:
+            for ref in mine:
+                self._filling.pop((blob.name, ref)).set()
+            read_written.set()
+
+    def _fetch_failed(self, store: Hashable, tree: LayerTree, exc: BaseException) -> None:
+        if _store_failed(exc):
+            seconds = tree.reader.failure_memory
+            if self._failing.failed(store, seconds):
+                log.error("the store failed a fill after its retries: for a while, reads that need its blocks fail "
+                          "at once (EIO)", layer=tree.name, seconds=seconds, store=tree.reader.store_label,
+                          error=str(exc))  # fmt: skip
+
+    @staticmethod
+    def _write_failed(blob: LocalBlob, tree: LayerTree, refs: Sequence[int], exc: OSError) -> _Denied:
+        code = exc.errno if exc.errno in fanotify.DENY_ERRNOS else errno.EIO
+        return _Denied("write_failed", f"blocks {refs[0]}..{refs[-1]} of layer {tree.name} cannot be written into "
+                                       f"{blob.path}: {exc}", code)  # fmt: skip
 
 
 class _Denied(Exception):

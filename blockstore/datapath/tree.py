@@ -43,7 +43,8 @@ import os
 import stat
 from typing import Any, Hashable, Mapping, Protocol, Sequence, TypeVar
 
-from bootseer.blockstore.objects.format import Entry, EntryType, FormatError, LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import BlockSink, Entry, EntryType, FormatError, LayerIndex
 from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, Special, Symlink
 from bootseer.fuse.inodes import ROOT_INODE
 from bootseer.fuse.operations import OPENER_PID
@@ -94,12 +95,13 @@ class BlockReader(Protocol):
         Raises OSError (EIO) as :meth:`read` does."""
         ...
 
-    async def blob_blocks(self, refs: Sequence[int]) -> list[bytes]:
+    async def blob_blocks(self, refs: Sequence[int], sink: BlockSink | None = None) -> list[bytes]:
         """Blocks ``refs`` (ascending) as stored, verified, read as a blob read is (read-ahead included): what
-        a fill on the ``fanotify`` path writes into the layer's local blob.  Raises OSError (EIO) as :meth:`read`."""
+        a fill on the ``fanotify`` path writes into the layer's local blob (those fetched go to ``sink`` as they
+        are verified, and not to the node cache).  Raises OSError (EIO) as :meth:`read`."""
         ...
 
-    async def background_blocks(self, refs: Sequence[int]) -> list[bytes]:
+    async def background_blocks(self, refs: Sequence[int], sink: BlockSink | None = None) -> list[bytes]:
         """Blocks ``refs`` as :meth:`blob_blocks`, at prefetch priority and without read-ahead (a background fill)."""
         ...
 
@@ -138,35 +140,46 @@ class ReadObserver(Protocol[Tag]):
         """``size`` bytes at ``offset`` of regular file ``entry`` (within its size) are being read."""
         ...
 
-    def blob_read(self, layer: str, index: LayerIndex, refs: Sequence[int], pid: int) -> None:
+    def blob_read(self, layer: str, index: LayerBlocks, refs: Sequence[int], pid: int) -> None:
         """Blocks ``refs`` (numbers in ``index.blocks``, ascending) of ``layer``'s blob are being read
         by process ``pid`` (0: unknown)."""
         ...
 
+    def watches(self, layer: str) -> bool:
+        """Whether the first reads of ``layer``'s blocks matter now (a recording takes them): the ``fanotify`` path
+        then keeps a blob marked while it has blocks written ahead and not yet read, so that their reads are seen."""
+        ...
+
 
 class LayerTree:
-    """One mounted layer: its index, the lookup tables built from it, and its reader.
+    """One mounted layer: its blocks (its index, or its block table), the lookup tables built from its
+    entries, and its reader.
 
     Built once when the layer is mounted (O(entries)); raises :class:`FormatError`
     for an index this filesystem cannot number (more than :data:`MAX_ENTRIES`).
+    A layer served from its block table (``index`` a
+    :class:`~bootseer.blockstore.objects.block_table.LayerBlockTable`: its EROFS image holds the tree) has
+    no entries here: its slot's directory is an empty root, and only its blob is served.
     """
 
-    def __init__(self, slot: int, index: LayerIndex, reader: BlockReader, *, name: str = "") -> None:
-        if len(index.entries) > MAX_ENTRIES:
-            raise FormatError(f"layer index has {len(index.entries)} entries; at most {MAX_ENTRIES} can be served")
+    def __init__(self, slot: int, index: LayerBlocks, reader: BlockReader, *, name: str = "") -> None:
+        if index.entry_count > MAX_ENTRIES:
+            raise FormatError(f"layer index has {index.entry_count} entries; at most {MAX_ENTRIES} can be served")
         inode_number(slot, 0)  # checks the slot
         self.slot = slot
         self.index = index
+        #: the tree's entries (the root first): the index's, or an empty root for a layer served from its block table
+        self.entries: Sequence[Entry] = index.entries if isinstance(index, LayerIndex) else (Entry("", EntryType.DIR, 0o555),)
         self.reader = reader
         self.name = name or str(slot)  #: what logs call the layer (its ChainID)
         #: sees every open and read (hot lists: bootseer.hotlist.service); the tag type is the observer's own
         self.observer: ReadObserver[Any] | None = None
         #: raw bytes of the layer's regular files (each inode once), for statfs
-        self.index_bytes = sum(e.size for e in index.entries if e.type is EntryType.FILE and e.link is None)
+        self.index_bytes = index.file_bytes
         number_of_path: dict[str, int] = {}
         self.children: dict[int, dict[str, int]] = {}
         self.nlink: dict[int, int] = {}
-        for number, entry in enumerate(index.entries):
+        for number, entry in enumerate(self.entries):
             number_of_path[entry.path] = number
             if entry.type is EntryType.DIR:
                 self.children[number] = {}
@@ -183,10 +196,10 @@ class LayerTree:
 
     def node(self, number: int) -> Node:
         """The node entry ``number`` shows (its target's, for a hard link)."""
-        entry = self.index.entries[number]
+        entry = self.entries[number]
         if entry.link is not None:
             number = entry.link
-            entry = self.index.entries[number]
+            entry = self.entries[number]
         if entry.type is EntryType.DIR:
             return LayerDirectory(self, number)
         if entry.type is EntryType.FILE:
@@ -199,7 +212,7 @@ class LayerTree:
         return LayerDirectory(self, 0)
 
     def attributes(self, number: int) -> Attributes:
-        entry = self.index.entries[number]
+        entry = self.entries[number]
         return Attributes(
             entry.st_mode,
             size=entry.size,
@@ -217,7 +230,7 @@ class _LayerNode:
     def __init__(self, tree: LayerTree, number: int) -> None:
         self.tree = tree
         self.number = number
-        self.entry = tree.index.entries[number]
+        self.entry = tree.entries[number]
         self.key = ("layer", tree.slot, number)
         self.inode = inode_number(tree.slot, number)
 

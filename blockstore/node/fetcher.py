@@ -24,7 +24,9 @@ made-up digest says nothing of the route: it must not set a store proxy aside). 
 is never served and never cached.  Small blocks are decoded on the trio thread (a thread hop
 costs more than the work); verified blocks are written into the node cache behind the read
 (:mod:`~bootseer.blockstore.node.cache_writer`; :meth:`BlockFetcher.flush` waits for it), so a
-read never waits for the disk.  All-zero blocks are stored nowhere and cost nothing.
+read never waits for the disk.  A call given a :class:`~bootseer.blockstore.objects.format.BlockSink`
+(a ``fanotify`` fill: the layer's local blob) hands it the blocks it fetches instead, in the one
+worker-thread call that decodes and verifies them: the blob is their one copy on the node.  All-zero blocks are stored nowhere and cost nothing.
 
 A read the node cache serves takes its read-ahead candidates from the cache too, in the same
 worker-thread call (up to :data:`CACHE_AHEAD_BYTES`, each verified by the cache), into memory: on
@@ -49,12 +51,13 @@ import trio
 from bootseer import cpu
 from bootseer.blockstore.node.block_cache import BlockCache
 from bootseer.blockstore.node.cache_writer import CacheWriter
+from bootseer.blockstore.node.local_blocks import LocalBlocks
 from bootseer.blockstore.node.memory import RecentBlocks
 from bootseer.blockstore.node.metrics import FetcherStats, LayerCounters, layer_label
 from bootseer.blockstore.node.peers import UNCHARGED, PeerAllowance, PeerBlocks, PeerPayload, fetch_hedged
 from bootseer.blockstore.node.readahead import READAHEAD_MAX_BLOCKS, AheadLedger
 from bootseer.blockstore.objects.format import (
-    Block, BlockPlace, LayerIndex, decode_block, max_stored_length, pack_object,
+    Block, BlockPlace, BlockSink, decode_block, max_stored_length, pack_object,
 )  # fmt: skip
 from bootseer.fetch.engine import Engine
 from bootseer.fetch.stripes import Extent, FetchError, Priority
@@ -173,6 +176,7 @@ class BlockFetcher:
         threads: trio.CapacityLimiter | None = None,
         peers: PeerBlocks | None = None,
         peer_store: str = "",
+        local: LocalBlocks | None = None,
     ) -> None:
         self.engine = engine
         self.cache = cache
@@ -191,6 +195,9 @@ class BlockFetcher:
         self.peers = peers
         self.peer_store = peer_store
         self._peer_counters = LayerCounters("peers", self.source_label)  # blocks this node got for its peers
+        #: Blocks on this node's disk outside the node cache (the ``fanotify`` path's blobs): what a peer's request
+        #: is served from before the node cache and the store (:mod:`~bootseer.blockstore.node.local_blocks`).
+        self.local = local
 
     def statistics(self) -> FetcherStats:
         """A copy of the fetcher's counters (callers never read the live ones)."""
@@ -226,6 +233,7 @@ class BlockFetcher:
         priority: Priority = Priority.DEMAND,
         *,
         ahead: Callable[[], Sequence[int]] | None = None,
+        sink: BlockSink | None = None,
     ) -> list[bytes]:
         """The raw bytes of blocks ``refs`` (indexes into ``index.blocks``), in order, each verified.
 
@@ -241,6 +249,10 @@ class BlockFetcher:
         to read ahead of this call (see the module's docstring); they are queued,
         not waited for, and those already in memory, pending, cached or known to
         the engine are skipped.
+
+        With ``sink``, the blocks this call fetches from the store go to it (:class:`BlockSink`, in the
+        worker thread that verified them), not to the node cache; those from memory, the node cache, a peer or
+        another call are only returned.
         """
         counters = self._counters_of(index)
         blocks: list[Block] = []
@@ -286,7 +298,7 @@ class BlockFetcher:
             joined = {digest for digest, _ in theirs}
             mine = {digest: blocks[positions[0]] for digest, positions in wanted.items() if digest not in joined}
             if mine:
-                for digest, data in (await self._get(index, mine, priority, counters, ahead)).items():
+                for digest, data in (await self._get(index, mine, priority, counters, ahead, sink=sink)).items():
                     serve(digest, data)
                 ahead = None  # read ahead once per call
             for digest, pending in theirs:
@@ -307,6 +319,7 @@ class BlockFetcher:
         ahead: Callable[[], Sequence[int]] | None,
         *,
         for_peer: PeerAllowance | None = None,
+        sink: BlockSink | None = None,
     ) -> dict[str, bytes]:
         """The blocks ``mine`` (by digest) from the node cache, peers or the store; other calls may wait for them meanwhile.
 
@@ -325,7 +338,6 @@ class BlockFetcher:
             candidates: list[Block] = []
             # Read further ahead on a miss, or on reaching the middle of the last batch read ahead.
             if ahead is not None and (probe or self._ahead.marked(mine)):
-                assert isinstance(index, LayerIndex)  # ``ahead`` comes with a layer's read
                 candidates = self._ahead_candidates(index, ahead(), mine)
             if self.cache is not None and (probe or candidates):
                 got, cached, loaded = await trio.to_thread.run_sync(
@@ -359,9 +371,9 @@ class BlockFetcher:
 
                     for block in rest:
                         pending[block.digest].asks_peer = self.peers.owner(block.digest) is not None
-                    fetched = await self._fetch_via_peers(index, rest, priority, counters, candidates, ready)
+                    fetched = await self._fetch_via_peers(index, rest, priority, counters, candidates, ready, sink)
                 else:
-                    fetched = await self._fetch_verified(index, rest, priority, counters, candidates)
+                    fetched = await self._fetch_verified(index, rest, priority, counters, candidates, sink=sink)
                 for block, data in zip(rest, fetched):
                     self._recent.remember(block.digest, data)
                     pending[block.digest].data = data
@@ -373,7 +385,7 @@ class BlockFetcher:
                     del self._pending[digest]
                 entry.done.set()
 
-    def _ahead_candidates(self, index: LayerIndex, refs: Sequence[int], mine: dict[str, Block]) -> list[Block]:
+    def _ahead_candidates(self, index: BlockTable, refs: Sequence[int], mine: dict[str, Block]) -> list[Block]:
         """The distinct stored blocks of ``refs`` worth reading ahead: not asked for, in memory, pending or read ahead."""
         chosen: dict[str, Block] = {}
         for ref in refs[:READAHEAD_MAX_BLOCKS]:
@@ -440,7 +452,8 @@ class BlockFetcher:
 
     async def block_for_peer(self, place: BlockPlace, priority: Priority,
                              allowance: PeerAllowance | None = None) -> bytes | None:  # fmt: skip
-        """The verified raw bytes of a block a peer asks for, from memory, the node cache or the store.
+        """The verified raw bytes of a block a peer asks for, from memory, this node's blobs (:attr:`local`,
+        which verifies what it reads), the node cache or the store.
 
         Never from another peer (so requests never go round in circles), and once
         however many peers ask at once (they join one call).  A store fetch is charged
@@ -463,6 +476,10 @@ class BlockFetcher:
             await pending.done.wait()
             if pending.data is not None:
                 return pending.data
+        if self.local is not None:
+            data = await trio.to_thread.run_sync(self.local.read, digest, place.rlen, limiter=self._threads)
+            if data is not None:
+                return data
         block = Block(digest, 0, place.offset, place.clen, place.rlen)
         try:
             got = await self._get(_PeerRequest((place.pack,)), {digest: block}, priority, self._peer_counters, None,
@@ -481,6 +498,7 @@ class BlockFetcher:
         counters: LayerCounters,
         ahead: Sequence[Block] = (),
         ready: Callable[[str, bytes], None] = lambda digest, data: None,
+        sink: BlockSink | None = None,
     ) -> list[bytes]:
         """Distinct stored ``blocks``, each from its owner in the peer group or from the store
         (:func:`~bootseer.blockstore.node.peers.fetch_hedged`, through :meth:`_fetch_verified`).
@@ -500,7 +518,8 @@ class BlockFetcher:
         by_digest = {block.digest: block for block in blocks}
 
         def from_store(places: list[BlockPlace]) -> Awaitable[list[bytes]]:
-            return self._fetch_verified(index, [by_digest[place.digest] for place in places], priority, counters)
+            return self._fetch_verified(index, [by_digest[place.digest] for place in places], priority, counters,
+                                        sink=sink)  # fmt: skip
 
         def from_peer() -> None:
             self._stats.blocks_from_peers += 1
@@ -518,8 +537,10 @@ class BlockFetcher:
         ahead: Sequence[Block] = (),
         *,
         refetch: bool = True,
+        sink: BlockSink | None = None,
     ) -> list[bytes]:
-        """Fetch distinct stored ``blocks`` from the store, verify and cache them; refetch a failure once.
+        """Fetch distinct stored ``blocks`` from the store, verify and cache them (or hand them to ``sink``);
+        refetch a failure once.
 
         ``ahead`` is queued as read-ahead right before (so its first blocks join the
         same range request).  Without ``refetch`` (a peer's request) a failure is not
@@ -535,7 +556,7 @@ class BlockFetcher:
                 self._stats.readahead_read += used
                 self._stats.readahead_read_bytes += used_bytes
                 counters.ahead_read.inc(used_bytes)
-        raw = await self._decode_and_cache(blocks, stored)
+        raw = await self._decode_and_cache(blocks, stored, sink)
         self._keep_frames(blocks, stored, raw)
         bad = [number for number, data in enumerate(raw) if data is None]
         if bad and not refetch:
@@ -562,7 +583,7 @@ class BlockFetcher:
             self._stats.corrupt += len(bad)
             counters.refetched.inc(len(bad))
             again = await self.engine.fetch_extents([extents[number] for number in bad], priority)
-            redone = await self._decode_and_cache([blocks[number] for number in bad], again)
+            redone = await self._decode_and_cache([blocks[number] for number in bad], again, sink)
             self._keep_frames([blocks[number] for number in bad], again, redone)
             for number, data in zip(bad, redone):
                 if data is None:
@@ -594,15 +615,18 @@ class BlockFetcher:
                 if data is not None:
                     self._frames.remember(block.digest, frame)
 
-    async def _decode_and_cache(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
-        """Each block's verified raw bytes (None where ``stored`` is not that block), the good ones cached.
+    async def _decode_and_cache(self, blocks: list[Block], stored: list[bytes],
+                                sink: BlockSink | None = None) -> list[bytes | None]:  # fmt: skip
+        """Each block's verified raw bytes (None where ``stored`` is not that block), the good ones cached, or
+        with ``sink`` handed to it instead.
 
         Small blocks are decoded on this thread (a thread hop costs more); the node
         cache is written behind the read (:class:`~bootseer.blockstore.node.cache_writer.CacheWriter`), or in the same
-        worker thread when the writer is full.
+        worker thread when the writer is full.  With ``sink`` the decode and the sink's write are one worker-thread
+        call, whatever the size.
         """
         size = sum(block.clen + block.rlen for block in blocks)
-        if size <= OFF_THREAD_BYTES:
+        if sink is None and size <= OFF_THREAD_BYTES:
             with cpu.stage("decode"):
                 raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
             if self._writer is not None:
@@ -610,15 +634,19 @@ class BlockFetcher:
                 if behind and not self._writer.submit(behind):
                     await trio.to_thread.run_sync(self._writer.write, behind, limiter=self._threads)
             return raw
-        return await trio.to_thread.run_sync(self._decode_and_cache_blocking, blocks, stored, limiter=self._threads)
+        return await trio.to_thread.run_sync(self._decode_and_cache_blocking, blocks, stored, sink,
+                                             limiter=self._threads)  # fmt: skip
 
-    def _decode_and_cache_blocking(self, blocks: list[Block], stored: list[bytes]) -> list[bytes | None]:
+    def _decode_and_cache_blocking(self, blocks: list[Block], stored: list[bytes],
+                                   sink: BlockSink | None) -> list[bytes | None]:  # fmt: skip
         with cpu.stage("decode"):
             raw = [decode_block(block, data) for block, data in zip(blocks, stored)]
-        if self._writer is not None:
-            behind = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
-            if behind and not self._writer.submit(behind):
-                self._writer.write(behind)
+        good = [(block.digest, data) for block, data in zip(blocks, raw) if data is not None]
+        if sink is not None:
+            if good:
+                sink.put(good)
+        elif self._writer is not None and good and not self._writer.submit(good):
+            self._writer.write(good)
         return raw
 
     async def flush(self) -> None:

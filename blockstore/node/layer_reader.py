@@ -29,7 +29,8 @@ import trio
 from bootseer.blockstore.node.fetcher import BlockFetcher, zeros
 from bootseer.blockstore.node.metrics import READ_SECONDS
 from bootseer.blockstore.node.readahead import READAHEAD_INITIAL, READAHEAD_MAX, READAHEAD_MAX_BLOCKS, READAHEAD_MIN
-from bootseer.blockstore.objects.format import Entry, EntryType, LayerIndex
+from bootseer.blockstore.objects.block_table import LayerBlocks
+from bootseer.blockstore.objects.format import BlockSink, Entry, EntryType, LayerIndex
 from bootseer.fetch.stripes import Priority
 
 
@@ -42,7 +43,7 @@ class LayerReader:
     """
 
     def __init__(
-        self, index: LayerIndex, fetcher: BlockFetcher, layer_id: str = "", *, readahead_max: int = READAHEAD_MAX
+        self, index: LayerBlocks, fetcher: BlockFetcher, layer_id: str = "", *, readahead_max: int = READAHEAD_MAX
     ) -> None:
         if readahead_max < 0:
             raise ValueError(f"readahead_max must not be negative, not {readahead_max}")
@@ -71,7 +72,11 @@ class LayerReader:
             raise ValueError(f"layer {self.layer_id}: {entry.path!r} is not a regular file")
         if offset < 0 or size < 0:
             raise ValueError(f"invalid read of {entry.path!r}: offset={offset} size={size}")
-        target = self.index.entries[entry.link] if entry.link is not None else entry
+        target = entry
+        if entry.link is not None:
+            if not isinstance(self.index, LayerIndex):
+                raise ValueError(f"layer {self.layer_id}: a hard link is read through its index (this layer has its block table)")
+            target = self.index.entries[entry.link]
         end = min(offset + size, target.size)
         if end <= offset:
             return b""
@@ -115,21 +120,24 @@ class LayerReader:
         """Seconds this layer's store's engine keeps failing at once what failed for good (``Engine.failure_memory``)."""
         return self.fetcher.engine.failure_memory
 
-    async def background_blocks(self, refs: Sequence[int]) -> list[bytes]:
+    async def background_blocks(self, refs: Sequence[int], sink: BlockSink | None = None) -> list[bytes]:
         """Blocks ``refs`` as stored (verified), at prefetch priority and with no read-ahead: what a background
-        fill writes into a local blob (not a read: nothing adapts to it)."""
-        return await self.fetcher.blocks(self.index, refs, Priority.PREFETCH)
+        fill writes into a local blob (not a read: nothing adapts to it).  ``sink``: as :meth:`blob_blocks`."""
+        return await self.fetcher.blocks(self.index, refs, Priority.PREFETCH, sink=sink)
 
-    async def blob_blocks(self, refs: Sequence[int]) -> list[bytes]:
+    async def blob_blocks(self, refs: Sequence[int], sink: BlockSink | None = None) -> list[bytes]:
         """Blocks ``refs`` (ascending numbers in the index) as stored (each ``rlen`` bytes, verified), and no
-        other, read ahead of the last as a blob read is: what a local blob is filled with."""
+        other, read ahead of the last as a blob read is: what a local blob is filled with.  With ``sink``, those
+        fetched from the store go to it as they are verified (:class:`BlockSink`: the blob itself), not to the
+        node cache."""
         if not refs:
             return []
         if refs[-1] - refs[0] + 1 == len(refs):  # a run: the blob's own sequence, as read_blob reads it
-            return await self._read_blocks(range(len(self.index.blocks)), refs[0], refs[-1])
-        return await self._read_blocks(refs, 0, len(refs) - 1)  # only these, read ahead of the last
+            return await self._read_blocks(range(len(self.index.blocks)), refs[0], refs[-1], sink)
+        return await self._read_blocks(refs, 0, len(refs) - 1, sink)  # only these, read ahead of the last
 
-    async def _read_blocks(self, sequence: Sequence[int], first: int, last: int) -> list[bytes]:
+    async def _read_blocks(self, sequence: Sequence[int], first: int, last: int,
+                           sink: BlockSink | None = None) -> list[bytes]:  # fmt: skip
         """Blocks ``sequence[first : last + 1]`` at DEMAND, reading ahead of ``sequence[last]`` on a miss.
 
         ``sequence`` is what is being read, a file's blocks or the whole blob's, so
@@ -140,7 +148,7 @@ class LayerReader:
         if not self.readahead_max:
             started = time.perf_counter()
             try:
-                return await self.fetcher.blocks(self.index, refs, Priority.DEMAND)
+                return await self.fetcher.blocks(self.index, refs, Priority.DEMAND, sink=sink)
             finally:
                 self._read_seconds.observe(time.perf_counter() - started)
         if self._next is None:
@@ -149,7 +157,7 @@ class LayerReader:
         started = time.perf_counter()
         try:
             data = await self.fetcher.blocks(
-                self.index, refs, Priority.DEMAND, ahead=lambda: self._ahead_of(sequence, last)
+                self.index, refs, Priority.DEMAND, ahead=lambda: self._ahead_of(sequence, last), sink=sink
             )
         finally:
             self._read_seconds.observe(time.perf_counter() - started)
@@ -219,7 +227,7 @@ def _padded_slice(data: list[bytes], lo: int, hi: int, block_size: int) -> bytes
     return b"".join(pieces)
 
 
-def _pack_successors(index: LayerIndex) -> list[int]:
+def _pack_successors(index: LayerBlocks) -> list[int]:
     """For each block ref of ``index``, the ref of the stored block that follows it in its pack, -1 if none.
 
     Refs that share a place (one stored block named twice) follow each other.

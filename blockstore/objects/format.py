@@ -20,13 +20,15 @@ from __future__ import annotations
 import base64
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 import re
 import stat
 import struct
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import zstandard
 
@@ -43,6 +45,7 @@ INDEX_MAGIC = b"BSLIDX01"
 IMAGE_MAGIC = b"BSLIMG01"
 DEDUP_MAGIC = b"BSDEDUP1"
 _SEALED_HEADER = struct.Struct("<8sIQ32s")  # magic, version, payload length, payload SHA-256
+MAX_CHAIN_RECORD_BYTES = 1 << 20  #: a chain record larger than this is refused unread (it is a few hundred bytes)
 MAX_INDEX_BYTES = 1 << 30  #: a decompressed index larger than this is refused, whatever its record says
 
 #: What an index may hold beyond what its chain record says the layer has (:func:`index_limits`):
@@ -136,6 +139,13 @@ def image_object(sha256_hex: str) -> str:
     return f"v{FORMAT_VERSION}/images/{sha256_hex}"
 
 
+def block_table_object(sha256_hex: str) -> str:
+    """Store path of a layer's binary block table (:mod:`.block_table`), named by the SHA-256 of its encoded bytes."""
+    if not _HEX.fullmatch(sha256_hex):
+        raise FormatError(f"block table name is not 64 hex digits: {sha256_hex!r}")
+    return f"v{FORMAT_VERSION}/blocktables/{sha256_hex}"
+
+
 def pack_object(sha256_hex: str) -> str:
     """Store path of a pack of compressed blocks, named by the SHA-256 of its bytes."""
     if not _HEX.fullmatch(sha256_hex):
@@ -213,30 +223,49 @@ class StoredBytes(Protocol):
     def rlen(self) -> int: ...
 
 
-def decode_block(block: StoredBytes, data: bytes) -> bytes | None:
+class BlockSink(Protocol):
+    """Where verified blocks go as a reader fetches them, instead of the node cache: a data path's own store of
+    them (a local blob on ``fanotify``: ``blockstore.datapath.local_blobs.BlobFill``), their one copy on the node.
+
+    The block fetcher (``blockstore.node.fetcher.BlockFetcher.blocks``) calls :meth:`put` in the worker thread
+    that decoded and verified a batch, in the same call (one thread hop for decode, hash and write).  What it
+    raises (OSError: a full disk) fails the fetch.
+    """
+
+    def put(self, blocks: Sequence[tuple[str, bytes]]) -> None:
+        """Keep these verified blocks (digest, raw bytes).  Blocking; any worker thread."""
+        ...
+
+
+def decode_block(block: StoredBytes, data: bytes | memoryview) -> bytes | None:
     """The raw bytes of ``block`` from its stored (compressed) bytes ``data``, or None if they are not that block.
 
     The one check of a block's bytes, for every reader and the converter: ``data`` is
-    ``clen`` bytes, decompresses to exactly ``rlen`` (never more is decompressed: a
-    frame header may claim any size) and hashes to ``digest``.
+    ``clen`` bytes, decompresses to exactly ``rlen`` (never more is decompressed or
+    allocated: a frame header may claim any size, so a claimed size above ``rlen`` is
+    refused unread, and a frame that claims none is cut off past ``rlen``) and hashes to
+    ``digest``.  Each thread reuses one decompressor (making one per block costs more
+    than decoding a small block).
     """
     if len(data) != block.clen:
         return None
+    decompressor = getattr(_decoders, "zstd", None)
+    if decompressor is None:
+        decompressor = _decoders.zstd = zstandard.ZstdDecompressor()
     try:
-        reader = zstandard.ZstdDecompressor().stream_reader(data)
-        pieces, total = [], 0
-        while total <= block.rlen:
-            piece = reader.read(block.rlen + 1 - total)
-            if not piece:
-                break
-            pieces.append(piece)
-            total += len(piece)
+        claimed = zstandard.frame_content_size(data)  # -1: the frame does not say
+        if claimed > block.rlen:
+            return None
+        raw = decompressor.decompress(data, max_output_size=block.rlen)
     except zstandard.ZstdError:
         return None
-    raw = pieces[0] if len(pieces) == 1 else b"".join(pieces)
     if len(raw) != block.rlen or hashlib.sha256(raw).hexdigest() != block.digest:
         return None
     return raw
+
+
+#: Each thread's zstd decompressor (:func:`decode_block`).
+_decoders = threading.local()
 
 
 @dataclass(frozen=True)
@@ -297,13 +326,23 @@ class LayerIndex:
 
         Bytes of a slot past its block's ``rlen`` read as zeros; no file reads them (EROFS stops at ``i_size``).
         """
-        if offset < 0 or length < 0:
-            raise ValueError(f"bad blob range {offset}+{length}")
-        first = offset // self.block_size
-        if not length:
-            return range(first, first)
-        end = min(len(self.blocks), -(-(offset + length) // self.block_size))
-        return range(first, max(first, end))
+        return blob_range(offset, length, self.block_size, len(self.blocks))
+
+    @functools.cached_property
+    def entry_count(self) -> int:
+        """Entries of the tree (:class:`~.block_table.LayerBlocks`)."""
+        return len(self.entries)
+
+    @functools.cached_property
+    def file_bytes(self) -> int:
+        """Raw bytes of the regular files, each inode once (what ``df`` of the FUSE tree shows)."""
+        return sum(e.size for e in self.entries if e.type is EntryType.FILE and e.link is None)
+
+    @functools.cached_property
+    def small_files(self) -> int:
+        """Regular files (not hard links) of one block that fits a block (:class:`~.block_table.LayerBlocks`)."""
+        return sum(1 for e in self.entries if e.type is EntryType.FILE and e.link is None and len(e.blocks) == 1
+                   and 0 < e.size <= self.block_size)  # fmt: skip
 
     def encode(self) -> bytes:
         """The index as a store object: header + zstd-compressed JSON."""
@@ -434,6 +473,18 @@ class LayerIndex:
         if entry.link is not None:
             entry = self.entries[entry.link]
         return [self.blocks[b] for b in entry.blocks]
+
+
+def blob_range(offset: int, length: int, block_size: int, blocks: int) -> range:
+    """The block numbers whose slots a read of ``length`` bytes at ``offset`` of a blob of ``blocks`` blocks of
+    ``block_size`` touches, clipped to the blob: the one definition (:meth:`LayerIndex.blob_blocks`)."""
+    if offset < 0 or length < 0:
+        raise ValueError(f"bad blob range {offset}+{length}")
+    first = offset // block_size
+    if not length:
+        return range(first, first)
+    end = min(blocks, -(-(offset + length) // block_size))
+    return range(first, max(first, end))
 
 
 # -- sealed objects: header + zstd payload ----------------------------------------------------
@@ -809,6 +860,8 @@ class ChainRecord:
     converter: str = ""  #: ``bootseer <version>``
     #: SHA-256 hex of the layer's :class:`LayerImage` table ("" for a conversion without one: the node builds it)
     image: str = ""
+    #: SHA-256 hex of the layer's binary block table (:mod:`.block_table`; "" for a conversion without one)
+    block_table: str = ""
     #: the converters' signatures (docs/trust.md): ``{"key": id, "sig": base64}`` entries
     signatures: tuple[dict[str, str], ...] = field(default=(), compare=False)
     #: what a trust policy checks: the stored document's signed message (set by :meth:`decode`)
@@ -819,6 +872,8 @@ class ChainRecord:
         del document["signed"]
         if not self.image:  # as conversions without images wrote it: their signatures still check
             del document["image"]
+        if not self.block_table:  # as conversions before block tables wrote it: their signatures still check
+            del document["block_table"]
         if not self.signatures:
             del document["signatures"]
         else:
@@ -859,6 +914,7 @@ class ChainRecord:
                 converted_at=str(document.get("converted_at", "")),
                 converter=str(document.get("converter", "")),
                 image=str(document.get("image", "")),
+                block_table=str(document.get("block_table", "")),
                 signatures=tuple(signatures_of(document)),
                 signed=Signed.of("chain", document),
             )
@@ -870,6 +926,8 @@ class ChainRecord:
             raise FormatError(f"chain record names an index that is not 64 hex digits: {record.index!r}")
         if record.image and not _HEX.fullmatch(record.image):
             raise FormatError(f"chain record names an image that is not 64 hex digits: {record.image!r}")
+        if record.block_table and not _HEX.fullmatch(record.block_table):
+            raise FormatError(f"chain record names a block table that is not 64 hex digits: {record.block_table!r}")
         if chain_id(record.parent, record.diff_id) != record.chain_id:
             raise FormatError(f"chain record {record.chain_id}: not the ChainID of its parent and diff_id")
         if expected_chain_id is not None and record.chain_id != expected_chain_id:

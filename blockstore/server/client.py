@@ -163,13 +163,16 @@ class LayerServerClient:
         return f"<LayerServerClient {self.socket_path}>"
 
     def mount(
-        self, chain_id: str, *, store: str | None = None, deps_index: str | None = None, timeout: float = MOUNT_TIMEOUT
+        self, chain_id: str, *, store: str | None = None, deps_index: str | None = None, record: bytes | None = None,
+        timeout: float = MOUNT_TIMEOUT,
     ) -> MountedLayer:
         """Serve the layer ``chain_id`` (idempotent); where it is (``.lower_dir``, ``.slot``).
 
         ``store`` overrides the server's ``--store`` for this layer.  ``deps_index``
         (a dependency layer's): the index a deps record the caller verified names, which
-        stands for a converter's signature (docs/trust.md).  Raises
+        stands for a converter's signature (docs/trust.md).  ``record``: the layer's chain
+        record as the caller just read it from that store (its bytes): the server decodes
+        and trust-checks it as its own read, and does not read it again.  Raises
         :class:`LayerNotConverted`, :class:`StoreUnavailable`, :class:`LayerCorrupt`,
         :class:`LayerUntrusted`, :class:`InvalidRequest` or :class:`ServerUnavailable`.
         """
@@ -178,6 +181,8 @@ class LayerServerClient:
             request["store"] = store
         if deps_index is not None:
             request["deps_index"] = deps_index
+        if record is not None:
+            request["record"] = record.decode("utf-8", "surrogateescape")
         return _mounted(self.call(request, timeout=timeout))
 
     def warm(self, chain_ids: Sequence[str], *, store: str | None = None) -> int:
@@ -283,6 +288,7 @@ class ServerSettings:
     metrics_address: str | None = None  #: HOST:PORT for Prometheus ``/metrics``
     data_path: str | None = None  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice); None: the server's default (auto)
     hole_wait: float | None = None  #: seconds a read of a hole on ``fanotify`` waits with no server before EIO
+    fill_group: int | None = None  #: ``fanotify``: raw bytes an event for a hole fills at once; None: the server's default
     background_fill: BackgroundFillConfig | None = None  #: ``fanotify``: the blobs' rest filled while idle; None: the server's default
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     store_proxy: str | None = None  #: HTTP proxy URL http(s) stores are read through (may carry credentials)
@@ -328,6 +334,7 @@ class ServerSettings:
             ("metrics-address", self.metrics_address),
             ("data-path", self.data_path),
             ("hole-wait", self.hole_wait),
+            ("fill-group", self.fill_group),
             *self._background_fill_options(),
             ("store-proxy-ping-url", self.store_proxy_ping_url),
             ("store-proxy-check-interval", self.store_proxy_check_interval),

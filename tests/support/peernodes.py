@@ -299,13 +299,14 @@ class PeerCluster(netns.Opened):
     layer-server`` arguments per node (a list per node, or ``f(node, cluster)``, which can
     name every node's :attr:`PeerNode.peer_address`).  ``node_rate`` / ``store_rate``: tbf
     rates (``1gbit``) of each node's link and of the store's (None: unshaped).
-    ``settings``: the servers' other options.  ``start``: start every node's server on entry
+    ``settings``: the servers' other options (by default no fill groups: the tests count the blocks each node
+    asks of its peers exactly, and a fill group's neighbours would add to them).  ``start``: start every node's server on entry
     (else call :meth:`PeerNode.start` per node).
     """
 
     def __init__(self, base: Path, store_dir: Path, nodes: int, *, node_args: NodeArgs = (),
                  node_rate: str | None = None, store_rate: str | None = None,
-                 settings: ServerSettings = ServerSettings(), start: bool = True, tag: str | None = None) -> None:
+                 settings: ServerSettings = ServerSettings(fill_group=0), start: bool = True, tag: str | None = None) -> None:
         self.base, self.store_dir, self.count = base, store_dir, nodes
         self.node_args, self.node_rate, self.store_rate = node_args, node_rate, store_rate
         self.settings, self.start_nodes = settings, start

@@ -90,6 +90,9 @@ class Nodes:
         root = self.tmp_path / f"node{len(self.roots)}"
         self.roots.append(root)
         settings.setdefault("retry_timeout", 10)
+        # The tests count the blocks each node fetches and serves exactly: a fill group's neighbours (other files'
+        # blocks) would add to both sides.  Fill groups with peers are the benchmark's (bench/peers_bench.py).
+        settings.setdefault("fill_group", 0)
         return ensure_server(root, ServerSettings(store=store, peers=peers, log_level="debug", **settings))
 
     def log(self, number: int) -> str:

@@ -195,8 +195,8 @@ def source_store(image: image_build.Image, cache_dir: Path, source: str, inline_
     and the seconds each conversion it took (None: cached).
 
     ``converter``: the benchmark's store (``CACHE/store``, :func:`bench.node.convert_store`), converted again
-    by this version so that each layer's chain record names its EROFS image (a rerun adds the images to a
-    store converted before they existed); with ``inline_max`` (``--inline-max``) a store of its own,
+    by this version so that each layer's chain record names its EROFS image and its block table (a rerun adds
+    them to a store converted before they existed); with ``inline_max`` (``--inline-max``) a store of its own,
     ``CACHE/store-inline-N``, converted with that bound.  ``node``: ``CACHE/store-built``, converted with
     ``--no-image``, whose records name no image, so the node builds each from the index.
     """
@@ -211,8 +211,10 @@ def source_store(image: image_build.Image, cache_dir: Path, source: str, inline_
             flags=["--inline-max", str(inline_max)])}
     store = cache_dir / "store"
     first = convert_store(image, store, log_path)
-    return store, {"convert": first, "convert again (adds images)": convert_store(
-        image, store, log_path, marker=cache_dir / "store.images")}
+    images = convert_store(image, store, log_path, marker=cache_dir / "store.images")
+    return store, {"convert": first, "convert again (adds images)": images,
+                   "convert again (adds block tables)": convert_store(image, store, log_path,
+                                                                      marker=cache_dir / "store.tables")}
 
 
 def layer_image_bytes(store: Path, image: image_build.Image) -> list[dict[str, Any]]:
@@ -236,8 +238,8 @@ def layer_image_bytes(store: Path, image: image_build.Image) -> list[dict[str, A
 # --------------------------------------------------------------------------- one node
 
 
-#: Whether the lazy nodes fill the rest of their blobs once the link is idle (``--background-fill``).
-BACKGROUND_FILL = True
+#: The lazy nodes' ``[datapath]`` settings other than their defaults (``--background-fill``, ``--fill-group``).
+DATAPATH: dict[str, str] = {}
 
 
 @contextlib.contextmanager
@@ -260,8 +262,8 @@ def fresh_node(base: Path, lazy: bool, store_url: str | None, timeout: float,
         # The daemon's layer server serves its metrics too, so lazy runs show FUSE requests.
         metrics = f"127.0.0.1:{free_port()}"
         settings = []
-        if not BACKGROUND_FILL:
-            (base / "snapshotter.toml").write_text("[datapath]\nbackground_fill = false\n")
+        if DATAPATH:
+            (base / "snapshotter.toml").write_text("[datapath]\n" + "".join(f"{k} = {v}\n" for k, v in DATAPATH.items()))
             settings = ["--config", str(base / "snapshotter.toml")]
         stack.daemon = Snapshotter(base / "snap", log_level="info", extra_args=[*settings,
             "--store", store_url, "--layer-server-metrics-address", metrics,
@@ -1031,6 +1033,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="comma-separated containerds to measure the containerd starts on, side by side: each a "
                              "value of BOOTSEER_CONTAINERD (1.6, 1.7, 2.1 or a directory; the first is the main one, "
                              "the hot list is recorded on it) (default: BOOTSEER_CONTAINERD's choice alone)")
+    parser.add_argument("--fill-group", type=parse_size, default=None, metavar="SIZE",
+                        help="the lazy nodes' [datapath] fill_group (fanotify: raw bytes an event for a hole fills at "
+                             "once; default: the daemon's)")
     parser.add_argument("--background-fill", choices=("on", "off"), default="on",
                         help="the lazy nodes' [datapath] background_fill (fanotify: the rest of each blob filled once "
                              "the link is idle) (on, the daemon's default); off: a config file turning it off")
@@ -1063,8 +1068,10 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    global BACKGROUND_FILL
-    BACKGROUND_FILL = args.background_fill == "on"
+    if args.background_fill == "off":
+        DATAPATH["background_fill"] = "false"
+    if args.fill_group is not None:
+        DATAPATH["fill_group"] = str(args.fill_group)
     if os.geteuid() != 0:
         sys.exit("error: the benchmark needs root (network namespace, tc, containerd, mounts)")
     missing = [tool for tool in ("runc", "docker-registry", "skopeo", "nginx", "ip", "tc",

@@ -1,14 +1,14 @@
 """The clients' side of hot lists: tell the layer server when a container's snapshot (or a prefix) comes and goes.
 
-The snapshotter's :class:`~bootseer.snapshotter.observers.HotListObserver` calls
-:func:`container_prepared` after it prepares an ordinary active snapshot (a container's writable layer: ctr and
-CRI name it by the container ID) and :func:`container_removed` after it removes one.
-Each sends one control request to the layer server under the backend's root
+The snapshotter's :class:`~bootseer.snapshotter.observers.HotListObserver` sends
+:func:`prepared_request` after it prepares an ordinary active snapshot (a container's writable layer: ctr and
+CRI name it by the container ID), with the Prepare's other requests in one round trip, and
+:func:`container_removed` after it removes one.  They tell the layer server under the backend's root
 (``hotlist.prepared`` with the key, the parent ChainID, the labels and the upper
 directory, where the job's seal marker appears; ``hotlist.removed``).  The server
 answers at once and does its store look-ups in the background, so a Prepare waits
 at most a socket round trip.  These never fail the snapshot operation: a server that
-is down or too slow is logged at debug level (no hot list is then recorded or
+is down or too slow is logged (no hot list is then recorded or
 prefetched for that container, and reads are served as always).
 
 ``bootseer deps run`` calls :func:`prefix_restored` after it restores a bare-metal
@@ -47,14 +47,16 @@ def _send(root: str | os.PathLike[str], request: dict[str, Any]) -> dict[str, An
     return None
 
 
-def container_prepared(root: str | os.PathLike[str], key: str, parent: str, labels: dict[str, str] | None,
-                       upper: str) -> None:  # fmt: skip
-    """An active snapshot ``key`` was prepared on ``parent`` (possibly a container's rootfs) on the node ``root``."""
-    if not parent:
-        return
-    answer = _send(root, {"op": "hotlist.prepared", "key": key, "parent": parent,
-                                        "labels": dict(labels or {}), "upper": upper})  # fmt: skip
-    if answer is not None and answer.get("action") not in (None, "none", "disabled"):
+def prepared_request(key: str, parent: str, labels: dict[str, str] | None, upper: str) -> dict[str, Any]:
+    """The ``hotlist.prepared`` notice: the active snapshot ``key`` (possibly a container's rootfs) was prepared on
+    ``parent``, with its writable directory ``upper``.  The snapshotter's
+    :class:`~bootseer.snapshotter.observers.HotListObserver` sends it with the Prepare's other requests."""
+    return {"op": "hotlist.prepared", "key": key, "parent": parent, "labels": dict(labels or {}), "upper": upper}
+
+
+def prepared_answered(key: str, parent: str, answer: dict[str, Any]) -> None:
+    """Log what the layer server chose for the container ``key`` if it chose something (``record``, ``prefetch``)."""
+    if answer.get("action") not in (None, "none", "disabled"):
         log.info("hot list for container", key=key, parent=parent, action=answer.get("action"))
 
 

@@ -15,7 +15,9 @@ simply not converted is ``None`` from :meth:`LayerBackend.lookup`, not an error.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Any, Protocol, Sequence
+
+from .errors import LayerUnavailable
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,15 @@ class RemoteLayer:
     digest: str  #: digest of the (compressed) layer blob in the registry
     size: int  #: the layer blob's size in bytes
     files: int = 0  #: entries in the layer's index
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """One request for the layer server's control socket (:mod:`bootseer.blockstore.server.client`), and how long
+    its caller may wait for its answer."""
+
+    fields: dict[str, Any]  #: the request object (``op`` and its arguments)
+    timeout: float  #: seconds
 
 
 class LayerBackend(Protocol):
@@ -55,6 +66,17 @@ class LayerBackend(Protocol):
 
     def check(self, chain_id: str) -> str:
         """The lower directory of ``chain_id`` if it is served and healthy; LayerUnavailable if not."""
+        ...
+
+    def serves(self, lower_dir: str) -> bool:
+        """Whether ``lower_dir``, which a :meth:`mount` answered, still serves its layer as far as the node can tell
+        without asking the server (its mount is there); False sends the caller to :meth:`check`."""
+        ...
+
+    def send(self, requests: Sequence[ControlRequest]) -> list[dict[str, Any] | LayerUnavailable]:
+        """Send ``requests`` in one round trip (a Prepare's requests of its observers: :mod:`.observers`), answered
+        one after another, each on its own: its answer's fields or its failure, in order.  A server that cannot be
+        reached (or answers the round trip wrong) fails each.  Waits at most the longest of their timeouts."""
         ...
 
     def unmount(self, chain_id: str) -> None:

@@ -58,6 +58,7 @@ from typing import Any, Callable, Mapping
 from bootseer import confined
 from bootseer.atomic import write_atomically
 from bootseer.blockstore.objects.signing import SigningKey, TrustPolicy, load_signing_key
+from bootseer.blockstore.server.client import MOUNT_TIMEOUT, LayerServerError, mount_request, mounted_answer
 from bootseer.blockstore.objects.store import StoreError, open_store_writer
 from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks, traced
@@ -65,10 +66,11 @@ from bootseer.profile import hooks as profile_hooks, traced
 from bootseer.depsnap.capture import CaptureError, publish_capture, scan, upper_change
 from bootseer.depsnap.key import DepsKeyError, check_key, container_store_key
 from bootseer.depsnap.prefix import StoreUnreachable, lookup
+from bootseer.depsnap.record import DepsRecord
 
-from .backend import LayerBackend
+from .backend import ControlRequest, LayerBackend
 from .errors import FailedPrecondition, LayerUnavailable, SnapshotError
-from .observers import PreparedContainer
+from .observers import PreparedContainer, ServerRequest
 from .snapshots import CRI_IMAGE_REF_LABEL
 from .types import Info
 
@@ -237,86 +239,93 @@ class DepsObserver:
 
     def __init__(self, backend: LayerBackend, snapshots_dir: Path, stat: Callable[[str], Info], context: DepsContext) -> None:
         self.backend = backend
-        #: the lower dir of a deps layer a Prepare just mounted, by the snapshot's upper dir: what that Prepare's own
-        #: mounts take (:meth:`lowers`) without asking the layer server again (a later Mounts asks)
-        self._just_mounted: dict[str, str] = {}
         self.snapshots_dir = snapshots_dir
         self.stat = stat
         self.context = context
 
     def container_prepared(self, container: PreparedContainer) -> None:
-        """Stack the deps layer of the container's key under it (a hit), or watch it for a capture (a miss)."""
-        if self._prepared(container.key, container.parent, container.labels, container.upper, namespace=container.namespace):
-            container.mounts_changed = True
-        container.reads_start_at = stacked_chain(container.upper) or container.reads_start_at  # deps layer on top
-
-    def _prepared(self, key: str, parent: str, labels: dict[str, str] | None, upper: str, *, namespace: str = "") -> bool:
-        """True if a deps layer is now stacked under the snapshot (its mounts changed).
-
-        ``namespace``: the request's ``containerd-namespace`` header, if it had one.  The
-        snapshot's namespace (:func:`snapshot_namespace`) and the node's ``[depsnap] scope``
-        scope the label's key (:meth:`store_key`).
-        """
-        requested = key_of(labels)
+        """On a hit, ask for the deps layer's mount with the Prepare's other requests (:meth:`_mounted` stacks it
+        under the container); on a miss, watch the container for a capture."""
+        key, upper = container.key, container.upper
+        requested = key_of(container.labels)
         if requested is None:
-            requested = mapped_key(self.context.images, self.stat, key, parent)
+            requested = mapped_key(self.context.images, self.stat, key, container.parent)
         if requested is None:
-            return False
-        namespace = snapshot_namespace(key, namespace)
+            return
+        namespace = snapshot_namespace(key, container.namespace)
         deps_key = self.store_key(requested, namespace)
-        base = base_chain(parent)
+        base = base_chain(container.parent)
         if base is None:
-            log.warning("deps label on a snapshot that is not over an image layer; ignored", key=key, parent=parent)
+            log.warning("deps label on a snapshot that is not over an image layer; ignored", key=key,
+                        parent=container.parent)  # fmt: skip
             _neither(upper, "the snapshot is not over an image layer")
-            return False
+            return
         try:
             record = lookup(self.context.store_url, deps_key, timeout=LOOKUP_TIMEOUT, trust=self.context.trust)
         except StoreUnreachable as exc:
             log.warning("deps lookup failed; the container installs as on a miss", key=key, deps=deps_key, error=str(exc))
             record = None
-        if record is not None:
-            if record.mode != "container" or record.parent != base:
-                log.warning("deps record is of another image; not stacked, not captured", key=key, deps=deps_key,
-                            parent=parent, record_parent=record.parent)  # fmt: skip
-                _neither(upper, "the key's snapshot was captured on another image")
-                return False
+        if record is None:
+            _write_state(upper, {"key": deps_key, "state": "watching", "parent": base})
+            _marks_dir(upper)
+            WATCHER.watch(self.context, key, deps_key, base, upper, {"container": key, "label": requested,
+                                                                     "namespace": namespace, "scope": self.context.scope})
+            profile_hooks.deps_container("miss", key, requested)  # start-up profiler
+            log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key,
+                     label=requested, namespace=namespace, scope=self.context.scope,
+                     marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
+            return
+        if record.mode != "container" or record.parent != base:
+            log.warning("deps record is of another image; not stacked, not captured", key=key, deps=deps_key,
+                        parent=container.parent, record_parent=record.parent)  # fmt: skip
+            _neither(upper, "the key's snapshot was captured on another image")
+            return
+        # The deps layer's chain record's parent is the image's top layer, so for the hot lists the deps layer is the
+        # top of the image: the first start on it records the reads of the dependencies with the image's
+        # (``v1/hotlists/<deps ChainID>/...``), later starts prefetch them.  Unless its mount fails (:meth:`_mounted`).
+        container.reads_start_at = record.chain_id
+        # The record is trusted: its index stands for a converter's signature.
+        mount = ControlRequest(mount_request(record.chain_id, deps_index=record.index), MOUNT_TIMEOUT)
+        container.requests.append(ServerRequest(lambda: mount, lambda answer: self._mounted(
+            container, answer, record, deps_key=deps_key, requested=requested, namespace=namespace)))
+
+    def _mounted(self, container: PreparedContainer, answer: dict[str, Any] | LayerUnavailable, record: DepsRecord, *,
+                 deps_key: str, requested: str, namespace: str) -> None:  # fmt: skip
+        """The deps layer's mount answered: stack it under the container, or leave the container to install."""
+        key, upper = container.key, container.upper
+        if not isinstance(answer, LayerUnavailable):
             try:
-                lower = self.backend.mount(record.chain_id, deps_index=record.index)  # the record is trusted: its index stands
-            except LayerUnavailable as exc:
-                log.warning("deps layer cannot be served; the container installs", key=key, deps=deps_key, error=str(exc))
-                _neither(upper, f"the snapshot cannot be served: {exc}")
-                return False
-            _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "index": record.index,
-                                 "lower_dir": lower})  # fmt: skip
-            self._just_mounted[upper] = lower
-            _marker(upper, HIT_MARKER, requested)
-            log.info("dependency snapshot stacked", key=key, deps=deps_key, label=requested, namespace=namespace,
-                     chain_id=record.chain_id)  # fmt: skip
-            profile_hooks.deps_container("hit", key, requested, chain_id=record.chain_id)  # start-up profiler
-            return True
-        _write_state(upper, {"key": deps_key, "state": "watching", "parent": base})
-        _marks_dir(upper)
-        WATCHER.watch(self.context, key, deps_key, base, upper, {"container": key, "label": requested,
-                                                                 "namespace": namespace, "scope": self.context.scope})
-        profile_hooks.deps_container("miss", key, requested)  # start-up profiler
-        log.info("dependency snapshot missing: capturing when the job signals", key=key, deps=deps_key, label=requested,
-                 namespace=namespace, scope=self.context.scope,
-                 marker=f"/{MARKER_DIR}/{DONE_MARKER}")  # fmt: skip
-        return False
+                lower = mounted_answer(answer).lower_dir
+            except LayerServerError as exc:
+                answer = LayerUnavailable("mount_failed", f"layer server: {exc}")
+        if isinstance(answer, LayerUnavailable):
+            log.warning("deps layer cannot be served; the container installs", key=key, deps=deps_key, error=str(answer))
+            _neither(upper, f"the snapshot cannot be served: {answer}")
+            container.reads_start_at = container.parent
+            return
+        _write_state(upper, {"key": deps_key, "state": "stacked", "chain_id": record.chain_id, "index": record.index,
+                             "lower_dir": lower})  # fmt: skip
+        _marker(upper, HIT_MARKER, requested)
+        container.mounts_changed = True
+        log.info("dependency snapshot stacked", key=key, deps=deps_key, label=requested, namespace=namespace,
+                 chain_id=record.chain_id)  # fmt: skip
+        profile_hooks.deps_container("hit", key, requested, chain_id=record.chain_id)  # start-up profiler
 
     def store_key(self, requested: str, namespace: str) -> str:
         """The record name of the label's key ``requested`` for a Prepare in ``namespace`` on this node."""
         return container_store_key(requested, namespace=namespace, scope=self.context.scope)
 
     def lowers(self, upper: str) -> list[str]:
-        """The deps layer's lower directory, if one is stacked under this snapshot (asked again on every Mounts)."""
+        """The deps layer's lower directory, if one is stacked under this snapshot (asked again on every Mounts):
+        the one its mount answered while the node still serves it there (:meth:`LayerBackend.serves`), else the
+        layer server's answer now."""
         state = _read_state(Path(upper).parent)
         if state is None or state.get("state") != "stacked":
             return []
-        just = self._just_mounted.pop(upper, None)
-        if just is not None:  # the Prepare that mounted it, a moment ago: its own answer stands
-            return [just]
         chain = str(state["chain_id"])
+        lower = state.get("lower_dir")
+        if isinstance(lower, str) and self.backend.serves(lower):
+            return [lower]
         try:
             try:
                 return [self.backend.check(chain)]
@@ -344,9 +353,6 @@ class DepsObserver:
         """Unmount the snapshot's deps layer if it was the last to stack it."""
         if not active or snapshot_dir is None:
             return
-        for upper in list(self._just_mounted):  # (a copy: gRPC threads add to it) a Prepare that failed after its mount
-            if Path(upper).parent == snapshot_dir:
-                self._just_mounted.pop(upper, None)
         state = _read_state(snapshot_dir)
         WATCHER.forget_upper(snapshot_dir)
         if state is None or state.get("state") != "stacked":
@@ -359,20 +365,6 @@ class DepsObserver:
             log.info("unused dependency layer unmounted", chain_id=chain)
         except LayerUnavailable as exc:
             log.warning("cannot unmount an unused dependency layer", chain_id=chain, error=str(exc))
-
-
-def stacked_chain(upper: str) -> str | None:
-    """The ChainID of the deps layer stacked under this snapshot, if any.
-
-    Its chain record's parent is the image's top layer, so for the hot lists the deps
-    layer is simply the top of the image: the first start on it records the reads of
-    the dependencies with the image's (``v1/hotlists/<deps ChainID>/...``), and later
-    starts prefetch them.  That needs the image's layers to be served lazily too.
-    """
-    state = _read_state(Path(upper).parent)
-    if state is None or state.get("state") != "stacked":
-        return None
-    return str(state["chain_id"])
 
 
 # -- capture on a miss -------------------------------------------------------------------------

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
 import threading
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import prometheus_client
 import trio
@@ -36,7 +37,7 @@ from bootseer.fetch.source import SourceError
 from bootseer.fetch.sources import redact_url
 from bootseer.log import get_logger
 
-from .backend import RemoteLayer
+from .backend import ControlRequest, RemoteLayer
 from .errors import LayerUnavailable
 
 log = get_logger(__name__)
@@ -177,6 +178,41 @@ class LayerServerBackend:
     def check(self, chain_id: str) -> str:
         return self._call(lambda client: client.check(chain_id).lower_dir)
 
+    def serves(self, lower_dir: str) -> bool:
+        """See :meth:`LayerBackend.serves`: an EROFS mount at ``lower_dir`` (the ``erofs``, ``loop`` and ``fanotify``
+        data paths: the kernel's mount outlives a server restart, and the new server restores its table into the
+        same slots), or a slot directory of the server's FUSE mount while that answers (``tree``).  A layer the
+        restarted server could not restore is not told apart here: its reads fail as its image layers' do."""
+        paths = ServerPaths(self.root)
+        path = Path(lower_dir)
+        try:
+            if path.parent == paths.erofs_lowers:
+                return os.path.ismount(path)
+            return path.parent == paths.mountpoint and os.path.ismount(paths.mountpoint) and path.is_dir()
+        except OSError:  # a FUSE mount whose server is gone: ENOTCONN
+            return False
+
+    def send(self, requests: Sequence[ControlRequest]) -> list[dict[str, Any] | LayerUnavailable]:
+        timeout = max((request.timeout for request in requests), default=self._client.timeout)
+
+        def round_trip(client: control.LayerServerClient) -> list[dict[str, Any] | control.LayerServerError]:
+            if len(requests) != 1:
+                return client.batch([request.fields for request in requests], timeout=timeout)
+            try:  # one alone goes as itself
+                return [client.call(requests[0].fields, timeout=timeout)]
+            except control.ServerUnavailable:
+                raise
+            except control.LayerServerError as exc:
+                return [exc]
+
+        if not requests:
+            return []
+        try:
+            answers = self._call(round_trip)
+        except LayerUnavailable as exc:
+            return [exc] * len(requests)
+        return [_unavailable(answer) if isinstance(answer, control.LayerServerError) else answer for answer in answers]
+
     def unmount(self, chain_id: str) -> None:
         try:
             self._call(lambda client: client.unmount(chain_id))
@@ -215,5 +251,10 @@ class LayerServerBackend:
                 self.start()
                 return operation(self._client)
         except control.LayerServerError as exc:
-            reason = next((r for kind, r in _REASONS.items() if isinstance(exc, kind)), "mount_failed")
-            raise LayerUnavailable(reason, f"layer server: {exc}") from None
+            raise _unavailable(exc) from None
+
+
+def _unavailable(exc: control.LayerServerError) -> LayerUnavailable:
+    """The layer server's error ``exc`` as the snapshot logic's failure (its reason by the error's kind)."""
+    reason = next((r for kind, r in _REASONS.items() if isinstance(exc, kind)), "mount_failed")
+    return LayerUnavailable(reason, f"layer server: {exc}")

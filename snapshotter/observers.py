@@ -8,16 +8,43 @@ snapshot comes and goes -- the start-up profiler, dependency snapshots
 Snapshotter only as :class:`SnapshotObserver`.  The Snapshotter calls them in the order
 they were registered when a container's snapshot is prepared, and in the reverse order
 when a snapshot is removed (what was set up last is torn down first).
+
+What an observer has to ask the layer server about a prepared container it does not send
+itself: it adds a :class:`ServerRequest` to the container, and once every observer has seen
+it the Snapshotter sends them all in one round trip (a dependency layer's mount and the
+hot-list notice that names it: a container's start makes one round trip, with a deps hit
+or without) and hands each its answer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from bootseer.hotlist import hooks as hotlist_hooks
+from bootseer.log import get_logger
 from bootseer.profile import hooks as profile_hooks
+
+from .backend import ControlRequest
+from .errors import LayerUnavailable
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerRequest:
+    """What an observer has to ask the layer server about a container it was told of: sent with the Prepare's
+    other requests in one round trip once every observer has seen the container
+    (:meth:`LayerBackend.send <bootseer.snapshotter.backend.LayerBackend.send>`)."""
+
+    #: The request, built when it is sent, from the container as it is then.  Built again once every answer is
+    #: in: a request whose inputs an earlier answer changed (a dependency layer that could not be stacked after
+    #: all) is sent again, on its own.
+    build: Callable[[], ControlRequest]
+    #: Given its answer's fields or its failure (never raises).
+    answered: Callable[[dict[str, Any] | LayerUnavailable], None]
 
 
 @dataclass
@@ -33,6 +60,8 @@ class PreparedContainer:
     reads_start_at: str
     #: Set by an observer that changed what the snapshot mounts (stacked a layer under it).
     mounts_changed: bool = False
+    #: The observers' requests for the layer server, in the order they were told (:class:`ServerRequest`).
+    requests: list[ServerRequest] = field(default_factory=list)
 
 
 class SnapshotObserver(Protocol):
@@ -81,8 +110,20 @@ class HotListObserver:
         self.root = root
 
     def container_prepared(self, container: PreparedContainer) -> None:
-        hotlist_hooks.container_prepared(self.root, container.key, container.reads_start_at, container.labels,
-                                         container.upper)  # fmt: skip
+        def build() -> ControlRequest:
+            return ControlRequest(hotlist_hooks.prepared_request(container.key, container.reads_start_at,
+                                                                 container.labels, container.upper),
+                                  hotlist_hooks.NOTIFY_TIMEOUT)  # fmt: skip
+
+        def answered(answer: dict[str, Any] | LayerUnavailable) -> None:
+            if isinstance(answer, LayerUnavailable):  # never fails the Prepare: reads are served as always
+                level = log.debug if answer.reason == "server_unavailable" else log.warning
+                level("hot-list notice not taken", key=container.key, reason=answer.reason, error=str(answer))
+            else:
+                hotlist_hooks.prepared_answered(container.key, container.reads_start_at, answer)
+
+        if container.parent:
+            container.requests.append(ServerRequest(build, answered))
 
     def snapshot_removed(self, key: str, active: bool, snapshot_dir: Path | None) -> None:
         if active:
@@ -95,4 +136,4 @@ class HotListObserver:
         return False
 
 
-__all__ = ["HotListObserver", "PreparedContainer", "ProfileObserver", "SnapshotObserver"]
+__all__ = ["HotListObserver", "PreparedContainer", "ProfileObserver", "ServerRequest", "SnapshotObserver"]

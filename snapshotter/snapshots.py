@@ -175,9 +175,23 @@ class Snapshotter:
                                       reads_start_at=parent)  # fmt: skip
         for observer in self._observers:
             observer.container_prepared(container)
+        self._send_requests(container)
         if container.mounts_changed:
             mounts = self._mounts(snapshot)  # a dependency snapshot is stacked under it (.deps_hooks)
         return mounts
+
+    def _send_requests(self, container: PreparedContainer) -> None:
+        """Send the observers' requests for the layer server in one round trip and give each its answer; send again,
+        each on its own, those whose request an answer changed (a dependency layer not stacked after all)."""
+        if not container.requests or self.backend is None:
+            return
+        sent = [request.build() for request in container.requests]
+        for request, answer in zip(container.requests, self.backend.send(sent)):
+            request.answered(answer)
+        for request, before in zip(container.requests, sent):
+            now = request.build()
+            if now != before:
+                request.answered(self.backend.send([now])[0])
 
     @property
     def snapshots_dir(self) -> Path:

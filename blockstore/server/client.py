@@ -6,7 +6,8 @@ a unix socket only root may open (0600 in a 0700 directory).  The protocol is JS
 lines: one request object per connection, ``{"op": "mount", "chain_id": ...}``, and one
 answer, ``{"ok": true, ...}`` or ``{"ok": false, "error": {"kind": ..., "message": ...}}``.
 Error kinds come back as the exceptions below, so callers branch on domain kinds,
-never on messages.
+never on messages.  :meth:`LayerServerClient.batch` sends several requests in one round trip
+(a container's Prepare: a dependency layer's mount and its hot-list notice).
 
 :func:`ensure_server` connects to the running server or starts one, race-safe (a lock
 file serialises starters, so two callers at once start one server), in a session of
@@ -176,14 +177,8 @@ class LayerServerClient:
         :class:`LayerNotConverted`, :class:`StoreUnavailable`, :class:`LayerCorrupt`,
         :class:`LayerUntrusted`, :class:`InvalidRequest` or :class:`ServerUnavailable`.
         """
-        request: dict[str, Any] = {"op": "mount", "chain_id": chain_id}
-        if store is not None:
-            request["store"] = store
-        if deps_index is not None:
-            request["deps_index"] = deps_index
-        if record is not None:
-            request["record"] = record.decode("utf-8", "surrogateescape")
-        return _mounted(self.call(request, timeout=timeout))
+        request = mount_request(chain_id, store=store, deps_index=deps_index, record=record)
+        return mounted_answer(self.call(request, timeout=timeout))
 
     def warm(self, chain_ids: Sequence[str], *, store: str | None = None) -> int:
         """Have the server load ``chain_ids`` ahead of their mounts (an image's layers above the one being
@@ -197,7 +192,7 @@ class LayerServerClient:
         """Where ``chain_id`` is, if it is served and healthy; raises :class:`LayerNotMounted`
         if the server does not serve it, :class:`StoreUnavailable` if it could not be
         restored, :class:`ServerUnavailable` if no server answers."""
-        return _mounted(self.call({"op": "check", "chain_id": chain_id}))
+        return mounted_answer(self.call({"op": "check", "chain_id": chain_id}))
 
     def unmount(self, chain_id: str) -> None:
         """Stop serving ``chain_id``; :class:`LayerNotMounted` if it was not served."""
@@ -243,18 +238,59 @@ class LayerServerClient:
             raise ServerUnavailable(f"the layer server on {self.socket_path} closed the connection without answering")
         try:
             answer = json.loads(data)
-            ok = answer["ok"]
-        except (ValueError, KeyError, TypeError):
-            raise LayerServerError(f"the layer server on {self.socket_path} sent a malformed answer: {data[:200]!r}")
-        if ok:
-            return answer
-        error = answer.get("error") or {}
-        kind = ERROR_KINDS.get(str(error.get("kind")), LayerServerError)
-        raise kind(str(error.get("message", "unknown error")))
+        except ValueError:
+            answer = None
+        return _fields(answer, f"the layer server on {self.socket_path}", data)
+
+    def batch(
+        self, requests: Sequence[dict[str, Any]], *, timeout: float | None = None
+    ) -> list[dict[str, Any] | LayerServerError]:
+        """Send ``requests`` in one round trip (the ``batch`` operation: :mod:`.ops`), answered one after another,
+        each on its own: its answer's fields, or the error of its kind, in the order sent.  Raises as
+        :meth:`call` for the round trip itself (a server gone, one that answers the batch wrong)."""
+        answers = self.call({"op": "batch", "requests": list(requests)}, timeout=timeout).get("answers")
+        if not isinstance(answers, list) or len(answers) != len(requests):
+            raise LayerServerError(f"the layer server on {self.socket_path} answered a batch of {len(requests)} wrong")
+        results: list[dict[str, Any] | LayerServerError] = []
+        for request, answer in zip(requests, answers):
+            try:
+                results.append(_fields(answer, f"the layer server's answer to {request.get('op')!r}", answer))
+            except LayerServerError as exc:
+                results.append(exc)
+        return results
 
 
-def _mounted(answer: dict[str, Any]) -> MountedLayer:
-    return MountedLayer(str(answer["chain_id"]), int(answer["slot"]), str(answer["lower_dir"]))
+def mount_request(chain_id: str, *, store: str | None = None, deps_index: str | None = None,
+                  record: bytes | None = None) -> dict[str, Any]:  # fmt: skip
+    """The ``mount`` request of :meth:`LayerServerClient.mount` (for a :meth:`~LayerServerClient.batch` too)."""
+    request: dict[str, Any] = {"op": "mount", "chain_id": chain_id}
+    if store is not None:
+        request["store"] = store
+    if deps_index is not None:
+        request["deps_index"] = deps_index
+    if record is not None:
+        request["record"] = record.decode("utf-8", "surrogateescape")
+    return request
+
+
+def mounted_answer(answer: dict[str, Any]) -> MountedLayer:
+    """Where a ``mount`` (or ``check``) answer says the layer is."""
+    try:
+        return MountedLayer(str(answer["chain_id"]), int(answer["slot"]), str(answer["lower_dir"]))
+    except (KeyError, TypeError, ValueError):
+        raise LayerServerError(f"a malformed mount answer: {str(answer)[:200]}") from None
+
+
+def _fields(answer: Any, who: str, data: Any) -> dict[str, Any]:
+    """The fields of an ``{"ok": true, ...}`` answer; the error kind of an ``{"ok": false, ...}`` one raised."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("ok"), bool):
+        raise LayerServerError(f"{who} sent a malformed answer: {str(data)[:200]!r}")
+    if answer["ok"]:
+        return answer
+    error = answer.get("error")
+    error = error if isinstance(error, dict) else {}
+    kind = ERROR_KINDS.get(str(error.get("kind")), LayerServerError)
+    raise kind(str(error.get("message", "unknown error")))
 
 
 def _read_line(conn: socket.socket) -> bytes:

@@ -3,8 +3,9 @@
 One request per connection: a line of JSON naming its ``op``, answered with one line,
 ``{"ok": true, ...}`` or ``{"ok": false, "error": {"kind", "message"}}`` (the kinds are
 :class:`~bootseer.blockstore.server.client.LayerServerError`'s; anything else is ``internal``).
-What an operation does is the :class:`~bootseer.blockstore.server.ops.ControlOps` table's
-business; this module only frames, bounds and counts.  The callers' end is
+What an operation does, and how its answer is framed and counted, is the
+:class:`~bootseer.blockstore.server.ops.ControlOps` table's business; this module only reads,
+bounds and sends lines, and counts the connections (the round trips).  The callers' end is
 :mod:`bootseer.blockstore.server.client`.
 """
 
@@ -19,14 +20,15 @@ from pathlib import Path
 import prometheus_client
 import trio
 
-from bootseer.blockstore.server.client import MAX_MESSAGE, InvalidRequest, LayerServerError
-from bootseer.blockstore.server.ops import ControlOps
+from bootseer.blockstore.server.client import MAX_MESSAGE, InvalidRequest
+from bootseer.blockstore.server.ops import ControlOps, failure
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
 
-CONTROL = prometheus_client.Counter(
-    "bootseer_layer_server_requests_total", "Control requests answered, by operation and outcome", ["op", "outcome"]
+#: One per connection: the round trips (a batch of requests is one; :mod:`.ops` counts the requests).
+CONNECTIONS = prometheus_client.Counter(
+    "bootseer_layer_server_control_connections", "Control connections answered: one per round trip"
 )
 #: Seconds a client has to send its whole request line before it is dropped.
 REQUEST_TIMEOUT = 30.0
@@ -44,24 +46,17 @@ async def handle_connection(control: ControlOps, stream: trio.SocketStream) -> N
                 buffer += chunk
         line = buffer.split(b"\n", 1)[0]
         op = "?"
-        try:
-            if len(line) > MAX_MESSAGE:
-                raise InvalidRequest(f"request longer than {MAX_MESSAGE} bytes")
+        if len(line) > MAX_MESSAGE:
+            answer = failure(op, InvalidRequest(f"request longer than {MAX_MESSAGE} bytes"))
+        else:
             try:
                 request = json.loads(line)
             except ValueError:
-                raise InvalidRequest("a request is one line of JSON") from None
-            op = str(request.get("op", "?")) if isinstance(request, dict) else "?"
-            answer = {"ok": True, **await control.dispatch(request)}
-            CONTROL.labels(op, "ok").inc()
-        except LayerServerError as exc:
-            CONTROL.labels(op, exc.kind).inc()
-            log.warning("control request failed", op=op, kind=exc.kind, error=str(exc))
-            answer = {"ok": False, "error": {"kind": exc.kind, "message": str(exc)}}
-        except Exception as exc:
-            CONTROL.labels(op, "internal").inc()
-            log.error("control request failed", op=op, exc_info=exc)
-            answer = {"ok": False, "error": {"kind": "internal", "message": f"{type(exc).__name__}: {exc}"}}
+                answer = failure(op, InvalidRequest("a request is one line of JSON"))
+            else:
+                op = str(request.get("op", "?")) if isinstance(request, dict) else "?"
+                answer = await control.answer(request)
+        CONNECTIONS.inc()
         try:
             await stream.send_all(json.dumps(answer, separators=(",", ":")).encode() + b"\n")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -94,4 +89,4 @@ async def serve_control(
         path.unlink(missing_ok=True)
 
 
-__all__ = ["CONTROL", "handle_connection", "serve_control"]
+__all__ = ["CONNECTIONS", "handle_connection", "serve_control"]

@@ -11,6 +11,7 @@ layer server (FUSE) and overlayfs and runs the restored environment's python; th
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from bootseer.blockstore.server.client import LayerServerClient
+from bootseer.paths import ServerPaths
 from bootseer.snapshotter.deps_hooks import DEPS_LABEL
 from bootseer.depsnap.key import compute_key, tree_digest
 from bootseer.depsnap.record import DepsRecord
@@ -349,15 +352,19 @@ def test_the_nodes_image_mapping_is_checked_and_gives_a_container_its_key(tmp_pa
 
 
 def _control_requests(address: str) -> dict[str, float]:
-    """The layer server's control requests so far, by operation (its watch's ``status`` left out)."""
+    """The layer server's control requests so far, by operation (its watch's ``status`` left out), and its round
+    trips (``connections``: every connection, the watch's ``status`` ones taken off)."""
     from tests.support.daemon import scrape
 
     counts: dict[str, float] = {}
     for (name, labels), value in scrape(address).items():
         if name == "bootseer_layer_server_requests_total":
             op = dict(labels)["op"]
-            if op != "status":
-                counts[op] = counts.get(op, 0) + value
+            counts[op] = counts.get(op, 0) + value
+        elif name == "bootseer_layer_server_control_connections_total":
+            counts["connections"] = counts.get("connections", 0) + value
+    counts["connections"] = counts.get("connections", 0) - counts.get("status", 0)
+    counts.pop("status", None)
     return counts
 
 
@@ -366,11 +373,12 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 
 
 @needs_root
-def test_a_container_start_makes_one_control_round_trip_and_a_dependency_hit_three(tmp_path: Path, snapshotter_factory) -> None:
+def test_a_container_start_makes_one_control_round_trip_with_or_without_a_dependency_hit(tmp_path: Path, snapshotter_factory) -> None:
     """The round trips to the layer server's control socket of a container's start (containerd's Prepare, then the
-    task's Mounts), counted by the server: the hot-list notice; on a dependency hit also the deps layer's mount,
-    whose lower dir the Prepare's mounts take as the mount answered it (no ``check`` of a layer mounted a moment
-    ago: four round trips before), and the Mounts' ``check`` that the layer is still served."""
+    task's Mounts), counted by the server: one.  A plain start sends the hot-list notice; a dependency hit sends
+    the deps layer's mount and the notice in one ``batch``, and its Mounts takes the deps layer's lower dir
+    from its mount as long as it is mounted there (no ``check``: three round trips before, four before that).
+    Once the deps layer is unmounted behind the snapshotter's back, a Mounts asks the server again and mounts it."""
     from tests.support.waiting import free_port
 
     store = tmp_path / "store"
@@ -381,7 +389,7 @@ def test_a_container_start_makes_one_control_round_trip_and_a_dependency_hit_thr
     before = _control_requests(metrics)
     _prepare(daemon, "ns", "3/plain", parent=parent)
     daemon.stub.Mounts(api.MountsRequest(key="ns/3/plain"))
-    assert _delta(before, _control_requests(metrics)) == {"hotlist.prepared": 1}
+    assert _delta(before, _control_requests(metrics)) == {"connections": 1, "hotlist.prepared": 1}
     labels = {DEPS_LABEL: compute_key(["sh", "-c", "install"], base_chain=TOP).key}
     upper = Path(_options(_prepare(daemon, "ns", "4/job-1", parent=parent, labels=labels))["upperdir"])
     (upper / "opt" / "deps").mkdir(parents=True)
@@ -391,9 +399,17 @@ def test_a_container_start_makes_one_control_round_trip_and_a_dependency_hit_thr
     before = _control_requests(metrics)
     hit = _options(_prepare(daemon, "ns", "5/job-2", parent=parent, labels=labels))
     assert (Path(hit["upperdir"]) / ".bootseer" / "deps-hit").exists()
-    assert _delta(before, _control_requests(metrics)) == {"mount": 1, "hotlist.prepared": 1}
+    assert _options(daemon.stub.Mounts(api.MountsRequest(key="ns/5/job-2")).mounts)["lowerdir"] == hit["lowerdir"]
+    assert _delta(before, _control_requests(metrics)) == {"connections": 1, "batch": 1, "mount": 1, "hotlist.prepared": 1}
+    deps_lower = hit["lowerdir"].split(":")[0]
+    assert (Path(deps_lower) / "opt" / "deps" / "tool").read_text() == "installed\n"
+    # The server stops serving it behind the snapshotter's back: the next Mounts asks, and has it mounted again.
+    chain = json.loads((Path(hit["upperdir"]).parent / "deps.json").read_text())["chain_id"]
+    LayerServerClient(ServerPaths(tmp_path / "root").socket).unmount(chain)
+    assert not os.path.ismount(deps_lower)
     before = _control_requests(metrics)
     assert _options(daemon.stub.Mounts(api.MountsRequest(key="ns/5/job-2")).mounts)["lowerdir"] == hit["lowerdir"]
-    assert _delta(before, _control_requests(metrics)) == {"check": 1}
+    assert (Path(deps_lower) / "opt" / "deps" / "tool").read_text() == "installed\n"
+    assert _delta(before, _control_requests(metrics)) == {"connections": 2, "check": 1, "mount": 1}
     for key in ("5/job-2", "4/job-1", "3/plain"):
         daemon.stub.Remove(api.RemoveSnapshotRequest(key=f"ns/{key}"))

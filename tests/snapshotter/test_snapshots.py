@@ -13,6 +13,7 @@ import sys
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -669,6 +670,75 @@ def test_chain_locks_do_not_outlive_their_prepares(tmp_path: Path) -> None:
         sn.remove(converted)  # releases the layer, under its lock
         assert not os.path.ismount(layers.lower_dir(converted))
         assert len(sn._chain_locks) == 0
+    finally:
+        sn.close()
+        layers.close()
+
+
+def test_a_prepares_requests_for_the_layer_server_go_in_one_round_trip_and_one_an_answer_changed_goes_again(
+    tmp_path: Path,
+) -> None:
+    """The observers' requests of a container's Prepare go to the backend together, once every observer has seen
+    the container (a dependency layer's mount, then the hot-list notice naming the layer the reads start at);
+    when an answer changes what a later request says (the mount failed: the reads start at the image again),
+    that request is sent once more, on its own, and its observer is given both answers."""
+    from bootseer.snapshotter.backend import ControlRequest
+    from bootseer.snapshotter.errors import LayerUnavailable
+    from bootseer.snapshotter.observers import PreparedContainer, ServerRequest
+    from tests.support.snapshots import DirectoryLayers
+
+    class Counted(DirectoryLayers):
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            self.round_trips: list[list[dict[str, Any]]] = []
+
+        def send(self, requests: Any) -> Any:
+            self.round_trips.append([request.fields for request in requests])
+            return super().send(requests)
+
+    class Stacking:  # a dependency layer's observer, whose layer is not in the store
+        def container_prepared(self, container: PreparedContainer) -> None:
+            container.reads_start_at = "sha256:deps"
+
+            def answered(answer: Any) -> None:
+                assert isinstance(answer, LayerUnavailable) and answer.reason == "not_converted"
+                container.reads_start_at = container.parent
+
+            mount = ControlRequest({"op": "mount", "chain_id": "sha256:deps"}, 300.0)
+            container.requests.append(ServerRequest(lambda: mount, answered))
+
+        def snapshot_removed(self, *args: Any) -> None: ...
+        def lowers(self, upper: str) -> list[str]: return []
+        def holds_layer(self, chain_id: str) -> bool: return False
+
+    class Noticing:  # the hot lists' observer
+        def __init__(self) -> None:
+            self.answers: list[Any] = []
+
+        def container_prepared(self, container: PreparedContainer) -> None:
+            container.requests.append(ServerRequest(
+                lambda: ControlRequest({"op": "notice", "key": container.key, "parent": container.reads_start_at}, 2.0),
+                self.answers.append))
+
+        def snapshot_removed(self, *args: Any) -> None: ...
+        def lowers(self, upper: str) -> list[str]: return []
+        def holds_layer(self, chain_id: str) -> bool: return False
+
+    layers = Counted(tmp_path / "store", tmp_path / "mnt")
+    sn = Snapshotter(tmp_path / "root", layers)
+    noticing = Noticing()
+    sn.observe(Stacking())
+    sn.observe(noticing)
+    try:
+        sn.prepare("image-extract", "")
+        sn.commit("image", "image-extract")
+        layers.round_trips.clear()
+        sn.prepare("container", "image")
+        assert layers.round_trips == [
+            [{"op": "mount", "chain_id": "sha256:deps"}, {"op": "notice", "key": "container", "parent": "sha256:deps"}],
+            [{"op": "notice", "key": "container", "parent": "image"}],
+        ]
+        assert noticing.answers[-2:] == [{}, {}]
     finally:
         sn.close()
         layers.close()

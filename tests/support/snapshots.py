@@ -10,9 +10,9 @@ import subprocess
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-from bootseer.snapshotter.backend import RemoteLayer
+from bootseer.snapshotter.backend import ControlRequest, RemoteLayer
 from bootseer.snapshotter.errors import LayerUnavailable
 from bootseer.snapshotter.types import Mount
 
@@ -151,6 +151,26 @@ class DirectoryLayers:
         if not is_mountpoint(target):
             raise LayerUnavailable("not_mounted", f"{chain_id} is not served")
         return str(target)
+
+    def serves(self, lower_dir: str) -> bool:
+        return is_mountpoint(Path(lower_dir))
+
+    def send(self, requests: Sequence[ControlRequest]) -> list[dict[str, Any] | LayerUnavailable]:
+        """A ``mount`` as :meth:`mount` does it; any other request is only noted in :attr:`calls`."""
+        answers: list[dict[str, Any] | LayerUnavailable] = []
+        for request in requests:
+            fields = request.fields
+            if fields["op"] != "mount":
+                self.calls.append((str(fields["op"]), str(fields.get("key", ""))))
+                answers.append({})
+                continue
+            try:
+                lower = self.mount(str(fields["chain_id"]), fields.get("deps_index"))
+            except LayerUnavailable as exc:
+                answers.append(exc)
+            else:
+                answers.append({"chain_id": fields["chain_id"], "slot": 0, "lower_dir": lower})
+        return answers
 
     def unmount(self, chain_id: str) -> None:
         self.calls.append(("unmount", chain_id))

@@ -21,6 +21,11 @@ One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
      dropped: the cost of FUSE when nothing crosses the link;
    * ``overlayfs warm`` / ``bootseer warm``: a third start on the same node, the page
      cache not dropped (a job restarted on its node);
+   * ``bootseer complete`` (issue 36, ``fanotify`` only): the same node left idle until its layer
+     server's background fill has completed every served blob (its ``status``, polled: each blob
+     whole and unmarked; at most ``--complete-timeout`` s, the wait and the bytes the fill wrote
+     recorded), then a fourth start as the local one (page cache dropped): its reads should ask
+     userspace nothing;
 
    each BootSeer scenario once per node data path of ``--data-paths`` (``erofs,tree``:
    the layer server's EROFS mounts over FUSE blob files, or its per-file FUSE tree;
@@ -53,7 +58,8 @@ One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
 4. writes a Markdown table with medians, ratios to overlayfs in the same run and the
    targets, one check line each per data path (lazy warm <= 1.15x overlayfs warm; lazy
    cold <= 0.45x overlayfs cold; bytes fetched <= 2x bytes read; lazy local <= 1.15x
-   overlayfs local; hot cold <= 1.25x its floor and <= 0.25x overlayfs cold; FUSE
+   overlayfs local; lazy complete <= 1.05x overlayfs local with 0 userspace requests (issue 36);
+   hot cold <= 1.25x its floor and <= 0.25x overlayfs cold; FUSE
    requests per start <= 1/10 of the tree path's; page-cache growth <= 2x overlayfs's for
    the same start; on ``fanotify``, issue 25's: lazy local <= 1.15x overlayfs local, hot cold
    <= 1.3x its floor, 0 userspace requests for the bytes of a complete blob) to ``--output``
@@ -85,8 +91,9 @@ from bench.common import (
 )
 from bench.lazy_report import report
 from bench.lazy_scenarios import (
-    DATA_PATHS, IMAGE_SOURCES, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, Run, Scenario, base_name, named,
-    run_fanotify_events, run_fuse_requests, run_userspace_events, split_variant, variant,
+    COMPLETE_TIMEOUT, DATA_PATHS, IMAGE_SOURCES, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, BlobsWait, Run,
+    Scenario, base_name, completes, named, run_fanotify_events, run_fuse_requests, run_userspace_events,
+    split_variant, variant,
 )
 from bench.node import (
     chroot_start, convert_store, hot_store_copy, layer_server_node, lower_dir, overlay_root, published_hot_list,
@@ -101,7 +108,7 @@ from tests.support.nginx import Nginx
 from tests.support.oci import chain_ids
 from tests.support.processes import HarnessError, ManagedProcess, pids_mentioning
 from tests.support.stack import Snapshotter, Stack, snapshotter_binary
-from tests.support.waiting import free_port, wait_for_component
+from tests.support.waiting import WaitFailed, free_port, wait_for_component, wait_until
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -482,6 +489,66 @@ class PrefetchWatch:
         return figures
 
 
+#: Seconds between two looks at the layer server's ``status`` while lazy-complete waits for its blobs.
+BLOBS_POLL_S = 0.5
+
+
+def wait_blobs_complete(socket_path: Path, timeout: float) -> BlobsWait:
+    """Leave the node idle until every local blob its layer server serves is complete and unmarked (its ``status``:
+    ``fanotify.complete == fanotify.blobs``, ``fanotify.held_marked == 0``; polled every :data:`BLOBS_POLL_S` s, at
+    most ``timeout`` s): what the background fill did meanwhile.  A timeout is said in the answer, not raised."""
+    from bootseer.blockstore.server.client import LayerServerClient
+
+    client = LayerServerClient(socket_path, timeout=5)
+    start = time.perf_counter()
+    seen: dict[str, Any] = {}
+    filled_at: list[float] = []
+
+    def look() -> dict[str, Any]:
+        try:
+            return client.status().get("fanotify") or {}
+        except Exception as e:  # noqa: BLE001 - a status missed is looked at again
+            log(f"  layer server status on {socket_path}: {e}")
+            return {}
+
+    def whole() -> bool:
+        fanotify = look()
+        if not fanotify:
+            return False
+        seen.update(fanotify)
+        blobs, complete = fanotify.get("blobs", 0), fanotify.get("complete", -1)
+        if blobs and complete == blobs and not filled_at:
+            filled_at.append(time.perf_counter() - start)
+        return bool(blobs) and complete == blobs and fanotify.get("held_marked", 0) == 0
+
+    first = look()
+    try:
+        wait_until("every served blob to be complete and unmarked", whole, timeout, interval=BLOBS_POLL_S)
+        done = True
+    except WaitFailed:
+        done = False
+    waited = time.perf_counter() - start
+    fill, before = seen.get("background_fill", {}), first.get("background_fill", {})
+
+    def added(key: str) -> int:
+        return int(fill.get(key, 0) - before.get(key, 0))
+
+    return BlobsWait(seconds=waited, complete=done, filled_seconds=filled_at[0] if filled_at else None,
+                     blobs=int(seen.get("blobs", 0)), complete_blobs=int(seen.get("complete", 0)),
+                     held_marked=int(seen.get("held_marked", 0)), missing_blocks=int(seen.get("missing_blocks", 0)),
+                     fill_bytes=added("stored_bytes"), fill_blocks=added("blocks"), fill_batches=added("batches"),
+                     fill_yielded=added("yielded"), fill_failed=added("failed"))
+
+
+def blobs_wait_summary(wait: BlobsWait) -> str:
+    """A log line's (and a failure's) account of a :class:`BlobsWait`."""
+    return (f"{'blobs complete' if wait.complete else 'blobs NOT complete'} after {wait.seconds:.1f} s "
+            f"(whole at {fmt(wait.filled_seconds, '.1f')} s): {wait.complete_blobs} of {wait.blobs} complete, "
+            f"{wait.held_marked} held marked, {wait.missing_blocks} blocks missing; the background fill wrote "
+            f"{wait.fill_bytes / MB:.1f} MB stored ({wait.fill_blocks} blocks, {wait.fill_batches} batches, "
+            f"yielded {wait.fill_yielded}, failed {wait.fill_failed})")
+
+
 def timed_start(stack: Stack, link: netns.ShapedLink, ref: str, name: str, pull: list[str] | None,
                 timeout: float, log_path: Path, lazy: bool, profile: Path | None = None,
                 watch_prefetch: bool = False, marks: Path | None = None, drop: bool = True) -> Run:
@@ -546,12 +613,16 @@ def _flag(name: str | None) -> str | None:
 def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: str, store_url: str | None,
                  scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
                  data_path: str | None = None, pass_data_path: bool = False,
-                 containerd: ContainerdInstall | None = None) -> None:
+                 containerd: ContainerdInstall | None = None, complete_timeout: float | None = None) -> None:
     """One fresh node: a cold start, a local start (page cache dropped), then a warm one (not dropped), of
     ``kind`` (overlay or lazy); a lazy node on ``data_path`` (passed as ``--data-path`` if ``pass_data_path``);
-    its containerd ``containerd``."""
+    its containerd ``containerd``.  On a lazy node whose data path :func:`completes` its blobs, with
+    ``complete_timeout`` (None: not run), a fourth start, lazy-complete: the node left idle until its blobs are
+    complete (:func:`wait_blobs_complete`, at most ``complete_timeout`` s), then started as the local one."""
     lazy = kind == "lazy"
-    cold, local, warm = (scenarios[named(name, data_path)] for name in KINDS[kind])
+    cold, local, warm, *more = (scenarios[named(name, data_path)] for name in KINDS[kind])
+    if not (lazy and complete_timeout is not None and completes(data_path)):
+        more = []
     label = kind + (f"-{data_path}" if lazy and data_path else "") + (f"-{containerd.series}" if containerd else "")
     log_path = work / "logs" / f"{label}{rep}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -560,7 +631,18 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
         with fresh_node(work / f"{kind[0]}{data_path or ''}{rep}{containerd.series if containerd else ''}", lazy, store_url, timeout,
                         data_path=_flag(data_path) if lazy and pass_data_path else None, containerd=containerd) as stack:
             pull = pull_argv(stack, ref, lazy)
-            for scenario, pulling, drop in ((cold, pull, True), (local, None, True), (warm, None, False)):
+            # (scenario, its pull, page cache dropped, the node left idle first until its blobs are complete)
+            starts = [(cold, pull, True, False), (local, None, True, False), (warm, None, False, False),
+                      *((complete, None, True, True) for complete in more)]
+            for scenario, pulling, drop, idle in starts:
+                wait = None
+                if idle and complete_timeout is not None:  # lazy-complete
+                    wait = wait_blobs_complete(control_socket(stack), complete_timeout)
+                    log(f"  {scenario.name:14} run {rep}: {blobs_wait_summary(wait)}")
+                    if not wait.complete:
+                        scenario.errors.append(f"run {rep}: not run: {blobs_wait_summary(wait)} (--complete-timeout "
+                                               f"{complete_timeout:g} s)")
+                        continue
                 try:
                     profile = profile_dir / f"{scenario.name}-{rep}.txt" if profile_dir else None
                     run = timed_start(stack, link, ref, f"{base_name(scenario.name)}-{rep}", pulling, timeout,
@@ -569,10 +651,11 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
                     scenario.errors.append(f"run {rep}: {e}")
                     log(f"  {scenario.name:14} run {rep}: FAILED: {e}")
                     if pulling is not None:
-                        for later in (local, warm):
+                        for later in (local, warm, *more):
                             later.errors.append(f"run {rep}: not run (the cold start failed)")
                         break
                     continue
+                run.blobs_wait = wait
                 scenario.runs.append(run)
                 extra = "".join(f", {k}={v / MB:.1f} MB" for k, v in run.server.items()
                                 if k.endswith("bytes") or k.endswith("bytes_fetched"))
@@ -580,7 +663,7 @@ def measure_node(kind: str, rep: int, work: Path, link: netns.ShapedLink, ref: s
                     f"link {run.link_bytes / MB:7.1f} MB, page cache +{run.page_cache_bytes / MB:.0f} MB"
                     + (userspace_summary(run) if lazy else "") + extra)
     except (BenchError, HarnessError) as e:
-        for scenario in (cold, local, warm):
+        for scenario in (cold, local, warm, *more):
             scenario.errors.append(f"run {rep}: node did not start: {e}")
         log(f"  {label} node {rep}: FAILED: {e}")
 
@@ -961,6 +1044,16 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                         scenarios[named("hot-cold", path)].errors.append(f"no hot list recorded: {e}")
                 log(f"  recording boot FAILED: {e}")
         pass_snapshotter, pass_server = support["snapshotter"], support["layer-server"]
+        # lazy-complete (issue 36): on the fanotify variants, unless the background fill is off.
+        complete_timeout = args.complete_timeout if args.background_fill == "on" else None
+        if "lazy" in kinds:
+            if complete_timeout is None:
+                context["notes"].append("lazy-complete not run: `--background-fill off` (no blob completes).")
+            elif [path for path in paths if not completes(path)]:
+                context["notes"].append(
+                    "lazy-complete not run on " + ", ".join(path for path in paths if not completes(path))
+                    + ": only the fanotify path has local blobs that a background fill completes (lazy-local is "
+                    "those paths' second start with the page cache dropped).")
         for rep in range(1, args.reps + 1):
             # Each repetition on every containerd in turn: load that drifts during the run hits them alike.
             for install, by_name in [(installs[0], scenarios), *context["other_containerds"]]:
@@ -981,7 +1074,8 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                                                   plain_too=number == 0)
                         else:
                             measure_node(kind, rep, work, link, ref, store_urls.get(source), by_name, args.timeout,
-                                         profile_dir, path, pass_snapshotter, containerd=install)
+                                         profile_dir, path, pass_snapshotter, containerd=install,
+                                         complete_timeout=complete_timeout)
         if args.timeline is not None:
             try:
                 context["timeline"] = record_timeline(args.timeline, work, link, ref, store_urls.get(sources[0]),
@@ -1039,6 +1133,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--background-fill", choices=("on", "off"), default="on",
                         help="the lazy nodes' [datapath] background_fill (fanotify: the rest of each blob filled once "
                              "the link is idle) (on, the daemon's default); off: a config file turning it off")
+    parser.add_argument("--complete-timeout", type=float, default=COMPLETE_TIMEOUT, metavar="S",
+                        help="lazy-complete (fanotify): seconds the node is left idle at most for the background fill "
+                             f"to complete every served blob before its start ({COMPLETE_TIMEOUT:g}); not complete "
+                             "by then: the start is not run, and the report says so")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "results" / "lazy.md",
                         help="Markdown results (bench/results/lazy.md)")
     args = parser.parse_args(argv)

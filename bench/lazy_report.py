@@ -3,7 +3,7 @@
 :func:`report` turns the :class:`~bench.lazy_scenarios.Scenario` runs that :mod:`bench.lazy_bench` measured
 into the page it writes to ``--output``: the machine and image, one table of medians and ratios to the
 baseline measured in the same run, the sections of the modes that ran (hot lists, data paths with their
-userspace requests and CPU seconds, containerds),
+userspace requests and CPU seconds, the wait for the blobs to complete before lazy-complete, containerds),
 and one check line per target of :mod:`bench.lazy_scenarios`.  It measures nothing.
 """
 
@@ -23,10 +23,11 @@ from bench.common import code_version, fmt, machine
 from bench.lazy_scenarios import (
     BASELINES, FANOTIFY_PATH, KINDS, MB, SCENARIOS, SIGKILL_TEST, SOURCE_SUFFIX, TARGET_COLD_FUSE_REQUESTS,
     TARGET_26_COLD_RATIO, TARGET_26_FALLBACK_LOCAL, TARGET_26_HOT_OVER_FLOOR, TARGET_26_HOT_SPEEDUP,
+    TARGET_36_COMPLETE_EVENTS, TARGET_36_COMPLETE_LOCAL,
     TARGET_COLD_RATIO, TARGET_COMPLETE_BLOB_REQUESTS, TARGET_FANOTIFY_HOT_OVER_FLOOR, TARGET_FETCH_OVER_READ,
     TARGET_FUSE_REQUESTS_RATIO, TARGET_HOT_OVER_FLOOR, TARGET_HOT_SPEEDUP, TARGET_LINK_OVER_BUILT,
-    TARGET_LOCAL_RATIO, TARGET_PAGE_CACHE_RATIO, TARGET_PULL_SECONDS, TREE_PATH, Run, Scenario, base_name, named,
-    run_fanotify_events, run_fuse_requests, run_userspace_events, split_variant, variant,
+    TARGET_LOCAL_RATIO, TARGET_PAGE_CACHE_RATIO, TARGET_PULL_SECONDS, TREE_PATH, Run, Scenario, base_name, completes,
+    named, run_fanotify_events, run_fuse_requests, run_userspace_events, split_variant, variant,
 )
 from tests.support.containerd import ContainerdInstall
 
@@ -196,7 +197,8 @@ def _median_requests(scenario: Scenario) -> dict[str, float]:
 
 #: The overlayfs start a BootSeer start's page-cache growth is held against (the same start).
 PAGE_CACHE_BASELINES = {"lazy-cold": "overlay-cold", "lazy-local": "overlay-local", "lazy-warm": "overlay-warm",
-                        "hot-cold": "overlay-cold", "fuse-cold": "overlay-cold", "fuse-local": "plain-local"}
+                        "lazy-complete": "overlay-local", "hot-cold": "overlay-cold", "fuse-cold": "overlay-cold",
+                        "fuse-local": "plain-local"}
 #: A growth below this is noise (a warm start reads nothing new): no ratio is taken against it.
 PAGE_CACHE_NOISE = 16 * MB
 
@@ -205,7 +207,7 @@ def data_path_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[
     """Per data path: each BootSeer start's FUSE requests by operation and its page-cache growth, beside
     overlayfs's growth for the same start."""
     rows = []
-    for base in ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold", "fuse-cold", "fuse-local"):
+    for base in ("lazy-cold", "lazy-local", "lazy-warm", "lazy-complete", "hot-cold", "fuse-cold", "fuse-local"):
         for path in paths:
             scenario = scenarios.get(named(base, path))
             if scenario is None or not scenario.runs:
@@ -250,7 +252,7 @@ def userspace_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[
     fanotify events by outcome), the CPU seconds of the layer server (and of the fanotify path's event holder),
     and the local blobs complete after the start."""
     rows = []
-    for base in ("lazy-cold", "lazy-local", "lazy-warm", "hot-cold"):
+    for base in ("lazy-cold", "lazy-local", "lazy-warm", "lazy-complete", "hot-cold"):
         for path in paths:
             scenario = scenarios.get(named(base, path))
             if scenario is None or not scenario.runs:
@@ -318,6 +320,93 @@ def complete_blob_check(scenarios: dict[str, Scenario], path: str) -> str:
     return (f"| {label} | {wanted} | after the cold start: {seen} | does not apply: a start reads only part of "
             f"each layer, so the blobs it reads stay partial (marked) and their present blocks still raise "
             f"events (`present`); the events are not counted per blob, so a complete one's cannot be told apart |")
+
+
+def blobs_wait_section(scenarios: dict[str, Scenario], paths: list[str]) -> list[str]:
+    """Issue 36: per run of lazy-complete, the wait before it (the node idle until its layer server's background
+    fill had completed every served blob, :class:`~bench.lazy_scenarios.BlobsWait`), what the fill wrote meanwhile,
+    and the start that followed."""
+    lines = []
+    for path in paths:
+        scenario = scenarios.get(named("lazy-complete", path))
+        runs = [r for r in scenario.runs if r.blobs_wait is not None] if scenario is not None else []
+        if not runs:
+            continue
+        waits = [r.blobs_wait for r in runs if r.blobs_wait is not None]
+        rows = [("waited (s): from the end of lazy-warm to every blob whole and unmarked",
+                 [f"{w.seconds:.1f}" for w in waits]),
+                ("every served blob complete at (s; its mark may stay while a recording holds it)",
+                 [fmt(w.filled_seconds, ".1f") for w in waits]),
+                ("blobs complete, of served", [f"{w.complete_blobs} of {w.blobs}" for w in waits]),
+                ("complete blobs still marked at the end", [str(w.held_marked) for w in waits]),
+                ("blocks missing at the end", [str(w.missing_blocks) for w in waits]),
+                ("background fill wrote during the wait (MB stored)", [f"{w.fill_bytes / MB:.1f}" for w in waits]),
+                ("its blocks / batches", [f"{w.fill_blocks} / {w.fill_batches}" for w in waits]),
+                ("times it yielded / batches failed", [f"{w.fill_yielded} / {w.fill_failed}" for w in waits]),
+                ("then the start: first output (s)", [f"{r.seconds:.2f}" for r in runs]),
+                ("its fanotify events (by outcome)",
+                 [f"{sum(run_fanotify_events(r).values()):.0f}" + (" (" + ", ".join(
+                     f"{outcome} {count:.0f}" for outcome, count in sorted(run_fanotify_events(r).items())) + ")"
+                     if run_fanotify_events(r) else "") for r in runs]),
+                ("its FUSE requests", [f"{sum(run_fuse_requests(r).values()):.0f}" for r in runs]),
+                ("background fill during the start (MB stored)",
+                 [f"{r.server.get('fanotify.background_fill.stored_bytes', 0) / MB:.1f}" for r in runs])]
+        lines += ["", f"Data path {path}:", "",
+                  "| figure | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |",
+                  "|---|" + "---|" * len(runs), *(f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows)]
+    if not lines:
+        return []
+    return ["", "## Blobs that complete: the wait before lazy-complete (issue 36)", "",
+            "After lazy-warm the node was left idle, its layer server's `status` polled every 0.5 s, until every "
+            "served local blob was complete (`fanotify.complete` = `fanotify.blobs`: the background fill had "
+            "written the rest of each) and unmarked (`fanotify.held_marked` = 0: a whole blob with blocks written "
+            "ahead keeps its mark for 60 s after the last recording of its layer); then the page cache was dropped "
+            "and the container started as in lazy-local. What the background fill wrote is its `status` "
+            "(`fanotify.background_fill`) at the end of the wait less at its start.", *lines]
+
+
+def complete_start_check(scenarios: dict[str, Scenario], seconds: dict[str, float | None], path: str) -> str:
+    """Issue 36's target on ``path``, judged from lazy-complete: the second start with the page cache dropped, once
+    the blobs are complete, within :data:`TARGET_36_COMPLETE_LOCAL` of overlayfs's local start (medians), and
+    making :data:`TARGET_36_COMPLETE_EVENTS` userspace requests (every run)."""
+    label = (f"[{path}] second start with the page cache dropped once the blobs are complete (lazy-complete) / "
+             "overlayfs local start, and its userspace requests (fanotify events + FUSE requests, each run)")
+    wanted = f"≤ {TARGET_36_COMPLETE_LOCAL:g}×, {TARGET_36_COMPLETE_EVENTS} requests"
+    scenario = scenarios.get(named("lazy-complete", path))
+    if scenario is None or not scenario.runs:
+        why = "see Failures" if scenario is not None and scenario.errors else "lazy-complete not run"
+        return f"| {label} | {wanted} | — | not measured ({why}) |"
+    mine, overlay = seconds.get(named("lazy-complete", path)), seconds.get("overlay-local")
+    ratio = mine / overlay if mine and overlay else None
+    # A run whose metrics scrape failed has no fanotify counters at all: its requests are unknown, not 0.
+    requests = [run_userspace_events(r) if any(k.startswith("fanotify.events.") for k in r.server) else None
+                for r in scenario.runs]
+    shown = f"{fmt(ratio)}×; " + ", ".join(fmt(n, ".0f") for n in requests)
+    waits = [r.blobs_wait.seconds for r in scenario.runs if r.blobs_wait is not None]
+    if waits:
+        shown += f" (after {', '.join(f'{w:.0f}' for w in waits)} s idle)"
+    if scenario.errors:
+        shown += f"; {len(scenario.errors)} run(s) not measured: see Failures"
+    if ratio is None or any(n is None for n in requests):
+        return f"| {label} | {wanted} | {shown} | not measured |"
+    missed = (["time"] if ratio > TARGET_36_COMPLETE_LOCAL else []) + (
+        ["userspace requests"] if any(n is not None and n > TARGET_36_COMPLETE_EVENTS for n in requests) else [])
+    return f"| {label} | {wanted} | {shown} | {'met' if not missed else 'MISSED (' + ' and '.join(missed) + ')'} |"
+
+
+def issue36_targets(scenarios: dict[str, Scenario], seconds: dict[str, float | None], paths: list[str]) -> list[str]:
+    """Issue 36's target of blobs that complete, one line per variant among ``paths`` whose data path completes its
+    blobs (fanotify), judged from lazy-complete."""
+    def lazy_ran(path: str) -> bool:
+        return any(s.runs or s.errors for s in (scenarios.get(named(base, path)) for base in KINDS["lazy"]) if s)
+
+    lines = [complete_start_check(scenarios, seconds, path) for path in paths if completes(path) and lazy_ran(path)]
+    if not lines:
+        return []
+    return ["", "## Targets of issue 36 (blobs that complete)", "",
+            "Judged from lazy-complete: the ratio of medians of this run, and the userspace requests of every run "
+            "(0 each). lazy-complete runs on the fanotify path only: no other path has local blobs that a "
+            "background fill completes.", "", "| target | wanted | measured | |", "|---|---|---|---|", *lines]
 
 
 def fanotify_targets(scenarios: dict[str, Scenario], seconds: dict[str, float | None], context: dict[str, Any],
@@ -627,6 +716,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     lines += containerd_section(scenarios, context)
     lines += data_path_section(scenarios, paths)
     lines += userspace_section(scenarios, paths)
+    lines += blobs_wait_section(scenarios, paths)
     lines += image_source_section(scenarios, context, paths)
     for path in paths:
         lines += hot_section(scenarios, seconds, context, path)
@@ -644,6 +734,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
     lines += ["", "## Targets", "", "Each a ratio of medians of this run, per data path.", "",
               "| target | wanted | measured | |", "|---|---|---|---|", *checks]
     lines += fanotify_targets(scenarios, seconds, context, paths)
+    lines += issue36_targets(scenarios, seconds, paths)
     lines += issue26_targets(seconds, context, paths)
     summaries = sorted({r.pull_summary for name, s in scenarios.items() if base_name(name) == "lazy-cold"
                         for r in s.runs if r.pull_summary})
@@ -661,7 +752,7 @@ def report(args: argparse.Namespace, image: image_build.Image, scenarios: dict[s
         lines += ["", f"`bootseer convert` of the image took {converts:.1f} s (once; cached after)."]
     if context.get("profile_dir"):
         for name in (named(base, path) for path in paths for base in ("lazy-cold", "hot-cold", "lazy-local", "lazy-warm",
-                                                                      "fuse-cold", "fuse-local")):
+                                                                      "lazy-complete", "fuse-cold", "fuse-local")):
             rows = summarize_profile(context["profile_dir"] / f"{name}-1.txt")
             if rows:
                 lines += ["", f"## Where the layer server's time goes: {name}, run 1 (py-spy --gil)", "", *rows]

@@ -74,6 +74,8 @@ class Config:
     fetch_streams: int = 16  #: parallel range requests per store
     fetch_retry_timeout: float = EngineConfig.retry_timeout  #: seconds a failing fetch is retried before the read fails (EIO)
     fetch_memory_limit: int = EngineConfig.memory_limit  #: stripe bytes the layer server holds in memory per store
+    #: ``[fetch] decode_threads``: the layer server's threads that decompress, hash and write blocks (0: one per CPU)
+    fetch_decode_threads: int = 0
     hotlist_enabled: bool = True  #: record first boots and prefetch later ones
     publish_store: str = ""  #: writable store hot lists are written to; empty: the layers' store
     hotlist_recording: RecordingLimits = field(default_factory=RecordingLimits)  #: when a recording ends by itself
@@ -102,6 +104,9 @@ class Config:
         return self.cache_dir if self.cache_dir is not None else self.root / "cache"
 
 
+#: ``[fetch] decode_threads`` at most.
+MAX_DECODE_THREADS = 256
+
 DEFAULTS: dict[str, Any] = {
     "root": DEFAULT_ROOT,
     "address": "/run/bootseer/snapshotter.sock",
@@ -117,6 +122,7 @@ DEFAULTS: dict[str, Any] = {
     "cache.dir": "",
     "cache.size": f"{DEFAULT_CACHE_SIZE >> 30}G",
     "fetch.streams": 16,
+    "fetch.decode_threads": 0,
     "fetch.retry_timeout": EngineConfig.retry_timeout,
     "fetch.memory_limit": EngineConfig.memory_limit,
     "hotlist.enabled": True,
@@ -164,6 +170,7 @@ KEY_TYPES: dict[str, tuple[type, ...]] = {
     "store.proxy_block_size": (str, int),
     "store.proxy_read_timeout": (float, int),
     "fetch.streams": (int,),
+    "fetch.decode_threads": (int,),
     "fetch.retry_timeout": (float, int),
     "fetch.memory_limit": (str, int),
     "hotlist.enabled": (bool,),
@@ -307,6 +314,9 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         raise invalid("cache.size", f"must be positive, not {size!r}")
     if merged["fetch.streams"] < 1:
         raise invalid("fetch.streams", f"must be at least 1, not {merged['fetch.streams']}")
+    if not 0 <= merged["fetch.decode_threads"] <= MAX_DECODE_THREADS:
+        raise invalid("fetch.decode_threads", f"must be 0 (one per CPU) to {MAX_DECODE_THREADS}, "
+                                              f"not {merged['fetch.decode_threads']}")  # fmt: skip
     if not merged["fetch.retry_timeout"] > 0:
         raise invalid("fetch.retry_timeout", f"must be positive seconds, not {merged['fetch.retry_timeout']}")
     limit = merged["fetch.memory_limit"]
@@ -402,6 +412,7 @@ def resolve(file_settings: Mapping[str, Any], flag_settings: Mapping[str, Any | 
         cache_dir=Path(merged["cache.dir"]).absolute() if merged["cache.dir"] else None,
         cache_size=cache_size,
         fetch_streams=merged["fetch.streams"],
+        fetch_decode_threads=merged["fetch.decode_threads"],
         fetch_retry_timeout=float(merged["fetch.retry_timeout"]),
         fetch_memory_limit=memory_limit,
         hotlist_enabled=merged["hotlist.enabled"],

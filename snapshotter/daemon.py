@@ -296,6 +296,7 @@ class Daemon:
             streams=settings.fetch_streams,
             retry_timeout=settings.fetch_retry_timeout,
             memory_limit=settings.fetch_memory_limit,
+            decode_threads=settings.fetch_decode_threads or None,
             publish_store=settings.publish_store or None,
             **config.server_proxy_settings(settings.store_proxy),
             hotlist=settings.hotlist_enabled,

@@ -150,6 +150,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fill-group", type=parse_size, default=LayerServerConfig.fill_group, metavar="SIZE",
                         help="fanotify data path: raw bytes of the blob an event for a hole fills at once, the read's "
                              f"blocks with their neighbours (0: only the read's; {LayerServerConfig.fill_group >> 20}M)")
+    parser.add_argument("--decode-threads", type=_positive_int, default=None, metavar="N",
+                        help="worker threads that decompress, hash and write fetched blocks, for every store together "
+                             "(default: one per CPU the server may run on; fewer leave the job its cores)")
     parser.add_argument("--no-background-fill", action="store_true",
                         help="fanotify data path: never fill the rest of a layer's blob in the background (it is "
                              "filled, once the link has been idle a while, so that blobs complete)")  # fmt: skip
@@ -353,6 +356,7 @@ def layer_server_command(args: argparse.Namespace) -> int:
         data_path=args.data_path,
         hole_wait=args.hole_wait,
         fill_group=args.fill_group,
+        decode_threads=args.decode_threads or 0,
         filesystems=args.kernel_filesystems,
         started_with=_started_with(args, args.settings_parser),
     )

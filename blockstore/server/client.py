@@ -325,6 +325,7 @@ class ServerSettings:
     data_path: str | None = None  #: auto, fanotify, erofs, loop or tree (blockstore.datapath.choice); None: the server's default (auto)
     hole_wait: float | None = None  #: seconds a read of a hole on ``fanotify`` waits with no server before EIO
     fill_group: int | None = None  #: ``fanotify``: raw bytes an event for a hole fills at once; None: the server's default
+    decode_threads: int | None = None  #: threads that decompress, hash and write blocks; None: one per usable CPU
     background_fill: BackgroundFillConfig | None = None  #: ``fanotify``: the blobs' rest filled while idle; None: the server's default
     publish_store: str | None = None  #: writable store hot lists are published to (default: the layers' store)
     store_proxy: str | None = None  #: HTTP proxy URL http(s) stores are read through (may carry credentials)
@@ -371,6 +372,7 @@ class ServerSettings:
             ("data-path", self.data_path),
             ("hole-wait", self.hole_wait),
             ("fill-group", self.fill_group),
+            ("decode-threads", self.decode_threads),
             *self._background_fill_options(),
             ("store-proxy-ping-url", self.store_proxy_ping_url),
             ("store-proxy-check-interval", self.store_proxy_check_interval),

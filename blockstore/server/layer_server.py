@@ -143,6 +143,9 @@ class LayerServerConfig:
     hole_wait: float = HOLE_WAIT
     #: ``fanotify``: raw bytes of the fill group an event fills at once (blockstore.datapath.fill_group)
     fill_group: int = FILL_GROUP
+    #: Worker threads that decompress, hash and write fetched blocks, for every store together (0: one per CPU
+    #: this process may run on, :func:`usable_cpus`); fewer leave a job its cores
+    decode_threads: int = 0
     #: ``fanotify``: the rest of each blob filled while the link is idle (blockstore.datapath.background_fill)
     background_fill: BackgroundFillConfig = field(default_factory=BackgroundFillConfig)
     peers: PeerConfig = field(default_factory=PeerConfig)  #: block sharing with other nodes (docs/peers.md); off by default
@@ -156,6 +159,14 @@ class LayerServerConfig:
         return ServerPaths(self.root)
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a cpuset or ``taskset`` narrows it), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass(frozen=True)
 class LayerServerStatistics:
     """What :meth:`LayerServer.statistics` reports: the server's own state (its stores' and peers' are theirs)."""
@@ -165,6 +176,7 @@ class LayerServerStatistics:
     open_files: int  #: files of served layers open through FUSE now
     layers: int  #: rows of the table of mounted layers (a layer whose restore failed included)
     served: int  #: layers whose tree is served
+    decode_threads: int  #: worker threads that decompress, hash and write fetched blocks
 
 
 # -- the server ---------------------------------------------------------------------------------
@@ -206,8 +218,9 @@ class LayerServer:
             if self.data_path.path == "fanotify" and erofs else None  # fmt: skip
         self.cache = BlockCache(str(config.cache_dir or config.root / "cache"), config.cache_size,
                                 others=self.blobs.store.in_use_bytes if self.blobs is not None else None)  # fmt: skip
-        # Cache I/O, decompression and hashing, for every store's fetcher together.
-        self._block_threads = trio.CapacityLimiter(os.cpu_count() or 2)
+        # Cache I/O, decompression, hashing and blob writes, for every store's fetcher together: zstandard and
+        # hashlib release the GIL, so these use as many cores as they are given.
+        self._block_threads = trio.CapacityLimiter(config.decode_threads or usable_cpus())
         #: Decoding store objects (layer indexes, hot lists): in worker threads, never the
         #: trio thread that answers FUSE requests, and at most half the cores at once, so a
         #: large or hostile object leaves the block fetchers their threads.
@@ -607,6 +620,7 @@ class LayerServer:
             open_files=self.ops.open_files,
             layers=len(rows),
             served=sum(1 for layer in rows if layer.tree is not None),
+            decode_threads=int(self._block_threads.total_tokens),
         )
 
     async def status(self) -> dict[str, Any]:
@@ -622,6 +636,7 @@ class LayerServer:
             "publish_store": "",
             **(self.extension.status_fields() if self.extension is not None else {}),
             "health": {"fuse": "serving" if own.serving else "down", "open_files": own.open_files},
+            "decode_threads": own.decode_threads,
             "data_path": {"path": self.data_path.path, "reason": self.data_path.reason},
             "warm": dataclasses.asdict(self.warmer.statistics()),
             **({"fanotify": dataclasses.asdict(self.blobs.statistics())} if self.blobs is not None else {}),

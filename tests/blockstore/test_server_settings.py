@@ -73,7 +73,7 @@ def test_the_started_server_gets_every_setting_from_the_pipe_and_none_in_argv(tm
     root = tmp_path / "root"
     layer_server_reaper(root)
     settings = ServerSettings(store=f"file://{tmp_path / 'store'}", hotlist=False, cache_size=256 << 20,
-                              retry_timeout=7, data_path="tree")  # fmt: skip
+                              retry_timeout=7, data_path="tree", decode_threads=1)  # fmt: skip
     client = ensure_server(root, settings)
     status = client.status()
     cmdline = Path(f"/proc/{status['pid']}/cmdline").read_bytes().split(b"\0")
@@ -81,6 +81,7 @@ def test_the_started_server_gets_every_setting_from_the_pipe_and_none_in_argv(tm
     assert cmdline[cmdline.index(b"--settings-file") + 1].startswith(b"/dev/fd/")
     assert status["store"] == f"file://{tmp_path / 'store'}"
     assert status["data_path"]["path"] == "tree"
+    assert status["decode_threads"] == 1  # one thread decompresses, hashes and writes its blocks
     assert client.call({"op": "hotlist.status"})["enabled"] is False  # "no-hotlist": true
     mounted = client.mount(built[0].chain_id)
     lower = Path(mounted if isinstance(mounted, str) else mounted.lower_dir)

@@ -90,6 +90,20 @@ def test_fetch_memory_limit_reaches_the_layer_server_command_line() -> None:
     assert "memory-limit" not in ServerSettings().document()
 
 
+def test_decode_threads_are_one_per_cpu_unless_set_and_reach_the_layer_server() -> None:
+    """``[fetch] decode_threads`` is the layer server's ``--decode-threads`` (0, the default: not passed, the
+    server takes one per CPU it may run on); a negative or absurd count is refused naming the key."""
+    from bootseer.blockstore.server.client import ServerSettings
+
+    assert config.resolve({}, {}).fetch_decode_threads == 0
+    assert "decode-threads" not in ServerSettings().document()
+    settings = config.resolve({"fetch.decode_threads": 1}, {})
+    assert ServerSettings(decode_threads=settings.fetch_decode_threads).document()["decode-threads"] == 1
+    for wrong in (-1, config.MAX_DECODE_THREADS + 1):
+        with pytest.raises(config.ConfigError, match=r"fetch\.decode_threads"):
+            config.resolve({"fetch.decode_threads": wrong}, {})
+
+
 def test_hotlist_settings_reach_the_layer_server_the_daemon_starts(
     tmp_path: Path, snapshotter_factory: DaemonFactory
 ) -> None:

@@ -46,8 +46,10 @@ One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
    the start-up touched);
    ``--modes hot`` (issue 7): one recording boot on a fresh node publishes the image's
    hot list (``--publish-store``, the directory behind a second nginx serving a copy of
-   the store; the job seals it with the marker), then ``hot cold`` runs the bootseer cold
-   start on fresh nodes that prefetch it at rpull, with the prefetch's timing and figures;
+   the store; the job seals it with the marker) and its frames are decompressed and hashed on one core
+   (``bench/hot_set_cost.py``, the best of 3 passes: issue 36's yardstick of the layer server's CPU), then
+   ``hot cold`` runs the bootseer cold start on fresh nodes that prefetch it at rpull, with the prefetch's
+   timing and figures;
    ``--containerds 1.6,2.1`` runs every containerd start (overlay, lazy and hot ones) on each
    of those containerds in turn within each repetition (each a value of ``BOOTSEER_CONTAINERD``,
    which alone picks the containerd otherwise; the hot list is recorded once, on the first),
@@ -59,7 +61,8 @@ One command (as root): ``.venv/bin/python -m bench.lazy_bench``.  It
    targets, one check line each per data path (lazy warm <= 1.15x overlayfs warm; lazy
    cold <= 0.45x overlayfs cold; bytes fetched <= 2x bytes read; lazy local <= 1.15x
    overlayfs local; lazy complete <= 1.05x overlayfs local with 0 userspace requests (issue 36);
-   hot cold <= 1.25x its floor and <= 0.25x overlayfs cold; FUSE
+   the layer server's CPU over hot cold <= 2x decompressing and hashing its hot set on one core
+   (issue 36); hot cold <= 1.25x its floor and <= 0.25x overlayfs cold; FUSE
    requests per start <= 1/10 of the tree path's; page-cache growth <= 2x overlayfs's for
    the same start; on ``fanotify``, issue 25's: lazy local <= 1.15x overlayfs local, hot cold
    <= 1.3x its floor, 0 userspace requests for the bytes of a complete blob) to ``--output``
@@ -89,6 +92,7 @@ from bench import image_build
 from bench.common import (
     BenchError, bootseer_argv, drop_caches, fmt, log, run_checked, run_until_marker,
 )
+from bench.hot_set_cost import REPEATS as HOT_SET_REPEATS, HotSetCost, measure_published
 from bench.lazy_report import report
 from bench.lazy_scenarios import (
     COMPLETE_TIMEOUT, DATA_PATHS, IMAGE_SOURCES, KINDS, MB, PER_DATA_PATH, SCENARIOS, TREE_PATH, BlobsWait, Run,
@@ -697,6 +701,23 @@ def record_hot_list(work: Path, ref: str, hot_url: str, hot_store: Path, image: 
     return {**hot, "outcome": found["outcome"], "boot_seconds": boot}
 
 
+def measure_hot_set(hot_store: Path, image: image_build.Image, notes: list[str]) -> HotSetCost | None:
+    """Issue 36's yardstick of the layer server's CPU over a hot-list start: the frames of the image's hot list just
+    published into ``hot_store`` decompressed and checked on one core (:func:`bench.hot_set_cost.measure_published`,
+    the best of :data:`~bench.hot_set_cost.REPEATS` passes); None, with a note why, if it could not be measured."""
+    top = chain_ids([layer.diff_id for layer in image.layers])[-1]
+    try:
+        cost = measure_published(hot_store, top, repeats=HOT_SET_REPEATS)
+    except (BenchError, OSError) as e:
+        notes.append(f"Decompress + SHA-256 of the hot set in {hot_store} not measured: {e}")
+        log(f"  hot set on one core: not measured: {e}")
+        return None
+    log(f"  hot set on one core: {cost.blocks} blocks, {cost.stored_bytes / MB:.1f} MB stored, "
+        f"{cost.raw_bytes / MB:.1f} MB raw: decompress + SHA-256 {cost.cpu_seconds:.3f} s CPU "
+        f"({cost.wall_seconds:.3f} s wall), the best of {HOT_SET_REPEATS}")
+    return cost
+
+
 def measure_hot_node(rep: int, work: Path, link: netns.ShapedLink, ref: str, hot_url: str, hot_store: Path,
                      scenarios: dict[str, Scenario], timeout: float, profile_dir: Path | None,
                      data_path: str | None = None, pass_data_path: bool = False,
@@ -1038,6 +1059,7 @@ def run_benchmark(args: argparse.Namespace) -> tuple[image_build.Image, dict[str
                         context["hots"][path] = hot
                 log(f"  hot list: {hot['blocks']} blocks, {hot['bytes'] / MB:.1f} MB "
                     f"(sealed by {hot['sealed_by']}; the boot took {hot['boot_seconds']:.1f} s)")
+                hot["hot_set_cost"] = measure_hot_set(hot_stores[source], image, context["notes"])
             except (BenchError, HarnessError) as e:
                 for path in paths:
                     if source_of(path) == source:

@@ -2,8 +2,8 @@
 
 What the benchmarks that measure the layer server by itself (``bench.lazy_bench``'s FUSE scenarios,
 ``bench.peers_bench``) stand on: :func:`convert_store` (``bootseer convert`` of the benchmark image, once),
-:func:`hot_store_copy` and :func:`read_hot_list` (a store to record hot lists into, and what it holds),
-:func:`layer_server_node` (``bootseer layer-server`` on a fresh root), :func:`overlay_root` and
+:func:`hot_store_copy`, :func:`stored_hot_list` and :func:`read_hot_list` (a store to record hot lists into,
+and what it holds), :func:`layer_server_node` (``bootseer layer-server`` on a fresh root), :func:`overlay_root` and
 :func:`chroot_start` (the image's layers under an overlay, its command run in a chroot and timed).
 """
 
@@ -14,13 +14,16 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from bench import image_build
 from bench.common import BenchError, bootseer_argv, log, run_checked, run_until_marker
 from tests.support.oci import chain_ids
 from tests.support.processes import HarnessError, ManagedProcess, mounts_under
 from tests.support.waiting import free_port, wait_for_component
+
+if TYPE_CHECKING:
+    from bootseer.hotlist.format import HotList
 
 
 def convert_store(image: image_build.Image, store: Path, log_path: Path, *, marker: Path | None = None,
@@ -60,15 +63,23 @@ def hot_store_copy(store: Path, hot_store: Path) -> None:
     (hot_store / "v1" / "hotlists").chmod(0o777)
 
 
-def read_hot_list(hot_store: Path, image: image_build.Image) -> dict[str, Any] | None:
-    """``bootseer hotlist show``'s summary of the image's default hot list in ``hot_store`` (None: none)."""
-    from bootseer.hotlist.format import HotList, hotlist_object, summary
+def stored_hot_list(store: Path, image: str, profile: str = "") -> HotList | None:
+    """The hot list of ``image`` (its top ChainID) and ``profile`` in the store directory ``store``, decoded and
+    checked (:meth:`HotList.decode`: a list stored under another image's or profile's name raises); None: none."""
+    from bootseer.hotlist.format import HotList, hotlist_object
 
-    top = chain_ids([layer.diff_id for layer in image.layers])[-1]
-    path = hot_store / hotlist_object(top)
+    path = store / hotlist_object(image, profile)
     if not path.is_file():
         return None
-    return summary(HotList.decode(path.read_bytes(), expected_image=top, expected_profile=""))
+    return HotList.decode(path.read_bytes(), expected_image=image, expected_profile=profile)
+
+
+def read_hot_list(hot_store: Path, image: image_build.Image) -> dict[str, Any] | None:
+    """``bootseer hotlist show``'s summary of the image's default hot list in ``hot_store`` (None: none)."""
+    from bootseer.hotlist.format import summary
+
+    hot = stored_hot_list(hot_store, chain_ids([layer.diff_id for layer in image.layers])[-1])
+    return None if hot is None else summary(hot)
 
 
 def recording_finished(socket_path: Path, timeout: float = 150) -> dict[str, Any]:

@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import image_build
+from bench import hot_set_cost, image_build
 from bench.common import BenchError, bootseer_argv, code_version, drop_caches, fmt, log, machine
 from bench.node import (
     chroot_start, convert_store, hot_store_copy, layer_server_node, overlay_root, published_hot_list, read_hot_list,
@@ -115,8 +115,6 @@ class Image:
     replay: list[ReplayBlock]
     hot_clen: int  #: compressed bytes of the hot blocks (what a store sends for them, and a peer holding the frames)
     hot_rlen: int  #: raw bytes (what the replay reads)
-    #: each hot block's frame in the store: (pack file, offset, clen, rlen, digest), to time decoding them
-    frames: list[tuple[str, int, int, int, str]] = dataclasses.field(default_factory=list)
 
 
 def peers_store_copy(cache: Path) -> Path:
@@ -161,7 +159,7 @@ def record_hot_list(image: image_build.Image, store: Path, work: Path, timeout: 
 def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Image:
     """The hot list resolved against the layers' indexes (from ``store``): the replay's reads in its order."""
     from bootseer.blockstore.convert.converter import verify_layer
-    from bootseer.blockstore.objects.format import EntryType, LayerIndex, index_object, pack_object
+    from bootseer.blockstore.objects.format import EntryType, LayerIndex, index_object
     from bootseer.blockstore.objects.store import FileStoreWriter
     from bootseer.hotlist.format import HotList, hotlist_object, resolve
 
@@ -183,35 +181,20 @@ def load_image(image: image_build.Image, store: Path, hot: dict[str, Any]) -> Im
                 for position, ref in enumerate(entry.blocks):
                     table.setdefault(ref, (entry.path, position * index.block_size))
     replay = []
-    frames = []
     for block in resolve(listed, chains, indexes):
         path, offset = places[block.layer][block.ref]
         replay.append(ReplayBlock(chains.index(block.layer), path, offset, block.hot.rlen, block.hot.digest))
-        stored = indexes[block.layer].blocks[block.ref]
-        if not stored.is_zero:
-            pack = str(store / pack_object(indexes[block.layer].packs[stored.pack]))
-            frames.append((pack, stored.offset, stored.clen, stored.rlen, stored.digest))
     return Image(chains, hot, replay, hot_clen=sum(b.hot.clen for b in resolve(listed, chains, indexes)),
-                 hot_rlen=sum(b.size for b in replay), frames=frames)
+                 hot_rlen=sum(b.size for b in replay))
 
 
-def decode_cost(image: Image) -> dict[str, float]:
+def decode_cost(store: Path, image: Image) -> dict[str, float]:
     """CPU seconds on one core to decompress and verify the hot set's frames as the fetcher does
-    (``decode_block``: zstd to at most the block, SHA-256), the frames read into memory first (untimed):
-    what the layer server's CPU for the hot set is held against."""
-    from bootseer.blockstore.objects.format import StoredBlock, decode_block
-
-    frames = []
-    for pack, offset, clen, rlen, digest in dict.fromkeys(image.frames):  # each distinct block once, as fetched
-        with open(pack, "rb") as file:
-            file.seek(offset)
-            frames.append((StoredBlock(digest, "", offset, clen, rlen), file.read(clen)))
-    started = time.thread_time()
-    for block, data in frames:
-        if decode_block(block, data) is None:
-            raise BenchError(f"{block.digest}: the store's frame does not decode to its block")
-    return {"cpu_s": time.thread_time() - started, "blocks": float(len(frames)),
-            "clen": float(sum(b.clen for b, _ in frames)), "rlen": float(sum(b.rlen for b, _ in frames))}
+    (:mod:`bench.hot_set_cost`, the lazy-layers benchmark's measure): what the layer server's CPU for the hot set
+    is held against."""
+    cost = hot_set_cost.measure_published(store, image.chains[-1])
+    return {"cpu_s": cost.cpu_seconds, "blocks": float(cost.blocks), "clen": float(cost.stored_bytes),
+            "rlen": float(cost.raw_bytes)}
 
 
 # --------------------------------------------------------------------------- one start on a set of nodes
@@ -920,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
     hot = record_hot_list(image_built, store, work, args.timeout)
     image = load_image(image_built, store, hot)
     log(f"hot list: {hot['blocks']} blocks, {image.hot_clen / MB:.1f} MB compressed, {image.hot_rlen / MB:.1f} MB raw")
-    cost = decode_cost(image)
+    cost = decode_cost(store, image)
     log(f"decompressing and verifying the hot set's {cost['blocks']:.0f} blocks on one core: {cost['cpu_s']:.2f} CPU s")
     settings = {key: getattr(args, key) for key in ("nodes", "reps", "rate", "store_rate", "peer_deadline",
                                                     "kill_at", "timeout")}
@@ -947,10 +930,10 @@ def main(argv: list[str] | None = None) -> int:
             if with_peers:
                 plan += [("peers", args.nodes, flags, None), ("peers-kill", args.nodes, flags, args.kill_at)]
             for rep in range(args.reps):
-                for scenario, count, peer_args, kill_at in plan:
+                for scenario, count, flags_of_start, kill_at in plan:
                     if scenario not in wanted:
                         continue
-                    start = run_start(cluster, scenario, count, peer_args, image, args.timeout, work / "logs",
+                    start = run_start(cluster, scenario, count, flags_of_start, image, args.timeout, work / "logs",
                                       f"{scenario}{rep}", kill_at)
                     results.setdefault(scenario, []).append(start)
                     log(f"rep {rep} " + summarize(start))

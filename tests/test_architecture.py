@@ -328,7 +328,7 @@ if __name__ == "__main__":
 #: (bench.readers is the checkpoint benchmark's timed child program, whose digest its driver shares;
 #: bench.lazy_scenarios and bench.lazy_report are the lazy-layers benchmark's model and report).
 BENCH_SHARED = frozenset({"bench.common", "bench.node", "bench.image_build", "bench.nodestats", "bench.netcap",
-                          "bench.readers", "bench.lazy_scenarios", "bench.lazy_report"})
+                          "bench.readers", "bench.lazy_scenarios", "bench.lazy_report", "bench.hot_set_cost"})
 
 
 def support_side_modules() -> dict[str, Path]:

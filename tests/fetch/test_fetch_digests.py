@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
 import random
 import re
 import struct
@@ -24,8 +23,9 @@ from bootseer.fetch.digests import (
 )  # fmt: skip
 from bootseer.fetch.faults import FaultySource
 from bootseer.fetch.source import NotFound, PermanentError
-from bootseer.fetch.sources.local import LocalSource, file_version
+from bootseer.fetch.sources.local import LocalSource
 from bootseer.fetch.stripes import FetchError
+from tests.support.digests import corrupt_in_place
 
 CHUNK = 64 * 1024  # the smallest chunk a list may have
 STRIPE = 2 * CHUNK
@@ -49,19 +49,6 @@ def data(tmp_path: Path) -> bytes:
     content = _content(1, 20 * CHUNK + 123)
     (tmp_path / "model.pt").write_bytes(content)
     return content
-
-
-def _corrupt_in_place(path: Path, offset: int) -> None:
-    """Storage holding a wrong byte: ``path`` changed in place, at the same size, and its list re-stamped with
-    the version storage reports now (the digests stay those of the right content)."""
-    stale = DigestList.decode((path.parent / (path.name + SUFFIX)).read_bytes())
-    with open(path, "r+b") as file:
-        file.seek(offset)
-        byte = file.read(1)
-        file.seek(offset)
-        file.write(bytes([byte[0] ^ 0x01]))
-    restamped = DigestList(stale.size, file_version(os.stat(path)), stale.chunk_size, stale.digests)
-    (path.parent / (path.name + SUFFIX)).write_bytes(restamped.encode())
 
 
 # -- the format ------------------------------------------------------------------------------
@@ -204,7 +191,7 @@ def test_reads_with_a_list_are_verified_and_counted(tmp_path: Path, data: bytes)
 def test_a_wrong_byte_in_storage_fails_the_read_with_eio_never_wrong_bytes(tmp_path: Path, data: bytes) -> None:
     bootseer.fetch.write_digests(str(tmp_path / "model.pt"), chunk_size=CHUNK, config=CONFIG)
     bad = 9 * CHUNK + 100  # in stripe 4
-    _corrupt_in_place(tmp_path / "model.pt", bad)
+    corrupt_in_place(tmp_path / "model.pt", bad)
     with Client(str(tmp_path), CONFIG) as client:
         with pytest.raises(FetchError, match="does not match the file's digest list") as caught:
             client.read_bytes("model.pt")

@@ -197,9 +197,12 @@ class FetchWorkers:
             deadline_at = min(self.retry.deadline(member.first_attempt) for member in group if member.first_attempt is not None)
             with trio.move_on_at(deadline_at) as deadline:
                 if stripe.extent is None:
-                    data, cached, cache_key = await run_abandoning(
+                    data, cached, cache_key, cache_wrong = await run_abandoning(
                         self._fetch_blocking, stripe, stream, on_abandon=stream.abort
                     )
+                    if cache_wrong:
+                        self._stats.chunks_failed += cache_wrong
+                        CHUNKS.labels("failed").inc(cache_wrong)
                     outcomes: list[bytes | Exception] = [data]
                     if (digests := stripe.file.digests) is not None:
                         verified = digests.chunks_in(len(data))
@@ -282,13 +285,14 @@ class FetchWorkers:
                 ))  # fmt: skip
         return outcomes
 
-    def _fetch_blocking(self, stripe: Stripe, stream: Stream) -> tuple[bytes, bool, str | None]:
+    def _fetch_blocking(self, stripe: Stripe, stream: Stream) -> tuple[bytes, bool, str | None, int]:
         """In a worker thread: the stripe's bytes from the disk cache or the source.
 
         Returns (bytes, whether they came from the cache, the cache key when the cache
-        is on).  On any failure the stream's connection is closed.
+        is on, 1 if the cache held a copy that failed the file's digest list, deleted and
+        fetched from the source instead, else 0).  On any failure the stream's connection is closed.
         """
-        cache_key = None
+        cache_key, cache_wrong = None, 0
         if self.cache is not None:
             file = stripe.file
             mtime = file.mtime
@@ -300,8 +304,9 @@ class FetchWorkers:
             data = self.cache.get(cache_key)
             if data is not None and len(data) == stripe.length:
                 if self._verify(stripe, data, "the disk cache") is None:
-                    return data, True, cache_key
+                    return data, True, cache_key, 0
                 self.cache.discard(cache_key)  # and fetch it from the source
+                cache_wrong = 1
         try:
             with cpu.stage("fetch"):
                 connection = stream.connect(self.source)
@@ -325,7 +330,7 @@ class FetchWorkers:
         except BaseException:
             stream.discard()
             raise
-        return data, False, cache_key
+        return data, False, cache_key, cache_wrong
 
     def _verify(self, stripe: Stripe, data: bytes, origin: str) -> ChunkMismatch | None:
         """In a worker thread: None if ``stripe``'s file has no digest list or ``data`` matches it, else the error."""

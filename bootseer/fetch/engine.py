@@ -55,6 +55,12 @@ Versions: a stripe belongs to one version of a file (path, size and the source's
 that version, and a source that finds another raises ``Changed``: bytes of two
 versions never meet in one read, in memory or in the disk cache.
 
+Digest lists: a file opened with one (:meth:`Engine.find_digests`, then :meth:`Engine.open`;
+:mod:`bootseer.fetch.digests`) has its stripes checked in the worker, chunk by chunk, before anyone
+gets a byte; its chunk size must divide ``stripe_size`` so every stripe is whole chunks.  A stripe
+that fails is fetched once more on another connection (``MISMATCH_RETRIES``), then fails (EIO).  The
+list is part of the file version's key, so stripes of readers with and without a list never meet.
+
 Faults: a failed fetch (TransientError, OSError, anything unexpected, a short read
 before the end of the file) closes that worker's connection and puts the stripe
 back in the queue after a backoff, so the retry runs on another connection.

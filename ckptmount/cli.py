@@ -1,8 +1,12 @@
-"""``bootseer ckpt ...`` subcommands: ``bootseer ckpt mount SOURCE MOUNTPOINT``.
+"""``bootseer ckpt ...`` subcommands: ``bootseer ckpt mount SOURCE MOUNTPOINT`` and ``bootseer ckpt digest PATH_OR_URL...``.
 
-Exit status: 0 after a clean unmount (``umount``, SIGTERM, SIGINT); 2 for a bad
+``mount`` exit status: 0 after a clean unmount (``umount``, SIGTERM, SIGINT); 2 for a bad
 option or a mountpoint that cannot be mounted on; 1 when the source cannot be read
 at mount time.  Nothing stays mounted after any of them.
+
+``digest`` writes each file's digest list beside it (:func:`bootseer.fetch.api.write_digests`);
+exit status 0 if every list was written, 2 for a bad option, 1 if any file failed (the others are
+still done; a list that was not written leaves the old one, if any, as it was).
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from urllib.parse import urlsplit
 import trio
 
 from bootseer.ckptmount.mount import SourceUnavailable, mount_checkpoint
+from bootseer.fetch.api import write_digests
+from bootseer.fetch.digests import DEFAULT_CHUNK_SIZE, check_chunk_size, sibling_url
+from bootseer.fetch.digests import SUFFIX as DIGESTS_SUFFIX
 from bootseer.fetch.malloc import return_large_blocks
 from bootseer.fetch.engine import EngineConfig, display_url
 from bootseer.fetch.source import RangeSource, SourceError
-from bootseer.fetch.sources import open_source, source_class, source_options
+from bootseer.fetch.sources import open_source, redact_url, source_class, source_options
 from bootseer.fuse import MountError, check_mountpoint
 from bootseer.log import get_logger
 from bootseer.metrics import serve_metrics
@@ -102,10 +109,10 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-") if dest != "verify" else "--no-verify-tls"
 
 
-def backend_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``open_source`` options from the command line; ValueError for one that does not
-    apply to the source's kind."""
-    url = args.source
+def backend_options(args: argparse.Namespace, url: str | None = None) -> dict[str, Any]:
+    """``open_source`` options from the command line for ``url`` (default: ``args.source``); ValueError for
+    one that does not apply to the source's kind."""
+    url = args.source if url is None else url
     scheme = urlsplit(url).scheme.lower() if "://" in url else ""
     accepted = source_options(source_class(url))
     options: dict[str, Any] = {}
@@ -136,8 +143,37 @@ def _engine_defaults() -> dict[str, str]:
     return shown
 
 
+def add_backend_options(parser: argparse.ArgumentParser) -> None:
+    """The options of the storage backends (what :func:`backend_options` reads)."""
+    backend = parser.add_argument_group("backends")
+    backend.add_argument(
+        "--http-header", type=_header, action="append", default=[], metavar="'NAME: VALUE'",
+        help="extra HTTP request header for http(s):// and webhdfs:// (repeatable)",
+    )
+    backend.add_argument("--s3-endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph RGW)")
+    backend.add_argument("--s3-region", metavar="REGION")
+    backend.add_argument("--s3-profile", metavar="PROFILE", help="AWS profile for credentials")
+    backend.add_argument("--s3-addressing-style", choices=("path", "virtual", "auto"))
+    backend.add_argument("--webhdfs-user", metavar="USER", help="user.name for WebHDFS requests")
+    backend.add_argument(
+        "--hdfs-config", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
+        help="Hadoop client setting, e.g. dfs.nameservices=ns1 (repeatable; HADOOP_CONF_DIR is read too)",
+    )
+    backend.add_argument("--hdfs-kerberos-principal", metavar="PRINCIPAL")
+    backend.add_argument("--hdfs-kerberos-keytab", metavar="PATH")
+    backend.add_argument("--hdfs-kerberos-cache", metavar="PATH", help="Kerberos credential cache")
+    backend.add_argument("--connect-timeout", type=_seconds, metavar="SECONDS", help="per connection attempt")
+    backend.add_argument("--read-timeout", type=_seconds, metavar="SECONDS", help="per request")
+    backend.add_argument("--ca-file", metavar="PATH", help="CA bundle for TLS")
+    backend.add_argument(
+        "--no-verify-tls", dest="verify", action="store_const", const=False, help="do not check TLS certificates"
+    )
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    ckpt = subparsers.add_parser("ckpt", help="striped checkpoint mount", description="Striped checkpoint mount.")
+    ckpt = subparsers.add_parser(
+        "ckpt", help="striped checkpoint mount, digest lists", description="Striped checkpoint mount and digest lists."
+    )
     ckpt.set_defaults(func=lambda args: ckpt.print_help() or EXIT_USAGE)
     commands = ckpt.add_subparsers(dest="ckpt_command", metavar="COMMAND")
     mount = commands.add_parser(
@@ -196,30 +232,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "that user's credentials). Needs root or user_allow_other in /etc/fuse.conf",
     )  # fmt: skip
 
-    backend = mount.add_argument_group("backends")
-    backend.add_argument(
-        "--http-header", type=_header, action="append", default=[], metavar="'NAME: VALUE'",
-        help="extra HTTP request header for http(s):// and webhdfs:// (repeatable)",
-    )
-    backend.add_argument("--s3-endpoint-url", metavar="URL", help="S3-compatible endpoint (MinIO, Ceph RGW)")
-    backend.add_argument("--s3-region", metavar="REGION")
-    backend.add_argument("--s3-profile", metavar="PROFILE", help="AWS profile for credentials")
-    backend.add_argument("--s3-addressing-style", choices=("path", "virtual", "auto"))
-    backend.add_argument("--webhdfs-user", metavar="USER", help="user.name for WebHDFS requests")
-    backend.add_argument(
-        "--hdfs-config", type=_key_value, action="append", default=[], metavar="KEY=VALUE",
-        help="Hadoop client setting, e.g. dfs.nameservices=ns1 (repeatable; HADOOP_CONF_DIR is read too)",
-    )
-    backend.add_argument("--hdfs-kerberos-principal", metavar="PRINCIPAL")
-    backend.add_argument("--hdfs-kerberos-keytab", metavar="PATH")
-    backend.add_argument("--hdfs-kerberos-cache", metavar="PATH", help="Kerberos credential cache")
-    backend.add_argument("--connect-timeout", type=_seconds, metavar="SECONDS", help="per connection attempt")
-    backend.add_argument("--read-timeout", type=_seconds, metavar="SECONDS", help="per request")
-    backend.add_argument("--ca-file", metavar="PATH", help="CA bundle for TLS")
-    backend.add_argument(
-        "--no-verify-tls", dest="verify", action="store_const", const=False, help="do not check TLS certificates"
-    )
+    add_backend_options(mount)
     mount.set_defaults(func=mount_command)
+
+    digest = commands.add_parser(
+        "digest",
+        help="write the digest list of checkpoint files",
+        description=(
+            "Read each file (a local/NFS path, file://, s3://; the store's own data, through the striped fetch "
+            "engine), hash it in chunks and store its digest list beside it as NAME.bootseer-digests: SHA-256 "
+            "per chunk, with the file's size and version as the store reports them.  Run it after a save: "
+            "reads through the checkpoint mount and bootseer.fetch then verify every chunk they serve.  Prints "
+            "one line per list written."
+        ),
+        epilog="Sizes: 4M, 1MiB ... (powers of 1024).  Lists are written to local/NFS paths and S3 only.",
+    )
+    digest.add_argument("paths", metavar="PATH_OR_URL", nargs="+")
+    digest.add_argument(
+        "--chunk-size", type=parse_size, default=DEFAULT_CHUNK_SIZE, metavar="SIZE",
+        help=f"bytes per digest, a power of two from 64K to 64M, dividing the mount's stripe size "
+        f"({_human_size(DEFAULT_CHUNK_SIZE)})",
+    )  # fmt: skip
+    digest.add_argument(
+        "--streams", type=_positive_int, metavar="N", help="parallel range requests (the backend's default, 16)"
+    )
+    add_backend_options(digest)
+    digest.set_defaults(func=digest_command)
 
 
 def _first_error(group: BaseExceptionGroup) -> str:
@@ -230,18 +268,41 @@ def _first_error(group: BaseExceptionGroup) -> str:
     return str(error)
 
 
-def _usage_error(message: str) -> int:
-    print(f"bootseer ckpt mount: error: {message}", file=sys.stderr)
+def _usage_error(message: str, command: str = "mount") -> int:
+    print(f"bootseer ckpt {command}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
 
 
+def digest_command(args: argparse.Namespace) -> int:
+    """Run ``bootseer ckpt digest``; returns the exit status."""
+    try:
+        check_chunk_size(args.chunk_size)
+        config = EngineConfig(streams=args.streams)
+        options = {path: backend_options(args, path) for path in args.paths}
+    except ValueError as exc:
+        return _usage_error(str(exc), "digest")
+    status = 0
+    for path in args.paths:
+        try:
+            digests = write_digests(path, chunk_size=args.chunk_size, config=config, **options[path])
+        except (ValueError, SourceError, OSError) as exc:
+            log.error("digest list not written", path=redact_url(path), error=str(exc))
+            status = EXIT_FAILURE
+            continue
+        print(f"{redact_url(path)}{DIGESTS_SUFFIX}: {len(digests.digests)} chunks of {digests.chunk_size} bytes, "
+              f"{digests.size} bytes, version {digests.version or '(none)'}", flush=True)  # fmt: skip
+    return status
+
+
 async def _mount_and_announce(
-    source: RangeSource, mountpoint: str, config: EngineConfig, listing_ttl: float, allow_other: bool
-) -> None:
+    source: RangeSource, mountpoint: str, config: EngineConfig, listing_ttl: float, allow_other: bool,
+    digest_source: RangeSource | None,
+) -> None:  # fmt: skip
     async with trio.open_nursery() as nursery:
         await nursery.start(
             functools.partial(
-                mount_checkpoint, source, mountpoint, config=config, listing_ttl=listing_ttl, allow_other=allow_other
+                mount_checkpoint, source, mountpoint, config=config, listing_ttl=listing_ttl, allow_other=allow_other,
+                digest_source=digest_source,
             )
         )
         # On stdout, for scripts that wait for the mount to be ready.
@@ -259,6 +320,13 @@ def mount_command(args: argparse.Namespace) -> int:
         source = open_source(args.source, **options)
     except (ValueError, TypeError, SourceError, MountError) as exc:
         return _usage_error(str(exc))
+    # Where the digest list of a source that is one file lies (a directory's files have theirs beside them).
+    digest_url = sibling_url(args.source)
+    try:
+        digest_source = open_source(digest_url, **options) if digest_url is not None else None
+    except (ValueError, SourceError) as exc:
+        log.info("no digest list will be looked up beside the source", error=str(exc))
+        digest_source = None
     # Resident memory follows --memory-limit only if freed stripes leave the process.
     return_large_blocks()
     status = 0
@@ -269,7 +337,8 @@ def mount_command(args: argparse.Namespace) -> int:
             except (ValueError, OSError) as exc:
                 return _usage_error(f"--metrics-address {args.metrics_address}: {exc}")
             log.info("serving metrics", address=f"{host}:{port}")
-        trio.run(_mount_and_announce, source, args.mountpoint, config, args.listing_ttl, args.allow_other)
+        trio.run(_mount_and_announce, source, args.mountpoint, config, args.listing_ttl, args.allow_other,
+                 digest_source)  # fmt: skip
     except* MountError as group:
         log.error("cannot mount", mountpoint=args.mountpoint, error=_first_error(group))
         status = EXIT_USAGE
@@ -281,4 +350,6 @@ def mount_command(args: argparse.Namespace) -> int:
         status = 130
     finally:
         source.close()
+        if digest_source is not None:
+            digest_source.close()
     return status

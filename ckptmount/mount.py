@@ -42,11 +42,14 @@ async def mount_checkpoint(
     config: EngineConfig,
     listing_ttl: float,
     allow_other: bool = False,
+    digest_source: RangeSource | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mount ``source`` (a :class:`~bootseer.fetch.source.RangeSource`) read-only on
     ``mountpoint`` and serve it until the mount ends; ``task_status.started()`` once
     the mount is ready.  Only the mounting user may read it unless ``allow_other``.
+    ``digest_source``: where the digest list of a source that is one file lies (its URL plus
+    ``.bootseer-digests``); files in a directory source have theirs beside them.
 
     Raises :class:`SourceUnavailable` if the source's root cannot be read, and
     :class:`~bootseer.fuse.MountError` if the mount cannot be made.
@@ -54,7 +57,7 @@ async def mount_checkpoint(
     shown = display_url(source)
     options = mount_options(fsname=shown, subtype=SUBTYPE, allow_other=allow_other)
     async with open_engine(source, config) as engine:
-        tree = CheckpointTree(engine, listing_ttl=listing_ttl)
+        tree = CheckpointTree(engine, listing_ttl=listing_ttl, digest_source=digest_source)
         try:
             root = await tree.root(shown)
         except OSError as exc:

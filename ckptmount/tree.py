@@ -18,6 +18,12 @@ that reaches the source after a change fails with EIO instead of mixing versions
 Such a read also tells the tree (:meth:`CheckpointTree.version_gone`): the listing
 of its directory expires, so the next lookup sees the new version, and the mount's
 ``on_version_gone`` hook drops the kernel's cached pages and name of the old one.
+
+Each open looks for the file's digest list beside it (``NAME.bootseer-digests``, read from the
+source itself: :meth:`Engine.find_digests <bootseer.fetch.engine.Engine.find_digests>`); with one
+that matches the file's size and version, the reader verifies every stripe it serves against it,
+and a chunk that fails twice is EIO, never served.  The list of a single-file mount's file lies
+beside the source URL, at ``digest_source``.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from bootseer.fuse import Attributes, Directory, File, Node, OpenFile, StaticDir
 from bootseer.log import get_logger
 
 if TYPE_CHECKING:
+    from bootseer.fetch.digests import DigestList
     from bootseer.fetch.engine import Engine
+    from bootseer.fetch.source import RangeSource
     from bootseer.fetch.reader import Reader
 
 log = get_logger(__name__)
@@ -92,9 +100,11 @@ class _Listing:
 class CheckpointTree:
     """Stat and listings of the source through ``engine``, cached for ``listing_ttl`` seconds."""
 
-    def __init__(self, engine: Engine, *, listing_ttl: float) -> None:
+    def __init__(self, engine: Engine, *, listing_ttl: float, digest_source: RangeSource | None = None) -> None:
         self.engine = engine
         self.listing_ttl = listing_ttl
+        #: where the digest list of the source's root lies when the root is one file (None: not looked up)
+        self.digest_source = digest_source
         self._listings: dict[str, _Listing] = {}
         self._fetching: dict[str, trio.Event] = {}
         # Files belong to whoever mounted them (the source's owners mean nothing here).
@@ -148,6 +158,14 @@ class CheckpointTree:
             for stale in [p for p, listing in self._listings.items() if listing.expires <= now]:
                 del self._listings[stale]
         self._listings[path] = _Listing(now + self.listing_ttl, entries)
+
+    async def digests(self, path: str, entry: Entry) -> DigestList | None:
+        """The digest list to verify reads of ``path`` (``entry``) against, or None (see the module)."""
+        if path:
+            return await self.engine.find_digests(path, entry)
+        if self.digest_source is None:
+            return None
+        return await self.engine.find_digests(path, entry, source=self.digest_source, list_path="")
 
     def node(self, path: str, entry: Entry) -> Node:
         if entry.is_dir:
@@ -213,8 +231,9 @@ class CheckpointFile(File):
         return self._attributes
 
     async def open(self) -> OpenFile:
+        digests = await self.tree.digests(self.path, self.entry)
         with source_errors(self.path):
-            reader = self.engine.open(self.path, self.size, self.mtime, self.version)
+            reader = self.engine.open(self.path, self.size, self.mtime, self.version, digests)
         return CheckpointOpenFile(reader, self.path, self.size, self)
 
 

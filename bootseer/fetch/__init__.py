@@ -11,9 +11,11 @@ Layers, each knowing only the one below:
   streams (:mod:`bootseer.fetch.queue`, :mod:`bootseer.fetch.workers`), retries failed
   stripes on fresh connections and bounds memory.
 * :mod:`bootseer.fetch.api` -- the same engine for plain Python code, without FUSE.
+* :mod:`bootseer.fetch.digests` -- digest lists stored beside checkpoint files: SHA-256 per
+  chunk of one version of a file, which the engine verifies every stripe of it against.
 """
 
-from bootseer.fetch.api import Client, open, read_bytes
+from bootseer.fetch.api import Client, open, read_bytes, write_digests
 from bootseer.fetch.engine import EngineConfig
 
-__all__ = ["Client", "EngineConfig", "open", "read_bytes"]
+__all__ = ["Client", "EngineConfig", "open", "read_bytes", "write_digests"]

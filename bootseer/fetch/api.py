@@ -16,10 +16,16 @@ use one client.  ::
 through the engine (striped, parallel, with read-ahead while they are sequential).
 :meth:`Client.read_bytes` fetches a whole file with all streams at once, straight
 into the ``bytes`` object it returns.
+
+Where a digest list is stored beside a file (``NAME.bootseer-digests``, :mod:`bootseer.fetch.digests`)
+and matches it as storage reports it now, both verify every byte they return against it: a chunk that
+does not match is fetched again once, then the read fails with FetchError (EIO).  :func:`write_digests`
+writes such a list (a checkpoint's save hook); ``bootseer ckpt digest`` is the same from a shell.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
 from typing import Any
@@ -27,11 +33,12 @@ from typing import Any
 import trio
 
 from bootseer.fetch.bytes_builder import BytesBuilder
+from bootseer.fetch.digests import DEFAULT_CHUNK_SIZE, DigestList, build, sibling_url
 from bootseer.fetch.engine import Engine, EngineConfig, display_url, open_engine
 from bootseer.fetch.reader import Reader
 from bootseer.fetch.stripes import FetchError
-from bootseer.fetch.source import Entry, RangeSource
-from bootseer.fetch.sources import open_source
+from bootseer.fetch.source import Entry, RangeSource, SourceError, WritableSource
+from bootseer.fetch.sources import open_source, redact_url
 from bootseer.log import get_logger
 from bootseer.profile import traced
 
@@ -50,12 +57,21 @@ class Client:
     :func:`~bootseer.fetch.sources.open_source` and ``source_options``, and closed with
     the client) or a RangeSource the caller owns.  Paths are relative to it; ``""``
     is the URL itself, which may name a single file.
+
+    ``digests``: verify reads of files that have a digest list beside them (on by default).  The
+    list of the URL itself (path ``""``) is looked up beside it only where the client opened the
+    URL (a source the caller owns has no name beside it).
     """
 
-    def __init__(self, url_or_source: str | RangeSource, config: EngineConfig | None = None, **source_options: Any):
+    def __init__(self, url_or_source: str | RangeSource, config: EngineConfig | None = None, *,
+                 digests: bool = True, **source_options: Any):  # fmt: skip
+        self.digests = digests
+        self._digest_url: str | None = None  # where the list of path "" lies, for a URL the client opened
+        self._source_options = source_options
         if isinstance(url_or_source, str):
             self.source: RangeSource = open_source(url_or_source, **source_options)
             self._owns_source = True
+            self._digest_url = sibling_url(url_or_source)
         else:
             if source_options:
                 raise ValueError(f"source options {sorted(source_options)} need a URL, not an opened source")
@@ -143,8 +159,29 @@ class Client:
         entry = self.stat(path)
         if entry.is_dir:
             raise IsADirectoryError(f"{self.url}: {path or '.'} is a directory")
-        reader = self._call_sync(self.engine.open, path, entry.size, entry.mtime, entry.version)
+        digests = self.find_digests(path, entry)
+        reader = self._call_sync(self.engine.open, path, entry.size, entry.mtime, entry.version, digests)
         return RemoteFile(self, reader, name=path or self.url)
+
+    def find_digests(self, path: str, entry: Entry) -> DigestList | None:
+        """The digest list reads of ``path`` (``entry``: its stat now) are verified against, or None: none
+        is stored beside it, the client does not verify, or the list is not of this version (see
+        :meth:`Engine.find_digests <bootseer.fetch.engine.Engine.find_digests>`)."""
+        if not self.digests:
+            return None
+        if path:
+            return self._call(self.engine.find_digests, path, entry)
+        if self._digest_url is None:
+            return None
+        try:
+            source = open_source(self._digest_url, **self._source_options)
+        except (ValueError, SourceError) as exc:
+            log.debug("no digest list beside the URL", url=self.url, error=str(exc))
+            return None
+        try:
+            return self._call(functools.partial(self.engine.find_digests, path, entry, source=source, list_path=""))
+        finally:
+            source.close()
 
     def read_bytes(self, path: str) -> bytes:
         """The whole of ``path``, fetched with all streams in parallel.
@@ -155,16 +192,17 @@ class Client:
         entry = self.stat(path)
         if entry.is_dir:
             raise IsADirectoryError(f"{self.url}: {path or '.'} is a directory")
+        digests = self.find_digests(path, entry)
         builder = BytesBuilder(entry.size)
         try:
-            self._call(self._read_whole, path, entry, builder.view)
+            self._call(self._read_whole, path, entry, digests, builder.view)
         except BaseException:
             builder.view.release()
             raise
         return builder.result()
 
-    async def _read_whole(self, path: str, entry: Entry, target: memoryview) -> None:
-        reader = self.engine.open(path, entry.size, entry.mtime, entry.version)
+    async def _read_whole(self, path: str, entry: Entry, digests: DigestList | None, target: memoryview) -> None:
+        reader = self.engine.open(path, entry.size, entry.mtime, entry.version, digests)
         try:
             await reader.read_into(0, target)
         finally:
@@ -209,6 +247,7 @@ class RemoteFile(io.BufferedIOBase):
         self._reader = reader
         self._size = reader.size
         self._owns_client = owns_client
+        self.version = reader.file.version  #: the version of the file it reads (the source's validator)
         self._position = 0
         self._buffer = b""
         self._buffer_start = 0
@@ -359,3 +398,31 @@ def read_bytes(url: str, *, config: EngineConfig | None = None, **source_options
     """The whole file at ``url``, fetched with all streams in parallel."""
     with Client(url, config, **source_options) as client:
         return client.read_bytes("")
+
+
+def write_digests(url: str, *, chunk_size: int = DEFAULT_CHUNK_SIZE, config: EngineConfig | None = None,
+                  **source_options: Any) -> DigestList:
+    """Hash the file at ``url`` through the fetch engine and store its digest list beside it; the list.
+
+    For a save hook: call it once the checkpoint file is complete.  The list records the
+    version that was read (a file that changes while it is hashed fails with FetchError).  It
+    is written where the source can store a file (:class:`~bootseer.fetch.source.WritableSource`:
+    local and NFS paths, atomically; S3); ValueError for a URL with a query and for the other
+    sources (HTTP, HDFS), which BootSeer only reads.
+    """
+    target_url = sibling_url(url)
+    if target_url is None:
+        raise ValueError(f"{redact_url(url)}: a URL with a query or fragment has no name beside it for a digest list")
+    target = open_source(target_url, **source_options)
+    try:
+        if not isinstance(target, WritableSource):
+            raise ValueError(f"{display_url(target)}: BootSeer cannot write to {type(target).__name__} sources "
+                             "(digest lists are written to local/NFS paths and S3)")  # fmt: skip
+        with Client(url, config, digests=False, **source_options) as client, client.open("") as file:
+            digests = build(file.readinto, file.size, file.version, chunk_size)
+        target.put("", digests.encode())
+    finally:
+        target.close()
+    log.info("digest list written", url=display_url(target), size=digests.size, chunks=len(digests.digests),
+             chunk_size=digests.chunk_size)  # fmt: skip
+    return digests

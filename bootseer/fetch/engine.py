@@ -55,6 +55,12 @@ Versions: a stripe belongs to one version of a file (path, size and the source's
 that version, and a source that finds another raises ``Changed``: bytes of two
 versions never meet in one read, in memory or in the disk cache.
 
+Digest lists: a file opened with one (:meth:`Engine.find_digests`, then :meth:`Engine.open`;
+:mod:`bootseer.fetch.digests`) has its stripes checked in the worker, chunk by chunk, before anyone
+gets a byte; its chunk size must divide ``stripe_size`` so every stripe is whole chunks.  A stripe
+that fails is fetched once more on another connection (``MISMATCH_RETRIES``), then fails (EIO).  The
+list is part of the file version's key, so stripes of readers with and without a list never meet.
+
 Faults: a failed fetch (TransientError, OSError, anything unexpected, a short read
 before the end of the file) closes that worker's connection and puts the stripe
 back in the queue after a backoff, so the retry runs on another connection.
@@ -89,19 +95,21 @@ from bootseer.counters import Counters
 from bootseer.fetch.failures import FailureMemory
 from bootseer.fetch.file_cache import StripeCache
 from bootseer.fetch.memory import MemoryBound, eviction_candidates
+from bootseer.fetch.digests import SUFFIX as DIGESTS_SUFFIX
+from bootseer.fetch.digests import DigestList, DigestListError, load as load_digests
 from bootseer.fetch.metrics import (
-    BYTES_FETCHED, COUNTED, EXTENT_JOINS, EXTENTS, HELD_BYTES, RETRIES, STRIPES, EngineStatistics,
+    BYTES_FETCHED, CHUNKS, COUNTED, DIGEST_LISTS, EXTENT_JOINS, EXTENTS, HELD_BYTES, RETRIES, STRIPES, EngineStatistics,
 )
 from bootseer.fetch.queue import StripeQueue
 from bootseer.fetch.reader import ReadaheadWindows, Reader
 from bootseer.fetch.retry import RetryPolicy, is_permanent
 from bootseer.fetch.source import (
-    Entry, NotADirectory, NotFound, PermanentError, ProxiedSource, RangeSource,
+    Entry, NotADirectory, NotFound, PermanentError, ProxiedSource, RangeSource, SourceError,
 )  # fmt: skip
 from bootseer.fetch.stripes import (
     Extent, ExtentKey, FetchError, FileVersion, Priority, Stripe, StripeKey, StripeState, check_same_place,
 )
-from bootseer.fetch.workers import FetchWorkers, display_url, run_abandoning
+from bootseer.fetch.workers import ChunkMismatch, FetchWorkers, display_url, run_abandoning
 from bootseer.log import get_logger
 
 log = get_logger(__name__)
@@ -111,6 +119,9 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 T = TypeVar("T")
+
+#: Times a stripe that failed its digest list is fetched again before its read fails (EIO).
+MISMATCH_RETRIES = 1
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -291,7 +302,9 @@ class Engine:
 
     # -- reading -------------------------------------------------------------------
 
-    def open(self, path: str, size: int, mtime: float | None = None, version: str = "") -> Reader:
+    def open(
+        self, path: str, size: int, mtime: float | None = None, version: str = "", digests: DigestList | None = None
+    ) -> Reader:
         """A :class:`Reader` of the version of ``path`` that is ``size`` bytes long.
 
         ``version`` (the :attr:`Entry.version` of a stat or listing) pins the reader to
@@ -299,12 +312,62 @@ class Engine:
         read asks the source for it, and a file that has changed since fails the
         read with FetchError (EIO) rather than mixing versions.  ``mtime`` keys the
         disk cache where the source gives no version; without either, the engine asks
-        the source when the cache first needs it.
+        the source when the cache first needs it.  ``digests`` (from :meth:`find_digests`):
+        every stripe is checked against it before any reader gets a byte of it, and one
+        that fails is fetched again once, on another connection, then fails with FetchError.
         """
         self.check_running()
         if size < 0:
             raise ValueError(f"file size must not be negative, not {size}")
-        return Reader(self, path, size, version=version, mtime=mtime)
+        if digests is not None and (reason := self._unusable(digests, size, version)) is not None:
+            raise ValueError(f"{self.url}: {path or '.'}: {reason}")
+        return Reader(self, path, size, version=version, mtime=mtime, digests=digests)
+
+    def _unusable(self, digests: DigestList, size: int, version: str) -> str | None:
+        """Why reads of a file of ``size`` bytes, ``version``, cannot be verified against ``digests``."""
+        reason = digests.mismatch(Entry("", size, False, 0.0, version))
+        if reason is None and self.stripe_size % digests.chunk_size:
+            reason = f"its chunk size ({digests.chunk_size}) does not divide the stripe size ({self.stripe_size})"
+        return reason
+
+    async def find_digests(
+        self, path: str, entry: Entry, *, source: RangeSource | None = None, list_path: str | None = None
+    ) -> DigestList | None:
+        """The digest list stored beside ``path`` (``entry``: its stat now) to verify its reads against, or None.
+
+        Read from storage itself (one attempt, within ``retry_timeout``), at ``list_path`` of
+        ``source`` (default: ``path`` plus ``.bootseer-digests`` at this engine's source).  A
+        list of another size or version than ``entry``, a malformed or unreadable one, or
+        one whose chunk size does not divide the stripe size is not used: logged, counted
+        (``digest_lists_ignored``), and the file is read as without a list.
+        """
+        self.check_running()
+        source = self.source if source is None else source
+        list_path = path + DIGESTS_SUFFIX if list_path is None else list_path
+        shown = f"{display_url(source)}: {list_path or '.'}"
+        reason: str | None = None
+        digests: DigestList | None = None
+        with trio.move_on_after(self.config.retry_timeout or float("inf")) as deadline:
+            try:
+                digests = await run_abandoning(load_digests, source, list_path)
+            except (DigestListError, SourceError, OSError) as exc:
+                reason = str(exc)
+        if deadline.cancelled_caught:
+            reason = f"no answer in {self.config.retry_timeout:g}s"
+        if digests is None and reason is None:
+            return None  # there is none
+        if digests is not None:
+            reason = self._unusable(digests, entry.size, entry.version)
+        if reason is not None:
+            self._stats.digest_lists_ignored += 1
+            DIGEST_LISTS.labels("ignored").inc()
+            log.warning("digest list not used; the file is read without one", list=shown, path=path or ".",
+                        reason=reason)  # fmt: skip
+            return None
+        self._stats.digest_lists_used += 1
+        DIGEST_LISTS.labels("used").inc()
+        return digests
+
 
     async def prefetch(
         self,
@@ -690,11 +753,18 @@ class Engine:
         assert stripe.first_attempt is not None
         failing_for = now - stripe.first_attempt
         stripe.attempts += 1
+        if isinstance(exc, ChunkMismatch):
+            stripe.mismatches += 1
+            self._stats.chunks_failed += 1
+            CHUNKS.labels("failed").inc()
         # Nobody waits for a read-ahead extent: unless someone wants it now, it is not retried.
         stripe.holders.pop(self._speculative, None)
         self._unreserve(stripe.length)
         stripe.state = StripeState.BACKOFF  # no longer fetching; the bytes are no longer counted
-        if self.retry.gives_up(exc, stripe.attempts, stripe.first_attempt, now):
+        # A wrong answer is asked for again once (on another connection), not until the deadline:
+        # storage that answers wrong twice will not be trusted with a third.
+        if (self.retry.gives_up(exc, stripe.attempts, stripe.first_attempt, now)
+                or stripe.mismatches > MISMATCH_RETRIES):  # fmt: skip
             reason = str(exc) if is_permanent(exc) else (
                 f"still failing after {failing_for:.1f}s and {stripe.attempts} attempts: {exc!r}"
             )  # fmt: skip

@@ -3,7 +3,8 @@
 :class:`FaultySource` wraps a real backend.  It logs every ``read_range`` (which
 connection, which bytes, what happened), counts connections opened and closed, and
 on request makes reads fail the way networks and stores do: an exception, a short
-read, or a pause until released.  A connection that has failed stays broken, like a
+read, wrong bytes (one flipped, the length right: what only a checksum catches), or a
+pause until released.  A connection that has failed stays broken, like a
 reset TCP stream, so any later read on it fails too: a client that reuses a broken
 connection shows up in :attr:`FaultySource.reads` as ``"broken"``.
 """
@@ -25,13 +26,15 @@ class Fault:
     """Make matching reads fail.
 
     ``path`` None matches every path; ``times`` None fails forever, else that many
-    reads.  ``short`` returns half the bytes instead of raising ``error()``.
+    reads.  ``short`` returns half the bytes instead of raising ``error()``; ``garble``
+    returns every byte with the first one flipped.
     """
 
     path: str | None = None
     times: int | None = None
     error: Callable[[], BaseException] = lambda: TransientError("injected fault")
     short: bool = False
+    garble: bool = False
 
     def matches(self, path: str) -> bool:
         return (self.path is None or self.path == path) and (self.times is None or self.times > 0)
@@ -43,7 +46,7 @@ class ReadRecord:
     path: str
     offset: int
     length: int
-    outcome: str  #: "ok", "short", "error" (injected) or "broken" (on a connection that failed before)
+    outcome: str  #: "ok", "short", "garbled", "error" (injected) or "broken" (on a connection that failed before)
     returned: int  #: bytes returned
 
 
@@ -167,11 +170,16 @@ class FaultyConnection:
             self._record(path, offset, length, "broken", 0)
             raise TransientError(f"connection {self.id} is broken")
         fault = source._take_fault(source._faults, path)
-        if fault is not None and not fault.short:
+        if fault is not None and not fault.short and not fault.garble:
             self.broken = True
             self._record(path, offset, length, "error", 0)
             raise fault.error()
         data = self.inner.read_range(path, offset, length, version)
+        if fault is not None and fault.garble:
+            self.broken = True
+            data = bytes([data[0] ^ 0xFF]) + data[1:] if data else data
+            self._record(path, offset, length, "garbled", len(data))
+            return data
         if fault is not None:
             self.broken = True
             data = data[: len(data) // 2]

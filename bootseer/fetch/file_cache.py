@@ -365,6 +365,10 @@ class VerifiedFileCache:
             self._written_since_scan = 0
             self._bytes.set(total)
 
+    def discard(self, key: str) -> None:
+        """Delete the entry of ``key`` (its caller found its payload wrong by a check of its own)."""
+        self._remove(self.path_of(self.check_key(key)))
+
     def _remove(self, path: str) -> None:
         try:
             os.unlink(path)

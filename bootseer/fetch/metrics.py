@@ -46,6 +46,22 @@ EXTENT_JOINS = prometheus_client.Counter(
 GAP_BYTES = prometheus_client.Counter(
     "bootseer_fetch_gap_bytes", "Bytes between coalesced extents that were fetched and thrown away"
 )
+CHUNKS = prometheus_client.Counter(
+    "bootseer_fetch_chunks",
+    "Chunks of fetched stripes checked against their file's digest list, by outcome (verified; failed: not served, "
+    "fetched again or failed with EIO)",
+    ["outcome"],
+)
+DIGEST_LISTS = prometheus_client.Counter(
+    "bootseer_fetch_digest_lists",
+    "Digest lists found beside files opened, by outcome (used; ignored: of another size or version, malformed, "
+    "unreadable, or of a chunk size that does not divide the stripe size)",
+    ["outcome"],
+)
+for _outcome in ("verified", "failed"):
+    CHUNKS.labels(_outcome)
+for _outcome in ("used", "ignored"):
+    DIGEST_LISTS.labels(_outcome)
 for _outcome in ("fetched", "cached", "failed"):
     STRIPES.labels(_outcome)
 for _outcome in ("fetched", "failed"):
@@ -79,6 +95,10 @@ class EngineStatistics:
     extents_joined_in_flight: int = 0  #: urgent asks for an extent a less urgent fetch was already fetching
     extents_raised: int = 0  #: urgent asks for an extent queued at a lower priority, which they raised
     extents_read_ahead: int = 0  #: extents queued by ``Engine.readahead_extents``
+    chunks_verified: int = 0  #: chunks of fetched stripes that matched their file's digest list
+    chunks_failed: int = 0  #: chunks that did not (never served: fetched again once, then EIO)
+    digest_lists_used: int = 0  #: files opened with a digest list that reads were verified against
+    digest_lists_ignored: int = 0  #: digest lists found but not used (another version, malformed, unreadable...)
     proxy: ProxyStatus | None = None  #: the store proxy the source reads through, if it has one
 
 

@@ -11,10 +11,13 @@ least recently used reader beyond ``max_windows`` loses its window.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from bootseer.fetch.bytes_builder import BytesBuilder
 from bootseer.fetch.stripes import FileVersion, Priority
+
+if TYPE_CHECKING:
+    from bootseer.fetch.digests import DigestList
 
 _MAX_AHEAD_EXTENTS = 16  # extents read ahead of a stream that a reader remembers
 
@@ -91,11 +94,15 @@ class Reader:
     which late reads of a read-around may still come back for.
     """
 
-    def __init__(self, engine: ReaderEngine, path: str, size: int, *, version: str = "", mtime: float | None = None) -> None:
+    def __init__(
+        self, engine: ReaderEngine, path: str, size: int, *, version: str = "", mtime: float | None = None,
+        digests: DigestList | None = None,
+    ) -> None:
         self.engine = engine
         self.path = path
         self.size = size
-        self.file = FileVersion.of(path, size, version, mtime)  #: the version this handle reads
+        #: the version this handle reads (and the digest list its stripes are verified against, if any)
+        self.file = FileVersion.of(path, size, version, mtime, digests)
         self.closed = False
         self._held: set[int] = set()  # stripe indexes this handle holds (the window, the stripes just behind it)
         self._position: int | None = None  # how far the stream has come

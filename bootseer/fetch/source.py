@@ -89,6 +89,16 @@ class RangeSource(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class WritableSource(Protocol):
+    """A :class:`RangeSource` that can store a small file whole (the local and S3 backends): for what BootSeer
+    writes beside a checkpoint, its digest lists (:mod:`bootseer.fetch.digests`)."""
+
+    def put(self, path: str, data: bytes) -> None:
+        """Replace the file at ``path`` with ``data``: a reader sees the old content or the new, never a mix.
+        Raises SourceError (or OSError) if it cannot."""
+
+
 @dataclass(frozen=True)
 class ProxyStatus:
     """The store proxy a source reads through while it is healthy (``[store] proxy``), at one moment."""

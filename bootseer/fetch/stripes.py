@@ -19,9 +19,12 @@ from __future__ import annotations
 import enum
 import errno
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import TYPE_CHECKING, Any, Hashable
 
 import trio
+
+if TYPE_CHECKING:
+    from bootseer.fetch.digests import DigestList
 
 
 class Priority(enum.IntEnum):
@@ -64,10 +67,15 @@ class FileVersion:
     #: Where ``version`` is "": the mtime (from a stat or listing) that keys the disk
     #: cache, None if unknown.  Unused (None) where there is a version.
     mtime: float | None = None
+    #: The digest list its stripes are verified against before anyone gets them (None: not verified).  Part of
+    #: the key: readers with and without a list never share a stripe.
+    digests: DigestList | None = None
 
     @classmethod
-    def of(cls, path: str, size: int, version: str = "", mtime: float | None = None) -> FileVersion:
-        return cls(path, size, version, None if version else mtime)
+    def of(
+        cls, path: str, size: int, version: str = "", mtime: float | None = None, digests: DigestList | None = None
+    ) -> FileVersion:
+        return cls(path, size, version, None if version else mtime, digests)
 
 
 StripeKey = tuple[FileVersion, int]  # (file version, stripe index)
@@ -113,12 +121,13 @@ class Stripe:
     __slots__ = (
         "key", "file", "path", "file_size", "index", "offset", "length", "state", "data", "error",
         "done", "holders", "waiters", "queued_priority", "last_used", "first_attempt", "attempts",
-        "extent", "indexed",
+        "extent", "indexed", "mismatches",
     )  # fmt: skip
 
     def __init__(self, file: FileVersion, index: int, stripe_size: int, extent: Extent | None = None) -> None:
         self.extent = extent
         self.indexed = False  # in the engine's table of queued extents by object
+        self.mismatches = 0  # answers that failed the file's digest list
         if extent is None:
             self.key: StripeKey | ExtentKey = (file, index)
             self.offset = index * stripe_size

@@ -14,6 +14,10 @@ which the engine retries or fails for good).
   deadline of the group's first attempt (``retry_timeout``) or when the engine stops, the call is
   abandoned and its connection closed from another thread (:meth:`Stream.abort`), so a source that
   never answers fails the stripe then, not at the backend's own timeout.
+* A stripe of a file opened with a digest list (:mod:`bootseer.fetch.digests`) is checked against it,
+  chunk by chunk, in the worker thread, whether it came from the source or the disk cache: a stripe
+  that fails is never published or cached; it fails with :class:`ChunkMismatch` (the source is told,
+  a cache entry deleted, the connection closed), which the engine retries once, then fails for good.
 * A short or long answer is never served: a range answered long fails for good, one cut short is
   retried unless the object is now shorter (then the extents beyond its end fail for good, and a
   stripe of a file whose size changed fails with :class:`SizeChanged`).  Any failure closes the
@@ -37,7 +41,7 @@ import trio
 from bootseer import cpu
 from bootseer.counters import Counters
 from bootseer.fetch.file_cache import StripeCache
-from bootseer.fetch.metrics import BYTES_FETCHED, EXTENT_REQUESTS, GAP_BYTES, IN_FLIGHT, EngineStatistics
+from bootseer.fetch.metrics import BYTES_FETCHED, CHUNKS, EXTENT_REQUESTS, GAP_BYTES, IN_FLIGHT, EngineStatistics
 from bootseer.fetch.queue import StripeQueue
 from bootseer.fetch.retry import RetryPolicy
 from bootseer.fetch.source import Connection, PermanentError, RangeSource, TransientError
@@ -52,6 +56,10 @@ T = TypeVar("T")
 
 class SizeChanged(PermanentError):
     """The file no longer has the size it was opened with."""
+
+
+class ChunkMismatch(TransientError):
+    """A stripe's bytes do not match its file's digest list; never served (fetched again once, then EIO)."""
 
 
 class Stream:
@@ -189,10 +197,17 @@ class FetchWorkers:
             deadline_at = min(self.retry.deadline(member.first_attempt) for member in group if member.first_attempt is not None)
             with trio.move_on_at(deadline_at) as deadline:
                 if stripe.extent is None:
-                    data, cached, cache_key = await run_abandoning(
+                    data, cached, cache_key, cache_wrong = await run_abandoning(
                         self._fetch_blocking, stripe, stream, on_abandon=stream.abort
                     )
+                    if cache_wrong:
+                        self._stats.chunks_failed += cache_wrong
+                        CHUNKS.labels("failed").inc(cache_wrong)
                     outcomes: list[bytes | Exception] = [data]
+                    if (digests := stripe.file.digests) is not None:
+                        verified = digests.chunks_in(len(data))
+                        self._stats.chunks_verified += verified
+                        CHUNKS.labels("verified").inc(verified)
                 else:
                     self._count_request(group)
                     outcomes = await run_abandoning(
@@ -270,13 +285,14 @@ class FetchWorkers:
                 ))  # fmt: skip
         return outcomes
 
-    def _fetch_blocking(self, stripe: Stripe, stream: Stream) -> tuple[bytes, bool, str | None]:
+    def _fetch_blocking(self, stripe: Stripe, stream: Stream) -> tuple[bytes, bool, str | None, int]:
         """In a worker thread: the stripe's bytes from the disk cache or the source.
 
         Returns (bytes, whether they came from the cache, the cache key when the cache
-        is on).  On any failure the stream's connection is closed.
+        is on, 1 if the cache held a copy that failed the file's digest list, deleted and
+        fetched from the source instead, else 0).  On any failure the stream's connection is closed.
         """
-        cache_key = None
+        cache_key, cache_wrong = None, 0
         if self.cache is not None:
             file = stripe.file
             mtime = file.mtime
@@ -287,7 +303,10 @@ class FetchWorkers:
             cache_key = self._cache_key(stripe, mtime or 0.0)
             data = self.cache.get(cache_key)
             if data is not None and len(data) == stripe.length:
-                return data, True, cache_key
+                if self._verify(stripe, data, "the disk cache") is None:
+                    return data, True, cache_key, 0
+                self.cache.discard(cache_key)  # and fetch it from the source
+                cache_wrong = 1
         try:
             with cpu.stage("fetch"):
                 connection = stream.connect(self.source)
@@ -305,10 +324,31 @@ class FetchWorkers:
                     errno.EIO,
                     f"{self.url}: {stripe.describe()}: short read, {len(data)} of {stripe.length} bytes",
                 )
+            if (mismatch := self._verify(stripe, data, "the source")) is not None:
+                self.source.corrupt(stripe.path, stripe.offset, stripe.length, stripe.file.version)
+                raise mismatch
         except BaseException:
             stream.discard()
             raise
-        return data, False, cache_key
+        return data, False, cache_key, cache_wrong
+
+    def _verify(self, stripe: Stripe, data: bytes, origin: str) -> ChunkMismatch | None:
+        """In a worker thread: None if ``stripe``'s file has no digest list or ``data`` matches it, else the error."""
+        digests = stripe.file.digests
+        if digests is None:
+            return None
+        with cpu.stage("decode"):  # verifying, as blocks are
+            bad = digests.first_mismatch(stripe.offset, data)
+        if bad is None:
+            return None
+        start = bad * digests.chunk_size
+        end = min(start + digests.chunk_size, digests.size)
+        log.error("a chunk does not match its digest list; not served", url=self.url, path=stripe.path or ".",
+                  chunk=bad, offset=start, length=end - start, origin=origin)  # fmt: skip
+        return ChunkMismatch(
+            f"{self.url}: {stripe.path or '.'}: chunk {bad} (bytes {start}-{end - 1}) from {origin} "
+            f"does not match the file's digest list"
+        )
 
     def _check_size(self, stripe: Stripe, size: int) -> None:
         if size != stripe.file_size:
@@ -325,4 +365,4 @@ class FetchWorkers:
         )
 
 
-__all__ = ["FetchWorkers", "SizeChanged", "Stream", "close_quietly", "display_url", "run_abandoning"]
+__all__ = ["ChunkMismatch", "FetchWorkers", "SizeChanged", "Stream", "close_quietly", "display_url", "run_abandoning"]

@@ -30,6 +30,10 @@ from typing import Iterator
 
 import pytest
 
+from bootseer.fetch.digests import SUFFIX as DIGESTS_SUFFIX
+from bootseer.fetch.digests import DigestList
+from bootseer.fetch.sources.local import LocalSource
+from tests.support.digests import corrupt_in_place
 from tests.support.http import NginxServer, RangeHTTPServer, SilentRangeHandler, range_gets
 
 from tests.support.waiting import free_port
@@ -904,3 +908,122 @@ def test_other_users_may_read_the_mount_only_with_allow_other(source_root: Path,
             assert ("allow_other" in line) is expected, line
         finally:
             mount.cleanup()
+
+
+# -- digest lists ------------------------------------------------------------------------------------
+
+DIGEST_CHUNK = 256 * 1024  # divides the mount's 1M stripes
+
+
+def _chunk_digests(data: bytes, chunk: int = DIGEST_CHUNK) -> tuple[bytes, ...]:
+    return tuple(hashlib.sha256(data[at:at + chunk]).digest() for at in range(0, len(data), chunk))
+
+
+def test_ckpt_digest_writes_lists_that_round_trip(tmp_path: Path) -> None:
+    first, second = _content(30, 3 * MiB + 11), _content(31, 100)
+    (tmp_path / "model.pt").write_bytes(first)
+    (tmp_path / "optim.pt").write_bytes(second)
+    result = _run(["ckpt", "digest", str(tmp_path / "model.pt"), f"file://{tmp_path}/optim.pt",
+                   "--chunk-size", "256K"])  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 2 and "13 chunks of 262144 bytes" in result.stdout
+    for name, data in (("model.pt", first), ("optim.pt", second)):
+        stored = DigestList.decode((tmp_path / (name + DIGESTS_SUFFIX)).read_bytes())
+        assert stored.digests == _chunk_digests(data) and stored.size == len(data)
+        assert stored.version == LocalSource(str(tmp_path)).stat(name).version
+
+
+def test_ckpt_digest_refuses_bad_options_and_reports_files_it_cannot_do(tmp_path: Path) -> None:
+    (tmp_path / "model.pt").write_bytes(b"x" * 1000)
+    result = _run(["ckpt", "digest", str(tmp_path / "model.pt"), "--chunk-size", "3M"])
+    assert result.returncode == 2 and "power of two" in result.stderr
+    assert not (tmp_path / ("model.pt" + DIGESTS_SUFFIX)).exists()
+    result = _run(["ckpt", "digest", str(tmp_path / "model.pt"), "--s3-region", "x"])
+    assert result.returncode == 2 and "--s3-region does not apply to local sources" in result.stderr
+    # A file it cannot read or a store it cannot write fails that file, not the others.
+    result = _run(["ckpt", "digest", str(tmp_path / "missing.pt"), "http://127.0.0.1:9/model.pt",
+                   str(tmp_path / "model.pt")])  # fmt: skip
+    assert result.returncode == 1
+    assert "missing.pt" in result.stderr and "cannot write to HttpSource" in result.stderr
+    assert (tmp_path / ("model.pt" + DIGESTS_SUFFIX)).exists()
+
+
+def _metrics(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def test_a_wrong_byte_in_storage_is_eio_through_the_mount_never_served(tmp_path: Path) -> None:
+    root = tmp_path / "source"
+    root.mkdir()
+    data = _content(32, 4 * MiB + 5)
+    (root / "model.pt").write_bytes(data)
+    assert _run(["ckpt", "digest", str(root / "model.pt"), "--chunk-size", "256K"]).returncode == 0
+    bad = 2 * MiB + 300 * 1024  # in stripe 2
+    corrupt_in_place(root / "model.pt", bad)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    port = free_port()
+    mount = start_mount(Backend("local", str(root), root), mountpoint, tmp_path, "--metrics-address", f"127.0.0.1:{port}")
+    try:
+        mount.wait_ready()
+        fd = os.open(mountpoint / "model.pt", os.O_RDONLY)
+        try:
+            assert os.pread(fd, MiB, 0) == data[:MiB]  # verified stripes are served
+            with pytest.raises(OSError) as caught:
+                os.pread(fd, 4096, bad - 100)
+            assert caught.value.errno == errno.EIO
+            assert os.pread(fd, 4096, 3 * MiB) == data[3 * MiB : 3 * MiB + 4096]
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as caught:
+            (mountpoint / "model.pt").read_bytes()
+        assert caught.value.errno == errno.EIO
+        body = _metrics(port)
+        assert _metric(body, 'bootseer_fetch_chunks_total{outcome="failed"}') >= 2
+        assert _metric(body, 'bootseer_fetch_chunks_total{outcome="verified"}') >= 8
+        assert _metric(body, 'bootseer_fetch_digest_lists_total{outcome="used"}') >= 1
+    finally:
+        mount.cleanup()
+    assert "does not match the file's digest list" in mount.stderr
+
+
+def test_a_list_of_another_version_is_ignored_by_the_mount_and_the_new_file_reads(tmp_path: Path) -> None:
+    root = tmp_path / "source"
+    root.mkdir()
+    old, new = _content(33, 2 * MiB + 1), _content(34, 2 * MiB + 1)
+    (root / "model.pt").write_bytes(old)
+    assert _run(["ckpt", "digest", str(root / "model.pt"), "--chunk-size", "256K"]).returncode == 0
+    (root / "model.pt").write_bytes(new)  # saved again, the list not rewritten
+    (root / "config.json").write_bytes(b"{}")
+    (root / ("config.json" + DIGESTS_SUFFIX)).write_bytes(b"not a digest list")
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    port = free_port()
+    mount = start_mount(Backend("local", str(root), root), mountpoint, tmp_path, "--metrics-address", f"127.0.0.1:{port}")
+    try:
+        mount.wait_ready()
+        assert (mountpoint / "model.pt").read_bytes() == new
+        assert (mountpoint / "config.json").read_bytes() == b"{}"  # a malformed list stops nothing
+        body = _metrics(port)
+        assert _metric(body, 'bootseer_fetch_digest_lists_total{outcome="ignored"}') >= 2
+        assert _metric(body, 'bootseer_fetch_digest_lists_total{outcome="used"}') == 0
+    finally:
+        mount.cleanup()
+    assert "digest list not used" in mount.stderr
+
+
+def test_a_single_file_mount_verifies_against_the_list_beside_its_url(tmp_path: Path) -> None:
+    data = _content(35, 2 * MiB + 9)
+    (tmp_path / "model.pt").write_bytes(data)
+    assert _run(["ckpt", "digest", str(tmp_path / "model.pt"), "--chunk-size", "256K"]).returncode == 0
+    corrupt_in_place(tmp_path / "model.pt", 10)
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    mount = start_mount(Backend("local", str(tmp_path / "model.pt"), tmp_path), mountpoint, tmp_path)
+    try:
+        mount.wait_ready()
+        with pytest.raises(OSError) as caught:
+            (mountpoint / "model.pt").read_bytes()
+        assert caught.value.errno == errno.EIO
+    finally:
+        mount.cleanup()

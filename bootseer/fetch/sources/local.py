@@ -27,6 +27,7 @@ import threading
 from collections import OrderedDict
 from urllib.parse import unquote, urlsplit
 
+from bootseer.atomic import write_atomically
 from bootseer.fetch.source import Changed, Entry, NotADirectory, NotFound, PermanentError, SourceError, TransientError
 from bootseer.fetch.sources import check_range, redact_url, split_path
 from bootseer.log import get_logger
@@ -144,6 +145,10 @@ class LocalSource:
                 # the whole directory.
                 log.warning("skipping entry the source refuses", url=self.display_url, path=child, error=str(exc))
         return entries
+
+    def put(self, path: str, data: bytes) -> None:
+        """Replace the file at ``path`` with ``data`` atomically (:mod:`bootseer.atomic`); its directory must exist."""
+        write_atomically(self.resolve(path), data)
 
     def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
         """Nothing to learn: this source reads every range from one place (see RangeSource.corrupt)."""

@@ -219,6 +219,13 @@ class S3Source:
                 raise NotADirectory(f"{self.where(path)}: not a directory")
         return sorted(entries.values(), key=lambda entry: entry.name)
 
+    def put(self, path: str, data: bytes) -> None:
+        """Store ``data`` as the object at ``path`` (one PutObject: S3 replaces an object whole)."""
+        try:
+            self._metadata_client.put_object(Bucket=self.bucket, Key=self.key(path), Body=data)
+        except Exception as exc:
+            raise s3_error(self.where(path), exc) from None
+
     def corrupt(self, path: str, offset: int, length: int, version: str = "") -> None:
         """Nothing to learn: this source reads every range from one place (see RangeSource.corrupt)."""
 
